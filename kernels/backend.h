@@ -1,0 +1,101 @@
+// The seam between the step protocol and the numerics. A Backend allocates a
+// job's optimizer state; the JobState holds it (host or device memory) and
+// runs the fused update over a batch of shards in one call. Nothing here knows
+// about gRPC, jobs' names or steps.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kernels/adamw_math.h"
+
+namespace shardopt {
+
+// How a group keeps its params, m and v. FP32 is the product; BF16 exists to
+// save memory and to show what bf16 state does (DESIGN.md).
+enum class Precision : uint8_t { kFp32, kBf16 };
+// The element type of data crossing the interface.
+enum class DType : uint8_t { kFp32, kBf16 };
+enum class StateKind : uint8_t { kMaster, kExpAvg, kExpAvgSq, kParamBf16 };
+
+inline constexpr uint64_t DTypeSize(DType d) { return d == DType::kFp32 ? 4 : 2; }
+const char* PrecisionName(Precision p);
+const char* DTypeName(DType d);
+const char* StateKindName(StateKind k);
+
+struct ShardLayout {
+  uint64_t numel = 0;
+  Precision precision = Precision::kFp32;
+};
+
+struct JobLayout {
+  std::vector<ShardLayout> shards;
+  // Each rank's gradient is kept apart until the step is applied, so that the
+  // fp32 sum runs in rank order whatever order the chunks arrived in.
+  uint32_t world_size = 1;
+  DType grad_dtype = DType::kBf16;
+};
+
+struct GradStats {
+  double sum_squares = 0;  // of the aggregated, unscaled gradient
+  bool nonfinite = false;
+};
+
+// The ranks that contributed a gradient to one shard in this step, ascending.
+// A rank absent from the list had no gradient for that tensor.
+struct ShardGrads {
+  uint32_t shard = 0;
+  std::vector<uint32_t> ranks;
+};
+
+struct ShardStep {
+  ShardGrads grads;
+  math::AdamWScalars scalars;
+};
+
+struct MemoryUse {
+  uint64_t state_bytes = 0;    // master, m and v
+  uint64_t staging_bytes = 0;  // per-rank gradient slots and the bf16 params out
+};
+
+class JobState {
+ public:
+  virtual ~JobState() = default;
+
+  // Stores `count` gradient elements of `rank` at `offset` in `shard`. The
+  // dtype must be the layout's grad_dtype.
+  virtual absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
+                                 const void* data, uint64_t count) = 0;
+  // Sets master, m or v. fp32 data into an FP32 shard is kept exactly; into a
+  // BF16 shard it is rounded, which is that precision's meaning. Writing the
+  // master also refreshes the bf16 params.
+  virtual absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype,
+                                  const void* data, uint64_t count) = 0;
+  // Reads any state as fp32 (exact for both precisions) or the params as bf16.
+  virtual absl::Status ReadState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
+                                 DType dtype, void* out) const = 0;
+  // Sum of squares and the nonfinite flag of the aggregated gradient, by the
+  // fixed tree of adamw_math.h, over the shards in the order given.
+  virtual absl::StatusOr<GradStats> ReduceGrads(absl::Span<const ShardGrads> shards) const = 0;
+  // Applies one AdamW step to every listed shard, in one batched call.
+  virtual absl::Status Apply(absl::Span<const ShardStep> steps) = 0;
+  virtual MemoryUse memory_use() const = 0;
+  // The precision the shard's state is actually held in, for VerifyState.
+  virtual Precision held_precision(uint32_t shard) const = 0;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  // "cpu" or "cuda:N", with what it runs on.
+  virtual std::string Describe() const = 0;
+  // Fails with RESOURCE_EXHAUSTED, holding nothing, when the job does not fit.
+  virtual absl::StatusOr<std::unique_ptr<JobState>> Allocate(const JobLayout& layout) = 0;
+};
+
+}  // namespace shardopt

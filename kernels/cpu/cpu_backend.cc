@@ -1,0 +1,300 @@
+#include "kernels/cpu/cpu_backend.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/thread_pool.h"
+
+namespace shardopt {
+namespace {
+
+// Work is cut into items of this many elements; an item is a whole number of
+// tiles, so thread count changes who computes an item, never what it is.
+constexpr uint64_t kItem = 16 * cpu::kTile;
+
+class AlignedBuffer {
+ public:
+  AlignedBuffer() = default;
+  static absl::StatusOr<AlignedBuffer> Zeroed(uint64_t bytes) {
+    AlignedBuffer b;
+    if (bytes == 0) return b;
+    const uint64_t rounded = (bytes + 63) / 64 * 64;
+    b.data_ = static_cast<char*>(std::aligned_alloc(64, rounded));
+    if (b.data_ == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
+    }
+    std::memset(b.data_, 0, rounded);
+    b.bytes_ = bytes;
+    return b;
+  }
+  AlignedBuffer(AlignedBuffer&& o) noexcept : data_(o.data_), bytes_(o.bytes_) {
+    o.data_ = nullptr;
+    o.bytes_ = 0;
+  }
+  AlignedBuffer& operator=(AlignedBuffer&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  ~AlignedBuffer() { std::free(data_); }
+  char* data() const { return data_; }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  char* data_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
+struct CpuShard {
+  ShardLayout layout;
+  uint64_t state_elem_bytes = 0;  // 4 for FP32, 2 for BF16
+  AlignedBuffer p, m, v;
+  AlignedBuffer param_out;  // bf16 params as of the last update or write
+  AlignedBuffer grads;      // world_size slots of numel gradient elements
+};
+
+class CpuJobState final : public JobState {
+ public:
+  CpuJobState(cpu::ThreadPool* pool, const cpu::LoopTable* loops, JobLayout layout)
+      : pool_(pool), loops_(loops), layout_(std::move(layout)) {}
+
+  absl::Status Init() {
+    for (const ShardLayout& sl : layout_.shards) {
+      CpuShard s;
+      s.layout = sl;
+      s.state_elem_bytes = sl.precision == Precision::kFp32 ? 4 : 2;
+      const uint64_t state = sl.numel * s.state_elem_bytes;
+      auto alloc = [](uint64_t bytes, AlignedBuffer* out) -> absl::Status {
+        auto b = AlignedBuffer::Zeroed(bytes);
+        if (!b.ok()) return b.status();
+        *out = *std::move(b);
+        return absl::OkStatus();
+      };
+      if (auto st = alloc(state, &s.p); !st.ok()) return st;
+      if (auto st = alloc(state, &s.m); !st.ok()) return st;
+      if (auto st = alloc(state, &s.v); !st.ok()) return st;
+      if (auto st = alloc(sl.numel * 2, &s.param_out); !st.ok()) return st;
+      if (auto st = alloc(sl.numel * layout_.world_size * DTypeSize(layout_.grad_dtype), &s.grads);
+          !st.ok()) {
+        return st;
+      }
+      shards_.push_back(std::move(s));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
+                         const void* data, uint64_t count) override {
+    if (auto st = CheckRange(shard, offset, count); !st.ok()) return st;
+    if (rank >= layout_.world_size) return absl::InvalidArgumentError("rank out of range");
+    if (dtype != layout_.grad_dtype) return absl::InvalidArgumentError("gradient dtype differs from the job's");
+    std::memcpy(GradSlot(shard, rank) + offset * DTypeSize(dtype), data, count * DTypeSize(dtype));
+    return absl::OkStatus();
+  }
+
+  absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype,
+                          const void* data, uint64_t count) override {
+    if (auto st = CheckRange(shard, offset, count); !st.ok()) return st;
+    if (kind == StateKind::kParamBf16) {
+      return absl::InvalidArgumentError("bf16 params are derived from the master; write the master");
+    }
+    CpuShard& s = shards_[shard];
+    char* dst = StateBuffer(s, kind).data() + offset * s.state_elem_bytes;
+    for (uint64_t i = 0; i < count; ++i) {
+      const float x = dtype == DType::kFp32 ? static_cast<const float*>(data)[i]
+                                            : math::bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+      if (s.layout.precision == Precision::kFp32) {
+        reinterpret_cast<float*>(dst)[i] = x;
+      } else {
+        reinterpret_cast<uint16_t*>(dst)[i] = math::float_to_bf16(x);
+      }
+      if (kind == StateKind::kMaster) {
+        reinterpret_cast<uint16_t*>(s.param_out.data())[offset + i] = math::float_to_bf16(x);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
+                         DType dtype, void* out) const override {
+    if (auto st = CheckRange(shard, offset, count); !st.ok()) return st;
+    const CpuShard& s = shards_[shard];
+    if (kind == StateKind::kParamBf16) {
+      if (dtype != DType::kBf16) return absl::InvalidArgumentError("params are read as bf16");
+      std::memcpy(out, s.param_out.data() + offset * 2, count * 2);
+      return absl::OkStatus();
+    }
+    if (dtype != DType::kFp32) return absl::InvalidArgumentError("master, m and v are read as fp32");
+    const char* src = StateBuffer(s, kind).data() + offset * s.state_elem_bytes;
+    if (s.layout.precision == Precision::kFp32) {
+      std::memcpy(out, src, count * 4);
+    } else {
+      for (uint64_t i = 0; i < count; ++i) {
+        static_cast<float*>(out)[i] = math::bf16_to_float(reinterpret_cast<const uint16_t*>(src)[i]);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<GradStats> ReduceGrads(absl::Span<const ShardGrads> shards) const override {
+    if (auto st = CheckGrads(shards); !st.ok()) return st;
+    // One partial per block, each computed whole by one thread, then summed
+    // in block order: the result is independent of the thread count.
+    std::vector<uint64_t> first_block(shards.size() + 1, 0);
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const uint64_t n = shards_[shards[i].shard].layout.numel;
+      first_block[i + 1] = first_block[i] + (n + cpu::kTile - 1) / cpu::kTile;
+    }
+    std::vector<double> partials(first_block.back());
+    const uint64_t blocks_per_item = kItem / cpu::kTile;
+    pool_->ParallelFor((partials.size() + blocks_per_item - 1) / blocks_per_item, [&](size_t item) {
+      alignas(64) float tile[cpu::kTile];
+      const uint64_t end = std::min<uint64_t>(partials.size(), (item + 1) * blocks_per_item);
+      for (uint64_t b = item * blocks_per_item; b < end; ++b) {
+        const size_t si = std::upper_bound(first_block.begin(), first_block.end(), b) - first_block.begin() - 1;
+        const ShardGrads& sg = shards[si];
+        const uint64_t offset = (b - first_block[si]) * cpu::kTile;
+        const uint64_t n = std::min(cpu::kTile, shards_[sg.shard].layout.numel - offset);
+        AggregateTile(sg, offset, n, tile);
+        partials[b] = loops_->sumsq_block(tile, n);
+      }
+    });
+    GradStats stats;
+    for (double p : partials) stats.sum_squares += p;
+    stats.nonfinite = !std::isfinite(stats.sum_squares);
+    return stats;
+  }
+
+  absl::Status Apply(absl::Span<const ShardStep> steps) override {
+    std::vector<ShardGrads> grads;
+    for (const ShardStep& st : steps) grads.push_back(st.grads);
+    if (auto st = CheckGrads(grads); !st.ok()) return st;
+    struct Item {
+      const ShardStep* step;
+      uint64_t offset;
+      uint64_t n;
+    };
+    std::vector<Item> items;  // multi-tensor chunking: every shard's items in one launch
+    for (const ShardStep& st : steps) {
+      const uint64_t numel = shards_[st.grads.shard].layout.numel;
+      for (uint64_t off = 0; off < numel; off += kItem) items.push_back({&st, off, std::min(kItem, numel - off)});
+    }
+    pool_->ParallelFor(items.size(), [&](size_t i) { ApplyItem(*items[i].step, items[i].offset, items[i].n); });
+    return absl::OkStatus();
+  }
+
+  Precision held_precision(uint32_t shard) const override {
+    return shards_[shard].state_elem_bytes == 4 ? Precision::kFp32 : Precision::kBf16;
+  }
+
+  MemoryUse memory_use() const override {
+    MemoryUse use;
+    for (const CpuShard& s : shards_) {
+      use.state_bytes += s.p.bytes() + s.m.bytes() + s.v.bytes();
+      use.staging_bytes += s.param_out.bytes() + s.grads.bytes();
+    }
+    return use;
+  }
+
+ private:
+  absl::Status CheckRange(uint32_t shard, uint64_t offset, uint64_t count) const {
+    if (shard >= shards_.size()) return absl::InvalidArgumentError("shard index out of range");
+    const uint64_t numel = shards_[shard].layout.numel;
+    if (offset > numel || count > numel - offset) {
+      return absl::OutOfRangeError(absl::StrCat("range [", offset, ", ", offset + count, ") is past the shard's ", numel, " elements"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckGrads(absl::Span<const ShardGrads> shards) const {
+    for (const ShardGrads& sg : shards) {
+      if (sg.shard >= shards_.size()) return absl::InvalidArgumentError("shard index out of range");
+      if (sg.ranks.empty()) return absl::InvalidArgumentError("a shard in the batch has no contributing rank");
+      for (size_t i = 0; i < sg.ranks.size(); ++i) {
+        if (sg.ranks[i] >= layout_.world_size || (i > 0 && sg.ranks[i] <= sg.ranks[i - 1])) {
+          return absl::InvalidArgumentError("contributing ranks must be ascending and below world_size");
+        }
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  char* GradSlot(uint32_t shard, uint32_t rank) const {
+    const CpuShard& s = shards_[shard];
+    return s.grads.data() + uint64_t{rank} * s.layout.numel * DTypeSize(layout_.grad_dtype);
+  }
+
+  static const AlignedBuffer& StateBuffer(const CpuShard& s, StateKind kind) {
+    return kind == StateKind::kMaster ? s.p : kind == StateKind::kExpAvg ? s.m : s.v;
+  }
+
+  // The fp32 sum of the contributing ranks' gradients, in rank order.
+  void AggregateTile(const ShardGrads& sg, uint64_t offset, uint64_t n, float* tile) const {
+    const uint64_t esize = DTypeSize(layout_.grad_dtype);
+    for (size_t r = 0; r < sg.ranks.size(); ++r) {
+      loops_->accumulate(tile, GradSlot(sg.shard, sg.ranks[r]) + offset * esize, layout_.grad_dtype, n, r == 0);
+    }
+  }
+
+  void ApplyItem(const ShardStep& step, uint64_t offset, uint64_t n) {
+    CpuShard& s = shards_[step.grads.shard];
+    const uint64_t se = s.state_elem_bytes;
+    alignas(64) float tile[cpu::kTile];
+    for (uint64_t off = offset; off < offset + n; off += cpu::kTile) {
+      const uint64_t len = std::min(cpu::kTile, offset + n - off);
+      cpu::UpdateArgs a;
+      if (step.grads.ranks.size() == 1) {  // no sum needed: read the slot itself
+        a.grad = GradSlot(step.grads.shard, step.grads.ranks[0]) + off * DTypeSize(layout_.grad_dtype);
+        a.grad_dtype = layout_.grad_dtype;
+      } else {
+        AggregateTile(step.grads, off, len, tile);
+        a.grad = tile;
+        a.grad_dtype = DType::kFp32;
+      }
+      a.p = s.p.data() + off * se;
+      a.m = s.m.data() + off * se;
+      a.v = s.v.data() + off * se;
+      a.precision = s.layout.precision;
+      a.param_out = reinterpret_cast<uint16_t*>(s.param_out.data()) + off;
+      a.n = len;
+      a.scalars = step.scalars;
+      loops_->update(a);
+    }
+  }
+
+  cpu::ThreadPool* pool_;
+  const cpu::LoopTable* loops_;
+  JobLayout layout_;
+  std::vector<CpuShard> shards_;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(const CpuBackendOptions& o) : isa_(o.isa), pool_(o.threads), loops_(&cpu::Loops(o.isa)) {}
+
+  std::string Describe() const override {
+    return absl::StrCat("cpu (", cpu::IsaName(isa_), ", ", pool_.size(), " threads)");
+  }
+
+  absl::StatusOr<std::unique_ptr<JobState>> Allocate(const JobLayout& layout) override {
+    auto state = std::make_unique<CpuJobState>(&pool_, loops_, layout);
+    if (auto st = state->Init(); !st.ok()) return st;  // partial buffers are freed with `state`
+    return state;
+  }
+
+ private:
+  cpu::Isa isa_;
+  cpu::ThreadPool pool_;
+  const cpu::LoopTable* loops_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> MakeCpuBackend(const CpuBackendOptions& options) {
+  return std::make_unique<CpuBackend>(options);
+}
+
+}  // namespace shardopt

@@ -1,0 +1,2 @@
+#define SHARDOPT_LOOPS_NAMESPACE generic
+#include "kernels/cpu/loops_impl.h"

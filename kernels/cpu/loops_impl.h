@@ -1,0 +1,103 @@
+// Included once per instruction set by loops_<isa>.cc, each compiled with its
+// own -m flags, inside a namespace of its own. Plain loops that the compiler
+// vectorizes: no intrinsics, so the arithmetic stays adamw_math.h's.
+#ifndef SHARDOPT_LOOPS_NAMESPACE
+#error "define SHARDOPT_LOOPS_NAMESPACE before including loops_impl.h"
+#endif
+
+#include "kernels/cpu/loops.h"
+
+namespace shardopt::cpu::SHARDOPT_LOOPS_NAMESPACE {
+namespace {
+
+inline float Load(float x) { return x; }
+inline float Load(uint16_t x) { return math::bf16_to_float(x); }
+inline void Store(float& dst, float x) { dst = x; }
+inline void Store(uint16_t& dst, float x) { dst = math::float_to_bf16(x); }
+
+template <typename GradT, typename StateT>
+void UpdateLoop(const GradT* __restrict grad, StateT* __restrict p, StateT* __restrict m,
+                StateT* __restrict v, uint16_t* __restrict out, uint64_t n,
+                const math::AdamWScalars scalars) {
+  for (uint64_t i = 0; i < n; ++i) {
+    float pf = Load(p[i]);
+    float mf = Load(m[i]);
+    float vf = Load(v[i]);
+    math::adamw_update(Load(grad[i]), pf, mf, vf, scalars);
+    Store(p[i], pf);
+    Store(m[i], mf);
+    Store(v[i], vf);
+    out[i] = math::float_to_bf16(pf);
+  }
+}
+
+template <typename GradT>
+void UpdateWithGrad(const UpdateArgs& a, const GradT* grad) {
+  if (a.precision == Precision::kFp32) {
+    UpdateLoop(grad, static_cast<float*>(a.p), static_cast<float*>(a.m),
+               static_cast<float*>(a.v), a.param_out, a.n, a.scalars);
+  } else {
+    UpdateLoop(grad, static_cast<uint16_t*>(a.p), static_cast<uint16_t*>(a.m),
+               static_cast<uint16_t*>(a.v), a.param_out, a.n, a.scalars);
+  }
+}
+
+void Update(const UpdateArgs& a) {
+  if (a.grad_dtype == DType::kFp32) {
+    UpdateWithGrad(a, static_cast<const float*>(a.grad));
+  } else {
+    UpdateWithGrad(a, static_cast<const uint16_t*>(a.grad));
+  }
+}
+
+template <typename SrcT>
+void AccumulateTyped(float* __restrict acc, const SrcT* __restrict src, uint64_t n, bool first) {
+  if (first) {
+    for (uint64_t i = 0; i < n; ++i) acc[i] = Load(src[i]);
+  } else {
+    for (uint64_t i = 0; i < n; ++i) acc[i] = math::add(acc[i], Load(src[i]));
+  }
+}
+
+void Accumulate(float* acc, const void* src, DType dtype, uint64_t n, bool first) {
+  if (dtype == DType::kFp32) {
+    AccumulateTyped(acc, static_cast<const float*>(src), n, first);
+  } else {
+    AccumulateTyped(acc, static_cast<const uint16_t*>(src), n, first);
+  }
+}
+
+double SumsqBlock(const float* __restrict g, uint64_t n) {
+  double lanes[math::kSumsqLanes] = {};
+  for (uint64_t base = 0; base < n; base += math::kSumsqLanes) {
+    const uint64_t width = n - base < math::kSumsqLanes ? n - base : math::kSumsqLanes;
+    for (uint64_t l = 0; l < width; ++l) lanes[l] += math::square(g[base + l]);
+  }
+  for (int stride = math::kSumsqLanes / 2; stride > 0; stride /= 2) {
+    for (int l = 0; l < stride; ++l) lanes[l] += lanes[l + stride];
+  }
+  return lanes[0];
+}
+
+void Stream(const StreamArgs& a) {
+  const uint16_t* __restrict grad = a.grad;
+  float* __restrict p = a.p;
+  float* __restrict m = a.m;
+  float* __restrict v = a.v;
+  uint16_t* __restrict out = a.param_out;
+  for (uint64_t i = 0; i < a.n; ++i) {
+    const float g = Load(grad[i]);
+    const float pf = p[i] + g;
+    p[i] = pf;
+    m[i] = m[i] + g;
+    v[i] = v[i] + g;
+    out[i] = static_cast<uint16_t>(math::float_to_bits(pf) >> 16);
+  }
+}
+
+}  // namespace
+
+extern const LoopTable kLoops;
+const LoopTable kLoops = {&Update, &Accumulate, &SumsqBlock, &Stream};
+
+}  // namespace shardopt::cpu::SHARDOPT_LOOPS_NAMESPACE

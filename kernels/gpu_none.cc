@@ -1,0 +1,11 @@
+#include "kernels/gpu.h"
+
+namespace shardopt {
+
+int UsableGpuCount() { return 0; }
+std::string GpuUnavailableReason() { return "this build has no CUDA (configure with -DSHARDOPT_CUDA=ON)"; }
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int) {
+  return absl::FailedPreconditionError("this build has no CUDA backend; rebuild with -DSHARDOPT_CUDA=ON");
+}
+
+}  // namespace shardopt

@@ -1,0 +1,49 @@
+#include "shardopt/grpc_edge.h"
+
+#include <malloc.h>
+
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/server_builder.h"
+
+namespace shardopt {
+
+grpc::Status ToGrpcStatus(const absl::Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  // absl and gRPC share the canonical code numbering.
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+}
+
+absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view peer) {
+  if (status.ok()) return absl::OkStatus();
+  const auto code = static_cast<absl::StatusCode>(status.error_code());
+  if (peer.empty()) return absl::Status(code, status.error_message());
+  return absl::Status(code, absl::StrCat(peer, ": ", status.error_message()));
+}
+
+namespace {
+constexpr int kLookaheadBytes = 64 << 20;
+}
+
+void TuneChannelArguments(grpc::ChannelArguments* args, int max_message_bytes) {
+  args->SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args->SetInt("grpc.http2.lookahead_bytes", kLookaheadBytes);
+  args->SetMaxReceiveMessageSize(max_message_bytes);
+  args->SetMaxSendMessageSize(max_message_bytes);
+}
+
+void TuneServerBuilder(grpc::ServerBuilder* builder, int max_message_bytes) {
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  builder->AddChannelArgument("grpc.http2.lookahead_bytes", kLookaheadBytes);
+  builder->SetMaxReceiveMessageSize(max_message_bytes);
+  builder->SetMaxSendMessageSize(max_message_bytes);
+}
+
+void TuneAllocatorForStreaming() {
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+  mallopt(M_TOP_PAD, 64 << 20);
+}
+
+}  // namespace shardopt

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages shardopt builds and tests with. Does nothing
+# when they are all present, so `make` targets can call it every time.
+set -euo pipefail
+
+# Pinned where the build depends on the exact API: gRPC 1.51, protobuf 3.21,
+# Abseil 20220623 (Debian 12's versions).
+packages=(
+  build-essential cmake ninja-build ccache pkg-config
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libssl-dev libcpp-httplib-dev nlohmann-json3-dev
+)
+# The outside-reference test compares against torch.optim.AdamW.
+if [[ "${SHARDOPT_WITH_TORCH:-1}" == 1 ]]; then
+  packages+=(python3 python3-numpy python3-torch python3-grpcio)
+fi
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[[ ${#missing[@]} -eq 0 ]] && exit 0
+
+echo "install-deps: installing ${missing[*]}"
+sudo_cmd=()
+[[ $(id -u) -ne 0 ]] && sudo_cmd=(sudo)
+export DEBIAN_FRONTEND=noninteractive
+"${sudo_cmd[@]}" apt-get update -q
+"${sudo_cmd[@]}" apt-get install -y -q --no-install-recommends "${missing[@]}"
+
+# Protobuf 3.21 and gRPC 1.51 are what the code is written against.
+protoc --version | grep -q ' 3\.21\.' || { echo "install-deps: need protobuf 3.21, got $(protoc --version)" >&2; exit 1; }

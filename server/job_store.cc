@@ -1,0 +1,692 @@
+#include "server/job_store.h"
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "kernels/step_scalars.h"
+#include "server/interval_set.h"
+
+namespace shardopt {
+namespace {
+
+constexpr uint32_t kMaxWorldSize = 65536;
+
+absl::StatusOr<DType> FromProto(v1::DType d) {
+  switch (d) {
+    case v1::FP32: return DType::kFp32;
+    case v1::BF16: return DType::kBf16;
+    default: return absl::InvalidArgumentError("dtype must be FP32 or BF16");
+  }
+}
+
+v1::DType ToProto(DType d) { return d == DType::kFp32 ? v1::FP32 : v1::BF16; }
+
+absl::Status CheckDataLength(const std::string& data, DType dtype, const std::string& what) {
+  if (data.size() % DTypeSize(dtype) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", data.size(), " bytes is not a whole number of ",
+                                                   DTypeName(dtype), " elements (", DTypeSize(dtype), " B each)"));
+  }
+  return absl::OkStatus();
+}
+
+bool SameBits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+std::string Range(uint64_t begin, uint64_t end) { return absl::StrCat("[", begin, ", ", end, ")"); }
+
+}  // namespace
+
+struct OwnedShard {
+  uint32_t tensor;
+  uint64_t offset;  // in the tensor
+  uint64_t length;
+};
+
+class Job {
+ public:
+  v1::CreateJobRequest spec;  // normalized: defaults filled in
+  std::unique_ptr<JobState> state;
+  std::vector<AdamWHyper> hypers;  // per group
+  absl::flat_hash_map<std::string, uint32_t> tensor_index;
+  std::vector<int64_t> shard_of_tensor;  // -1: not on this server
+  std::vector<OwnedShard> shards;
+  absl::Duration barrier_timeout;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool dropped = false;
+  uint64_t step = 0;                // the last step done
+  std::vector<uint64_t> adam_steps;  // per shard
+  std::vector<IntervalSet> init_cover;
+  size_t uninitialized_shards = 0;
+
+  // The barrier round of step `step + 1`. A round ends sealed (every rank
+  // covered its shards) and then committed, or aborted at its deadline.
+  struct Round {
+    bool active = false;
+    bool sealed = false;
+    uint64_t epoch = 0;
+    absl::Time deadline;
+    std::vector<std::vector<IntervalSet>> covered;  // [rank][shard]
+    std::vector<std::vector<bool>> no_grad;         // [rank][shard]
+    std::vector<bool> finished;                     // [rank]
+    uint32_t finished_count = 0;
+    std::vector<ShardGrads> contributions;
+  } round;
+  // The stats of the last sealed round, kept past its commit so that a
+  // retried push of a committed step gets its answer again.
+  uint64_t sealed_step = 0;
+  GradStats sealed_stats;
+
+  struct Applied {
+    uint64_t step = 0;
+    double lr = 0;
+    float gscale = 0;
+    bool skip = false;
+  } applied;
+
+  const std::string& name() const { return spec.job(); }
+  uint32_t world_size() const { return spec.world_size(); }
+  const std::string& tensor_name(const OwnedShard& s) const { return spec.tensors(s.tensor).name(); }
+
+  void StartRound(absl::Time now) {
+    round.active = true;
+    round.deadline = now + barrier_timeout;
+    round.covered.assign(world_size(), std::vector<IntervalSet>(shards.size()));
+    round.no_grad.assign(world_size(), std::vector<bool>(shards.size(), false));
+    round.finished.assign(world_size(), false);
+  }
+
+  void EndRound() {
+    const uint64_t epoch = round.epoch + 1;
+    round = Round{};
+    round.epoch = epoch;
+    cv.notify_all();
+  }
+
+  void ExpireIfLate(absl::Time now) {
+    if (round.active && !round.sealed && now >= round.deadline) EndRound();
+  }
+
+  // Which ranks are missing from the round, and the first range one lacks.
+  std::string MissingSummary() const {
+    if (!round.active) return absl::StrCat("no rank has pushed step ", step + 1);
+    std::vector<uint32_t> missing;
+    for (uint32_t r = 0; r < world_size(); ++r) {
+      if (!round.finished[r]) missing.push_back(r);
+    }
+    std::string out = absl::StrCat("ranks {", absl::StrJoin(missing, ", "), "} of ", world_size(),
+                                   " have not finished pushing step ", step + 1);
+    if (missing.empty()) return out;
+    const uint32_t r = missing.front();
+    for (size_t s = 0; s < shards.size(); ++s) {
+      if (round.no_grad[r][s]) continue;
+      if (auto gap = round.covered[r][s].FirstGap(0, shards[s].length)) {
+        absl::StrAppend(&out, "; rank ", r, " lacks tensor '", tensor_name(shards[s]), "' elements ",
+                        Range(shards[s].offset + gap->first, shards[s].offset + gap->second));
+        break;
+      }
+    }
+    return out;
+  }
+
+  // Resolves a tensor name to this server's shard and checks that
+  // [offset, offset+count) in tensor coordinates lies in it.
+  absl::StatusOr<uint32_t> LocateRange(const std::string& tensor, uint64_t offset, uint64_t count) const {
+    auto it = tensor_index.find(tensor);
+    if (it == tensor_index.end()) {
+      return absl::NotFoundError(absl::StrCat("job '", name(), "' has no tensor '", tensor, "'"));
+    }
+    const int64_t si = shard_of_tensor[it->second];
+    const uint64_t numel = spec.tensors(it->second).numel();
+    if (offset > numel || count > numel - offset) {
+      return absl::OutOfRangeError(absl::StrCat("tensor '", tensor, "' has ", numel, " elements; range ",
+                                                Range(offset, offset + count), " is past its end"));
+    }
+    if (si < 0) {
+      return absl::OutOfRangeError(absl::StrCat("tensor '", tensor, "' has no shard on this server"));
+    }
+    const OwnedShard& s = shards[si];
+    if (offset < s.offset || offset + count > s.offset + s.length) {
+      return absl::OutOfRangeError(absl::StrCat("range ", Range(offset, offset + count), " of tensor '", tensor,
+                                                "' is outside this server's shard ",
+                                                Range(s.offset, s.offset + s.length)));
+    }
+    return static_cast<uint32_t>(si);
+  }
+
+  absl::Status CheckStepToPush(uint64_t t) const {
+    if (t == 0 || t + 1 <= step) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", name(), "' is at step ", step, "; step ", t,
+                                                        " is stale; push step ", step + 1));
+    }
+    if (t > step + 1) {
+      return absl::OutOfRangeError(absl::StrCat("job '", name(), "' is at step ", step, "; step ", t,
+                                                " is in the future; push step ", step + 1));
+    }
+    return absl::OkStatus();
+  }
+};
+
+JobStore::JobStore(Backend* backend, JobStoreOptions options) : backend_(backend), options_(options) {}
+
+JobStore::~JobStore() = default;
+
+absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = jobs_.find(name);
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", name, "' on this server"));
+  return it->second;
+}
+
+namespace {
+
+// Fills in defaults and checks every field, so that two requests for the same
+// job compare equal exactly when they mean the same job.
+absl::StatusOr<v1::CreateJobRequest> Normalize(const v1::CreateJobRequest& in, absl::Duration default_barrier) {
+  v1::CreateJobRequest r = in;
+  if (r.job().empty()) return absl::InvalidArgumentError("job name is empty");
+  if (r.world_size() < 1 || r.world_size() > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat("world_size must be in [1, ", kMaxWorldSize, "], got ", r.world_size()));
+  }
+  if (r.groups_size() == 0) return absl::InvalidArgumentError("a job needs at least one group");
+  for (int i = 0; i < r.groups_size(); ++i) {
+    v1::Group& g = *r.mutable_groups(i);
+    const std::string what = absl::StrCat("group ", i, " ('", g.name(), "'): ");
+    if (!(g.beta1() >= 0 && g.beta1() < 1) || !(g.beta2() >= 0 && g.beta2() < 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(what, "beta1 and beta2 must be in [0, 1)"));
+    }
+    if (!(g.eps() > 0) || !std::isfinite(g.eps())) return absl::InvalidArgumentError(absl::StrCat(what, "eps must be finite and > 0"));
+    if (!(g.weight_decay() >= 0) || !std::isfinite(g.weight_decay())) {
+      return absl::InvalidArgumentError(absl::StrCat(what, "weight_decay must be finite and >= 0"));
+    }
+    if (g.lr_multiplier() == 0) g.set_lr_multiplier(1);
+    if (!(g.lr_multiplier() > 0) || !std::isfinite(g.lr_multiplier())) {
+      return absl::InvalidArgumentError(absl::StrCat(what, "lr_multiplier must be finite and > 0"));
+    }
+    if (g.precision() != v1::PRECISION_FP32 && g.precision() != v1::PRECISION_BF16) {
+      return absl::InvalidArgumentError(absl::StrCat(what, "unknown precision"));
+    }
+  }
+  if (r.tensors_size() == 0) return absl::InvalidArgumentError("a job needs at least one tensor");
+  absl::flat_hash_map<std::string, int> names;
+  for (int i = 0; i < r.tensors_size(); ++i) {
+    const v1::TensorSpec& t = r.tensors(i);
+    if (t.name().empty()) return absl::InvalidArgumentError(absl::StrCat("tensor ", i, " has no name"));
+    if (!names.emplace(t.name(), i).second) return absl::InvalidArgumentError(absl::StrCat("tensor name '", t.name(), "' is used twice"));
+    if (t.numel() == 0) return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "' has numel 0"));
+    if (t.group() >= static_cast<uint32_t>(r.groups_size())) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "' names group ", t.group(), " of ", r.groups_size()));
+    }
+  }
+  if (r.shards_size() == 0) {
+    for (const v1::TensorSpec& t : r.tensors()) {
+      v1::ShardRange* s = r.add_shards();
+      s->set_tensor(t.name());
+      s->set_offset(0);
+      s->set_length(t.numel());
+    }
+  }
+  absl::flat_hash_map<std::string, bool> owned;
+  for (const v1::ShardRange& s : r.shards()) {
+    auto it = names.find(s.tensor());
+    if (it == names.end()) return absl::InvalidArgumentError(absl::StrCat("shard names unknown tensor '", s.tensor(), "'"));
+    if (!owned.emplace(s.tensor(), true).second) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", s.tensor(), "' has two shards on one server"));
+    }
+    const uint64_t numel = r.tensors(it->second).numel();
+    if (s.length() == 0 || s.offset() > numel || s.length() > numel - s.offset()) {
+      return absl::InvalidArgumentError(absl::StrCat("shard ", Range(s.offset(), s.offset() + s.length()), " of tensor '",
+                                                     s.tensor(), "' is empty or past its ", numel, " elements"));
+    }
+  }
+  if (r.grad_dtype() == v1::DTYPE_UNSPECIFIED) r.set_grad_dtype(v1::BF16);
+  if (r.grad_dtype() != v1::FP32 && r.grad_dtype() != v1::BF16) return absl::InvalidArgumentError("unknown grad_dtype");
+  if (r.barrier_timeout_ms() == 0) r.set_barrier_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(default_barrier)));
+  return r;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobRequest& request) {
+  auto spec = Normalize(request, options_.default_barrier_timeout);
+  if (!spec.ok()) return spec.status();
+  std::lock_guard<std::mutex> lock(mu_);
+  v1::CreateJobResponse response;
+  if (auto it = jobs_.find(spec->job()); it != jobs_.end()) {
+    std::string diff;
+    google::protobuf::util::MessageDifferencer differ;
+    differ.ReportDifferencesToString(&diff);
+    if (!differ.Compare(it->second->spec, *spec)) {
+      return absl::AlreadyExistsError(absl::StrCat("job '", spec->job(), "' exists with a different configuration (",
+                                                   diff, "); drop it or use another name"));
+    }
+    std::lock_guard<std::mutex> job_lock(it->second->mu);
+    response.set_created(false);
+    response.set_step(it->second->step);
+    return response;
+  }
+
+  auto job = std::make_shared<Job>();
+  job->spec = *spec;
+  job->barrier_timeout = absl::Milliseconds(spec->barrier_timeout_ms());
+  for (const v1::Group& g : spec->groups()) {
+    job->hypers.push_back({g.beta1(), g.beta2(), g.eps(), g.weight_decay(), g.lr_multiplier()});
+  }
+  job->shard_of_tensor.assign(spec->tensors_size(), -1);
+  for (int i = 0; i < spec->tensors_size(); ++i) job->tensor_index[spec->tensors(i).name()] = i;
+  JobLayout layout;
+  layout.world_size = spec->world_size();
+  layout.grad_dtype = *FromProto(spec->grad_dtype());
+  for (const v1::ShardRange& s : spec->shards()) {
+    const uint32_t t = job->tensor_index[s.tensor()];
+    job->shard_of_tensor[t] = static_cast<int64_t>(job->shards.size());
+    job->shards.push_back({t, s.offset(), s.length()});
+    const bool bf16 = spec->groups(spec->tensors(t).group()).precision() == v1::PRECISION_BF16;
+    layout.shards.push_back({s.length(), bf16 ? Precision::kBf16 : Precision::kFp32});
+  }
+  auto state = backend_->Allocate(layout);
+  if (!state.ok()) return state.status();
+  job->state = *std::move(state);
+  job->adam_steps.assign(job->shards.size(), 0);
+  job->init_cover.resize(job->shards.size());
+  job->uninitialized_shards = job->shards.size();
+  jobs_.emplace(spec->job(), job);
+  response.set_created(true);
+  response.set_step(0);
+  return response;
+}
+
+absl::Status JobStore::DropJob(const std::string& name) {
+  std::shared_ptr<Job> job;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = jobs_.find(name);
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", name, "' on this server"));
+    job = it->second;
+    jobs_.erase(it);
+  }
+  std::lock_guard<std::mutex> lock(job->mu);
+  job->dropped = true;
+  job->cv.notify_all();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const std::string& name) const {
+  auto found = Find(name);
+  if (!found.ok()) return found.status();
+  Job& job = **found;
+  std::lock_guard<std::mutex> lock(job.mu);
+  v1::DescribeResponse r;
+  r.set_job(job.name());
+  r.set_step(job.step);
+  r.set_world_size(job.world_size());
+  r.set_grad_dtype(job.spec.grad_dtype());
+  for (int g = 0; g < job.spec.groups_size(); ++g) {
+    v1::GroupState* gs = r.add_groups();
+    *gs->mutable_config() = job.spec.groups(g);
+    // What the backend holds, not what was asked for: VerifyState compares the two.
+    bool any = false;
+    Precision held = Precision::kFp32;
+    for (size_t s = 0; s < job.shards.size(); ++s) {
+      if (job.spec.tensors(job.shards[s].tensor).group() != static_cast<uint32_t>(g)) continue;
+      const Precision p = job.state->held_precision(static_cast<uint32_t>(s));
+      if (!any || p == Precision::kBf16) held = p;
+      any = true;
+    }
+    gs->set_state_dtype(!any ? v1::DTYPE_UNSPECIFIED : held == Precision::kFp32 ? v1::FP32 : v1::BF16);
+  }
+  for (const OwnedShard& s : job.shards) {
+    v1::TensorState* ts = r.add_tensors();
+    const v1::TensorSpec& spec = job.spec.tensors(s.tensor);
+    ts->set_name(spec.name());
+    ts->set_numel(spec.numel());
+    ts->set_group(spec.group());
+    ts->mutable_shard()->set_tensor(spec.name());
+    ts->mutable_shard()->set_offset(s.offset);
+    ts->mutable_shard()->set_length(s.length);
+    ts->set_adam_step(job.adam_steps[&s - job.shards.data()]);
+  }
+  const MemoryUse use = job.state->memory_use();
+  r.set_state_bytes(use.state_bytes);
+  r.set_staging_bytes(use.staging_bytes);
+  r.set_device(backend_->Describe());
+  return r;
+}
+
+absl::Status JobStore::Init(const v1::InitChunk& chunk) {
+  auto found = Find(chunk.job());
+  if (!found.ok()) return found.status();
+  Job& job = **found;
+  auto dtype = FromProto(chunk.dtype());
+  if (!dtype.ok()) return dtype.status();
+  if (auto st = CheckDataLength(chunk.data(), *dtype, "init chunk"); !st.ok()) return st;
+  const uint64_t count = chunk.data().size() / DTypeSize(*dtype);
+  for (uint64_t i = 0; i < count; ++i) {
+    float x;
+    if (*dtype == DType::kFp32) {
+      std::memcpy(&x, chunk.data().data() + 4 * i, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, chunk.data().data() + 2 * i, 2);
+      x = math::bf16_to_float(h);
+    }
+    if (!std::isfinite(x)) {
+      return absl::InvalidArgumentError(absl::StrCat("initial value of tensor '", chunk.tensor(), "' element ",
+                                                     chunk.offset() + i, " is not finite"));
+    }
+  }
+  std::lock_guard<std::mutex> lock(job.mu);
+  if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
+  if (job.step != 0) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
+                                                      "; initial values are taken only at step 0"));
+  }
+  auto shard = job.LocateRange(chunk.tensor(), chunk.offset(), count);
+  if (!shard.ok()) return shard.status();
+  const OwnedShard& s = job.shards[*shard];
+  const uint64_t local = chunk.offset() - s.offset;
+  if (auto st = job.state->WriteState(*shard, StateKind::kMaster, local, *dtype, chunk.data().data(), count); !st.ok()) {
+    return st;
+  }
+  const bool was_covered = job.init_cover[*shard].Covers(0, s.length);
+  job.init_cover[*shard].Add(local, local + count);
+  if (!was_covered && job.init_cover[*shard].Covers(0, s.length)) --job.uninitialized_shards;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<JobStore::PushSession>> JobStore::BeginPush(const v1::GradChunk& first) {
+  auto found = Find(first.job());
+  if (!found.ok()) return found.status();
+  std::shared_ptr<Job> job = *found;
+  std::lock_guard<std::mutex> lock(job->mu);
+  if (first.rank() >= job->world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", first.rank(), " is out of range: job '", job->name(),
+                                                   "' has world_size ", job->world_size()));
+  }
+  const bool resealed = first.step() == job->step && job->sealed_step == job->step && job->step > 0;
+  if (!resealed) {
+    if (auto st = job->CheckStepToPush(first.step()); !st.ok()) return st;
+  }
+  if (job->uninitialized_shards > 0) {
+    for (size_t s = 0; s < job->shards.size(); ++s) {
+      if (auto gap = job->init_cover[s].FirstGap(0, job->shards[s].length)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("tensor '", job->tensor_name(job->shards[s]), "' elements ",
+                         Range(job->shards[s].offset + gap->first, job->shards[s].offset + gap->second),
+                         " have no initial value; stream them with Init before step 1"));
+      }
+    }
+  }
+  return std::unique_ptr<PushSession>(new PushSession(job, first.step(), first.rank()));
+}
+
+JobStore::PushSession::PushSession(std::shared_ptr<Job> job, uint64_t step, uint32_t rank)
+    : job_(std::move(job)), step_(step), rank_(rank) {}
+
+JobStore::PushSession::~PushSession() = default;
+
+absl::Status JobStore::PushSession::Add(const v1::GradChunk& chunk) {
+  Job& job = *job_;
+  if ((!chunk.job().empty() && chunk.job() != job.name()) || (chunk.step() != 0 && chunk.step() != step_) ||
+      (chunk.rank() != 0 && chunk.rank() != rank_)) {
+    return absl::InvalidArgumentError("job, step and rank must not change within one push stream");
+  }
+  for (const std::string& t : chunk.no_grad()) no_grad_.push_back(t);
+  const bool has_data = !chunk.tensor().empty() || !chunk.data().empty();
+  std::lock_guard<std::mutex> lock(job.mu);
+  if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
+  const absl::Time now = absl::Now();
+  job.ExpireIfLate(now);
+  if (started_ && job.step < step_ && (job.round.epoch != epoch_ || !job.round.active)) {
+    return absl::DeadlineExceededError(absl::StrCat("the barrier of step ", step_, " expired before rank ", rank_,
+                                                    "'s push ended; its gradients were discarded: push step ",
+                                                    step_, " again"));
+  }
+  if (!has_data) return absl::OkStatus();
+  auto dtype = FromProto(chunk.dtype());
+  if (!dtype.ok()) return dtype.status();
+  if (ToProto(*dtype) != job.spec.grad_dtype()) {
+    return absl::InvalidArgumentError(absl::StrCat("job '", job.name(), "' takes ", v1::DType_Name(job.spec.grad_dtype()),
+                                                   " gradients; this chunk is ", v1::DType_Name(chunk.dtype())));
+  }
+  if (auto st = CheckDataLength(chunk.data(), *dtype, "gradient chunk"); !st.ok()) return st;
+  const uint64_t count = chunk.data().size() / DTypeSize(*dtype);
+  auto shard = job.LocateRange(chunk.tensor(), chunk.offset(), count);
+  if (!shard.ok()) return shard.status();
+  if (job.step >= step_) return absl::OkStatus();  // a retry of a committed step: already counted
+  if (!started_) {
+    if (!job.round.active) job.StartRound(now);
+    epoch_ = job.round.epoch;
+    started_ = true;
+  }
+  if (job.round.sealed) return absl::OkStatus();  // a retry after the barrier: already counted
+  const uint64_t local = chunk.offset() - job.shards[*shard].offset;
+  if (auto st = job.state->WriteGrad(*shard, rank_, local, *dtype, chunk.data().data(), count); !st.ok()) return st;
+  job.round.covered[rank_][*shard].Add(local, local + count);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::PushResponse> JobStore::PushSession::Finish() {
+  Job& job = *job_;
+  std::unique_lock<std::mutex> lock(job.mu);
+  auto answer = [&]() {
+    v1::PushResponse r;
+    r.set_step(step_);
+    r.set_sum_squares(job.sealed_stats.sum_squares);
+    r.set_nonfinite(job.sealed_stats.nonfinite);
+    return r;
+  };
+  if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
+  if (job.step >= step_) return answer();  // committed already: sealed_step == step_ (BeginPush checked)
+  const absl::Time now = absl::Now();
+  job.ExpireIfLate(now);
+  if (!started_) {
+    if (!job.round.active) job.StartRound(now);
+    epoch_ = job.round.epoch;
+    started_ = true;
+  }
+  if (job.round.epoch != epoch_) {
+    return absl::DeadlineExceededError(absl::StrCat("the barrier of step ", step_, " expired before rank ", rank_,
+                                                    "'s push ended; push step ", step_, " again"));
+  }
+  if (job.round.sealed) return answer();
+
+  // Validate the whole declaration before changing anything.
+  std::vector<uint32_t> no_grad_shards;
+  for (const std::string& t : no_grad_) {
+    auto it = job.tensor_index.find(t);
+    if (it == job.tensor_index.end()) {
+      return absl::NotFoundError(absl::StrCat("no_grad names tensor '", t, "', which job '", job.name(), "' lacks"));
+    }
+    const int64_t s = job.shard_of_tensor[it->second];
+    if (s < 0) continue;
+    if (job.round.covered[rank_][s].FirstGap(0, job.shards[s].length) !=
+        std::make_optional(std::make_pair(uint64_t{0}, job.shards[s].length))) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, " both pushed tensor '", t, "' and declared it no_grad"));
+    }
+    no_grad_shards.push_back(static_cast<uint32_t>(s));
+  }
+  std::vector<bool> no_grad(job.shards.size(), false);
+  for (uint32_t s : no_grad_shards) no_grad[s] = true;
+  for (size_t s = 0; s < job.shards.size(); ++s) {
+    if (no_grad[s]) continue;
+    if (auto gap = job.round.covered[rank_][s].FirstGap(0, job.shards[s].length)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank_, "'s push of step ", step_, " ended without tensor '",
+                       job.tensor_name(job.shards[s]), "' elements ",
+                       Range(job.shards[s].offset + gap->first, job.shards[s].offset + gap->second),
+                       "; push them or list the tensor in no_grad"));
+    }
+  }
+  job.round.no_grad[rank_] = std::move(no_grad);
+  if (!job.round.finished[rank_]) {
+    job.round.finished[rank_] = true;
+    ++job.round.finished_count;
+  }
+
+  if (job.round.finished_count == job.world_size()) {
+    std::vector<ShardGrads> contributions;
+    for (size_t s = 0; s < job.shards.size(); ++s) {
+      ShardGrads sg;
+      sg.shard = static_cast<uint32_t>(s);
+      for (uint32_t r = 0; r < job.world_size(); ++r) {
+        if (!job.round.no_grad[r][s]) sg.ranks.push_back(r);
+      }
+      if (!sg.ranks.empty()) contributions.push_back(std::move(sg));
+    }
+    auto stats = job.state->ReduceGrads(contributions);
+    if (!stats.ok()) return stats.status();
+    job.round.contributions = std::move(contributions);
+    job.round.sealed = true;
+    job.sealed_step = step_;
+    job.sealed_stats = *stats;
+    job.cv.notify_all();
+    return answer();
+  }
+
+  const auto deadline = absl::ToChronoTime(job.round.deadline);
+  job.cv.wait_until(lock, deadline, [&] { return job.dropped || job.round.epoch != epoch_ || job.round.sealed; });
+  if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
+  if (job.sealed_step == step_ && (job.round.sealed || job.step >= step_)) return answer();
+  if (job.round.epoch == epoch_) {  // our own deadline: end the round for everyone
+    const std::string missing = job.MissingSummary();
+    job.EndRound();
+    return absl::DeadlineExceededError(absl::StrCat("barrier of step ", step_, " timed out after ",
+                                                    absl::FormatDuration(job.barrier_timeout), ": ", missing,
+                                                    "; nothing was applied: push step ", step_, " again"));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("the barrier of step ", step_,
+                                                  " timed out; nothing was applied: push step ", step_, " again"));
+}
+
+absl::Status JobStore::Commit(const v1::CommitRequest& req,
+                              const std::function<bool(const v1::ParamChunk&)>& emit) {
+  auto found = Find(req.job());
+  if (!found.ok()) return found.status();
+  Job& job = **found;
+  const uint64_t t = req.step();
+  if (!std::isfinite(req.lr()) || req.lr() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("lr must be finite and >= 0, got ", req.lr()));
+  }
+  if (!std::isfinite(req.gscale())) {
+    return absl::InvalidArgumentError(absl::StrCat("gscale must be finite, got ", req.gscale()));
+  }
+  {
+    std::lock_guard<std::mutex> lock(job.mu);
+    if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
+    if (t > job.step + 1) {
+      return absl::OutOfRangeError(absl::StrCat("job '", job.name(), "' is at step ", job.step, "; commit of step ", t,
+                                                " is in the future"));
+    }
+    if (t == 0 || t < job.step) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
+                                                        "; commit of step ", t, " is stale; Read PARAM_BF16 for the current params"));
+    }
+    if (t == job.step) {
+      const Job::Applied& a = job.applied;
+      if (!SameBits(a.lr, req.lr()) || !SameBits(a.gscale, req.gscale()) || a.skip != req.skip()) {
+        return absl::AbortedError(absl::StrCat("step ", t, " was applied with lr=", a.lr, " gscale=", a.gscale,
+                                               " skip=", a.skip, "; this commit asks lr=", req.lr(), " gscale=",
+                                               req.gscale(), " skip=", req.skip(), ": ranks disagree"));
+      }
+    } else {
+      job.ExpireIfLate(absl::Now());
+      if (!job.round.sealed) {
+        return absl::FailedPreconditionError(absl::StrCat("cannot commit step ", t, ": its push is incomplete: ",
+                                                          job.MissingSummary()));
+      }
+      if (!req.skip()) {
+        std::vector<ShardStep> steps;
+        for (const ShardGrads& sg : job.round.contributions) {
+          const OwnedShard& s = job.shards[sg.shard];
+          const AdamWHyper& h = job.hypers[job.spec.tensors(s.tensor).group()];
+          steps.push_back({sg, ComputeAdamWScalars(h, req.lr(), req.gscale(), job.adam_steps[sg.shard] + 1)});
+        }
+        if (auto st = job.state->Apply(steps); !st.ok()) return st;
+        for (const ShardGrads& sg : job.round.contributions) ++job.adam_steps[sg.shard];
+      }
+      job.step = t;
+      job.applied = {t, req.lr(), req.gscale(), req.skip()};
+      job.EndRound();
+    }
+  }
+
+  v1::ParamChunk chunk;
+  chunk.set_step(t);
+  for (size_t si = 0; si < job.shards.size(); ++si) {
+    const OwnedShard& s = job.shards[si];
+    for (uint64_t off = 0; off < s.length; off += options_.stream_chunk_elements) {
+      const uint64_t n = std::min(options_.stream_chunk_elements, s.length - off);
+      chunk.set_tensor(job.tensor_name(s));
+      chunk.set_offset(s.offset + off);
+      std::string* data = chunk.mutable_data();
+      data->resize(n * 2);
+      {
+        std::lock_guard<std::mutex> lock(job.mu);
+        if (job.step != t) return absl::AbortedError(absl::StrCat("step ", t, " was superseded while streaming its params"));
+        if (auto st = job.state->ReadState(static_cast<uint32_t>(si), StateKind::kParamBf16, off, n, DType::kBf16, data->data());
+            !st.ok()) {
+          return st;
+        }
+      }
+      if (!emit(chunk)) return absl::CancelledError("the caller stopped reading the params");
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool(const v1::StateChunk&)>& emit) const {
+  auto found = Find(req.job());
+  if (!found.ok()) return found.status();
+  Job& job = **found;
+  StateKind kind;
+  switch (req.kind()) {
+    case v1::MASTER: kind = StateKind::kMaster; break;
+    case v1::EXP_AVG: kind = StateKind::kExpAvg; break;
+    case v1::EXP_AVG_SQ: kind = StateKind::kExpAvgSq; break;
+    case v1::PARAM_BF16: kind = StateKind::kParamBf16; break;
+    default: return absl::InvalidArgumentError("read kind must be MASTER, EXP_AVG, EXP_AVG_SQ or PARAM_BF16");
+  }
+  const DType dtype = kind == StateKind::kParamBf16 ? DType::kBf16 : DType::kFp32;
+  uint32_t shard;
+  uint64_t length = req.length();
+  {
+    std::lock_guard<std::mutex> lock(job.mu);
+    if (length == 0) {
+      auto it = job.tensor_index.find(req.tensor());
+      if (it != job.tensor_index.end() && job.shard_of_tensor[it->second] >= 0) {
+        const OwnedShard& s = job.shards[job.shard_of_tensor[it->second]];
+        if (req.offset() < s.offset + s.length) length = s.offset + s.length - req.offset();
+      }
+    }
+    auto located = job.LocateRange(req.tensor(), req.offset(), length);
+    if (!located.ok()) return located.status();
+    shard = *located;
+  }
+  const uint64_t base = job.shards[shard].offset;
+  const uint64_t per_chunk = options_.stream_chunk_elements * 2 / DTypeSize(dtype);  // ~1 MiB
+  v1::StateChunk chunk;
+  chunk.set_tensor(req.tensor());
+  chunk.set_dtype(ToProto(dtype));
+  for (uint64_t off = req.offset(); off < req.offset() + length; off += per_chunk) {
+    const uint64_t n = std::min(per_chunk, req.offset() + length - off);
+    chunk.set_offset(off);
+    chunk.mutable_data()->resize(n * DTypeSize(dtype));
+    {
+      std::lock_guard<std::mutex> lock(job.mu);
+      if (auto st = job.state->ReadState(shard, kind, off - base, n, dtype, chunk.mutable_data()->data()); !st.ok()) {
+        return st;
+      }
+    }
+    if (!emit(chunk)) return absl::CancelledError("the caller stopped reading");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardopt

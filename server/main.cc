@@ -1,0 +1,68 @@
+// shardopt-server: one optimizer server process.
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <semaphore.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/grpcpp.h"
+#include "server/device.h"
+#include "server/service.h"
+#include "shardopt/grpc_edge.h"
+
+ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
+ABSL_FLAG(int, port, 50051, "port to listen on; 0 picks an ephemeral port");
+ABSL_FLAG(std::string, port_file, "", "if set, the chosen port is written here once listening");
+ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda | cuda:N; auto picks CUDA when a GPU is usable");
+ABSL_FLAG(int, threads, 0, "CPU backend threads; 0: one per core");
+ABSL_FLAG(int, max_message_bytes, shardopt::kDefaultMaxMessageBytes, "largest gRPC message accepted");
+ABSL_FLAG(int, barrier_timeout_ms, 60000, "default barrier deadline for jobs that give none");
+
+namespace {
+sem_t g_stop;
+void OnSignal(int) { sem_post(&g_stop); }  // async-signal-safe
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("shardopt optimizer server");
+  absl::ParseCommandLine(argc, argv);
+  shardopt::TuneAllocatorForStreaming();
+
+  auto backend = shardopt::MakeBackend(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_threads));
+  if (!backend.ok()) {
+    std::cerr << "shardopt-server: " << backend.status().message() << "\n";
+    return 1;
+  }
+  std::cerr << "shardopt-server: device " << (*backend)->Describe() << "\n";
+
+  shardopt::JobStoreOptions store_options;
+  store_options.default_barrier_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_barrier_timeout_ms));
+  shardopt::JobStore store(backend->get(), store_options);
+  shardopt::ServerOptions options;
+  options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  auto running = shardopt::StartServer(&store, options);
+  if (!running.ok()) {
+    std::cerr << "shardopt-server: " << running.status().message() << "\n";
+    return 1;
+  }
+  std::cerr << "shardopt-server: listening on " << absl::GetFlag(FLAGS_host) << ":" << (*running)->port << std::endl;
+  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
+    const std::string tmp = path + ".tmp";  // renamed so a reader never sees a partial number
+    std::ofstream(tmp) << (*running)->port << "\n";
+    std::rename(tmp.c_str(), path.c_str());
+  }
+
+  sem_init(&g_stop, 0, 0);
+  std::signal(SIGTERM, OnSignal);
+  std::signal(SIGINT, OnSignal);
+  while (sem_wait(&g_stop) != 0) {
+  }
+  std::cerr << "shardopt-server: stopping" << std::endl;
+  (*running)->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  return 0;
+}

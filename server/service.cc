@@ -1,0 +1,88 @@
+#include "server/service.h"
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "shardopt/grpc_edge.h"
+
+namespace shardopt {
+
+grpc::Status OptimizerService::CreateJob(grpc::ServerContext*, const v1::CreateJobRequest* req,
+                                         v1::CreateJobResponse* resp) {
+  auto r = store_->CreateJob(*req);
+  if (r.ok()) *resp = *std::move(r);
+  return ToGrpcStatus(r.status());
+}
+
+grpc::Status OptimizerService::Init(grpc::ServerContext*, grpc::ServerReader<v1::InitChunk>* reader,
+                                    v1::InitResponse* resp) {
+  v1::InitChunk chunk;
+  std::string job;
+  uint64_t elements = 0;
+  while (reader->Read(&chunk)) {
+    if (chunk.job().empty()) chunk.set_job(job);
+    job = chunk.job();
+    if (auto st = store_->Init(chunk); !st.ok()) return ToGrpcStatus(st);
+    elements += chunk.data().size() / (chunk.dtype() == v1::FP32 ? 4 : 2);
+  }
+  resp->set_elements(elements);
+  return grpc::Status::OK;
+}
+
+grpc::Status OptimizerService::Push(grpc::ServerContext*, grpc::ServerReader<v1::GradChunk>* reader,
+                                    v1::PushResponse* resp) {
+  v1::GradChunk chunk;
+  if (!reader->Read(&chunk)) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty push stream");
+  auto session = store_->BeginPush(chunk);
+  if (!session.ok()) return ToGrpcStatus(session.status());
+  do {
+    if (auto st = (*session)->Add(chunk); !st.ok()) return ToGrpcStatus(st);
+  } while (reader->Read(&chunk));
+  auto r = (*session)->Finish();
+  if (r.ok()) *resp = *std::move(r);
+  return ToGrpcStatus(r.status());
+}
+
+grpc::Status OptimizerService::Commit(grpc::ServerContext*, const v1::CommitRequest* req,
+                                      grpc::ServerWriter<v1::ParamChunk>* writer) {
+  return ToGrpcStatus(store_->Commit(*req, [&](const v1::ParamChunk& c) { return writer->Write(c); }));
+}
+
+grpc::Status OptimizerService::Read(grpc::ServerContext*, const v1::ReadRequest* req,
+                                    grpc::ServerWriter<v1::StateChunk>* writer) {
+  return ToGrpcStatus(store_->Read(*req, [&](const v1::StateChunk& c) { return writer->Write(c); }));
+}
+
+grpc::Status OptimizerService::Describe(grpc::ServerContext*, const v1::DescribeRequest* req,
+                                        v1::DescribeResponse* resp) {
+  auto r = store_->Describe(req->job());
+  if (r.ok()) *resp = *std::move(r);
+  return ToGrpcStatus(r.status());
+}
+
+grpc::Status OptimizerService::DropJob(grpc::ServerContext*, const v1::DropJobRequest* req, v1::DropJobResponse*) {
+  return ToGrpcStatus(store_->DropJob(req->job()));
+}
+
+RunningServer::~RunningServer() {
+  if (server) server->Shutdown();
+}
+
+absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, const ServerOptions& options) {
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  auto running = std::make_unique<RunningServer>();
+  running->service = std::make_unique<OptimizerService>(store);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &running->port);
+  TuneServerBuilder(&builder, options.max_message_bytes > 0 ? options.max_message_bytes : kDefaultMaxMessageBytes);
+  builder.RegisterService(running->service.get());
+  running->server = builder.BuildAndStart();
+  if (!running->server || running->port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.address));
+  }
+  return running;
+}
+
+}  // namespace shardopt

@@ -1,0 +1,47 @@
+// The gRPC face of JobStore: decode, call the core, encode. No logic of its own.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "server/job_store.h"
+#include "shardopt/v1/optimizer.grpc.pb.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace shardopt {
+
+class OptimizerService final : public v1::Optimizer::Service {
+ public:
+  explicit OptimizerService(JobStore* store) : store_(store) {}
+
+  grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest*, v1::CreateJobResponse*) override;
+  grpc::Status Init(grpc::ServerContext*, grpc::ServerReader<v1::InitChunk>*, v1::InitResponse*) override;
+  grpc::Status Push(grpc::ServerContext*, grpc::ServerReader<v1::GradChunk>*, v1::PushResponse*) override;
+  grpc::Status Commit(grpc::ServerContext*, const v1::CommitRequest*, grpc::ServerWriter<v1::ParamChunk>*) override;
+  grpc::Status Read(grpc::ServerContext*, const v1::ReadRequest*, grpc::ServerWriter<v1::StateChunk>*) override;
+  grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse*) override;
+  grpc::Status DropJob(grpc::ServerContext*, const v1::DropJobRequest*, v1::DropJobResponse*) override;
+
+ private:
+  JobStore* store_;
+};
+
+struct ServerOptions {
+  std::string address = "0.0.0.0:0";  // port 0: an ephemeral port
+  int max_message_bytes = 0;          // 0: kDefaultMaxMessageBytes
+};
+
+// A running server: the gRPC server with health and reflection, over a store.
+struct RunningServer {
+  std::unique_ptr<OptimizerService> service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  ~RunningServer();
+};
+
+absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, const ServerOptions& options);
+
+}  // namespace shardopt
