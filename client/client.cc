@@ -1,0 +1,431 @@
+#include "shardopt/client.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "grpcpp/grpcpp.h"
+#include "shardopt/grpc_edge.h"
+#include "shardopt/v1/optimizer.grpc.pb.h"
+
+namespace shardopt {
+
+namespace v1 = ::shardopt::v1;
+
+struct Client::Impl {
+  ClientOptions options;
+  std::vector<std::unique_ptr<v1::Optimizer::Stub>> stubs;
+
+  JobOptions job;
+  bool attached = false;
+  uint64_t step = 0;
+  absl::flat_hash_map<std::string, uint32_t> tensor_index;
+  std::vector<std::vector<ShardPlacement>> shards_of;  // [server] in tensor order
+
+  uint32_t servers() const { return static_cast<uint32_t>(stubs.size()); }
+  const std::string& address(uint32_t s) const { return options.servers[s]; }
+  uint64_t elem_bytes() const { return job.grad_type == GradType::kBf16 ? 2 : 4; }
+
+  absl::Status CheckAttached() const {
+    if (!attached) return absl::FailedPreconditionError("call CreateOrAttach first");
+    return absl::OkStatus();
+  }
+
+  // Runs one RPC with retries: `attempt` builds its call on a fresh context.
+  template <typename Attempt>
+  absl::Status Call(uint32_t server, uint32_t timeout_ms, const Attempt& attempt) const {
+    grpc::Status st;
+    for (int a = 0; a < std::max(1, options.max_attempts); ++a) {
+      if (a > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(std::min(2000, 50 << std::min(a, 6))));
+      }
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+      st = attempt(&ctx);
+      if (st.error_code() != grpc::StatusCode::UNAVAILABLE &&
+          st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+        break;
+      }
+    }
+    return FromGrpcStatus(st, address(server));
+  }
+
+  // Runs fn(server) on every server that holds part of the job, in parallel,
+  // and returns the first error in server order.
+  template <typename Fn>
+  absl::Status ForEachServer(const Fn& fn) const {
+    std::vector<uint32_t> targets;
+    for (uint32_t s = 0; s < servers(); ++s) {
+      if (!shards_of[s].empty()) targets.push_back(s);
+    }
+    std::vector<absl::Status> results(targets.size());
+    if (targets.size() == 1) {
+      results[0] = fn(targets[0]);
+    } else {
+      std::vector<std::thread> threads;
+      for (size_t i = 0; i < targets.size(); ++i) threads.emplace_back([&, i] { results[i] = fn(targets[i]); });
+      for (auto& t : threads) t.join();
+    }
+    for (const absl::Status& st : results) {
+      if (!st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<const TensorOptions*> FindTensor(const std::string& name) const {
+    auto it = tensor_index.find(name);
+    if (it == tensor_index.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("job '", job.name, "' has no tensor '", name, "'"));
+    }
+    return &job.tensors[it->second];
+  }
+
+  // Describe from every server that holds part of the job; empty entries
+  // for the others.
+  absl::StatusOr<std::vector<v1::DescribeResponse>> DescribeAll() const {
+    if (auto st = CheckAttached(); !st.ok()) return st;
+    std::vector<v1::DescribeResponse> responses(servers());
+    auto st = ForEachServer([&](uint32_t s) {
+      return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+        v1::DescribeRequest req;
+        req.set_job(job.name);
+        return stubs[s]->Describe(ctx, req, &responses[s]);
+      });
+    });
+    if (!st.ok()) return st;
+    return responses;
+  }
+
+  absl::Status InitTensor(const std::string& tensor, const void* values, v1::DType dtype) {
+    if (auto st = CheckAttached(); !st.ok()) return st;
+    auto t = FindTensor(tensor);
+    if (!t.ok()) return t.status();
+    const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
+    const uint64_t per_chunk = std::max<uint64_t>(1, options.chunk_bytes / esize);
+    return ForEachServer([&](uint32_t s) -> absl::Status {
+      for (const ShardPlacement& p : shards_of[s]) {
+        if (p.tensor != tensor) continue;
+        return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+          v1::InitResponse resp;
+          auto writer = stubs[s]->Init(ctx, &resp);
+          v1::InitChunk chunk;
+          chunk.set_job(job.name);
+          chunk.set_tensor(tensor);
+          chunk.set_dtype(dtype);
+          for (uint64_t off = p.offset; off < p.offset + p.length; off += per_chunk) {
+            const uint64_t n = std::min(per_chunk, p.offset + p.length - off);
+            chunk.set_offset(off);
+            chunk.set_data(static_cast<const char*>(values) + off * esize, n * esize);
+            if (!writer->Write(chunk)) break;
+          }
+          writer->WritesDone();
+          return writer->Finish();
+        });
+      }
+      return absl::OkStatus();
+    });
+  }
+};
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  if (options.servers.empty()) return absl::InvalidArgumentError("no servers given");
+  if (options.tune_allocator) TuneAllocatorForStreaming();
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  for (const std::string& address : options.servers) {
+    grpc::ChannelArguments args;
+    TuneChannelArguments(&args);
+    auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    impl->stubs.push_back(v1::Optimizer::NewStub(channel));
+  }
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+uint64_t Client::step() const { return impl_->step; }
+
+absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
+  Impl& im = *impl_;
+  if (job.world_size == 0 || im.options.rank >= job.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", im.options.rank, " is out of range for world_size ", job.world_size));
+  }
+  im.job = job;
+  im.tensor_index.clear();
+  for (uint32_t i = 0; i < job.tensors.size(); ++i) im.tensor_index[job.tensors[i].name] = i;
+  im.shards_of.assign(im.servers(), {});
+  for (ShardPlacement& p : PlaceTensors(job.tensors, im.servers())) im.shards_of[p.server].push_back(std::move(p));
+
+  std::vector<uint64_t> steps(im.servers(), 0);
+  auto st = im.ForEachServer([&](uint32_t s) {
+    v1::CreateJobRequest req;
+    req.set_job(job.name);
+    req.set_world_size(job.world_size);
+    for (const GroupOptions& g : job.groups) {
+      v1::Group* pg = req.add_groups();
+      pg->set_name(g.name);
+      pg->set_beta1(g.beta1);
+      pg->set_beta2(g.beta2);
+      pg->set_eps(g.eps);
+      pg->set_weight_decay(g.weight_decay);
+      pg->set_lr_multiplier(g.lr_multiplier);
+      pg->set_precision(g.precision == StatePrecision::kFp32 ? v1::PRECISION_FP32 : v1::PRECISION_BF16);
+    }
+    for (const TensorOptions& t : job.tensors) {
+      v1::TensorSpec* pt = req.add_tensors();
+      pt->set_name(t.name);
+      pt->set_numel(t.numel);
+      pt->set_group(t.group);
+    }
+    for (const ShardPlacement& p : im.shards_of[s]) {
+      v1::ShardRange* r = req.add_shards();
+      r->set_tensor(p.tensor);
+      r->set_offset(p.offset);
+      r->set_length(p.length);
+    }
+    req.set_grad_dtype(job.grad_type == GradType::kBf16 ? v1::BF16 : v1::FP32);
+    req.set_barrier_timeout_ms(job.barrier_timeout_ms);
+    return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+      v1::CreateJobResponse resp;
+      grpc::Status gs = im.stubs[s]->CreateJob(ctx, req, &resp);
+      steps[s] = resp.step();
+      return gs;
+    });
+  });
+  if (!st.ok()) return st;
+  std::vector<std::string> seen;
+  bool differ = false;
+  uint64_t step = 0;
+  bool first = true;
+  for (uint32_t s = 0; s < im.servers(); ++s) {
+    if (im.shards_of[s].empty()) continue;
+    seen.push_back(absl::StrCat(im.address(s), " at step ", steps[s]));
+    if (!first && steps[s] != step) differ = true;
+    step = steps[s];
+    first = false;
+  }
+  if (differ) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", job.name, "': servers disagree on the step (",
+                                                      absl::StrJoin(seen, ", "),
+                                                      "); restore every server from one checkpoint, or drop the job"));
+  }
+  im.step = step;
+  im.attached = true;
+  return step;
+}
+
+absl::Status Client::InitFp32(const std::string& tensor, const float* values) {
+  return impl_->InitTensor(tensor, values, v1::FP32);
+}
+absl::Status Client::InitBf16(const std::string& tensor, const uint16_t* values) {
+  return impl_->InitTensor(tensor, values, v1::BF16);
+}
+
+absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView> grads) {
+  Impl& im = *impl_;
+  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  std::vector<const void*> data(im.job.tensors.size(), nullptr);
+  for (const GradView& g : grads) {
+    auto t = im.FindTensor(g.tensor);
+    if (!t.ok()) return t.status();
+    data[im.tensor_index[g.tensor]] = g.data;
+  }
+  const uint64_t esize = im.elem_bytes();
+  const uint64_t per_chunk = std::max<uint64_t>(1, im.options.chunk_bytes / esize);
+  const v1::DType dtype = im.job.grad_type == GradType::kBf16 ? v1::BF16 : v1::FP32;
+  std::vector<v1::PushResponse> responses(im.servers());
+  auto st = im.ForEachServer([&](uint32_t s) {
+    return im.Call(s, im.job.barrier_timeout_ms + im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+      auto writer = im.stubs[s]->Push(ctx, &responses[s]);
+      v1::GradChunk head;
+      head.set_job(im.job.name);
+      head.set_step(step);
+      head.set_rank(im.options.rank);
+      for (const ShardPlacement& p : im.shards_of[s]) {
+        if (data[im.tensor_index[p.tensor]] == nullptr) head.add_no_grad(p.tensor);
+      }
+      bool open = writer->Write(head);
+      v1::GradChunk chunk;
+      chunk.set_dtype(dtype);
+      for (const ShardPlacement& p : im.shards_of[s]) {
+        const char* base = static_cast<const char*>(data[im.tensor_index[p.tensor]]);
+        if (base == nullptr) continue;
+        chunk.set_tensor(p.tensor);
+        for (uint64_t off = p.offset; open && off < p.offset + p.length; off += per_chunk) {
+          const uint64_t n = std::min(per_chunk, p.offset + p.length - off);
+          chunk.set_offset(off);
+          chunk.set_data(base + off * esize, n * esize);
+          open = writer->Write(chunk);
+        }
+      }
+      writer->WritesDone();
+      return writer->Finish();
+    });
+  });
+  if (!st.ok()) return st;
+  PushResult result;  // summed in server order, so every rank gets the same double
+  for (uint32_t s = 0; s < im.servers(); ++s) {
+    if (im.shards_of[s].empty()) continue;
+    result.sum_squares += responses[s].sum_squares();
+    result.nonfinite = result.nonfinite || responses[s].nonfinite();
+  }
+  return result;
+}
+
+absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params) {
+  Impl& im = *impl_;
+  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  std::vector<uint16_t*> out(im.job.tensors.size(), nullptr);
+  for (const ParamView& p : params) {
+    auto t = im.FindTensor(p.tensor);
+    if (!t.ok()) return t.status();
+    out[im.tensor_index[p.tensor]] = p.bf16;
+  }
+  v1::CommitRequest req;
+  req.set_job(im.job.name);
+  req.set_step(step);
+  req.set_lr(lr);
+  req.set_gscale(gscale);
+  req.set_skip(skip);
+  auto st = im.ForEachServer([&](uint32_t s) {
+    uint64_t expected = 0;
+    for (const ShardPlacement& p : im.shards_of[s]) expected += p.length;
+    return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+      auto reader = im.stubs[s]->Commit(ctx, req);
+      v1::ParamChunk chunk;
+      uint64_t received = 0;
+      while (reader->Read(&chunk)) {
+        auto it = im.tensor_index.find(chunk.tensor());
+        const uint64_t n = chunk.data().size() / 2;
+        if (it == im.tensor_index.end() || chunk.offset() + n > im.job.tensors[it->second].numel) {
+          ctx->TryCancel();
+          reader->Finish();
+          return grpc::Status(grpc::StatusCode::INTERNAL, "server sent params outside the job's tensors");
+        }
+        if (uint16_t* dst = out[it->second]) std::memcpy(dst + chunk.offset(), chunk.data().data(), n * 2);
+        received += n;
+      }
+      grpc::Status gs = reader->Finish();
+      if (gs.ok() && received != expected) {
+        return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                            absl::StrCat("commit returned ", received, " params, expected ", expected));
+      }
+      return gs;
+    });
+  });
+  if (!st.ok()) return st;
+  im.step = std::max(im.step, step);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const StepOptions& options,
+                                        absl::Span<const ParamView> params) {
+  const uint64_t t = impl_->step + 1;
+  auto push = Push(t, grads);
+  if (!push.ok()) return push.status();
+  StepResult result;
+  result.step = t;
+  result.decision = Decide(*push, impl_->job.world_size, options);
+  if (auto st = Commit(t, options.lr, result.decision.gscale, result.decision.skip, params); !st.ok()) return st;
+  return result;
+}
+
+absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t offset, uint64_t count, void* out) {
+  Impl& im = *impl_;
+  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  auto t = im.FindTensor(tensor);
+  if (!t.ok()) return t.status();
+  if (offset > (*t)->numel || count > (*t)->numel - offset) {
+    return absl::OutOfRangeError(absl::StrCat("range past tensor '", tensor, "''s ", (*t)->numel, " elements"));
+  }
+  static constexpr v1::StateKind kKinds[] = {v1::MASTER, v1::EXP_AVG, v1::EXP_AVG_SQ, v1::PARAM_BF16};
+  const uint64_t esize = what == StateToRead::kParamBf16 ? 2 : 4;
+  return im.ForEachServer([&](uint32_t s) -> absl::Status {
+    for (const ShardPlacement& p : im.shards_of[s]) {
+      const uint64_t begin = std::max(offset, p.offset);
+      const uint64_t end = std::min(offset + count, p.offset + p.length);
+      if (p.tensor != tensor || begin >= end) continue;
+      v1::ReadRequest req;
+      req.set_job(im.job.name);
+      req.set_tensor(tensor);
+      req.set_offset(begin);
+      req.set_length(end - begin);
+      req.set_kind(kKinds[static_cast<int>(what)]);
+      return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+        auto reader = im.stubs[s]->Read(ctx, req);
+        v1::StateChunk chunk;
+        while (reader->Read(&chunk)) {
+          const uint64_t n = chunk.data().size() / esize;
+          if (chunk.offset() < begin || chunk.offset() + n > end) {
+            ctx->TryCancel();
+            reader->Finish();
+            return grpc::Status(grpc::StatusCode::INTERNAL, "server sent state outside the range asked for");
+          }
+          std::memcpy(static_cast<char*>(out) + (chunk.offset() - offset) * esize, chunk.data().data(), n * esize);
+        }
+        return reader->Finish();
+      });
+    }
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<std::vector<ServerState>> Client::Describe() {
+  Impl& im = *impl_;
+  auto responses = im.DescribeAll();
+  if (!responses.ok()) return responses.status();
+  std::vector<ServerState> out;
+  for (uint32_t s = 0; s < im.servers(); ++s) {
+    if (im.shards_of[s].empty()) continue;
+    const v1::DescribeResponse& r = (*responses)[s];
+    out.push_back({im.address(s), r.device(), r.step(), r.state_bytes(), r.staging_bytes()});
+  }
+  return out;
+}
+
+absl::Status Client::VerifyState() {
+  Impl& im = *impl_;
+  auto responses = im.DescribeAll();
+  if (!responses.ok()) return responses.status();
+  for (uint32_t s = 0; s < im.servers(); ++s) {
+    if (im.shards_of[s].empty()) continue;
+    const v1::DescribeResponse& r = (*responses)[s];
+    if (r.groups_size() != static_cast<int>(im.job.groups.size())) {
+      return absl::FailedPreconditionError(absl::StrCat(im.address(s), " reports ", r.groups_size(), " groups, the job has ",
+                                                        im.job.groups.size()));
+    }
+    for (int g = 0; g < r.groups_size(); ++g) {
+      const v1::DType held = r.groups(g).state_dtype();
+      if (held == v1::DTYPE_UNSPECIFIED) continue;  // no tensor of this group on that server
+      const v1::DType asked = im.job.groups[g].precision == StatePrecision::kFp32 ? v1::FP32 : v1::BF16;
+      if (held != asked) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "group ", g, " ('", im.job.groups[g].name, "') state is held in ", v1::DType_Name(held), " on ",
+            im.address(s), " but ", v1::DType_Name(asked), " was asked for: refusing to train on it"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Client::Drop() {
+  Impl& im = *impl_;
+  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  auto st = im.ForEachServer([&](uint32_t s) {
+    return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+      v1::DropJobRequest req;
+      req.set_job(im.job.name);
+      v1::DropJobResponse resp;
+      return im.stubs[s]->DropJob(ctx, req, &resp);
+    });
+  });
+  if (st.ok()) im.attached = false;
+  return st;
+}
+
+}  // namespace shardopt

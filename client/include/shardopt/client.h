@@ -1,0 +1,167 @@
+// The library trainers link. It places each tensor across the servers,
+// streams gradients to all of them in parallel, decides clipping and skipping
+// from their partial norms, commits, and writes the updated bf16 params back
+// into the caller's buffers. It retries UNAVAILABLE and DEADLINE_EXCEEDED,
+// which the step protocol makes safe.
+//
+//   shardopt::ClientOptions opts;
+//   opts.servers = {"10.0.0.5:50051"};
+//   auto client = shardopt::Client::Connect(opts).value();
+//   client->CreateOrAttach(job).value();
+//   client->InitBf16("w", w.data());
+//   for (...) client->Step({{"w", grad_w.data()}}, {.lr = 1e-3}, {{"w", w.data()}});
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+
+namespace shardopt {
+
+enum class StatePrecision { kFp32, kBf16 };
+enum class GradType { kBf16, kFp32 };
+enum class StateToRead { kMaster, kExpAvg, kExpAvgSq, kParamBf16 };
+
+struct GroupOptions {
+  std::string name;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  float eps = 1e-8f;
+  double weight_decay = 0.01;
+  double lr_multiplier = 1.0;
+  StatePrecision precision = StatePrecision::kFp32;
+};
+
+struct TensorOptions {
+  std::string name;
+  uint64_t numel = 0;
+  uint32_t group = 0;  // index into JobOptions::groups
+};
+
+struct JobOptions {
+  std::string name;
+  uint32_t world_size = 1;
+  std::vector<GroupOptions> groups;
+  std::vector<TensorOptions> tensors;
+  GradType grad_type = GradType::kBf16;
+  uint32_t barrier_timeout_ms = 60000;
+};
+
+struct ClientOptions {
+  // host:port of every server, in a fixed order that all ranks share.
+  std::vector<std::string> servers;
+  uint32_t rank = 0;
+  // Attempts per RPC for UNAVAILABLE and DEADLINE_EXCEEDED, with backoff.
+  int max_attempts = 5;
+  // Deadline of an RPC, on top of the barrier's wait for a push.
+  uint32_t rpc_timeout_ms = 60000;
+  // Bytes of gradient per streamed message (DESIGN.md: about 1 MiB is best).
+  uint64_t chunk_bytes = 1 << 20;
+  // Keeps freed MiB-sized buffers in the process (mallopt); see DESIGN.md.
+  bool tune_allocator = true;
+};
+
+// One tensor's gradient: numel elements of the job's GradType (bf16 bits or
+// float), or nullptr for a tensor without a gradient this step.
+struct GradView {
+  std::string tensor;
+  const void* data = nullptr;
+};
+
+// Where a tensor's updated bf16 params go: numel elements.
+struct ParamView {
+  std::string tensor;
+  uint16_t* bf16 = nullptr;
+};
+
+struct StepOptions {
+  double lr = 1e-3;
+  double max_grad_norm = 0;  // 0: no clipping
+  double loss_scale = 1;     // gradients arrive multiplied by this
+};
+
+struct PushResult {
+  double sum_squares = 0;  // of the summed, unscaled gradient, over all servers
+  bool nonfinite = false;
+};
+
+// What every rank decides alike from the same PushResult.
+struct Decision {
+  bool skip = false;
+  double grad_norm = 0;    // of the averaged, unscaled gradient
+  double clip_factor = 1;  // <= 1
+  float gscale = 1;        // clip_factor / (loss_scale * world_size), rounded once
+};
+
+struct StepResult {
+  uint64_t step = 0;
+  Decision decision;
+};
+
+struct ServerState {
+  std::string address;
+  std::string device;
+  uint64_t step = 0;
+  uint64_t state_bytes = 0;
+  uint64_t staging_bytes = 0;
+};
+
+// Decide's rule, a pure function so that every rank and the tests agree.
+Decision Decide(const PushResult& push, uint32_t world_size, const StepOptions& options);
+
+// Each server's part of each tensor: DESIGN.md's placement. Tensors are laid
+// end to end in a flat space, each starting at a multiple of 4096; the space
+// is split evenly at 4096-aligned boundaries.
+struct ShardPlacement {
+  uint32_t server;
+  std::string tensor;
+  uint64_t offset;
+  uint64_t length;
+};
+std::vector<ShardPlacement> PlaceTensors(absl::Span<const TensorOptions> tensors, uint32_t servers);
+
+class Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  ~Client();
+  Client(const Client&) = delete;
+  Client& operator=(const Client&) = delete;
+
+  // Creates the job on every server, or attaches to it; returns its step.
+  absl::StatusOr<uint64_t> CreateOrAttach(const JobOptions& job);
+  // Initial values of a whole tensor, before step 1. fp32 is kept exactly.
+  absl::Status InitFp32(const std::string& tensor, const float* values);
+  absl::Status InitBf16(const std::string& tensor, const uint16_t* values);
+
+  // One whole step: push, decide, commit.
+  absl::StatusOr<StepResult> Step(absl::Span<const GradView> grads, const StepOptions& options,
+                                  absl::Span<const ParamView> params);
+  // The phases of Step, for callers that combine decisions themselves.
+  absl::StatusOr<PushResult> Push(uint64_t step, absl::Span<const GradView> grads);
+  absl::Status Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params);
+
+  // Reads [offset, offset+count) of a tensor's state: float for master, m
+  // and v; bf16 bits for params.
+  absl::Status Read(const std::string& tensor, StateToRead what, uint64_t offset, uint64_t count, void* out);
+  absl::StatusOr<std::vector<ServerState>> Describe();
+  // Fails with FAILED_PRECONDITION when any group's state is not held at the
+  // precision asked for: the remote analogue of refusing a training loop
+  // whose optimizer state silently fell to bf16.
+  absl::Status VerifyState();
+  absl::Status Drop();
+
+  // The job's step: the last one done.
+  uint64_t step() const;
+
+ private:
+  struct Impl;
+  explicit Client(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shardopt

@@ -1,0 +1,58 @@
+#include "tests/testing/reference.h"
+
+namespace shardopt::testing {
+
+std::vector<float> RandomFloats(std::mt19937_64& rng, size_t n, float lo, float hi) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> out(n);
+  for (float& x : out) {
+    do {
+      x = dist(rng);
+    } while (x == 0);
+  }
+  return out;
+}
+
+std::vector<uint16_t> RandomBf16(std::mt19937_64& rng, size_t n, float scale) {
+  std::normal_distribution<float> dist(0, scale);
+  std::vector<uint16_t> out(n);
+  for (uint16_t& x : out) {
+    do {
+      x = math::float_to_bf16(dist(rng));
+    } while ((x & 0x7FFF) == 0);
+  }
+  return out;
+}
+
+std::vector<uint16_t> ToBf16(const std::vector<float>& x) {
+  std::vector<uint16_t> out(x.size());
+  for (size_t i = 0; i < x.size(); ++i) out[i] = math::float_to_bf16(x[i]);
+  return out;
+}
+
+ReferenceTensor::ReferenceTensor(const AdamWHyper& h, std::vector<float> init, bool bf16)
+    : hyper(h), bf16_state(bf16), p(std::move(init)), m(p.size(), 0.f), v(p.size(), 0.f) {
+  if (bf16_state) {
+    for (float& x : p) x = math::bf16_to_float(math::float_to_bf16(x));
+  }
+}
+
+void ReferenceTensor::Step(const std::vector<const uint16_t*>& rank_grads, double lr, float gscale) {
+  ++adam_step;
+  const math::AdamWScalars s = ComputeAdamWScalars(hyper, lr, gscale, adam_step);
+  auto round = [](float x) { return math::bf16_to_float(math::float_to_bf16(x)); };
+  for (size_t i = 0; i < p.size(); ++i) {
+    float g = math::bf16_to_float(rank_grads[0][i]);
+    for (size_t r = 1; r < rank_grads.size(); ++r) g += math::bf16_to_float(rank_grads[r][i]);
+    math::adamw_update(g, p[i], m[i], v[i], s);
+    if (bf16_state) {
+      p[i] = round(p[i]);
+      m[i] = round(m[i]);
+      v[i] = round(v[i]);
+    }
+  }
+}
+
+std::vector<uint16_t> ReferenceTensor::Params() const { return ToBf16(p); }
+
+}  // namespace shardopt::testing

@@ -1,0 +1,67 @@
+#include "tests/testing/server_process.h"
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+
+namespace shardopt::testing {
+
+std::unique_ptr<ServerProcess> ServerProcess::Start(const std::vector<std::string>& args) {
+  auto proc = std::unique_ptr<ServerProcess>(new ServerProcess);
+  char tmpl[] = "/tmp/shardopt-test-XXXXXX";
+  proc->dir_ = mkdtemp(tmpl);
+  const std::string port_file = proc->dir_ + "/port";
+  std::vector<std::string> argv_s = {SHARDOPT_SERVER_BINARY, "--host=127.0.0.1", "--port=0",
+                                     "--port_file=" + port_file, "--device=cpu"};
+  argv_s.insert(argv_s.end(), args.begin(), args.end());
+  proc->pid_ = fork();
+  if (proc->pid_ == 0) {
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (std::chrono::steady_clock::now() < give_up) {
+    std::ifstream in(port_file);
+    if (in >> proc->port_ && proc->port_ > 0) return proc;
+    int status;
+    if (waitpid(proc->pid_, &status, WNOHANG) == proc->pid_) {
+      proc->pid_ = -1;
+      ADD_FAILURE() << "shardopt-server exited during start-up";
+      return nullptr;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ADD_FAILURE() << "shardopt-server did not listen within 20 s";
+  return nullptr;
+}
+
+std::string ServerProcess::address() const { return absl::StrCat("127.0.0.1:", port_); }
+
+int ServerProcess::Stop(int signal) {
+  if (pid_ <= 0) return 0;
+  kill(pid_, signal);
+  int status = 0;
+  waitpid(pid_, &status, 0);
+  pid_ = -1;
+  return status;
+}
+
+ServerProcess::~ServerProcess() {
+  Stop(SIGKILL);
+  std::error_code ec;
+  std::filesystem::remove_all(dir_, ec);
+}
+
+}  // namespace shardopt::testing

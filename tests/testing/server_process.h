@@ -1,0 +1,31 @@
+// A real shardopt-server process on 127.0.0.1 with an ephemeral port, for
+// integration and fault tests.
+#pragma once
+
+#include <sys/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace shardopt::testing {
+
+class ServerProcess {
+ public:
+  // Starts the server with --device=cpu plus `args`, and waits until it listens.
+  static std::unique_ptr<ServerProcess> Start(const std::vector<std::string>& args = {});
+  ~ServerProcess();  // SIGKILL if still running
+
+  std::string address() const;
+  int port() const { return port_; }
+  pid_t pid() const { return pid_; }
+  // Sends `signal` and waits for the process; returns its wait status.
+  int Stop(int signal);
+
+ private:
+  pid_t pid_ = -1;
+  int port_ = 0;
+  std::string dir_;
+};
+
+}  // namespace shardopt::testing
