@@ -1,0 +1,507 @@
+// The step protocol core, without a network: aggregation, barrier, retries,
+// skips, per-tensor steps, idempotent commits, and every refusal leaving the
+// state as it was.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "server/job_store.h"
+#include "tests/testing/reference.h"
+
+namespace shardopt {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RandomBf16;
+using testing::RandomFloats;
+using testing::ReferenceTensor;
+
+const AdamWHyper kHyper{0.9, 0.999, 1e-8f, 0.01, 1.0};
+
+struct TensorDef {
+  std::string name;
+  uint64_t numel;
+};
+
+class StoreTest : public ::testing::Test {
+ protected:
+  StoreTest() : backend_(MakeCpuBackend({2, cpu::BestIsa()})), store_(backend_.get()) {}
+
+  v1::CreateJobRequest JobRequest(const std::string& job, uint32_t world, const std::vector<TensorDef>& tensors,
+                                  v1::Precision precision = v1::PRECISION_FP32, uint32_t barrier_ms = 10000) {
+    v1::CreateJobRequest r;
+    r.set_job(job);
+    r.set_world_size(world);
+    v1::Group* g = r.add_groups();
+    g->set_beta1(kHyper.beta1);
+    g->set_beta2(kHyper.beta2);
+    g->set_eps(kHyper.eps);
+    g->set_weight_decay(kHyper.weight_decay);
+    g->set_precision(precision);
+    for (const TensorDef& t : tensors) {
+      v1::TensorSpec* s = r.add_tensors();
+      s->set_name(t.name);
+      s->set_numel(t.numel);
+    }
+    r.set_barrier_timeout_ms(barrier_ms);
+    return r;
+  }
+
+  // Creates the job and gives every tensor random initial values.
+  std::map<std::string, std::vector<float>> Create(const v1::CreateJobRequest& r) {
+    EXPECT_TRUE(store_.CreateJob(r).ok());
+    std::map<std::string, std::vector<float>> init;
+    for (const v1::TensorSpec& t : r.tensors()) {
+      init[t.name()] = RandomFloats(rng_, t.numel(), -1, 1);
+      v1::InitChunk c;
+      c.set_job(r.job());
+      c.set_tensor(t.name());
+      c.set_dtype(v1::FP32);
+      c.set_data(init[t.name()].data(), t.numel() * 4);
+      EXPECT_TRUE(store_.Init(c).ok());
+    }
+    return init;
+  }
+
+  static v1::GradChunk Chunk(const std::string& tensor, uint64_t offset, const uint16_t* data, uint64_t n) {
+    v1::GradChunk c;
+    c.set_tensor(tensor);
+    c.set_offset(offset);
+    c.set_dtype(v1::BF16);
+    c.set_data(data, n * 2);
+    return c;
+  }
+
+  // One rank's push, chunks of `chunk` elements sent in `order` (a seed for
+  // shuffling; 0 keeps them in order).
+  absl::StatusOr<v1::PushResponse> Push(const std::string& job, uint64_t step, uint32_t rank,
+                                        const std::map<std::string, std::vector<uint16_t>>& grads,
+                                        uint64_t chunk = 1000, uint64_t order = 0,
+                                        const std::vector<std::string>& no_grad = {}) {
+    std::vector<v1::GradChunk> chunks;
+    for (const auto& [name, g] : grads) {
+      for (uint64_t off = 0; off < g.size(); off += chunk) {
+        chunks.push_back(Chunk(name, off, g.data() + off, std::min(chunk, g.size() - off)));
+      }
+    }
+    if (order != 0) std::shuffle(chunks.begin(), chunks.end(), std::mt19937_64(order));
+    v1::GradChunk head;
+    head.set_job(job);
+    head.set_step(step);
+    head.set_rank(rank);
+    for (const auto& n : no_grad) head.add_no_grad(n);
+    auto session = store_.BeginPush(head);
+    if (!session.ok()) return session.status();
+    if (auto st = (*session)->Add(head); !st.ok()) return st;
+    for (const auto& c : chunks) {
+      if (auto st = (*session)->Add(c); !st.ok()) return st;
+    }
+    return (*session)->Finish();
+  }
+
+  absl::StatusOr<std::map<std::string, std::vector<uint16_t>>> Commit(const std::string& job, uint64_t step, double lr,
+                                                                      float gscale = 1.0f, bool skip = false) {
+    v1::CommitRequest r;
+    r.set_job(job);
+    r.set_step(step);
+    r.set_lr(lr);
+    r.set_gscale(gscale);
+    r.set_skip(skip);
+    std::map<std::string, std::vector<uint16_t>> params;
+    auto st = store_.Commit(r, [&](const v1::ParamChunk& c) {
+      auto& p = params[c.tensor()];
+      const uint64_t n = c.data().size() / 2;
+      if (p.size() < c.offset() + n) p.resize(c.offset() + n);
+      std::memcpy(p.data() + c.offset(), c.data().data(), n * 2);
+      return true;
+    });
+    if (!st.ok()) return st;
+    return params;
+  }
+
+  std::vector<float> ReadFloats(const std::string& job, const std::string& tensor, v1::StateKind kind) {
+    v1::ReadRequest r;
+    r.set_job(job);
+    r.set_tensor(tensor);
+    r.set_kind(kind);
+    std::vector<float> out;
+    EXPECT_TRUE(store_.Read(r, [&](const v1::StateChunk& c) {
+                  const size_t n = c.data().size() / 4;
+                  out.resize(c.offset() + n);
+                  std::memcpy(out.data() + c.offset(), c.data().data(), n * 4);
+                  return true;
+                }).ok());
+    return out;
+  }
+
+  // Everything a refusal must leave alone.
+  std::string Snapshot(const std::string& job) {
+    auto d = store_.Describe(job);
+    EXPECT_TRUE(d.ok());
+    std::string s = d->SerializeAsString();
+    for (const auto& t : d->tensors()) {
+      for (v1::StateKind k : {v1::MASTER, v1::EXP_AVG, v1::EXP_AVG_SQ}) {
+        auto v = ReadFloats(job, t.name(), k);
+        s.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+      }
+    }
+    return s;
+  }
+
+  std::mt19937_64 rng_{1234};
+  std::unique_ptr<Backend> backend_;
+  JobStore store_;
+};
+
+TEST_F(StoreTest, AggregationIsIndependentOfRankAndChunkOrder) {
+  const std::vector<TensorDef> tensors = {{"w", 9001}, {"b", 77}};
+  constexpr uint32_t kWorld = 3;
+  constexpr int kSteps = 4;
+  std::vector<std::vector<std::map<std::string, std::vector<uint16_t>>>> grads(kSteps);  // [step][rank]
+  for (auto& step : grads) {
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      std::map<std::string, std::vector<uint16_t>> g;
+      for (const auto& t : tensors) g[t.name] = RandomBf16(rng_, t.numel, 1.0f);
+      step.push_back(std::move(g));
+    }
+  }
+  std::vector<std::vector<float>> finals;
+  std::map<std::string, std::vector<float>> init;
+  for (uint64_t variant = 0; variant < 3; ++variant) {
+    const std::string job = "order" + std::to_string(variant);
+    auto this_init = Create(JobRequest(job, kWorld, tensors));
+    for (auto& [name, values] : this_init) {  // same start for every variant
+      if (variant == 0) init[name] = values;
+      v1::InitChunk c;
+      c.set_job(job);
+      c.set_tensor(name);
+      c.set_dtype(v1::FP32);
+      c.set_data(init[name].data(), init[name].size() * 4);
+      ASSERT_TRUE(store_.Init(c).ok());
+    }
+    for (int t = 0; t < kSteps; ++t) {
+      std::vector<uint32_t> ranks = {0, 1, 2};
+      std::shuffle(ranks.begin(), ranks.end(), std::mt19937_64(variant * 10 + t));
+      std::vector<std::thread> threads;
+      std::vector<absl::Status> results(kWorld);
+      for (uint32_t r : ranks) {
+        threads.emplace_back([&, r] {
+          auto resp = Push(job, t + 1, r, grads[t][r], /*chunk=*/300 + 700 * variant, /*order=*/variant * 31 + r);
+          results[r] = resp.status();
+        });
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      for (auto& th : threads) th.join();
+      for (const auto& st : results) ASSERT_TRUE(st.ok()) << st;
+      ASSERT_TRUE(Commit(job, t + 1, 1e-2).ok());
+    }
+    std::vector<float> all;
+    for (const auto& t : tensors) {
+      for (v1::StateKind k : {v1::MASTER, v1::EXP_AVG, v1::EXP_AVG_SQ}) {
+        auto v = ReadFloats(job, t.name, k);
+        all.insert(all.end(), v.begin(), v.end());
+      }
+    }
+    finals.push_back(std::move(all));
+  }
+  EXPECT_EQ(finals[0], finals[1]);
+  EXPECT_EQ(finals[0], finals[2]);
+  // And the sum is in rank order, as the scalar reference does it.
+  for (const auto& t : tensors) {
+    ReferenceTensor ref(kHyper, init[t.name], false);
+    for (int s = 0; s < kSteps; ++s) {
+      ref.Step({grads[s][0][t.name].data(), grads[s][1][t.name].data(), grads[s][2][t.name].data()}, 1e-2, 1.0f);
+    }
+    EXPECT_EQ(ReadFloats("order0", t.name, v1::MASTER), ref.p) << t.name;
+  }
+}
+
+TEST_F(StoreTest, RetriedChunksAndPushesCountOnce) {
+  auto init = Create(JobRequest("retry", 1, {{"w", 5000}}));
+  auto g = RandomBf16(rng_, 5000, 1.0f);
+  // Every chunk twice in one stream, then the whole push again.
+  v1::GradChunk head;
+  head.set_job("retry");
+  head.set_step(1);
+  auto session = store_.BeginPush(head);
+  ASSERT_TRUE(session.ok());
+  for (int rep = 0; rep < 2; ++rep) {
+    for (uint64_t off = 0; off < 5000; off += 999) {
+      ASSERT_TRUE((*session)->Add(Chunk("w", off, g.data() + off, std::min<uint64_t>(999, 5000 - off))).ok());
+    }
+  }
+  auto first = (*session)->Finish();
+  ASSERT_TRUE(first.ok());
+  auto again = Push("retry", 1, 0, {{"w", g}}, 2500);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->sum_squares(), first->sum_squares());
+  auto params = Commit("retry", 1, 1e-3);
+  ASSERT_TRUE(params.ok());
+  // A push retried after the commit answers the same and changes nothing.
+  auto late = Push("retry", 1, 0, {{"w", g}});
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ(late->sum_squares(), first->sum_squares());
+  ReferenceTensor ref(kHyper, init["w"], false);
+  ref.Step({g.data()}, 1e-3, 1.0f);
+  EXPECT_EQ(ReadFloats("retry", "w", v1::MASTER), ref.p);
+  EXPECT_EQ((*params)["w"], ref.Params());
+}
+
+TEST_F(StoreTest, CommitIsIdempotentAndRefusesDifferentArguments) {
+  Create(JobRequest("idem", 1, {{"w", 3000}}));
+  auto g = RandomBf16(rng_, 3000, 1.0f);
+  ASSERT_TRUE(Push("idem", 1, 0, {{"w", g}}).ok());
+  auto first = Commit("idem", 1, 1e-3, 0.5f);
+  ASSERT_TRUE(first.ok());
+  const std::string before = Snapshot("idem");
+  auto second = Commit("idem", 1, 1e-3, 0.5f);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(*first, *second);
+  EXPECT_EQ(Snapshot("idem"), before);
+  auto differs = Commit("idem", 1, 2e-3, 0.5f);
+  EXPECT_EQ(differs.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(std::string(differs.status().message()), HasSubstr("ranks disagree"));
+  EXPECT_EQ(Commit("idem", 1, 1e-3, 0.5f, true).status().code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(Snapshot("idem"), before);
+}
+
+TEST_F(StoreTest, CommitWithIncompletePushIsRefusedNamingWhatIsMissing) {
+  Create(JobRequest("incomplete", 2, {{"w", 3000}}));
+  const std::string before = Snapshot("incomplete");
+  auto none = Commit("incomplete", 1, 1e-3);
+  EXPECT_EQ(none.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(none.status().message()), HasSubstr("no rank has pushed step 1"));
+  // Rank 1 sends half of its gradient and waits in the background.
+  auto g = RandomBf16(rng_, 3000, 1.0f);
+  v1::GradChunk head;
+  head.set_job("incomplete");
+  head.set_step(1);
+  head.set_rank(1);
+  auto session = store_.BeginPush(head);
+  ASSERT_TRUE(session.ok());
+  ASSERT_TRUE((*session)->Add(Chunk("w", 0, g.data(), 1500)).ok());
+  auto partial = Commit("incomplete", 1, 1e-3);
+  EXPECT_EQ(partial.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(partial.status().message()), HasSubstr("ranks {0, 1} of 2"));
+  EXPECT_THAT(std::string(partial.status().message()), HasSubstr("rank 0 lacks tensor 'w' elements [0, 3000)"));
+  // A push that ends without covering its shards is refused too.
+  auto finish = (*session)->Finish();
+  EXPECT_EQ(finish.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(finish.status().message()), HasSubstr("elements [1500, 3000)"));
+  EXPECT_EQ(Snapshot("incomplete"), before);
+}
+
+TEST_F(StoreTest, BarrierDeadlineDiscardsTheRoundAndAFreshPushSucceeds) {
+  auto init = Create(JobRequest("deadline", 2, {{"w", 2000}}, v1::PRECISION_FP32, /*barrier_ms=*/300));
+  const std::string before = Snapshot("deadline");
+  auto g0 = RandomBf16(rng_, 2000, 1.0f), g1 = RandomBf16(rng_, 2000, 1.0f);
+  // Rank 1 starts streaming but stalls past the deadline.
+  v1::GradChunk head;
+  head.set_job("deadline");
+  head.set_step(1);
+  head.set_rank(1);
+  auto slow = store_.BeginPush(head);
+  ASSERT_TRUE(slow.ok());
+  ASSERT_TRUE((*slow)->Add(Chunk("w", 0, g1.data(), 1000)).ok());
+  const absl::Time start = absl::Now();
+  auto waited = Push("deadline", 1, 0, {{"w", g0}});
+  EXPECT_EQ(waited.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(waited.status().message()), HasSubstr("ranks {1} of 2"));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(250));
+  // The stalled rank's later chunk belongs to a round that is gone.
+  EXPECT_EQ((*slow)->Add(Chunk("w", 1000, g1.data() + 1000, 1000)).code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(Commit("deadline", 1, 1e-3).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Snapshot("deadline"), before);
+  // Both ranks push again: the step goes through as if nothing happened.
+  std::thread other([&] { EXPECT_TRUE(Push("deadline", 1, 1, {{"w", g1}}).ok()); });
+  EXPECT_TRUE(Push("deadline", 1, 0, {{"w", g0}}).ok());
+  other.join();
+  ASSERT_TRUE(Commit("deadline", 1, 1e-3).ok());
+  ReferenceTensor ref(kHyper, init["w"], false);
+  ref.Step({g0.data(), g1.data()}, 1e-3, 1.0f);
+  EXPECT_EQ(ReadFloats("deadline", "w", v1::MASTER), ref.p);
+}
+
+TEST_F(StoreTest, SkippedStepAdvancesTheJobAndChangesNoState) {
+  auto init = Create(JobRequest("skip", 1, {{"w", 4000}}));
+  auto bad = RandomBf16(rng_, 4000, 1.0f);
+  bad[123] = 0x7FC0;  // NaN
+  auto resp = Push("skip", 1, 0, {{"w", bad}});
+  ASSERT_TRUE(resp.ok());
+  EXPECT_TRUE(resp->nonfinite());
+  const std::string before_state = Snapshot("skip").substr(store_.Describe("skip")->ByteSizeLong());
+  ASSERT_TRUE(Commit("skip", 1, 1e-3, 1.0f, /*skip=*/true).ok());
+  auto d = store_.Describe("skip");
+  EXPECT_EQ(d->step(), 1u);
+  EXPECT_EQ(d->tensors(0).adam_step(), 0u);
+  EXPECT_EQ(Snapshot("skip").substr(d->ByteSizeLong()), before_state);
+  // The next update is the tensor's first Adam step.
+  auto g = RandomBf16(rng_, 4000, 1.0f);
+  ASSERT_TRUE(Push("skip", 2, 0, {{"w", g}}).ok());
+  ASSERT_TRUE(Commit("skip", 2, 1e-3).ok());
+  ReferenceTensor ref(kHyper, init["w"], false);
+  ref.Step({g.data()}, 1e-3, 1.0f);
+  EXPECT_EQ(ReadFloats("skip", "w", v1::MASTER), ref.p);
+  EXPECT_EQ(store_.Describe("skip")->tensors(0).adam_step(), 1u);
+}
+
+TEST_F(StoreTest, TensorsWithoutGradientKeepStateAndTheirOwnAdamStep) {
+  auto init = Create(JobRequest("nograd", 2, {{"a", 3000}, {"b", 500}}));
+  ReferenceTensor ra(kHyper, init["a"], false), rb(kHyper, init["b"], false);
+  for (uint64_t t = 1; t <= 4; ++t) {
+    auto a0 = RandomBf16(rng_, 3000, 1.0f), a1 = RandomBf16(rng_, 3000, 1.0f);
+    auto b0 = RandomBf16(rng_, 500, 1.0f), b1 = RandomBf16(rng_, 500, 1.0f);
+    // b: both ranks on odd steps, only rank 1 on step 2, nobody on step 4.
+    std::map<std::string, std::vector<uint16_t>> g0 = {{"a", a0}}, g1 = {{"a", a1}};
+    std::vector<std::string> ng0 = {"b"}, ng1 = {"b"};
+    if (t % 2 == 1) {
+      g0["b"] = b0;
+      ng0.clear();
+    }
+    if (t != 4) {
+      g1["b"] = b1;
+      ng1.clear();
+    }
+    std::thread r1([&] { EXPECT_TRUE(Push("nograd", t, 1, g1, 1000, 0, ng1).ok()); });
+    ASSERT_TRUE(Push("nograd", t, 0, g0, 1000, 0, ng0).ok());
+    r1.join();
+    ASSERT_TRUE(Commit("nograd", t, 1e-2).ok());
+    ra.Step({a0.data(), a1.data()}, 1e-2, 1.0f);
+    if (t % 2 == 1) rb.Step({b0.data(), b1.data()}, 1e-2, 1.0f);
+    if (t == 2) rb.Step({b1.data()}, 1e-2, 1.0f);
+  }
+  EXPECT_EQ(ReadFloats("nograd", "a", v1::MASTER), ra.p);
+  EXPECT_EQ(ReadFloats("nograd", "b", v1::MASTER), rb.p);
+  EXPECT_EQ(ReadFloats("nograd", "b", v1::EXP_AVG_SQ), rb.v);
+  auto d = store_.Describe("nograd");
+  EXPECT_EQ(d->tensors(0).adam_step(), 4u);
+  EXPECT_EQ(d->tensors(1).adam_step(), 3u);
+}
+
+TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
+  auto init = Create(JobRequest("bad", 2, {{"w", 3000}}));
+  const std::string before = Snapshot("bad");
+  auto g = RandomBf16(rng_, 3000, 1.0f);
+  auto push_status = [&](uint64_t step, uint32_t rank, v1::GradChunk chunk) {
+    v1::GradChunk head;
+    head.set_job("bad");
+    head.set_step(step);
+    head.set_rank(rank);
+    auto s = store_.BeginPush(head);
+    if (!s.ok()) return s.status();
+    return (*s)->Add(chunk);
+  };
+  const v1::GradChunk ok = Chunk("w", 0, g.data(), 100);
+  v1::GradChunk past = Chunk("w", 2950, g.data(), 100);
+  v1::GradChunk unknown = Chunk("nope", 0, g.data(), 100);
+  v1::GradChunk ragged = ok;
+  ragged.mutable_data()->push_back('x');
+  v1::GradChunk fp32 = ok;
+  fp32.set_dtype(v1::FP32);
+  struct Case {
+    const char* what;
+    absl::Status status;
+    absl::StatusCode code;
+    const char* says;
+  } cases[] = {
+      {"past the tensor", push_status(1, 0, past), absl::StatusCode::kOutOfRange, "past its end"},
+      {"unknown tensor", push_status(1, 0, unknown), absl::StatusCode::kNotFound, "no tensor 'nope'"},
+      {"ragged data", push_status(1, 0, ragged), absl::StatusCode::kInvalidArgument, "whole number"},
+      {"wrong dtype", push_status(1, 0, fp32), absl::StatusCode::kInvalidArgument, "takes BF16"},
+      {"rank out of range", push_status(1, 2, ok), absl::StatusCode::kInvalidArgument, "world_size 2"},
+      {"stale step", push_status(0, 0, ok), absl::StatusCode::kFailedPrecondition, "stale"},
+      {"future step", push_status(2, 0, ok), absl::StatusCode::kOutOfRange, "future"},
+      {"unknown job", [&] {
+         v1::GradChunk h = ok;
+         h.set_job("nobody");
+         h.set_step(1);
+         return store_.BeginPush(h).status();
+       }(), absl::StatusCode::kNotFound, "no job 'nobody'"},
+      {"future commit", Commit("bad", 2, 1e-3).status(), absl::StatusCode::kOutOfRange, "future"},
+      {"stale commit", Commit("bad", 0, 1e-3).status(), absl::StatusCode::kFailedPrecondition, "stale"},
+      {"NaN lr", Commit("bad", 1, std::nan("")).status(), absl::StatusCode::kInvalidArgument, "lr"},
+      {"Inf gscale", Commit("bad", 1, 1e-3, INFINITY).status(), absl::StatusCode::kInvalidArgument, "gscale"},
+      {"different shapes", store_.CreateJob(JobRequest("bad", 2, {{"w", 3001}})).status(),
+       absl::StatusCode::kAlreadyExists, "different configuration"},
+      {"NaN initial value", [&] {
+         v1::InitChunk c;
+         c.set_job("bad");
+         c.set_tensor("w");
+         c.set_dtype(v1::FP32);
+         std::vector<float> v(10, 1.0f);
+         v[3] = NAN;
+         c.set_data(v.data(), 40);
+         return store_.Init(c);
+       }(), absl::StatusCode::kInvalidArgument, "not finite"},
+      {"bad read kind", store_.Read([] {
+         v1::ReadRequest r;
+         r.set_job("bad");
+         r.set_tensor("w");
+         return r;
+       }(), [](const v1::StateChunk&) { return true; }), absl::StatusCode::kInvalidArgument, "read kind"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(c.status.code(), c.code) << c.what << ": " << c.status;
+    EXPECT_THAT(std::string(c.status.message()), HasSubstr(c.says)) << c.what;
+  }
+  EXPECT_EQ(Snapshot("bad"), before);
+  // An identical CreateJob attaches.
+  auto attach = store_.CreateJob(JobRequest("bad", 2, {{"w", 3000}}));
+  ASSERT_TRUE(attach.ok());
+  EXPECT_FALSE(attach->created());
+  EXPECT_EQ(Snapshot("bad"), before);
+}
+
+TEST_F(StoreTest, PushBeforeInitialValuesIsRefused) {
+  ASSERT_TRUE(store_.CreateJob(JobRequest("noinit", 1, {{"w", 5000}})).ok());
+  v1::InitChunk c;
+  c.set_job("noinit");
+  c.set_tensor("w");
+  c.set_dtype(v1::BF16);
+  std::vector<uint16_t> half(4000, 0x3F80);
+  c.set_data(half.data(), half.size() * 2);
+  ASSERT_TRUE(store_.Init(c).ok());
+  v1::GradChunk head;
+  head.set_job("noinit");
+  head.set_step(1);
+  auto s = store_.BeginPush(head);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("elements [4000, 5000) have no initial value"));
+}
+
+TEST_F(StoreTest, InitialValuesAreTakenOnlyAtStepZero) {
+  Create(JobRequest("late", 1, {{"w", 100}}));
+  auto g = RandomBf16(rng_, 100, 1.0f);
+  ASSERT_TRUE(Push("late", 1, 0, {{"w", g}}).ok());
+  ASSERT_TRUE(Commit("late", 1, 1e-3).ok());
+  const std::string before = Snapshot("late");
+  v1::InitChunk c;
+  c.set_job("late");
+  c.set_tensor("w");
+  c.set_dtype(v1::FP32);
+  std::vector<float> v(100, 1.0f);
+  c.set_data(v.data(), 400);
+  EXPECT_EQ(store_.Init(c).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(Snapshot("late"), before);
+}
+
+TEST_F(StoreTest, DescribeReportsStateBytesAndHeldPrecision) {
+  Create(JobRequest("fp32", 2, {{"w", 1000}, {"b", 24}}));
+  Create(JobRequest("bf16", 1, {{"w", 1000}}, v1::PRECISION_BF16));
+  auto d32 = store_.Describe("fp32");
+  EXPECT_EQ(d32->state_bytes(), 1024u * 12);
+  EXPECT_EQ(d32->staging_bytes(), 1024u * 2 + 1024u * 2 * 2);  // params out + 2 ranks' bf16 slots
+  EXPECT_EQ(d32->groups(0).state_dtype(), v1::FP32);
+  auto d16 = store_.Describe("bf16");
+  EXPECT_EQ(d16->state_bytes(), 1000u * 6);
+  EXPECT_EQ(d16->groups(0).state_dtype(), v1::BF16);
+  EXPECT_THAT(d16->device(), HasSubstr("cpu"));
+}
+
+}  // namespace
+}  // namespace shardopt
