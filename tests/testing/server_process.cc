@@ -1,6 +1,7 @@
 #include "tests/testing/server_process.h"
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -25,6 +26,7 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::vector<std::strin
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   proc->pid_ = fork();
   if (proc->pid_ == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test killed mid-run must not leave its server behind
     std::vector<char*> argv;
     for (auto& a : argv_s) argv.push_back(a.data());
     argv.push_back(nullptr);

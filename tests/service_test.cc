@@ -1,0 +1,378 @@
+// Integration: real shardopt-server processes on 127.0.0.1, real gRPC.
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "kernels/adamw_math.h"
+#include "shardopt/client.h"
+#include "shardopt/grpc_edge.h"
+#include "shardopt/v1/optimizer.grpc.pb.h"
+#include "tests/testing/reference.h"
+#include "tests/testing/server_process.h"
+
+namespace shardopt {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RandomBf16;
+using testing::RandomFloats;
+using testing::ReferenceTensor;
+using testing::ServerProcess;
+namespace v1 = ::shardopt::v1;
+
+const AdamWHyper kHyper{0.9, 0.999, 1e-8f, 0.01, 1.0};
+
+JobOptions MakeJob(const std::string& name, uint32_t world, std::vector<std::pair<std::string, uint64_t>> tensors,
+                   StatePrecision precision = StatePrecision::kFp32) {
+  JobOptions job;
+  job.name = name;
+  job.world_size = world;
+  GroupOptions g;
+  g.name = "all";
+  g.beta1 = kHyper.beta1;
+  g.beta2 = kHyper.beta2;
+  g.eps = kHyper.eps;
+  g.weight_decay = kHyper.weight_decay;
+  g.precision = precision;
+  job.groups = {g};
+  for (auto& [n, numel] : tensors) job.tensors.push_back({n, numel, 0});
+  job.barrier_timeout_ms = 10000;
+  return job;
+}
+
+std::unique_ptr<Client> Connect(const std::string& address, uint32_t rank = 0) {
+  ClientOptions o;
+  o.servers = {address};
+  o.rank = rank;
+  return Client::Connect(o).value();
+}
+
+std::unique_ptr<v1::Optimizer::Stub> RawStub(const std::string& address) {
+  grpc::ChannelArguments args;
+  TuneChannelArguments(&args);
+  return v1::Optimizer::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+}
+
+// A job's whole state, as a client reads it back.
+std::vector<float> ReadAll(Client& c, const JobOptions& job) {
+  std::vector<float> out;
+  for (const auto& t : job.tensors) {
+    for (StateToRead k : {StateToRead::kMaster, StateToRead::kExpAvg, StateToRead::kExpAvgSq}) {
+      std::vector<float> v(t.numel, NAN);
+      EXPECT_TRUE(c.Read(t.name, k, 0, t.numel, v.data()).ok());
+      out.insert(out.end(), v.begin(), v.end());
+    }
+  }
+  return out;
+}
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = ServerProcess::Start({"--threads=2"});
+    ASSERT_NE(server_, nullptr);
+  }
+  std::unique_ptr<ServerProcess> server_;
+  std::mt19937_64 rng_{99};
+};
+
+TEST_F(ServiceTest, ThousandStepsAreBitwiseEqualToTheInProcessReference) {
+  const JobOptions job = MakeJob("long", 1, {{"w", 6007}, {"gain", 64}});
+  auto client = Connect(server_->address());
+  ASSERT_EQ(client->CreateOrAttach(job).value(), 0u);
+  std::vector<ReferenceTensor> refs;
+  for (const auto& t : job.tensors) {
+    auto init = RandomFloats(rng_, t.numel, -1, 1);
+    ASSERT_TRUE(client->InitFp32(t.name, init.data()).ok());
+    refs.emplace_back(kHyper, init, false);
+  }
+  ASSERT_TRUE(client->VerifyState().ok());
+  std::vector<std::vector<uint16_t>> params(job.tensors.size());
+  for (size_t i = 0; i < params.size(); ++i) params[i].resize(job.tensors[i].numel);
+  for (int step = 1; step <= 1000; ++step) {
+    std::vector<std::vector<uint16_t>> grads;
+    std::vector<GradView> gv;
+    std::vector<ParamView> pv;
+    for (size_t i = 0; i < job.tensors.size(); ++i) {
+      grads.push_back(RandomBf16(rng_, job.tensors[i].numel, 0.3f));
+      std::fill(params[i].begin(), params[i].end(), 0xFFFF);  // poisoned
+      pv.push_back({job.tensors[i].name, params[i].data()});
+    }
+    for (size_t i = 0; i < job.tensors.size(); ++i) gv.push_back({job.tensors[i].name, grads[i].data()});
+    StepOptions so;
+    so.lr = 1e-3;
+    auto r = client->Step(gv, so, pv);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->step, static_cast<uint64_t>(step));
+    for (size_t i = 0; i < job.tensors.size(); ++i) {
+      refs[i].Step({grads[i].data()}, so.lr, r->decision.gscale);
+      ASSERT_EQ(params[i], refs[i].Params()) << "step " << step << " tensor " << job.tensors[i].name;
+    }
+  }
+  std::vector<float> expected;
+  for (const auto& ref : refs) {
+    for (const auto* v : {&ref.p, &ref.m, &ref.v}) expected.insert(expected.end(), v->begin(), v->end());
+  }
+  EXPECT_EQ(ReadAll(*client, job), expected);
+  auto described = client->Describe();
+  ASSERT_TRUE(described.ok());
+  EXPECT_EQ(described->at(0).step, 1000u);
+  EXPECT_EQ(described->at(0).state_bytes, (6007u + 64u) * 12);
+}
+
+TEST_F(ServiceTest, RanksMeetAtTheBarrierOverTheNetwork) {
+  const JobOptions job = MakeJob("ranks", 2, {{"w", 20000}});
+  auto c0 = Connect(server_->address(), 0), c1 = Connect(server_->address(), 1);
+  ASSERT_TRUE(c0->CreateOrAttach(job).ok());
+  ASSERT_TRUE(c1->CreateOrAttach(job).ok());
+  auto init = RandomFloats(rng_, 20000, -1, 1);
+  ASSERT_TRUE(c0->InitFp32("w", init.data()).ok());
+  ReferenceTensor ref(kHyper, init, false);
+  std::vector<uint16_t> p0(20000), p1(20000);
+  for (int step = 1; step <= 5; ++step) {
+    auto g0 = RandomBf16(rng_, 20000, 1.0f), g1 = RandomBf16(rng_, 20000, 1.0f);
+    StepOptions so;
+    so.lr = 1e-2;
+    so.max_grad_norm = 1.0;  // clipping on: both ranks must reach the same gscale
+    absl::StatusOr<StepResult> r1;
+    std::thread t([&] { r1 = c1->Step({{"w", g1.data()}}, so, {{"w", p1.data()}}); });
+    auto r0 = c0->Step({{"w", g0.data()}}, so, {{"w", p0.data()}});
+    t.join();
+    ASSERT_TRUE(r0.ok()) << r0.status();
+    ASSERT_TRUE(r1.ok()) << r1.status();
+    EXPECT_EQ(r0->decision.gscale, r1->decision.gscale);
+    EXPECT_LT(r0->decision.clip_factor, 1.0);
+    ref.Step({g0.data(), g1.data()}, so.lr, r0->decision.gscale);
+    EXPECT_EQ(p0, ref.Params());
+    EXPECT_EQ(p1, ref.Params());
+  }
+}
+
+TEST_F(ServiceTest, RetriedPushesAndCommitsOverGrpcCountOnce) {
+  const JobOptions job = MakeJob("retries", 1, {{"w", 3000}});
+  auto client = Connect(server_->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  auto init = RandomFloats(rng_, 3000, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  auto g = RandomBf16(rng_, 3000, 1.0f);
+  auto first = client->Push(1, {{"w", g.data()}});
+  auto second = client->Push(1, {{"w", g.data()}});
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_EQ(first->sum_squares, second->sum_squares);
+  std::vector<uint16_t> a(3000), b(3000, 0xFFFF);
+  ASSERT_TRUE(client->Commit(1, 1e-3, 1.0f, false, {{"w", a.data()}}).ok());
+  ASSERT_TRUE(client->Commit(1, 1e-3, 1.0f, false, {{"w", b.data()}}).ok());
+  EXPECT_EQ(a, b);
+  ReferenceTensor ref(kHyper, init, false);
+  ref.Step({g.data()}, 1e-3, 1.0f);
+  EXPECT_EQ(a, ref.Params());
+  EXPECT_EQ(ReadAll(*client, job), [&] {
+    std::vector<float> e(ref.p);
+    e.insert(e.end(), ref.m.begin(), ref.m.end());
+    e.insert(e.end(), ref.v.begin(), ref.v.end());
+    return e;
+  }());
+}
+
+TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
+  const JobOptions job = MakeJob("bad", 2, {{"w", 3000}});
+  auto client = Connect(server_->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  auto init = RandomFloats(rng_, 3000, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  const std::vector<float> before = ReadAll(*client, job);
+  auto stub = RawStub(server_->address());
+  auto g = RandomBf16(rng_, 3000, 1.0f);
+
+  auto push = [&](std::vector<v1::GradChunk> chunks) {
+    grpc::ClientContext ctx;
+    v1::PushResponse resp;
+    auto w = stub->Push(&ctx, &resp);
+    for (auto& c : chunks) {
+      if (!w->Write(c)) break;
+    }
+    w->WritesDone();
+    return w->Finish();
+  };
+  auto chunk = [&](uint64_t step, uint32_t rank, const std::string& tensor, uint64_t offset, size_t bytes) {
+    v1::GradChunk c;
+    c.set_job("bad");
+    c.set_step(step);
+    c.set_rank(rank);
+    c.set_tensor(tensor);
+    c.set_offset(offset);
+    c.set_dtype(v1::BF16);
+    c.set_data(std::string(reinterpret_cast<const char*>(g.data()), std::min<size_t>(bytes, 6000)) +
+               std::string(bytes > 6000 ? bytes - 6000 : 0, '\x3f'));
+    return c;
+  };
+  auto commit = [&](uint64_t step, double lr, float gscale) {
+    grpc::ClientContext ctx;
+    v1::CommitRequest r;
+    r.set_job("bad");
+    r.set_step(step);
+    r.set_lr(lr);
+    r.set_gscale(gscale);
+    auto reader = stub->Commit(&ctx, r);
+    v1::ParamChunk pc;
+    while (reader->Read(&pc)) {
+    }
+    return reader->Finish();
+  };
+  struct Case {
+    const char* what;
+    grpc::Status status;
+    grpc::StatusCode code;
+    const char* says;
+  } cases[] = {
+      {"offset+length past the tensor", push({chunk(1, 0, "w", 2990, 40)}), grpc::StatusCode::OUT_OF_RANGE, "past its end"},
+      {"ragged data", push({chunk(1, 0, "w", 0, 41)}), grpc::StatusCode::INVALID_ARGUMENT, "whole number"},
+      {"unknown tensor", push({chunk(1, 0, "v", 0, 40)}), grpc::StatusCode::NOT_FOUND, "no tensor 'v'"},
+      {"rank out of range", push({chunk(1, 7, "w", 0, 40)}), grpc::StatusCode::INVALID_ARGUMENT, "rank 7"},
+      {"stale step", push({chunk(0, 0, "w", 0, 40)}), grpc::StatusCode::FAILED_PRECONDITION, "stale"},
+      {"future step", push({chunk(5, 0, "w", 0, 40)}), grpc::StatusCode::OUT_OF_RANGE, "future"},
+      {"oversize message", push({chunk(1, 0, "w", 0, 9 << 20)}), grpc::StatusCode::RESOURCE_EXHAUSTED, ""},
+      {"incomplete push commit", commit(1, 1e-3, 1.0f), grpc::StatusCode::FAILED_PRECONDITION, "push is incomplete"},
+      {"NaN gscale", commit(1, 1e-3, NAN), grpc::StatusCode::INVALID_ARGUMENT, "gscale"},
+      {"unknown job", [&] {
+         grpc::ClientContext ctx;
+         v1::DescribeRequest r;
+         r.set_job("nobody");
+         v1::DescribeResponse resp;
+         return stub->Describe(&ctx, r, &resp);
+       }(), grpc::StatusCode::NOT_FOUND, "no job 'nobody'"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(c.status.error_code(), c.code) << c.what << ": " << c.status.error_message();
+    EXPECT_THAT(c.status.error_message(), HasSubstr(c.says)) << c.what;
+  }
+  // Re-creating with other shapes, through the client library.
+  auto other = Connect(server_->address());
+  auto recreated = other->CreateOrAttach(MakeJob("bad", 2, {{"w", 4096}}));
+  EXPECT_EQ(recreated.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(std::string(recreated.status().message()), HasSubstr(server_->address()));
+  EXPECT_EQ(ReadAll(*client, job), before);
+  EXPECT_EQ(client->step(), 0u);
+}
+
+TEST_F(ServiceTest, PushAfterTheBarrierDeadlineIsRefusedAndChangesNothing) {
+  JobOptions job = MakeJob("late", 2, {{"w", 2000}});
+  job.barrier_timeout_ms = 300;
+  ClientOptions o;
+  o.servers = {server_->address()};
+  o.max_attempts = 1;  // see the deadline itself, not the retries
+  auto client = Client::Connect(o).value();
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  auto init = RandomFloats(rng_, 2000, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  const auto before = ReadAll(*client, job);
+  auto g = RandomBf16(rng_, 2000, 1.0f);
+  auto r = client->Push(1, {{"w", g.data()}});  // rank 1 never comes
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("ranks {1} of 2"));
+  EXPECT_EQ(ReadAll(*client, job), before);
+}
+
+TEST_F(ServiceTest, TwoJobsAreIsolated) {
+  const JobOptions ja = MakeJob("a", 1, {{"w", 5000}}), jb = MakeJob("b", 1, {{"w", 5000}}, StatePrecision::kBf16);
+  auto ca = Connect(server_->address()), cb = Connect(server_->address());
+  ASSERT_TRUE(ca->CreateOrAttach(ja).ok());
+  ASSERT_TRUE(cb->CreateOrAttach(jb).ok());
+  auto ia = RandomFloats(rng_, 5000, -1, 1), ib = RandomFloats(rng_, 5000, -1, 1);
+  ASSERT_TRUE(ca->InitFp32("w", ia.data()).ok());
+  ASSERT_TRUE(cb->InitFp32("w", ib.data()).ok());
+  ReferenceTensor ra(kHyper, ia, false), rb(kHyper, ib, true);
+  std::vector<uint16_t> pa(5000), pb(5000);
+  for (int step = 1; step <= 20; ++step) {
+    auto ga = RandomBf16(rng_, 5000, 1.0f), gb = RandomBf16(rng_, 5000, 1.0f);
+    StepOptions so;
+    so.lr = 1e-2;
+    auto sa = ca->Step({{"w", ga.data()}}, so, {{"w", pa.data()}});
+    ASSERT_TRUE(sa.ok());
+    ra.Step({ga.data()}, so.lr, 1.0f);
+    if (step % 2 == 0) {  // b moves at half the pace
+      ASSERT_TRUE(cb->Step({{"w", gb.data()}}, so, {{"w", pb.data()}}).ok());
+      rb.Step({gb.data()}, so.lr, 1.0f);
+    }
+  }
+  EXPECT_EQ(pa, ra.Params());
+  EXPECT_EQ(pb, rb.Params());
+  EXPECT_EQ(ca->step(), 20u);
+  EXPECT_EQ(cb->step(), 10u);
+  ASSERT_TRUE(cb->Drop().ok());
+  std::vector<float> master(5000);
+  ASSERT_TRUE(ca->Read("w", StateToRead::kMaster, 0, 5000, master.data()).ok());
+  EXPECT_EQ(master, ra.p);
+}
+
+TEST_F(ServiceTest, VerifyStateFailsWhenStateIsNotHeldAtTheAskedPrecision) {
+  // Another trainer created the job with bf16 state; this one asks for fp32
+  // and must be refused rather than silently train on bf16 state.
+  auto bf16_client = Connect(server_->address());
+  ASSERT_TRUE(bf16_client->CreateOrAttach(MakeJob("prec", 1, {{"w", 100}}, StatePrecision::kBf16)).ok());
+  ASSERT_TRUE(bf16_client->VerifyState().ok());
+  auto fp32_client = Connect(server_->address());
+  EXPECT_EQ(fp32_client->CreateOrAttach(MakeJob("prec", 1, {{"w", 100}})).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(fp32_client->VerifyState().code(), absl::StatusCode::kFailedPrecondition);  // never attached
+}
+
+TEST_F(ServiceTest, HealthAndReflectionAreServed) {
+  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub generic(channel);
+  auto call = [&](const std::string& method, const std::string& request) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    grpc::CompletionQueue cq;
+    grpc::Slice slice(request);
+    grpc::ByteBuffer send(&slice, 1), recv;
+    auto rpc = generic.PrepareUnaryCall(&ctx, method, send, &cq);
+    rpc->StartCall();
+    grpc::Status st;
+    rpc->Finish(&recv, &st, reinterpret_cast<void*>(1));
+    void* tag;
+    bool ok;
+    EXPECT_TRUE(cq.Next(&tag, &ok));
+    std::vector<grpc::Slice> slices;
+    std::string out;
+    if (st.ok() && recv.Dump(&slices).ok()) {
+      for (auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    return std::make_pair(st, out);
+  };
+  // grpc.health.v1.HealthCheckResponse{status: SERVING} is the bytes 08 01.
+  auto [health_status, health] = call("/grpc.health.v1.Health/Check", "");
+  ASSERT_TRUE(health_status.ok()) << health_status.error_message();
+  EXPECT_EQ(health, std::string("\x08\x01", 2));
+
+  // Reflection is a bidi stream: ask it to list the services.
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  // The generic stub streams only through a completion queue in 1.51.
+  grpc::CompletionQueue cq;
+  auto rs = generic.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  void* tag;
+  bool ok;
+  rs->StartCall(reinterpret_cast<void*>(1));
+  ASSERT_TRUE(cq.Next(&tag, &ok) && ok);
+  grpc::Slice req(std::string("\x3a\x00", 2));  // list_services: ""
+  grpc::ByteBuffer send(&req, 1), recv;
+  rs->Write(send, reinterpret_cast<void*>(2));
+  ASSERT_TRUE(cq.Next(&tag, &ok) && ok);
+  rs->Read(&recv, reinterpret_cast<void*>(3));
+  ASSERT_TRUE(cq.Next(&tag, &ok) && ok);
+  std::vector<grpc::Slice> slices;
+  std::string listed;
+  ASSERT_TRUE(recv.Dump(&slices).ok());
+  for (auto& s : slices) listed.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  EXPECT_THAT(listed, HasSubstr("shardopt.v1.Optimizer"));
+  ctx.TryCancel();
+}
+
+}  // namespace
+}  // namespace shardopt
