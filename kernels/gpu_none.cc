@@ -7,5 +7,9 @@ std::string GpuUnavailableReason() { return "this build has no CUDA (configure w
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int) {
   return absl::FailedPreconditionError("this build has no CUDA backend; rebuild with -DSHARDOPT_CUDA=ON");
 }
+absl::Status CudaBackendHealth(const Backend&) { return absl::OkStatus(); }
+absl::StatusOr<GpuKernelBench> BenchCudaKernel(uint64_t, int, int) {
+  return absl::FailedPreconditionError("this build has no CUDA backend; rebuild with -DSHARDOPT_CUDA=ON");
+}
 
 }  // namespace shardopt

@@ -1,0 +1,38 @@
+#include "kernels/cuda/testing.h"
+
+#include <cuda_runtime_api.h>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/backend.h"
+#include "kernels/cuda/job.h"
+#include "kernels/cuda/trap.h"
+
+namespace shardopt::cuda_testing {
+
+absl::Status FillParamsOut(JobState& job, uint32_t shard, uint8_t byte) {
+  auto* cuda_job = dynamic_cast<cuda::CudaJobState*>(&job);
+  if (cuda_job == nullptr) return absl::InvalidArgumentError("not a CUDA job");
+  return cuda_job->FillParamsOut(shard, byte);
+}
+
+absl::StatusOr<uint64_t> FreeDeviceBytes(int device) {
+  size_t free = 0, total = 0;
+  cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = cudaMemGetInfo(&free, &total);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // so that no later launch check sees it
+    return absl::InternalError(absl::StrCat("cudaMemGetInfo: ", cudaGetErrorString(e)));
+  }
+  return free;
+}
+
+absl::Status BreakDevice(Backend& backend) {
+  auto* cuda_backend = dynamic_cast<cuda::CudaBackend*>(&backend);
+  if (cuda_backend == nullptr) return absl::InvalidArgumentError("not a CUDA backend");
+  const cuda::Device& device = cuda_backend->device();
+  if (auto st = device.Enter(); !st.ok()) return st;
+  if (auto st = device.Check(cuda::LaunchTrap(nullptr), "the trap launch"); !st.ok()) return st;
+  return device.Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
+
+}  // namespace shardopt::cuda_testing

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The one command run on a GPU machine (DESIGN.md, "Where a GPU is not").
+# That machine has CUDA and PyTorch but no GoogleTest, absl or network, so the
+# binaries come prebuilt in device-bundle/ (tests/gpu/make_bundle.sh, run on a
+# development machine). Runs the GPU tests, the kernel benchmark and torch's
+# fused AdamW for comparison, each under a time limit so that the whole stays
+# under 8 minutes, and writes into $OUT (or ./device-out):
+#   cuda_parity_test.json cuda_sticky_error_test.json cuda_availability_test.json
+#   kernel_bench.json torch_fused_adamw.json summary.json
+# Exits 0 when every step passed.
+set -uo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(cd "$here/../.." && pwd)
+bundle=${SHARDOPT_BUNDLE:-$root/device-bundle}
+out=${OUT:-./device-out}
+elements=${KERNEL_BENCH_ELEMENTS:-268435456}  # 2^28
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+
+# step NAME LIMIT_S COMMAND...: stdout and stderr to $logs, the result to $logs/steps.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout --kill-after=5 "$limit" "$@" >"$logs/$name.stdout" 2>"$logs/$name.stderr"
+  echo "$name $? $((SECONDS - start)) $limit" >>"$logs/steps"
+}
+
+# How bundled binaries start here: with this machine's libstdc++, else the
+# bundle's, else also the bundle's C library and loader.
+launch=()
+launch_mode=none
+if [[ -f $bundle/bin/cuda_availability_test && ! -x $bundle/bin/cuda_availability_test ]]; then
+  # A copy that lost the execute bits.
+  cp -r "$bundle" "$logs/bundle" && chmod -R u+x "$logs/bundle/bin" "$logs/bundle/lib-glibc" && bundle=$logs/bundle
+fi
+if [[ -x $bundle/bin/cuda_availability_test ]]; then
+  host_path=${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  candidates=(
+    "system-libstdc++|env LD_LIBRARY_PATH=$bundle/lib$host_path"
+    "bundled-libstdc++|env LD_LIBRARY_PATH=$bundle/lib:$bundle/lib-cxx$host_path"
+    "bundled-glibc|$bundle/lib-glibc/ld-linux-x86-64.so.2 --library-path $bundle/lib:$bundle/lib-cxx:$bundle/lib-glibc$host_path"
+  )
+  for candidate in "${candidates[@]}"; do
+    read -r -a cmd <<<"${candidate#*|}"
+    if "${cmd[@]}" "$bundle/bin/cuda_availability_test" --gtest_list_tests >"$logs/launch.log" 2>&1; then
+      launch=("${cmd[@]}")
+      launch_mode=${candidate%%|*}
+      break
+    fi
+  done
+fi
+
+if [[ $launch_mode != none ]]; then
+  for t in cuda_availability_test cuda_parity_test cuda_sticky_error_test; do
+    case $t in
+      cuda_parity_test) limit=200 ;;
+      cuda_sticky_error_test) limit=30 ;;
+      *) limit=20 ;;
+    esac
+    step "$t" "$limit" "${launch[@]}" "$bundle/bin/$t" --gtest_output="json:$out/$t.json"
+  done
+  step kernel_bench 60 "${launch[@]}" "$bundle/bin/cuda_kernel_bench" --elements="$elements" --iterations=20
+fi
+# torch runs with this machine's own libraries, never the bundle's.
+step torch_fused_adamw 100 python3 "$here/torch_fused_adamw_bench.py" --elements="$elements" --iterations=20 \
+  --out="$out/torch_fused_adamw.json"
+
+python3 "$here/device_summary.py" --logs="$logs" --out="$out" --bundle="$bundle" --launch-mode="$launch_mode"

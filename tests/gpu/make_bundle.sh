@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Builds what tests/gpu/device_check.sh runs on a GPU machine, which has CUDA
+# and PyTorch but no GoogleTest, absl or network: the GPU test binaries and
+# the kernel benchmark, with CUDA linked statically, and next to them every
+# shared library they need that is not the C library or the driver's.
+#
+#   tests/gpu/make_bundle.sh        # -> device-bundle/{bin,lib,manifest.json}
+#
+# BUILD_DIR (default build-cuda) and JOBS (default 2) tune the build.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+build=${BUILD_DIR:-$root/build-cuda}
+bundle=$root/device-bundle
+targets=(cuda_parity_test cuda_sticky_error_test cuda_availability_test cuda_kernel_bench)
+
+cmake -S "$root" -B "$build" -G Ninja -DSHARDOPT_CUDA=ON -DSHARDOPT_BUILD_BENCH=OFF >/dev/null
+ninja -C "$build" -j "${JOBS:-2}" "${targets[@]}"
+
+rm -rf "$bundle"
+mkdir -p "$bundle/bin" "$bundle/lib"
+for t in "${targets[@]}"; do
+  cp "$build/tests/gpu/$t" "$bundle/bin/"
+done
+
+if ldd "$bundle"/bin/* | grep -q "not found"; then
+  ldd "$bundle"/bin/* >&2
+  echo "make_bundle: a library is missing here" >&2
+  exit 1
+fi
+# The driver's libcuda, which the static CUDA runtime opens at run time, is
+# the GPU machine's. The rest travels: absl in lib/; libstdc++ in lib-cxx/ and
+# the C library with its loader in lib-glibc/, for device_check.sh to fall
+# back on when the machine's own are too old.
+mkdir -p "$bundle/lib-cxx" "$bundle/lib-glibc"
+{
+  ldd "$bundle"/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
+  ldd "$bundle"/bin/* | awk '$1 ~ /^\/.*ld-linux/ {n = split($1, p, "/"); print p[n], $1}'
+  # libcuda links these; in lib-glibc mode they must match the bundled libc.
+  for lib in libdl.so.2 librt.so.1 libpthread.so.0; do
+    echo "$lib $(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ {print $NF; exit}')"
+  done
+} | sort -u | while read -r name path; do
+  case "$name" in
+    libcuda.so.*) ;;
+    libc.so.* | libm.so.* | libdl.so.* | librt.so.* | libpthread.so.* | ld-linux*) cp -L "$path" "$bundle/lib-glibc/$name" ;;
+    libstdc++.so.* | libgcc_s.so.*) cp -L "$path" "$bundle/lib-cxx/$name" ;;
+    *) cp -L "$path" "$bundle/lib/$name" ;;
+  esac
+done
+
+# The newest glibc symbol version the binaries and lib/ need: the GPU
+# machine's glibc must be at least that, or lib-glibc/ is used.
+glibc=$(objdump -T "$bundle"/bin/* "$bundle"/lib/* | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)
+glibcxx=$(objdump -T "$bundle"/bin/* "$bundle"/lib/* | grep -o 'GLIBCXX_[0-9.]*' | sort -uV | tail -1)
+cat >"$bundle/manifest.json" <<JSON
+{"commit": "$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)",
+ "dirty": $(git -C "$root" diff --quiet HEAD -- kernels tests/gpu 2>/dev/null && echo false || echo true),
+ "built": "$(date -u +%Y-%m-%dT%H:%M:%SZ)",
+ "glibc_required": "${glibc#GLIBC_}",
+ "glibcxx_required": "${glibcxx#GLIBCXX_}",
+ "cuda_architectures": "$(grep -o 'code=\[\?[a-z_0-9,]*' "$build/build.ninja" | grep -o '[a-z]*_[0-9]*' | sort -u | paste -sd' ')"}
+JSON
+echo "make_bundle: $(du -sh "$bundle" | cut -f1) in $bundle; bin/ and lib/ need glibc ${glibc#GLIBC_}, ${glibcxx}"
