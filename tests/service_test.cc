@@ -1,4 +1,9 @@
 // Integration: real shardopt-server processes on 127.0.0.1, real gRPC.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -320,6 +325,42 @@ TEST_F(ServiceTest, VerifyStateFailsWhenStateIsNotHeldAtTheAskedPrecision) {
   EXPECT_EQ(fp32_client->CreateOrAttach(MakeJob("prec", 1, {{"w", 100}})).status().code(),
             absl::StatusCode::kAlreadyExists);
   EXPECT_EQ(fp32_client->VerifyState().code(), absl::StatusCode::kFailedPrecondition);  // never attached
+}
+
+// A port nobody listens on yet.
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  socklen_t len = sizeof addr;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+TEST(ClientRetries, UnavailableIsRetriedUntilTheServerComes) {
+  const int port = FreePort();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  ClientOptions once;
+  once.servers = {address};
+  once.max_attempts = 1;
+  once.rpc_timeout_ms = 2000;
+  auto impatient = Client::Connect(once).value();
+  EXPECT_EQ(impatient->CreateOrAttach(MakeJob("r", 1, {{"w", 10}})).status().code(), absl::StatusCode::kUnavailable);
+
+  ClientOptions patient = once;
+  patient.max_attempts = 10;  // backoff 100 ms, 200 ms, 400 ms, ...: about 6 s in all
+  auto client = Client::Connect(patient).value();
+  absl::StatusOr<uint64_t> step;
+  std::thread trainer([&] { step = client->CreateOrAttach(MakeJob("r", 1, {{"w", 10}})); });
+  // Started from this thread: the server dies with the thread that forked it.
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  auto server = ServerProcess::Start({"--port=" + std::to_string(port)});
+  trainer.join();
+  ASSERT_NE(server, nullptr);
+  EXPECT_TRUE(step.ok()) << step.status();
 }
 
 TEST_F(ServiceTest, HealthAndReflectionAreServed) {

@@ -31,6 +31,11 @@ void TuneChannelArguments(grpc::ChannelArguments* args, int max_message_bytes) {
   args->SetInt("grpc.http2.lookahead_bytes", kLookaheadBytes);
   args->SetMaxReceiveMessageSize(max_message_bytes);
   args->SetMaxSendMessageSize(max_message_bytes);
+  // A restarted server is back within seconds; gRPC's default reconnect
+  // backoff (up to 120 s) would outlast every retry the client makes.
+  args->SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args->SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args->SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
 }
 
 void TuneServerBuilder(grpc::ServerBuilder* builder, int max_message_bytes) {

@@ -13,6 +13,7 @@ namespace shardopt::testing {
 class ServerProcess {
  public:
   // Starts the server with --device=cpu plus `args`, and waits until it listens.
+  // The server is killed when the calling thread exits.
   static std::unique_ptr<ServerProcess> Start(const std::vector<std::string>& args = {});
   ~ServerProcess();  // SIGKILL if still running
 
