@@ -7,13 +7,13 @@
 // host build compiles with -ffp-contract=off.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define SHARDOPT_HD __host__ __device__ __forceinline__
 #else
-#include <cmath>
-#include <cstring>
 #define SHARDOPT_HD inline __attribute__((always_inline))
 #endif
 

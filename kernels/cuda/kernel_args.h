@@ -2,11 +2,7 @@
 // and nvcc, with neither CUDA nor absl in it.
 #pragma once
 
-// adamw_math.h's host half uses <cmath> and <cstring> but includes them only
-// when nvcc is not the compiler.
-#include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "kernels/adamw_math.h"
 

@@ -21,6 +21,7 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::vector<std::strin
   char tmpl[] = "/tmp/shardopt-test-XXXXXX";
   proc->dir_ = mkdtemp(tmpl);
   const std::string port_file = proc->dir_ + "/port";
+  // Later flags win, so `args` may override the port.
   std::vector<std::string> argv_s = {SHARDOPT_SERVER_BINARY, "--host=127.0.0.1", "--port=0",
                                      "--port_file=" + port_file, "--device=cpu"};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
