@@ -169,20 +169,30 @@ class CpuJobState final : public JobState {
   }
 
   absl::Status Apply(absl::Span<const ShardStep> steps) override {
-    std::vector<ShardGrads> grads;
-    for (const ShardStep& st : steps) grads.push_back(st.grads);
-    if (auto st = CheckGrads(grads); !st.ok()) return st;
-    struct Item {
-      const ShardStep* step;
-      uint64_t offset;
-      uint64_t n;
-    };
-    std::vector<Item> items;  // multi-tensor chunking: every shard's items in one launch
+    if (auto st = CheckSteps(steps); !st.ok()) return st;
+    ForEachTile(steps, [&](const ShardStep& step, uint64_t off, uint64_t len) { ApplyTile(step, off, len); });
+    return absl::OkStatus();
+  }
+
+  absl::Status StreamRoofline(absl::Span<const ShardStep> steps) {
+    if (auto st = CheckSteps(steps); !st.ok()) return st;
+    if (layout_.grad_dtype != DType::kBf16) return absl::InvalidArgumentError("the roofline streams bf16 gradients");
     for (const ShardStep& st : steps) {
-      const uint64_t numel = shards_[st.grads.shard].layout.numel;
-      for (uint64_t off = 0; off < numel; off += kItem) items.push_back({&st, off, std::min(kItem, numel - off)});
+      if (shards_[st.grads.shard].layout.precision != Precision::kFp32 || st.grads.ranks.size() != 1) {
+        return absl::InvalidArgumentError("the roofline streams FP32 shards with one rank's gradient");
+      }
     }
-    pool_->ParallelFor(items.size(), [&](size_t i) { ApplyItem(*items[i].step, items[i].offset, items[i].n); });
+    ForEachTile(steps, [&](const ShardStep& step, uint64_t off, uint64_t len) {
+      CpuShard& s = shards_[step.grads.shard];
+      cpu::StreamArgs a;
+      a.grad = reinterpret_cast<const uint16_t*>(GradSlot(step.grads.shard, step.grads.ranks[0])) + off;
+      a.p = reinterpret_cast<float*>(s.p.data()) + off;
+      a.m = reinterpret_cast<float*>(s.m.data()) + off;
+      a.v = reinterpret_cast<float*>(s.v.data()) + off;
+      a.param_out = reinterpret_cast<uint16_t*>(s.param_out.data()) + off;
+      a.n = len;
+      loops_->stream(a);
+    });
     return absl::OkStatus();
   }
 
@@ -239,30 +249,56 @@ class CpuJobState final : public JobState {
     }
   }
 
-  void ApplyItem(const ShardStep& step, uint64_t offset, uint64_t n) {
+  absl::Status CheckSteps(absl::Span<const ShardStep> steps) const {
+    std::vector<ShardGrads> grads;
+    for (const ShardStep& st : steps) grads.push_back(st.grads);
+    return CheckGrads(grads);
+  }
+
+  // Multi-tensor chunking: every shard's items go to the pool in one call.
+  // The roofline shares this split, so it measures the update's own work
+  // pattern.
+  template <typename TileFn>
+  void ForEachTile(absl::Span<const ShardStep> steps, const TileFn& tile_fn) {
+    struct Item {
+      const ShardStep* step;
+      uint64_t offset;
+      uint64_t n;
+    };
+    std::vector<Item> items;
+    for (const ShardStep& st : steps) {
+      const uint64_t numel = shards_[st.grads.shard].layout.numel;
+      for (uint64_t off = 0; off < numel; off += kItem) items.push_back({&st, off, std::min(kItem, numel - off)});
+    }
+    pool_->ParallelFor(items.size(), [&](size_t i) {
+      const Item& item = items[i];
+      for (uint64_t off = item.offset; off < item.offset + item.n; off += cpu::kTile) {
+        tile_fn(*item.step, off, std::min(cpu::kTile, item.offset + item.n - off));
+      }
+    });
+  }
+
+  void ApplyTile(const ShardStep& step, uint64_t off, uint64_t len) {
     CpuShard& s = shards_[step.grads.shard];
     const uint64_t se = s.state_elem_bytes;
     alignas(64) float tile[cpu::kTile];
-    for (uint64_t off = offset; off < offset + n; off += cpu::kTile) {
-      const uint64_t len = std::min(cpu::kTile, offset + n - off);
-      cpu::UpdateArgs a;
-      if (step.grads.ranks.size() == 1) {  // no sum needed: read the slot itself
-        a.grad = GradSlot(step.grads.shard, step.grads.ranks[0]) + off * DTypeSize(layout_.grad_dtype);
-        a.grad_dtype = layout_.grad_dtype;
-      } else {
-        AggregateTile(step.grads, off, len, tile);
-        a.grad = tile;
-        a.grad_dtype = DType::kFp32;
-      }
-      a.p = s.p.data() + off * se;
-      a.m = s.m.data() + off * se;
-      a.v = s.v.data() + off * se;
-      a.precision = s.layout.precision;
-      a.param_out = reinterpret_cast<uint16_t*>(s.param_out.data()) + off;
-      a.n = len;
-      a.scalars = step.scalars;
-      loops_->update(a);
+    cpu::UpdateArgs a;
+    if (step.grads.ranks.size() == 1) {  // no sum needed: read the slot itself
+      a.grad = GradSlot(step.grads.shard, step.grads.ranks[0]) + off * DTypeSize(layout_.grad_dtype);
+      a.grad_dtype = layout_.grad_dtype;
+    } else {
+      AggregateTile(step.grads, off, len, tile);
+      a.grad = tile;
+      a.grad_dtype = DType::kFp32;
     }
+    a.p = s.p.data() + off * se;
+    a.m = s.m.data() + off * se;
+    a.v = s.v.data() + off * se;
+    a.precision = s.layout.precision;
+    a.param_out = reinterpret_cast<uint16_t*>(s.param_out.data()) + off;
+    a.n = len;
+    a.scalars = step.scalars;
+    loops_->update(a);
   }
 
   cpu::ThreadPool* pool_;
@@ -295,6 +331,12 @@ class CpuBackend final : public Backend {
 
 std::unique_ptr<Backend> MakeCpuBackend(const CpuBackendOptions& options) {
   return std::make_unique<CpuBackend>(options);
+}
+
+absl::Status RunCpuStreamRoofline(JobState& state, absl::Span<const ShardStep> steps) {
+  auto* cpu_state = dynamic_cast<CpuJobState*>(&state);
+  if (cpu_state == nullptr) return absl::InvalidArgumentError("the CPU roofline needs a job of the CPU backend");
+  return cpu_state->StreamRoofline(steps);
 }
 
 }  // namespace shardopt

@@ -14,4 +14,10 @@ struct CpuBackendOptions {
 
 std::unique_ptr<Backend> MakeCpuBackend(const CpuBackendOptions& options = {});
 
+// The kernel's roofline (DESIGN.md): runs the `stream` loop where
+// state.Apply(steps) would run the update, over the same buffers, on the same
+// threads, in the same items and tiles. `state` must be a CPU backend's job
+// with FP32 shards and one rank's bf16 gradient; it overwrites their state.
+absl::Status RunCpuStreamRoofline(JobState& state, absl::Span<const ShardStep> steps);
+
 }  // namespace shardopt

@@ -15,19 +15,46 @@ inline float Load(uint16_t x) { return math::bf16_to_float(x); }
 inline void Store(float& dst, float x) { dst = x; }
 inline void Store(uint16_t& dst, float x) { dst = math::float_to_bf16(x); }
 
+// The update spends most of its cycles in the divider (a sqrt and two
+// divisions per element), and the out-of-order window then no longer reaches
+// far enough ahead to keep enough misses in flight: on a 2-vCPU AVX2 EPYC
+// the update ran at about 0.8 of the stream loop without this and 0.9-0.95
+// with it. The stream loop, with nothing to stall it, does not gain from it.
+// Prefetching changes no result.
+constexpr uint64_t kPrefetchBlock = 64;   // elements per round of prefetches
+constexpr uint64_t kPrefetchAhead = 512;  // elements ahead of the block being updated
+
+// A prefetch never faults, so running past the tile's end is harmless, and
+// it primes the next tile, which is usually adjacent.
+template <typename T>
+inline void PrefetchBlockAhead(const T* base) {
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(base) + kPrefetchAhead * sizeof(T);
+  for (uintptr_t b = 0; b < kPrefetchBlock * sizeof(T); b += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(ahead + b));
+  }
+}
+
 template <typename GradT, typename StateT>
 void UpdateLoop(const GradT* __restrict grad, StateT* __restrict p, StateT* __restrict m,
                 StateT* __restrict v, uint16_t* __restrict out, uint64_t n,
                 const math::AdamWScalars scalars) {
-  for (uint64_t i = 0; i < n; ++i) {
-    float pf = Load(p[i]);
-    float mf = Load(m[i]);
-    float vf = Load(v[i]);
-    math::adamw_update(Load(grad[i]), pf, mf, vf, scalars);
-    Store(p[i], pf);
-    Store(m[i], mf);
-    Store(v[i], vf);
-    out[i] = math::float_to_bf16(pf);
+  for (uint64_t block = 0; block < n; block += kPrefetchBlock) {
+    PrefetchBlockAhead(grad + block);
+    PrefetchBlockAhead(p + block);
+    PrefetchBlockAhead(m + block);
+    PrefetchBlockAhead(v + block);
+    PrefetchBlockAhead(out + block);
+    const uint64_t end = n - block < kPrefetchBlock ? n : block + kPrefetchBlock;
+    for (uint64_t i = block; i < end; ++i) {
+      float pf = Load(p[i]);
+      float mf = Load(m[i]);
+      float vf = Load(v[i]);
+      math::adamw_update(Load(grad[i]), pf, mf, vf, scalars);
+      Store(p[i], pf);
+      Store(m[i], mf);
+      Store(v[i], vf);
+      out[i] = math::float_to_bf16(pf);
+    }
   }
 }
 

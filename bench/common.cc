@@ -1,0 +1,83 @@
+#include "bench/common.h"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace shardopt::bench {
+
+absl::StatusOr<Flags> Flags::Parse(const std::vector<std::string>& args, std::initializer_list<const char*> known) {
+  Flags flags;
+  for (const std::string& arg : args) {
+    const size_t eq = arg.find('=');
+    if (!absl::StartsWith(arg, "--") || eq == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("expected --name=value, got '", arg, "'"));
+    }
+    const std::string name = arg.substr(2, eq - 2);
+    if (std::find_if(known.begin(), known.end(), [&](const char* k) { return name == k; }) == known.end()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("unknown flag --", name, "; this subcommand takes --", absl::StrJoin(known, ", --")));
+    }
+    flags.values_[name] = arg.substr(eq + 1);
+  }
+  return flags;
+}
+
+absl::StatusOr<uint64_t> Flags::Count(const std::string& name, uint64_t fallback) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) return fallback;
+  std::string text = it->second;
+  uint64_t value = 0;
+  if (absl::StartsWith(text, "2^")) {
+    if (absl::SimpleAtoi(text.substr(2), &value) && value < 64) return uint64_t{1} << value;
+  } else {
+    int shift = 0;
+    if (!text.empty()) {
+      const char suffix = text.back();
+      shift = suffix == 'K' ? 10 : suffix == 'M' ? 20 : suffix == 'G' ? 30 : 0;
+      if (shift > 0) text.pop_back();
+    }
+    if (absl::SimpleAtoi(text, &value) && value <= (std::numeric_limits<uint64_t>::max() >> shift)) {
+      return value << shift;
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat("--", name, "=", it->second, " is not a count (say 1000, 64M or 2^26)"));
+}
+
+std::string Flags::String(const std::string& name, const std::string& fallback) const {
+  auto it = values_.find(name);
+  return it == values_.end() ? fallback : it->second;
+}
+
+void FillGradients(uint16_t* out, uint64_t n) {
+  uint64_t x = 0x9E3779B97F4A7C15ull;
+  for (uint64_t i = 0; i < n; ++i) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    const uint32_t exponent = 117 + static_cast<uint32_t>(x % 10);  // 2^-10 .. 2^-1
+    out[i] = static_cast<uint16_t>((exponent << 7) | ((x >> 32) & 0x7F));
+  }
+}
+
+absl::StatusOr<std::vector<double>> BestOfInterleaved(uint64_t reps,
+                                                      const std::vector<std::function<absl::Status()>>& runs) {
+  if (reps == 0) return absl::InvalidArgumentError("at least one timed repetition is needed");
+  std::vector<double> best(runs.size(), std::numeric_limits<double>::infinity());
+  for (uint64_t rep = 0; rep <= reps; ++rep) {
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      if (auto st = runs[i](); !st.ok()) return st;
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      if (rep > 0) best[i] = std::min(best[i], took.count());
+    }
+  }
+  return best;
+}
+
+}  // namespace shardopt::bench

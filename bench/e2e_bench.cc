@@ -1,0 +1,134 @@
+// `shardopt-bench e2e`: whole steps through a real server and client, against
+// the ceilings of moving the same bytes (DESIGN.md, "Performance budget"):
+// 2 B/param each way, through a tuned bare gRPC echo and a plain TCP echo.
+// Server, client and echoes share one process, so each pays for the same two
+// cores.
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "bench/benches.h"
+#include "bench/common.h"
+#include "bench/echo.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "server/job_store.h"
+#include "server/service.h"
+#include "shardopt/client.h"
+#include "shardopt/grpc_edge.h"
+
+namespace shardopt::bench {
+
+namespace {
+constexpr uint64_t kBytesPerParam = 2;  // bf16 gradients up, bf16 params down
+}  // namespace
+
+absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args) {
+  auto flags = Flags::Parse(args, {"params", "tensors", "steps", "chunk_bytes", "threads"});
+  if (!flags.ok()) return flags.status();
+  auto params = flags->Count("params", uint64_t{64} << 20);
+  auto tensors = flags->Count("tensors", 1);
+  auto steps = flags->Count("steps", 5);
+  auto chunk_bytes = flags->Count("chunk_bytes", 1 << 20);
+  auto threads = flags->Count("threads", 0);
+  for (const auto* c : {&params, &tensors, &steps, &chunk_bytes, &threads}) {
+    if (!c->ok()) return c->status();
+  }
+  if (*tensors == 0 || *params < *tensors) return absl::InvalidArgumentError("need 1 <= --tensors <= --params");
+  if (*chunk_bytes < kBytesPerParam) return absl::InvalidArgumentError("--chunk_bytes must hold one param");
+  TuneAllocatorForStreaming();  // the process holds the echoes too, not only the client
+
+  CpuBackendOptions backend_options;
+  backend_options.threads = static_cast<int>(*threads);
+  auto backend = MakeCpuBackend(backend_options);
+  JobStore store(backend.get());
+  ServerOptions server_options;
+  server_options.address = "127.0.0.1:0";
+  auto server = StartServer(&store, server_options);
+  if (!server.ok()) return server.status();
+
+  ClientOptions client_options;
+  client_options.servers = {absl::StrCat("127.0.0.1:", (*server)->port)};
+  client_options.chunk_bytes = *chunk_bytes;
+  auto client = Client::Connect(client_options);
+  if (!client.ok()) return client.status();
+  JobOptions job;
+  job.name = "bench";
+  job.groups = {GroupOptions{}};
+  for (uint64_t i = 0; i < *tensors; ++i) {
+    job.tensors.push_back({absl::StrCat("t", i), *params / *tensors + (i + 1 == *tensors ? *params % *tensors : 0)});
+  }
+  if (auto st = (*client)->CreateOrAttach(job); !st.ok()) return st.status();
+
+  const uint64_t bytes = *params * kBytesPerParam;
+  std::vector<uint16_t> grads(*params);
+  std::vector<uint16_t> bf16_params(*params);
+  FillGradients(grads.data(), grads.size());
+  std::vector<GradView> grad_views;
+  std::vector<ParamView> param_views;
+  uint64_t offset = 0;
+  for (const TensorOptions& t : job.tensors) {
+    grad_views.push_back({t.name, grads.data() + offset});
+    param_views.push_back({t.name, bf16_params.data() + offset});
+    if (auto st = (*client)->InitBf16(t.name, bf16_params.data() + offset); !st.ok()) return st;
+    offset += t.numel;
+  }
+
+  auto grpc_echo = GrpcEcho::Start();
+  if (!grpc_echo.ok()) return grpc_echo.status();
+  auto tcp_echo = TcpEcho::Start();
+  if (!tcp_echo.ok()) return tcp_echo.status();
+  const char* src = reinterpret_cast<const char*>(grads.data());
+  std::vector<char> grpc_dst(bytes), tcp_dst(bytes);
+
+  StepOptions step_options;
+  uint64_t phased_step = 0;
+  Decision decision;
+  auto best = BestOfInterleaved(
+      *steps, {
+                  [&] { return (*client)->Step(grad_views, step_options, param_views).status(); },
+                  // The same step again in its phases, which run back to back,
+                  // to show where a step's time goes.
+                  [&] {
+                    phased_step = (*client)->step() + 1;
+                    auto push = (*client)->Push(phased_step, grad_views);
+                    if (!push.ok()) return push.status();
+                    decision = Decide(*push, job.world_size, step_options);
+                    return absl::OkStatus();
+                  },
+                  [&] {
+                    return (*client)->Commit(phased_step, step_options.lr, decision.gscale, decision.skip,
+                                             param_views);
+                  },
+                  [&] { return (*grpc_echo)->Run(src, grpc_dst.data(), bytes, *chunk_bytes); },
+                  [&] { return (*tcp_echo)->Run(src, tcp_dst.data(), bytes, *chunk_bytes); },
+              });
+  if (!best.ok()) return best.status();
+  if (std::memcmp(grpc_dst.data(), src, bytes) != 0 || std::memcmp(tcp_dst.data(), src, bytes) != 0) {
+    return absl::DataLossError("an echo returned different bytes");
+  }
+  const double step_seconds = (*best)[0];
+  const double echo_seconds = (*best)[3];
+  const double tcp_seconds = (*best)[4];
+  const double n = static_cast<double>(*params);
+  return nlohmann::json{
+      {"benchmark", "e2e"},
+      {"device", backend->Describe()},
+      {"params", *params},
+      {"tensors", *tensors},
+      {"chunk_bytes", *chunk_bytes},
+      {"bytes_each_way", bytes},
+      {"steps", *steps},
+      {"step_seconds", step_seconds},
+      {"push_seconds", (*best)[1]},
+      {"commit_seconds", (*best)[2]},
+      {"echo_seconds", echo_seconds},
+      {"tcp_echo_seconds", tcp_seconds},
+      {"params_per_second", n / step_seconds},
+      {"echo_params_per_second", n / echo_seconds},
+      {"tcp_echo_params_per_second", n / tcp_seconds},
+      {"fraction_of_echo", echo_seconds / step_seconds},
+      {"fraction_of_tcp", tcp_seconds / step_seconds},
+  };
+}
+
+}  // namespace shardopt::bench
