@@ -1,15 +1,19 @@
 // shardopt-server: one optimizer server process.
+#include <semaphore.h>
+#include <time.h>
+
 #include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
-#include <semaphore.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/grpcpp.h"
+#include "kernels/gpu.h"
+#include "grpcpp/health_check_service_interface.h"
 #include "server/device.h"
 #include "server/service.h"
 #include "shardopt/grpc_edge.h"
@@ -60,7 +64,20 @@ int main(int argc, char** argv) {
   sem_init(&g_stop, 0, 0);
   std::signal(SIGTERM, OnSignal);
   std::signal(SIGINT, OnSignal);
-  while (sem_wait(&g_stop) != 0) {
+  // A sticky CUDA error makes the device useless until the process restarts:
+  // report NOT_SERVING so that Kubernetes replaces the pod. Requests already
+  // fail with UNAVAILABLE and the CUDA error's text.
+  bool serving = true;
+  for (;;) {
+    timespec wake;
+    clock_gettime(CLOCK_REALTIME, &wake);
+    wake.tv_sec += 1;
+    if (sem_timedwait(&g_stop, &wake) == 0) break;
+    if (const absl::Status health = shardopt::CudaBackendHealth(**backend); serving && !health.ok()) {
+      std::cerr << "shardopt-server: device failed, NOT_SERVING: " << health.message() << std::endl;
+      (*running)->server->GetHealthCheckService()->SetServingStatus(false);
+      serving = false;
+    }
   }
   std::cerr << "shardopt-server: stopping" << std::endl;
   (*running)->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
