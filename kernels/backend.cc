@@ -1,5 +1,7 @@
 #include "kernels/backend.h"
 
+#include "absl/strings/str_cat.h"
+
 namespace shardopt {
 
 const char* PrecisionName(Precision p) { return p == Precision::kFp32 ? "FP32" : "BF16"; }
@@ -12,6 +14,35 @@ const char* StateKindName(StateKind k) {
     case StateKind::kParamBf16: return "param_bf16";
   }
   return "?";
+}
+
+absl::Status CheckShardRange(const JobLayout& layout, uint32_t shard, uint64_t offset, uint64_t count) {
+  if (shard >= layout.shards.size()) return absl::InvalidArgumentError("shard index out of range");
+  const uint64_t numel = layout.shards[shard].numel;
+  if (offset > numel || count > numel - offset) {
+    return absl::OutOfRangeError(
+        absl::StrCat("range [", offset, ", ", offset + count, ") is past the shard's ", numel, " elements"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckGradWrite(const JobLayout& layout, uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
+                            uint64_t count) {
+  if (auto st = CheckShardRange(layout, shard, offset, count); !st.ok()) return st;
+  if (rank >= layout.world_size) return absl::InvalidArgumentError("rank out of range");
+  if (dtype != layout.grad_dtype) return absl::InvalidArgumentError("gradient dtype differs from the job's");
+  return absl::OkStatus();
+}
+
+absl::Status CheckShardGrads(const JobLayout& layout, const ShardGrads& grads) {
+  if (grads.shard >= layout.shards.size()) return absl::InvalidArgumentError("shard index out of range");
+  if (grads.ranks.empty()) return absl::InvalidArgumentError("a shard in the batch has no contributing rank");
+  for (size_t i = 0; i < grads.ranks.size(); ++i) {
+    if (grads.ranks[i] >= layout.world_size || (i > 0 && grads.ranks[i] <= grads.ranks[i - 1])) {
+      return absl::InvalidArgumentError("contributing ranks must be ascending and below world_size");
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace shardopt

@@ -63,6 +63,12 @@ struct MemoryUse {
   uint64_t staging_bytes = 0;  // per-rank gradient slots and the bf16 params out
 };
 
+// The argument checks every JobState makes, so that backends refuse alike.
+absl::Status CheckShardRange(const JobLayout& layout, uint32_t shard, uint64_t offset, uint64_t count);
+absl::Status CheckGradWrite(const JobLayout& layout, uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
+                            uint64_t count);
+absl::Status CheckShardGrads(const JobLayout& layout, const ShardGrads& grads);
+
 class JobState {
  public:
   virtual ~JobState() = default;

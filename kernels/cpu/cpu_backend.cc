@@ -88,9 +88,7 @@ class CpuJobState final : public JobState {
 
   absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                          const void* data, uint64_t count) override {
-    if (auto st = CheckRange(shard, offset, count); !st.ok()) return st;
-    if (rank >= layout_.world_size) return absl::InvalidArgumentError("rank out of range");
-    if (dtype != layout_.grad_dtype) return absl::InvalidArgumentError("gradient dtype differs from the job's");
+    if (auto st = CheckGradWrite(layout_, shard, rank, offset, dtype, count); !st.ok()) return st;
     std::memcpy(GradSlot(shard, rank) + offset * DTypeSize(dtype), data, count * DTypeSize(dtype));
     return absl::OkStatus();
   }
@@ -211,23 +209,12 @@ class CpuJobState final : public JobState {
 
  private:
   absl::Status CheckRange(uint32_t shard, uint64_t offset, uint64_t count) const {
-    if (shard >= shards_.size()) return absl::InvalidArgumentError("shard index out of range");
-    const uint64_t numel = shards_[shard].layout.numel;
-    if (offset > numel || count > numel - offset) {
-      return absl::OutOfRangeError(absl::StrCat("range [", offset, ", ", offset + count, ") is past the shard's ", numel, " elements"));
-    }
-    return absl::OkStatus();
+    return CheckShardRange(layout_, shard, offset, count);
   }
 
   absl::Status CheckGrads(absl::Span<const ShardGrads> shards) const {
     for (const ShardGrads& sg : shards) {
-      if (sg.shard >= shards_.size()) return absl::InvalidArgumentError("shard index out of range");
-      if (sg.ranks.empty()) return absl::InvalidArgumentError("a shard in the batch has no contributing rank");
-      for (size_t i = 0; i < sg.ranks.size(); ++i) {
-        if (sg.ranks[i] >= layout_.world_size || (i > 0 && sg.ranks[i] <= sg.ranks[i - 1])) {
-          return absl::InvalidArgumentError("contributing ranks must be ascending and below world_size");
-        }
-      }
+      if (auto st = CheckShardGrads(layout_, sg); !st.ok()) return st;
     }
     return absl::OkStatus();
   }

@@ -114,27 +114,6 @@ CudaJobState::~CudaJobState() {
   device_->Check(cudaStreamDestroy(stream_), "cudaStreamDestroy").IgnoreError();
 }
 
-absl::Status CudaJobState::CheckRange(uint32_t shard, uint64_t offset, uint64_t count) const {
-  if (shard >= shards_.size()) return absl::InvalidArgumentError("shard index out of range");
-  const uint64_t numel = shards_[shard].layout.numel;
-  if (offset > numel || count > numel - offset) {
-    return absl::OutOfRangeError(
-        absl::StrCat("range [", offset, ", ", offset + count, ") is past the shard's ", numel, " elements"));
-  }
-  return absl::OkStatus();
-}
-
-absl::Status CudaJobState::CheckGrads(const ShardGrads& sg) const {
-  if (sg.shard >= shards_.size()) return absl::InvalidArgumentError("shard index out of range");
-  if (sg.ranks.empty()) return absl::InvalidArgumentError("a shard in the batch has no contributing rank");
-  for (size_t i = 0; i < sg.ranks.size(); ++i) {
-    if (sg.ranks[i] >= layout_.world_size || (i > 0 && sg.ranks[i] <= sg.ranks[i - 1])) {
-      return absl::InvalidArgumentError("contributing ranks must be ascending and below world_size");
-    }
-  }
-  return absl::OkStatus();
-}
-
 uint64_t CudaJobState::StateOffset(const Shard& s, StateKind kind) const {
   return kind == StateKind::kMaster ? s.p : kind == StateKind::kExpAvg ? s.m : s.v;
 }
@@ -147,9 +126,7 @@ absl::Status CudaJobState::WriteGrad(uint32_t shard, uint32_t rank, uint64_t off
                                      const void* data, uint64_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   if (auto st = device_->Enter(); !st.ok()) return st;
-  if (auto st = CheckRange(shard, offset, count); !st.ok()) return st;
-  if (rank >= layout_.world_size) return absl::InvalidArgumentError("rank out of range");
-  if (dtype != layout_.grad_dtype) return absl::InvalidArgumentError("gradient dtype differs from the job's");
+  if (auto st = CheckGradWrite(layout_, shard, rank, offset, dtype, count); !st.ok()) return st;
   const Shard& s = shards_[shard];
   const uint64_t esize = DTypeSize(dtype);
   const DeviceArray dst{At(s.grads + rank * s.slot_stride + offset * esize), esize};
@@ -163,7 +140,7 @@ absl::Status CudaJobState::WriteState(uint32_t shard, StateKind kind, uint64_t o
                                       const void* data, uint64_t count) {
   std::lock_guard<std::mutex> lock(mu_);
   if (auto st = device_->Enter(); !st.ok()) return st;
-  if (auto st = CheckRange(shard, offset, count); !st.ok()) return st;
+  if (auto st = CheckShardRange(layout_, shard, offset, count); !st.ok()) return st;
   if (kind == StateKind::kParamBf16) {
     return absl::InvalidArgumentError("bf16 params are derived from the master; write the master");
   }
@@ -194,7 +171,7 @@ absl::Status CudaJobState::ReadState(uint32_t shard, StateKind kind, uint64_t of
                                      DType dtype, void* out) const {
   std::lock_guard<std::mutex> lock(mu_);
   if (auto st = device_->Enter(); !st.ok()) return st;
-  if (auto st = CheckRange(shard, offset, count); !st.ok()) return st;
+  if (auto st = CheckShardRange(layout_, shard, offset, count); !st.ok()) return st;
   const Shard& s = shards_[shard];
   char* dst = static_cast<char*>(out);
   if (kind == StateKind::kParamBf16) {
@@ -284,7 +261,7 @@ absl::StatusOr<GradStats> CudaJobState::ReduceGrads(absl::Span<const ShardGrads>
   if (auto st = device_->Enter(); !st.ok()) return st;
   std::vector<Work> work;
   for (const ShardGrads& sg : shards) {
-    if (auto st = CheckGrads(sg); !st.ok()) return st;
+    if (auto st = CheckShardGrads(layout_, sg); !st.ok()) return st;
     work.push_back({&sg, nullptr});
   }
   // Partials come back in block order, shards in the order given, and are
@@ -313,7 +290,7 @@ absl::Status CudaJobState::EnqueueApply(absl::Span<const ShardStep> steps) {
   std::lock_guard<std::mutex> lock(mu_);
   if (auto st = device_->Enter(); !st.ok()) return st;
   for (const ShardStep& step : steps) {
-    if (auto st = CheckGrads(step.grads); !st.ok()) return st;
+    if (auto st = CheckShardGrads(layout_, step.grads); !st.ok()) return st;
   }
   // The state type is a template parameter of the kernel, so each precision
   // gets launches of its own.
@@ -342,7 +319,7 @@ absl::Status CudaJobState::Apply(absl::Span<const ShardStep> steps) {
 absl::Status CudaJobState::FillParamsOut(uint32_t shard, uint8_t byte) {
   std::lock_guard<std::mutex> lock(mu_);
   if (auto st = device_->Enter(); !st.ok()) return st;
-  if (auto st = CheckRange(shard, 0, 0); !st.ok()) return st;
+  if (auto st = CheckShardRange(layout_, shard, 0, 0); !st.ok()) return st;
   const Shard& s = shards_[shard];
   if (auto st = device_->Check(cudaMemsetAsync(At(s.param_out), byte, s.layout.numel * 2, stream_),
                                "cudaMemsetAsync");

@@ -68,8 +68,6 @@ class CudaJobState final : public JobState {
       : device_(std::move(device)), layout_(std::move(layout)) {}
   absl::Status Init();
 
-  absl::Status CheckRange(uint32_t shard, uint64_t offset, uint64_t count) const;
-  absl::Status CheckGrads(const ShardGrads& sg) const;
   char* At(uint64_t offset) const { return static_cast<char*>(arena_) + offset; }
   uint64_t StateOffset(const Shard& s, StateKind kind) const;
   absl::Status Sync() const;
