@@ -45,4 +45,15 @@ absl::Status CheckShardGrads(const JobLayout& layout, const ShardGrads& grads) {
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint64_t> CheckShardStep(const JobLayout& layout, const ShardStep& step) {
+  if (auto st = CheckShardGrads(layout, step.grads); !st.ok()) return st;
+  const uint64_t numel = layout.shards[step.grads.shard].numel;
+  if (step.offset % kApplyAlignment != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("update offset ", step.offset, " is not a multiple of ", kApplyAlignment));
+  }
+  const uint64_t length = step.length == 0 && step.offset < numel ? numel - step.offset : step.length;
+  if (auto st = CheckShardRange(layout, step.grads.shard, step.offset, length); !st.ok()) return st;
+  return step.offset + length;
+}
+
 }  // namespace shardopt

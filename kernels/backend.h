@@ -53,9 +53,19 @@ struct ShardGrads {
   std::vector<uint32_t> ranks;
 };
 
+// Where a partial update may start: a multiple of every backend's unit of
+// work (the CUDA kernel's chunk, the CPU's tile), so that vector accesses stay
+// aligned and the elements a unit covers never depend on the split.
+inline constexpr uint64_t kApplyAlignment = 16384;
+
 struct ShardStep {
   ShardGrads grads;
   math::AdamWScalars scalars;
+  // The part of the shard to update, [offset, offset + length); length 0 means
+  // to the shard's end. Updating a shard in parts gives the same bits as in
+  // one call, which lets the server stream params while it computes.
+  uint64_t offset = 0;
+  uint64_t length = 0;
 };
 
 struct MemoryUse {
@@ -68,6 +78,8 @@ absl::Status CheckShardRange(const JobLayout& layout, uint32_t shard, uint64_t o
 absl::Status CheckGradWrite(const JobLayout& layout, uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                             uint64_t count);
 absl::Status CheckShardGrads(const JobLayout& layout, const ShardGrads& grads);
+// Checks grads and range, and returns the end of the range to update.
+absl::StatusOr<uint64_t> CheckShardStep(const JobLayout& layout, const ShardStep& step);
 
 class JobState {
  public:

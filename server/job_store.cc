@@ -88,7 +88,12 @@ class Job {
     double lr = 0;
     float gscale = 0;
     bool skip = false;
-  } applied;
+  };
+  Applied applied;      // the last step done
+  bool applying = false;  // step + 1 is being applied, piece by piece
+  Applied apply_args;
+  uint64_t apply_progress = 0;  // pieces of step + 1 applied so far
+  absl::Status failed;          // set if an apply failed halfway: the state is not a step's
 
   const std::string& name() const { return spec.job(); }
   uint32_t world_size() const { return spec.world_size(); }
@@ -173,7 +178,12 @@ class Job {
   }
 };
 
-JobStore::JobStore(Backend* backend, JobStoreOptions options) : backend_(backend), options_(options) {}
+JobStore::JobStore(Backend* backend, JobStoreOptions options) : backend_(backend), options_(options) {
+  // A commit applies the update one streamed piece at a time; pieces must
+  // start where a partial update may.
+  const uint64_t a = kApplyAlignment;
+  options_.stream_chunk_elements = std::max(a, (options_.stream_chunk_elements + a - 1) / a * a);
+}
 
 JobStore::~JobStore() = default;
 
@@ -383,7 +393,7 @@ absl::Status JobStore::Init(const v1::InitChunk& chunk) {
   }
   std::lock_guard<std::mutex> lock(job.mu);
   if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
-  if (job.step != 0) {
+  if (job.step != 0 || job.applying) {
     return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
                                                       "; initial values are taken only at step 0"));
   }
@@ -577,67 +587,113 @@ absl::Status JobStore::Commit(const v1::CommitRequest& req,
   if (!std::isfinite(req.gscale())) {
     return absl::InvalidArgumentError(absl::StrCat("gscale must be finite, got ", req.gscale()));
   }
-  {
-    std::lock_guard<std::mutex> lock(job.mu);
-    if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
-    if (t > job.step + 1) {
-      return absl::OutOfRangeError(absl::StrCat("job '", job.name(), "' is at step ", job.step, "; commit of step ", t,
-                                                " is in the future"));
+  const Job::Applied args{t, req.lr(), req.gscale(), req.skip()};
+  std::unique_lock<std::mutex> lock(job.mu);
+  if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
+  if (!job.failed.ok()) return job.failed;
+  if (t > job.step + 1) {
+    return absl::OutOfRangeError(absl::StrCat("job '", job.name(), "' is at step ", job.step, "; commit of step ", t,
+                                              " is in the future"));
+  }
+  if (t == 0 || t < job.step) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
+                                                      "; commit of step ", t, " is stale; Read PARAM_BF16 for the current params"));
+  }
+  // The first commit of the next step applies it; every other commit of that
+  // step (other ranks, retries) streams what the applier has finished.
+  const bool applier = t == job.step + 1 && !job.applying;
+  if (applier) {
+    job.ExpireIfLate(absl::Now());
+    if (!job.round.sealed) {
+      return absl::FailedPreconditionError(absl::StrCat("cannot commit step ", t, ": its push is incomplete: ",
+                                                        job.MissingSummary()));
     }
-    if (t == 0 || t < job.step) {
-      return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
-                                                        "; commit of step ", t, " is stale; Read PARAM_BF16 for the current params"));
-    }
-    if (t == job.step) {
-      const Job::Applied& a = job.applied;
-      if (!SameBits(a.lr, req.lr()) || !SameBits(a.gscale, req.gscale()) || a.skip != req.skip()) {
-        return absl::AbortedError(absl::StrCat("step ", t, " was applied with lr=", a.lr, " gscale=", a.gscale,
-                                               " skip=", a.skip, "; this commit asks lr=", req.lr(), " gscale=",
-                                               req.gscale(), " skip=", req.skip(), ": ranks disagree"));
-      }
-    } else {
-      job.ExpireIfLate(absl::Now());
-      if (!job.round.sealed) {
-        return absl::FailedPreconditionError(absl::StrCat("cannot commit step ", t, ": its push is incomplete: ",
-                                                          job.MissingSummary()));
-      }
-      if (!req.skip()) {
-        std::vector<ShardStep> steps;
-        for (const ShardGrads& sg : job.round.contributions) {
-          const OwnedShard& s = job.shards[sg.shard];
-          const AdamWHyper& h = job.hypers[job.spec.tensors(s.tensor).group()];
-          steps.push_back({sg, ComputeAdamWScalars(h, req.lr(), req.gscale(), job.adam_steps[sg.shard] + 1)});
-        }
-        if (auto st = job.state->Apply(steps); !st.ok()) return st;
-        for (const ShardGrads& sg : job.round.contributions) ++job.adam_steps[sg.shard];
-      }
-      job.step = t;
-      job.applied = {t, req.lr(), req.gscale(), req.skip()};
-      job.EndRound();
+    job.applying = true;
+    job.apply_args = args;
+    job.apply_progress = 0;
+  } else {
+    const Job::Applied& a = t == job.step ? job.applied : job.apply_args;
+    if (!SameBits(a.lr, req.lr()) || !SameBits(a.gscale, req.gscale()) || a.skip != req.skip()) {
+      return absl::AbortedError(absl::StrCat("step ", t, " was applied with lr=", a.lr, " gscale=", a.gscale,
+                                             " skip=", a.skip, "; this commit asks lr=", req.lr(), " gscale=",
+                                             req.gscale(), " skip=", req.skip(), ": ranks disagree"));
     }
   }
 
+  // The update runs piece by piece in stream order, so that a piece's params
+  // go out while the next piece is computed. Pieces start on
+  // kApplyAlignment boundaries: the bits equal one whole-shard update.
+  std::vector<int64_t> contribution(job.shards.size(), -1);
+  std::vector<math::AdamWScalars> scalars;
+  if (applier && !req.skip()) {
+    for (const ShardGrads& sg : job.round.contributions) {
+      const OwnedShard& s = job.shards[sg.shard];
+      contribution[sg.shard] = static_cast<int64_t>(scalars.size());
+      scalars.push_back(ComputeAdamWScalars(job.hypers[job.spec.tensors(s.tensor).group()], req.lr(), req.gscale(),
+                                            job.adam_steps[sg.shard] + 1));
+    }
+  }
+  const uint64_t piece = options_.stream_chunk_elements;
+  uint64_t total_pieces = 0;
+  for (const OwnedShard& s : job.shards) total_pieces += (s.length + piece - 1) / piece;
+
   v1::ParamChunk chunk;
   chunk.set_step(t);
+  bool emitting = true;
+  uint64_t k = 0;
   for (size_t si = 0; si < job.shards.size(); ++si) {
     const OwnedShard& s = job.shards[si];
-    for (uint64_t off = 0; off < s.length; off += options_.stream_chunk_elements) {
-      const uint64_t n = std::min(options_.stream_chunk_elements, s.length - off);
+    for (uint64_t off = 0; off < s.length; off += piece, ++k) {
+      const uint64_t n = std::min(piece, s.length - off);
+      if (applier) {
+        if (contribution[si] >= 0) {
+          ShardStep step{job.round.contributions[contribution[si]], scalars[contribution[si]], off, n};
+          if (auto st = job.state->Apply({&step, 1}); !st.ok()) {
+            // Part of the step is applied: the job cannot be trusted again.
+            job.failed = absl::Status(st.code(), absl::StrCat("job '", job.name(), "' failed while applying step ", t,
+                                                              ": ", st.message()));
+            job.applying = false;
+            job.cv.notify_all();
+            return job.failed;
+          }
+        }
+        job.apply_progress = k + 1;
+        if (k + 1 == total_pieces) {  // in the same critical section, so no rank sees a half-done step
+          for (int64_t c = 0; c < static_cast<int64_t>(contribution.size()); ++c) {
+            if (contribution[c] >= 0) ++job.adam_steps[c];
+          }
+          job.step = t;
+          job.applied = args;
+          job.applying = false;
+          job.EndRound();
+        }
+        job.cv.notify_all();
+      } else {
+        job.cv.wait(lock, [&] { return job.dropped || !job.applying || job.apply_progress > k; });
+        if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
+        if (!job.failed.ok()) return job.failed;
+        if (job.step != t && !job.applying) {
+          return absl::AbortedError(absl::StrCat("step ", t, " was superseded while streaming its params"));
+        }
+      }
+      if (!emitting) continue;
       chunk.set_tensor(job.tensor_name(s));
       chunk.set_offset(s.offset + off);
       std::string* data = chunk.mutable_data();
       data->resize(n * 2);
-      {
-        std::lock_guard<std::mutex> lock(job.mu);
-        if (job.step != t) return absl::AbortedError(absl::StrCat("step ", t, " was superseded while streaming its params"));
-        if (auto st = job.state->ReadState(static_cast<uint32_t>(si), StateKind::kParamBf16, off, n, DType::kBf16, data->data());
-            !st.ok()) {
-          return st;
-        }
+      if (auto st = job.state->ReadState(static_cast<uint32_t>(si), StateKind::kParamBf16, off, n, DType::kBf16,
+                                         data->data());
+          !st.ok()) {
+        return st;
       }
-      if (!emit(chunk)) return absl::CancelledError("the caller stopped reading the params");
+      lock.unlock();
+      emitting = emit(chunk);
+      lock.lock();
+      if (!emitting && !applier) break;  // an applier finishes the step for everyone
     }
+    if (!emitting && !applier) break;
   }
+  if (!emitting) return absl::CancelledError("the caller stopped reading the params");
   return absl::OkStatus();
 }
 
@@ -679,7 +735,9 @@ absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool
     chunk.set_offset(off);
     chunk.mutable_data()->resize(n * DTypeSize(dtype));
     {
-      std::lock_guard<std::mutex> lock(job.mu);
+      std::unique_lock<std::mutex> lock(job.mu);
+      // Never between two pieces of an update: a read sees whole steps only.
+      job.cv.wait(lock, [&] { return !job.applying; });
       if (auto st = job.state->ReadState(shard, kind, off - base, n, dtype, chunk.mutable_data()->data()); !st.ok()) {
         return st;
       }

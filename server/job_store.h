@@ -22,7 +22,8 @@ namespace v1 = ::shardopt::v1;
 
 struct JobStoreOptions {
   absl::Duration default_barrier_timeout = absl::Seconds(60);
-  // Elements per streamed ParamChunk / StateChunk: 1 MiB of bf16.
+  // Elements per streamed ParamChunk / StateChunk: 1 MiB of bf16. Rounded up
+  // to a multiple of kApplyAlignment.
   uint64_t stream_chunk_elements = 512 * 1024;
 };
 

@@ -270,6 +270,108 @@ TEST_F(StoreTest, CommitIsIdempotentAndRefusesDifferentArguments) {
   EXPECT_EQ(Snapshot("idem"), before);
 }
 
+// Commits apply the update piece by piece while streaming; several ranks'
+// commits, and a committer that goes away, still get one whole step.
+TEST(PipelinedCommit, PiecesRanksAndADepartingCommitterGiveOneWholeStep) {
+  auto backend = MakeCpuBackend({2, cpu::BestIsa()});
+  JobStoreOptions options;
+  options.stream_chunk_elements = kApplyAlignment;  // several pieces per tensor
+  JobStore store(backend.get(), options);
+  v1::CreateJobRequest r;
+  r.set_job("pieces");
+  r.set_world_size(2);
+  v1::Group* g = r.add_groups();
+  g->set_beta1(kHyper.beta1);
+  g->set_beta2(kHyper.beta2);
+  g->set_eps(kHyper.eps);
+  g->set_weight_decay(kHyper.weight_decay);
+  const std::vector<TensorDef> tensors = {{"a", 3 * kApplyAlignment + 5}, {"b", 1000}};
+  for (const auto& t : tensors) {
+    auto* spec = r.add_tensors();
+    spec->set_name(t.name);
+    spec->set_numel(t.numel);
+  }
+  ASSERT_TRUE(store.CreateJob(r).ok());
+  std::mt19937_64 rng(77);
+  std::map<std::string, ReferenceTensor> refs;
+  for (const auto& t : tensors) {
+    auto init = RandomFloats(rng, t.numel, -1, 1);
+    v1::InitChunk c;
+    c.set_job("pieces");
+    c.set_tensor(t.name);
+    c.set_dtype(v1::FP32);
+    c.set_data(init.data(), init.size() * 4);
+    ASSERT_TRUE(store.Init(c).ok());
+    refs.emplace(t.name, ReferenceTensor(kHyper, init, false));
+  }
+  auto commit = [&](uint64_t step, size_t stop_after, std::map<std::string, std::vector<uint16_t>>* params) {
+    v1::CommitRequest req;
+    req.set_job("pieces");
+    req.set_step(step);
+    req.set_lr(1e-2);
+    req.set_gscale(0.5f);
+    size_t chunks = 0;
+    return store.Commit(req, [&](const v1::ParamChunk& c) {
+      auto& p = (*params)[c.tensor()];
+      p.resize(std::max<size_t>(p.size(), c.offset() + c.data().size() / 2));
+      std::memcpy(p.data() + c.offset(), c.data().data(), c.data().size());
+      return ++chunks < stop_after;
+    });
+  };
+  for (uint64_t step = 1; step <= 3; ++step) {
+    std::vector<std::map<std::string, std::vector<uint16_t>>> grads(2);
+    for (auto& rank : grads) {
+      for (const auto& t : tensors) rank[t.name] = RandomBf16(rng, t.numel, 1.0f);
+    }
+    std::vector<std::thread> pushers;
+    for (uint32_t rank : {1u, 0u}) {
+      pushers.emplace_back([&, rank] {
+        v1::GradChunk head;
+        head.set_job("pieces");
+        head.set_step(step);
+        head.set_rank(rank);
+        auto session = store.BeginPush(head);
+        ASSERT_TRUE(session.ok());
+        for (const auto& [name, data] : grads[rank]) {
+          v1::GradChunk c;
+          c.set_tensor(name);
+          c.set_dtype(v1::BF16);
+          c.set_data(data.data(), data.size() * 2);
+          ASSERT_TRUE((*session)->Add(c).ok());
+        }
+        EXPECT_TRUE((*session)->Finish().ok());
+      });
+    }
+    for (auto& p : pushers) p.join();
+    // Step 2's first committer leaves after one piece; the step completes anyway.
+    std::map<std::string, std::vector<uint16_t>> p0, p1, p2;
+    absl::Status s0, s1;
+    std::thread other([&] { s1 = commit(step, step == 2 ? 1 : 1000, &p1); });
+    s0 = commit(step, 1000, &p0);
+    other.join();
+    for (const auto& t : tensors) {
+      refs.at(t.name).Step({grads[0][t.name].data(), grads[1][t.name].data()}, 1e-2, 0.5f);
+    }
+    ASSERT_TRUE(commit(step, 1000, &p2).ok());  // a late retry streams the finished step
+    for (const auto& t : tensors) {
+      EXPECT_EQ(p2[t.name], refs.at(t.name).Params()) << t.name << " step " << step;
+      if (s0.ok()) {
+        EXPECT_EQ(p0[t.name], p2[t.name]);
+      }
+      if (s1.ok()) {
+        EXPECT_EQ(p1[t.name], p2[t.name]);
+      }
+    }
+    if (step != 2) {
+      EXPECT_TRUE(s0.ok() && s1.ok()) << s0 << " " << s1;
+    } else {
+      EXPECT_TRUE(s0.ok()) << s0;  // whether it applied or read, the one that stayed gets the whole step
+      EXPECT_EQ(s1.code(), absl::StatusCode::kCancelled) << s1;
+    }
+    EXPECT_EQ(store.Describe("pieces")->step(), step);
+  }
+}
+
 TEST_F(StoreTest, CommitWithIncompletePushIsRefusedNamingWhatIsMissing) {
   Create(JobRequest("incomplete", 2, {{"w", 3000}}));
   const std::string before = Snapshot("incomplete");

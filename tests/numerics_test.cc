@@ -217,6 +217,34 @@ TEST(CpuBackend, BitwiseEqualToScalarReferenceForEveryThreadCountAndIsa) {
   }
 }
 
+TEST(CpuBackend, UpdatingAShardInPiecesEqualsOneCall) {
+  constexpr uint64_t kN = 5 * kApplyAlignment + 321;
+  const AdamWHyper h{0.9, 0.999, 1e-8f, 0.01, 1.0};
+  std::mt19937_64 rng(17);
+  const auto init = RandomFloats(rng, kN, -1, 1);
+  const auto g = RandomBf16(rng, kN, 1.0f);
+  Job whole = MakeJob({}, {kN}, Precision::kFp32, 1), pieces = MakeJob({}, {kN}, Precision::kFp32, 1);
+  for (Job* j : {&whole, &pieces}) {
+    ASSERT_TRUE(j->state->WriteState(0, StateKind::kMaster, 0, DType::kFp32, init.data(), kN).ok());
+    ASSERT_TRUE(j->state->WriteGrad(0, 0, 0, DType::kBf16, g.data(), kN).ok());
+  }
+  const auto scalars = ComputeAdamWScalars(h, 1e-3, 1.0f, 1);
+  ASSERT_TRUE(whole.state->Apply(WholeShardZero(scalars)).ok());
+  std::vector<ShardStep> steps = WholeShardZero(scalars);
+  for (uint64_t off : {3 * kApplyAlignment, 0ul, kApplyAlignment}) {  // out of order, uneven
+    steps[0].offset = off;
+    steps[0].length = off == kApplyAlignment ? 2 * kApplyAlignment : off == 0 ? kApplyAlignment : 0;
+    ASSERT_TRUE(pieces.state->Apply(steps).ok());
+  }
+  EXPECT_EQ(ReadFloats(*pieces.state, 0, StateKind::kMaster, kN), ReadFloats(*whole.state, 0, StateKind::kMaster, kN));
+  EXPECT_EQ(ReadParams(*pieces.state, 0, kN), ReadParams(*whole.state, 0, kN));
+  steps[0].offset = 100;  // not on a boundary
+  EXPECT_EQ(pieces.state->Apply(steps).code(), absl::StatusCode::kInvalidArgument);
+  steps[0].offset = kApplyAlignment;
+  steps[0].length = kN;  // past the end
+  EXPECT_EQ(pieces.state->Apply(steps).code(), absl::StatusCode::kOutOfRange);
+}
+
 // The fixed tree of adamw_math.h written out the slow way.
 double TreeSumsq(const std::vector<float>& g) {
   double total = 0;

@@ -167,20 +167,22 @@ class CpuJobState final : public JobState {
   }
 
   absl::Status Apply(absl::Span<const ShardStep> steps) override {
-    if (auto st = CheckSteps(steps); !st.ok()) return st;
-    ForEachTile(steps, [&](const ShardStep& step, uint64_t off, uint64_t len) { ApplyTile(step, off, len); });
+    auto ends = CheckSteps(steps);
+    if (!ends.ok()) return ends.status();
+    ForEachTile(steps, *ends, [&](const ShardStep& step, uint64_t off, uint64_t len) { ApplyTile(step, off, len); });
     return absl::OkStatus();
   }
 
   absl::Status StreamRoofline(absl::Span<const ShardStep> steps) {
-    if (auto st = CheckSteps(steps); !st.ok()) return st;
+    auto ends = CheckSteps(steps);
+    if (!ends.ok()) return ends.status();
     if (layout_.grad_dtype != DType::kBf16) return absl::InvalidArgumentError("the roofline streams bf16 gradients");
     for (const ShardStep& st : steps) {
       if (shards_[st.grads.shard].layout.precision != Precision::kFp32 || st.grads.ranks.size() != 1) {
         return absl::InvalidArgumentError("the roofline streams FP32 shards with one rank's gradient");
       }
     }
-    ForEachTile(steps, [&](const ShardStep& step, uint64_t off, uint64_t len) {
+    ForEachTile(steps, *ends, [&](const ShardStep& step, uint64_t off, uint64_t len) {
       CpuShard& s = shards_[step.grads.shard];
       cpu::StreamArgs a;
       a.grad = reinterpret_cast<const uint16_t*>(GradSlot(step.grads.shard, step.grads.ranks[0])) + off;
@@ -236,26 +238,32 @@ class CpuJobState final : public JobState {
     }
   }
 
-  absl::Status CheckSteps(absl::Span<const ShardStep> steps) const {
-    std::vector<ShardGrads> grads;
-    for (const ShardStep& st : steps) grads.push_back(st.grads);
-    return CheckGrads(grads);
+  // The end of each step's range, after checking it.
+  absl::StatusOr<std::vector<uint64_t>> CheckSteps(absl::Span<const ShardStep> steps) const {
+    std::vector<uint64_t> ends;
+    for (const ShardStep& st : steps) {
+      auto end = CheckShardStep(layout_, st);
+      if (!end.ok()) return end.status();
+      ends.push_back(*end);
+    }
+    return ends;
   }
 
   // Multi-tensor chunking: every shard's items go to the pool in one call.
   // The roofline shares this split, so it measures the update's own work
   // pattern.
   template <typename TileFn>
-  void ForEachTile(absl::Span<const ShardStep> steps, const TileFn& tile_fn) {
+  void ForEachTile(absl::Span<const ShardStep> steps, const std::vector<uint64_t>& ends, const TileFn& tile_fn) {
     struct Item {
       const ShardStep* step;
       uint64_t offset;
       uint64_t n;
     };
     std::vector<Item> items;
-    for (const ShardStep& st : steps) {
-      const uint64_t numel = shards_[st.grads.shard].layout.numel;
-      for (uint64_t off = 0; off < numel; off += kItem) items.push_back({&st, off, std::min(kItem, numel - off)});
+    for (size_t i = 0; i < steps.size(); ++i) {
+      for (uint64_t off = steps[i].offset; off < ends[i]; off += kItem) {
+        items.push_back({&steps[i], off, std::min(kItem, ends[i] - off)});
+      }
     }
     pool_->ParallelFor(items.size(), [&](size_t i) {
       const Item& item = items[i];

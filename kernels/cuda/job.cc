@@ -203,13 +203,13 @@ absl::Status CudaJobState::ForEachBatch(absl::Span<const Work> work, uint64_t un
   for (const Work& w : work) {
     const Shard& s = shards_[w.grads->shard];
     const std::vector<uint32_t>& ranks = w.grads->ranks;
-    for (uint64_t begin = 0; begin < s.layout.numel;) {
+    for (uint64_t begin = w.begin; begin < w.end;) {
       if (batch.units == max_units ||
           TableBytes(batch.tasks.size() + 1, batch.ranks.size() + ranks.size()) > table_capacity_) {
         if (auto st = launch(batch); !st.ok()) return st;
         batch = Batch{};
       }
-      const uint64_t len = std::min(s.layout.numel - begin, (max_units - batch.units) * unit);
+      const uint64_t len = std::min(w.end - begin, (max_units - batch.units) * unit);
       const uint64_t se = s.state_elem_bytes;
       Task t;
       t.grad = At(s.grads + begin * grad_bytes);
@@ -262,7 +262,7 @@ absl::StatusOr<GradStats> CudaJobState::ReduceGrads(absl::Span<const ShardGrads>
   std::vector<Work> work;
   for (const ShardGrads& sg : shards) {
     if (auto st = CheckShardGrads(layout_, sg); !st.ok()) return st;
-    work.push_back({&sg, nullptr});
+    work.push_back({&sg, nullptr, 0, shards_[sg.shard].layout.numel});
   }
   // Partials come back in block order, shards in the order given, and are
   // summed here in that order from 0, as the CPU backend sums its own.
@@ -286,18 +286,25 @@ absl::StatusOr<GradStats> CudaJobState::ReduceGrads(absl::Span<const ShardGrads>
   return stats;
 }
 
+static_assert(kApplyAlignment % kChunk == 0, "a partial update must start on a chunk boundary");
+
 absl::Status CudaJobState::EnqueueApply(absl::Span<const ShardStep> steps) {
   std::lock_guard<std::mutex> lock(mu_);
   if (auto st = device_->Enter(); !st.ok()) return st;
+  std::vector<uint64_t> ends;
   for (const ShardStep& step : steps) {
-    if (auto st = CheckShardGrads(layout_, step.grads); !st.ok()) return st;
+    auto end = CheckShardStep(layout_, step);
+    if (!end.ok()) return end.status();
+    ends.push_back(*end);
   }
   // The state type is a template parameter of the kernel, so each precision
   // gets launches of its own.
   for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
     std::vector<Work> work;
-    for (const ShardStep& step : steps) {
-      if (shards_[step.grads.shard].layout.precision == precision) work.push_back({&step.grads, &step.scalars});
+    for (size_t i = 0; i < steps.size(); ++i) {
+      if (shards_[steps[i].grads.shard].layout.precision == precision) {
+        work.push_back({&steps[i].grads, &steps[i].scalars, steps[i].offset, ends[i]});
+      }
     }
     auto st = ForEachBatch(work, kChunk, kMaxUnits, [&](const Batch& batch) {
       auto launch = UploadTable(batch);

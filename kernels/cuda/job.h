@@ -57,6 +57,8 @@ class CudaJobState final : public JobState {
   struct Work {
     const ShardGrads* grads;
     const math::AdamWScalars* scalars;
+    uint64_t begin;  // the shard's elements [begin, end)
+    uint64_t end;
   };
   struct Batch {
     std::vector<Task> tasks;
