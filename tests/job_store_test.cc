@@ -21,7 +21,7 @@ using testing::RandomBf16;
 using testing::RandomFloats;
 using testing::ReferenceTensor;
 
-const AdamWHyper kHyper{0.9, 0.999, 1e-8f, 0.01, 1.0};
+constexpr AdamWHyper kHyper = testing::kDefaultHyper;
 
 struct TensorDef {
   std::string name;
@@ -75,6 +75,15 @@ class StoreTest : public ::testing::Test {
     c.set_dtype(v1::BF16);
     c.set_data(data, n * 2);
     return c;
+  }
+
+  // A push stream's first message, opening a session.
+  absl::StatusOr<std::unique_ptr<JobStore::PushSession>> StartPush(const std::string& job, uint64_t step, uint32_t rank) {
+    v1::GradChunk head;
+    head.set_job(job);
+    head.set_step(step);
+    head.set_rank(rank);
+    return store_.BeginPush(head);
   }
 
   // One rank's push, chunks of `chunk` elements sent in `order` (a seed for
@@ -225,10 +234,7 @@ TEST_F(StoreTest, RetriedChunksAndPushesCountOnce) {
   auto init = Create(JobRequest("retry", 1, {{"w", 5000}}));
   auto g = RandomBf16(rng_, 5000, 1.0f);
   // Every chunk twice in one stream, then the whole push again.
-  v1::GradChunk head;
-  head.set_job("retry");
-  head.set_step(1);
-  auto session = store_.BeginPush(head);
+  auto session = StartPush("retry", 1, 0);
   ASSERT_TRUE(session.ok());
   for (int rep = 0; rep < 2; ++rep) {
     for (uint64_t off = 0; off < 5000; off += 999) {
@@ -380,11 +386,7 @@ TEST_F(StoreTest, CommitWithIncompletePushIsRefusedNamingWhatIsMissing) {
   EXPECT_THAT(std::string(none.status().message()), HasSubstr("no rank has pushed step 1"));
   // Rank 1 sends half of its gradient and waits in the background.
   auto g = RandomBf16(rng_, 3000, 1.0f);
-  v1::GradChunk head;
-  head.set_job("incomplete");
-  head.set_step(1);
-  head.set_rank(1);
-  auto session = store_.BeginPush(head);
+  auto session = StartPush("incomplete", 1, 1);
   ASSERT_TRUE(session.ok());
   ASSERT_TRUE((*session)->Add(Chunk("w", 0, g.data(), 1500)).ok());
   auto partial = Commit("incomplete", 1, 1e-3);
@@ -403,11 +405,7 @@ TEST_F(StoreTest, BarrierDeadlineDiscardsTheRoundAndAFreshPushSucceeds) {
   const std::string before = Snapshot("deadline");
   auto g0 = RandomBf16(rng_, 2000, 1.0f), g1 = RandomBf16(rng_, 2000, 1.0f);
   // Rank 1 starts streaming but stalls past the deadline.
-  v1::GradChunk head;
-  head.set_job("deadline");
-  head.set_step(1);
-  head.set_rank(1);
-  auto slow = store_.BeginPush(head);
+  auto slow = StartPush("deadline", 1, 1);
   ASSERT_TRUE(slow.ok());
   ASSERT_TRUE((*slow)->Add(Chunk("w", 0, g1.data(), 1000)).ok());
   const absl::Time start = absl::Now();
@@ -490,11 +488,7 @@ TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
   const std::string before = Snapshot("bad");
   auto g = RandomBf16(rng_, 3000, 1.0f);
   auto push_status = [&](uint64_t step, uint32_t rank, v1::GradChunk chunk) {
-    v1::GradChunk head;
-    head.set_job("bad");
-    head.set_step(step);
-    head.set_rank(rank);
-    auto s = store_.BeginPush(head);
+    auto s = StartPush("bad", step, rank);
     if (!s.ok()) return s.status();
     return (*s)->Add(chunk);
   };
@@ -568,10 +562,7 @@ TEST_F(StoreTest, PushBeforeInitialValuesIsRefused) {
   std::vector<uint16_t> half(4000, 0x3F80);
   c.set_data(half.data(), half.size() * 2);
   ASSERT_TRUE(store_.Init(c).ok());
-  v1::GradChunk head;
-  head.set_job("noinit");
-  head.set_step(1);
-  auto s = store_.BeginPush(head);
+  auto s = StartPush("noinit", 1, 0);
   EXPECT_EQ(s.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(s.status().message()), HasSubstr("elements [4000, 5000) have no initial value"));
 }

@@ -30,7 +30,7 @@ using testing::ReferenceTensor;
 using testing::ServerProcess;
 namespace v1 = ::shardopt::v1;
 
-const AdamWHyper kHyper{0.9, 0.999, 1e-8f, 0.01, 1.0};
+constexpr AdamWHyper kHyper = testing::kDefaultHyper;
 
 JobOptions MakeJob(const std::string& name, uint32_t world, std::vector<std::pair<std::string, uint64_t>> tensors,
                    StatePrecision precision = StatePrecision::kFp32) {

@@ -10,6 +10,9 @@
 
 namespace shardopt::testing {
 
+// The hyperparameters most tests use: torch's AdamW defaults.
+inline constexpr AdamWHyper kDefaultHyper{0.9, 0.999, 1e-8f, 0.01, 1.0};
+
 // Fresh random values: never zeros, a spread of magnitudes.
 std::vector<float> RandomFloats(std::mt19937_64& rng, size_t n, float lo, float hi);
 std::vector<uint16_t> RandomBf16(std::mt19937_64& rng, size_t n, float scale);
