@@ -302,10 +302,11 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
       while (reader->Read(&chunk)) {
         auto it = im.tensor_index.find(chunk.tensor());
         const uint64_t n = chunk.data().size() / 2;
-        if (it == im.tensor_index.end() || chunk.offset() + n > im.job.tensors[it->second].numel) {
+        if (it == im.tensor_index.end() || chunk.data().size() % 2 != 0 || chunk.step() != step ||
+            chunk.offset() > im.job.tensors[it->second].numel || n > im.job.tensors[it->second].numel - chunk.offset()) {
           ctx->TryCancel();
           reader->Finish();
-          return grpc::Status(grpc::StatusCode::INTERNAL, "server sent params outside the job's tensors");
+          return grpc::Status(grpc::StatusCode::INTERNAL, "server sent params outside the job's tensors or of another step");
         }
         if (uint16_t* dst = out[it->second]) std::memcpy(dst + chunk.offset(), chunk.data().data(), n * 2);
         received += n;
@@ -361,7 +362,8 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
         v1::StateChunk chunk;
         while (reader->Read(&chunk)) {
           const uint64_t n = chunk.data().size() / esize;
-          if (chunk.offset() < begin || chunk.offset() + n > end) {
+          if (chunk.data().size() % esize != 0 || chunk.offset() < begin || chunk.offset() > end ||
+              n > end - chunk.offset()) {
             ctx->TryCancel();
             reader->Finish();
             return grpc::Status(grpc::StatusCode::INTERNAL, "server sent state outside the range asked for");

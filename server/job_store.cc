@@ -15,6 +15,9 @@ namespace shardopt {
 namespace {
 
 constexpr uint32_t kMaxWorldSize = 65536;
+// 2^40 elements (a 1T-parameter tensor): with world_size at most 2^16, every
+// byte count a backend computes stays far below 2^64.
+constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
 
 absl::StatusOr<DType> FromProto(v1::DType d) {
   switch (d) {
@@ -83,15 +86,14 @@ class Job {
   uint64_t sealed_step = 0;
   GradStats sealed_stats;
 
-  struct Applied {
-    uint64_t step = 0;
+  struct Applied {  // a commit's arguments
     double lr = 0;
     float gscale = 0;
     bool skip = false;
   };
-  Applied applied;      // the last step done
+  Applied applied;        // of step `step`
   bool applying = false;  // step + 1 is being applied, piece by piece
-  Applied apply_args;
+  Applied apply_args;     // of step + 1, while applying
   uint64_t apply_progress = 0;  // pieces of step + 1 applied so far
   absl::Status failed;          // set if an apply failed halfway: the state is not a step's
 
@@ -229,7 +231,10 @@ absl::StatusOr<v1::CreateJobRequest> Normalize(const v1::CreateJobRequest& in, a
     const v1::TensorSpec& t = r.tensors(i);
     if (t.name().empty()) return absl::InvalidArgumentError(absl::StrCat("tensor ", i, " has no name"));
     if (!names.emplace(t.name(), i).second) return absl::InvalidArgumentError(absl::StrCat("tensor name '", t.name(), "' is used twice"));
-    if (t.numel() == 0) return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "' has numel 0"));
+    if (t.numel() == 0 || t.numel() > kMaxNumel) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "' has numel ", t.numel(),
+                                                     "; it must be in [1, 2^40]"));
+    }
     if (t.group() >= static_cast<uint32_t>(r.groups_size())) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "' names group ", t.group(), " of ", r.groups_size()));
     }
@@ -351,7 +356,8 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const std::string& name)
     }
     gs->set_state_dtype(!any ? v1::DTYPE_UNSPECIFIED : held == Precision::kFp32 ? v1::FP32 : v1::BF16);
   }
-  for (const OwnedShard& s : job.shards) {
+  for (size_t si = 0; si < job.shards.size(); ++si) {
+    const OwnedShard& s = job.shards[si];
     v1::TensorState* ts = r.add_tensors();
     const v1::TensorSpec& spec = job.spec.tensors(s.tensor);
     ts->set_name(spec.name());
@@ -360,7 +366,7 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const std::string& name)
     ts->mutable_shard()->set_tensor(spec.name());
     ts->mutable_shard()->set_offset(s.offset);
     ts->mutable_shard()->set_length(s.length);
-    ts->set_adam_step(job.adam_steps[&s - job.shards.data()]);
+    ts->set_adam_step(job.adam_steps[si]);
   }
   const MemoryUse use = job.state->memory_use();
   r.set_state_bytes(use.state_bytes);
@@ -493,7 +499,10 @@ absl::StatusOr<v1::PushResponse> JobStore::PushSession::Finish() {
     return r;
   };
   if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
-  if (job.step >= step_) return answer();  // committed already: sealed_step == step_ (BeginPush checked)
+  if (job.step >= step_) {  // a retry of a committed step: its answer, if still kept
+    if (job.sealed_step == step_) return answer();
+    return absl::FailedPreconditionError(absl::StrCat("step ", step_, " is stale: job '", job.name(), "' is at step ", job.step));
+  }
   const absl::Time now = absl::Now();
   job.ExpireIfLate(now);
   if (!started_) {
@@ -587,7 +596,7 @@ absl::Status JobStore::Commit(const v1::CommitRequest& req,
   if (!std::isfinite(req.gscale())) {
     return absl::InvalidArgumentError(absl::StrCat("gscale must be finite, got ", req.gscale()));
   }
-  const Job::Applied args{t, req.lr(), req.gscale(), req.skip()};
+  const Job::Applied args{req.lr(), req.gscale(), req.skip()};
   std::unique_lock<std::mutex> lock(job.mu);
   if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
   if (!job.failed.ok()) return job.failed;
@@ -599,10 +608,7 @@ absl::Status JobStore::Commit(const v1::CommitRequest& req,
     return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
                                                       "; commit of step ", t, " is stale; Read PARAM_BF16 for the current params"));
   }
-  // The first commit of the next step applies it; every other commit of that
-  // step (other ranks, retries) streams what the applier has finished.
-  const bool applier = t == job.step + 1 && !job.applying;
-  if (applier) {
+  if (t == job.step + 1 && !job.applying) {  // the first commit of the next step starts applying it
     job.ExpireIfLate(absl::Now());
     if (!job.round.sealed) {
       return absl::FailedPreconditionError(absl::StrCat("cannot commit step ", t, ": its push is incomplete: ",
@@ -621,11 +627,24 @@ absl::Status JobStore::Commit(const v1::CommitRequest& req,
   }
 
   // The update runs piece by piece in stream order, so that a piece's params
-  // go out while the next piece is computed. Pieces start on
-  // kApplyAlignment boundaries: the bits equal one whole-shard update.
+  // go out while the next piece is computed. Every commit of the step applies
+  // the next piece if nobody has yet, so no rank waits on another's reader.
+  // Pieces start on kApplyAlignment boundaries: the bits equal one
+  // whole-shard update.
+  struct Piece {
+    uint32_t shard;
+    uint64_t offset;
+    uint64_t length;
+  };
+  std::vector<Piece> pieces;
+  for (uint32_t si = 0; si < job.shards.size(); ++si) {
+    for (uint64_t off = 0; off < job.shards[si].length; off += options_.stream_chunk_elements) {
+      pieces.push_back({si, off, std::min(options_.stream_chunk_elements, job.shards[si].length - off)});
+    }
+  }
   std::vector<int64_t> contribution(job.shards.size(), -1);
   std::vector<math::AdamWScalars> scalars;
-  if (applier && !req.skip()) {
+  if (t == job.step + 1 && !req.skip()) {
     for (const ShardGrads& sg : job.round.contributions) {
       const OwnedShard& s = job.shards[sg.shard];
       contribution[sg.shard] = static_cast<int64_t>(scalars.size());
@@ -633,67 +652,77 @@ absl::Status JobStore::Commit(const v1::CommitRequest& req,
                                             job.adam_steps[sg.shard] + 1));
     }
   }
-  const uint64_t piece = options_.stream_chunk_elements;
-  uint64_t total_pieces = 0;
-  for (const OwnedShard& s : job.shards) total_pieces += (s.length + piece - 1) / piece;
+  // Applies piece `k` of step t, which must be the next one; the last one
+  // completes the step in the same critical section, so no rank ever sees
+  // the job's step between two pieces.
+  auto apply_piece = [&](uint64_t k) -> absl::Status {
+    const Piece& p = pieces[k];
+    if (contribution[p.shard] >= 0) {
+      ShardStep step{job.round.contributions[contribution[p.shard]], scalars[contribution[p.shard]], p.offset,
+                     p.length};
+      if (auto st = job.state->Apply({&step, 1}); !st.ok()) {
+        // Part of the step is applied: the job's state is no step's state.
+        job.failed = absl::Status(st.code(), absl::StrCat("job '", job.name(), "' failed while applying step ", t,
+                                                          ": ", st.message()));
+        job.applying = false;
+        job.cv.notify_all();
+        return job.failed;
+      }
+    }
+    job.apply_progress = k + 1;
+    if (k + 1 == pieces.size()) {
+      for (size_t c = 0; c < contribution.size(); ++c) {
+        if (contribution[c] >= 0) ++job.adam_steps[c];
+      }
+      job.step = t;
+      job.applied = job.apply_args;
+      job.applying = false;
+      job.EndRound();
+    }
+    job.cv.notify_all();
+    return absl::OkStatus();
+  };
+  // Applies what is left of step t, for a commit whose caller went away.
+  auto finish_step = [&]() -> absl::Status {
+    while (job.step + 1 == t && job.applying) {
+      if (auto st = apply_piece(job.apply_progress); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  };
 
   v1::ParamChunk chunk;
   chunk.set_step(t);
-  bool emitting = true;
-  uint64_t k = 0;
-  for (size_t si = 0; si < job.shards.size(); ++si) {
-    const OwnedShard& s = job.shards[si];
-    for (uint64_t off = 0; off < s.length; off += piece, ++k) {
-      const uint64_t n = std::min(piece, s.length - off);
-      if (applier) {
-        if (contribution[si] >= 0) {
-          ShardStep step{job.round.contributions[contribution[si]], scalars[contribution[si]], off, n};
-          if (auto st = job.state->Apply({&step, 1}); !st.ok()) {
-            // Part of the step is applied: the job cannot be trusted again.
-            job.failed = absl::Status(st.code(), absl::StrCat("job '", job.name(), "' failed while applying step ", t,
-                                                              ": ", st.message()));
-            job.applying = false;
-            job.cv.notify_all();
-            return job.failed;
-          }
-        }
-        job.apply_progress = k + 1;
-        if (k + 1 == total_pieces) {  // in the same critical section, so no rank sees a half-done step
-          for (int64_t c = 0; c < static_cast<int64_t>(contribution.size()); ++c) {
-            if (contribution[c] >= 0) ++job.adam_steps[c];
-          }
-          job.step = t;
-          job.applied = args;
-          job.applying = false;
-          job.EndRound();
-        }
-        job.cv.notify_all();
-      } else {
-        job.cv.wait(lock, [&] { return job.dropped || !job.applying || job.apply_progress > k; });
-        if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
-        if (!job.failed.ok()) return job.failed;
-        if (job.step != t && !job.applying) {
-          return absl::AbortedError(absl::StrCat("step ", t, " was superseded while streaming its params"));
-        }
-      }
-      if (!emitting) continue;
-      chunk.set_tensor(job.tensor_name(s));
-      chunk.set_offset(s.offset + off);
-      std::string* data = chunk.mutable_data();
-      data->resize(n * 2);
-      if (auto st = job.state->ReadState(static_cast<uint32_t>(si), StateKind::kParamBf16, off, n, DType::kBf16,
-                                         data->data());
-          !st.ok()) {
-        return st;
-      }
-      lock.unlock();
-      emitting = emit(chunk);
-      lock.lock();
-      if (!emitting && !applier) break;  // an applier finishes the step for everyone
+  for (uint64_t k = 0; k < pieces.size(); ++k) {
+    if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
+    if (!job.failed.ok()) return job.failed;
+    if (job.step + 1 == t && job.applying && job.apply_progress == k) {
+      if (auto st = apply_piece(k); !st.ok()) return st;
     }
-    if (!emitting && !applier) break;
+    // Piece k holds step t once t is done and the next step has not reached
+    // it, or while t is being applied and has passed it.
+    const bool applying_past_k = job.applying && job.apply_progress > k;
+    if (!(job.step == t && !applying_past_k) && !(job.step + 1 == t && applying_past_k)) {
+      return absl::AbortedError(absl::StrCat("step ", t, " was superseded while streaming its params"));
+    }
+    const Piece& p = pieces[k];
+    chunk.set_tensor(job.tensor_name(job.shards[p.shard]));
+    chunk.set_offset(job.shards[p.shard].offset + p.offset);
+    std::string* data = chunk.mutable_data();
+    data->resize(p.length * 2);
+    absl::Status read = job.state->ReadState(p.shard, StateKind::kParamBf16, p.offset, p.length, DType::kBf16,
+                                             data->data());
+    if (!read.ok()) {
+      if (auto st = finish_step(); !st.ok()) return st;
+      return read;
+    }
+    lock.unlock();
+    const bool sent = emit(chunk);
+    lock.lock();
+    if (!sent) {
+      if (auto st = finish_step(); !st.ok()) return st;
+      return absl::CancelledError("the caller stopped reading the params");
+    }
   }
-  if (!emitting) return absl::CancelledError("the caller stopped reading the params");
   return absl::OkStatus();
 }
 
@@ -737,7 +766,9 @@ absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool
     {
       std::unique_lock<std::mutex> lock(job.mu);
       // Never between two pieces of an update: a read sees whole steps only.
-      job.cv.wait(lock, [&] { return !job.applying; });
+      job.cv.wait(lock, [&] { return !job.applying || job.dropped; });
+      if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
+      if (!job.failed.ok()) return job.failed;
       if (auto st = job.state->ReadState(shard, kind, off - base, n, dtype, chunk.mutable_data()->data()); !st.ok()) {
         return st;
       }

@@ -3,7 +3,9 @@
 // state as it was.
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -378,6 +380,50 @@ TEST(PipelinedCommit, PiecesRanksAndADepartingCommitterGiveOneWholeStep) {
   }
 }
 
+TEST_F(StoreTest, ACommitOfTheLastStepNeverStreamsPiecesOfTheNextOne) {
+  constexpr uint64_t kN = 600000;  // two pieces of 512K
+  Create(JobRequest("overlap", 1, {{"w", kN}}));
+  ASSERT_TRUE(Push("overlap", 1, 0, {{"w", RandomBf16(rng_, kN, 1.0f)}}, 100000).ok());
+  auto step1 = Commit("overlap", 1, 1e-3);
+  ASSERT_TRUE(step1.ok());
+  ASSERT_TRUE(Push("overlap", 2, 0, {{"w", RandomBf16(rng_, kN, 1.0f)}}, 100000).ok());
+  // Step 2's committer holds after its first piece is applied and sent.
+  std::mutex mu;
+  std::condition_variable cv;
+  bool holding = false, release = false;
+  absl::Status applier;
+  std::thread t([&] {
+    v1::CommitRequest r;
+    r.set_job("overlap");
+    r.set_step(2);
+    r.set_lr(1e-3);
+    r.set_gscale(1.0f);
+    applier = store_.Commit(r, [&](const v1::ParamChunk&) {
+      std::unique_lock<std::mutex> lock(mu);
+      holding = true;
+      cv.notify_all();
+      cv.wait(lock, [&] { return release; });
+      return true;
+    });
+  });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return holding; });
+  }
+  // Piece 0 already holds step 2: a retried commit of step 1 must not send it as step 1's.
+  auto late = Commit("overlap", 1, 1e-3);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kAborted) << late.status();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    release = true;
+  }
+  cv.notify_all();
+  t.join();
+  EXPECT_TRUE(applier.ok()) << applier;
+  EXPECT_EQ(store_.Describe("overlap")->step(), 2u);
+  EXPECT_NE(*Commit("overlap", 2, 1e-3), *step1);
+}
+
 TEST_F(StoreTest, CommitWithIncompletePushIsRefusedNamingWhatIsMissing) {
   Create(JobRequest("incomplete", 2, {{"w", 3000}}));
   const std::string before = Snapshot("incomplete");
@@ -522,6 +568,10 @@ TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
       {"stale commit", Commit("bad", 0, 1e-3).status(), absl::StatusCode::kFailedPrecondition, "stale"},
       {"NaN lr", Commit("bad", 1, std::nan("")).status(), absl::StatusCode::kInvalidArgument, "lr"},
       {"Inf gscale", Commit("bad", 1, 1e-3, INFINITY).status(), absl::StatusCode::kInvalidArgument, "gscale"},
+      {"numel past 2^40", store_.CreateJob(JobRequest("huge", 1, {{"w", (uint64_t{1} << 62) + 1000}})).status(),
+       absl::StatusCode::kInvalidArgument, "2^40"},
+      {"more than the machine's memory", store_.CreateJob(JobRequest("big", 1, {{"w", uint64_t{1} << 40}})).status(),
+       absl::StatusCode::kResourceExhausted, "bytes of host memory"},
       {"different shapes", store_.CreateJob(JobRequest("bad", 2, {{"w", 3001}})).status(),
        absl::StatusCode::kAlreadyExists, "different configuration"},
       {"NaN initial value", [&] {

@@ -262,7 +262,7 @@ double TreeSumsq(const std::vector<float>& g) {
 }
 
 TEST(CpuBackend, SumOfSquaresIsTheFixedTreeForEveryThreadCount) {
-  constexpr uint64_t kN = 3 * 4096 + 1234;
+  constexpr uint64_t kN = 5 * 16 * 4096 + 1234;  // several of the pool's 16-block items, and a ragged tail
   std::mt19937_64 rng(5);
   const auto r0 = RandomBf16(rng, kN, 3.0f), r1 = RandomBf16(rng, kN, 3.0f);
   std::vector<float> agg(kN);

@@ -1,5 +1,7 @@
 #include "kernels/cpu/cpu_backend.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -311,6 +313,18 @@ class CpuBackend final : public Backend {
   }
 
   absl::StatusOr<std::unique_ptr<JobState>> Allocate(const JobLayout& layout) override {
+    // Refused up front rather than left to overcommit: zeroing a job larger
+    // than the machine would get the whole server killed.
+    uint64_t bytes = 0;
+    for (const ShardLayout& s : layout.shards) {
+      const uint64_t state = s.precision == Precision::kFp32 ? 12 : 6;
+      bytes += s.numel * (state + 2 + uint64_t{layout.world_size} * DTypeSize(layout.grad_dtype));
+    }
+    const uint64_t physical = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
+    if (bytes > physical) {
+      return absl::ResourceExhaustedError(absl::StrCat("the job needs ", bytes, " bytes of host memory; this machine has ",
+                                                       physical));
+    }
     auto state = std::make_unique<CpuJobState>(&pool_, loops_, layout);
     if (auto st = state->Init(); !st.ok()) return st;  // partial buffers are freed with `state`
     return state;

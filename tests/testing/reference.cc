@@ -1,5 +1,7 @@
 #include "tests/testing/reference.h"
 
+#include <cmath>
+
 namespace shardopt::testing {
 
 std::vector<float> RandomFloats(std::mt19937_64& rng, size_t n, float lo, float hi) {
@@ -44,7 +46,14 @@ void ReferenceTensor::Step(const std::vector<const uint16_t*>& rank_grads, doubl
   for (size_t i = 0; i < p.size(); ++i) {
     float g = math::bf16_to_float(rank_grads[0][i]);
     for (size_t r = 1; r < rank_grads.size(); ++r) g += math::bf16_to_float(rank_grads[r][i]);
-    math::adamw_update(g, p[i], m[i], v[i], s);
+    // DESIGN.md's lines written out here rather than calling adamw_math.h,
+    // so that a change of order in the shared header fails the bitwise tests.
+    g = g * s.gscale;
+    p[i] = p[i] * s.decay;
+    m[i] = m[i] + s.one_minus_beta1 * (g - m[i]);
+    v[i] = v[i] * s.beta2 + (s.one_minus_beta2 * g) * g;
+    const float d = std::sqrt(v[i]) / s.bc2_sqrt + s.eps;
+    p[i] = p[i] - s.step_size * (m[i] / d);
     if (bf16_state) {
       p[i] = round(p[i]);
       m[i] = round(m[i]);

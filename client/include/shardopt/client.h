@@ -138,7 +138,10 @@ class Client {
   absl::Status InitFp32(const std::string& tensor, const float* values);
   absl::Status InitBf16(const std::string& tensor, const uint16_t* values);
 
-  // One whole step: push, decide, commit.
+  // One whole step: push, decide, commit. If it fails, call it again with the
+  // same gradients: step() advances only once the commit succeeded, and the
+  // servers count a repeated push of a step once (new gradients for a step
+  // already pushed would be ignored).
   absl::StatusOr<StepResult> Step(absl::Span<const GradView> grads, const StepOptions& options,
                                   absl::Span<const ParamView> params);
   // The phases of Step, for callers that combine decisions themselves.
