@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <mutex>
+#include <optional>
 #include <thread>
 
 #include "absl/container/flat_hash_map.h"
@@ -346,7 +348,12 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
   }
   static constexpr v1::StateKind kKinds[] = {v1::MASTER, v1::EXP_AVG, v1::EXP_AVG_SQ, v1::PARAM_BF16};
   const uint64_t esize = what == StateToRead::kParamBf16 ? 2 : 4;
-  return im.ForEachServer([&](uint32_t s) -> absl::Status {
+  // Every chunk, from every server, must be of one step, or the caller would
+  // get a mix of two steps' state.
+  std::mutex step_mu;
+  std::optional<uint64_t> read_step;
+  bool mixed = false;
+  auto st = im.ForEachServer([&](uint32_t s) -> absl::Status {
     for (const ShardPlacement& p : im.shards_of[s]) {
       const uint64_t begin = std::max(offset, p.offset);
       const uint64_t end = std::min(offset + count, p.offset + p.length);
@@ -369,12 +376,18 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
             return grpc::Status(grpc::StatusCode::INTERNAL, "server sent state outside the range asked for");
           }
           std::memcpy(static_cast<char*>(out) + (chunk.offset() - offset) * esize, chunk.data().data(), n * esize);
+          std::lock_guard<std::mutex> lock(step_mu);
+          mixed = mixed || (read_step && *read_step != chunk.step());
+          read_step = chunk.step();
         }
         return reader->Finish();
       });
     }
     return absl::OkStatus();
   });
+  if (!st.ok()) return st;
+  if (mixed) return absl::AbortedError(absl::StrCat("tensor '", tensor, "' changed step during the read; read it again"));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<ServerState>> Client::Describe() {

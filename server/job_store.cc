@@ -772,6 +772,7 @@ absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool
       if (auto st = job.state->ReadState(shard, kind, off - base, n, dtype, chunk.mutable_data()->data()); !st.ok()) {
         return st;
       }
+      chunk.set_step(job.step);
     }
     if (!emit(chunk)) return absl::CancelledError("the caller stopped reading");
   }
