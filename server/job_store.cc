@@ -1,6 +1,7 @@
 #include "server/job_store.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -74,7 +75,8 @@ class Job {
     bool active = false;
     bool sealed = false;
     uint64_t epoch = 0;
-    absl::Time deadline;
+    // Steady, so that a step of the wall clock cannot end a round early or late.
+    std::chrono::steady_clock::time_point deadline;
     std::vector<std::vector<IntervalSet>> covered;  // [rank][shard]
     std::vector<std::vector<bool>> no_grad;         // [rank][shard]
     std::vector<bool> finished;                     // [rank]
@@ -101,9 +103,9 @@ class Job {
   uint32_t world_size() const { return spec.world_size(); }
   const std::string& tensor_name(const OwnedShard& s) const { return spec.tensors(s.tensor).name(); }
 
-  void StartRound(absl::Time now) {
+  void StartRound(std::chrono::steady_clock::time_point now) {
     round.active = true;
-    round.deadline = now + barrier_timeout;
+    round.deadline = now + absl::ToChronoNanoseconds(barrier_timeout);
     round.covered.assign(world_size(), std::vector<IntervalSet>(shards.size()));
     round.no_grad.assign(world_size(), std::vector<bool>(shards.size(), false));
     round.finished.assign(world_size(), false);
@@ -116,7 +118,7 @@ class Job {
     cv.notify_all();
   }
 
-  void ExpireIfLate(absl::Time now) {
+  void ExpireIfLate(std::chrono::steady_clock::time_point now) {
     if (round.active && !round.sealed && now >= round.deadline) EndRound();
   }
 
@@ -457,7 +459,7 @@ absl::Status JobStore::PushSession::Add(const v1::GradChunk& chunk) {
   const bool has_data = !chunk.tensor().empty() || !chunk.data().empty();
   std::lock_guard<std::mutex> lock(job.mu);
   if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
-  const absl::Time now = absl::Now();
+  const auto now = std::chrono::steady_clock::now();
   job.ExpireIfLate(now);
   if (started_ && job.step < step_ && (job.round.epoch != epoch_ || !job.round.active)) {
     return absl::DeadlineExceededError(absl::StrCat("the barrier of step ", step_, " expired before rank ", rank_,
@@ -503,7 +505,7 @@ absl::StatusOr<v1::PushResponse> JobStore::PushSession::Finish() {
     if (job.sealed_step == step_) return answer();
     return absl::FailedPreconditionError(absl::StrCat("step ", step_, " is stale: job '", job.name(), "' is at step ", job.step));
   }
-  const absl::Time now = absl::Now();
+  const auto now = std::chrono::steady_clock::now();
   job.ExpireIfLate(now);
   if (!started_) {
     if (!job.round.active) job.StartRound(now);
@@ -569,7 +571,7 @@ absl::StatusOr<v1::PushResponse> JobStore::PushSession::Finish() {
     return answer();
   }
 
-  const auto deadline = absl::ToChronoTime(job.round.deadline);
+  const auto deadline = job.round.deadline;
   job.cv.wait_until(lock, deadline, [&] { return job.dropped || job.round.epoch != epoch_ || job.round.sealed; });
   if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
   if (job.sealed_step == step_ && (job.round.sealed || job.step >= step_)) return answer();
@@ -609,7 +611,7 @@ absl::Status JobStore::Commit(const v1::CommitRequest& req,
                                                       "; commit of step ", t, " is stale; Read PARAM_BF16 for the current params"));
   }
   if (t == job.step + 1 && !job.applying) {  // the first commit of the next step starts applying it
-    job.ExpireIfLate(absl::Now());
+    job.ExpireIfLate(std::chrono::steady_clock::now());
     if (!job.round.sealed) {
       return absl::FailedPreconditionError(absl::StrCat("cannot commit step ", t, ": its push is incomplete: ",
                                                         job.MissingSummary()));
