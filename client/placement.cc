@@ -12,31 +12,38 @@ constexpr uint64_t kAlign = 4096;
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 }  // namespace
 
-std::vector<ShardPlacement> PlaceTensors(absl::Span<const TensorOptions> tensors, uint32_t servers) {
-  std::vector<ShardPlacement> out;
-  if (servers == 0) return out;
+std::vector<uint64_t> FlatOffsets(absl::Span<const TensorOptions> tensors) {
   // Each tensor starts 4096-aligned in the flat space, so a boundary there is
   // also 4096-aligned inside the tensor.
-  std::vector<uint64_t> start(tensors.size());
-  uint64_t flat = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    start[i] = flat;
-    flat = RoundUp(flat + tensors[i].numel, kAlign);
-  }
+  std::vector<uint64_t> start(tensors.size() + 1, 0);
+  for (size_t i = 0; i < tensors.size(); ++i) start[i + 1] = RoundUp(start[i] + tensors[i].numel, kAlign);
+  return start;
+}
+
+std::vector<uint64_t> ServerBounds(absl::Span<const TensorOptions> tensors, uint32_t servers) {
   // Server s owns the blocks [s*B/S, (s+1)*B/S) of the B 4096-element
   // blocks: shares differ by at most one block, and no server is left empty
   // while another holds two or more blocks.
-  const uint64_t blocks = flat / kAlign;
-  auto server_begin = [&](uint64_t s) {
-    return static_cast<uint64_t>(static_cast<unsigned __int128>(s) * blocks / servers) * kAlign;
-  };
+  const uint64_t blocks = FlatOffsets(tensors).back() / kAlign;
+  std::vector<uint64_t> bounds(servers + 1);
+  for (uint32_t s = 0; s <= servers; ++s) {
+    bounds[s] = static_cast<uint64_t>(static_cast<unsigned __int128>(s) * blocks / servers) * kAlign;
+  }
+  return bounds;
+}
+
+std::vector<ShardPlacement> PlaceTensors(absl::Span<const TensorOptions> tensors, uint32_t servers) {
+  std::vector<ShardPlacement> out;
+  if (servers == 0) return out;
+  const std::vector<uint64_t> start = FlatOffsets(tensors);
+  const std::vector<uint64_t> bounds = ServerBounds(tensors, servers);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const uint64_t begin = start[i];
     const uint64_t end = begin + tensors[i].numel;
     uint32_t server = 0;
     for (uint64_t pos = begin; pos < end;) {
-      while (server_begin(server + 1) <= pos) ++server;
-      const uint64_t server_end = std::min(end, server_begin(server + 1));
+      while (bounds[server + 1] <= pos) ++server;
+      const uint64_t server_end = std::min(end, bounds[server + 1]);
       out.push_back({server, tensors[i].name, pos - begin, server_end - pos});
       pos = server_end;
     }
