@@ -6,6 +6,7 @@
 # fused AdamW for comparison, each under a time limit so that the whole stays
 # under 8 minutes, and writes into $OUT (or ./device-out):
 #   cuda_parity_test.json cuda_sticky_error_test.json cuda_availability_test.json
+#   nccl_collective_test.json (the node group's NCCL collective, one rank per GPU)
 #   kernel_bench.json torch_fused_adamw.json summary.json
 # Exits 0 when every step passed.
 set -uo pipefail
@@ -55,10 +56,10 @@ if [[ -x $bundle/bin/cuda_availability_test ]]; then
 fi
 
 if [[ $launch_mode != none ]]; then
-  for t in cuda_availability_test cuda_parity_test cuda_sticky_error_test; do
+  for t in cuda_availability_test cuda_parity_test cuda_sticky_error_test nccl_collective_test; do
     case $t in
       cuda_parity_test) limit=200 ;;
-      cuda_sticky_error_test) limit=30 ;;
+      cuda_sticky_error_test | nccl_collective_test) limit=30 ;;
       *) limit=20 ;;
     esac
     step "$t" "$limit" "${launch[@]}" "$bundle/bin/$t" --gtest_output="json:$out/$t.json"
