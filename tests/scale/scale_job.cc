@@ -39,9 +39,10 @@ std::vector<uint16_t> Gradient(uint64_t seed, uint64_t step, uint32_t rank, uint
   std::vector<uint16_t> out(numel);
   for (uint64_t i = 0; i < numel; ++i) {
     const uint64_t h = Mix(key ^ i);
-    // Sign, a binade in [2^-9, 2^0) and 7 mantissa bits: never zero, and
-    // wide enough that rank order changes the fp32 sums' rounding.
-    const uint32_t exponent = 118 + static_cast<uint32_t>((h >> 8) % 9);
+    // Sign, a binade in [2^-20, 2^0) and 7 mantissa bits: never zero. The
+    // 20 binades plus bf16's 8 bits exceed fp32's 24, so sums of a few of
+    // them round, and the order of addition shows in the bits.
+    const uint32_t exponent = 107 + static_cast<uint32_t>((h >> 8) % 20);
     out[i] = static_cast<uint16_t>(((h & 1) << 15) | (exponent << 7) | ((h >> 1) & 0x7F));
   }
   return out;

@@ -38,13 +38,20 @@ ReferenceTensor::ReferenceTensor(const AdamWHyper& h, std::vector<float> init, b
 }
 
 void ReferenceTensor::Step(const std::vector<const uint16_t*>& rank_grads, double lr, float gscale) {
+  std::vector<float> g(p.size());
+  for (size_t i = 0; i < p.size(); ++i) {
+    g[i] = math::bf16_to_float(rank_grads[0][i]);
+    for (size_t r = 1; r < rank_grads.size(); ++r) g[i] += math::bf16_to_float(rank_grads[r][i]);
+  }
+  StepAggregated(g, lr, gscale);
+}
+
+void ReferenceTensor::StepAggregated(const std::vector<float>& g, double lr, float gscale) {
   ++adam_step;
   const math::AdamWScalars s = ComputeAdamWScalars(hyper, lr, gscale, adam_step);
   auto round = [](float x) { return math::bf16_to_float(math::float_to_bf16(x)); };
   for (size_t i = 0; i < p.size(); ++i) {
-    float g = math::bf16_to_float(rank_grads[0][i]);
-    for (size_t r = 1; r < rank_grads.size(); ++r) g += math::bf16_to_float(rank_grads[r][i]);
-    math::adamw_update(g, p[i], m[i], v[i], s);
+    math::adamw_update(g[i], p[i], m[i], v[i], s);
     if (bf16_state) {
       p[i] = round(p[i]);
       m[i] = round(m[i]);
