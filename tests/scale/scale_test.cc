@@ -253,5 +253,35 @@ TEST(ScaleOut, AServerKilledWhileWorkersWaitGivesThemAClearErrorLongBeforeTheDea
   EXPECT_THAT(log, HasSubstr(absl::StrCat("step 5 attempt 1: UNAVAILABLE: ", cluster.addresses()[1])));
 }
 
+TEST(ScaleOut, ServersAtDifferentStepsAreRefusedWithEachStepAndWhatToDo) {
+  Cluster cluster(2);
+  ASSERT_TRUE(cluster.ok());
+  const JobOptions job = MakeJob("split", 1, 10000);
+  ClientOptions options;
+  options.servers = cluster.addresses();
+  options.push_servers = {0};  // steps server 0 alone, as a crash between two servers' commits would
+  auto lopsided = Client::Connect(options).value();
+  ASSERT_EQ(lopsided->CreateOrAttach(job).value(), 0u);
+  std::vector<std::vector<uint16_t>> grads;
+  std::vector<GradView> views;
+  for (uint32_t t = 0; t < job.tensors.size(); ++t) {
+    const auto init = InitialValues(1, t, job.tensors[t].numel);
+    ASSERT_TRUE(lopsided->InitFp32(job.tensors[t].name, init.data()).ok());
+    grads.push_back(Gradient(1, 1, 0, t, job.tensors[t].numel));
+    views.push_back({job.tensors[t].name, grads.back().data()});
+  }
+  ASSERT_TRUE(lopsided->Push(1, views).ok());
+  ASSERT_TRUE(lopsided->Commit(1, kLr, 1.0f, false, {}).ok());
+
+  options.push_servers.clear();
+  auto trainer = Client::Connect(options).value();
+  auto attached = trainer->CreateOrAttach(job);
+  EXPECT_EQ(attached.status().code(), absl::StatusCode::kFailedPrecondition);
+  const std::string message(attached.status().message());
+  EXPECT_THAT(message, HasSubstr(cluster.addresses()[0] + " at step 1"));
+  EXPECT_THAT(message, HasSubstr(cluster.addresses()[1] + " at step 0"));
+  EXPECT_THAT(message, HasSubstr("restore every server from one checkpoint, or drop the job"));
+}
+
 }  // namespace
 }  // namespace shardopt::scale
