@@ -206,12 +206,18 @@ TEST(ScaleOut, AWorkerKilledMidStepLeavesNothingAppliedAndItsRestartRejoins) {
   pid_t victim = 0;
   for (uint32_t r = 0; r < kWorkers; ++r) {
     std::vector<std::string> flags = {barrier};
-    if (r == kVictim) flags.push_back(absl::StrCat("--stall_at_step=", kStall));
+    if (r == kVictim) {
+      // Half-pushed: server 1 has every rank's gradients and seals the
+      // round; servers 0 and 2 lack the victim's.
+      flags.push_back(absl::StrCat("--stall_at_step=", kStall));
+      flags.push_back("--stall_after_pushing_server=1");
+    }
     const pid_t pid = cluster.StartWorker(r, kWorkers, kSteps, flags);
     if (r == kVictim) victim = pid;
   }
-  // The others push step kStall and wait at its barrier, which expires at
-  // least once while the victim hangs and once more after it is killed.
+  // The others push step kStall and wait at the barriers of servers 0 and 2,
+  // which expire at least once while the victim hangs and once more after it
+  // is killed.
   ASSERT_TRUE(cluster.WaitStalled(kVictim, 60s));
   const std::vector<uint64_t> before(3, kStall - 1);
   std::this_thread::sleep_for(std::chrono::milliseconds(kBarrierMs * 3 / 2));
@@ -223,6 +229,7 @@ TEST(ScaleOut, AWorkerKilledMidStepLeavesNothingAppliedAndItsRestartRejoins) {
 
   cluster.StartWorker(kVictim, kWorkers, kSteps, {barrier});
   ASSERT_TRUE(cluster.WaitWorkers(120s)) << cluster.Log(0);
+  EXPECT_THAT(cluster.Log(kVictim), HasSubstr(absl::StrCat("pushed step ", kStall, " to server 1 only")));
   EXPECT_THAT(cluster.Log(kVictim), HasSubstr(absl::StrCat("attached at step ", kStall - 1)));
   const std::vector<float> expected = ReferenceMasters(job, 1, Gscales(kSteps, 1.0f / kWorkers));
   for (uint32_t r = 0; r < kWorkers; ++r) {

@@ -25,7 +25,9 @@ ABSL_FLAG(uint64_t, seed, 1, "gradient and initial-value seed");
 ABSL_FLAG(uint64_t, steps, 200, "train until the job is at this step");
 ABSL_FLAG(double, max_grad_norm, 0, "0: no clipping");
 ABSL_FLAG(uint32_t, barrier_timeout_ms, 2000, "the job's barrier deadline");
-ABSL_FLAG(uint64_t, stall_at_step, 0, "if set, hang before pushing this step (for the kill tests)");
+ABSL_FLAG(uint64_t, stall_at_step, 0, "if set, hang in this step (for the kill tests)");
+ABSL_FLAG(int, stall_after_pushing_server, -1,
+          "with --stall_at_step: first push that step to this server only, so the worker dies half-pushed");
 ABSL_FLAG(int, step_attempts, 20, "attempts per step while the barrier times out");
 ABSL_FLAG(std::string, out, "", "output path prefix");
 
@@ -80,17 +82,28 @@ int Run() {
   step_options.lr = kLr;
   step_options.max_grad_norm = absl::GetFlag(FLAGS_max_grad_norm);
   WorkerOutput output;
+  std::vector<std::vector<uint16_t>> grads(job.tensors.size());
+  std::vector<GradView> grad_views;
+  for (uint32_t t = 0; t < job.tensors.size(); ++t) grad_views.push_back({job.tensors[t].name, nullptr});
   for (uint64_t step = *start + 1; step <= absl::GetFlag(FLAGS_steps); ++step) {
+    for (uint32_t t = 0; t < job.tensors.size(); ++t) {
+      grads[t] = Gradient(seed, step, rank, t, job.tensors[t].numel);
+      grad_views[t].data = grads[t].data();
+    }
     if (step == absl::GetFlag(FLAGS_stall_at_step)) {
+      if (const int s = absl::GetFlag(FLAGS_stall_after_pushing_server); s >= 0) {
+        ClientOptions one = options;
+        one.push_servers = {static_cast<uint32_t>(s)};
+        auto partial = Client::Connect(one);
+        if (!partial.ok()) return Fail(log, partial.status(), "connect");
+        if (auto st = (*partial)->CreateOrAttach(job); !st.ok()) return Fail(log, st.status(), "attach");
+        auto pushed = (*partial)->Push(step, grad_views);
+        if (!pushed.ok()) return Fail(log, pushed.status(), "partial push");
+        log << "pushed step " << step << " to server " << s << " only" << std::endl;
+      }
       std::ofstream(out + ".stalled") << step << std::endl;
       std::this_thread::sleep_for(std::chrono::minutes(5));  // the test kills it long before
       return Fail(log, absl::DeadlineExceededError("nobody killed the stalled worker"), "stall");
-    }
-    std::vector<std::vector<uint16_t>> grads;
-    std::vector<GradView> grad_views;
-    for (uint32_t t = 0; t < job.tensors.size(); ++t) {
-      grads.push_back(Gradient(seed, step, rank, t, job.tensors[t].numel));
-      grad_views.push_back({job.tensors[t].name, grads.back().data()});
     }
     absl::StatusOr<StepResult> result;
     for (int attempt = 1; attempt <= absl::GetFlag(FLAGS_step_attempts); ++attempt) {
