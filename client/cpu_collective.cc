@@ -1,7 +1,9 @@
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/adamw_math.h"
 #include "shardopt/collective.h"
 
@@ -12,24 +14,35 @@ namespace {
 // every rank's buffer, meets at a barrier, lets each rank work on the
 // others' buffers, and meets again before any buffer may change.
 struct CpuGroup {
-  explicit CpuGroup(uint32_t n) : size(n), buffers(n) {}
+  CpuGroup(uint32_t n, std::chrono::milliseconds timeout) : size(n), barrier_timeout(timeout), buffers(n) {}
   const uint32_t size;
+  // A rank that never arrives (its thread died or hangs) fails the others
+  // after this long, and the group stays failed: its count of arrivals no
+  // longer means anything.
+  const std::chrono::milliseconds barrier_timeout;
   std::mutex mu;
   std::condition_variable cv;
   uint64_t generation = 0;
   uint32_t arrived = 0;
+  bool broken = false;
   std::vector<void*> buffers;
 
-  void Barrier() {
+  absl::Status Barrier() {
     std::unique_lock<std::mutex> lock(mu);
     const uint64_t gen = generation;
-    if (++arrived == size) {
+    if (!broken && ++arrived == size) {
       arrived = 0;
       ++generation;
       cv.notify_all();
-      return;
+      return absl::OkStatus();
     }
-    cv.wait(lock, [&] { return generation != gen; });
+    if (!broken && !cv.wait_for(lock, barrier_timeout, [&] { return broken || generation != gen; })) {
+      broken = true;
+      cv.notify_all();
+    }
+    if (generation != gen) return absl::OkStatus();
+    return absl::DeadlineExceededError(absl::StrCat("a local rank did not reach the node group's collective within ",
+                                                    barrier_timeout.count(), " ms"));
   }
 };
 
@@ -41,35 +54,34 @@ class CpuCollective final : public Collective {
 
   absl::Status ReduceScatter(const uint16_t* in, float* out, absl::Span<const FlatRange> ranges) override {
     if (auto st = CheckRanges(ranges); !st.ok()) return st;
-    Publish(const_cast<uint16_t*>(in));
+    if (auto st = Publish(const_cast<uint16_t*>(in)); !st.ok()) return st;
     const FlatRange mine = ranges[rank_];
     for (uint64_t i = mine.begin; i < mine.end; ++i) {
       float sum = math::bf16_to_float(Buffer<uint16_t>(0)[i]);
       for (uint32_t r = 1; r < size(); ++r) sum += math::bf16_to_float(Buffer<uint16_t>(r)[i]);
       out[i - mine.begin] = sum;
     }
-    group_->Barrier();
-    return absl::OkStatus();
+    return group_->Barrier();
   }
 
   absl::Status AllGather(uint16_t* data, absl::Span<const FlatRange> ranges) override {
     if (auto st = CheckRanges(ranges); !st.ok()) return st;
-    Publish(data);
+    if (auto st = Publish(data); !st.ok()) return st;
     for (uint32_t r = 0; r < size(); ++r) {
       if (r == rank_ || ranges[r].size() == 0) continue;
       std::memcpy(data + ranges[r].begin, Buffer<uint16_t>(r) + ranges[r].begin, ranges[r].size() * 2);
     }
-    group_->Barrier();
-    return absl::OkStatus();
+    return group_->Barrier();
   }
 
   absl::Status AllReduceSum(double* data, uint64_t count) override {
-    Publish(data);
+    if (auto st = Publish(data); !st.ok()) return st;
     std::vector<double> sum(count, 0.0);
     for (uint32_t r = 0; r < size(); ++r) {
       for (uint64_t i = 0; i < count; ++i) sum[i] += Buffer<double>(r)[i];
     }
-    group_->Barrier();  // everyone has read every buffer before any changes
+    // Everyone has read every buffer before any changes.
+    if (auto st = group_->Barrier(); !st.ok()) return st;
     std::memcpy(data, sum.data(), count * sizeof(double));
     return absl::OkStatus();
   }
@@ -84,9 +96,9 @@ class CpuCollective final : public Collective {
     if (ranges.size() != size()) return absl::InvalidArgumentError("one range per rank is needed");
     return absl::OkStatus();
   }
-  void Publish(void* buffer) {
+  absl::Status Publish(void* buffer) {
     group_->buffers[rank_] = buffer;
-    group_->Barrier();
+    return group_->Barrier();
   }
   template <typename T>
   const T* Buffer(uint32_t r) const {
@@ -99,8 +111,8 @@ class CpuCollective final : public Collective {
 
 }  // namespace
 
-std::vector<std::unique_ptr<Collective>> MakeCpuCollectives(uint32_t size) {
-  auto group = std::make_shared<CpuGroup>(size);
+std::vector<std::unique_ptr<Collective>> MakeCpuCollectives(uint32_t size, std::chrono::milliseconds barrier_timeout) {
+  auto group = std::make_shared<CpuGroup>(size, barrier_timeout);
   std::vector<std::unique_ptr<Collective>> out;
   for (uint32_t r = 0; r < size; ++r) out.push_back(std::make_unique<CpuCollective>(group, r));
   return out;

@@ -159,6 +159,16 @@ INSTANTIATE_TEST_SUITE_P(Layouts, NodeGroupTest,
                          ::testing::Values(std::make_pair(1u, 1u), std::make_pair(1u, 2u), std::make_pair(1u, 4u),
                                            std::make_pair(2u, 2u)));
 
+TEST(CpuCollective, ARankThatNeverArrivesFailsTheOthersInBoundedTime) {
+  auto collectives = MakeCpuCollectives(2, std::chrono::milliseconds(200));
+  double x = 1;
+  const auto start = std::chrono::steady_clock::now();
+  const absl::Status st = collectives[0]->AllReduceSum(&x, 1);  // rank 1 never comes
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(collectives[1]->AllReduceSum(&x, 1).code(), absl::StatusCode::kDeadlineExceeded);  // stays failed
+}
+
 TEST(NodeGroup, RefusesBf16GradientsWithAClearError) {
   auto server = ServerProcess::Start({"--threads=1"});
   ASSERT_NE(server, nullptr);

@@ -4,6 +4,7 @@
 // only when CUDA is on. Every rank calls every operation in the same order.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -40,7 +41,10 @@ class Collective {
 };
 
 // G ranks as threads of one process. ReduceScatter adds the ranks in rank
-// order, so its fp32 sums are the ones a server computes for G ranks.
-std::vector<std::unique_ptr<Collective>> MakeCpuCollectives(uint32_t size);
+// order, so its fp32 sums are the ones a server computes for G ranks. A rank
+// that does not reach an operation within `barrier_timeout` fails the
+// others' with DEADLINE_EXCEEDED, and every later one.
+std::vector<std::unique_ptr<Collective>> MakeCpuCollectives(
+    uint32_t size, std::chrono::milliseconds barrier_timeout = std::chrono::minutes(5));
 
 }  // namespace shardopt
