@@ -100,9 +100,9 @@ struct Client::Impl {
 
   // Runs fn(server) on every server that holds part of the job (only those
   // in push_servers when `pushing`), one thread each, and returns the first
-  // error in server order that is not a cancellation by Fanout. Each thread streams one chunk at a time, so the
-  // client holds at most one chunk (plus gRPC's flow-control window) per
-  // server in flight.
+  // error in server order that is not a cancellation by Fanout. Each thread
+  // builds one chunk message at a time, so in flight per server there is one
+  // chunk plus what gRPC buffers within one HTTP/2 flow-control window.
   template <typename Fn>
   absl::Status ForEachServer(const Fn& fn, bool pushing = false) const {
     std::vector<uint32_t> targets;
