@@ -24,6 +24,7 @@ std::vector<uint64_t> ServerBounds(absl::Span<const TensorOptions> tensors, uint
   // Server s owns the blocks [s*B/S, (s+1)*B/S) of the B 4096-element
   // blocks: shares differ by at most one block, and no server is left empty
   // while another holds two or more blocks.
+  if (servers == 0) return {};
   const uint64_t blocks = FlatOffsets(tensors).back() / kAlign;
   std::vector<uint64_t> bounds(servers + 1);
   for (uint32_t s = 0; s <= servers; ++s) {

@@ -41,6 +41,7 @@ TEST(Placement, EveryElementOnceAlignedAndSharesWithinOneBlock) {
 TEST(Placement, FiveBlocksOnFourServersLeaveNoneEmpty) {
   const auto bounds = ServerBounds({{"w", 5 * 4096, 0}}, 4);
   EXPECT_THAT(bounds, ElementsAre(0, 4096, 2 * 4096, 3 * 4096, 5 * 4096));
+  EXPECT_TRUE(ServerBounds({{"w", 5 * 4096, 0}}, 0).empty());
 }
 
 TEST(ServerPattern, ExpandsAStatefulSetsNames) {

@@ -145,7 +145,8 @@ struct ShardPlacement {
 std::vector<ShardPlacement> PlaceTensors(absl::Span<const TensorOptions> tensors, uint32_t servers);
 // Where each tensor starts in that flat space, and (last entry) its size.
 std::vector<uint64_t> FlatOffsets(absl::Span<const TensorOptions> tensors);
-// Where each server's part of the flat space starts, and (last entry) its end.
+// Where each server's part of the flat space starts, and (last entry) its
+// end; empty for no servers.
 std::vector<uint64_t> ServerBounds(absl::Span<const TensorOptions> tensors, uint32_t servers);
 
 // A StatefulSet's server addresses: `pattern` holds "{i}" once, which becomes
