@@ -30,6 +30,16 @@ step() {
   echo "$name $? $((SECONDS - start)) $limit" >>"$logs/steps"
 }
 
+# NCCL is this machine's own (make_bundle.sh leaves it out): the system's,
+# CUDA's, or the one PyTorch ships. Put first on the library path that every
+# launch mode below uses.
+nccl_dir=$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 / {print $NF; exit}' | xargs -r dirname)
+for d in /usr/local/cuda/lib64 \
+  $(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0] + "/lib")' 2>/dev/null); do
+  [[ -z $nccl_dir && -e $d/libnccl.so.2 ]] && nccl_dir=$d
+done
+[[ -n $nccl_dir ]] && export LD_LIBRARY_PATH=$nccl_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+
 # How bundled binaries start here: with this machine's libstdc++, else the
 # bundle's, else also the bundle's C library and loader.
 launch=()

@@ -42,7 +42,9 @@ mkdir -p "$bundle/lib-cxx" "$bundle/lib-glibc"
   done
 } | sort -u | while read -r name path; do
   case "$name" in
-    libcuda.so.*) ;;
+    # NCCL is the GPU machine's too: at 208 MB it is more than a device run
+    # can carry, and device_check.sh finds the machine's own.
+    libcuda.so.* | libnccl.so.*) ;;
     libc.so.* | libm.so.* | libdl.so.* | librt.so.* | libpthread.so.* | ld-linux*) cp -L "$path" "$bundle/lib-glibc/$name" ;;
     libstdc++.so.* | libgcc_s.so.*) cp -L "$path" "$bundle/lib-cxx/$name" ;;
     *) cp -L "$path" "$bundle/lib/$name" ;;
