@@ -290,5 +290,44 @@ TEST(ScaleOut, ServersAtDifferentStepsAreRefusedWithEachStepAndWhatToDo) {
   EXPECT_THAT(message, HasSubstr("restore every server from one checkpoint, or drop the job"));
 }
 
+TEST(ScaleOut, AStepCommittedOnSomeServersIsCompletedByRetryingIt) {
+  Cluster cluster(2);
+  ASSERT_TRUE(cluster.ok());
+  const JobOptions job = MakeJob("heal", 1, 10000);
+  ClientOptions options;
+  options.servers = cluster.addresses();
+  auto trainer = Client::Connect(options).value();
+  ASSERT_EQ(trainer->CreateOrAttach(job).value(), 0u);
+  std::vector<std::vector<uint16_t>> grads;
+  std::vector<GradView> views;
+  for (uint32_t t = 0; t < job.tensors.size(); ++t) {
+    const auto init = InitialValues(1, t, job.tensors[t].numel);
+    ASSERT_TRUE(trainer->InitFp32(job.tensors[t].name, init.data()).ok());
+    grads.push_back(Gradient(1, 1, 0, t, job.tensors[t].numel));
+    views.push_back({job.tensors[t].name, grads.back().data()});
+  }
+  // Step 1 pushed and committed on server 0 only, as when the trainer dies
+  // between its commits to two servers.
+  options.push_servers = {0};
+  auto partial = Client::Connect(options).value();
+  ASSERT_TRUE(partial->CreateOrAttach(job).ok());
+  ASSERT_TRUE(partial->Push(1, views).ok());
+  ASSERT_TRUE(partial->Commit(1, kLr, 1.0f, false, {}).ok());
+
+  StepOptions step_options;
+  step_options.lr = kLr;
+  auto retried = trainer->Step(views, step_options, {});
+  ASSERT_TRUE(retried.ok()) << retried.status();
+  EXPECT_EQ(retried->step, 1u);
+  EXPECT_EQ(cluster.ServerSteps(job), std::vector<uint64_t>({1, 1}));
+  std::vector<float> masters;
+  for (const TensorOptions& t : job.tensors) {
+    std::vector<float> m(t.numel);
+    ASSERT_TRUE(trainer->Read(t.name, StateToRead::kMaster, 0, t.numel, m.data()).ok());
+    masters.insert(masters.end(), m.begin(), m.end());
+  }
+  EXPECT_EQ(masters, ReferenceMasters(job, 1, {1.0f}));  // applied once on each server
+}
+
 }  // namespace
 }  // namespace shardopt::scale
