@@ -27,6 +27,8 @@
 
 namespace shardopt {
 
+// Every node of the job has the same G and the same server list: the
+// gradient is averaged over nodes x G ranks.
 struct NodeGroupOptions {
   ClientOptions client;  // servers and tuning; the group sets rank and push_servers
   uint32_t node = 0;     // this node's index: its rank in the job
