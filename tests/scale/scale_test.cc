@@ -260,27 +260,42 @@ TEST(ScaleOut, AServerKilledWhileWorkersWaitGivesThemAClearErrorLongBeforeTheDea
   EXPECT_THAT(log, HasSubstr(absl::StrCat("step 5 attempt 1: UNAVAILABLE: ", cluster.addresses()[1])));
 }
 
+// Rank 0's gradients of step 1 and views of them.
+struct StepOneGradients {
+  explicit StepOneGradients(const JobOptions& job) {
+    for (uint32_t t = 0; t < job.tensors.size(); ++t) {
+      grads.push_back(Gradient(1, 1, 0, t, job.tensors[t].numel));
+      views.push_back({job.tensors[t].name, grads.back().data()});  // a moved vector keeps its buffer
+    }
+  }
+  std::vector<std::vector<uint16_t>> grads;
+  std::vector<GradView> views;
+};
+
+// Sets the job's initial values and does step 1 on server 0 alone, as a
+// world_size-1 trainer that died between its commits to two servers would.
+void StepServerZeroAlone(const std::vector<std::string>& servers, const JobOptions& job) {
+  ClientOptions options;
+  options.servers = servers;
+  options.push_servers = {0};
+  auto lopsided = Client::Connect(options).value();
+  ASSERT_EQ(lopsided->CreateOrAttach(job).value(), 0u);
+  for (uint32_t t = 0; t < job.tensors.size(); ++t) {
+    const auto init = InitialValues(1, t, job.tensors[t].numel);
+    ASSERT_TRUE(lopsided->InitFp32(job.tensors[t].name, init.data()).ok());
+  }
+  const StepOneGradients step_one(job);
+  ASSERT_TRUE(lopsided->Push(1, step_one.views).ok());
+  ASSERT_TRUE(lopsided->Commit(1, kLr, 1.0f, false, {}).ok());
+}
+
 TEST(ScaleOut, ServersAtDifferentStepsAreRefusedWithEachStepAndWhatToDo) {
   Cluster cluster(2);
   ASSERT_TRUE(cluster.ok());
   const JobOptions job = MakeJob("split", 1, 10000);
+  ASSERT_NO_FATAL_FAILURE(StepServerZeroAlone(cluster.addresses(), job));
   ClientOptions options;
   options.servers = cluster.addresses();
-  options.push_servers = {0};  // steps server 0 alone, as a crash between two servers' commits would
-  auto lopsided = Client::Connect(options).value();
-  ASSERT_EQ(lopsided->CreateOrAttach(job).value(), 0u);
-  std::vector<std::vector<uint16_t>> grads;
-  std::vector<GradView> views;
-  for (uint32_t t = 0; t < job.tensors.size(); ++t) {
-    const auto init = InitialValues(1, t, job.tensors[t].numel);
-    ASSERT_TRUE(lopsided->InitFp32(job.tensors[t].name, init.data()).ok());
-    grads.push_back(Gradient(1, 1, 0, t, job.tensors[t].numel));
-    views.push_back({job.tensors[t].name, grads.back().data()});
-  }
-  ASSERT_TRUE(lopsided->Push(1, views).ok());
-  ASSERT_TRUE(lopsided->Commit(1, kLr, 1.0f, false, {}).ok());
-
-  options.push_servers.clear();
   auto trainer = Client::Connect(options).value();
   auto attached = trainer->CreateOrAttach(job);
   EXPECT_EQ(attached.status().code(), absl::StatusCode::kFailedPrecondition);
@@ -297,26 +312,13 @@ TEST(ScaleOut, AStepCommittedOnSomeServersIsCompletedByRetryingIt) {
   ClientOptions options;
   options.servers = cluster.addresses();
   auto trainer = Client::Connect(options).value();
-  ASSERT_EQ(trainer->CreateOrAttach(job).value(), 0u);
-  std::vector<std::vector<uint16_t>> grads;
-  std::vector<GradView> views;
-  for (uint32_t t = 0; t < job.tensors.size(); ++t) {
-    const auto init = InitialValues(1, t, job.tensors[t].numel);
-    ASSERT_TRUE(trainer->InitFp32(job.tensors[t].name, init.data()).ok());
-    grads.push_back(Gradient(1, 1, 0, t, job.tensors[t].numel));
-    views.push_back({job.tensors[t].name, grads.back().data()});
-  }
-  // Step 1 pushed and committed on server 0 only, as when the trainer dies
-  // between its commits to two servers.
-  options.push_servers = {0};
-  auto partial = Client::Connect(options).value();
-  ASSERT_TRUE(partial->CreateOrAttach(job).ok());
-  ASSERT_TRUE(partial->Push(1, views).ok());
-  ASSERT_TRUE(partial->Commit(1, kLr, 1.0f, false, {}).ok());
+  ASSERT_EQ(trainer->CreateOrAttach(job).value(), 0u);  // attached while both servers were at step 0
+  ASSERT_NO_FATAL_FAILURE(StepServerZeroAlone(cluster.addresses(), job));
 
   StepOptions step_options;
   step_options.lr = kLr;
-  auto retried = trainer->Step(views, step_options, {});
+  const StepOneGradients step_one(job);
+  auto retried = trainer->Step(step_one.views, step_options, {});
   ASSERT_TRUE(retried.ok()) << retried.status();
   EXPECT_EQ(retried->step, 1u);
   EXPECT_EQ(cluster.ServerSteps(job), std::vector<uint64_t>({1, 1}));
