@@ -170,8 +170,9 @@ absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args) {
       {"params_per_second", n / step_seconds},
       {"echo_params_per_second", n / echo_seconds},
       {"tcp_echo_params_per_second", n / tcp_seconds},
-      {"fraction_of_echo", echo_seconds / step_seconds},
-      {"fraction_of_tcp", tcp_seconds / step_seconds},
+      // The echoes move one worker's bytes; a step moves every worker's.
+      {"fraction_of_echo", echo_seconds * static_cast<double>(*workers) / step_seconds},
+      {"fraction_of_tcp", tcp_seconds * static_cast<double>(*workers) / step_seconds},
   };
 }
 
