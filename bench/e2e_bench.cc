@@ -4,6 +4,7 @@
 // Server, client and echoes share one process, so each pays for the same two
 // cores.
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -23,41 +24,61 @@ constexpr uint64_t kBytesPerParam = 2;  // bf16 gradients up, bf16 params down
 }  // namespace
 
 absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args) {
-  auto flags = Flags::Parse(args, {"params", "tensors", "steps", "chunk_bytes", "threads"});
+  auto flags = Flags::Parse(args, {"params", "tensors", "steps", "chunk_bytes", "threads", "servers", "workers"});
   if (!flags.ok()) return flags.status();
   auto params = flags->Count("params", uint64_t{64} << 20);
   auto tensors = flags->Count("tensors", 1);
   auto steps = flags->Count("steps", 5);
   auto chunk_bytes = flags->Count("chunk_bytes", 1 << 20);
   auto threads = flags->Count("threads", 0);
-  for (const auto* c : {&params, &tensors, &steps, &chunk_bytes, &threads}) {
+  auto servers = flags->Count("servers", 1);
+  auto workers = flags->Count("workers", 1);
+  for (const auto* c : {&params, &tensors, &steps, &chunk_bytes, &threads, &servers, &workers}) {
     if (!c->ok()) return c->status();
+  }
+  if (*servers == 0 || *servers > 64 || *workers == 0 || *workers > 64) {
+    return absl::InvalidArgumentError("need 1 <= --servers, --workers <= 64");
   }
   if (*tensors == 0 || *params < *tensors) return absl::InvalidArgumentError("need 1 <= --tensors <= --params");
   if (*chunk_bytes < kBytesPerParam) return absl::InvalidArgumentError("--chunk_bytes must hold one param");
   TuneAllocatorForStreaming();  // the process holds the echoes too, not only the client
 
+  // S servers and W worker clients, all in this process: one step is every
+  // worker pushing the whole model (split over the servers) and reading it
+  // back, as in plain parameter-server aggregation.
   CpuBackendOptions backend_options;
   backend_options.threads = static_cast<int>(*threads);
-  auto backend = MakeCpuBackend(backend_options);
-  JobStore store(backend.get());
-  ServerOptions server_options;
-  server_options.address = "127.0.0.1:0";
-  auto server = StartServer(&store, server_options);
-  if (!server.ok()) return server.status();
-
+  std::vector<std::unique_ptr<Backend>> backends;
+  std::vector<std::unique_ptr<JobStore>> stores;
+  std::vector<std::unique_ptr<RunningServer>> running;
   ClientOptions client_options;
-  client_options.servers = {absl::StrCat("127.0.0.1:", (*server)->port)};
   client_options.chunk_bytes = *chunk_bytes;
-  auto client = Client::Connect(client_options);
-  if (!client.ok()) return client.status();
+  for (uint64_t s = 0; s < *servers; ++s) {
+    backends.push_back(MakeCpuBackend(backend_options));
+    stores.push_back(std::make_unique<JobStore>(backends.back().get()));
+    ServerOptions server_options;
+    server_options.address = "127.0.0.1:0";
+    auto server = StartServer(stores.back().get(), server_options);
+    if (!server.ok()) return server.status();
+    client_options.servers.push_back(absl::StrCat("127.0.0.1:", (*server)->port));
+    running.push_back(*std::move(server));
+  }
   JobOptions job;
   job.name = "bench";
+  job.world_size = static_cast<uint32_t>(*workers);
   job.groups = {GroupOptions{}};
   for (uint64_t i = 0; i < *tensors; ++i) {
     job.tensors.push_back({absl::StrCat("t", i), *params / *tensors + (i + 1 == *tensors ? *params % *tensors : 0)});
   }
-  if (auto st = (*client)->CreateOrAttach(job); !st.ok()) return st.status();
+  std::vector<std::unique_ptr<Client>> clients;
+  for (uint64_t w = 0; w < *workers; ++w) {
+    client_options.rank = static_cast<uint32_t>(w);
+    auto client = Client::Connect(client_options);
+    if (!client.ok()) return client.status();
+    if (auto st = (*client)->CreateOrAttach(job); !st.ok()) return st.status();
+    clients.push_back(*std::move(client));
+  }
+  auto& client = clients.front();
 
   const uint64_t bytes = *params * kBytesPerParam;
   std::vector<uint16_t> grads(*params);
@@ -69,7 +90,7 @@ absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args) {
   for (const TensorOptions& t : job.tensors) {
     grad_views.push_back({t.name, grads.data() + offset});
     param_views.push_back({t.name, bf16_params.data() + offset});
-    if (auto st = (*client)->InitBf16(t.name, bf16_params.data() + offset); !st.ok()) return st;
+    if (auto st = client->InitBf16(t.name, bf16_params.data() + offset); !st.ok()) return st;
     offset += t.numel;
   }
 
@@ -83,20 +104,38 @@ absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args) {
   StepOptions step_options;
   uint64_t phased_step = 0;
   Decision decision;
+  // Every worker sends the same gradient: the bytes on the wire are what
+  // counts here, not their values.
+  auto step_all = [&]() -> absl::Status {
+    std::vector<absl::Status> results(clients.size());
+    std::vector<std::thread> threads;
+    for (size_t w = 1; w < clients.size(); ++w) {
+      threads.emplace_back([&, w] { results[w] = clients[w]->Step(grad_views, step_options, {}).status(); });
+    }
+    results[0] = client->Step(grad_views, step_options, param_views).status();
+    for (auto& t : threads) t.join();
+    for (const absl::Status& st : results) {
+      if (!st.ok()) return st;
+    }
+    return absl::OkStatus();
+  };
   auto best = BestOfInterleaved(
       *steps, {
-                  [&] { return (*client)->Step(grad_views, step_options, param_views).status(); },
+                  step_all,
                   // The same step again in its phases, which run back to back,
                   // to show where a step's time goes.
+                  // With one worker only: with more, a lone push waits at the barrier.
                   [&] {
-                    phased_step = (*client)->step() + 1;
-                    auto push = (*client)->Push(phased_step, grad_views);
+                    if (clients.size() > 1) return absl::OkStatus();
+                    phased_step = client->step() + 1;
+                    auto push = client->Push(phased_step, grad_views);
                     if (!push.ok()) return push.status();
                     decision = Decide(*push, job.world_size, step_options);
                     return absl::OkStatus();
                   },
                   [&] {
-                    return (*client)->Commit(phased_step, step_options.lr, decision.gscale, decision.skip,
+                    if (clients.size() > 1) return absl::OkStatus();
+                    return client->Commit(phased_step, step_options.lr, decision.gscale, decision.skip,
                                              param_views);
                   },
                   [&] { return (*grpc_echo)->Run(src, grpc_dst.data(), bytes, *chunk_bytes); },
@@ -112,22 +151,28 @@ absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args) {
   const double n = static_cast<double>(*params);
   return nlohmann::json{
       {"benchmark", "e2e"},
-      {"device", backend->Describe()},
+      {"device", backends.front()->Describe()},
+      {"servers", *servers},
+      {"workers", *workers},
       {"params", *params},
       {"tensors", *tensors},
       {"chunk_bytes", *chunk_bytes},
       {"bytes_each_way", bytes},
       {"steps", *steps},
       {"step_seconds", step_seconds},
-      {"push_seconds", (*best)[1]},
-      {"commit_seconds", (*best)[2]},
+      {"push_seconds", clients.size() > 1 ? nlohmann::json() : nlohmann::json((*best)[1])},
+      {"commit_seconds", clients.size() > 1 ? nlohmann::json() : nlohmann::json((*best)[2])},
+      // Every worker's gradient up and params down, over all links.
+      {"wire_bytes_per_step", bytes * 2 * *workers},
+      {"wire_bytes_per_second", static_cast<double>(bytes * 2 * *workers) / step_seconds},
       {"echo_seconds", echo_seconds},
       {"tcp_echo_seconds", tcp_seconds},
       {"params_per_second", n / step_seconds},
       {"echo_params_per_second", n / echo_seconds},
       {"tcp_echo_params_per_second", n / tcp_seconds},
-      {"fraction_of_echo", echo_seconds / step_seconds},
-      {"fraction_of_tcp", tcp_seconds / step_seconds},
+      // The echoes move one worker's bytes; a step moves every worker's.
+      {"fraction_of_echo", echo_seconds * static_cast<double>(*workers) / step_seconds},
+      {"fraction_of_tcp", tcp_seconds * static_cast<double>(*workers) / step_seconds},
   };
 }
 

@@ -18,6 +18,43 @@ namespace shardopt {
 
 namespace v1 = ::shardopt::v1;
 
+namespace {
+
+// The RPCs of one fan-out to many servers. When one server's call fails for
+// good, the calls still open to the others are cancelled: a push parked at a
+// barrier would otherwise hold the caller until the barrier's deadline, and
+// the error the caller needs is the first server's.
+class Fanout {
+ public:
+  // False when the fan-out has already failed: do not start the call.
+  bool Register(grpc::ClientContext* ctx) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (failed_) return false;
+    active_.push_back(ctx);
+    return true;
+  }
+  void Unregister(grpc::ClientContext* ctx) {
+    std::lock_guard<std::mutex> lock(mu_);
+    active_.erase(std::find(active_.begin(), active_.end(), ctx));
+  }
+  void Fail() {
+    std::lock_guard<std::mutex> lock(mu_);
+    failed_ = true;
+    for (grpc::ClientContext* ctx : active_) ctx->TryCancel();
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<grpc::ClientContext*> active_;
+  bool failed_ = false;
+};
+
+// The fan-out the calling thread belongs to, if any: set by ForEachServer for
+// its threads, so that Call need not take it through every caller.
+thread_local Fanout* current_fanout = nullptr;
+
+}  // namespace
+
 struct Client::Impl {
   ClientOptions options;
   std::vector<std::unique_ptr<v1::Optimizer::Stub>> stubs;
@@ -27,6 +64,7 @@ struct Client::Impl {
   uint64_t step = 0;
   absl::flat_hash_map<std::string, uint32_t> tensor_index;
   std::vector<std::vector<ShardPlacement>> shards_of;  // [server] in tensor order
+  std::vector<bool> pushes_to;                         // [server]: in push_servers
 
   uint32_t servers() const { return static_cast<uint32_t>(stubs.size()); }
   const std::string& address(uint32_t s) const { return options.servers[s]; }
@@ -47,35 +85,46 @@ struct Client::Impl {
       }
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+      if (current_fanout != nullptr && !current_fanout->Register(&ctx)) {
+        return absl::CancelledError(absl::StrCat(address(server), ": another server's call failed"));
+      }
       st = attempt(&ctx);
+      if (current_fanout != nullptr) current_fanout->Unregister(&ctx);
       if (st.error_code() != grpc::StatusCode::UNAVAILABLE &&
           st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
         break;
       }
     }
+    if (!st.ok() && current_fanout != nullptr) current_fanout->Fail();
     return FromGrpcStatus(st, address(server));
   }
 
-  // Runs fn(server) on every server that holds part of the job, in parallel,
-  // and returns the first error in server order.
+  // Runs fn(server) on every server that holds part of the job (only those
+  // in push_servers when `pushing`), one thread each, and returns the first
+  // error in server order that is not a cancellation by Fanout. Each thread
+  // builds one chunk message at a time, so in flight per server there is one
+  // chunk plus what gRPC buffers within one HTTP/2 flow-control window.
   template <typename Fn>
-  absl::Status ForEachServer(const Fn& fn) const {
+  absl::Status ForEachServer(const Fn& fn, bool pushing = false) const {
     std::vector<uint32_t> targets;
     for (uint32_t s = 0; s < servers(); ++s) {
-      if (!shards_of[s].empty()) targets.push_back(s);
+      if (!shards_of[s].empty() && (!pushing || pushes_to[s])) targets.push_back(s);
     }
     std::vector<absl::Status> results(targets.size());
-    if (targets.size() == 1) {
-      results[0] = fn(targets[0]);
-    } else {
-      std::vector<std::thread> threads;
-      for (size_t i = 0; i < targets.size(); ++i) threads.emplace_back([&, i] { results[i] = fn(targets[i]); });
-      for (auto& t : threads) t.join();
+    Fanout fanout;
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < targets.size(); ++i) {
+      threads.emplace_back([&, i] {
+        current_fanout = &fanout;
+        results[i] = fn(targets[i]);
+      });
     }
+    for (auto& t : threads) t.join();
+    absl::Status first;
     for (const absl::Status& st : results) {
-      if (!st.ok()) return st;
+      if (!st.ok() && (first.ok() || absl::IsCancelled(first))) first = st;
     }
-    return absl::OkStatus();
+    return first;
   }
 
   absl::StatusOr<const TensorOptions*> FindTensor(const std::string& name) const {
@@ -141,6 +190,13 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   if (options.tune_allocator) TuneAllocatorForStreaming();
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->pushes_to.assign(options.servers.size(), options.push_servers.empty());
+  for (uint32_t s : options.push_servers) {
+    if (s >= options.servers.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("push_servers names server ", s, " of ", options.servers.size()));
+    }
+    impl->pushes_to[s] = true;
+  }
   for (const std::string& address : options.servers) {
     grpc::ChannelArguments args;
     TuneChannelArguments(&args);
@@ -268,15 +324,11 @@ absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView
       writer->WritesDone();
       return writer->Finish();
     });
-  });
+  }, /*pushing=*/true);
   if (!st.ok()) return st;
-  PushResult result;  // summed in server order, so every rank gets the same double
-  for (uint32_t s = 0; s < im.servers(); ++s) {
-    if (im.shards_of[s].empty()) continue;
-    result.sum_squares += responses[s].sum_squares();
-    result.nonfinite = result.nonfinite || responses[s].nonfinite();
-  }
-  return result;
+  std::vector<PushPartial> partials(im.servers());
+  for (uint32_t s = 0; s < im.servers(); ++s) partials[s] = {responses[s].sum_squares(), responses[s].nonfinite()};
+  return CombinePartials(std::move(partials));
 }
 
 absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params) {
@@ -320,7 +372,7 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
       }
       return gs;
     });
-  });
+  }, /*pushing=*/true);
   if (!st.ok()) return st;
   im.step = std::max(im.step, step);
   return absl::OkStatus();

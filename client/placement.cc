@@ -1,6 +1,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "shardopt/client.h"
 
 namespace shardopt {
@@ -10,27 +12,74 @@ constexpr uint64_t kAlign = 4096;
 uint64_t RoundUp(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 }  // namespace
 
+std::vector<uint64_t> FlatOffsets(absl::Span<const TensorOptions> tensors) {
+  // Each tensor starts 4096-aligned in the flat space, so a boundary there is
+  // also 4096-aligned inside the tensor.
+  std::vector<uint64_t> start(tensors.size() + 1, 0);
+  for (size_t i = 0; i < tensors.size(); ++i) start[i + 1] = RoundUp(start[i] + tensors[i].numel, kAlign);
+  return start;
+}
+
+std::vector<uint64_t> ServerBounds(absl::Span<const TensorOptions> tensors, uint32_t servers) {
+  // Server s owns the blocks [s*B/S, (s+1)*B/S) of the B 4096-element
+  // blocks: shares differ by at most one block, and no server is left empty
+  // while another holds two or more blocks.
+  if (servers == 0) return {};
+  const uint64_t blocks = FlatOffsets(tensors).back() / kAlign;
+  std::vector<uint64_t> bounds(servers + 1);
+  for (uint32_t s = 0; s <= servers; ++s) {
+    bounds[s] = static_cast<uint64_t>(static_cast<unsigned __int128>(s) * blocks / servers) * kAlign;
+  }
+  return bounds;
+}
+
 std::vector<ShardPlacement> PlaceTensors(absl::Span<const TensorOptions> tensors, uint32_t servers) {
   std::vector<ShardPlacement> out;
   if (servers == 0) return out;
-  // Each tensor starts 4096-aligned in the flat space, so a boundary there is
-  // also 4096-aligned inside the tensor.
-  std::vector<uint64_t> start(tensors.size());
-  uint64_t flat = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    start[i] = flat;
-    flat = RoundUp(flat + tensors[i].numel, kAlign);
-  }
-  const uint64_t per_server = RoundUp((flat + servers - 1) / servers, kAlign);
+  const std::vector<uint64_t> start = FlatOffsets(tensors);
+  const std::vector<uint64_t> bounds = ServerBounds(tensors, servers);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const uint64_t begin = start[i];
     const uint64_t end = begin + tensors[i].numel;
+    uint32_t server = 0;
     for (uint64_t pos = begin; pos < end;) {
-      const uint32_t server = static_cast<uint32_t>(std::min<uint64_t>(pos / per_server, servers - 1));
-      const uint64_t server_end = server + 1 == servers ? end : std::min(end, (server + 1) * per_server);
+      while (bounds[server + 1] <= pos) ++server;
+      const uint64_t server_end = std::min(end, bounds[server + 1]);
       out.push_back({server, tensors[i].name, pos - begin, server_end - pos});
       pos = server_end;
     }
+  }
+  return out;
+}
+
+PushResult CombinePartials(std::vector<PushPartial> partials) {
+  PushResult result;
+  for (const PushPartial& p : partials) {
+    result.sum_squares += p.sum_squares;
+    result.nonfinite = result.nonfinite || p.nonfinite;
+  }
+  result.partials = std::move(partials);
+  return result;
+}
+
+absl::StatusOr<std::vector<std::string>> ExpandServerPattern(const std::string& pattern, uint32_t count) {
+  constexpr uint32_t kMaxServers = 65536;
+  const size_t at = pattern.find("{i}");
+  if (at == std::string::npos || pattern.find("{i}", at + 1) != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat("server pattern '", pattern, "' must hold \"{i}\" exactly once"));
+  }
+  const size_t colon = pattern.rfind(':');
+  uint32_t port = 0;
+  if (colon == std::string::npos || colon < at || !absl::SimpleAtoi(pattern.substr(colon + 1), &port) || port == 0 ||
+      port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("server pattern '", pattern, "' must end in :PORT, PORT in [1, 65535]"));
+  }
+  if (count == 0 || count > kMaxServers) {
+    return absl::InvalidArgumentError(absl::StrCat("server count must be in [1, ", kMaxServers, "], got ", count));
+  }
+  std::vector<std::string> out;
+  for (uint32_t i = 0; i < count; ++i) {
+    out.push_back(absl::StrCat(pattern.substr(0, at), i, pattern.substr(at + 3)));
   }
   return out;
 }

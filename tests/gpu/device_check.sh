@@ -6,6 +6,7 @@
 # fused AdamW for comparison, each under a time limit so that the whole stays
 # under 8 minutes, and writes into $OUT (or ./device-out):
 #   cuda_parity_test.json cuda_sticky_error_test.json cuda_availability_test.json
+#   nccl_collective_test.json (the node group's NCCL collective, one rank per GPU)
 #   kernel_bench.json torch_fused_adamw.json summary.json
 # Exits 0 when every step passed.
 set -uo pipefail
@@ -28,6 +29,16 @@ step() {
   timeout --kill-after=5 "$limit" "$@" >"$logs/$name.stdout" 2>"$logs/$name.stderr"
   echo "$name $? $((SECONDS - start)) $limit" >>"$logs/steps"
 }
+
+# NCCL is this machine's own (make_bundle.sh leaves it out): the system's,
+# CUDA's, or the one PyTorch ships. Put first on the library path that every
+# launch mode below uses.
+nccl_dir=$(ldconfig -p 2>/dev/null | awk '/libnccl\.so\.2 / {print $NF; exit}' | xargs -r dirname)
+for d in /usr/local/cuda/lib64 \
+  $(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0] + "/lib")' 2>/dev/null); do
+  [[ -z $nccl_dir && -e $d/libnccl.so.2 ]] && nccl_dir=$d
+done
+[[ -n $nccl_dir ]] && export LD_LIBRARY_PATH=$nccl_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 # How bundled binaries start here: with this machine's libstdc++, else the
 # bundle's, else also the bundle's C library and loader.
@@ -55,10 +66,10 @@ if [[ -x $bundle/bin/cuda_availability_test ]]; then
 fi
 
 if [[ $launch_mode != none ]]; then
-  for t in cuda_availability_test cuda_parity_test cuda_sticky_error_test; do
+  for t in cuda_availability_test cuda_parity_test cuda_sticky_error_test nccl_collective_test; do
     case $t in
       cuda_parity_test) limit=200 ;;
-      cuda_sticky_error_test) limit=30 ;;
+      cuda_sticky_error_test | nccl_collective_test) limit=30 ;;
       *) limit=20 ;;
     esac
     step "$t" "$limit" "${launch[@]}" "$bundle/bin/$t" --gtest_output="json:$out/$t.json"

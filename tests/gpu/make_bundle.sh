@@ -12,7 +12,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${BUILD_DIR:-$root/build-cuda}
 bundle=$root/device-bundle
-targets=(cuda_parity_test cuda_sticky_error_test cuda_availability_test cuda_kernel_bench)
+targets=(cuda_parity_test cuda_sticky_error_test cuda_availability_test nccl_collective_test cuda_kernel_bench)
 
 cmake -S "$root" -B "$build" -G Ninja -DSHARDOPT_CUDA=ON -DSHARDOPT_BUILD_BENCH=OFF >/dev/null
 ninja -C "$build" -j "${JOBS:-2}" "${targets[@]}"
@@ -42,7 +42,9 @@ mkdir -p "$bundle/lib-cxx" "$bundle/lib-glibc"
   done
 } | sort -u | while read -r name path; do
   case "$name" in
-    libcuda.so.*) ;;
+    # NCCL is the GPU machine's too: at 208 MB it is more than a device run
+    # can carry, and device_check.sh finds the machine's own.
+    libcuda.so.* | libnccl.so.*) ;;
     libc.so.* | libm.so.* | libdl.so.* | librt.so.* | libpthread.so.* | ld-linux*) cp -L "$path" "$bundle/lib-glibc/$name" ;;
     libstdc++.so.* | libgcc_s.so.*) cp -L "$path" "$bundle/lib-cxx/$name" ;;
     *) cp -L "$path" "$bundle/lib/$name" ;;

@@ -40,18 +40,25 @@ ReferenceTensor::ReferenceTensor(const AdamWHyper& h, std::vector<float> init, b
 }
 
 void ReferenceTensor::Step(const std::vector<const uint16_t*>& rank_grads, double lr, float gscale) {
+  std::vector<float> g(p.size());
+  for (size_t i = 0; i < p.size(); ++i) {
+    g[i] = math::bf16_to_float(rank_grads[0][i]);
+    for (size_t r = 1; r < rank_grads.size(); ++r) g[i] += math::bf16_to_float(rank_grads[r][i]);
+  }
+  StepAggregated(g, lr, gscale);
+}
+
+void ReferenceTensor::StepAggregated(const std::vector<float>& g, double lr, float gscale) {
   ++adam_step;
   const math::AdamWScalars s = ComputeAdamWScalars(hyper, lr, gscale, adam_step);
   auto round = [](float x) { return math::bf16_to_float(math::float_to_bf16(x)); };
   for (size_t i = 0; i < p.size(); ++i) {
-    float g = math::bf16_to_float(rank_grads[0][i]);
-    for (size_t r = 1; r < rank_grads.size(); ++r) g += math::bf16_to_float(rank_grads[r][i]);
     // DESIGN.md's lines written out here rather than calling adamw_math.h,
     // so that a change of order in the shared header fails the bitwise tests.
-    g = g * s.gscale;
+    const float gs = g[i] * s.gscale;
     p[i] = p[i] * s.decay;
-    m[i] = m[i] + s.one_minus_beta1 * (g - m[i]);
-    v[i] = v[i] * s.beta2 + (s.one_minus_beta2 * g) * g;
+    m[i] = m[i] + s.one_minus_beta1 * (gs - m[i]);
+    v[i] = v[i] * s.beta2 + (s.one_minus_beta2 * gs) * gs;
     const float d = std::sqrt(v[i]) / s.bc2_sqrt + s.eps;
     p[i] = p[i] - s.step_size * (m[i] / d);
     if (bf16_state) {

@@ -28,6 +28,8 @@ struct ReferenceTensor {
   ReferenceTensor(const AdamWHyper& h, std::vector<float> init, bool bf16);
   // `rank_grads` are the contributing ranks' gradients, in rank order.
   void Step(const std::vector<const uint16_t*>& rank_grads, double lr, float gscale);
+  // One step from a gradient already aggregated in fp32 (a node group's sums).
+  void StepAggregated(const std::vector<float>& g, double lr, float gscale);
   std::vector<uint16_t> Params() const;
 };
 

@@ -16,6 +16,29 @@
 
 namespace shardopt::testing {
 
+pid_t SpawnProcess(std::vector<std::string> argv) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test killed mid-run must not leave its children behind
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(a.data());
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  return pid;
+}
+
+std::optional<int> WaitProcess(pid_t pid, std::chrono::milliseconds timeout) {
+  const auto give_up = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) return status;
+    if (std::chrono::steady_clock::now() >= give_up) return std::nullopt;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
 std::unique_ptr<ServerProcess> ServerProcess::Start(const std::vector<std::string>& args) {
   auto proc = std::unique_ptr<ServerProcess>(new ServerProcess);
   char tmpl[] = "/tmp/shardopt-test-XXXXXX";
@@ -25,15 +48,7 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::vector<std::strin
   std::vector<std::string> argv_s = {SHARDOPT_SERVER_BINARY, "--host=127.0.0.1", "--port=0",
                                      "--port_file=" + port_file, "--device=cpu"};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
-  proc->pid_ = fork();
-  if (proc->pid_ == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test killed mid-run must not leave its server behind
-    std::vector<char*> argv;
-    for (auto& a : argv_s) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
+  proc->pid_ = SpawnProcess(argv_s);
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (std::chrono::steady_clock::now() < give_up) {
     std::ifstream in(port_file);

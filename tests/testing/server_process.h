@@ -4,11 +4,18 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 namespace shardopt::testing {
+
+// Forks and execs argv[0]; the child is killed when the calling thread exits.
+pid_t SpawnProcess(std::vector<std::string> argv);
+// The child's wait status once it has exited, or nullopt after `timeout`.
+std::optional<int> WaitProcess(pid_t pid, std::chrono::milliseconds timeout);
 
 class ServerProcess {
  public:

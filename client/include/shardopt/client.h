@@ -53,9 +53,15 @@ struct JobOptions {
 };
 
 struct ClientOptions {
-  // host:port of every server, in a fixed order that all ranks share.
+  // host:port of every server, in a fixed order that all ranks share; see
+  // ExpandServerPattern for a StatefulSet's.
   std::vector<std::string> servers;
   uint32_t rank = 0;
+  // Indices into `servers` that Push and Commit go to; empty means all. A
+  // node group splits the servers among its local ranks this way, so that
+  // each pushes one part of the node's reduced gradient. The other calls
+  // always go to every server.
+  std::vector<uint32_t> push_servers;
   // Attempts per RPC for UNAVAILABLE and DEADLINE_EXCEEDED, with backoff.
   int max_attempts = 5;
   // Deadline of an RPC, on top of the barrier's wait for a push.
@@ -85,10 +91,23 @@ struct StepOptions {
   double loss_scale = 1;     // gradients arrive multiplied by this
 };
 
+// One server's answer to a push: over its shards, of the summed, unscaled
+// gradient.
+struct PushPartial {
+  double sum_squares = 0;
+  bool nonfinite = false;
+};
+
 struct PushResult {
   double sum_squares = 0;  // of the summed, unscaled gradient, over all servers
   bool nonfinite = false;
+  // Indexed by server; zero for servers this client did not push to.
+  std::vector<PushPartial> partials;
 };
+
+// Sums the partials in server order, the one order every rank uses, so that
+// all reach the same double.
+PushResult CombinePartials(std::vector<PushPartial> partials);
 
 // What every rank decides alike from the same PushResult.
 struct Decision {
@@ -124,6 +143,15 @@ struct ShardPlacement {
   uint64_t length;
 };
 std::vector<ShardPlacement> PlaceTensors(absl::Span<const TensorOptions> tensors, uint32_t servers);
+// Where each tensor starts in that flat space, and (last entry) its size.
+std::vector<uint64_t> FlatOffsets(absl::Span<const TensorOptions> tensors);
+// Where each server's part of the flat space starts, and (last entry) its
+// end; empty for no servers.
+std::vector<uint64_t> ServerBounds(absl::Span<const TensorOptions> tensors, uint32_t servers);
+
+// A StatefulSet's server addresses: `pattern` holds "{i}" once, which becomes
+// 0 ... count-1, and ends in ":PORT", e.g. "shardopt-{i}.shardopt:50051".
+absl::StatusOr<std::vector<std::string>> ExpandServerPattern(const std::string& pattern, uint32_t count);
 
 class Client {
  public:

@@ -1,0 +1,74 @@
+// A node's G local ranks (one per GPU) acting as one rank of the job. They
+// reduce-scatter their bf16 gradients through a Collective, so that local
+// rank j holds the node's fp32 sum for the servers it owns and pushes only
+// that: 1/G of the model when G divides the server count. The servers'
+// partial norms meet in an all-reduce, so every local rank decides alike;
+// each commits to its own servers, and the params are all-gathered.
+//
+// Owned servers: local rank j owns servers [j*S/G, (j+1)*S/G), so each
+// (node, server) pair has exactly one pusher, as the step protocol needs.
+// With S < G some local ranks push nothing.
+//
+// Numerics: a server's aggregate for N nodes is ((node 0's sum) + node 1's
+// sum) + ..., each node's sum being, with CpuCollective, the fp32 sum of its
+// local ranks in local-rank order. With one node that is exactly what a
+// server computes for G ranks pushing apart; with several nodes the
+// association differs from plain aggregation over N*G ranks, so results
+// agree to fp32 rounding, not bitwise. NCCL's reduction order is its own.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "shardopt/client.h"
+#include "shardopt/collective.h"
+
+namespace shardopt {
+
+// Every node of the job has the same G and the same server list: the
+// gradient is averaged over nodes x G ranks.
+struct NodeGroupOptions {
+  ClientOptions client;  // servers and tuning; the group sets rank and push_servers
+  uint32_t node = 0;     // this node's index: its rank in the job
+};
+
+class NodeGroup {
+ public:
+  // Each local rank creates its own, with its own Collective.
+  static absl::StatusOr<std::unique_ptr<NodeGroup>> Create(const NodeGroupOptions& options, Collective* collective);
+
+  // job.world_size is the number of nodes, and job.grad_type must be kFp32:
+  // a node pushes fp32 partial sums.
+  absl::StatusOr<uint64_t> CreateOrAttach(const JobOptions& job);
+
+  // One step over flat buffers in the collective's memory, each
+  // FlatOffsets(job.tensors).back() elements with tensor t at FlatOffsets[t]:
+  // every tensor has a gradient. `flat_params` receives every tensor's params.
+  absl::StatusOr<StepResult> Step(const uint16_t* flat_grads, uint16_t* flat_params, const StepOptions& options);
+
+  // For Init, Read and Describe, which go to every server.
+  Client& client() { return *client_; }
+  // The flat range this local rank pushes and commits.
+  FlatRange owned() const { return ranges_[collective_->rank()]; }
+
+ private:
+  NodeGroup(std::unique_ptr<Client> client, Collective* collective, uint32_t servers)
+      : client_(std::move(client)), collective_(collective), servers_(servers) {}
+  // Every local rank learns whether any failed, so none waits in a collective
+  // that another has left.
+  absl::Status Agree(const absl::Status& mine, const char* phase);
+
+  std::unique_ptr<Client> client_;
+  Collective* collective_;
+  uint32_t servers_;
+  JobOptions job_;
+  std::vector<uint64_t> offsets_;
+  std::vector<FlatRange> ranges_;  // [local rank]
+  uint64_t step_ = 0;
+  std::vector<float> grads_;       // host: the node's sums for the owned range
+  std::vector<uint16_t> params_;   // host: the owned range's params
+};
+
+}  // namespace shardopt
