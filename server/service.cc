@@ -65,6 +65,13 @@ grpc::Status OptimizerService::DropJob(grpc::ServerContext*, const v1::DropJobRe
   return ToGrpcStatus(store_->DropJob(req->job()));
 }
 
+grpc::Status OptimizerService::Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest* req,
+                                          v1::CheckpointResponse* resp) {
+  auto r = store_->Checkpoint(*req);
+  if (r.ok()) *resp = *std::move(r);
+  return ToGrpcStatus(r.status());
+}
+
 RunningServer::~RunningServer() {
   if (server) server->Shutdown();
 }
