@@ -190,6 +190,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     }
     req.set_grad_dtype(job.grad_type == GradType::kBf16 ? v1::BF16 : v1::FP32);
     req.set_barrier_timeout_ms(job.barrier_timeout_ms);
+    req.set_restore_step(job.restore_step);
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       v1::CreateJobResponse resp;
       grpc::Status gs = im.stubs[s]->CreateJob(ctx, req, &resp);
@@ -332,6 +333,10 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
   result.step = t;
   result.decision = Decide(*push, impl_->job.world_size, options);
   if (auto st = Commit(t, options.lr, result.decision.gscale, result.decision.skip, params); !st.ok()) return st;
+  const uint64_t every = impl_->options.checkpoint_every;
+  if (every > 0 && impl_->options.rank == 0 && t % every == 0) {
+    if (auto st = Checkpoint(); !st.ok()) return st;
+  }
   return result;
 }
 
@@ -411,6 +416,28 @@ absl::Status Client::VerifyState() {
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status Client::Checkpoint() {
+  Impl& im = *impl_;
+  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  std::vector<v1::CheckpointResponse> responses(im.servers());
+  auto st = im.ForEachServer([&](uint32_t s) {
+    return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+      v1::CheckpointRequest req;
+      req.set_job(im.job.name);
+      req.set_step(im.step);
+      return im.stubs[s]->Checkpoint(ctx, req, &responses[s]);
+    });
+  });
+  if (!st.ok()) return st;
+  // The last server to write sees every part and writes the marker.
+  for (const v1::CheckpointResponse& r : responses) {
+    if (r.complete()) return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat("job '", im.job.name, "' step ", im.step,
+                                                    ": every server wrote its part, but none saw all of them; do the "
+                                                    "servers share one --checkpoint_dir?"));
 }
 
 absl::Status Client::Drop() {

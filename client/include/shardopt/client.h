@@ -50,6 +50,10 @@ struct JobOptions {
   std::vector<TensorOptions> tensors;
   GradType grad_type = GradType::kBf16;
   uint32_t barrier_timeout_ms = 60000;
+  // For servers with --checkpoint_dir, when they do not hold the job yet: 0
+  // resumes from the newest complete checkpoint, if there is one; t > 0 from
+  // the checkpoint of step t. CreateOrAttach returns the step resumed at.
+  uint64_t restore_step = 0;
 };
 
 struct ClientOptions {
@@ -64,6 +68,8 @@ struct ClientOptions {
   uint64_t chunk_bytes = 1 << 20;
   // Keeps freed MiB-sized buffers in the process (mallopt); see DESIGN.md.
   bool tune_allocator = true;
+  // Rank 0 checkpoints after every step that is a multiple of this; 0: never.
+  uint64_t checkpoint_every = 0;
 };
 
 // One tensor's gradient: numel elements of the job's GradType (bf16 bits or
@@ -154,6 +160,11 @@ class Client {
   // whose optimizer state silently fell to bf16.
   absl::Status VerifyState();
   absl::Status Drop();
+  // Writes a checkpoint of the job's current step on every server (each
+  // server its part, into a --checkpoint_dir they share). Fails with
+  // FAILED_PRECONDITION if no server saw every part, e.g. because their
+  // directories are not shared.
+  absl::Status Checkpoint();
 
   // The job's step: the last one done.
   uint64_t step() const;

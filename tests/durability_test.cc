@@ -1,0 +1,271 @@
+// Durability over real server processes: a checkpoint, a restart and a
+// resume give the bits of an uninterrupted run; SIGTERM checkpoints and exits
+// 0; a checkpoint restores onto another server count; bad files are refused
+// with a clear status while the server goes on serving.
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "shardopt/client.h"
+#include "shardopt/grpc_edge.h"
+#include "shardopt/v1/optimizer.grpc.pb.h"
+#include "tests/testing/scripted_trainer.h"
+#include "tests/testing/server_process.h"
+
+namespace shardopt {
+namespace {
+
+namespace fs = std::filesystem;
+namespace v1 = ::shardopt::v1;
+using ::testing::HasSubstr;
+using testing::DurableJob;
+using testing::Fingerprint;
+using testing::ScriptedTrainer;
+using testing::ServerProcess;
+
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/shardopt-ckpt-XXXXXX";
+    path_ = mkdtemp(tmpl);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::unique_ptr<Client> Connect(const std::vector<std::unique_ptr<ServerProcess>>& servers) {
+  ClientOptions o;
+  for (const auto& s : servers) o.servers.push_back(s->address());
+  return Client::Connect(o).value();
+}
+
+std::vector<std::unique_ptr<ServerProcess>> StartServers(int n, const std::string& checkpoint_dir) {
+  std::vector<std::unique_ptr<ServerProcess>> out;
+  for (int i = 0; i < n; ++i) {
+    std::vector<std::string> args = {"--threads=1"};
+    if (!checkpoint_dir.empty()) args.push_back("--checkpoint_dir=" + checkpoint_dir);
+    out.push_back(ServerProcess::Start(args));
+    EXPECT_NE(out.back(), nullptr);
+  }
+  return out;
+}
+
+// A fresh job run for `steps` steps; returns the trainer.
+ScriptedTrainer Train(Client& client, const JobOptions& job, uint64_t steps) {
+  ScriptedTrainer trainer(job);
+  EXPECT_EQ(client.CreateOrAttach(job).value(), 0u);
+  EXPECT_TRUE(trainer.Init(client).ok());
+  for (uint64_t t = 0; t < steps; ++t) EXPECT_TRUE(trainer.Step(client).ok());
+  return trainer;
+}
+
+// The state an uninterrupted run reaches after `steps`, on one server.
+std::vector<uint32_t> Uninterrupted(const JobOptions& job, uint64_t steps) {
+  auto servers = StartServers(1, "");
+  auto client = Connect(servers);
+  Train(*client, job, steps);
+  return Fingerprint(*client, job).value();
+}
+
+TEST(DurabilityTest, CheckpointRestartResumeIsBitwiseEqualToAnUninterruptedRunForFp32AndBf16Groups) {
+  const JobOptions job = DurableJob("resume", {{"w", 5000}, {"b", 300}});
+  constexpr uint64_t kN = 12;
+  const std::vector<uint32_t> at_n = Uninterrupted(job, kN);
+  const std::vector<uint32_t> at_2n = Uninterrupted(job, 2 * kN);
+  TempDir dir;
+
+  std::vector<std::vector<uint16_t>> params_at_n;
+  StepResult last;
+  {
+    auto servers = StartServers(1, dir.path());
+    auto client = Connect(servers);
+    ScriptedTrainer trainer = Train(*client, job, kN - 1);
+    last = trainer.Step(*client).value();
+    params_at_n = trainer.params();
+    ASSERT_TRUE(client->Checkpoint().ok());
+    EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
+    servers[0]->Stop(SIGKILL);
+  }
+
+  auto servers = StartServers(1, dir.path());
+  auto client = Connect(servers);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), kN);
+  ASSERT_TRUE(client->VerifyState().ok());
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
+  // A commit of step N retried after the restore: the same bits, nothing applied.
+  ScriptedTrainer trainer(job);
+  std::vector<std::vector<uint16_t>> retried(job.tensors.size());
+  std::vector<ParamView> pv;
+  for (size_t i = 0; i < job.tensors.size(); ++i) {
+    retried[i].assign(job.tensors[i].numel, 0xFFFF);
+    pv.push_back({job.tensors[i].name, retried[i].data()});
+  }
+  ASSERT_TRUE(client->Commit(kN, 1e-2, last.decision.gscale, last.decision.skip, pv).ok());
+  EXPECT_EQ(retried, params_at_n);
+  EXPECT_EQ(client->Commit(kN, 2e-2, last.decision.gscale, false, pv).code(), absl::StatusCode::kAborted);
+
+  for (uint64_t t = kN; t < 2 * kN; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_2n);
+}
+
+TEST(DurabilityTest, SigtermCheckpointsEveryJobAndExitsZero) {
+  const JobOptions job = DurableJob("sigterm", {{"w", 3000}});
+  TempDir dir;
+  std::vector<uint32_t> before;
+  {
+    auto servers = StartServers(1, dir.path());
+    auto client = Connect(servers);
+    Train(*client, job, 7);
+    before = Fingerprint(*client, job).value();
+    const int status = servers[0]->Stop(SIGTERM);
+    ASSERT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 0);
+  }
+  EXPECT_TRUE(fs::exists(dir.path() + "/sigterm/step-00000000000000000007/COMMIT"));
+  auto servers = StartServers(1, dir.path());
+  auto client = Connect(servers);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), 7u);
+  EXPECT_EQ(Fingerprint(*client, job).value(), before);
+}
+
+TEST(DurabilityTest, ACheckpointOfTwoServersRestoresOntoThreeAndOntoOne) {
+  const JobOptions job = DurableJob("reshard", {{"w", 20000}, {"b", 9000}});
+  constexpr uint64_t kN = 6;
+  const std::vector<uint32_t> at_n = Uninterrupted(job, kN);
+  const std::vector<uint32_t> at_2n = Uninterrupted(job, 2 * kN);
+  TempDir dir;
+  {
+    auto servers = StartServers(2, dir.path());
+    auto client = Connect(servers);
+    Train(*client, job, kN);
+    ASSERT_TRUE(client->Checkpoint().ok());
+  }
+  {
+    auto one = StartServers(1, dir.path());
+    auto client = Connect(one);
+    ASSERT_EQ(client->CreateOrAttach(job).value(), kN);
+    EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
+  }
+  auto three = StartServers(3, dir.path());
+  auto client = Connect(three);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), kN);
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
+  ScriptedTrainer trainer(job);
+  for (uint64_t t = kN; t < 2 * kN; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_2n);
+}
+
+std::string StepDir(const std::string& root, const std::string& job, int step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%020d", step);
+  return root + "/" + job + "/" + name;
+}
+
+std::string OnlyPart(const std::string& step_dir) {
+  for (const auto& e : fs::directory_iterator(step_dir)) {
+    if (e.path().filename().string().rfind("part-", 0) == 0) return e.path().string();
+  }
+  ADD_FAILURE() << "no part in " << step_dir;
+  return "";
+}
+
+void FlipByte(const std::string& path, std::streamoff offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  if (offset < 0) f.seekg(offset, std::ios::end); else f.seekg(offset);
+  const std::streamoff at = f.tellg();
+  char c;
+  f.read(&c, 1);
+  c ^= 0x40;
+  f.seekp(at);
+  f.write(&c, 1);
+}
+
+TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServesOtherJobs) {
+  TempDir dir;
+  const std::vector<std::string> cases = {"data", "manifest", "truncated", "version", "torn", "config"};
+  {
+    auto servers = StartServers(1, dir.path());
+    for (const std::string& name : cases) {
+      auto client = Connect(servers);
+      const JobOptions job = DurableJob(name, {{"w", 2000}});
+      ScriptedTrainer trainer = Train(*client, job, 3);
+      ASSERT_TRUE(client->Checkpoint().ok());
+      for (int t = 0; t < 3; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
+      ASSERT_TRUE(client->Checkpoint().ok());
+    }
+  }
+  FlipByte(OnlyPart(StepDir(dir.path(), "data", 6)), -100);
+  FlipByte(OnlyPart(StepDir(dir.path(), "manifest", 6)), 30);
+  fs::resize_file(OnlyPart(StepDir(dir.path(), "truncated", 6)), 5000);
+  {
+    std::fstream f(OnlyPart(StepDir(dir.path(), "version", 6)), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8);
+    f.put(2);
+  }
+  fs::remove(StepDir(dir.path(), "torn", 6) + "/COMMIT");
+
+  auto servers = StartServers(1, dir.path());
+  auto good = Connect(servers);
+  const JobOptions good_job = DurableJob("good", {{"w", 100}});
+  ScriptedTrainer good_trainer = Train(*good, good_job, 1);
+
+  struct Want {
+    std::string job;
+    absl::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Want> wants = {
+      {"data", absl::StatusCode::kDataLoss, "data checksum mismatch"},
+      {"manifest", absl::StatusCode::kDataLoss, "manifest checksum mismatch"},
+      {"truncated", absl::StatusCode::kDataLoss, "truncated"},
+      {"version", absl::StatusCode::kFailedPrecondition, "format version 2; this build reads version 1"},
+  };
+  for (const Want& w : wants) {
+    SCOPED_TRACE(w.job);
+    auto client = Connect(servers);
+    auto attached = client->CreateOrAttach(DurableJob(w.job, {{"w", 2000}}));
+    EXPECT_EQ(attached.status().code(), w.code);
+    EXPECT_THAT(std::string(attached.status().message()), HasSubstr(w.message));
+    // Nothing was loaded: the job is not on the server.
+    auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(servers[0]->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    v1::DescribeRequest req;
+    req.set_job(w.job);
+    v1::DescribeResponse resp;
+    EXPECT_EQ(stub->Describe(&ctx, req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_TRUE(good_trainer.Step(*good).ok());
+  }
+  {
+    auto client = Connect(servers);
+    auto other = DurableJob("config", {{"w", 2001}});
+    auto attached = client->CreateOrAttach(other);
+    EXPECT_EQ(attached.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(attached.status().message()), HasSubstr("another configuration"));
+  }
+  {
+    // Torn: the newest has no COMMIT, so the one before it is loaded; named, it is refused.
+    auto client = Connect(servers);
+    JobOptions named = DurableJob("torn", {{"w", 2000}});
+    named.restore_step = 6;
+    auto refused = client->CreateOrAttach(named);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("torn (no COMMIT marker"));
+    EXPECT_EQ(client->CreateOrAttach(DurableJob("torn", {{"w", 2000}})).value(), 3u);
+  }
+  EXPECT_TRUE(good_trainer.Step(*good).ok());
+}
+
+}  // namespace
+}  // namespace shardopt

@@ -1,0 +1,70 @@
+#include "tests/testing/scripted_trainer.h"
+
+#include <cstring>
+#include <random>
+
+#include "tests/testing/reference.h"
+
+namespace shardopt::testing {
+
+JobOptions DurableJob(const std::string& name, const std::vector<std::pair<std::string, uint64_t>>& fp32_tensors) {
+  JobOptions job;
+  job.name = name;
+  GroupOptions fp32;
+  fp32.name = "fp32";
+  GroupOptions bf16 = fp32;
+  bf16.name = "bf16";
+  bf16.precision = StatePrecision::kBf16;
+  job.groups = {fp32, bf16};
+  for (const auto& [tensor, numel] : fp32_tensors) job.tensors.push_back({tensor, numel, 0});
+  job.tensors.push_back({"gain", 64, 1});
+  job.barrier_timeout_ms = 10000;
+  return job;
+}
+
+ScriptedTrainer::ScriptedTrainer(JobOptions job) : job_(std::move(job)) {
+  for (const TensorOptions& t : job_.tensors) params_.emplace_back(t.numel);
+}
+
+absl::Status ScriptedTrainer::Init(Client& client) const {
+  for (size_t i = 0; i < job_.tensors.size(); ++i) {
+    std::mt19937_64 rng(1000 + i);
+    const std::vector<float> init = RandomFloats(rng, job_.tensors[i].numel, -1, 1);
+    if (auto st = client.InitFp32(job_.tensors[i].name, init.data()); !st.ok()) return st;
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<StepResult> ScriptedTrainer::Step(Client& client) {
+  const uint64_t t = client.step() + 1;
+  std::vector<std::vector<uint16_t>> grads;
+  std::vector<GradView> gv;
+  std::vector<ParamView> pv;
+  for (size_t i = 0; i < job_.tensors.size(); ++i) {
+    std::mt19937_64 rng(t * 7919 + i);
+    grads.push_back(RandomBf16(rng, job_.tensors[i].numel, 0.3f));
+    const bool no_grad = (t + i) % 5 == 0;
+    gv.push_back({job_.tensors[i].name, no_grad ? nullptr : grads.back().data()});
+    pv.push_back({job_.tensors[i].name, params_[i].data()});
+  }
+  StepOptions so;
+  so.lr = 1e-2;
+  return client.Step(gv, so, pv);
+}
+
+absl::StatusOr<std::vector<uint32_t>> Fingerprint(Client& client, const JobOptions& job) {
+  std::vector<uint32_t> out;
+  for (const TensorOptions& t : job.tensors) {
+    std::vector<uint32_t> bits(t.numel);
+    for (StateToRead k : {StateToRead::kMaster, StateToRead::kExpAvg, StateToRead::kExpAvgSq}) {
+      if (auto st = client.Read(t.name, k, 0, t.numel, bits.data()); !st.ok()) return st;
+      out.insert(out.end(), bits.begin(), bits.end());
+    }
+    std::vector<uint16_t> params(t.numel);
+    if (auto st = client.Read(t.name, StateToRead::kParamBf16, 0, t.numel, params.data()); !st.ok()) return st;
+    out.insert(out.end(), params.begin(), params.end());
+  }
+  return out;
+}
+
+}  // namespace shardopt::testing

@@ -1,0 +1,40 @@
+// A trainer whose every input is a function of (tensor, step), so that a run
+// resumed from a checkpoint at step t replays exactly the steps an
+// uninterrupted run takes: the durability tests compare the two bitwise.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "shardopt/client.h"
+
+namespace shardopt::testing {
+
+// Group 0 is FP32, group 1 BF16. Tensor "gain" (64 elements) is in group 1;
+// the others, with the sizes given, in group 0.
+JobOptions DurableJob(const std::string& name, const std::vector<std::pair<std::string, uint64_t>>& fp32_tensors);
+
+class ScriptedTrainer {
+ public:
+  explicit ScriptedTrainer(JobOptions job);
+  const JobOptions& job() const { return job_; }
+
+  absl::Status Init(Client& client) const;
+  // Pushes and commits step client.step() + 1. Tensor i has no gradient in
+  // steps t with (t + i) % 5 == 0, so the tensors' Adam steps drift apart.
+  absl::StatusOr<StepResult> Step(Client& client);
+  // The params the last Step's commit returned, per tensor.
+  const std::vector<std::vector<uint16_t>>& params() const { return params_; }
+
+ private:
+  JobOptions job_;
+  std::vector<std::vector<uint16_t>> params_;
+};
+
+// Every bit of the job's state as the servers hold it: master, m and v of
+// each tensor as fp32 bits, then the params as bf16 bits.
+absl::StatusOr<std::vector<uint32_t>> Fingerprint(Client& client, const JobOptions& job);
+
+}  // namespace shardopt::testing
