@@ -24,60 +24,14 @@ namespace {
 namespace fs = std::filesystem;
 namespace v1 = ::shardopt::v1;
 using ::testing::HasSubstr;
+using testing::Connect;
 using testing::DurableJob;
 using testing::Fingerprint;
 using testing::ScriptedTrainer;
-using testing::ServerProcess;
-
-class TempDir {
- public:
-  TempDir() {
-    char tmpl[] = "/tmp/shardopt-ckpt-XXXXXX";
-    path_ = mkdtemp(tmpl);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-std::unique_ptr<Client> Connect(const std::vector<std::unique_ptr<ServerProcess>>& servers) {
-  ClientOptions o;
-  for (const auto& s : servers) o.servers.push_back(s->address());
-  return Client::Connect(o).value();
-}
-
-std::vector<std::unique_ptr<ServerProcess>> StartServers(int n, const std::string& checkpoint_dir) {
-  std::vector<std::unique_ptr<ServerProcess>> out;
-  for (int i = 0; i < n; ++i) {
-    std::vector<std::string> args = {"--threads=1"};
-    if (!checkpoint_dir.empty()) args.push_back("--checkpoint_dir=" + checkpoint_dir);
-    out.push_back(ServerProcess::Start(args));
-    EXPECT_NE(out.back(), nullptr);
-  }
-  return out;
-}
-
-// A fresh job run for `steps` steps; returns the trainer.
-ScriptedTrainer Train(Client& client, const JobOptions& job, uint64_t steps) {
-  ScriptedTrainer trainer(job);
-  EXPECT_EQ(client.CreateOrAttach(job).value(), 0u);
-  EXPECT_TRUE(trainer.Init(client).ok());
-  for (uint64_t t = 0; t < steps; ++t) EXPECT_TRUE(trainer.Step(client).ok());
-  return trainer;
-}
-
-// The state an uninterrupted run reaches after `steps`, on one server.
-std::vector<uint32_t> Uninterrupted(const JobOptions& job, uint64_t steps) {
-  auto servers = StartServers(1, "");
-  auto client = Connect(servers);
-  Train(*client, job, steps);
-  return Fingerprint(*client, job).value();
-}
+using testing::StartServers;
+using testing::TempDir;
+using testing::Train;
+using testing::Uninterrupted;
 
 TEST(DurabilityTest, CheckpointRestartResumeIsBitwiseEqualToAnUninterruptedRunForFp32AndBf16Groups) {
   const JobOptions job = DurableJob("resume", {{"w", 5000}, {"b", 300}});
@@ -90,11 +44,13 @@ TEST(DurabilityTest, CheckpointRestartResumeIsBitwiseEqualToAnUninterruptedRunFo
   StepResult last;
   {
     auto servers = StartServers(1, dir.path());
-    auto client = Connect(servers);
+    ClientOptions every_n;
+    every_n.checkpoint_every = kN;
+    auto client = Connect(servers, every_n);
     ScriptedTrainer trainer = Train(*client, job, kN - 1);
-    last = trainer.Step(*client).value();
+    EXPECT_FALSE(fs::exists(dir.path() + "/resume"));
+    last = trainer.Step(*client).value();  // step N, then its checkpoint
     params_at_n = trainer.params();
-    ASSERT_TRUE(client->Checkpoint().ok());
     EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
     servers[0]->Stop(SIGKILL);
   }

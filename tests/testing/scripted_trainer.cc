@@ -1,7 +1,10 @@
 #include "tests/testing/scripted_trainer.h"
 
-#include <cstring>
+#include <cstdlib>
+#include <filesystem>
 #include <random>
+
+#include "gtest/gtest.h"
 
 #include "tests/testing/reference.h"
 
@@ -35,7 +38,7 @@ absl::Status ScriptedTrainer::Init(Client& client) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepResult> ScriptedTrainer::Step(Client& client) {
+absl::StatusOr<StepResult> ScriptedTrainer::Step(Client& client, const std::function<void(Phase)>& on_phase) {
   const uint64_t t = client.step() + 1;
   std::vector<std::vector<uint16_t>> grads;
   std::vector<GradView> gv;
@@ -49,7 +52,16 @@ absl::StatusOr<StepResult> ScriptedTrainer::Step(Client& client) {
   }
   StepOptions so;
   so.lr = 1e-2;
-  return client.Step(gv, so, pv);
+  if (!on_phase) return client.Step(gv, so, pv);
+  on_phase(Phase::kPush);
+  auto push = client.Push(t, gv);
+  if (!push.ok()) return push.status();
+  StepResult result{t, Decide(*push, job_.world_size, so)};
+  on_phase(Phase::kCommit);
+  auto st = client.Commit(t, so.lr, result.decision.gscale, result.decision.skip, pv);
+  on_phase(Phase::kIdle);
+  if (!st.ok()) return st;
+  return result;
 }
 
 absl::StatusOr<std::vector<uint32_t>> Fingerprint(Client& client, const JobOptions& job) {
@@ -65,6 +77,47 @@ absl::StatusOr<std::vector<uint32_t>> Fingerprint(Client& client, const JobOptio
     out.insert(out.end(), params.begin(), params.end());
   }
   return out;
+}
+
+TempDir::TempDir() {
+  char tmpl[] = "/tmp/shardopt-ckpt-XXXXXX";
+  path_ = mkdtemp(tmpl);
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+std::vector<std::unique_ptr<ServerProcess>> StartServers(int n, const std::string& checkpoint_dir) {
+  std::vector<std::unique_ptr<ServerProcess>> out;
+  for (int i = 0; i < n; ++i) {
+    std::vector<std::string> args = {"--threads=1"};
+    if (!checkpoint_dir.empty()) args.push_back("--checkpoint_dir=" + checkpoint_dir);
+    out.push_back(ServerProcess::Start(args));
+    EXPECT_NE(out.back(), nullptr);
+  }
+  return out;
+}
+
+std::unique_ptr<Client> Connect(const std::vector<std::unique_ptr<ServerProcess>>& servers, ClientOptions options) {
+  for (const auto& s : servers) options.servers.push_back(s->address());
+  return Client::Connect(options).value();
+}
+
+ScriptedTrainer Train(Client& client, const JobOptions& job, uint64_t steps) {
+  ScriptedTrainer trainer(job);
+  EXPECT_EQ(client.CreateOrAttach(job).value(), 0u);
+  EXPECT_TRUE(trainer.Init(client).ok());
+  for (uint64_t t = 0; t < steps; ++t) EXPECT_TRUE(trainer.Step(client).ok());
+  return trainer;
+}
+
+std::vector<uint32_t> Uninterrupted(const JobOptions& job, uint64_t steps) {
+  auto servers = StartServers(1, "");
+  auto client = Connect(servers);
+  Train(*client, job, steps);
+  return Fingerprint(*client, job).value();
 }
 
 }  // namespace shardopt::testing

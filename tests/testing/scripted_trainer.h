@@ -4,11 +4,14 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "shardopt/client.h"
+#include "tests/testing/server_process.h"
 
 namespace shardopt::testing {
 
@@ -22,9 +25,13 @@ class ScriptedTrainer {
   const JobOptions& job() const { return job_; }
 
   absl::Status Init(Client& client) const;
+  enum class Phase { kPush, kCommit, kIdle };
   // Pushes and commits step client.step() + 1. Tensor i has no gradient in
   // steps t with (t + i) % 5 == 0, so the tensors' Adam steps drift apart.
-  absl::StatusOr<StepResult> Step(Client& client);
+  // Without `on_phase` this is Client::Step, with its checkpoint_every;
+  // with it, Push and Commit are called apart and `on_phase` is told which
+  // one runs.
+  absl::StatusOr<StepResult> Step(Client& client, const std::function<void(Phase)>& on_phase = nullptr);
   // The params the last Step's commit returned, per tensor.
   const std::vector<std::vector<uint16_t>>& params() const { return params_; }
 
@@ -36,5 +43,23 @@ class ScriptedTrainer {
 // Every bit of the job's state as the servers hold it: master, m and v of
 // each tensor as fp32 bits, then the params as bf16 bits.
 absl::StatusOr<std::vector<uint32_t>> Fingerprint(Client& client, const JobOptions& job);
+
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::vector<std::unique_ptr<ServerProcess>> StartServers(int n, const std::string& checkpoint_dir);
+std::unique_ptr<Client> Connect(const std::vector<std::unique_ptr<ServerProcess>>& servers,
+                                ClientOptions options = {});
+// Creates the job, initializes it and runs `steps` steps; returns the trainer.
+ScriptedTrainer Train(Client& client, const JobOptions& job, uint64_t steps);
+// The fingerprint an uninterrupted run reaches after `steps`, on one server.
+std::vector<uint32_t> Uninterrupted(const JobOptions& job, uint64_t steps);
 
 }  // namespace shardopt::testing
