@@ -53,7 +53,7 @@ TEST(CrashTest, TwentyFourKillNinesAtRandomMomentsEndInTheUninterruptedBits) {
   bool killed = false;
   bool done = false;
   std::atomic<int> phase{kIdle};
-  std::atomic<uint64_t> steps_done{0};  // successful steps, repeats included
+  std::atomic<uint64_t> position{0};  // the job's step as the trainer last saw it
   int kills_in[4] = {0, 0, 0, 0};  // by phase at the moment of the kill
 
   const uint64_t seed = std::random_device{}();
@@ -66,10 +66,11 @@ TEST(CrashTest, TwentyFourKillNinesAtRandomMomentsEndInTheUninterruptedBits) {
         cv.wait(lock, [&] { return !killed || done; });
         if (done) return;
       }
-      // Let the run get somewhere first, so that kills spread over it and it
-      // resumes from many checkpoints, not only the first.
-      const uint64_t wait_for = steps_done.load() + 1 + rng() % 20;
-      while (steps_done.load() < wait_for) {
+      // Kill k waits until the run passes its own point of the run, so that
+      // the kills spread over all of it and resumes start from many
+      // checkpoints, while every kill still comes before the end.
+      const uint64_t wait_for = k * (kSteps - 20) / kKills + rng() % 12;
+      while (position.load() < wait_for) {
         std::this_thread::sleep_for(std::chrono::microseconds(100));
         std::lock_guard<std::mutex> lock(mu);
         if (done) return;
@@ -109,7 +110,7 @@ TEST(CrashTest, TwentyFourKillNinesAtRandomMomentsEndInTheUninterruptedBits) {
   while (client->step() < kSteps) {
     ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the run took too long";
     absl::Status st = trainer.Step(*client, [&](Phase p) { phase = Code(p); }).status();
-    if (st.ok()) ++steps_done;
+    if (st.ok()) position = client->step();
     if (st.ok() && client->step() % kEvery == 0) {
       phase = kCheckpointing;
       st = client->Checkpoint();
@@ -135,6 +136,7 @@ TEST(CrashTest, TwentyFourKillNinesAtRandomMomentsEndInTheUninterruptedBits) {
       ASSERT_TRUE(trainer.Init(*client).ok());
     }
     resumed_at.push_back(step);
+    position = step;
     ++restarts;
     std::lock_guard<std::mutex> lock(mu);
     pids.clear();
