@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
 #include "shardopt/grpc_edge.h"
+#include "shardopt/safetensors.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 
 namespace shardopt {
@@ -225,6 +226,32 @@ absl::Status Client::InitFp32(const std::string& tensor, const float* values) {
 }
 absl::Status Client::InitBf16(const std::string& tensor, const uint16_t* values) {
   return impl_->InitTensor(tensor, values, v1::BF16);
+}
+
+absl::Status Client::InitFromSafetensors(const std::string& path) {
+  Impl& im = *impl_;
+  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  auto file = ReadSafetensors(path);
+  if (!file.ok()) return file.status();
+  absl::flat_hash_map<std::string, const SafetensorsTensor*> by_name;
+  for (const SafetensorsTensor& t : *file) by_name[t.name] = &t;
+  for (const TensorOptions& t : im.job.tensors) {
+    auto it = by_name.find(t.name);
+    if (it == by_name.end()) return absl::InvalidArgumentError(absl::StrCat(path, " has no tensor '", t.name, "'"));
+    const SafetensorsTensor& f = *it->second;
+    if (f.dtype != "F32" && f.dtype != "BF16") {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", t.name, "' is ", f.dtype, "; F32 or BF16 needed"));
+    }
+    if (f.data.size() != t.numel * (f.dtype == "F32" ? 4 : 2)) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", t.name, "' has ", f.data.size(),
+                                                     " bytes of ", f.dtype, "; the job's has ", t.numel, " elements"));
+    }
+  }
+  for (const TensorOptions& t : im.job.tensors) {
+    const SafetensorsTensor& f = *by_name[t.name];
+    if (auto st = im.InitTensor(t.name, f.data.data(), f.dtype == "F32" ? v1::FP32 : v1::BF16); !st.ok()) return st;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView> grads) {

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -221,6 +222,50 @@ TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServe
     EXPECT_EQ(client->CreateOrAttach(DurableJob("torn", {{"w", 2000}})).value(), 3u);
   }
   EXPECT_TRUE(good_trainer.Step(*good).ok());
+}
+
+TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFromThem) {
+  const JobOptions job = DurableJob("export", {{"w", 3000}, {"b", 17}});
+  TempDir dir;
+  TempDir expected;
+  auto servers = StartServers(1, dir.path());
+  auto client = Connect(servers);
+  Train(*client, job, 5);
+  ASSERT_TRUE(client->Checkpoint().ok());
+  std::map<std::string, std::vector<uint32_t>> masters;
+  for (const TensorOptions& t : job.tensors) {
+    std::vector<uint32_t>& bits = masters[t.name];
+    bits.resize(t.numel);
+    ASSERT_TRUE(client->Read(t.name, StateToRead::kMaster, 0, t.numel, bits.data()).ok());
+    std::ofstream(expected.path() + "/" + t.name + ".f32", std::ios::binary)
+        .write(reinterpret_cast<const char*>(bits.data()), static_cast<std::streamsize>(bits.size() * 4));
+  }
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    SCOPED_TRACE(dtype);
+    const std::string out = dir.path() + "/export-" + dtype + ".safetensors";
+    ASSERT_EQ(std::system((std::string(SHARDOPT_CLI_BINARY) + " export --checkpoint_dir=" + dir.path() +
+                           " --dtype=" + dtype + " export " + out).c_str()),
+              0);
+    ASSERT_EQ(std::system((std::string(SHARDOPT_EXPORT_PYTHON) + " " + SHARDOPT_EXPORT_CHECK + " " + out + " " +
+                           expected.path() + " " + dtype + " 5").c_str()),
+              0);
+  }
+
+  JobOptions imported = job;
+  imported.name = "imported";
+  ASSERT_EQ(client->CreateOrAttach(imported).value(), 0u);
+  ASSERT_TRUE(client->InitFromSafetensors(dir.path() + "/export-fp32.safetensors").ok());
+  for (const TensorOptions& t : job.tensors) {
+    std::vector<uint32_t> bits(t.numel);
+    ASSERT_TRUE(client->Read(t.name, StateToRead::kMaster, 0, t.numel, bits.data()).ok());
+    EXPECT_EQ(bits, masters[t.name]) << t.name;
+  }
+  // A file that does not fit the job changes nothing and says why.
+  JobOptions bigger = DurableJob("bigger", {{"w", 3001}, {"b", 17}});
+  ASSERT_EQ(client->CreateOrAttach(bigger).value(), 0u);
+  const absl::Status st = client->InitFromSafetensors(dir.path() + "/export-fp32.safetensors");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("tensor 'w' has 12000 bytes of F32; the job's has 3001 elements"));
 }
 
 }  // namespace

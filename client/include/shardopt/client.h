@@ -143,6 +143,10 @@ class Client {
   // Initial values of a whole tensor, before step 1. fp32 is kept exactly.
   absl::Status InitFp32(const std::string& tensor, const float* values);
   absl::Status InitBf16(const std::string& tensor, const uint16_t* values);
+  // Initial values of every tensor of the job from a safetensors file (F32
+  // kept exactly, or BF16), matched by name; entries the job lacks are
+  // ignored. Checks the whole file against the job before sending anything.
+  absl::Status InitFromSafetensors(const std::string& path);
 
   // One whole step: push, decide, commit.
   absl::StatusOr<StepResult> Step(absl::Span<const GradView> grads, const StepOptions& options,
