@@ -362,6 +362,31 @@ std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir) {
   return steps;
 }
 
+bool IsPartName(const std::string& file) {
+  return file.rfind("part-", 0) == 0 && file.size() > 4 && file.compare(file.size() - 4, 4, ".bin") == 0;
+}
+
+// Parts of a step that overlap this server's were left by a torn attempt with
+// another placement (the peers of one placement never overlap); they would
+// keep the step from ever tiling, and nothing complete refers to them.
+void RemoveOverlappingParts(const std::string& dir, const std::string& own, const v1::CreateJobRequest& spec) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string file = entry.path().filename().string();
+    if (!IsPartName(file) || file == own) continue;
+    auto head = ReadPartHead(entry.path().string());
+    if (!head.ok()) continue;  // WritePart's check of every part reports it
+    for (const v1::ShardRange& theirs : head->manifest.spec().shards()) {
+      for (const v1::ShardRange& ours : spec.shards()) {
+        if (theirs.tensor() == ours.tensor() && theirs.offset() < ours.offset() + ours.length() &&
+            ours.offset() < theirs.offset() + theirs.length()) {
+          fs::remove(entry.path(), ec);
+        }
+      }
+    }
+  }
+}
+
 struct Committed {
   std::string dir;
   v1::CommitMarker marker;
@@ -426,8 +451,15 @@ absl::StatusOr<WriteResult> WritePart(const std::string& root, const Part& part)
   std::error_code ec;
   fs::create_directories(result.directory, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", result.directory, ": ", ec.message()));
+  // A step's state is unique (the step protocol applies each step once), so
+  // a complete checkpoint of it needs nothing more, from any placement.
+  if (fs::exists(absl::StrCat(result.directory, "/", kCommitName))) {
+    result.complete = true;
+    return result;
+  }
   const v1::ShardRange& first = spec.shards(0);
   const std::string name = absl::StrCat("part-", TensorIndex(spec, first.tensor()), "-", first.offset(), ".bin");
+  RemoveOverlappingParts(result.directory, name, spec);
   const std::string frame = Frame(part.manifest);
   std::string trailer;
   PutU32(&trailer, Crc32c(part.data.data(), part.data.size()));
@@ -440,8 +472,7 @@ absl::StatusOr<WriteResult> WritePart(const std::string& root, const Part& part)
 
   std::vector<PartHead> parts;
   for (const auto& entry : fs::directory_iterator(result.directory, ec)) {
-    const std::string file = entry.path().filename().string();
-    if (file.rfind("part-", 0) != 0 || file.size() < 4 || file.compare(file.size() - 4, 4, ".bin") != 0) continue;
+    if (!IsPartName(entry.path().filename().string())) continue;
     auto head = ReadPartHead(entry.path().string());
     if (!head.ok()) return head.status();
     if (auto st = SameJob(spec, head->manifest.spec(), head->path); !st.ok()) return st;

@@ -37,8 +37,9 @@ using testing::Uninterrupted;
 TEST(DurabilityTest, CheckpointRestartResumeIsBitwiseEqualToAnUninterruptedRunForFp32AndBf16Groups) {
   const JobOptions job = DurableJob("resume", {{"w", 5000}, {"b", 300}});
   constexpr uint64_t kN = 12;
-  const std::vector<uint32_t> at_n = Uninterrupted(job, kN);
-  const std::vector<uint32_t> at_2n = Uninterrupted(job, 2 * kN);
+  const auto uninterrupted = Uninterrupted(job, {kN, 2 * kN});
+  const std::vector<uint32_t>& at_n = uninterrupted[0];
+  const std::vector<uint32_t>& at_2n = uninterrupted[1];
   TempDir dir;
 
   std::vector<std::vector<uint16_t>> params_at_n;
@@ -100,14 +101,25 @@ TEST(DurabilityTest, SigtermCheckpointsEveryJobAndExitsZero) {
 TEST(DurabilityTest, ACheckpointOfTwoServersRestoresOntoThreeAndOntoOne) {
   const JobOptions job = DurableJob("reshard", {{"w", 20000}, {"b", 9000}});
   constexpr uint64_t kN = 6;
-  const std::vector<uint32_t> at_n = Uninterrupted(job, kN);
-  const std::vector<uint32_t> at_2n = Uninterrupted(job, 2 * kN);
+  const auto uninterrupted = Uninterrupted(job, {kN, 2 * kN});
+  const std::vector<uint32_t>& at_n = uninterrupted[0];
+  const std::vector<uint32_t>& at_2n = uninterrupted[1];
   TempDir dir;
   {
     auto servers = StartServers(2, dir.path());
     auto client = Connect(servers);
-    Train(*client, job, kN);
+    ScriptedTrainer trainer = Train(*client, job, kN);
     ASSERT_TRUE(client->Checkpoint().ok());
+    // Step N+1 torn: one of the two servers writes its part, then both die.
+    ASSERT_TRUE(trainer.Step(*client).ok());
+    auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(servers[0]->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    v1::CheckpointRequest req;
+    req.set_job(job.name);
+    req.set_step(kN + 1);
+    v1::CheckpointResponse resp;
+    ASSERT_TRUE(stub->Checkpoint(&ctx, req, &resp).ok());
+    ASSERT_FALSE(resp.complete());
   }
   {
     auto one = StartServers(1, dir.path());
@@ -119,8 +131,13 @@ TEST(DurabilityTest, ACheckpointOfTwoServersRestoresOntoThreeAndOntoOne) {
   auto client = Connect(three);
   ASSERT_EQ(client->CreateOrAttach(job).value(), kN);
   EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
+  // Step N is complete already; step N+1's torn part of the old placement
+  // overlaps the new ones and gives way to them.
+  ASSERT_TRUE(client->Checkpoint().ok());
   ScriptedTrainer trainer(job);
-  for (uint64_t t = kN; t < 2 * kN; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
+  ASSERT_TRUE(trainer.Step(*client).ok());
+  ASSERT_TRUE(client->Checkpoint().ok());
+  for (uint64_t t = kN + 1; t < 2 * kN; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
   EXPECT_EQ(Fingerprint(*client, job).value(), at_2n);
 }
 

@@ -113,11 +113,16 @@ ScriptedTrainer Train(Client& client, const JobOptions& job, uint64_t steps) {
   return trainer;
 }
 
-std::vector<uint32_t> Uninterrupted(const JobOptions& job, uint64_t steps) {
+std::vector<std::vector<uint32_t>> Uninterrupted(const JobOptions& job, const std::vector<uint64_t>& steps) {
   auto servers = StartServers(1, "");
   auto client = Connect(servers);
-  Train(*client, job, steps);
-  return Fingerprint(*client, job).value();
+  ScriptedTrainer trainer = Train(*client, job, 0);
+  std::vector<std::vector<uint32_t>> out;
+  for (uint64_t at : steps) {
+    while (client->step() < at) EXPECT_TRUE(trainer.Step(*client).ok());
+    out.push_back(Fingerprint(*client, job).value());
+  }
+  return out;
 }
 
 }  // namespace shardopt::testing

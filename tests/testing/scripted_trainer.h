@@ -59,7 +59,8 @@ std::unique_ptr<Client> Connect(const std::vector<std::unique_ptr<ServerProcess>
                                 ClientOptions options = {});
 // Creates the job, initializes it and runs `steps` steps; returns the trainer.
 ScriptedTrainer Train(Client& client, const JobOptions& job, uint64_t steps);
-// The fingerprint an uninterrupted run reaches after `steps`, on one server.
-std::vector<uint32_t> Uninterrupted(const JobOptions& job, uint64_t steps);
+// The fingerprints one uninterrupted run on one server reaches after each of
+// `steps` (ascending).
+std::vector<std::vector<uint32_t>> Uninterrupted(const JobOptions& job, const std::vector<uint64_t>& steps);
 
 }  // namespace shardopt::testing
