@@ -114,6 +114,9 @@ absl::StatusOr<nlohmann::json> CheckpointBench(const std::vector<std::string>& a
   auto best = BestOfInterleaved(
       *reps, {
                  [&]() -> absl::Status {
+                   // A complete step is never written twice: start from none,
+                   // the removal charged to the checkpoint's own time.
+                   fs::remove_all(options.checkpoint_dir);
                    auto r = store.Checkpoint(request);
                    if (!r.ok()) return r.status();
                    part_bytes = r->part_bytes();

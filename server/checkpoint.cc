@@ -362,6 +362,15 @@ std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir) {
   return steps;
 }
 
+absl::StatusOr<std::string> ReadPartData(const PartHead& p) {
+  auto data = ReadRange(p.path, p.data_offset, p.file_bytes - 4 - p.data_offset);
+  if (!data.ok()) return data.status();
+  if (Crc32c(data->data(), data->size()) != p.data_crc) {
+    return absl::DataLossError(absl::StrCat(p.path, ": data checksum mismatch (crc32c); not loading it"));
+  }
+  return data;
+}
+
 bool IsPartName(const std::string& file) {
   return file.rfind("part-", 0) == 0 && file.size() > 4 && file.compare(file.size() - 4, 4, ".bin") == 0;
 }
@@ -506,13 +515,19 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
   *m.mutable_spec() = spec;
   m.set_step(committed->marker.step());
   *m.mutable_applied() = any.applied();
-  // A sealed push's sums are per server: they hold only for the same placement.
+  // The same placement, as on a plain restart: the part's data is the answer
+  // as it lies on disk, with no copy. Its sealed push's sums, which are per
+  // server, hold only then.
   for (const PartHead& p : committed->parts) {
-    if (SameShards(p.manifest.spec(), spec)) {
-      m.set_sealed_step(p.manifest.sealed_step());
-      m.set_sealed_sum_squares(p.manifest.sealed_sum_squares());
-      m.set_sealed_nonfinite(p.manifest.sealed_nonfinite());
-    }
+    if (!SameShards(p.manifest.spec(), spec)) continue;
+    m.set_sealed_step(p.manifest.sealed_step());
+    m.set_sealed_sum_squares(p.manifest.sealed_sum_squares());
+    m.set_sealed_nonfinite(p.manifest.sealed_nonfinite());
+    *m.mutable_shards() = p.manifest.shards();
+    auto data = ReadPartData(p);
+    if (!data.ok()) return data.status();
+    out.data = *std::move(data);
+    return out;
   }
   std::vector<uint64_t> section_offset;
   for (const v1::ShardRange& s : spec.shards()) {
@@ -549,11 +564,8 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
         m.mutable_shards(ds)->set_adam_step(src.shards(ss).adam_step());
         step_known[ds] = true;
         if (!data) {
-          auto read = ReadRange(p.path, p.data_offset, p.file_bytes - 4 - p.data_offset);
+          auto read = ReadPartData(p);
           if (!read.ok()) return read.status();
-          if (Crc32c(read->data(), read->size()) != p.data_crc) {
-            return absl::DataLossError(absl::StrCat(p.path, ": data checksum mismatch (crc32c); not loading it"));
-          }
           data = *std::move(read);
         }
         const uint64_t esize = ArrayBytes(src, ss) / from.length();

@@ -179,6 +179,11 @@ class Job {
     m.set_sealed_step(sealed_step);
     m.set_sealed_sum_squares(sealed_stats.sum_squares);
     m.set_sealed_nonfinite(sealed_stats.nonfinite);
+    uint64_t bytes = 0;
+    for (size_t si = 0; si < shards.size(); ++si) {
+      bytes += shards[si].length * 3 * (state->held_precision(static_cast<uint32_t>(si)) == Precision::kBf16 ? 2 : 4);
+    }
+    part.data.reserve(bytes);
     std::vector<float> values;
     for (size_t si = 0; si < shards.size(); ++si) {
       const bool bf16 = state->held_precision(static_cast<uint32_t>(si)) == Precision::kBf16;
