@@ -5,7 +5,7 @@
 # development machine). Runs the GPU tests, the kernel benchmark and torch's
 # fused AdamW for comparison, each under a time limit so that the whole stays
 # under 8 minutes, and writes into $OUT (or ./device-out):
-#   cuda_parity_test.json cuda_sticky_error_test.json cuda_availability_test.json
+#   cuda_parity_test.json cuda_sticky_error_test.json cuda_availability_test.json cuda_resume_test.json
 #   kernel_bench.json torch_fused_adamw.json summary.json
 # Exits 0 when every step passed.
 set -uo pipefail
@@ -55,7 +55,7 @@ if [[ -x $bundle/bin/cuda_availability_test ]]; then
 fi
 
 if [[ $launch_mode != none ]]; then
-  for t in cuda_availability_test cuda_parity_test cuda_sticky_error_test; do
+  for t in cuda_availability_test cuda_parity_test cuda_sticky_error_test cuda_resume_test; do
     case $t in
       cuda_parity_test) limit=200 ;;
       cuda_sticky_error_test) limit=30 ;;
