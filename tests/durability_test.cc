@@ -34,12 +34,16 @@ using testing::TempDir;
 using testing::Train;
 using testing::Uninterrupted;
 
+// The fingerprints of one uninterrupted run after N and after 2N steps.
+std::pair<std::vector<uint32_t>, std::vector<uint32_t>> AtNAnd2N(const JobOptions& job, uint64_t n) {
+  auto at = Uninterrupted(job, {n, 2 * n});
+  return {std::move(at[0]), std::move(at[1])};
+}
+
 TEST(DurabilityTest, CheckpointRestartResumeIsBitwiseEqualToAnUninterruptedRunForFp32AndBf16Groups) {
   const JobOptions job = DurableJob("resume", {{"w", 5000}, {"b", 300}});
   constexpr uint64_t kN = 12;
-  const auto uninterrupted = Uninterrupted(job, {kN, 2 * kN});
-  const std::vector<uint32_t>& at_n = uninterrupted[0];
-  const std::vector<uint32_t>& at_2n = uninterrupted[1];
+  const auto [at_n, at_2n] = AtNAnd2N(job, kN);
   TempDir dir;
 
   std::vector<std::vector<uint16_t>> params_at_n;
@@ -101,9 +105,7 @@ TEST(DurabilityTest, SigtermCheckpointsEveryJobAndExitsZero) {
 TEST(DurabilityTest, ACheckpointOfTwoServersRestoresOntoThreeAndOntoOne) {
   const JobOptions job = DurableJob("reshard", {{"w", 20000}, {"b", 9000}});
   constexpr uint64_t kN = 6;
-  const auto uninterrupted = Uninterrupted(job, {kN, 2 * kN});
-  const std::vector<uint32_t>& at_n = uninterrupted[0];
-  const std::vector<uint32_t>& at_2n = uninterrupted[1];
+  const auto [at_n, at_2n] = AtNAnd2N(job, kN);
   TempDir dir;
   {
     auto servers = StartServers(2, dir.path());
