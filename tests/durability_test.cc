@@ -48,6 +48,7 @@ TEST(DurabilityTest, CheckpointRestartResumeIsBitwiseEqualToAnUninterruptedRunFo
 
   std::vector<std::vector<uint16_t>> params_at_n;
   StepResult last;
+  PushResult push_at_n;
   {
     auto servers = StartServers(1, dir.path());
     ClientOptions every_n;
@@ -57,6 +58,7 @@ TEST(DurabilityTest, CheckpointRestartResumeIsBitwiseEqualToAnUninterruptedRunFo
     EXPECT_FALSE(fs::exists(dir.path() + "/resume"));
     last = trainer.Step(*client).value();  // step N, then its checkpoint
     params_at_n = trainer.params();
+    push_at_n = trainer.Push(*client, kN).value();
     EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
     servers[0]->Stop(SIGKILL);
   }
@@ -66,8 +68,12 @@ TEST(DurabilityTest, CheckpointRestartResumeIsBitwiseEqualToAnUninterruptedRunFo
   ASSERT_EQ(client->CreateOrAttach(job).value(), kN);
   ASSERT_TRUE(client->VerifyState().ok());
   EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
-  // A commit of step N retried after the restore: the same bits, nothing applied.
+  // A push and a commit of step N retried after the restore: the same
+  // answers, nothing applied.
   ScriptedTrainer trainer(job);
+  const PushResult retried_push = trainer.Push(*client, kN).value();
+  EXPECT_EQ(retried_push.sum_squares, push_at_n.sum_squares);
+  EXPECT_EQ(retried_push.nonfinite, push_at_n.nonfinite);
   std::vector<std::vector<uint16_t>> retried(job.tensors.size());
   std::vector<ParamView> pv;
   for (size_t i = 0; i < job.tensors.size(); ++i) {
@@ -82,24 +88,32 @@ TEST(DurabilityTest, CheckpointRestartResumeIsBitwiseEqualToAnUninterruptedRunFo
   EXPECT_EQ(Fingerprint(*client, job).value(), at_2n);
 }
 
+// One server's SIGTERM completes its job's checkpoint; of two servers, the
+// second one's does, since both stop at the same step.
 TEST(DurabilityTest, SigtermCheckpointsEveryJobAndExitsZero) {
-  const JobOptions job = DurableJob("sigterm", {{"w", 3000}});
-  TempDir dir;
-  std::vector<uint32_t> before;
-  {
-    auto servers = StartServers(1, dir.path());
+  for (int n : {1, 2}) {
+    SCOPED_TRACE(n);
+    const JobOptions job = DurableJob("sigterm", {{"w", 9000}});
+    TempDir dir;
+    std::vector<uint32_t> before;
+    {
+      auto servers = StartServers(n, dir.path());
+      auto client = Connect(servers);
+      Train(*client, job, 7);
+      before = Fingerprint(*client, job).value();
+      client.reset();
+      for (int i = 0; i < n; ++i) {
+        const int status = servers[i]->Stop(SIGTERM);
+        ASSERT_TRUE(WIFEXITED(status));
+        EXPECT_EQ(WEXITSTATUS(status), 0);
+        EXPECT_EQ(fs::exists(dir.path() + "/sigterm/step-00000000000000000007/COMMIT"), i == n - 1);
+      }
+    }
+    auto servers = StartServers(n, dir.path());
     auto client = Connect(servers);
-    Train(*client, job, 7);
-    before = Fingerprint(*client, job).value();
-    const int status = servers[0]->Stop(SIGTERM);
-    ASSERT_TRUE(WIFEXITED(status));
-    EXPECT_EQ(WEXITSTATUS(status), 0);
+    ASSERT_EQ(client->CreateOrAttach(job).value(), 7u);
+    EXPECT_EQ(Fingerprint(*client, job).value(), before);
   }
-  EXPECT_TRUE(fs::exists(dir.path() + "/sigterm/step-00000000000000000007/COMMIT"));
-  auto servers = StartServers(1, dir.path());
-  auto client = Connect(servers);
-  ASSERT_EQ(client->CreateOrAttach(job).value(), 7u);
-  EXPECT_EQ(Fingerprint(*client, job).value(), before);
 }
 
 TEST(DurabilityTest, ACheckpointOfTwoServersRestoresOntoThreeAndOntoOne) {

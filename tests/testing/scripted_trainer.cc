@@ -38,23 +38,35 @@ absl::Status ScriptedTrainer::Init(Client& client) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<StepResult> ScriptedTrainer::Step(Client& client, const std::function<void(Phase)>& on_phase) {
-  const uint64_t t = client.step() + 1;
-  std::vector<std::vector<uint16_t>> grads;
-  std::vector<GradView> gv;
-  std::vector<ParamView> pv;
+std::vector<GradView> ScriptedTrainer::Gradients(uint64_t t, std::vector<std::vector<uint16_t>>& storage) const {
+  storage.resize(job_.tensors.size());
+  std::vector<GradView> views;
   for (size_t i = 0; i < job_.tensors.size(); ++i) {
     std::mt19937_64 rng(t * 7919 + i);
-    grads.push_back(RandomBf16(rng, job_.tensors[i].numel, 0.3f));
+    storage[i] = RandomBf16(rng, job_.tensors[i].numel, 0.3f);
     const bool no_grad = (t + i) % 5 == 0;
-    gv.push_back({job_.tensors[i].name, no_grad ? nullptr : grads.back().data()});
-    pv.push_back({job_.tensors[i].name, params_[i].data()});
+    views.push_back({job_.tensors[i].name, no_grad ? nullptr : storage[i].data()});
   }
+  return views;
+}
+
+absl::StatusOr<PushResult> ScriptedTrainer::Push(Client& client, uint64_t t) const {
+  std::vector<std::vector<uint16_t>> storage;
+  return client.Push(t, Gradients(t, storage));
+}
+
+absl::StatusOr<StepResult> ScriptedTrainer::Step(Client& client, const std::function<void(Phase)>& on_phase) {
+  const uint64_t t = client.step() + 1;
+  std::vector<ParamView> pv;
+  for (size_t i = 0; i < job_.tensors.size(); ++i) pv.push_back({job_.tensors[i].name, params_[i].data()});
   StepOptions so;
   so.lr = 1e-2;
-  if (!on_phase) return client.Step(gv, so, pv);
+  if (!on_phase) {
+    std::vector<std::vector<uint16_t>> storage;
+    return client.Step(Gradients(t, storage), so, pv);
+  }
   on_phase(Phase::kPush);
-  auto push = client.Push(t, gv);
+  auto push = Push(client, t);
   if (!push.ok()) return push.status();
   StepResult result{t, Decide(*push, job_.world_size, so)};
   on_phase(Phase::kCommit);

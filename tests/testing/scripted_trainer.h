@@ -32,10 +32,14 @@ class ScriptedTrainer {
   // with it, Push and Commit are called apart and `on_phase` is told which
   // one runs.
   absl::StatusOr<StepResult> Step(Client& client, const std::function<void(Phase)>& on_phase = nullptr);
+  // Pushes step t's gradients: a retry, once t is committed.
+  absl::StatusOr<PushResult> Push(Client& client, uint64_t t) const;
   // The params the last Step's commit returned, per tensor.
   const std::vector<std::vector<uint16_t>>& params() const { return params_; }
 
  private:
+  // Step t's gradients: `storage` holds them, the views point into it.
+  std::vector<GradView> Gradients(uint64_t t, std::vector<std::vector<uint16_t>>& storage) const;
   JobOptions job_;
   std::vector<std::vector<uint16_t>> params_;
 };
