@@ -409,6 +409,9 @@ absl::StatusOr<Committed> FindCommitted(const std::string& root, const std::stri
   for (uint64_t t : steps) {
     Committed c;
     c.dir = StepDirectory(root, job, t);
+    if (!fs::is_directory(c.dir)) {
+      return absl::NotFoundError(absl::StrCat("no checkpoint of job '", job, "' step ", t, " in ", root));
+    }
     auto read = ReadFrame(absl::StrCat(c.dir, "/", kCommitName), &c.marker);
     if (read.status().code() == absl::StatusCode::kNotFound) {
       const std::string why = absl::StrCat("checkpoint ", c.dir, " is torn (no COMMIT marker: not every part was written)");

@@ -444,7 +444,7 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
     std::lock_guard<std::mutex> lock(mu_);
     for (const auto& [name, job] : jobs_) {
       std::lock_guard<std::mutex> job_lock(job->mu);
-      at.emplace_back(name, job->step);
+      if (job->uninitialized_shards == 0) at.emplace_back(name, job->step);
     }
   }
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> results;

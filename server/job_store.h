@@ -51,7 +51,8 @@ class JobStore {
   absl::StatusOr<v1::CheckpointResponse> Checkpoint(const v1::CheckpointRequest& request);
   // For SIGTERM: from now on commits that would apply a step fail with
   // UNAVAILABLE; commits already applying finish first. Then every job is
-  // checkpointed at its step. One result per job.
+  // checkpointed at its step, one result each; a job still waiting for its
+  // initial values holds nothing a restart could not rebuild and is skipped.
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> DrainAndCheckpoint();
   absl::Status DropJob(const std::string& job);
   absl::StatusOr<v1::DescribeResponse> Describe(const std::string& job) const;
