@@ -22,12 +22,7 @@ namespace shardopt {
 namespace {
 
 namespace fs = std::filesystem;
-using testing::Connect;
-using testing::DurableJob;
-using testing::Fingerprint;
 using testing::ScriptedTrainer;
-using testing::StartServers;
-using testing::TempDir;
 using Phase = ScriptedTrainer::Phase;
 
 constexpr uint64_t kSteps = 200;
@@ -40,9 +35,9 @@ constexpr int kIdle = static_cast<int>(Phase::kIdle);
 int Code(Phase p) { return static_cast<int>(p); }
 
 TEST(CrashTest, TwentyFourKillNinesAtRandomMomentsEndInTheUninterruptedBits) {
-  const JobOptions job = DurableJob("crash", {{"w", 9000}, {"b", 700}});
+  const JobOptions job = testing::DurableJob("crash", {{"w", 9000}, {"b", 700}});
   const std::vector<uint32_t> expected = testing::Uninterrupted(job, {kSteps})[0];
-  TempDir dir;
+  testing::TempDir dir;
   ClientOptions options;
   options.max_attempts = 1;  // a dead server is the test's to handle, at once
   options.rpc_timeout_ms = 10000;
@@ -93,8 +88,8 @@ TEST(CrashTest, TwentyFourKillNinesAtRandomMomentsEndInTheUninterruptedBits) {
     }
   });
 
-  auto servers = StartServers(2, dir.path());
-  auto client = Connect(servers, options);
+  auto servers = testing::StartServers(2, dir.path());
+  auto client = testing::Connect(servers, options);
   ScriptedTrainer trainer(job);
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -106,6 +101,17 @@ TEST(CrashTest, TwentyFourKillNinesAtRandomMomentsEndInTheUninterruptedBits) {
   int torn_seen = 0;  // torn checkpoints that restarts had to pass over
   std::error_code ec;
   std::vector<uint64_t> resumed_at;
+  // After a kill: reap both servers, start two fresh ones on the same
+  // directory and attach; returns the step the job resumed at.
+  auto restart = [&]() -> uint64_t {
+    for (auto& s : servers) s->Stop(SIGKILL);
+    for (const auto& e : fs::directory_iterator(dir.path() + "/crash", ec)) {
+      if (!fs::exists(e.path() / "COMMIT")) ++torn_seen;
+    }
+    servers = testing::StartServers(2, dir.path());
+    client = testing::Connect(servers, options);
+    return client->CreateOrAttach(job).value();
+  };
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(150);
   while (client->step() < kSteps) {
     ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the run took too long";
@@ -123,14 +129,7 @@ TEST(CrashTest, TwentyFourKillNinesAtRandomMomentsEndInTheUninterruptedBits) {
       ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return killed; }))
           << "a step failed without a kill: " << st;
     }
-    // Both servers are dead or dying: reap them, start two fresh ones.
-    for (auto& s : servers) s->Stop(SIGKILL);
-    for (const auto& e : fs::directory_iterator(dir.path() + "/crash", ec)) {
-      if (!fs::exists(e.path() / "COMMIT")) ++torn_seen;
-    }
-    servers = StartServers(2, dir.path());
-    client = Connect(servers, options);
-    const uint64_t step = client->CreateOrAttach(job).value();
+    const uint64_t step = restart();
     ASSERT_EQ(step % kEvery, 0u) << "resumed at a step that was never checkpointed";
     if (step == 0) {
       ASSERT_TRUE(trainer.Init(*client).ok());
@@ -151,21 +150,18 @@ TEST(CrashTest, TwentyFourKillNinesAtRandomMomentsEndInTheUninterruptedBits) {
   }
   killer.join();
   if (killed) {  // the last kill came after step 200 was done
-    for (auto& s : servers) s->Stop(SIGKILL);
-    servers = StartServers(2, dir.path());
-    client = Connect(servers, options);
-    ASSERT_EQ(client->CreateOrAttach(job).value(), kSteps);
+    ASSERT_EQ(restart(), kSteps);
   }
 
   std::cout << "kills: " << kills_in[Code(Phase::kPush)] << " in a push, " << kills_in[Code(Phase::kCommit)]
             << " in a commit, " << kills_in[kCheckpointing] << " in a checkpoint, " << kills_in[kIdle]
-            << " between them; " << restarts << " restarts, resumed at steps " << absl::StrJoin(resumed_at, ",") << "; torn checkpoints seen: "
-            << torn_seen << std::endl;
+            << " between them; " << restarts << " restarts, resumed at steps " << absl::StrJoin(resumed_at, ",")
+            << "; torn checkpoints seen: " << torn_seen << std::endl;
   EXPECT_GE(kills_in[0] + kills_in[1] + kills_in[2] + kills_in[3], 20);
   EXPECT_GT(kills_in[Code(Phase::kPush)], 0);
   EXPECT_GT(kills_in[Code(Phase::kCommit)], 0);
   EXPECT_GT(kills_in[kCheckpointing], 0);
-  EXPECT_EQ(Fingerprint(*client, job).value(), expected);
+  EXPECT_EQ(testing::Fingerprint(*client, job).value(), expected);
 }
 
 }  // namespace
