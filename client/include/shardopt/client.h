@@ -69,6 +69,8 @@ struct ClientOptions {
   // Keeps freed MiB-sized buffers in the process (mallopt); see DESIGN.md.
   bool tune_allocator = true;
   // Rank 0 checkpoints after every step that is a multiple of this; 0: never.
+  // If that checkpoint fails, Step returns its error although the step itself
+  // is done (step() says so); Checkpoint() may be called again.
   uint64_t checkpoint_every = 0;
 };
 
