@@ -12,5 +12,6 @@ namespace shardopt::bench {
 
 absl::StatusOr<nlohmann::json> KernelBench(const std::vector<std::string>& args);
 absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args);
+absl::StatusOr<nlohmann::json> CheckpointBench(const std::vector<std::string>& args);
 
 }  // namespace shardopt::bench

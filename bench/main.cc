@@ -14,7 +14,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<nlohmann::json> result =
       command == "kernel" ? shardopt::bench::KernelBench(args)
       : command == "e2e"  ? shardopt::bench::E2eBench(args)
-                          : absl::InvalidArgumentError("usage: shardopt-bench kernel|e2e [--name=value ...]");
+      : command == "checkpoint" ? shardopt::bench::CheckpointBench(args)
+                          : absl::InvalidArgumentError("usage: shardopt-bench kernel|e2e|checkpoint [--name=value ...]");
   if (!result.ok()) {
     std::cout << nlohmann::json{{"benchmark", command}, {"error", result.status().ToString()}}.dump() << std::endl;
     return 1;

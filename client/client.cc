@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
 #include "shardopt/grpc_edge.h"
+#include "shardopt/safetensors.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 
 namespace shardopt {
@@ -248,6 +249,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     }
     req.set_grad_dtype(job.grad_type == GradType::kBf16 ? v1::BF16 : v1::FP32);
     req.set_barrier_timeout_ms(job.barrier_timeout_ms);
+    req.set_restore_step(job.restore_step);
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       v1::CreateJobResponse resp;
       grpc::Status gs = im.stubs[s]->CreateJob(ctx, req, &resp);
@@ -282,6 +284,32 @@ absl::Status Client::InitFp32(const std::string& tensor, const float* values) {
 }
 absl::Status Client::InitBf16(const std::string& tensor, const uint16_t* values) {
   return impl_->InitTensor(tensor, values, v1::BF16);
+}
+
+absl::Status Client::InitFromSafetensors(const std::string& path) {
+  Impl& im = *impl_;
+  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  auto file = ReadSafetensors(path);
+  if (!file.ok()) return file.status();
+  absl::flat_hash_map<std::string, const SafetensorsTensor*> by_name;
+  for (const SafetensorsTensor& t : *file) by_name[t.name] = &t;
+  for (const TensorOptions& t : im.job.tensors) {
+    auto it = by_name.find(t.name);
+    if (it == by_name.end()) return absl::InvalidArgumentError(absl::StrCat(path, " has no tensor '", t.name, "'"));
+    const SafetensorsTensor& f = *it->second;
+    if (f.dtype != "F32" && f.dtype != "BF16") {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", t.name, "' is ", f.dtype, "; F32 or BF16 needed"));
+    }
+    if (f.data.size() != t.numel * (f.dtype == "F32" ? 4 : 2)) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", t.name, "' has ", f.data.size(),
+                                                     " bytes of ", f.dtype, "; the job's has ", t.numel, " elements"));
+    }
+  }
+  for (const TensorOptions& t : im.job.tensors) {
+    const SafetensorsTensor& f = *by_name[t.name];
+    if (auto st = im.InitTensor(t.name, f.data.data(), f.dtype == "F32" ? v1::FP32 : v1::BF16); !st.ok()) return st;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView> grads) {
@@ -387,6 +415,10 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
   result.step = t;
   result.decision = Decide(*push, impl_->job.world_size, options);
   if (auto st = Commit(t, options.lr, result.decision.gscale, result.decision.skip, params); !st.ok()) return st;
+  const uint64_t every = impl_->options.checkpoint_every;
+  if (every > 0 && impl_->options.rank == 0 && t % every == 0) {
+    if (auto st = Checkpoint(); !st.ok()) return st;
+  }
   return result;
 }
 
@@ -478,6 +510,28 @@ absl::Status Client::VerifyState() {
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status Client::Checkpoint() {
+  Impl& im = *impl_;
+  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  std::vector<v1::CheckpointResponse> responses(im.servers());
+  auto st = im.ForEachServer([&](uint32_t s) {
+    return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+      v1::CheckpointRequest req;
+      req.set_job(im.job.name);
+      req.set_step(im.step);
+      return im.stubs[s]->Checkpoint(ctx, req, &responses[s]);
+    });
+  });
+  if (!st.ok()) return st;
+  // The last server to write sees every part and writes the marker.
+  for (const v1::CheckpointResponse& r : responses) {
+    if (r.complete()) return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat("job '", im.job.name, "' step ", im.step,
+                                                    ": every server wrote its part, but none saw all of them; do the "
+                                                    "servers share one --checkpoint_dir?"));
 }
 
 absl::Status Client::Drop() {

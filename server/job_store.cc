@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "kernels/step_scalars.h"
+#include "server/checkpoint.h"
 #include "server/interval_set.h"
 
 namespace shardopt {
@@ -61,7 +62,7 @@ class Job {
   std::vector<OwnedShard> shards;
   absl::Duration barrier_timeout;
 
-  std::mutex mu;
+  mutable std::mutex mu;
   std::condition_variable cv;
   bool dropped = false;
   uint64_t step = 0;                // the last step done
@@ -169,6 +170,83 @@ class Job {
     return static_cast<uint32_t>(si);
   }
 
+  // This server's part of a checkpoint: the state at the last step done.
+  // Called under mu and never while a step is being applied piece by piece.
+  absl::StatusOr<checkpoint::Part> Snapshot() const {
+    if (uninitialized_shards > 0) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", name(), "' has shards without initial values; ",
+                                                        "nothing to checkpoint before Init completes"));
+    }
+    checkpoint::Part part;
+    v1::PartManifest& m = part.manifest;
+    *m.mutable_spec() = spec;
+    m.set_step(step);
+    m.mutable_applied()->set_step(step);
+    m.mutable_applied()->set_lr(applied.lr);
+    m.mutable_applied()->set_gscale(applied.gscale);
+    m.mutable_applied()->set_skip(applied.skip);
+    m.set_sealed_step(sealed_step);
+    m.set_sealed_sum_squares(sealed_stats.sum_squares);
+    m.set_sealed_nonfinite(sealed_stats.nonfinite);
+    uint64_t bytes = 0;
+    for (size_t si = 0; si < shards.size(); ++si) {
+      bytes += shards[si].length * 3 * (state->held_precision(static_cast<uint32_t>(si)) == Precision::kBf16 ? 2 : 4);
+    }
+    part.data.reserve(bytes);
+    std::vector<float> values;
+    for (size_t si = 0; si < shards.size(); ++si) {
+      const bool bf16 = state->held_precision(static_cast<uint32_t>(si)) == Precision::kBf16;
+      v1::ShardSection* section = m.add_shards();
+      section->set_adam_step(adam_steps[si]);
+      section->set_dtype(bf16 ? v1::BF16 : v1::FP32);
+      values.resize(shards[si].length);
+      for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+        if (auto st = state->ReadState(static_cast<uint32_t>(si), kind, 0, values.size(), DType::kFp32, values.data());
+            !st.ok()) {
+          return st;
+        }
+        if (!bf16) {
+          part.data.append(reinterpret_cast<const char*>(values.data()), values.size() * 4);
+          continue;
+        }
+        // bf16 state read as fp32 is exact, so its top half is the state itself.
+        for (float x : values) {
+          uint32_t u;
+          std::memcpy(&u, &x, 4);
+          const uint16_t h = static_cast<uint16_t>(u >> 16);
+          part.data.append(reinterpret_cast<const char*>(&h), 2);
+        }
+      }
+    }
+    return part;
+  }
+
+  // The inverse of Snapshot, on a fresh job whose spec is part's.
+  absl::Status Restore(const checkpoint::Part& part) {
+    const v1::PartManifest& m = part.manifest;
+    uint64_t offset = 0;
+    for (size_t si = 0; si < shards.size(); ++si) {
+      const DType dtype = m.shards(si).dtype() == v1::BF16 ? DType::kBf16 : DType::kFp32;
+      const uint64_t array = checkpoint::ArrayBytes(m, static_cast<int>(si));
+      for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+        if (auto st = state->WriteState(static_cast<uint32_t>(si), kind, 0, dtype, part.data.data() + offset,
+                                        shards[si].length);
+            !st.ok()) {
+          return st;
+        }
+        offset += array;
+      }
+      adam_steps[si] = m.shards(si).adam_step();
+      init_cover[si].Add(0, shards[si].length);
+    }
+    uninitialized_shards = 0;
+    step = m.step();
+    applied = {m.applied().lr(), m.applied().gscale(), m.applied().skip()};
+    sealed_step = m.sealed_step();
+    sealed_stats = {m.sealed_sum_squares(), m.sealed_nonfinite()};
+    return absl::OkStatus();
+  }
+
   absl::Status CheckStepToPush(uint64_t t) const {
     if (t == 0 || t + 1 <= step) {
       return absl::FailedPreconditionError(absl::StrCat("job '", name(), "' is at step ", step, "; step ", t,
@@ -270,23 +348,33 @@ absl::StatusOr<v1::CreateJobRequest> Normalize(const v1::CreateJobRequest& in, a
 
 }  // namespace
 
+absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1::CreateJobRequest& spec) const {
+  std::string diff;
+  google::protobuf::util::MessageDifferencer differ;
+  differ.ReportDifferencesToString(&diff);
+  if (!differ.Compare(job.spec, spec)) {
+    return absl::AlreadyExistsError(absl::StrCat("job '", spec.job(), "' exists with a different configuration (",
+                                                 diff, "); drop it or use another name"));
+  }
+  std::lock_guard<std::mutex> job_lock(job.mu);
+  v1::CreateJobResponse response;
+  response.set_created(false);
+  response.set_step(job.step);
+  return response;
+}
+
 absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobRequest& request) {
   auto spec = Normalize(request, options_.default_barrier_timeout);
   if (!spec.ok()) return spec.status();
-  std::lock_guard<std::mutex> lock(mu_);
-  v1::CreateJobResponse response;
-  if (auto it = jobs_.find(spec->job()); it != jobs_.end()) {
-    std::string diff;
-    google::protobuf::util::MessageDifferencer differ;
-    differ.ReportDifferencesToString(&diff);
-    if (!differ.Compare(it->second->spec, *spec)) {
-      return absl::AlreadyExistsError(absl::StrCat("job '", spec->job(), "' exists with a different configuration (",
-                                                   diff, "); drop it or use another name"));
-    }
-    std::lock_guard<std::mutex> job_lock(it->second->mu);
-    response.set_created(false);
-    response.set_step(it->second->step);
-    return response;
+  const uint64_t restore_step = spec->restore_step();
+  spec->clear_restore_step();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = jobs_.find(spec->job()); it != jobs_.end()) return Attach(*it->second, *spec);
+  }
+  if (restore_step > 0 && options_.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat("restore_step ", restore_step,
+                                                      " asked for, but this server has no --checkpoint_dir"));
   }
 
   auto job = std::make_shared<Job>();
@@ -313,10 +401,83 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   job->adam_steps.assign(job->shards.size(), 0);
   job->init_cover.resize(job->shards.size());
   job->uninitialized_shards = job->shards.size();
+
+  // Outside the store's lock: reading a checkpoint must not stall other jobs.
+  bool restored = false;
+  if (!options_.checkpoint_dir.empty()) {
+    auto part = checkpoint::Load(options_.checkpoint_dir, *spec, restore_step, options_.checkpoint_log);
+    if (part.ok()) {
+      if (auto st = job->Restore(*part); !st.ok()) return st;
+      restored = true;
+      options_.checkpoint_log(absl::StrCat("restored job '", spec->job(), "' at step ", job->step, " from ",
+                                           checkpoint::StepDirectory(options_.checkpoint_dir, spec->job(), job->step)));
+    } else if (part.status().code() != absl::StatusCode::kNotFound || restore_step > 0) {
+      return part.status();
+    }
+  }
+
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto it = jobs_.find(spec->job()); it != jobs_.end()) return Attach(*it->second, *spec);
   jobs_.emplace(spec->job(), job);
+  v1::CreateJobResponse response;
   response.set_created(true);
-  response.set_step(0);
+  response.set_step(job->step);
+  response.set_restored(restored);
   return response;
+}
+
+absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::CheckpointRequest& request) {
+  if (options_.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError("this server has no --checkpoint_dir");
+  }
+  auto found = Find(request.job());
+  if (!found.ok()) return found.status();
+  Job& job = **found;
+  absl::StatusOr<checkpoint::Part> part;
+  {
+    std::unique_lock<std::mutex> lock(job.mu);
+    job.cv.wait(lock, [&] { return !job.applying || job.dropped; });  // whole steps only
+    if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
+    if (!job.failed.ok()) return job.failed;
+    if (request.step() != job.step) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
+                                                        "; cannot checkpoint step ", request.step()));
+    }
+    part = job.Snapshot();
+  }
+  if (!part.ok()) return part.status();
+  auto written = checkpoint::WritePart(options_.checkpoint_dir, *part);
+  if (!written.ok()) return written.status();
+  v1::CheckpointResponse response;
+  response.set_step(request.step());
+  response.set_directory(written->directory);
+  response.set_part_bytes(written->part_bytes);
+  response.set_complete(written->complete);
+  return response;
+}
+
+std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobStore::DrainAndCheckpoint() {
+  draining_ = true;
+  std::vector<std::pair<std::string, std::shared_ptr<Job>>> jobs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [name, job] : jobs_) jobs.emplace_back(name, job);
+  }
+  // No commit starts a step any more; one already applying finishes first.
+  std::vector<std::pair<std::string, uint64_t>> at;
+  for (const auto& [name, job] : jobs) {
+    std::unique_lock<std::mutex> job_lock(job->mu);
+    job->cv.wait(job_lock, [&] { return !job->applying || job->dropped; });
+    if (!job->dropped && job->uninitialized_shards == 0) at.emplace_back(name, job->step);
+  }
+  std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> results;
+  for (const auto& [name, step] : at) {
+    v1::CheckpointRequest request;
+    request.set_job(name);
+    request.set_step(step);
+    results.emplace_back(name, Checkpoint(request));
+  }
+  return results;
 }
 
 absl::Status JobStore::DropJob(const std::string& name) {
@@ -611,6 +772,11 @@ absl::Status JobStore::Commit(const v1::CommitRequest& req,
                                                       "; commit of step ", t, " is stale; Read PARAM_BF16 for the current params"));
   }
   if (t == job.step + 1 && !job.applying) {  // the first commit of the next step starts applying it
+    if (draining_) {
+      return absl::UnavailableError(absl::StrCat("the server is shutting down (SIGTERM) and checkpointing job '",
+                                                 job.name(), "' at step ", job.step, "; commit step ", t,
+                                                 " on the restarted server"));
+    }
     job.ExpireIfLate(std::chrono::steady_clock::now());
     if (!job.round.sealed) {
       return absl::FailedPreconditionError(absl::StrCat("cannot commit step ", t, ": its push is incomplete: ",

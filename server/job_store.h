@@ -3,8 +3,10 @@
 // class, and tests drive it directly.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -25,6 +27,13 @@ struct JobStoreOptions {
   // Elements per streamed ParamChunk / StateChunk: 1 MiB of bf16. Rounded up
   // to a multiple of kApplyAlignment.
   uint64_t stream_chunk_elements = 512 * 1024;
+  // Where checkpoints go and come from (server/checkpoint.h); empty: none.
+  std::string checkpoint_dir;
+  // Told what restore found: which checkpoint it loaded, and why it passed
+  // over newer, torn ones.
+  std::function<void(const std::string&)> checkpoint_log = [](const std::string& line) {
+    std::cerr << "shardopt-server: " << line << std::endl;
+  };
 };
 
 class Job;
@@ -34,7 +43,18 @@ class JobStore {
   JobStore(Backend* backend, JobStoreOptions options = {});
   ~JobStore();
 
+  // With a checkpoint_dir, a job not in memory is restored from its newest
+  // complete checkpoint (or request.restore_step's), by the request's
+  // placement: each shard is read from whichever parts cover it.
   absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& request);
+  // Writes this server's part of the job's checkpoint of request.step(),
+  // from a snapshot taken at a step boundary.
+  absl::StatusOr<v1::CheckpointResponse> Checkpoint(const v1::CheckpointRequest& request);
+  // For SIGTERM: from now on commits that would apply a step fail with
+  // UNAVAILABLE; commits already applying finish first. Then every job is
+  // checkpointed at its step, one result each; a job still waiting for its
+  // initial values holds nothing a restart could not rebuild and is skipped.
+  std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> DrainAndCheckpoint();
   absl::Status DropJob(const std::string& job);
   absl::StatusOr<v1::DescribeResponse> Describe(const std::string& job) const;
 
@@ -73,9 +93,11 @@ class JobStore {
 
  private:
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& name) const;
+  absl::StatusOr<v1::CreateJobResponse> Attach(const Job& job, const v1::CreateJobRequest& spec) const;
 
   Backend* backend_;
   JobStoreOptions options_;
+  std::atomic<bool> draining_{false};
   mutable std::mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_;
 };

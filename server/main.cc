@@ -25,6 +25,8 @@ ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda | cuda:N; auto picks C
 ABSL_FLAG(int, threads, 0, "CPU backend threads; 0: one per core");
 ABSL_FLAG(int, max_message_bytes, shardopt::kDefaultMaxMessageBytes, "largest gRPC message accepted");
 ABSL_FLAG(int, barrier_timeout_ms, 60000, "default barrier deadline for jobs that give none");
+ABSL_FLAG(std::string, checkpoint_dir, "",
+          "checkpoints go here and jobs are restored from here; share it between a job's servers");
 
 namespace {
 sem_t g_stop;
@@ -45,6 +47,7 @@ int main(int argc, char** argv) {
 
   shardopt::JobStoreOptions store_options;
   store_options.default_barrier_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_barrier_timeout_ms));
+  store_options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   shardopt::JobStore store(backend->get(), store_options);
   shardopt::ServerOptions options;
   options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
@@ -80,6 +83,27 @@ int main(int argc, char** argv) {
     }
   }
   std::cerr << "shardopt-server: stopping" << std::endl;
+  // A Kubernetes preStop: finish the commits in flight, refuse new ones, write
+  // each job's part at its step. With several servers the checkpoint becomes
+  // complete only if every server of the job writes the same step (all of
+  // them stopped between two steps); a job on one server is always complete.
+  if (!store_options.checkpoint_dir.empty()) {
+    int failed = 0;
+    for (const auto& [job, result] : store.DrainAndCheckpoint()) {
+      if (!result.ok()) {
+        std::cerr << "shardopt-server: checkpoint of job '" << job << "' failed: " << result.status() << std::endl;
+        ++failed;
+      } else {
+        std::cerr << "shardopt-server: checkpointed job '" << job << "' at step " << result->step() << " in "
+                  << result->directory() << (result->complete() ? " (complete)" : " (waiting for the other servers' parts)")
+                  << std::endl;
+      }
+    }
+    if (failed > 0) {
+      (*running)->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      return 1;
+    }
+  }
   (*running)->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
   return 0;
 }

@@ -65,6 +65,13 @@ grpc::Status OptimizerService::DropJob(grpc::ServerContext*, const v1::DropJobRe
   return ToGrpcStatus(store_->DropJob(req->job()));
 }
 
+grpc::Status OptimizerService::Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest* req,
+                                          v1::CheckpointResponse* resp) {
+  auto r = store_->Checkpoint(*req);
+  if (r.ok()) *resp = *std::move(r);
+  return ToGrpcStatus(r.status());
+}
+
 RunningServer::~RunningServer() {
   if (server) server->Shutdown();
 }
@@ -75,6 +82,10 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
   auto running = std::make_unique<RunningServer>();
   running->service = std::make_unique<OptimizerService>(store);
   grpc::ServerBuilder builder;
+  // gRPC's default SO_REUSEPORT lets a second server bind a port already in
+  // use, and with port 0 two servers started at once can be handed the same
+  // one (grpc/grpc#10755): clients then reach either. A port is one server's.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &running->port);
   TuneServerBuilder(&builder, options.max_message_bytes > 0 ? options.max_message_bytes : kDefaultMaxMessageBytes);
   builder.RegisterService(running->service.get());

@@ -24,6 +24,7 @@ class OptimizerService final : public v1::Optimizer::Service {
   grpc::Status Read(grpc::ServerContext*, const v1::ReadRequest*, grpc::ServerWriter<v1::StateChunk>*) override;
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse*) override;
   grpc::Status DropJob(grpc::ServerContext*, const v1::DropJobRequest*, v1::DropJobResponse*) override;
+  grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*) override;
 
  private:
   JobStore* store_;

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -32,7 +33,8 @@ struct TensorDef {
 
 class StoreTest : public ::testing::Test {
  protected:
-  StoreTest() : backend_(MakeCpuBackend({2, cpu::BestIsa()})), store_(backend_.get()) {}
+  explicit StoreTest(JobStoreOptions options = {})
+      : backend_(MakeCpuBackend({2, cpu::BestIsa()})), store_(backend_.get(), std::move(options)) {}
 
   v1::CreateJobRequest JobRequest(const std::string& job, uint32_t world, const std::vector<TensorDef>& tensors,
                                   v1::Precision precision = v1::PRECISION_FP32, uint32_t barrier_ms = 10000) {
@@ -644,6 +646,44 @@ TEST_F(StoreTest, DescribeReportsStateBytesAndHeldPrecision) {
   EXPECT_EQ(d16->state_bytes(), 1000u * 6);
   EXPECT_EQ(d16->groups(0).state_dtype(), v1::BF16);
   EXPECT_THAT(d16->device(), HasSubstr("cpu"));
+}
+
+// SIGTERM's path: what was applied is checkpointed, what comes after is refused.
+class DrainTest : public StoreTest {
+ protected:
+  DrainTest() : StoreTest(Options()) {}
+  ~DrainTest() override { std::filesystem::remove_all(dir_); }
+  static JobStoreOptions Options() {
+    char tmpl[] = "/tmp/shardopt-drain-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    JobStoreOptions o;
+    o.checkpoint_dir = dir_;
+    return o;
+  }
+  static inline std::string dir_;
+};
+
+TEST_F(DrainTest, DrainCheckpointsAppliedStepsSkipsUninitializedJobsAndRefusesNewCommitsWithUnavailable) {
+  Create(JobRequest("a", 1, {{"w", 100}}));
+  ASSERT_TRUE(store_.CreateJob(JobRequest("waiting for Init", 1, {{"w", 100}})).ok());
+  std::mt19937_64 rng(5);
+  ASSERT_TRUE(Push("a", 1, 0, {{"w", RandomBf16(rng, 100, 0.3f)}}).ok());
+  auto applied = Commit("a", 1, 1e-3);
+  ASSERT_TRUE(applied.ok());
+  ASSERT_TRUE(Push("a", 2, 0, {{"w", RandomBf16(rng, 100, 0.3f)}}).ok());
+
+  auto results = store_.DrainAndCheckpoint();
+  ASSERT_EQ(results.size(), 1u);  // the job without initial values has nothing to keep
+  EXPECT_EQ(results[0].first, "a");
+  ASSERT_TRUE(results[0].second.ok()) << results[0].second.status();
+  EXPECT_EQ(results[0].second->step(), 1u);
+  EXPECT_TRUE(results[0].second->complete());
+  EXPECT_TRUE(std::filesystem::exists(results[0].second->directory() + "/COMMIT"));
+
+  auto refused = Commit("a", 2, 1e-3);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("shutting down"));
+  EXPECT_EQ(Commit("a", 1, 1e-3).value(), *applied);  // a retry of what was applied still answers
 }
 
 }  // namespace

@@ -5,7 +5,7 @@
 # development machine). Runs the GPU tests, the kernel benchmark and torch's
 # fused AdamW for comparison, each under a time limit so that the whole stays
 # under 8 minutes, and writes into $OUT (or ./device-out):
-#   cuda_parity_test.json cuda_sticky_error_test.json cuda_availability_test.json
+#   cuda_parity_test.json cuda_sticky_error_test.json cuda_availability_test.json cuda_resume_test.json
 #   nccl_collective_test.json (the node group's NCCL collective, one rank per GPU)
 #   kernel_bench.json torch_fused_adamw.json summary.json
 # Exits 0 when every step passed.
@@ -66,7 +66,7 @@ if [[ -x $bundle/bin/cuda_availability_test ]]; then
 fi
 
 if [[ $launch_mode != none ]]; then
-  for t in cuda_availability_test cuda_parity_test cuda_sticky_error_test nccl_collective_test; do
+  for t in cuda_availability_test cuda_parity_test cuda_sticky_error_test cuda_resume_test nccl_collective_test; do
     case $t in
       cuda_parity_test) limit=200 ;;
       cuda_sticky_error_test | nccl_collective_test) limit=30 ;;

@@ -12,7 +12,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${BUILD_DIR:-$root/build-cuda}
 bundle=$root/device-bundle
-targets=(cuda_parity_test cuda_sticky_error_test cuda_availability_test nccl_collective_test cuda_kernel_bench)
+targets=(cuda_parity_test cuda_sticky_error_test cuda_resume_test cuda_availability_test nccl_collective_test cuda_kernel_bench)
 
 cmake -S "$root" -B "$build" -G Ninja -DSHARDOPT_CUDA=ON -DSHARDOPT_BUILD_BENCH=OFF >/dev/null
 ninja -C "$build" -j "${JOBS:-2}" "${targets[@]}"

@@ -50,6 +50,10 @@ struct JobOptions {
   std::vector<TensorOptions> tensors;
   GradType grad_type = GradType::kBf16;
   uint32_t barrier_timeout_ms = 60000;
+  // For servers with --checkpoint_dir, when they do not hold the job yet: 0
+  // resumes from the newest complete checkpoint, if there is one; t > 0 from
+  // the checkpoint of step t. CreateOrAttach returns the step resumed at.
+  uint64_t restore_step = 0;
 };
 
 struct ClientOptions {
@@ -70,6 +74,10 @@ struct ClientOptions {
   uint64_t chunk_bytes = 1 << 20;
   // Keeps freed MiB-sized buffers in the process (mallopt); see DESIGN.md.
   bool tune_allocator = true;
+  // Rank 0 checkpoints after every step that is a multiple of this; 0: never.
+  // If that checkpoint fails, Step returns its error although the step itself
+  // is done (step() says so); Checkpoint() may be called again.
+  uint64_t checkpoint_every = 0;
 };
 
 // One tensor's gradient: numel elements of the job's GradType (bf16 bits or
@@ -165,6 +173,10 @@ class Client {
   // Initial values of a whole tensor, before step 1. fp32 is kept exactly.
   absl::Status InitFp32(const std::string& tensor, const float* values);
   absl::Status InitBf16(const std::string& tensor, const uint16_t* values);
+  // Initial values of every tensor of the job from a safetensors file (F32
+  // kept exactly, or BF16), matched by name; entries the job lacks are
+  // ignored. Checks the whole file against the job before sending anything.
+  absl::Status InitFromSafetensors(const std::string& path);
 
   // One whole step: push, decide, commit. If it fails, call it again with the
   // same gradients: step() advances only once the commit succeeded, and the
@@ -185,6 +197,11 @@ class Client {
   // whose optimizer state silently fell to bf16.
   absl::Status VerifyState();
   absl::Status Drop();
+  // Writes a checkpoint of the job's current step on every server (each
+  // server its part, into a --checkpoint_dir they share). Fails with
+  // FAILED_PRECONDITION if no server saw every part, e.g. because their
+  // directories are not shared.
+  absl::Status Checkpoint();
 
   // The job's step: the last one done.
   uint64_t step() const;

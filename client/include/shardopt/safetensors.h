@@ -1,0 +1,29 @@
+// The safetensors file format (github.com/huggingface/safetensors): an
+// 8-byte little-endian header length, a JSON header naming each tensor's
+// dtype, shape and byte range, then the bytes. shardopt exports checkpoints
+// to it and takes a job's initial values from it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+
+namespace shardopt {
+
+struct SafetensorsTensor {
+  std::string name;
+  std::string dtype;  // "F32" or "BF16" are the ones shardopt writes and takes
+  std::vector<uint64_t> shape;
+  std::string data;   // little-endian elements
+};
+
+// Writes `tensors` in the order given, with `metadata` as __metadata__.
+absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
+                              const std::map<std::string, std::string>& metadata);
+// Reads a whole file; INVALID_ARGUMENT naming what is wrong with a bad one.
+absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string& path);
+
+}  // namespace shardopt

@@ -1,0 +1,91 @@
+#include "shardopt/safetensors.h"
+
+#include <fstream>
+#include <iterator>
+
+#include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+
+namespace shardopt {
+
+namespace {
+
+uint64_t ElementBytes(const std::string& dtype) {
+  if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
+  if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
+  if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
+  if (dtype == "I8" || dtype == "U8" || dtype == "BOOL") return 1;
+  return 0;
+}
+
+}  // namespace
+
+absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
+                              const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header;
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  uint64_t offset = 0;
+  for (const SafetensorsTensor& t : tensors) {
+    header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.data.size()}}};
+    offset += t.data.size();
+  }
+  std::string json = header.dump();
+  json.append((8 - json.size() % 8) % 8, ' ');  // the format pads the header with spaces to 8 bytes
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  const uint64_t n = json.size();
+  char length[8];
+  for (int i = 0; i < 8; ++i) length[i] = static_cast<char>(n >> (8 * i));
+  out.write(length, 8);
+  out.write(json.data(), static_cast<std::streamsize>(json.size()));
+  for (const SafetensorsTensor& t : tensors) out.write(t.data.data(), static_cast<std::streamsize>(t.data.size()));
+  out.close();
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto bad = [&](const std::string& why) { return absl::InvalidArgumentError(absl::StrCat(path, ": ", why)); };
+  if (bytes.size() < 8) return bad("shorter than its 8-byte header length");
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= uint64_t{static_cast<uint8_t>(bytes[i])} << (8 * i);
+  if (n > bytes.size() - 8) return bad(absl::StrCat("header of ", n, " bytes does not fit in the file"));
+  const nlohmann::json header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<int64_t>(n),
+                                                      nullptr, /*allow_exceptions=*/false);
+  if (!header.is_object()) return bad("header is not a JSON object");
+  const uint64_t base = 8 + n;
+  std::vector<SafetensorsTensor> out;
+  for (const auto& [name, entry] : header.items()) {
+    if (name == "__metadata__") continue;
+    SafetensorsTensor t;
+    t.name = name;
+    if (!entry.is_object() || !entry.contains("dtype") || !entry["dtype"].is_string() || !entry.contains("shape") ||
+        !entry["shape"].is_array() || !entry.contains("data_offsets") || !entry["data_offsets"].is_array() ||
+        entry["data_offsets"].size() != 2) {
+      return bad(absl::StrCat("entry '", name, "' lacks dtype, shape or data_offsets"));
+    }
+    t.dtype = entry["dtype"].get<std::string>();
+    uint64_t elements = 1;
+    for (const auto& d : entry["shape"]) {
+      if (!d.is_number_unsigned()) return bad(absl::StrCat("entry '", name, "' has a bad shape"));
+      t.shape.push_back(d.get<uint64_t>());
+      elements *= t.shape.back();
+    }
+    const auto& offsets = entry["data_offsets"];
+    if (!offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned()) {
+      return bad(absl::StrCat("entry '", name, "' has bad data_offsets"));
+    }
+    const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
+    if (begin > end || end > bytes.size() - base) return bad(absl::StrCat("entry '", name, "' lies past the file's end"));
+    if (ElementBytes(t.dtype) == 0 || end - begin != elements * ElementBytes(t.dtype)) {
+      return bad(absl::StrCat("entry '", name, "': ", end - begin, " bytes do not hold its shape of ", t.dtype));
+    }
+    t.data = bytes.substr(base + begin, end - begin);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
+}  // namespace shardopt

@@ -1,0 +1,609 @@
+#include "server/checkpoint.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "google/protobuf/util/message_differencer.h"
+
+namespace shardopt::checkpoint {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr char kMagic[8] = {'S', 'H', 'O', 'P', 'T', 'C', 'K', '\n'};
+constexpr size_t kHeadBytes = 8 + 4 + 8;  // magic, version, manifest length
+constexpr char kCommitName[] = "COMMIT";
+
+// crc32c (Castagnoli), reflected. The SSE4.2 instruction when the CPU has it,
+// a table otherwise; both give the same value.
+struct Crc32cTable {
+  uint32_t t[256];
+  Crc32cTable() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ ((c & 1) ? 0x82F63B78u : 0);
+      t[i] = c;
+    }
+  }
+};
+
+uint32_t Crc32cTableUpdate(uint32_t crc, const uint8_t* p, size_t n) {
+  static const Crc32cTable table;
+  for (size_t i = 0; i < n; ++i) crc = table.t[(crc ^ p[i]) & 0xFF] ^ (crc >> 8);
+  return crc;
+}
+
+#if defined(__x86_64__)
+__attribute__((target("sse4.2"))) uint32_t Crc32cHardwareUpdate(uint32_t crc, const uint8_t* p, size_t n) {
+  uint64_t c = crc;
+  for (; n >= 8; n -= 8, p += 8) {
+    uint64_t w;
+    std::memcpy(&w, p, 8);
+    c = __builtin_ia32_crc32di(c, w);
+  }
+  uint32_t c32 = static_cast<uint32_t>(c);
+  for (; n > 0; --n, ++p) c32 = __builtin_ia32_crc32qi(c32, *p);
+  return c32;
+}
+#endif
+
+void PutU32(std::string* out, uint32_t v) {
+  for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>(v >> (8 * i)));
+}
+void PutU64(std::string* out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out->push_back(static_cast<char>(v >> (8 * i)));
+}
+uint64_t GetLE(const char* p, int bytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < bytes; ++i) v |= uint64_t{static_cast<uint8_t>(p[i])} << (8 * i);
+  return v;
+}
+
+std::string ErrnoText(const std::string& what, const std::string& path) {
+  return absl::StrCat(what, " ", path, ": ", std::strerror(errno));
+}
+
+class Fd {
+ public:
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) close(fd_);
+  }
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+absl::Status FsyncDirectory(const std::string& dir) {
+  Fd fd(open(dir.c_str(), O_RDONLY | O_DIRECTORY));
+  if (fd.get() < 0 || fsync(fd.get()) != 0) return absl::InternalError(ErrnoText("cannot fsync directory", dir));
+  return absl::OkStatus();
+}
+
+// Temp name, write, fsync, rename, fsync the directory: after a crash the
+// file is either whole or absent. The temporary name is unique per process
+// and call, so that concurrent writers of one file never share one.
+absl::Status WriteFileAtomic(const std::string& dir, const std::string& name,
+                             std::initializer_list<std::string_view> pieces) {
+  static std::atomic<uint64_t> counter{0};
+  const std::string path = absl::StrCat(dir, "/", name);
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid(), ".", counter++);
+  {
+    Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+    if (fd.get() < 0) return absl::InternalError(ErrnoText("cannot create", tmp));
+    for (std::string_view piece : pieces) {
+      for (size_t done = 0; done < piece.size();) {
+        const ssize_t n = write(fd.get(), piece.data() + done, piece.size() - done);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+          const absl::Status st = absl::InternalError(ErrnoText("cannot write", tmp));
+          unlink(tmp.c_str());
+          return st;
+        }
+        done += static_cast<size_t>(n);
+      }
+    }
+    if (fsync(fd.get()) != 0) {
+      const absl::Status st = absl::InternalError(ErrnoText("cannot fsync", tmp));
+      unlink(tmp.c_str());
+      return st;
+    }
+  }
+  if (rename(tmp.c_str(), path.c_str()) != 0) {
+    const absl::Status st = absl::InternalError(ErrnoText("cannot rename into", path));
+    unlink(tmp.c_str());
+    return st;
+  }
+  return FsyncDirectory(dir);
+}
+
+absl::StatusOr<std::string> ReadRange(const std::string& path, uint64_t offset, uint64_t length) {
+  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    return errno == ENOENT ? absl::NotFoundError(ErrnoText("cannot open", path))
+                           : absl::DataLossError(ErrnoText("cannot open", path));
+  }
+  std::string out(length, '\0');
+  for (uint64_t done = 0; done < length;) {
+    const ssize_t n = pread(fd.get(), out.data() + done, length - done, static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) return absl::DataLossError(ErrnoText("cannot read", path));
+    if (n == 0) {
+      return absl::DataLossError(absl::StrCat(path, " is truncated: it ends before byte ", offset + length));
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  return out;
+}
+
+absl::StatusOr<uint64_t> FileSize(const std::string& path) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) {
+    return errno == ENOENT ? absl::NotFoundError(ErrnoText("no file", path))
+                           : absl::DataLossError(ErrnoText("cannot stat", path));
+  }
+  return static_cast<uint64_t>(st.st_size);
+}
+
+std::string Frame(const google::protobuf::Message& message) {
+  const std::string payload = message.SerializeAsString();
+  std::string out(kMagic, sizeof kMagic);
+  PutU32(&out, kFormatVersion);
+  PutU64(&out, payload.size());
+  out += payload;
+  PutU32(&out, Crc32c(out.data(), out.size()));
+  return out;
+}
+
+// Reads and checks the frame at the start of `path` into `message`; returns
+// the frame's size, where a part's data begins.
+absl::StatusOr<uint64_t> ReadFrame(const std::string& path, google::protobuf::Message* message) {
+  auto head = ReadRange(path, 0, kHeadBytes);
+  if (!head.ok()) return head.status();
+  if (std::memcmp(head->data(), kMagic, sizeof kMagic) != 0) {
+    return absl::DataLossError(absl::StrCat(path, " is not a shardopt checkpoint file (bad magic)"));
+  }
+  const uint32_t version = static_cast<uint32_t>(GetLE(head->data() + 8, 4));
+  if (version != kFormatVersion) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " has checkpoint format version ", version,
+                                                      "; this build reads version ", kFormatVersion));
+  }
+  const uint64_t length = GetLE(head->data() + 12, 8);
+  auto size = FileSize(path);
+  if (!size.ok()) return size.status();
+  if (length > *size || kHeadBytes + length + 4 > *size) {
+    return absl::DataLossError(absl::StrCat(path, " is truncated: its manifest of ", length, " bytes does not fit in ",
+                                            *size, " bytes"));
+  }
+  auto rest = ReadRange(path, kHeadBytes, length + 4);
+  if (!rest.ok()) return rest.status();
+  const uint32_t crc = Crc32c(rest->data(), length, Crc32c(head->data(), kHeadBytes));
+  if (crc != static_cast<uint32_t>(GetLE(rest->data() + length, 4))) {
+    return absl::DataLossError(absl::StrCat(path, ": manifest checksum mismatch (crc32c)"));
+  }
+  if (!message->ParseFromArray(rest->data(), static_cast<int>(length))) {
+    return absl::DataLossError(absl::StrCat(path, ": manifest does not parse"));
+  }
+  return kHeadBytes + length + 4;
+}
+
+std::string EscapeJob(const std::string& job) {
+  std::string out;
+  for (unsigned char c : job) {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.') {
+      out.push_back(static_cast<char>(c));
+    } else {
+      absl::StrAppendFormat(&out, "%%%02X", c);
+    }
+  }
+  return out == "." || out == ".." ? absl::StrCat("%2E", out.substr(1)) : out;
+}
+
+// The fields that make a job what it is; the placement and the barrier's
+// deadline may change across a restore.
+v1::CreateJobRequest Identity(const v1::CreateJobRequest& spec) {
+  v1::CreateJobRequest id = spec;
+  id.clear_shards();
+  id.clear_barrier_timeout_ms();
+  id.clear_restore_step();
+  return id;
+}
+
+absl::Status SameJob(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b, const std::string& where) {
+  std::string diff;
+  google::protobuf::util::MessageDifferencer differ;
+  differ.ReportDifferencesToString(&diff);
+  if (!differ.Compare(Identity(a), Identity(b))) {
+    return absl::FailedPreconditionError(absl::StrCat(where, " holds job '", b.job(), "' with another configuration (",
+                                                      diff, "); move the checkpoint away or use another job name"));
+  }
+  return absl::OkStatus();
+}
+
+bool SameShards(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b) {
+  if (a.shards_size() != b.shards_size()) return false;
+  for (int i = 0; i < a.shards_size(); ++i) {
+    if (!google::protobuf::util::MessageDifferencer::Equals(a.shards(i), b.shards(i))) return false;
+  }
+  return true;
+}
+
+int TensorIndex(const v1::CreateJobRequest& spec, const std::string& name) {
+  for (int i = 0; i < spec.tensors_size(); ++i) {
+    if (spec.tensors(i).name() == name) return i;
+  }
+  return -1;
+}
+
+uint64_t DataBytes(const v1::PartManifest& m) {
+  uint64_t total = 0;
+  for (int s = 0; s < m.shards_size(); ++s) total += SectionBytes(m, s);
+  return total;
+}
+
+// A part file's manifest, and where and how big its data is.
+struct PartHead {
+  std::string path;
+  v1::PartManifest manifest;
+  uint64_t data_offset = 0;
+  uint64_t file_bytes = 0;
+  uint32_t data_crc = 0;  // as the trailer states it
+};
+
+absl::StatusOr<PartHead> ReadPartHead(const std::string& path) {
+  PartHead h;
+  h.path = path;
+  auto offset = ReadFrame(path, &h.manifest);
+  if (!offset.ok()) return offset.status();
+  h.data_offset = *offset;
+  if (h.manifest.shards_size() != h.manifest.spec().shards_size()) {
+    return absl::DataLossError(absl::StrCat(path, ": manifest has ", h.manifest.shards_size(), " sections for ",
+                                            h.manifest.spec().shards_size(), " shards"));
+  }
+  auto size = FileSize(path);
+  if (!size.ok()) return size.status();
+  h.file_bytes = *size;
+  const uint64_t expected = h.data_offset + DataBytes(h.manifest) + 4;
+  if (h.file_bytes != expected) {
+    return absl::DataLossError(absl::StrCat(path, " is ", h.file_bytes, " bytes; its manifest says ", expected,
+                                            h.file_bytes < expected ? " (truncated)" : ""));
+  }
+  auto trailer = ReadRange(path, h.file_bytes - 4, 4);
+  if (!trailer.ok()) return trailer.status();
+  h.data_crc = static_cast<uint32_t>(GetLE(trailer->data(), 4));
+  return h;
+}
+
+// The parts' shard ranges of each tensor must tile it: sorted by offset, each
+// begins where the previous ended. Returns whether they cover every tensor.
+absl::StatusOr<bool> Tiles(const std::vector<PartHead>& parts) {
+  const v1::CreateJobRequest& spec = parts.front().manifest.spec();
+  std::vector<std::map<uint64_t, std::pair<uint64_t, const PartHead*>>> ranges(spec.tensors_size());
+  for (const PartHead& p : parts) {
+    for (const v1::ShardRange& s : p.manifest.spec().shards()) {
+      const int t = TensorIndex(spec, s.tensor());
+      if (t < 0) return absl::DataLossError(absl::StrCat(p.path, " names unknown tensor '", s.tensor(), "'"));
+      auto [it, fresh] = ranges[t].emplace(s.offset(), std::make_pair(s.length(), &p));
+      if (!fresh) {
+        return absl::FailedPreconditionError(absl::StrCat(p.path, " and ", it->second.second->path, " both hold tensor '",
+                                                          s.tensor(), "' from element ", s.offset(),
+                                                          ": parts of two placements are mixed in one step"));
+      }
+    }
+  }
+  bool complete = true;
+  for (int t = 0; t < spec.tensors_size(); ++t) {
+    uint64_t end = 0;
+    for (const auto& [offset, r] : ranges[t]) {
+      if (offset < end) {
+        return absl::FailedPreconditionError(absl::StrCat(r.second->path, " overlaps another part in tensor '",
+                                                          spec.tensors(t).name(), "' at element ", offset));
+      }
+      if (offset > end) complete = false;
+      end = offset + r.first;
+    }
+    if (end != spec.tensors(t).numel()) complete = false;
+  }
+  return complete;
+}
+
+// The marker's parts, with their manifests checked against it.
+absl::StatusOr<std::vector<PartHead>> ReadCommitted(const std::string& dir, const v1::CommitMarker& marker) {
+  std::vector<PartHead> parts;
+  for (const v1::PartRef& ref : marker.parts()) {
+    auto head = ReadPartHead(absl::StrCat(dir, "/", ref.file()));
+    if (!head.ok()) {
+      return head.status().code() == absl::StatusCode::kNotFound
+                 ? absl::DataLossError(absl::StrCat("COMMIT lists a missing part: ", head.status().message()))
+                 : head.status();
+    }
+    if (head->file_bytes != ref.bytes() || head->data_crc != ref.data_crc32c() ||
+        head->manifest.step() != marker.step()) {
+      return absl::DataLossError(absl::StrCat(head->path, " is not the part COMMIT recorded (", head->file_bytes,
+                                              " bytes, step ", head->manifest.step(), "; COMMIT says ", ref.bytes(),
+                                              " bytes, step ", marker.step(), ")"));
+    }
+    parts.push_back(*std::move(head));
+  }
+  if (parts.empty()) return absl::DataLossError(absl::StrCat(dir, "/COMMIT lists no parts"));
+  for (const PartHead& p : parts) {
+    if (auto st = SameJob(parts.front().manifest.spec(), p.manifest.spec(), p.path); !st.ok()) return st;
+  }
+  auto tiles = Tiles(parts);
+  if (!tiles.ok()) return tiles.status();
+  if (!*tiles) return absl::DataLossError(absl::StrCat(dir, ": the parts COMMIT lists do not cover every tensor"));
+  return parts;
+}
+
+std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir) {
+  std::vector<uint64_t> steps;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(job_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    uint64_t step;
+    if (name.size() == 25 && name.rfind("step-", 0) == 0 && absl::SimpleAtoi(name.substr(5), &step)) {
+      steps.push_back(step);
+    }
+  }
+  std::sort(steps.rbegin(), steps.rend());
+  return steps;
+}
+
+absl::StatusOr<std::string> ReadPartData(const PartHead& p) {
+  auto data = ReadRange(p.path, p.data_offset, p.file_bytes - 4 - p.data_offset);
+  if (!data.ok()) return data.status();
+  if (Crc32c(data->data(), data->size()) != p.data_crc) {
+    return absl::DataLossError(absl::StrCat(p.path, ": data checksum mismatch (crc32c); not loading it"));
+  }
+  return data;
+}
+
+bool IsPartName(const std::string& file) {
+  return file.rfind("part-", 0) == 0 && file.size() > 4 && file.compare(file.size() - 4, 4, ".bin") == 0;
+}
+
+// Parts of a step that overlap this server's were left by a torn attempt with
+// another placement (the peers of one placement never overlap); they would
+// keep the step from ever tiling, and nothing complete refers to them.
+void RemoveOverlappingParts(const std::string& dir, const std::string& own, const v1::CreateJobRequest& spec) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string file = entry.path().filename().string();
+    if (!IsPartName(file) || file == own) continue;
+    auto head = ReadPartHead(entry.path().string());
+    if (!head.ok()) continue;  // WritePart's check of every part reports it
+    for (const v1::ShardRange& theirs : head->manifest.spec().shards()) {
+      for (const v1::ShardRange& ours : spec.shards()) {
+        if (theirs.tensor() == ours.tensor() && theirs.offset() < ours.offset() + ours.length() &&
+            ours.offset() < theirs.offset() + theirs.length()) {
+          fs::remove(entry.path(), ec);
+        }
+      }
+    }
+  }
+}
+
+struct Committed {
+  std::string dir;
+  v1::CommitMarker marker;
+  std::vector<PartHead> parts;
+};
+
+// The complete checkpoint of `step`, or the newest one when step is 0.
+absl::StatusOr<Committed> FindCommitted(const std::string& root, const std::string& job, uint64_t step,
+                                        const Log& log) {
+  const std::vector<uint64_t> steps = step > 0 ? std::vector<uint64_t>{step} : StepsNewestFirst(absl::StrCat(root, "/", EscapeJob(job)));
+  for (uint64_t t : steps) {
+    Committed c;
+    c.dir = StepDirectory(root, job, t);
+    if (!fs::is_directory(c.dir)) {
+      return absl::NotFoundError(absl::StrCat("no checkpoint of job '", job, "' step ", t, " in ", root));
+    }
+    auto read = ReadFrame(absl::StrCat(c.dir, "/", kCommitName), &c.marker);
+    if (read.status().code() == absl::StatusCode::kNotFound) {
+      const std::string why = absl::StrCat("checkpoint ", c.dir, " is torn (no COMMIT marker: not every part was written)");
+      if (step > 0) return absl::NotFoundError(why);
+      log(absl::StrCat(why, "; trying an older one"));
+      continue;
+    }
+    if (!read.ok()) return read.status();
+    if (c.marker.job() != job || c.marker.step() != t) {
+      return absl::DataLossError(absl::StrCat(c.dir, "/COMMIT is for job '", c.marker.job(), "' step ", c.marker.step()));
+    }
+    auto parts = ReadCommitted(c.dir, c.marker);
+    if (!parts.ok()) return parts.status();
+    c.parts = *std::move(parts);
+    return c;
+  }
+  return absl::NotFoundError(absl::StrCat("no complete checkpoint of job '", job, "' in ", root));
+}
+
+}  // namespace
+
+uint32_t Crc32c(const void* data, size_t n, uint32_t crc) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  crc = ~crc;
+#if defined(__x86_64__)
+  static const bool hardware = __builtin_cpu_supports("sse4.2");
+  crc = hardware ? Crc32cHardwareUpdate(crc, p, n) : Crc32cTableUpdate(crc, p, n);
+#else
+  crc = Crc32cTableUpdate(crc, p, n);
+#endif
+  return ~crc;
+}
+
+uint64_t ArrayBytes(const v1::PartManifest& m, int shard) {
+  return m.spec().shards(shard).length() * (m.shards(shard).dtype() == v1::FP32 ? 4 : 2);
+}
+
+std::string StepDirectory(const std::string& root, const std::string& job, uint64_t step) {
+  return absl::StrFormat("%s/%s/step-%020u", root, EscapeJob(job), step);
+}
+
+absl::StatusOr<WriteResult> WritePart(const std::string& root, const Part& part) {
+  const v1::CreateJobRequest& spec = part.manifest.spec();
+  if (spec.shards_size() == 0 || part.data.size() != DataBytes(part.manifest)) {
+    return absl::InternalError("a checkpoint part needs shards and data that match them");
+  }
+  WriteResult result;
+  result.directory = StepDirectory(root, spec.job(), part.manifest.step());
+  std::error_code ec;
+  fs::create_directories(result.directory, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", result.directory, ": ", ec.message()));
+  // A step's state is unique (the step protocol applies each step once), so
+  // a complete checkpoint of it needs nothing more, from any placement.
+  if (fs::exists(absl::StrCat(result.directory, "/", kCommitName))) {
+    result.complete = true;
+    return result;
+  }
+  const v1::ShardRange& first = spec.shards(0);
+  const std::string name = absl::StrCat("part-", TensorIndex(spec, first.tensor()), "-", first.offset(), ".bin");
+  RemoveOverlappingParts(result.directory, name, spec);
+  const std::string frame = Frame(part.manifest);
+  std::string trailer;
+  PutU32(&trailer, Crc32c(part.data.data(), part.data.size()));
+  if (auto st = WriteFileAtomic(result.directory, name, {frame, part.data, trailer}); !st.ok()) return st;
+  // The new entries under root must survive a crash too, up to the job's directory.
+  for (const std::string& dir : {fs::path(result.directory).parent_path().string(), root}) {
+    if (auto st = FsyncDirectory(dir); !st.ok()) return st;
+  }
+  result.part_bytes = frame.size() + part.data.size() + trailer.size();
+
+  std::vector<PartHead> parts;
+  for (const auto& entry : fs::directory_iterator(result.directory, ec)) {
+    if (!IsPartName(entry.path().filename().string())) continue;
+    auto head = ReadPartHead(entry.path().string());
+    if (!head.ok()) return head.status();
+    if (auto st = SameJob(spec, head->manifest.spec(), head->path); !st.ok()) return st;
+    parts.push_back(*std::move(head));
+  }
+  auto tiles = Tiles(parts);
+  if (!tiles.ok()) return tiles.status();
+  if (!*tiles) return result;
+  v1::CommitMarker marker;
+  marker.set_job(spec.job());
+  marker.set_step(part.manifest.step());
+  for (const PartHead& p : parts) {
+    v1::PartRef* ref = marker.add_parts();
+    ref->set_file(fs::path(p.path).filename().string());
+    ref->set_bytes(p.file_bytes);
+    ref->set_data_crc32c(p.data_crc);
+  }
+  if (auto st = WriteFileAtomic(result.directory, kCommitName, {Frame(marker)}); !st.ok()) return st;
+  result.complete = true;
+  return result;
+}
+
+absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log) {
+  auto committed = FindCommitted(root, spec.job(), step, log);
+  if (!committed.ok()) return committed.status();
+  const v1::PartManifest& any = committed->parts.front().manifest;
+  if (auto st = SameJob(spec, any.spec(), committed->dir); !st.ok()) return st;
+
+  Part out;
+  v1::PartManifest& m = out.manifest;
+  *m.mutable_spec() = spec;
+  m.set_step(committed->marker.step());
+  *m.mutable_applied() = any.applied();
+  // The same placement, as on a plain restart: the part's data is the answer
+  // as it lies on disk, with no copy. Its sealed push's sums, which are per
+  // server, hold only then.
+  for (const PartHead& p : committed->parts) {
+    if (!SameShards(p.manifest.spec(), spec)) continue;
+    m.set_sealed_step(p.manifest.sealed_step());
+    m.set_sealed_sum_squares(p.manifest.sealed_sum_squares());
+    m.set_sealed_nonfinite(p.manifest.sealed_nonfinite());
+    *m.mutable_shards() = p.manifest.shards();
+    auto data = ReadPartData(p);
+    if (!data.ok()) return data.status();
+    out.data = *std::move(data);
+    return out;
+  }
+  std::vector<uint64_t> section_offset;
+  for (const v1::ShardRange& s : spec.shards()) {
+    const int t = TensorIndex(spec, s.tensor());
+    v1::ShardSection* section = m.add_shards();
+    section->set_dtype(spec.groups(spec.tensors(t).group()).precision() == v1::PRECISION_BF16 ? v1::BF16 : v1::FP32);
+    section_offset.push_back(out.data.size());
+    out.data.resize(out.data.size() + SectionBytes(m, m.shards_size() - 1));
+  }
+
+  std::vector<uint64_t> filled(spec.shards_size(), 0);
+  std::vector<bool> step_known(spec.shards_size(), false);
+  for (const PartHead& p : committed->parts) {
+    std::optional<std::string> data;  // read only when the part overlaps this placement
+    const v1::PartManifest& src = p.manifest;
+    uint64_t src_offset = 0;
+    for (int ss = 0; ss < src.shards_size(); src_offset += SectionBytes(src, ss), ++ss) {
+      const v1::ShardRange& from = src.spec().shards(ss);
+      for (int ds = 0; ds < spec.shards_size(); ++ds) {
+        const v1::ShardRange& to = spec.shards(ds);
+        const uint64_t begin = std::max(from.offset(), to.offset());
+        const uint64_t end = std::min(from.offset() + from.length(), to.offset() + to.length());
+        if (from.tensor() != to.tensor() || begin >= end) continue;
+        if (src.shards(ss).dtype() != m.shards(ds).dtype()) {
+          return absl::DataLossError(absl::StrCat(p.path, " holds tensor '", from.tensor(), "' as ",
+                                                  v1::DType_Name(src.shards(ss).dtype()), ", its group asks for ",
+                                                  v1::DType_Name(m.shards(ds).dtype())));
+        }
+        if (step_known[ds] && m.shards(ds).adam_step() != src.shards(ss).adam_step()) {
+          return absl::DataLossError(absl::StrCat(p.path, ": tensor '", from.tensor(), "' has Adam step ",
+                                                  src.shards(ss).adam_step(), " here and ", m.shards(ds).adam_step(),
+                                                  " in another part"));
+        }
+        m.mutable_shards(ds)->set_adam_step(src.shards(ss).adam_step());
+        step_known[ds] = true;
+        if (!data) {
+          auto read = ReadPartData(p);
+          if (!read.ok()) return read.status();
+          data = *std::move(read);
+        }
+        const uint64_t esize = ArrayBytes(src, ss) / from.length();
+        for (int k = 0; k < 3; ++k) {  // master, m, v
+          std::memcpy(out.data.data() + section_offset[ds] + k * ArrayBytes(m, ds) + (begin - to.offset()) * esize,
+                      data->data() + src_offset + k * ArrayBytes(src, ss) + (begin - from.offset()) * esize,
+                      (end - begin) * esize);
+        }
+        filled[ds] += end - begin;
+      }
+    }
+  }
+  for (int ds = 0; ds < spec.shards_size(); ++ds) {
+    if (filled[ds] != spec.shards(ds).length()) {
+      return absl::DataLossError(absl::StrCat(committed->dir, ": the parts do not cover tensor '",
+                                              spec.shards(ds).tensor(), "' from element ", spec.shards(ds).offset()));
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<JobAt> WholeJob(const std::string& root, const std::string& job, uint64_t step, const Log& log) {
+  auto committed = FindCommitted(root, job, step, log);
+  if (!committed.ok()) return committed.status();
+  JobAt out;
+  out.step = committed->marker.step();
+  out.spec = committed->parts.front().manifest.spec();
+  out.spec.clear_shards();
+  for (const v1::TensorSpec& t : out.spec.tensors()) {
+    v1::ShardRange* s = out.spec.add_shards();
+    s->set_tensor(t.name());
+    s->set_offset(0);
+    s->set_length(t.numel());
+  }
+  return out;
+}
+
+}  // namespace shardopt::checkpoint

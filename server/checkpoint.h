@@ -1,0 +1,81 @@
+// The checkpoint format: how one server's part of a job's state at a step
+// boundary goes to disk, how the parts of all servers become one complete
+// checkpoint, and how any placement is read back from them. No JobStore here:
+// JobStore snapshots and restores; this file only writes and reads bytes.
+//
+// Layout, under a root directory that every server of a job shares:
+//   <root>/<job, %-escaped>/step-<step, 20 digits>/part-<tensor>-<offset>.bin
+//   <root>/<job, %-escaped>/step-<step, 20 digits>/COMMIT
+// A part file is
+//   "SHOPTCK\n" | u32 format version | u64 manifest length L | PartManifest (L B)
+//   | u32 crc32c of everything before it | data | u32 crc32c of data
+// (little-endian). The data holds, shard by shard in the manifest's order,
+// master, m and v back to back, each `length` elements of the shard's dtype.
+// COMMIT is the same frame around a CommitMarker, with no data.
+//
+// Every file is written to a temporary name, fsynced, renamed, and then its
+// directory is fsynced, so that a crash leaves either the whole file or none.
+// A checkpoint is complete when its COMMIT exists; the server whose part
+// makes the parts tile every tensor exactly writes it, after them.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "shardopt/v1/checkpoint.pb.h"
+
+namespace shardopt::checkpoint {
+
+namespace v1 = ::shardopt::v1;
+
+inline constexpr uint32_t kFormatVersion = 1;
+
+uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0);
+
+// One placement's state at one step: the manifest and its data, as laid out
+// in a part file.
+struct Part {
+  v1::PartManifest manifest;
+  std::string data;
+};
+
+// Bytes of one shard's section (master, m and v) and of one of its arrays.
+uint64_t ArrayBytes(const v1::PartManifest& m, int shard);
+inline uint64_t SectionBytes(const v1::PartManifest& m, int shard) { return 3 * ArrayBytes(m, shard); }
+
+std::string StepDirectory(const std::string& root, const std::string& job, uint64_t step);
+
+struct WriteResult {
+  std::string directory;
+  uint64_t part_bytes = 0;
+  bool complete = false;
+};
+
+// Writes `part` into its step's directory, then writes COMMIT if the parts
+// there now cover every tensor. Refuses parts that overlap or disagree on the
+// job's configuration, naming the files.
+absl::StatusOr<WriteResult> WritePart(const std::string& root, const Part& part);
+
+// Why each newer checkpoint was passed over, for the server's log.
+using Log = std::function<void(const std::string&)>;
+
+// The state of `spec`'s placement (spec.shards) from the job's newest
+// complete checkpoint, or from the one of `step` when step > 0. NOT_FOUND when
+// there is none; DATA_LOSS for a torn or corrupt file; FAILED_PRECONDITION for
+// another format version or another configuration. Torn checkpoints (no
+// COMMIT, or an unreadable one) are skipped when looking for the newest, and
+// `log` is told why.
+absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log);
+
+// A complete checkpoint's step and job configuration, with every tensor whole
+// as the placement: what export loads.
+struct JobAt {
+  v1::CreateJobRequest spec;
+  uint64_t step = 0;
+};
+absl::StatusOr<JobAt> WholeJob(const std::string& root, const std::string& job, uint64_t step, const Log& log);
+
+}  // namespace shardopt::checkpoint

@@ -1,0 +1,305 @@
+// Durability over real server processes: a checkpoint, a restart and a
+// resume give the bits of an uninterrupted run; SIGTERM checkpoints and exits
+// 0; a checkpoint restores onto another server count; bad files are refused
+// with a clear status while the server goes on serving.
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "shardopt/client.h"
+#include "shardopt/grpc_edge.h"
+#include "shardopt/v1/optimizer.grpc.pb.h"
+#include "tests/testing/scripted_trainer.h"
+#include "tests/testing/server_process.h"
+
+namespace shardopt {
+namespace {
+
+namespace fs = std::filesystem;
+namespace v1 = ::shardopt::v1;
+using ::testing::HasSubstr;
+using testing::Connect;
+using testing::DurableJob;
+using testing::Fingerprint;
+using testing::ScriptedTrainer;
+using testing::StartServers;
+using testing::TempDir;
+using testing::Train;
+using testing::Uninterrupted;
+
+// The fingerprints of one uninterrupted run after N and after 2N steps.
+std::pair<std::vector<uint32_t>, std::vector<uint32_t>> AtNAnd2N(const JobOptions& job, uint64_t n) {
+  auto at = Uninterrupted(job, {n, 2 * n});
+  return {std::move(at[0]), std::move(at[1])};
+}
+
+TEST(DurabilityTest, CheckpointRestartResumeIsBitwiseEqualToAnUninterruptedRunForFp32AndBf16Groups) {
+  const JobOptions job = DurableJob("resume", {{"w", 5000}, {"b", 300}});
+  constexpr uint64_t kN = 12;
+  const auto [at_n, at_2n] = AtNAnd2N(job, kN);
+  TempDir dir;
+
+  std::vector<std::vector<uint16_t>> params_at_n;
+  StepResult last;
+  PushResult push_at_n;
+  {
+    auto servers = StartServers(1, dir.path());
+    ClientOptions every_n;
+    every_n.checkpoint_every = kN;
+    auto client = Connect(servers, every_n);
+    ScriptedTrainer trainer = Train(*client, job, kN - 1);
+    EXPECT_FALSE(fs::exists(dir.path() + "/resume"));
+    last = trainer.Step(*client).value();  // step N, then its checkpoint
+    params_at_n = trainer.params();
+    push_at_n = trainer.Push(*client, kN).value();
+    EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
+    servers[0]->Stop(SIGKILL);
+  }
+
+  auto servers = StartServers(1, dir.path());
+  auto client = Connect(servers);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), kN);
+  ASSERT_TRUE(client->VerifyState().ok());
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
+  // A push and a commit of step N retried after the restore: the same
+  // answers, nothing applied.
+  ScriptedTrainer trainer(job);
+  const PushResult retried_push = trainer.Push(*client, kN).value();
+  EXPECT_EQ(retried_push.sum_squares, push_at_n.sum_squares);
+  EXPECT_EQ(retried_push.nonfinite, push_at_n.nonfinite);
+  std::vector<std::vector<uint16_t>> retried(job.tensors.size());
+  std::vector<ParamView> pv;
+  for (size_t i = 0; i < job.tensors.size(); ++i) {
+    retried[i].assign(job.tensors[i].numel, 0xFFFF);
+    pv.push_back({job.tensors[i].name, retried[i].data()});
+  }
+  ASSERT_TRUE(client->Commit(kN, 1e-2, last.decision.gscale, last.decision.skip, pv).ok());
+  EXPECT_EQ(retried, params_at_n);
+  EXPECT_EQ(client->Commit(kN, 2e-2, last.decision.gscale, false, pv).code(), absl::StatusCode::kAborted);
+
+  for (uint64_t t = kN; t < 2 * kN; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_2n);
+}
+
+// One server's SIGTERM completes its job's checkpoint; of two servers, the
+// second one's does, since both stop at the same step.
+TEST(DurabilityTest, SigtermCheckpointsEveryJobAndExitsZero) {
+  for (int n : {1, 2}) {
+    SCOPED_TRACE(n);
+    const JobOptions job = DurableJob("sigterm", {{"w", 9000}});
+    TempDir dir;
+    std::vector<uint32_t> before;
+    {
+      auto servers = StartServers(n, dir.path());
+      auto client = Connect(servers);
+      Train(*client, job, 7);
+      before = Fingerprint(*client, job).value();
+      client.reset();
+      for (int i = 0; i < n; ++i) {
+        const int status = servers[i]->Stop(SIGTERM);
+        ASSERT_TRUE(WIFEXITED(status));
+        EXPECT_EQ(WEXITSTATUS(status), 0);
+        EXPECT_EQ(fs::exists(dir.path() + "/sigterm/step-00000000000000000007/COMMIT"), i == n - 1);
+      }
+    }
+    auto servers = StartServers(n, dir.path());
+    auto client = Connect(servers);
+    ASSERT_EQ(client->CreateOrAttach(job).value(), 7u);
+    EXPECT_EQ(Fingerprint(*client, job).value(), before);
+  }
+}
+
+TEST(DurabilityTest, ACheckpointOfTwoServersRestoresOntoThreeAndOntoOne) {
+  const JobOptions job = DurableJob("reshard", {{"w", 20000}, {"b", 9000}});
+  constexpr uint64_t kN = 6;
+  const auto [at_n, at_2n] = AtNAnd2N(job, kN);
+  TempDir dir;
+  {
+    auto servers = StartServers(2, dir.path());
+    auto client = Connect(servers);
+    ScriptedTrainer trainer = Train(*client, job, kN);
+    ASSERT_TRUE(client->Checkpoint().ok());
+    // Step N+1 torn: one of the two servers writes its part, then both die.
+    ASSERT_TRUE(trainer.Step(*client).ok());
+    auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(servers[0]->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    v1::CheckpointRequest req;
+    req.set_job(job.name);
+    req.set_step(kN + 1);
+    v1::CheckpointResponse resp;
+    ASSERT_TRUE(stub->Checkpoint(&ctx, req, &resp).ok());
+    ASSERT_FALSE(resp.complete());
+  }
+  {
+    auto one = StartServers(1, dir.path());
+    auto client = Connect(one);
+    ASSERT_EQ(client->CreateOrAttach(job).value(), kN);
+    EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
+  }
+  auto three = StartServers(3, dir.path());
+  auto client = Connect(three);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), kN);
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
+  // Step N is complete already; step N+1's torn part of the old placement
+  // overlaps the new ones and gives way to them.
+  ASSERT_TRUE(client->Checkpoint().ok());
+  ScriptedTrainer trainer(job);
+  ASSERT_TRUE(trainer.Step(*client).ok());
+  ASSERT_TRUE(client->Checkpoint().ok());
+  for (uint64_t t = kN + 1; t < 2 * kN; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_2n);
+}
+
+std::string StepDir(const std::string& root, const std::string& job, int step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%020d", step);
+  return root + "/" + job + "/" + name;
+}
+
+std::string OnlyPart(const std::string& step_dir) {
+  for (const auto& e : fs::directory_iterator(step_dir)) {
+    if (e.path().filename().string().rfind("part-", 0) == 0) return e.path().string();
+  }
+  ADD_FAILURE() << "no part in " << step_dir;
+  return "";
+}
+
+void FlipByte(const std::string& path, std::streamoff offset) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  if (offset < 0) f.seekg(offset, std::ios::end); else f.seekg(offset);
+  const std::streamoff at = f.tellg();
+  char c;
+  f.read(&c, 1);
+  c ^= 0x40;
+  f.seekp(at);
+  f.write(&c, 1);
+}
+
+TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServesOtherJobs) {
+  TempDir dir;
+  const std::vector<std::string> cases = {"data", "manifest", "truncated", "version", "torn", "config"};
+  {
+    auto servers = StartServers(1, dir.path());
+    for (const std::string& name : cases) {
+      auto client = Connect(servers);
+      const JobOptions job = DurableJob(name, {{"w", 2000}});
+      ScriptedTrainer trainer = Train(*client, job, 3);
+      ASSERT_TRUE(client->Checkpoint().ok());
+      for (int t = 0; t < 3; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
+      ASSERT_TRUE(client->Checkpoint().ok());
+    }
+  }
+  FlipByte(OnlyPart(StepDir(dir.path(), "data", 6)), -100);
+  FlipByte(OnlyPart(StepDir(dir.path(), "manifest", 6)), 30);
+  fs::resize_file(OnlyPart(StepDir(dir.path(), "truncated", 6)), 5000);
+  {
+    std::fstream f(OnlyPart(StepDir(dir.path(), "version", 6)), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(8);
+    f.put(2);
+  }
+  fs::remove(StepDir(dir.path(), "torn", 6) + "/COMMIT");
+
+  auto servers = StartServers(1, dir.path());
+  auto good = Connect(servers);
+  const JobOptions good_job = DurableJob("good", {{"w", 100}});
+  ScriptedTrainer good_trainer = Train(*good, good_job, 1);
+
+  struct Want {
+    std::string job;
+    absl::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Want> wants = {
+      {"data", absl::StatusCode::kDataLoss, "data checksum mismatch"},
+      {"manifest", absl::StatusCode::kDataLoss, "manifest checksum mismatch"},
+      {"truncated", absl::StatusCode::kDataLoss, "truncated"},
+      {"version", absl::StatusCode::kFailedPrecondition, "format version 2; this build reads version 1"},
+  };
+  for (const Want& w : wants) {
+    SCOPED_TRACE(w.job);
+    auto client = Connect(servers);
+    auto attached = client->CreateOrAttach(DurableJob(w.job, {{"w", 2000}}));
+    EXPECT_EQ(attached.status().code(), w.code);
+    EXPECT_THAT(std::string(attached.status().message()), HasSubstr(w.message));
+    // Nothing was loaded: the job is not on the server.
+    auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(servers[0]->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    v1::DescribeRequest req;
+    req.set_job(w.job);
+    v1::DescribeResponse resp;
+    EXPECT_EQ(stub->Describe(&ctx, req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_TRUE(good_trainer.Step(*good).ok());
+  }
+  {
+    auto client = Connect(servers);
+    auto other = DurableJob("config", {{"w", 2001}});
+    auto attached = client->CreateOrAttach(other);
+    EXPECT_EQ(attached.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(attached.status().message()), HasSubstr("another configuration"));
+  }
+  {
+    // Torn: the newest has no COMMIT, so the one before it is loaded; named, it is refused.
+    auto client = Connect(servers);
+    JobOptions named = DurableJob("torn", {{"w", 2000}});
+    named.restore_step = 6;
+    auto refused = client->CreateOrAttach(named);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("torn (no COMMIT marker"));
+    EXPECT_EQ(client->CreateOrAttach(DurableJob("torn", {{"w", 2000}})).value(), 3u);
+  }
+  EXPECT_TRUE(good_trainer.Step(*good).ok());
+}
+
+TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFromThem) {
+  const JobOptions job = DurableJob("export", {{"w", 3000}, {"b", 17}});
+  TempDir dir;
+  TempDir expected;
+  auto servers = StartServers(1, dir.path());
+  auto client = Connect(servers);
+  Train(*client, job, 5);
+  ASSERT_TRUE(client->Checkpoint().ok());
+  std::map<std::string, std::vector<uint32_t>> masters;
+  for (const TensorOptions& t : job.tensors) {
+    std::vector<uint32_t>& bits = masters[t.name];
+    bits.resize(t.numel);
+    ASSERT_TRUE(client->Read(t.name, StateToRead::kMaster, 0, t.numel, bits.data()).ok());
+    std::ofstream(expected.path() + "/" + t.name + ".f32", std::ios::binary)
+        .write(reinterpret_cast<const char*>(bits.data()), static_cast<std::streamsize>(bits.size() * 4));
+  }
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    SCOPED_TRACE(dtype);
+    const std::string out = dir.path() + "/export-" + dtype + ".safetensors";
+    ASSERT_EQ(std::system((std::string(SHARDOPT_CLI_BINARY) + " export --checkpoint_dir=" + dir.path() +
+                           " --dtype=" + dtype + " export " + out).c_str()),
+              0);
+    ASSERT_EQ(std::system((std::string(SHARDOPT_EXPORT_PYTHON) + " " + SHARDOPT_EXPORT_CHECK + " " + out + " " +
+                           expected.path() + " " + dtype + " 5").c_str()),
+              0);
+  }
+
+  JobOptions imported = job;
+  imported.name = "imported";
+  ASSERT_EQ(client->CreateOrAttach(imported).value(), 0u);
+  ASSERT_TRUE(client->InitFromSafetensors(dir.path() + "/export-fp32.safetensors").ok());
+  for (const TensorOptions& t : job.tensors) {
+    std::vector<uint32_t> bits(t.numel);
+    ASSERT_TRUE(client->Read(t.name, StateToRead::kMaster, 0, t.numel, bits.data()).ok());
+    EXPECT_EQ(bits, masters[t.name]) << t.name;
+  }
+  // A file that does not fit the job changes nothing and says why.
+  JobOptions bigger = DurableJob("bigger", {{"w", 3001}, {"b", 17}});
+  ASSERT_EQ(client->CreateOrAttach(bigger).value(), 0u);
+  const absl::Status st = client->InitFromSafetensors(dir.path() + "/export-fp32.safetensors");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("tensor 'w' has 12000 bytes of F32; the job's has 3001 elements"));
+}
+
+}  // namespace
+}  // namespace shardopt
