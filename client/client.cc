@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
+#include "client/wire.h"
 #include "shardopt/grpc_edge.h"
 #include "shardopt/safetensors.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
@@ -59,6 +60,7 @@ thread_local Fanout* current_fanout = nullptr;
 struct Client::Impl {
   ClientOptions options;
   std::vector<std::unique_ptr<v1::Optimizer::Stub>> stubs;
+  std::vector<std::unique_ptr<grpc::GenericStub>> generic;  // the same channels, for the bulk paths
 
   JobOptions job;
   bool attached = false;
@@ -203,6 +205,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     TuneChannelArguments(&args);
     auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
     impl->stubs.push_back(v1::Optimizer::NewStub(channel));
+    impl->generic.push_back(std::make_unique<grpc::GenericStub>(channel));
   }
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
@@ -327,7 +330,8 @@ absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView
   std::vector<v1::PushResponse> responses(im.servers());
   auto st = im.ForEachServer([&](uint32_t s) {
     return im.Call(s, im.job.barrier_timeout_ms + im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-      auto writer = im.stubs[s]->Push(ctx, &responses[s]);
+      // Chunks go out as slices over the caller's buffer: no copy here.
+      wire::Stream stream(im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Push");
       v1::GradChunk head;
       head.set_job(im.job.name);
       head.set_step(step);
@@ -335,22 +339,35 @@ absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView
       for (const ShardPlacement& p : im.shards_of[s]) {
         if (data[im.tensor_index[p.tensor]] == nullptr) head.add_no_grad(p.tensor);
       }
-      bool open = writer->Write(head);
-      v1::GradChunk chunk;
-      chunk.set_dtype(dtype);
+      bool open = stream.Write(wire::HeadAndBorrowedBytes(head.SerializeAsString(), nullptr, 0));
+      std::string chunk_head;
       for (const ShardPlacement& p : im.shards_of[s]) {
         const char* base = static_cast<const char*>(data[im.tensor_index[p.tensor]]);
         if (base == nullptr) continue;
-        chunk.set_tensor(p.tensor);
         for (uint64_t off = p.offset; open && off < p.offset + p.length; off += per_chunk) {
           const uint64_t n = std::min(per_chunk, p.offset + p.length - off);
-          chunk.set_offset(off);
-          chunk.set_data(base + off * esize, n * esize);
-          open = writer->Write(chunk);
+          chunk_head.clear();  // GradChunk fields 4, 5, 6 and 7's header
+          wire::AppendBytesField(&chunk_head, 4, p.tensor);
+          wire::AppendVarintField(&chunk_head, 5, off);
+          wire::AppendVarintField(&chunk_head, 6, dtype);
+          wire::AppendBytesHeader(&chunk_head, 7, n * esize);
+          open = stream.Write(wire::HeadAndBorrowedBytes(chunk_head, base + off * esize, n * esize));
         }
       }
-      writer->WritesDone();
-      return writer->Finish();
+      grpc::ByteBuffer answer;
+      if (open && stream.WritesDone() && stream.Read(&answer)) {
+        std::vector<grpc::Slice> slices;
+        std::string bytes;
+        if (answer.Dump(&slices).ok()) {
+          for (const grpc::Slice& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+        }
+        if (!responses[s].ParseFromString(bytes)) {
+          ctx->TryCancel();
+          stream.Finish();
+          return grpc::Status(grpc::StatusCode::INTERNAL, "malformed push response");
+        }
+      }
+      return stream.Finish();
     });
   }, /*pushing=*/true);
   if (!st.ok()) return st;
@@ -378,22 +395,35 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
     uint64_t expected = 0;
     for (const ShardPlacement& p : im.shards_of[s]) expected += p.length;
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-      auto reader = im.stubs[s]->Commit(ctx, req);
-      v1::ParamChunk chunk;
+      // Each chunk's data is copied once, from the received slices into the
+      // caller's params.
+      wire::Stream stream(im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit");
       uint64_t received = 0;
-      while (reader->Read(&chunk)) {
-        auto it = im.tensor_index.find(chunk.tensor());
-        const uint64_t n = chunk.data().size() / 2;
-        if (it == im.tensor_index.end() || chunk.data().size() % 2 != 0 || chunk.step() != step ||
-            chunk.offset() > im.job.tensors[it->second].numel || n > im.job.tensors[it->second].numel - chunk.offset()) {
+      std::vector<char> discard;  // params of tensors the caller did not ask for
+      grpc::ByteBuffer message;
+      bool open = stream.Write(wire::HeadAndBorrowedBytes(req.SerializeAsString(), nullptr, 0)) && stream.WritesDone();
+      while (open && stream.Read(&message)) {
+        wire::ParamChunkHead head;
+        const bool good = wire::ReadParamChunk(
+            &message,
+            [&](const wire::ParamChunkHead& h) -> char* {
+              auto it = im.tensor_index.find(h.tensor);
+              if (it == im.tensor_index.end() || h.data_bytes % 2 != 0) return nullptr;
+              const uint64_t numel = im.job.tensors[it->second].numel;
+              if (h.offset > numel || h.data_bytes / 2 > numel - h.offset) return nullptr;
+              if (uint16_t* dst = out[it->second]) return reinterpret_cast<char*>(dst + h.offset);
+              discard.resize(h.data_bytes);
+              return discard.data();
+            },
+            &head);
+        if (!good || head.step != step) {
           ctx->TryCancel();
-          reader->Finish();
+          stream.Finish();
           return grpc::Status(grpc::StatusCode::INTERNAL, "server sent params outside the job's tensors or of another step");
         }
-        if (uint16_t* dst = out[it->second]) std::memcpy(dst + chunk.offset(), chunk.data().data(), n * 2);
-        received += n;
+        received += head.data_bytes / 2;
       }
-      grpc::Status gs = reader->Finish();
+      grpc::Status gs = stream.Finish();
       if (gs.ok() && received != expected) {
         return grpc::Status(grpc::StatusCode::DATA_LOSS,
                             absl::StrCat("commit returned ", received, " params, expected ", expected));
