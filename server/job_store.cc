@@ -538,7 +538,7 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const std::string& name)
   return r;
 }
 
-absl::Status JobStore::Init(const v1::InitChunk& chunk) {
+absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
   auto found = Find(chunk.job());
   if (!found.ok()) return found.status();
   Job& job = **found;
@@ -576,7 +576,7 @@ absl::Status JobStore::Init(const v1::InitChunk& chunk) {
   const bool was_covered = job.init_cover[*shard].Covers(0, s.length);
   job.init_cover[*shard].Add(local, local + count);
   if (!was_covered && job.init_cover[*shard].Covers(0, s.length)) --job.uninitialized_shards;
-  return absl::OkStatus();
+  return count;
 }
 
 absl::StatusOr<std::unique_ptr<JobStore::PushSession>> JobStore::BeginPush(const v1::GradChunk& first) {

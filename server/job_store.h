@@ -60,7 +60,8 @@ class JobStore {
 
   // Writes one chunk of initial values. All-or-nothing: a chunk with a bad
   // range or a nonfinite value changes nothing.
-  absl::Status Init(const v1::InitChunk& chunk);
+  // Returns the number of elements written.
+  absl::StatusOr<uint64_t> Init(const v1::InitChunk& chunk);
 
   // One rank's push of one step: Begin, any number of Add, then Finish, which
   // waits at the barrier for the other ranks.

@@ -23,8 +23,9 @@ grpc::Status OptimizerService::Init(grpc::ServerContext*, grpc::ServerReader<v1:
   while (reader->Read(&chunk)) {
     if (chunk.job().empty()) chunk.set_job(job);
     job = chunk.job();
-    if (auto st = store_->Init(chunk); !st.ok()) return ToGrpcStatus(st);
-    elements += chunk.data().size() / (chunk.dtype() == v1::FP32 ? 4 : 2);
+    auto written = store_->Init(chunk);
+    if (!written.ok()) return ToGrpcStatus(written.status());
+    elements += *written;
   }
   resp->set_elements(elements);
   return grpc::Status::OK;

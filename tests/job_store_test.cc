@@ -67,7 +67,8 @@ class StoreTest : public ::testing::Test {
       c.set_tensor(t.name());
       c.set_dtype(v1::FP32);
       c.set_data(init[t.name()].data(), t.numel() * 4);
-      EXPECT_TRUE(store_.Init(c).ok());
+      auto written = store_.Init(c);
+      EXPECT_EQ(written.value_or(0), t.numel()) << written.status();
     }
     return init;
   }
@@ -592,7 +593,7 @@ TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
          std::vector<float> v(10, 1.0f);
          v[3] = NAN;
          c.set_data(v.data(), 40);
-         return store_.Init(c);
+         return store_.Init(c).status();
        }(), absl::StatusCode::kInvalidArgument, "not finite"},
       {"bad read kind", store_.Read([] {
          v1::ReadRequest r;
@@ -639,7 +640,7 @@ TEST_F(StoreTest, InitialValuesAreTakenOnlyAtStepZero) {
   c.set_dtype(v1::FP32);
   std::vector<float> v(100, 1.0f);
   c.set_data(v.data(), 400);
-  EXPECT_EQ(store_.Init(c).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store_.Init(c).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(Snapshot("late"), before);
 }
 
