@@ -10,11 +10,13 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libssl-dev libcpp-httplib-dev nlohmann-json3-dev
+  libssl-dev nlohmann-json3-dev
+  clang
 )
 # The outside-reference test compares against torch.optim.AdamW.
 if [[ "${SHARDOPT_WITH_TORCH:-1}" == 1 ]]; then
-  packages+=(python3 python3-numpy python3-torch python3-grpcio)
+  packages+=(python3 python3-dev python3-numpy python3-torch python3-pytest python3-matplotlib
+             python3-pip python3-setuptools python3-wheel pybind11-dev)
 fi
 
 missing=()
