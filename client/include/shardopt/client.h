@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -25,6 +26,11 @@ namespace shardopt {
 
 enum class StatePrecision { kFp32, kBf16 };
 enum class GradType { kBf16, kFp32 };
+// The dtype a trainer holds a tensor's params in. kBf16 tensors push
+// gradients in JobOptions::grad_type and get the bf16 rounding of the master
+// back; kFp32 tensors (an fp32 model) push fp32 gradients and get the fp32
+// master itself back, bit for bit, so the trainer keeps no second master.
+enum class ParamType { kBf16, kFp32 };
 enum class StateToRead { kMaster, kExpAvg, kExpAvgSq, kParamBf16 };
 
 struct GroupOptions {
@@ -41,6 +47,7 @@ struct TensorOptions {
   std::string name;
   uint64_t numel = 0;
   uint32_t group = 0;  // index into JobOptions::groups
+  ParamType param_type = ParamType::kBf16;
 };
 
 struct JobOptions {
@@ -80,21 +87,27 @@ struct ClientOptions {
   uint64_t checkpoint_every = 0;
 };
 
-// One tensor's gradient: numel elements of the job's GradType (bf16 bits or
-// float), or nullptr for a tensor without a gradient this step.
+// One tensor's gradient: numel elements (float for a kFp32 tensor, else the
+// job's GradType: bf16 bits or float), or nullptr for a tensor without a
+// gradient this step.
 struct GradView {
   std::string tensor;
   const void* data = nullptr;
 };
 
-// Where a tensor's updated bf16 params go: numel elements.
+// Where a tensor's updated params go: numel elements of its ParamType (bf16
+// bits, or float for kFp32).
 struct ParamView {
   std::string tensor;
-  uint16_t* bf16 = nullptr;
+  void* data = nullptr;
 };
 
 struct StepOptions {
   double lr = 1e-3;
+  // Empty, or one base lr per group that replaces `lr` for that group (a
+  // scheduler that gives groups different lrs). Each group's lr_multiplier
+  // applies either way.
+  std::vector<double> group_lr;
   double max_grad_norm = 0;  // 0: no clipping
   double loss_scale = 1;     // gradients arrive multiplied by this
 };
@@ -173,6 +186,10 @@ class Client {
   // Initial values of a whole tensor, before step 1. fp32 is kept exactly.
   absl::Status InitFp32(const std::string& tensor, const float* values);
   absl::Status InitBf16(const std::string& tensor, const uint16_t* values);
+  // Adam's moments and step count of a whole tensor, before step 1: resuming
+  // from an optimizer's state dict. fp32, kept exactly in FP32 groups.
+  absl::Status InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
+                             uint64_t adam_step);
   // Initial values of every tensor of the job from a safetensors file (F32
   // kept exactly, or BF16), matched by name; entries the job lacks are
   // ignored. Checks the whole file against the job before sending anything.
@@ -186,12 +203,24 @@ class Client {
                                   absl::Span<const ParamView> params);
   // The phases of Step, for callers that combine decisions themselves.
   absl::StatusOr<PushResult> Push(uint64_t step, absl::Span<const GradView> grads);
-  absl::Status Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params);
+  // A push whose gradients become ready over time, for overlapping it with
+  // the backward pass: each server's stream sends the tensors in `order`,
+  // calling grad(i) for order[i] when it gets there. grad may block until
+  // that gradient exists; it returns its data, or nullptr for no gradient
+  // this step (as do tensors left out of `order`). It is called from one
+  // thread per server at once, and again for a retried stream.
+  absl::StatusOr<PushResult> PushInOrder(uint64_t step, absl::Span<const std::string> order,
+                                         const std::function<const void*(size_t)>& grad);
+  // group_lr: as StepOptions::group_lr; empty means `lr` for every group.
+  absl::Status Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params,
+                      absl::Span<const double> group_lr = {});
 
   // Reads [offset, offset+count) of a tensor's state: float for master, m
   // and v; bf16 bits for params.
   absl::Status Read(const std::string& tensor, StateToRead what, uint64_t offset, uint64_t count, void* out);
   absl::StatusOr<std::vector<ServerState>> Describe();
+  // Each tensor's own Adam step count, in JobOptions::tensors order.
+  absl::StatusOr<std::vector<uint64_t>> AdamSteps();
   // Fails with FAILED_PRECONDITION when any group's state is not held at the
   // precision asked for: the remote analogue of refusing a training loop
   // whose optimizer state silently fell to bf16.
