@@ -14,7 +14,7 @@
 #include "bench/benches.h"
 #include "bench/common.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "server/checkpoint.h"
+#include "checkpoint/format.h"
 #include "server/job_store.h"
 
 namespace shardopt::bench {

@@ -15,7 +15,7 @@
 #include "server/job_store.h"
 #include "server/service.h"
 #include "shardopt/client.h"
-#include "shardopt/grpc_edge.h"
+#include "rpc/grpc_edge.h"
 
 namespace shardopt::bench {
 

@@ -21,10 +21,10 @@
 #include "absl/strings/str_join.h"
 #include "google/protobuf/util/json_util.h"
 #include "kernels/adamw_math.h"
-#include "server/checkpoint.h"
+#include "checkpoint/format.h"
 #include "shardopt/safetensors.h"
 #include "grpcpp/grpcpp.h"
-#include "shardopt/grpc_edge.h"
+#include "rpc/grpc_edge.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tools/flags.h"
 
@@ -97,29 +97,23 @@ int Export(const std::string& dir, uint64_t step, bool bf16, const std::string& 
   if (!at.ok()) return Fail(at.status());
   auto part = shardopt::checkpoint::Load(dir, at->spec, at->step, log);
   if (!part.ok()) return Fail(part.status());
+  namespace checkpoint = shardopt::checkpoint;
   std::vector<shardopt::SafetensorsTensor> tensors;
-  uint64_t offset = 0;
+  const std::vector<uint64_t> sections = checkpoint::SectionOffsets(part->manifest);
+  std::vector<float> master;
   for (int s = 0; s < part->manifest.shards_size(); ++s) {
     const uint64_t n = at->spec.shards(s).length();
-    const bool held_bf16 = part->manifest.shards(s).dtype() == v1::BF16;
-    const char* master = part->data.data() + offset;  // the section's first array
-    offset += shardopt::checkpoint::SectionBytes(part->manifest, s);
+    master.resize(n);
+    checkpoint::DecodeArray(part->data.data() + checkpoint::ArrayOffset(sections, part->manifest, s, checkpoint::Array::kMaster),
+                            n, part->manifest.shards(s).dtype(), master.data());
     shardopt::SafetensorsTensor t{at->spec.shards(s).tensor(), bf16 ? "BF16" : "F32", {n}, {}};
     t.data.resize(n * (bf16 ? 2 : 4));
-    for (uint64_t i = 0; i < n; ++i) {
-      float x;
-      if (held_bf16) {
-        uint16_t h;
-        std::memcpy(&h, master + 2 * i, 2);
-        x = shardopt::math::bf16_to_float(h);
-      } else {
-        std::memcpy(&x, master + 4 * i, 4);
-      }
-      if (bf16) {
-        const uint16_t h = shardopt::math::float_to_bf16(x);
+    if (!bf16) {
+      std::memcpy(t.data.data(), master.data(), n * 4);
+    } else {
+      for (uint64_t i = 0; i < n; ++i) {
+        const uint16_t h = shardopt::math::float_to_bf16(master[i]);
         std::memcpy(t.data.data() + 2 * i, &h, 2);
-      } else {
-        std::memcpy(t.data.data() + 4 * i, &x, 4);
       }
     }
     tensors.push_back(std::move(t));

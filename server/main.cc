@@ -17,7 +17,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "server/device.h"
 #include "server/service.h"
-#include "shardopt/grpc_edge.h"
+#include "rpc/grpc_edge.h"
 #include "tools/flags.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
