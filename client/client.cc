@@ -10,6 +10,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "grpcpp/grpcpp.h"
 #include "client/wire.h"
 #include "rpc/grpc_edge.h"
@@ -145,7 +146,7 @@ struct Client::Impl {
   // Describe from every server that holds part of the job; empty entries
   // for the others.
   absl::StatusOr<std::vector<v1::DescribeResponse>> DescribeAll() const {
-    if (auto st = CheckAttached(); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(CheckAttached());
     std::vector<v1::DescribeResponse> responses(servers());
     auto st = ForEachServer([&](uint32_t s) {
       return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
@@ -160,9 +161,8 @@ struct Client::Impl {
 
   absl::Status InitTensor(const std::string& tensor, const void* values, v1::DType dtype,
                           v1::StateKind kind = v1::MASTER, uint64_t adam_step = 0) {
-    if (auto st = CheckAttached(); !st.ok()) return st;
-    auto t = FindTensor(tensor);
-    if (!t.ok()) return t.status();
+    SHARDOPT_RETURN_IF_ERROR(CheckAttached());
+    SHARDOPT_ASSIGN_OR_RETURN(auto t, FindTensor(tensor));
     const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
     const uint64_t per_chunk = std::max<uint64_t>(1, options.chunk_bytes / esize);
     return ForEachServer([&](uint32_t s) -> absl::Status {
@@ -299,17 +299,16 @@ absl::Status Client::InitBf16(const std::string& tensor, const uint16_t* values)
 
 absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
                                    uint64_t adam_step) {
-  if (auto st = impl_->InitTensor(tensor, exp_avg, v1::FP32, v1::EXP_AVG, adam_step); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(impl_->InitTensor(tensor, exp_avg, v1::FP32, v1::EXP_AVG, adam_step));
   return impl_->InitTensor(tensor, exp_avg_sq, v1::FP32, v1::EXP_AVG_SQ, adam_step);
 }
 
 absl::Status Client::InitFromSafetensors(const std::string& path) {
   Impl& im = *impl_;
-  if (auto st = im.CheckAttached(); !st.ok()) return st;
-  auto file = ReadSafetensors(path);
-  if (!file.ok()) return file.status();
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
+  SHARDOPT_ASSIGN_OR_RETURN(auto file, ReadSafetensors(path));
   absl::flat_hash_map<std::string, const SafetensorsTensor*> by_name;
-  for (const SafetensorsTensor& t : *file) by_name[t.name] = &t;
+  for (const SafetensorsTensor& t : file) by_name[t.name] = &t;
   for (const TensorOptions& t : im.job.tensors) {
     auto it = by_name.find(t.name);
     if (it == by_name.end()) return absl::InvalidArgumentError(absl::StrCat(path, " has no tensor '", t.name, "'"));
@@ -324,7 +323,7 @@ absl::Status Client::InitFromSafetensors(const std::string& path) {
   }
   for (const TensorOptions& t : im.job.tensors) {
     const SafetensorsTensor& f = *by_name[t.name];
-    if (auto st = im.InitTensor(t.name, f.data.data(), f.dtype == "F32" ? v1::FP32 : v1::BF16); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(im.InitTensor(t.name, f.data.data(), f.dtype == "F32" ? v1::FP32 : v1::BF16));
   }
   return absl::OkStatus();
 }
@@ -338,11 +337,10 @@ absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView
 absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const std::string> order,
                                                const std::function<const void*(size_t)>& grad) {
   Impl& im = *impl_;
-  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   std::vector<int64_t> position(im.job.tensors.size(), -1);  // [tensor]: its index in `order`
   for (size_t i = 0; i < order.size(); ++i) {
-    auto t = im.FindTensor(order[i]);
-    if (!t.ok()) return t.status();
+    SHARDOPT_ASSIGN_OR_RETURN(auto t, im.FindTensor(order[i]));
     position[im.tensor_index[order[i]]] = static_cast<int64_t>(i);
   }
   std::vector<v1::PushResponse> responses(im.servers());
@@ -413,15 +411,14 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
 absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params,
                             absl::Span<const double> group_lr) {
   Impl& im = *impl_;
-  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   if (!group_lr.empty() && group_lr.size() != im.job.groups.size()) {
     return absl::InvalidArgumentError(absl::StrCat("group_lr has ", group_lr.size(), " entries; job '", im.job.name,
                                                    "' has ", im.job.groups.size(), " groups"));
   }
   std::vector<char*> out(im.job.tensors.size(), nullptr);
   for (const ParamView& p : params) {
-    auto t = im.FindTensor(p.tensor);
-    if (!t.ok()) return t.status();
+    SHARDOPT_ASSIGN_OR_RETURN(auto t, im.FindTensor(p.tensor));
     out[im.tensor_index[p.tensor]] = static_cast<char*>(p.data);
   }
   v1::CommitRequest req;
@@ -487,28 +484,24 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
 absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const StepOptions& options,
                                         absl::Span<const ParamView> params) {
   const uint64_t t = impl_->step + 1;
-  auto push = Push(t, grads);
-  if (!push.ok()) return push.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto push, Push(t, grads));
   StepResult result;
   result.step = t;
-  result.decision = Decide(*push, impl_->job.world_size, options);
-  if (auto st = Commit(t, options.lr, result.decision.gscale, result.decision.skip, params, options.group_lr); !st.ok()) {
-    return st;
-  }
+  result.decision = Decide(push, impl_->job.world_size, options);
+  SHARDOPT_RETURN_IF_ERROR(Commit(t, options.lr, result.decision.gscale, result.decision.skip, params, options.group_lr));
   const uint64_t every = impl_->options.checkpoint_every;
   if (every > 0 && impl_->options.rank == 0 && t % every == 0) {
-    if (auto st = Checkpoint(); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Checkpoint());
   }
   return result;
 }
 
 absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t offset, uint64_t count, void* out) {
   Impl& im = *impl_;
-  if (auto st = im.CheckAttached(); !st.ok()) return st;
-  auto t = im.FindTensor(tensor);
-  if (!t.ok()) return t.status();
-  if (offset > (*t)->numel || count > (*t)->numel - offset) {
-    return absl::OutOfRangeError(absl::StrCat("range past tensor '", tensor, "''s ", (*t)->numel, " elements"));
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
+  SHARDOPT_ASSIGN_OR_RETURN(auto t, im.FindTensor(tensor));
+  if (offset > (t)->numel || count > (t)->numel - offset) {
+    return absl::OutOfRangeError(absl::StrCat("range past tensor '", tensor, "''s ", (t)->numel, " elements"));
   }
   static constexpr v1::StateKind kKinds[] = {v1::MASTER, v1::EXP_AVG, v1::EXP_AVG_SQ, v1::PARAM_BF16};
   const uint64_t esize = what == StateToRead::kParamBf16 ? 2 : 4;
@@ -556,12 +549,11 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
 
 absl::StatusOr<std::vector<ServerState>> Client::Describe() {
   Impl& im = *impl_;
-  auto responses = im.DescribeAll();
-  if (!responses.ok()) return responses.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto responses, im.DescribeAll());
   std::vector<ServerState> out;
   for (uint32_t s = 0; s < im.servers(); ++s) {
     if (im.shards_of[s].empty()) continue;
-    const v1::DescribeResponse& r = (*responses)[s];
+    const v1::DescribeResponse& r = (responses)[s];
     out.push_back({im.address(s), r.device(), r.step(), r.state_bytes(), r.staging_bytes()});
   }
   return out;
@@ -569,11 +561,10 @@ absl::StatusOr<std::vector<ServerState>> Client::Describe() {
 
 absl::StatusOr<std::vector<uint64_t>> Client::AdamSteps() {
   Impl& im = *impl_;
-  auto responses = im.DescribeAll();
-  if (!responses.ok()) return responses.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto responses, im.DescribeAll());
   // Every server holding part of a tensor counts its steps alike.
   std::vector<uint64_t> steps(im.job.tensors.size(), 0);
-  for (const v1::DescribeResponse& r : *responses) {
+  for (const v1::DescribeResponse& r : responses) {
     for (const v1::TensorState& t : r.tensors()) {
       if (auto it = im.tensor_index.find(t.name()); it != im.tensor_index.end()) steps[it->second] = t.adam_step();
     }
@@ -583,11 +574,10 @@ absl::StatusOr<std::vector<uint64_t>> Client::AdamSteps() {
 
 absl::Status Client::VerifyState() {
   Impl& im = *impl_;
-  auto responses = im.DescribeAll();
-  if (!responses.ok()) return responses.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto responses, im.DescribeAll());
   for (uint32_t s = 0; s < im.servers(); ++s) {
     if (im.shards_of[s].empty()) continue;
-    const v1::DescribeResponse& r = (*responses)[s];
+    const v1::DescribeResponse& r = (responses)[s];
     if (r.groups_size() != static_cast<int>(im.job.groups.size())) {
       return absl::FailedPreconditionError(absl::StrCat(im.address(s), " reports ", r.groups_size(), " groups, the job has ",
                                                         im.job.groups.size()));
@@ -608,7 +598,7 @@ absl::Status Client::VerifyState() {
 
 absl::Status Client::Checkpoint() {
   Impl& im = *impl_;
-  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   std::vector<v1::CheckpointResponse> responses(im.servers());
   auto st = im.ForEachServer([&](uint32_t s) {
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
@@ -630,7 +620,7 @@ absl::Status Client::Checkpoint() {
 
 absl::Status Client::Drop() {
   Impl& im = *impl_;
-  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   auto st = im.ForEachServer([&](uint32_t s) {
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       v1::DropJobRequest req;
