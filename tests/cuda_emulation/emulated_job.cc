@@ -29,8 +29,10 @@ EmulatedCudaJob::EmulatedCudaJob(cuda::ArenaPlan plan)
     : plan_(std::move(plan)),
       size_((plan_.bytes() + kGuardBytes + kBaseAlign - 1) / kBaseAlign * kBaseAlign),
       arena_(static_cast<char*>(std::aligned_alloc(kBaseAlign, size_)), &std::free) {
-  // Every byte starts as a NaN pattern: padding, guard, and state until Put.
-  std::memset(arena_.get(), 0xFF, size_);
+  // Padding, guard, and state until Put. Not a NaN: an update run from a NaN
+  // writes that same NaN back, so a stray write would not show, while from
+  // this value (-2.9e-16 as fp32 and as bf16) every update changes it.
+  std::memset(arena_.get(), 0xA5, size_);
 }
 
 uint8_t* EmulatedCudaJob::Bytes(uint32_t shard, StateKind kind) const {
