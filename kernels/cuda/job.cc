@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/cuda/kernels.h"
 
 namespace shardopt::cuda {
@@ -10,31 +11,25 @@ namespace shardopt::cuda {
 absl::StatusOr<std::unique_ptr<CudaJobState>> CudaJobState::Create(std::shared_ptr<Device> device,
                                                                    const JobLayout& layout) {
   // A launch's table and its partials each travel through one staging slot.
-  auto plan = ArenaPlan::Create(layout, Device::kSlotBytes);
-  if (!plan.ok()) return plan.status();
-  std::unique_ptr<CudaJobState> job(new CudaJobState(std::move(device), *std::move(plan)));
-  if (auto st = job->Init(); !st.ok()) return st;  // whatever Init got is freed with `job`
+  SHARDOPT_ASSIGN_OR_RETURN(auto plan, ArenaPlan::Create(layout, Device::kSlotBytes));
+  std::unique_ptr<CudaJobState> job(new CudaJobState(std::move(device), std::move(plan)));
+  SHARDOPT_RETURN_IF_ERROR(job->Init());  // whatever Init got is freed with `job`
   return job;
 }
 
 absl::Status CudaJobState::Init() {
   const uint64_t arena_bytes = plan_.bytes();
-  if (auto st = device_->Enter(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(device_->Enter());
   size_t free = 0, total = 0;
-  if (auto st = device_->Check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo"); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(device_->Check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo"));
   if (arena_bytes > free) {
     return absl::ResourceExhaustedError(absl::StrCat("the job needs ", arena_bytes, " bytes of device memory; ",
                                                      device_->description(), " has ", free, " free"));
   }
-  if (auto st = device_->Check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
-      !st.ok()) {
-    return st;
-  }
+  SHARDOPT_RETURN_IF_ERROR(device_->Check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate"));
   if (arena_bytes == 0) return absl::OkStatus();
-  if (auto st = device_->Check(cudaMalloc(&arena_, arena_bytes), "cudaMalloc"); !st.ok()) return st;
-  if (auto st = device_->Check(cudaMemsetAsync(arena_, 0, arena_bytes, stream_), "cudaMemsetAsync"); !st.ok()) {
-    return st;
-  }
+  SHARDOPT_RETURN_IF_ERROR(device_->Check(cudaMalloc(&arena_, arena_bytes), "cudaMalloc"));
+  SHARDOPT_RETURN_IF_ERROR(device_->Check(cudaMemsetAsync(arena_, 0, arena_bytes, stream_), "cudaMemsetAsync"));
   return Sync();
 }
 
@@ -54,8 +49,8 @@ absl::Status CudaJobState::Sync() const {
 absl::Status CudaJobState::WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                                      const void* data, uint64_t count) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto st = device_->Enter(); !st.ok()) return st;
-  if (auto st = CheckGradWrite(plan_.layout(), shard, rank, offset, dtype, count); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(device_->Enter());
+  SHARDOPT_RETURN_IF_ERROR(CheckGradWrite(plan_.layout(), shard, rank, offset, dtype, count));
   const ShardPlacement& s = plan_.shard(shard);
   const uint64_t esize = DTypeSize(plan_.layout().grad_dtype);
   const DeviceArray dst{At(s.grads + rank * s.slot_stride + offset * esize), esize};
@@ -73,8 +68,8 @@ absl::Status CudaJobState::WriteGrad(uint32_t shard, uint32_t rank, uint64_t off
 absl::Status CudaJobState::WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype,
                                       const void* data, uint64_t count) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto st = device_->Enter(); !st.ok()) return st;
-  if (auto st = CheckShardRange(plan_.layout(), shard, offset, count); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(device_->Enter());
+  SHARDOPT_RETURN_IF_ERROR(CheckShardRange(plan_.layout(), shard, offset, count));
   if (kind == StateKind::kParamBf16) {
     return absl::InvalidArgumentError("bf16 params are derived from the master; write the master");
   }
@@ -104,8 +99,8 @@ absl::Status CudaJobState::WriteState(uint32_t shard, StateKind kind, uint64_t o
 absl::Status CudaJobState::ReadState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
                                      DType dtype, void* out) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto st = device_->Enter(); !st.ok()) return st;
-  if (auto st = CheckShardRange(plan_.layout(), shard, offset, count); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(device_->Enter());
+  SHARDOPT_RETURN_IF_ERROR(CheckShardRange(plan_.layout(), shard, offset, count));
   const ShardPlacement& s = plan_.shard(shard);
   char* dst = static_cast<char*>(out);
   if (kind == StateKind::kParamBf16) {
@@ -139,14 +134,14 @@ absl::Status CudaJobState::UploadTable(const TableImage& table) const {
 
 absl::StatusOr<GradStats> CudaJobState::ReduceGrads(absl::Span<const ShardGrads> shards) const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto st = device_->Enter(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(device_->Enter());
   PartialsSum sum;
   auto done = plan_.ForEachReduce(At(0), shards, [&](const TableImage& table, const Launch& launch) {
-    if (auto st = UploadTable(table); !st.ok()) return st;
-    if (auto st = device_->Check(LaunchReduce(launch, stream_), "the sum-of-squares launch"); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(UploadTable(table));
+    SHARDOPT_RETURN_IF_ERROR(device_->Check(LaunchReduce(launch, stream_), "the sum-of-squares launch"));
     // Waiting here, not inside Download, keeps the staging lock that other
     // jobs' transfers share free while the kernel runs.
-    if (auto st = Sync(); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Sync());
     return device_->Download(stream_, {At(plan_.partials()), sizeof(double)}, launch.unit_count,
                              [&](uint64_t, uint64_t n, const char* staged) {
                                sum.Add({reinterpret_cast<const double*>(staged), n});
@@ -158,29 +153,25 @@ absl::StatusOr<GradStats> CudaJobState::ReduceGrads(absl::Span<const ShardGrads>
 
 absl::Status CudaJobState::EnqueueApply(absl::Span<const ShardStep> steps) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto st = device_->Enter(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(device_->Enter());
   return plan_.ForEachUpdate(At(0), steps, [&](const TableImage& table, const Launch& launch) {
-    if (auto st = UploadTable(table); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(UploadTable(table));
     return device_->Check(LaunchUpdate(launch, stream_), "the fused AdamW launch");
   });
 }
 
 absl::Status CudaJobState::Apply(absl::Span<const ShardStep> steps) {
-  if (auto st = EnqueueApply(steps); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(EnqueueApply(steps));
   // Kernel faults surface here, and the gradient slots are free to rewrite.
   return Sync();
 }
 
 absl::Status CudaJobState::FillParamsOut(uint32_t shard, uint8_t byte) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (auto st = device_->Enter(); !st.ok()) return st;
-  if (auto st = CheckShardRange(plan_.layout(), shard, 0, 0); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(device_->Enter());
+  SHARDOPT_RETURN_IF_ERROR(CheckShardRange(plan_.layout(), shard, 0, 0));
   const ShardPlacement& s = plan_.shard(shard);
-  if (auto st = device_->Check(cudaMemsetAsync(At(s.param_out), byte, s.layout.numel * 2, stream_),
-                               "cudaMemsetAsync");
-      !st.ok()) {
-    return st;
-  }
+  SHARDOPT_RETURN_IF_ERROR(device_->Check(cudaMemsetAsync(At(s.param_out), byte, s.layout.numel * 2, stream_), "cudaMemsetAsync"));
   return Sync();
 }
 

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace shardopt::cuda {
 namespace {
@@ -124,7 +125,7 @@ absl::Status ArenaPlan::ForEachBatch(char* arena, absl::Span<const Work> work, u
     for (uint64_t begin = w.begin; begin < w.end;) {
       if (batch.units == max_units ||
           TableBytes(batch.tasks.size() + 1, batch.ranks.size() + ranks.size()) > table_capacity_) {
-        if (auto st = run(batch); !st.ok()) return st;
+        SHARDOPT_RETURN_IF_ERROR(run(batch));
         batch = Batch{};
       }
       const uint64_t len = std::min(w.end - begin, (max_units - batch.units) * unit);
@@ -155,9 +156,8 @@ static_assert(kApplyAlignment % kChunk == 0, "a partial update must start on a c
 absl::Status ArenaPlan::ForEachUpdate(char* arena, absl::Span<const ShardStep> steps, LaunchFn launch) const {
   std::vector<uint64_t> ends;
   for (const ShardStep& step : steps) {
-    auto end = CheckShardStep(layout_, step);
-    if (!end.ok()) return end.status();
-    ends.push_back(*end);
+    SHARDOPT_ASSIGN_OR_RETURN(auto end, CheckShardStep(layout_, step));
+    ends.push_back(end);
   }
   for (const Precision precision : {Precision::kFp32, Precision::kBf16}) {
     std::vector<Work> work;
@@ -166,9 +166,7 @@ absl::Status ArenaPlan::ForEachUpdate(char* arena, absl::Span<const ShardStep> s
         work.push_back({&steps[i].grads, &steps[i].scalars, steps[i].offset, ends[i]});
       }
     }
-    if (auto st = ForEachBatch(arena, work, kChunk, kMaxUnits, precision == Precision::kBf16, launch); !st.ok()) {
-      return st;
-    }
+    SHARDOPT_RETURN_IF_ERROR(ForEachBatch(arena, work, kChunk, kMaxUnits, precision == Precision::kBf16, launch));
   }
   return absl::OkStatus();
 }
@@ -176,7 +174,7 @@ absl::Status ArenaPlan::ForEachUpdate(char* arena, absl::Span<const ShardStep> s
 absl::Status ArenaPlan::ForEachReduce(char* arena, absl::Span<const ShardGrads> shards, LaunchFn launch) const {
   std::vector<Work> work;
   for (const ShardGrads& sg : shards) {
-    if (auto st = CheckShardGrads(layout_, sg); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(CheckShardGrads(layout_, sg));
     work.push_back({&sg, nullptr, 0, shards_[sg.shard].layout.numel});
   }
   return ForEachBatch(arena, work, kReduceUnit, std::min(partials_capacity_, kMaxUnits), false, launch);
