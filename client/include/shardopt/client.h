@@ -4,6 +4,11 @@
 // into the caller's buffers. It retries UNAVAILABLE and DEADLINE_EXCEEDED,
 // which the step protocol makes safe.
 //
+// Thread safety: a Client is not thread-safe; call it from one thread at a
+// time (a trainer rank has one). Separate Clients may be used at once. The
+// callback of PushInOrder is the exception: the Client calls it from its own
+// threads, one per server.
+//
 //   shardopt::ClientOptions opts;
 //   opts.servers = {"10.0.0.5:50051"};
 //   auto client = shardopt::Client::Connect(opts).value();
