@@ -1,5 +1,6 @@
-// BenchCudaKernel: the fused update against its roofline (DESIGN.md), a
-// device-to-device copy moving the same bytes, measured in the same run.
+// BenchCudaKernel: the fused update against its roofline (docs/design.md,
+// section 10.1), a device-to-device copy moving the same bytes, measured in
+// the same run.
 #include <cuda_runtime_api.h>
 
 #include "absl/functional/function_ref.h"

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The one command run on a GPU machine (DESIGN.md, "Where a GPU is not").
+# The one command run on a GPU machine (docs/design.md, section 12, "Where
+# there is no GPU").
 # That machine has CUDA and PyTorch but no GoogleTest, absl or network, so the
 # binaries come prebuilt in device-bundle/ (tests/gpu/make_bundle.sh, run on a
 # development machine). Runs the GPU tests, the kernel benchmark against copy
