@@ -97,6 +97,11 @@ _BY_CODE = {cls.code_value: cls for cls in (
     Unauthenticated)}
 
 
+# Shown as shardopt.NotFound etc., where users catch them.
+for _cls in (Error, UnsupportedDtype, ParamsChanged, *_BY_CODE.values()):
+    _cls.__module__ = "shardopt"
+
+
 def raise_status(code, message):
     """Raises the exception for a canonical status code (called by shardopt._C)."""
     raise _BY_CODE.get(code, Unknown)(message)

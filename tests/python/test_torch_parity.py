@@ -153,3 +153,28 @@ def test_load_torch_adamw_state_dict(servers, job):
     train(theirs, ref, after, first=before + 1, peaks=peaks)
     check_within_bound(ours, theirs, peaks, before + after)
     opt.drop()
+
+
+def test_contiguous_cpu_tensors_are_not_copied_and_others_are_staged(servers, job):
+    """Contiguous CPU params and grads are read and written in place; a
+    non-contiguous param goes through a staging buffer and gets the same
+    bits."""
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(16, 8, generator=g)
+    contiguous = torch.nn.Parameter(values.clone())
+    transposed = torch.nn.Parameter(values.t().contiguous().t())  # same values, column-major
+    assert not transposed.is_contiguous()
+    opt = RemoteAdamW([("contiguous", contiguous), ("transposed", transposed)], servers=servers, job=job, lr=1e-2)
+    address = contiguous.data_ptr()
+    for step in range(3):
+        grad = torch.randn(16, 8, generator=g)
+        contiguous.grad = grad.clone()
+        transposed.grad = grad.t().contiguous().t()
+        opt.step()
+    assert contiguous.data_ptr() == address
+    by_name = {t.name: t for t in opt._tensors}
+    assert by_name["contiguous"].host_param is None and by_name["contiguous"].host_grad is None
+    assert by_name["transposed"].host_param is not None and not transposed.is_contiguous()
+    assert same_bits(contiguous, transposed.contiguous())
+    assert not same_bits(contiguous, values)
+    opt.drop()
