@@ -71,7 +71,11 @@ struct Client::Impl {
 
   uint32_t servers() const { return static_cast<uint32_t>(stubs.size()); }
   const std::string& address(uint32_t s) const { return options.servers[s]; }
-  uint64_t elem_bytes() const { return job.grad_type == GradType::kBf16 ? 2 : 4; }
+  bool fp32_params(uint32_t tensor) const { return job.tensors[tensor].param_type == ParamType::kFp32; }
+  // Gradients come in the param's dtype for fp32 params, else in the job's.
+  v1::DType grad_dtype(uint32_t tensor) const {
+    return fp32_params(tensor) || job.grad_type == GradType::kFp32 ? v1::FP32 : v1::BF16;
+  }
 
   absl::Status CheckAttached() const {
     if (!attached) return absl::FailedPreconditionError("call CreateOrAttach first");
@@ -154,7 +158,8 @@ struct Client::Impl {
     return responses;
   }
 
-  absl::Status InitTensor(const std::string& tensor, const void* values, v1::DType dtype) {
+  absl::Status InitTensor(const std::string& tensor, const void* values, v1::DType dtype,
+                          v1::StateKind kind = v1::MASTER, uint64_t adam_step = 0) {
     if (auto st = CheckAttached(); !st.ok()) return st;
     auto t = FindTensor(tensor);
     if (!t.ok()) return t.status();
@@ -170,6 +175,8 @@ struct Client::Impl {
           chunk.set_job(job.name);
           chunk.set_tensor(tensor);
           chunk.set_dtype(dtype);
+          chunk.set_kind(kind);
+          chunk.set_adam_step(adam_step);
           for (uint64_t off = p.offset; off < p.offset + p.length; off += per_chunk) {
             const uint64_t n = std::min(per_chunk, p.offset + p.length - off);
             chunk.set_offset(off);
@@ -243,6 +250,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
       pt->set_name(t.name);
       pt->set_numel(t.numel);
       pt->set_group(t.group);
+      if (t.param_type == ParamType::kFp32) pt->set_param_dtype(v1::FP32);
     }
     for (const ShardPlacement& p : im.shards_of[s]) {
       v1::ShardRange* r = req.add_shards();
@@ -289,6 +297,12 @@ absl::Status Client::InitBf16(const std::string& tensor, const uint16_t* values)
   return impl_->InitTensor(tensor, values, v1::BF16);
 }
 
+absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
+                                   uint64_t adam_step) {
+  if (auto st = impl_->InitTensor(tensor, exp_avg, v1::FP32, v1::EXP_AVG, adam_step); !st.ok()) return st;
+  return impl_->InitTensor(tensor, exp_avg_sq, v1::FP32, v1::EXP_AVG_SQ, adam_step);
+}
+
 absl::Status Client::InitFromSafetensors(const std::string& path) {
   Impl& im = *impl_;
   if (auto st = im.CheckAttached(); !st.ok()) return st;
@@ -316,43 +330,63 @@ absl::Status Client::InitFromSafetensors(const std::string& path) {
 }
 
 absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView> grads) {
+  std::vector<std::string> order;
+  for (const GradView& g : grads) order.push_back(g.tensor);
+  return PushInOrder(step, order, [&](size_t i) { return grads[i].data; });
+}
+
+absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const std::string> order,
+                                               const std::function<const void*(size_t)>& grad) {
   Impl& im = *impl_;
   if (auto st = im.CheckAttached(); !st.ok()) return st;
-  std::vector<const void*> data(im.job.tensors.size(), nullptr);
-  for (const GradView& g : grads) {
-    auto t = im.FindTensor(g.tensor);
+  std::vector<int64_t> position(im.job.tensors.size(), -1);  // [tensor]: its index in `order`
+  for (size_t i = 0; i < order.size(); ++i) {
+    auto t = im.FindTensor(order[i]);
     if (!t.ok()) return t.status();
-    data[im.tensor_index[g.tensor]] = g.data;
+    position[im.tensor_index[order[i]]] = static_cast<int64_t>(i);
   }
-  const uint64_t esize = im.elem_bytes();
-  const uint64_t per_chunk = std::max<uint64_t>(1, im.options.chunk_bytes / esize);
-  const v1::DType dtype = im.job.grad_type == GradType::kBf16 ? v1::BF16 : v1::FP32;
   std::vector<v1::PushResponse> responses(im.servers());
   auto st = im.ForEachServer([&](uint32_t s) {
+    // This server's shards in the caller's order; the shards of tensors
+    // left out are declared without a gradient up front.
+    std::vector<const ShardPlacement*> sends;
+    v1::GradChunk head;
+    head.set_job(im.job.name);
+    head.set_step(step);
+    head.set_rank(im.options.rank);
+    for (const ShardPlacement& p : im.shards_of[s]) {
+      if (position[im.tensor_index[p.tensor]] < 0) {
+        head.add_no_grad(p.tensor);
+      } else {
+        sends.push_back(&p);
+      }
+    }
+    std::stable_sort(sends.begin(), sends.end(), [&](const ShardPlacement* a, const ShardPlacement* b) {
+      return position[im.tensor_index[a->tensor]] < position[im.tensor_index[b->tensor]];
+    });
     return im.Call(s, im.job.barrier_timeout_ms + im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       // Chunks go out as slices over the caller's buffer: no copy here.
       wire::Stream stream(im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Push");
-      v1::GradChunk head;
-      head.set_job(im.job.name);
-      head.set_step(step);
-      head.set_rank(im.options.rank);
-      for (const ShardPlacement& p : im.shards_of[s]) {
-        if (data[im.tensor_index[p.tensor]] == nullptr) head.add_no_grad(p.tensor);
-      }
       bool open = stream.Write(wire::HeadAndBorrowedBytes(head.SerializeAsString(), nullptr, 0));
-      std::string chunk_head;
-      for (const ShardPlacement& p : im.shards_of[s]) {
-        const char* base = static_cast<const char*>(data[im.tensor_index[p.tensor]]);
-        if (base == nullptr) continue;
-        for (uint64_t off = p.offset; open && off < p.offset + p.length; off += per_chunk) {
-          const uint64_t n = std::min(per_chunk, p.offset + p.length - off);
-          chunk_head.clear();  // GradChunk fields 4, 5, 6 and 7's header
-          wire::AppendBytesField(&chunk_head, 4, p.tensor);
-          wire::AppendVarintField(&chunk_head, 5, off);
-          wire::AppendVarintField(&chunk_head, 6, dtype);
-          wire::AppendBytesHeader(&chunk_head, 7, n * esize);
-          open = stream.Write(wire::HeadAndBorrowedBytes(chunk_head, base + off * esize, n * esize));
+      v1::GradChunk late;  // tensors whose gradient turned out to be absent
+      for (const ShardPlacement* p : sends) {
+        const uint32_t t = im.tensor_index[p->tensor];
+        const char* base = open ? static_cast<const char*>(grad(position[t])) : nullptr;
+        if (base == nullptr) {
+          late.add_no_grad(p->tensor);
+          continue;
         }
+        const v1::DType dtype = im.grad_dtype(t);
+        const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
+        const uint64_t per_chunk = std::max<uint64_t>(1, im.options.chunk_bytes / esize);
+        for (uint64_t off = p->offset; open && off < p->offset + p->length; off += per_chunk) {
+          const uint64_t n = std::min(per_chunk, p->offset + p->length - off);
+          open = stream.Write(wire::HeadAndBorrowedBytes(wire::GradChunkHead(p->tensor, off, dtype, n * esize),
+                                                         base + off * esize, n * esize));
+        }
+      }
+      if (open && late.no_grad_size() > 0) {
+        open = stream.Write(wire::HeadAndBorrowedBytes(late.SerializeAsString(), nullptr, 0));
       }
       grpc::ByteBuffer answer;
       if (open && stream.WritesDone() && stream.Read(&answer)) {
@@ -376,14 +410,19 @@ absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView
   return CombinePartials(std::move(partials));
 }
 
-absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params) {
+absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params,
+                            absl::Span<const double> group_lr) {
   Impl& im = *impl_;
   if (auto st = im.CheckAttached(); !st.ok()) return st;
-  std::vector<uint16_t*> out(im.job.tensors.size(), nullptr);
+  if (!group_lr.empty() && group_lr.size() != im.job.groups.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("group_lr has ", group_lr.size(), " entries; job '", im.job.name,
+                                                   "' has ", im.job.groups.size(), " groups"));
+  }
+  std::vector<char*> out(im.job.tensors.size(), nullptr);
   for (const ParamView& p : params) {
     auto t = im.FindTensor(p.tensor);
     if (!t.ok()) return t.status();
-    out[im.tensor_index[p.tensor]] = p.bf16;
+    out[im.tensor_index[p.tensor]] = static_cast<char*>(p.data);
   }
   v1::CommitRequest req;
   req.set_job(im.job.name);
@@ -391,6 +430,7 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
   req.set_lr(lr);
   req.set_gscale(gscale);
   req.set_skip(skip);
+  for (double g : group_lr) req.add_group_lr(g);
   auto st = im.ForEachServer([&](uint32_t s) {
     uint64_t expected = 0;
     for (const ShardPlacement& p : im.shards_of[s]) expected += p.length;
@@ -404,24 +444,32 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
       bool open = stream.Write(wire::HeadAndBorrowedBytes(req.SerializeAsString(), nullptr, 0)) && stream.WritesDone();
       while (open && stream.Read(&message)) {
         wire::ParamChunkHead head;
+        uint64_t esize = 2;  // of the chunk's tensor's params
+        bool fp32 = false;
         const bool good = wire::ReadParamChunk(
             &message,
             [&](const wire::ParamChunkHead& h) -> char* {
               auto it = im.tensor_index.find(h.tensor);
-              if (it == im.tensor_index.end() || h.data_bytes % 2 != 0) return nullptr;
+              if (it == im.tensor_index.end()) return nullptr;
+              fp32 = im.fp32_params(it->second);
+              esize = fp32 ? 4 : 2;
               const uint64_t numel = im.job.tensors[it->second].numel;
-              if (h.offset > numel || h.data_bytes / 2 > numel - h.offset) return nullptr;
-              if (uint16_t* dst = out[it->second]) return reinterpret_cast<char*>(dst + h.offset);
+              if (h.data_bytes % esize != 0 || h.offset > numel || h.data_bytes / esize > numel - h.offset) {
+                return nullptr;
+              }
+              if (char* dst = out[it->second]) return dst + h.offset * esize;
               discard.resize(h.data_bytes);
               return discard.data();
             },
             &head);
-        if (!good || head.step != step) {
+        const bool dtype_matches = head.dtype == (fp32 ? v1::FP32 : v1::DTYPE_UNSPECIFIED) || (!fp32 && head.dtype == v1::BF16);
+        if (!good || head.step != step || !dtype_matches) {
           ctx->TryCancel();
           stream.Finish();
-          return grpc::Status(grpc::StatusCode::INTERNAL, "server sent params outside the job's tensors or of another step");
+          return grpc::Status(grpc::StatusCode::INTERNAL,
+                              "server sent params outside the job's tensors, of another step or in another dtype");
         }
-        received += head.data_bytes / 2;
+        received += head.data_bytes / esize;
       }
       grpc::Status gs = stream.Finish();
       if (gs.ok() && received != expected) {
@@ -444,7 +492,9 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
   StepResult result;
   result.step = t;
   result.decision = Decide(*push, impl_->job.world_size, options);
-  if (auto st = Commit(t, options.lr, result.decision.gscale, result.decision.skip, params); !st.ok()) return st;
+  if (auto st = Commit(t, options.lr, result.decision.gscale, result.decision.skip, params, options.group_lr); !st.ok()) {
+    return st;
+  }
   const uint64_t every = impl_->options.checkpoint_every;
   if (every > 0 && impl_->options.rank == 0 && t % every == 0) {
     if (auto st = Checkpoint(); !st.ok()) return st;
@@ -515,6 +565,20 @@ absl::StatusOr<std::vector<ServerState>> Client::Describe() {
     out.push_back({im.address(s), r.device(), r.step(), r.state_bytes(), r.staging_bytes()});
   }
   return out;
+}
+
+absl::StatusOr<std::vector<uint64_t>> Client::AdamSteps() {
+  Impl& im = *impl_;
+  auto responses = im.DescribeAll();
+  if (!responses.ok()) return responses.status();
+  // Every server holding part of a tensor counts its steps alike.
+  std::vector<uint64_t> steps(im.job.tensors.size(), 0);
+  for (const v1::DescribeResponse& r : *responses) {
+    for (const v1::TensorState& t : r.tensors()) {
+      if (auto it = im.tensor_index.find(t.name()); it != im.tensor_index.end()) steps[it->second] = t.adam_step();
+    }
+  }
+  return steps;
 }
 
 absl::Status Client::VerifyState() {

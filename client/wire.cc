@@ -3,7 +3,12 @@
 #include <cstring>
 #include <vector>
 
+#include "shardopt/v1/optimizer.pb.h"
+
 namespace shardopt::wire {
+
+namespace v1 = ::shardopt::v1;
+
 namespace {
 
 constexpr int kVarint = 0;
@@ -137,6 +142,15 @@ grpc::Status Stream::Finish() {
   return status;
 }
 
+std::string GradChunkHead(absl::string_view tensor, uint64_t offset, int dtype, uint64_t data_bytes) {
+  std::string head;
+  AppendBytesField(&head, v1::GradChunk::kTensorFieldNumber, tensor);
+  AppendVarintField(&head, v1::GradChunk::kOffsetFieldNumber, offset);
+  AppendVarintField(&head, v1::GradChunk::kDtypeFieldNumber, static_cast<uint64_t>(dtype));
+  AppendBytesHeader(&head, v1::GradChunk::kDataFieldNumber, data_bytes);
+  return head;
+}
+
 bool ReadParamChunk(grpc::ByteBuffer* message, absl::FunctionRef<char*(const ParamChunkHead&)> place,
                     ParamChunkHead* head) {
   std::vector<grpc::Slice> slices;
@@ -152,17 +166,18 @@ bool ReadParamChunk(grpc::ByteBuffer* message, absl::FunctionRef<char*(const Par
     if (type == kVarint) {
       uint64_t v;
       if (!in.Varint(&v)) return false;
-      if (field == 2) head->offset = v;
-      if (field == 4) head->step = v;
+      if (field == v1::ParamChunk::kOffsetFieldNumber) head->offset = v;
+      if (field == v1::ParamChunk::kStepFieldNumber) head->step = v;
+      if (field == v1::ParamChunk::kDtypeFieldNumber) head->dtype = v;
     } else if (type == kLengthDelimited) {
       uint64_t n;
       if (!in.Varint(&n)) return false;
-      if (field == 1) {
+      if (field == v1::ParamChunk::kTensorFieldNumber) {
         head->tensor.resize(n);
         if (!in.Bytes(head->tensor.data(), n)) return false;
-      } else if (field == 3) {
+      } else if (field == v1::ParamChunk::kDataFieldNumber) {
         // Protobuf writes fields in number order, so tensor and offset are
-        // known by now; the step (field 4) is checked by the caller after.
+        // known by now; the step and dtype come after, for the caller to check.
         head->data_bytes = n;
         char* dst = place(*head);
         if (dst == nullptr || !in.Bytes(dst, n)) return false;

@@ -25,6 +25,10 @@ void AppendBytesHeader(std::string* out, int field, uint64_t length);
 // `head` copied, then `bytes` referenced in place: it must outlive the call.
 grpc::ByteBuffer HeadAndBorrowedBytes(const std::string& head, const void* bytes, size_t length);
 
+// A GradChunk's tensor, offset, dtype (a v1::DType) and data header, for
+// HeadAndBorrowedBytes: the fields after the stream's first message.
+std::string GradChunkHead(absl::string_view tensor, uint64_t offset, int dtype, uint64_t data_bytes);
+
 // One streaming call through the generic stub, driven to completion op by op
 // on a private queue, so it reads like a synchronous stream.
 class Stream {
@@ -53,6 +57,7 @@ struct ParamChunkHead {
   std::string tensor;
   uint64_t offset = 0;
   uint64_t step = 0;
+  uint64_t dtype = 0;  // a v1::DType; unspecified means BF16
   uint64_t data_bytes = 0;
 };
 

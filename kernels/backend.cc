@@ -30,7 +30,9 @@ absl::Status CheckGradWrite(const JobLayout& layout, uint32_t shard, uint32_t ra
                             uint64_t count) {
   if (auto st = CheckShardRange(layout, shard, offset, count); !st.ok()) return st;
   if (rank >= layout.world_size) return absl::InvalidArgumentError("rank out of range");
-  if (dtype != layout.grad_dtype) return absl::InvalidArgumentError("gradient dtype differs from the job's");
+  if (dtype != layout.grad_dtype && !(dtype == DType::kBf16 && layout.grad_dtype == DType::kFp32)) {
+    return absl::InvalidArgumentError("fp32 gradients into a job that keeps bf16 gradient slots");
+  }
   return absl::OkStatus();
 }
 
@@ -54,6 +56,10 @@ absl::StatusOr<uint64_t> CheckShardStep(const JobLayout& layout, const ShardStep
   const uint64_t length = step.length == 0 && step.offset < numel ? numel - step.offset : step.length;
   if (auto st = CheckShardRange(layout, step.grads.shard, step.offset, length); !st.ok()) return st;
   return step.offset + length;
+}
+
+void WidenBf16(const uint16_t* in, uint64_t count, float* out) {
+  for (uint64_t i = 0; i < count; ++i) out[i] = math::bf16_to_float(in[i]);
 }
 
 }  // namespace shardopt

@@ -78,6 +78,9 @@ absl::Status CheckShardRange(const JobLayout& layout, uint32_t shard, uint64_t o
 absl::Status CheckGradWrite(const JobLayout& layout, uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                             uint64_t count);
 absl::Status CheckShardGrads(const JobLayout& layout, const ShardGrads& grads);
+// bf16 to float, exactly: how a bf16 gradient enters fp32 gradient slots.
+void WidenBf16(const uint16_t* in, uint64_t count, float* out);
+
 // Checks grads and range, and returns the end of the range to update.
 absl::StatusOr<uint64_t> CheckShardStep(const JobLayout& layout, const ShardStep& step);
 
@@ -86,7 +89,9 @@ class JobState {
   virtual ~JobState() = default;
 
   // Stores `count` gradient elements of `rank` at `offset` in `shard`. The
-  // dtype must be the layout's grad_dtype.
+  // dtype is the layout's grad_dtype, or bf16 into fp32 slots, widened
+  // exactly: a job whose tensors push both keeps fp32 slots, and the sum's
+  // bits are those of summing the bf16 values as floats.
   virtual absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                                  const void* data, uint64_t count) = 0;
   // Sets master, m or v. fp32 data into an FP32 shard is kept exactly; into a

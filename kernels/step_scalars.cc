@@ -7,7 +7,7 @@ namespace shardopt {
 math::AdamWScalars ComputeAdamWScalars(const AdamWHyper& hyper, double lr, float gscale,
                                        uint64_t adam_step) {
   const double t = static_cast<double>(adam_step);
-  const double lr_eff = lr * hyper.lr_scale;
+  const double lr_eff = lr * hyper.lr_multiplier;
   const double bc1 = 1.0 - std::pow(hyper.beta1, t);
   const double bc2 = 1.0 - std::pow(hyper.beta2, t);
   math::AdamWScalars s;

@@ -15,7 +15,7 @@ struct AdamWHyper {
   double beta2 = 0.999;
   float eps = 1e-8f;
   double weight_decay = 0.01;
-  double lr_scale = 1.0;
+  double lr_multiplier = 1.0;
 };
 
 // `adam_step` is the tensor's own step count after this update (1 for the

@@ -200,7 +200,9 @@ absl::StatusOr<uint64_t> ReadFrame(const std::string& path, google::protobuf::Me
   return kHeadBytes + length + 4;
 }
 
-std::string EscapeJob(const std::string& job) {
+}  // namespace
+
+std::string JobDirectoryName(const std::string& job) {
   std::string out;
   for (unsigned char c : job) {
     if (std::isalnum(c) || c == '-' || c == '_' || c == '.') {
@@ -212,6 +214,8 @@ std::string EscapeJob(const std::string& job) {
   return out == "." || out == ".." ? absl::StrCat("%2E", out.substr(1)) : out;
 }
 
+namespace {
+
 // The fields that make a job what it is; the placement and the barrier's
 // deadline may change across a restore.
 v1::CreateJobRequest Identity(const v1::CreateJobRequest& spec) {
@@ -219,6 +223,7 @@ v1::CreateJobRequest Identity(const v1::CreateJobRequest& spec) {
   id.clear_shards();
   id.clear_barrier_timeout_ms();
   id.clear_restore_step();
+  for (v1::Group& g : *id.mutable_groups()) g.clear_name();  // for messages only
   return id;
 }
 
@@ -405,11 +410,12 @@ struct Committed {
 // The complete checkpoint of `step`, or the newest one when step is 0.
 absl::StatusOr<Committed> FindCommitted(const std::string& root, const std::string& job, uint64_t step,
                                         const Log& log) {
-  const std::vector<uint64_t> steps = step > 0 ? std::vector<uint64_t>{step} : StepsNewestFirst(absl::StrCat(root, "/", EscapeJob(job)));
+  const std::vector<uint64_t> steps = step > 0 ? std::vector<uint64_t>{step} : StepsNewestFirst(absl::StrCat(root, "/", JobDirectoryName(job)));
   for (uint64_t t : steps) {
     Committed c;
     c.dir = StepDirectory(root, job, t);
-    if (!fs::is_directory(c.dir)) {
+    std::error_code ec;
+    if (!fs::is_directory(c.dir, ec)) {
       return absl::NotFoundError(absl::StrCat("no checkpoint of job '", job, "' step ", t, " in ", root));
     }
     auto read = ReadFrame(absl::StrCat(c.dir, "/", kCommitName), &c.marker);
@@ -450,7 +456,7 @@ uint64_t ArrayBytes(const v1::PartManifest& m, int shard) {
 }
 
 std::string StepDirectory(const std::string& root, const std::string& job, uint64_t step) {
-  return absl::StrFormat("%s/%s/step-%020u", root, EscapeJob(job), step);
+  return absl::StrFormat("%s/%s/step-%020u", root, JobDirectoryName(job), step);
 }
 
 absl::StatusOr<WriteResult> WritePart(const std::string& root, const Part& part) {
@@ -465,7 +471,7 @@ absl::StatusOr<WriteResult> WritePart(const std::string& root, const Part& part)
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", result.directory, ": ", ec.message()));
   // A step's state is unique (the step protocol applies each step once), so
   // a complete checkpoint of it needs nothing more, from any placement.
-  if (fs::exists(absl::StrCat(result.directory, "/", kCommitName))) {
+  if (fs::exists(absl::StrCat(result.directory, "/", kCommitName), ec)) {
     result.complete = true;
     return result;
   }

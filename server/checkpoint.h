@@ -47,6 +47,10 @@ uint64_t ArrayBytes(const v1::PartManifest& m, int shard);
 inline uint64_t SectionBytes(const v1::PartManifest& m, int shard) { return 3 * ArrayBytes(m, shard); }
 
 std::string StepDirectory(const std::string& root, const std::string& job, uint64_t step);
+// The job's directory under the root: its name %-escaped. It must fit in one
+// file name (kMaxFileNameBytes); CreateJob refuses job names whose form does not.
+std::string JobDirectoryName(const std::string& job);
+inline constexpr size_t kMaxFileNameBytes = 255;
 
 struct WriteResult {
   std::string directory;

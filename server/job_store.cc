@@ -17,6 +17,9 @@ namespace shardopt {
 namespace {
 
 constexpr uint32_t kMaxWorldSize = 65536;
+// Names become file and directory names (checkpoint.h) and appear in error
+// messages, which travel in gRPC's metadata.
+constexpr size_t kMaxNameBytes = 200;
 // 2^40 elements (a 1T-parameter tensor): with world_size at most 2^16, every
 // byte count a backend computes stays far below 2^64.
 constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
@@ -43,6 +46,14 @@ bool SameBits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 
 std::string Range(uint64_t begin, uint64_t end) { return absl::StrCat("[", begin, ", ", end, ")"); }
+
+// A caller-supplied name, quoted for an error message and cut short: the
+// message travels in gRPC's metadata, which a long name would overflow.
+std::string Quote(absl::string_view name) {
+  constexpr size_t kShown = 64;
+  if (name.size() <= kShown) return absl::StrCat("'", name, "'");
+  return absl::StrCat("'", name.substr(0, kShown), "...' (", name.size(), " bytes)");
+}
 
 }  // namespace
 
@@ -81,6 +92,7 @@ class Job {
     std::vector<std::vector<IntervalSet>> covered;  // [rank][shard]
     std::vector<std::vector<bool>> no_grad;         // [rank][shard]
     std::vector<bool> finished;                     // [rank]
+    std::vector<uint64_t> sessions;                 // [rank]: push streams begun, the latest's number
     uint32_t finished_count = 0;
     std::vector<ShardGrads> contributions;
   } round;
@@ -93,6 +105,17 @@ class Job {
     double lr = 0;
     float gscale = 0;
     bool skip = false;
+    std::vector<double> group_lr;  // empty: lr for every group
+
+    double lr_of(uint32_t group) const { return group_lr.empty() ? lr : group_lr[group]; }
+    bool operator==(const Applied& o) const {
+      if (!SameBits(lr, o.lr) || !SameBits(gscale, o.gscale) || skip != o.skip) return false;
+      if (group_lr.size() != o.group_lr.size()) return false;
+      for (size_t g = 0; g < group_lr.size(); ++g) {
+        if (!SameBits(group_lr[g], o.group_lr[g])) return false;
+      }
+      return true;
+    }
   };
   Applied applied;        // of step `step`
   bool applying = false;  // step + 1 is being applied, piece by piece
@@ -103,6 +126,9 @@ class Job {
   const std::string& name() const { return spec.job(); }
   uint32_t world_size() const { return spec.world_size(); }
   const std::string& tensor_name(const OwnedShard& s) const { return spec.tensors(s.tensor).name(); }
+  bool fp32_params(uint32_t tensor) const { return spec.tensors(tensor).param_dtype() == v1::FP32; }
+  // Gradients come in the param's dtype for FP32 params, else in the job's.
+  v1::DType grad_dtype(uint32_t tensor) const { return fp32_params(tensor) ? v1::FP32 : spec.grad_dtype(); }
 
   void StartRound(std::chrono::steady_clock::time_point now) {
     round.active = true;
@@ -110,6 +136,7 @@ class Job {
     round.covered.assign(world_size(), std::vector<IntervalSet>(shards.size()));
     round.no_grad.assign(world_size(), std::vector<bool>(shards.size(), false));
     round.finished.assign(world_size(), false);
+    round.sessions.assign(world_size(), 0);
   }
 
   void EndRound() {
@@ -150,12 +177,12 @@ class Job {
   absl::StatusOr<uint32_t> LocateRange(const std::string& tensor, uint64_t offset, uint64_t count) const {
     auto it = tensor_index.find(tensor);
     if (it == tensor_index.end()) {
-      return absl::NotFoundError(absl::StrCat("job '", name(), "' has no tensor '", tensor, "'"));
+      return absl::NotFoundError(absl::StrCat("job '", name(), "' has no tensor ", Quote(tensor)));
     }
     const int64_t si = shard_of_tensor[it->second];
     const uint64_t numel = spec.tensors(it->second).numel();
     if (offset > numel || count > numel - offset) {
-      return absl::OutOfRangeError(absl::StrCat("tensor '", tensor, "' has ", numel, " elements; range ",
+      return absl::OutOfRangeError(absl::StrCat("tensor ", Quote(tensor), " has ", numel, " elements; range ",
                                                 Range(offset, offset + count), " is past its end"));
     }
     if (si < 0) {
@@ -185,6 +212,7 @@ class Job {
     m.mutable_applied()->set_lr(applied.lr);
     m.mutable_applied()->set_gscale(applied.gscale);
     m.mutable_applied()->set_skip(applied.skip);
+    for (double lr : applied.group_lr) m.mutable_applied()->add_group_lr(lr);
     m.set_sealed_step(sealed_step);
     m.set_sealed_sum_squares(sealed_stats.sum_squares);
     m.set_sealed_nonfinite(sealed_stats.nonfinite);
@@ -241,7 +269,8 @@ class Job {
     }
     uninitialized_shards = 0;
     step = m.step();
-    applied = {m.applied().lr(), m.applied().gscale(), m.applied().skip()};
+    applied = {m.applied().lr(), m.applied().gscale(), m.applied().skip(),
+               {m.applied().group_lr().begin(), m.applied().group_lr().end()}};
     sealed_step = m.sealed_step();
     sealed_stats = {m.sealed_sum_squares(), m.sealed_nonfinite()};
     return absl::OkStatus();
@@ -272,7 +301,7 @@ JobStore::~JobStore() = default;
 absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = jobs_.find(name);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", name, "' on this server"));
+  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", Quote(name), " on this server"));
   return it->second;
 }
 
@@ -283,6 +312,11 @@ namespace {
 absl::StatusOr<v1::CreateJobRequest> Normalize(const v1::CreateJobRequest& in, absl::Duration default_barrier) {
   v1::CreateJobRequest r = in;
   if (r.job().empty()) return absl::InvalidArgumentError("job name is empty");
+  if (r.job().size() > kMaxNameBytes || checkpoint::JobDirectoryName(r.job()).size() > checkpoint::kMaxFileNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("job name ", Quote(r.job()), " is ", r.job().size(), " bytes; at most ",
+                                                   kMaxNameBytes, ", and ", checkpoint::kMaxFileNameBytes,
+                                                   " once %-escaped for its checkpoint directory"));
+  }
   if (r.world_size() < 1 || r.world_size() > kMaxWorldSize) {
     return absl::InvalidArgumentError(absl::StrCat("world_size must be in [1, ", kMaxWorldSize, "], got ", r.world_size()));
   }
@@ -310,13 +344,23 @@ absl::StatusOr<v1::CreateJobRequest> Normalize(const v1::CreateJobRequest& in, a
   for (int i = 0; i < r.tensors_size(); ++i) {
     const v1::TensorSpec& t = r.tensors(i);
     if (t.name().empty()) return absl::InvalidArgumentError(absl::StrCat("tensor ", i, " has no name"));
-    if (!names.emplace(t.name(), i).second) return absl::InvalidArgumentError(absl::StrCat("tensor name '", t.name(), "' is used twice"));
+    if (t.name().size() > kMaxNameBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", i, "'s name ", Quote(t.name()), " is ", t.name().size(),
+                                                     " bytes; at most ", kMaxNameBytes));
+    }
+    if (!names.emplace(t.name(), i).second) return absl::InvalidArgumentError(absl::StrCat("tensor name ", Quote(t.name()), " is used twice"));
     if (t.numel() == 0 || t.numel() > kMaxNumel) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "' has numel ", t.numel(),
                                                      "; it must be in [1, 2^40]"));
     }
     if (t.group() >= static_cast<uint32_t>(r.groups_size())) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "' names group ", t.group(), " of ", r.groups_size()));
+    }
+    // BF16 is the default: spelled as unspecified, so that requests from
+    // before param_dtype existed and checkpoints written then compare equal.
+    if (t.param_dtype() == v1::BF16) r.mutable_tensors(i)->clear_param_dtype();
+    if (t.param_dtype() != v1::DTYPE_UNSPECIFIED && t.param_dtype() != v1::FP32) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "': param_dtype must be FP32 or BF16"));
     }
   }
   if (r.shards_size() == 0) {
@@ -330,7 +374,7 @@ absl::StatusOr<v1::CreateJobRequest> Normalize(const v1::CreateJobRequest& in, a
   absl::flat_hash_map<std::string, bool> owned;
   for (const v1::ShardRange& s : r.shards()) {
     auto it = names.find(s.tensor());
-    if (it == names.end()) return absl::InvalidArgumentError(absl::StrCat("shard names unknown tensor '", s.tensor(), "'"));
+    if (it == names.end()) return absl::InvalidArgumentError(absl::StrCat("shard names unknown tensor ", Quote(s.tensor())));
     if (!owned.emplace(s.tensor(), true).second) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", s.tensor(), "' has two shards on one server"));
     }
@@ -352,6 +396,8 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1:
   std::string diff;
   google::protobuf::util::MessageDifferencer differ;
   differ.ReportDifferencesToString(&diff);
+  // A group's name is for messages only: the same job under other names is the same job.
+  differ.IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
   if (!differ.Compare(job.spec, spec)) {
     return absl::AlreadyExistsError(absl::StrCat("job '", spec.job(), "' exists with a different configuration (",
                                                  diff, "); drop it or use another name"));
@@ -387,7 +433,12 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   for (int i = 0; i < spec->tensors_size(); ++i) job->tensor_index[spec->tensors(i).name()] = i;
   JobLayout layout;
   layout.world_size = spec->world_size();
+  // One slot dtype per job: fp32 as soon as any tensor pushes fp32, with
+  // bf16 pushes widened exactly into it (JobState::WriteGrad).
   layout.grad_dtype = *FromProto(spec->grad_dtype());
+  for (const v1::TensorSpec& t : spec->tensors()) {
+    if (t.param_dtype() == v1::FP32) layout.grad_dtype = DType::kFp32;
+  }
   for (const v1::ShardRange& s : spec->shards()) {
     const uint32_t t = job->tensor_index[s.tensor()];
     job->shard_of_tensor[t] = static_cast<int64_t>(job->shards.size());
@@ -485,7 +536,7 @@ absl::Status JobStore::DropJob(const std::string& name) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = jobs_.find(name);
-    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job '", name, "' on this server"));
+    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", Quote(name), " on this server"));
     job = it->second;
     jobs_.erase(it);
   }
@@ -544,6 +595,14 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
   Job& job = **found;
   auto dtype = FromProto(chunk.dtype());
   if (!dtype.ok()) return dtype.status();
+  StateKind kind = StateKind::kMaster;
+  switch (chunk.kind()) {
+    case v1::STATE_KIND_UNSPECIFIED:
+    case v1::MASTER: break;
+    case v1::EXP_AVG: kind = StateKind::kExpAvg; break;
+    case v1::EXP_AVG_SQ: kind = StateKind::kExpAvgSq; break;
+    default: return absl::InvalidArgumentError("Init sets MASTER, EXP_AVG or EXP_AVG_SQ; params follow the master");
+  }
   if (auto st = CheckDataLength(chunk.data(), *dtype, "init chunk"); !st.ok()) return st;
   const uint64_t count = chunk.data().size() / DTypeSize(*dtype);
   for (uint64_t i = 0; i < count; ++i) {
@@ -556,8 +615,12 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
       x = math::bf16_to_float(h);
     }
     if (!std::isfinite(x)) {
-      return absl::InvalidArgumentError(absl::StrCat("initial value of tensor '", chunk.tensor(), "' element ",
-                                                     chunk.offset() + i, " is not finite"));
+      return absl::InvalidArgumentError(absl::StrCat("initial ", StateKindName(kind), " of tensor ", Quote(chunk.tensor()),
+                                                     " element ", chunk.offset() + i, " is not finite"));
+    }
+    if (kind == StateKind::kExpAvgSq && x < 0) {  // its square root is taken
+      return absl::InvalidArgumentError(absl::StrCat("initial exp_avg_sq of tensor ", Quote(chunk.tensor()), " element ",
+                                                     chunk.offset() + i, " is negative"));
     }
   }
   std::lock_guard<std::mutex> lock(job.mu);
@@ -570,9 +633,12 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
   if (!shard.ok()) return shard.status();
   const OwnedShard& s = job.shards[*shard];
   const uint64_t local = chunk.offset() - s.offset;
-  if (auto st = job.state->WriteState(*shard, StateKind::kMaster, local, *dtype, chunk.data().data(), count); !st.ok()) {
+  if (auto st = job.state->WriteState(*shard, kind, local, *dtype, chunk.data().data(), count); !st.ok()) {
     return st;
   }
+  if (chunk.adam_step() != 0) job.adam_steps[*shard] = chunk.adam_step();
+  // Only the master makes a shard ready to step: moments default to zero.
+  if (kind != StateKind::kMaster) return count;
   const bool was_covered = job.init_cover[*shard].Covers(0, s.length);
   job.init_cover[*shard].Add(local, local + count);
   if (!was_covered && job.init_cover[*shard].Covers(0, s.length)) --job.uninitialized_shards;
@@ -608,7 +674,28 @@ absl::StatusOr<std::unique_ptr<JobStore::PushSession>> JobStore::BeginPush(const
 JobStore::PushSession::PushSession(std::shared_ptr<Job> job, uint64_t step, uint32_t rank)
     : job_(std::move(job)), step_(step), rank_(rank) {}
 
-JobStore::PushSession::~PushSession() = default;
+void JobStore::PushSession::Start(std::chrono::steady_clock::time_point now) {
+  Job& job = *job_;
+  if (!job.round.active) job.StartRound(now);
+  epoch_ = job.round.epoch;
+  session_ = ++job.round.sessions[rank_];
+  started_ = true;
+}
+
+// A stream that ends without an answer (refused, cancelled, broken) leaves
+// the round as if it never came: what it covered is uncovered again, so the
+// rank's next stream starts afresh. Not once the rank has finished, nor when
+// a newer stream of the rank (a retry) is under way.
+JobStore::PushSession::~PushSession() {
+  if (!started_ || answered_) return;
+  Job& job = *job_;
+  std::lock_guard<std::mutex> lock(job.mu);
+  if (!job.round.active || job.round.epoch != epoch_ || job.round.sealed || job.round.finished[rank_] ||
+      job.round.sessions[rank_] != session_) {
+    return;
+  }
+  job.round.covered[rank_].assign(job.shards.size(), IntervalSet());
+}
 
 absl::Status JobStore::PushSession::Add(const v1::GradChunk& chunk) {
   Job& job = *job_;
@@ -630,20 +717,17 @@ absl::Status JobStore::PushSession::Add(const v1::GradChunk& chunk) {
   if (!has_data) return absl::OkStatus();
   auto dtype = FromProto(chunk.dtype());
   if (!dtype.ok()) return dtype.status();
-  if (ToProto(*dtype) != job.spec.grad_dtype()) {
-    return absl::InvalidArgumentError(absl::StrCat("job '", job.name(), "' takes ", v1::DType_Name(job.spec.grad_dtype()),
-                                                   " gradients; this chunk is ", v1::DType_Name(chunk.dtype())));
-  }
   if (auto st = CheckDataLength(chunk.data(), *dtype, "gradient chunk"); !st.ok()) return st;
   const uint64_t count = chunk.data().size() / DTypeSize(*dtype);
   auto shard = job.LocateRange(chunk.tensor(), chunk.offset(), count);
   if (!shard.ok()) return shard.status();
-  if (job.step >= step_) return absl::OkStatus();  // a retry of a committed step: already counted
-  if (!started_) {
-    if (!job.round.active) job.StartRound(now);
-    epoch_ = job.round.epoch;
-    started_ = true;
+  if (const v1::DType want = job.grad_dtype(job.shards[*shard].tensor); ToProto(*dtype) != want) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", chunk.tensor(), "' of job '", job.name(), "' takes ",
+                                                   v1::DType_Name(want), " gradients; this chunk is ",
+                                                   v1::DType_Name(chunk.dtype())));
   }
+  if (job.step >= step_) return absl::OkStatus();  // a retry of a committed step: already counted
+  if (!started_) Start(now);
   if (job.round.sealed) return absl::OkStatus();  // a retry after the barrier: already counted
   const uint64_t local = chunk.offset() - job.shards[*shard].offset;
   if (auto st = job.state->WriteGrad(*shard, rank_, local, *dtype, chunk.data().data(), count); !st.ok()) return st;
@@ -652,6 +736,12 @@ absl::Status JobStore::PushSession::Add(const v1::GradChunk& chunk) {
 }
 
 absl::StatusOr<v1::PushResponse> JobStore::PushSession::Finish() {
+  absl::StatusOr<v1::PushResponse> answer = Seal();
+  answered_ = answer.ok();
+  return answer;
+}
+
+absl::StatusOr<v1::PushResponse> JobStore::PushSession::Seal() {
   Job& job = *job_;
   std::unique_lock<std::mutex> lock(job.mu);
   auto answer = [&]() {
@@ -668,11 +758,7 @@ absl::StatusOr<v1::PushResponse> JobStore::PushSession::Finish() {
   }
   const auto now = std::chrono::steady_clock::now();
   job.ExpireIfLate(now);
-  if (!started_) {
-    if (!job.round.active) job.StartRound(now);
-    epoch_ = job.round.epoch;
-    started_ = true;
-  }
+  if (!started_) Start(now);
   if (job.round.epoch != epoch_) {
     return absl::DeadlineExceededError(absl::StrCat("the barrier of step ", step_, " expired before rank ", rank_,
                                                     "'s push ended; push step ", step_, " again"));
@@ -684,7 +770,7 @@ absl::StatusOr<v1::PushResponse> JobStore::PushSession::Finish() {
   for (const std::string& t : no_grad_) {
     auto it = job.tensor_index.find(t);
     if (it == job.tensor_index.end()) {
-      return absl::NotFoundError(absl::StrCat("no_grad names tensor '", t, "', which job '", job.name(), "' lacks"));
+      return absl::NotFoundError(absl::StrCat("no_grad names tensor ", Quote(t), ", which job '", job.name(), "' lacks"));
     }
     const int64_t s = job.shard_of_tensor[it->second];
     if (s < 0) continue;
@@ -759,7 +845,16 @@ absl::Status JobStore::Commit(const v1::CommitRequest& req,
   if (!std::isfinite(req.gscale())) {
     return absl::InvalidArgumentError(absl::StrCat("gscale must be finite, got ", req.gscale()));
   }
-  const Job::Applied args{req.lr(), req.gscale(), req.skip()};
+  if (req.group_lr_size() != 0 && req.group_lr_size() != job.spec.groups_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("group_lr has ", req.group_lr_size(), " entries; job '", job.name(),
+                                                   "' has ", job.spec.groups_size(), " groups"));
+  }
+  for (double lr : req.group_lr()) {
+    if (!std::isfinite(lr) || lr < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("every group_lr must be finite and >= 0, got ", lr));
+    }
+  }
+  const Job::Applied args{req.lr(), req.gscale(), req.skip(), {req.group_lr().begin(), req.group_lr().end()}};
   std::unique_lock<std::mutex> lock(job.mu);
   if (job.dropped) return absl::NotFoundError(absl::StrCat("job '", job.name(), "' was dropped"));
   if (!job.failed.ok()) return job.failed;
@@ -787,7 +882,7 @@ absl::Status JobStore::Commit(const v1::CommitRequest& req,
     job.apply_progress = 0;
   } else {
     const Job::Applied& a = t == job.step ? job.applied : job.apply_args;
-    if (!SameBits(a.lr, req.lr()) || !SameBits(a.gscale, req.gscale()) || a.skip != req.skip()) {
+    if (!(a == args)) {
       return absl::AbortedError(absl::StrCat("step ", t, " was applied with lr=", a.lr, " gscale=", a.gscale,
                                              " skip=", a.skip, "; this commit asks lr=", req.lr(), " gscale=",
                                              req.gscale(), " skip=", req.skip(), ": ranks disagree"));
@@ -816,8 +911,8 @@ absl::Status JobStore::Commit(const v1::CommitRequest& req,
     for (const ShardGrads& sg : job.round.contributions) {
       const OwnedShard& s = job.shards[sg.shard];
       contribution[sg.shard] = static_cast<int64_t>(scalars.size());
-      scalars.push_back(ComputeAdamWScalars(job.hypers[job.spec.tensors(s.tensor).group()], req.lr(), req.gscale(),
-                                            job.adam_steps[sg.shard] + 1));
+      const uint32_t group = job.spec.tensors(s.tensor).group();
+      scalars.push_back(ComputeAdamWScalars(job.hypers[group], args.lr_of(group), req.gscale(), job.adam_steps[sg.shard] + 1));
     }
   }
   // Applies piece `k` of step t, which must be the next one; the last one
@@ -875,10 +970,17 @@ absl::Status JobStore::Commit(const v1::CommitRequest& req,
     const Piece& p = pieces[k];
     chunk.set_tensor(job.tensor_name(job.shards[p.shard]));
     chunk.set_offset(job.shards[p.shard].offset + p.offset);
+    // FP32 params are the master itself; bf16 ones its rounding.
+    const bool fp32 = job.fp32_params(job.shards[p.shard].tensor);
+    if (fp32) {
+      chunk.set_dtype(v1::FP32);
+    } else {
+      chunk.clear_dtype();  // BF16, as servers sent it before param_dtype existed
+    }
     std::string* data = chunk.mutable_data();
-    data->resize(p.length * 2);
-    absl::Status read = job.state->ReadState(p.shard, StateKind::kParamBf16, p.offset, p.length, DType::kBf16,
-                                             data->data());
+    data->resize(p.length * (fp32 ? 4 : 2));
+    absl::Status read = job.state->ReadState(p.shard, fp32 ? StateKind::kMaster : StateKind::kParamBf16, p.offset,
+                                             p.length, fp32 ? DType::kFp32 : DType::kBf16, data->data());
     if (!read.ok()) {
       if (auto st = finish_step(); !st.ok()) return st;
       return read;
@@ -921,6 +1023,12 @@ absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool
     auto located = job.LocateRange(req.tensor(), req.offset(), length);
     if (!located.ok()) return located.status();
     shard = *located;
+    if (length == 0) {  // the offset is at the shard's end: no element of it is asked for
+      const OwnedShard& s = job.shards[shard];
+      return absl::OutOfRangeError(absl::StrCat("offset ", req.offset(), " of tensor '", req.tensor(),
+                                                "' is at the end of this server's shard ",
+                                                Range(s.offset, s.offset + s.length), "; nothing to read"));
+    }
   }
   const uint64_t base = job.shards[shard].offset;
   const uint64_t per_chunk = options_.stream_chunk_elements * 2 / DTypeSize(dtype);  // ~1 MiB

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <iostream>
@@ -74,11 +75,16 @@ class JobStore {
    private:
     friend class JobStore;
     PushSession(std::shared_ptr<Job> job, uint64_t step, uint32_t rank);
+    // Joins the round of step_, starting it if needed. Under the job's lock.
+    void Start(std::chrono::steady_clock::time_point now);
+    absl::StatusOr<v1::PushResponse> Seal();
     std::shared_ptr<Job> job_;
     uint64_t step_;
     uint32_t rank_;
-    uint64_t epoch_ = 0;  // the barrier round this session's chunks belong to
+    uint64_t epoch_ = 0;    // the barrier round this session's chunks belong to
+    uint64_t session_ = 0;  // this stream's number among the rank's in the round
     bool started_ = false;
+    bool answered_ = false;
     std::vector<std::string> no_grad_;
   };
   absl::StatusOr<std::unique_ptr<PushSession>> BeginPush(const v1::GradChunk& first);

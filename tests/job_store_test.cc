@@ -15,6 +15,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "server/job_store.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/store_fixture.h"
 
 namespace shardopt {
 namespace {
@@ -25,152 +26,8 @@ using testing::RandomFloats;
 using testing::ReferenceTensor;
 
 constexpr AdamWHyper kHyper = testing::kDefaultHyper;
-
-struct TensorDef {
-  std::string name;
-  uint64_t numel;
-};
-
-class StoreTest : public ::testing::Test {
- protected:
-  explicit StoreTest(JobStoreOptions options = {})
-      : backend_(MakeCpuBackend({2, cpu::BestIsa()})), store_(backend_.get(), std::move(options)) {}
-
-  v1::CreateJobRequest JobRequest(const std::string& job, uint32_t world, const std::vector<TensorDef>& tensors,
-                                  v1::Precision precision = v1::PRECISION_FP32, uint32_t barrier_ms = 10000) {
-    v1::CreateJobRequest r;
-    r.set_job(job);
-    r.set_world_size(world);
-    v1::Group* g = r.add_groups();
-    g->set_beta1(kHyper.beta1);
-    g->set_beta2(kHyper.beta2);
-    g->set_eps(kHyper.eps);
-    g->set_weight_decay(kHyper.weight_decay);
-    g->set_precision(precision);
-    for (const TensorDef& t : tensors) {
-      v1::TensorSpec* s = r.add_tensors();
-      s->set_name(t.name);
-      s->set_numel(t.numel);
-    }
-    r.set_barrier_timeout_ms(barrier_ms);
-    return r;
-  }
-
-  // Creates the job and gives every tensor random initial values.
-  std::map<std::string, std::vector<float>> Create(const v1::CreateJobRequest& r) {
-    EXPECT_TRUE(store_.CreateJob(r).ok());
-    std::map<std::string, std::vector<float>> init;
-    for (const v1::TensorSpec& t : r.tensors()) {
-      init[t.name()] = RandomFloats(rng_, t.numel(), -1, 1);
-      v1::InitChunk c;
-      c.set_job(r.job());
-      c.set_tensor(t.name());
-      c.set_dtype(v1::FP32);
-      c.set_data(init[t.name()].data(), t.numel() * 4);
-      auto written = store_.Init(c);
-      EXPECT_EQ(written.value_or(0), t.numel()) << written.status();
-    }
-    return init;
-  }
-
-  static v1::GradChunk Chunk(const std::string& tensor, uint64_t offset, const uint16_t* data, uint64_t n) {
-    v1::GradChunk c;
-    c.set_tensor(tensor);
-    c.set_offset(offset);
-    c.set_dtype(v1::BF16);
-    c.set_data(data, n * 2);
-    return c;
-  }
-
-  // A push stream's first message, opening a session.
-  absl::StatusOr<std::unique_ptr<JobStore::PushSession>> StartPush(const std::string& job, uint64_t step, uint32_t rank) {
-    v1::GradChunk head;
-    head.set_job(job);
-    head.set_step(step);
-    head.set_rank(rank);
-    return store_.BeginPush(head);
-  }
-
-  // One rank's push, chunks of `chunk` elements sent in `order` (a seed for
-  // shuffling; 0 keeps them in order).
-  absl::StatusOr<v1::PushResponse> Push(const std::string& job, uint64_t step, uint32_t rank,
-                                        const std::map<std::string, std::vector<uint16_t>>& grads,
-                                        uint64_t chunk = 1000, uint64_t order = 0,
-                                        const std::vector<std::string>& no_grad = {}) {
-    std::vector<v1::GradChunk> chunks;
-    for (const auto& [name, g] : grads) {
-      for (uint64_t off = 0; off < g.size(); off += chunk) {
-        chunks.push_back(Chunk(name, off, g.data() + off, std::min(chunk, g.size() - off)));
-      }
-    }
-    if (order != 0) std::shuffle(chunks.begin(), chunks.end(), std::mt19937_64(order));
-    v1::GradChunk head;
-    head.set_job(job);
-    head.set_step(step);
-    head.set_rank(rank);
-    for (const auto& n : no_grad) head.add_no_grad(n);
-    auto session = store_.BeginPush(head);
-    if (!session.ok()) return session.status();
-    if (auto st = (*session)->Add(head); !st.ok()) return st;
-    for (const auto& c : chunks) {
-      if (auto st = (*session)->Add(c); !st.ok()) return st;
-    }
-    return (*session)->Finish();
-  }
-
-  absl::StatusOr<std::map<std::string, std::vector<uint16_t>>> Commit(const std::string& job, uint64_t step, double lr,
-                                                                      float gscale = 1.0f, bool skip = false) {
-    v1::CommitRequest r;
-    r.set_job(job);
-    r.set_step(step);
-    r.set_lr(lr);
-    r.set_gscale(gscale);
-    r.set_skip(skip);
-    std::map<std::string, std::vector<uint16_t>> params;
-    auto st = store_.Commit(r, [&](const v1::ParamChunk& c) {
-      auto& p = params[c.tensor()];
-      const uint64_t n = c.data().size() / 2;
-      if (p.size() < c.offset() + n) p.resize(c.offset() + n);
-      std::memcpy(p.data() + c.offset(), c.data().data(), n * 2);
-      return true;
-    });
-    if (!st.ok()) return st;
-    return params;
-  }
-
-  std::vector<float> ReadFloats(const std::string& job, const std::string& tensor, v1::StateKind kind) {
-    v1::ReadRequest r;
-    r.set_job(job);
-    r.set_tensor(tensor);
-    r.set_kind(kind);
-    std::vector<float> out;
-    EXPECT_TRUE(store_.Read(r, [&](const v1::StateChunk& c) {
-                  const size_t n = c.data().size() / 4;
-                  out.resize(c.offset() + n);
-                  std::memcpy(out.data() + c.offset(), c.data().data(), n * 4);
-                  return true;
-                }).ok());
-    return out;
-  }
-
-  // Everything a refusal must leave alone.
-  std::string Snapshot(const std::string& job) {
-    auto d = store_.Describe(job);
-    EXPECT_TRUE(d.ok());
-    std::string s = d->SerializeAsString();
-    for (const auto& t : d->tensors()) {
-      for (v1::StateKind k : {v1::MASTER, v1::EXP_AVG, v1::EXP_AVG_SQ}) {
-        auto v = ReadFloats(job, t.name(), k);
-        s.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
-      }
-    }
-    return s;
-  }
-
-  std::mt19937_64 rng_{1234};
-  std::unique_ptr<Backend> backend_;
-  JobStore store_;
-};
+using testing::StoreTest;
+using testing::TensorDef;
 
 TEST_F(StoreTest, AggregationIsIndependentOfRankAndChunkOrder) {
   const std::vector<TensorDef> tensors = {{"w", 9001}, {"b", 77}};

@@ -91,7 +91,12 @@ class CpuJobState final : public JobState {
   absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                          const void* data, uint64_t count) override {
     if (auto st = CheckGradWrite(layout_, shard, rank, offset, dtype, count); !st.ok()) return st;
-    std::memcpy(GradSlot(shard, rank) + offset * DTypeSize(dtype), data, count * DTypeSize(dtype));
+    char* dst = GradSlot(shard, rank) + offset * DTypeSize(layout_.grad_dtype);
+    if (dtype == layout_.grad_dtype) {
+      std::memcpy(dst, data, count * DTypeSize(dtype));
+      return absl::OkStatus();
+    }
+    WidenBf16(static_cast<const uint16_t*>(data), count, reinterpret_cast<float*>(dst));
     return absl::OkStatus();
   }
 

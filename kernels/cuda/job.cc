@@ -128,11 +128,16 @@ absl::Status CudaJobState::WriteGrad(uint32_t shard, uint32_t rank, uint64_t off
   if (auto st = device_->Enter(); !st.ok()) return st;
   if (auto st = CheckGradWrite(layout_, shard, rank, offset, dtype, count); !st.ok()) return st;
   const Shard& s = shards_[shard];
-  const uint64_t esize = DTypeSize(dtype);
+  const uint64_t esize = DTypeSize(layout_.grad_dtype);
   const DeviceArray dst{At(s.grads + rank * s.slot_stride + offset * esize), esize};
   const char* src = static_cast<const char*>(data);
+  const bool widen = dtype != layout_.grad_dtype;  // bf16 into fp32 slots, on the host
   return device_->Upload(stream_, {&dst, 1}, count, [&](uint64_t first, uint64_t n, char* const* staged) {
-    std::memcpy(staged[0], src + first * esize, n * esize);
+    if (!widen) {
+      std::memcpy(staged[0], src + first * esize, n * esize);
+      return;
+    }
+    WidenBf16(reinterpret_cast<const uint16_t*>(src) + first, n, reinterpret_cast<float*>(staged[0]));
   });
 }
 

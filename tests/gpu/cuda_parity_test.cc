@@ -233,7 +233,7 @@ class CudaParityTest : public ::testing::Test {
   math::AdamWScalars Scalars(uint32_t shard) {
     AdamWHyper hyper;
     hyper.weight_decay = 0.01 * (1 + shard % 3);
-    hyper.lr_scale = 1.0 + 0.25 * (shard % 4);
+    hyper.lr_multiplier = 1.0 + 0.25 * (shard % 4);
     const float gscale = 0.7f / static_cast<float>(layout_.world_size);
     return ComputeAdamWScalars(hyper, 1e-3 * (1 + shard % 5), gscale, ++adam_steps_[shard]);
   }

@@ -28,7 +28,7 @@ JobOptions MakeJob(const std::string& name, uint32_t world_size, uint32_t barrie
   JobOptions job;
   job.name = name;
   job.world_size = world_size;
-  job.groups = {{"all", kHyper.beta1, kHyper.beta2, kHyper.eps, kHyper.weight_decay, kHyper.lr_scale}};
+  job.groups = {{"all", kHyper.beta1, kHyper.beta2, kHyper.eps, kHyper.weight_decay, kHyper.lr_multiplier}};
   job.tensors = {{"w", 40000, 0}, {"b", 5000, 0}, {"gain", 64, 0}};
   job.barrier_timeout_ms = barrier_timeout_ms;
   return job;
