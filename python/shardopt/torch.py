@@ -166,11 +166,11 @@ class RemoteAdamW(torch.optim.Optimizer):
         self.resumed_step = self._client.create_or_attach(job, world_size, job_groups, job_tensors, False,
                                                           int(barrier_timeout * 1000), restore_step)
         if self.resumed_step == 0:
-            # Every rank starts from the same params (as DDP requires too);
-            # rank 0's are the job's initial values.
-            if rank == 0:
-                for t in self._tensors:
-                    self._init_master(t, t.param)
+            # Every rank starts from the same params (as DDP requires too) and
+            # sends them: the servers take no rank's push before step 1's
+            # initial values, and the ranks do not wait for each other here.
+            for t in self._tensors:
+                self._init_master(t, t.param)
         else:
             self._pull_params()
         self._client.verify_state()
@@ -287,7 +287,8 @@ class RemoteAdamW(torch.optim.Optimizer):
                 else:
                     master = self._checked(master, t, "master")
                     self._init_master(t, master)
-                    t.param.copy_(master.view(t.shape))  # bf16: rounded to nearest even, as the servers round
+                    with torch.no_grad():  # bf16: rounded to nearest even, as the servers round
+                        t.param.copy_(master.view(t.shape))
                 if "step" in entry:
                     step = entry["step"]
                     self._client.init_adam_state(t.name, self._checked(entry["exp_avg"], t, "exp_avg").data_ptr(),

@@ -20,7 +20,11 @@ def test_two_ranks_equal_one_process_with_the_summed_gradient(servers, job, tmp_
     ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "workers.py"), "dp", "--servers", ",".join(servers),
                                "--job", f"{job}-dp", "--rank", str(r), "--world_size", "2", "--steps", str(STEPS),
                                "--out", str(outs[r])]) for r in range(2)]
-    assert [p.wait(timeout=300) for p in ranks] == [0, 0]
+    try:
+        assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+    finally:
+        for p in ranks:
+            p.kill()
 
     # One process, world_size 1: the two halves' gradients summed in fp32 by
     # accumulating backward passes (as the servers sum the ranks' in rank

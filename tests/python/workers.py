@@ -46,7 +46,7 @@ def dp(args):
     the servers average the gradients."""
     model = make_model()
     opt = RemoteAdamW(param_groups(model), servers=args.servers.split(","), job=args.job, lr=1e-3, rank=args.rank,
-                      world_size=args.world_size)
+                      world_size=args.world_size, barrier_timeout=10)
     share = BATCH // args.world_size
     digests = []
     for step in range(1, args.steps + 1):
