@@ -1,17 +1,39 @@
-// The subcommands of shardopt-bench. Each takes its --name=value arguments and
-// returns the one JSON object it prints.
+// The subcommands of shardopt-bench. Each takes its arguments, already checked
+// by bench/main.cc, and returns the one JSON object it prints.
 #pragma once
 
+#include <cstdint>
 #include <string>
-#include <vector>
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
 
 namespace shardopt::bench {
 
-absl::StatusOr<nlohmann::json> KernelBench(const std::vector<std::string>& args);
-absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args);
-absl::StatusOr<nlohmann::json> CheckpointBench(const std::vector<std::string>& args);
+struct KernelArgs {
+  uint64_t elements = 0;    // >= 1
+  uint64_t threads = 0;     // CPU threads; 0: one per core
+  int cuda_device = -1;     // -1: the CPU backend
+  uint64_t iterations = 0;  // >= 1
+};
+absl::StatusOr<nlohmann::json> KernelBench(const KernelArgs& args);
+
+struct E2eArgs {
+  uint64_t params = 0;   // >= tensors
+  uint64_t tensors = 0;  // >= 1
+  uint64_t steps = 0;    // >= 1
+  uint64_t chunk_bytes = 0;  // holds one param at least
+  uint64_t threads = 0;  // each server's CPU threads; 0: one per core
+  uint64_t servers = 0;  // 1 to 64
+  uint64_t workers = 0;  // 1 to 64
+};
+absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args);
+
+struct CheckpointArgs {
+  uint64_t elements = 0;  // >= 1
+  std::string dir;        // scratch, emptied first and removed after
+  uint64_t reps = 0;      // >= 1
+};
+absl::StatusOr<nlohmann::json> CheckpointBench(const CheckpointArgs& args);
 
 }  // namespace shardopt::bench

@@ -14,7 +14,7 @@
 #include "bench/benches.h"
 #include "bench/common.h"
 #include "kernels/cpu/cpu_backend.h"
-#include "server/checkpoint.h"
+#include "checkpoint/format.h"
 #include "server/job_store.h"
 
 namespace shardopt::bench {
@@ -63,16 +63,8 @@ absl::Status ReadDisk(const std::string& path, std::vector<char>& buffer) {
 
 }  // namespace
 
-absl::StatusOr<nlohmann::json> CheckpointBench(const std::vector<std::string>& args) {
-  auto flags = Flags::Parse(args, {"elements", "dir", "reps"});
-  if (!flags.ok()) return flags.status();
-  auto elements = flags->Count("elements", uint64_t{1} << 23);
-  auto reps = flags->Count("reps", 3);
-  for (const auto* c : {&elements, &reps}) {
-    if (!c->ok()) return c->status();
-  }
-  if (*elements == 0) return absl::InvalidArgumentError("--elements must be at least 1");
-  const std::string dir = flags->String("dir", fs::temp_directory_path() / "shardopt-checkpoint-bench");
+absl::StatusOr<nlohmann::json> CheckpointBench(const CheckpointArgs& args) {
+  const std::string& dir = args.dir;
   std::error_code ec;
   fs::remove_all(dir, ec);
   fs::create_directories(dir, ec);
@@ -91,18 +83,18 @@ absl::StatusOr<nlohmann::json> CheckpointBench(const std::vector<std::string>& a
   group->set_eps(1e-8f);
   v1::TensorSpec* tensor = job.add_tensors();
   tensor->set_name("w");
-  tensor->set_numel(*elements);
+  tensor->set_numel(args.elements);
   JobStore store(backend.get(), options);
   if (auto r = store.CreateJob(job); !r.ok()) return r.status();
-  std::vector<uint16_t> values(std::min<uint64_t>(*elements, uint64_t{1} << 20));
+  std::vector<uint16_t> values(std::min<uint64_t>(args.elements, uint64_t{1} << 20));
   FillGradients(values.data(), values.size());
   v1::InitChunk chunk;
   chunk.set_job("bench");
   chunk.set_tensor("w");
   chunk.set_dtype(v1::BF16);
-  for (uint64_t off = 0; off < *elements; off += values.size()) {
+  for (uint64_t off = 0; off < args.elements; off += values.size()) {
     chunk.set_offset(off);
-    chunk.set_data(values.data(), std::min<uint64_t>(values.size(), *elements - off) * 2);
+    chunk.set_data(values.data(), std::min<uint64_t>(values.size(), args.elements - off) * 2);
     if (auto st = store.Init(chunk); !st.ok()) return st;
   }
 
@@ -112,7 +104,7 @@ absl::StatusOr<nlohmann::json> CheckpointBench(const std::vector<std::string>& a
   std::vector<char> buffer(8 << 20, 'x');
   const std::string disk_file = dir + "/sequential";
   auto best = BestOfInterleaved(
-      *reps, {
+      args.reps, {
                  [&]() -> absl::Status {
                    // A complete step is never written twice: start from none,
                    // the removal charged to the checkpoint's own time.
@@ -147,9 +139,9 @@ absl::StatusOr<nlohmann::json> CheckpointBench(const std::vector<std::string>& a
   const double bytes = static_cast<double>(part_bytes);
   return nlohmann::json{
       {"benchmark", "checkpoint"},
-      {"elements", *elements},
+      {"elements", args.elements},
       {"part_bytes", part_bytes},
-      {"reps", *reps},
+      {"reps", args.reps},
       {"write_seconds", (*best)[0]},
       {"read_seconds", (*best)[1]},
       {"write_bytes_per_second", bytes / (*best)[0]},

@@ -4,55 +4,36 @@
 #include <chrono>
 #include <limits>
 
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 
 namespace shardopt::bench {
 
-absl::StatusOr<Flags> Flags::Parse(const std::vector<std::string>& args, std::initializer_list<const char*> known) {
-  Flags flags;
-  for (const std::string& arg : args) {
-    const size_t eq = arg.find('=');
-    if (!absl::StartsWith(arg, "--") || eq == std::string::npos) {
-      return absl::InvalidArgumentError(absl::StrCat("expected --name=value, got '", arg, "'"));
-    }
-    const std::string name = arg.substr(2, eq - 2);
-    if (std::find_if(known.begin(), known.end(), [&](const char* k) { return name == k; }) == known.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("unknown flag --", name, "; this subcommand takes --", absl::StrJoin(known, ", --")));
-    }
-    flags.values_[name] = arg.substr(eq + 1);
-  }
-  return flags;
-}
-
-absl::StatusOr<uint64_t> Flags::Count(const std::string& name, uint64_t fallback) const {
-  auto it = values_.find(name);
-  if (it == values_.end()) return fallback;
-  std::string text = it->second;
+bool AbslParseFlag(absl::string_view text, Count* count, std::string* error) {
   uint64_t value = 0;
-  if (absl::StartsWith(text, "2^")) {
-    if (absl::SimpleAtoi(text.substr(2), &value) && value < 64) return uint64_t{1} << value;
+  if (absl::ConsumePrefix(&text, "2^")) {
+    if (absl::SimpleAtoi(text, &value) && value < 64) {
+      count->value = uint64_t{1} << value;
+      return true;
+    }
   } else {
     int shift = 0;
     if (!text.empty()) {
       const char suffix = text.back();
       shift = suffix == 'K' ? 10 : suffix == 'M' ? 20 : suffix == 'G' ? 30 : 0;
-      if (shift > 0) text.pop_back();
+      if (shift > 0) text.remove_suffix(1);
     }
     if (absl::SimpleAtoi(text, &value) && value <= (std::numeric_limits<uint64_t>::max() >> shift)) {
-      return value << shift;
+      count->value = value << shift;
+      return true;
     }
   }
-  return absl::InvalidArgumentError(absl::StrCat("--", name, "=", it->second, " is not a count (say 1000, 64M or 2^26)"));
+  *error = "not a count (say 1000, 64M or 2^26)";
+  return false;
 }
 
-std::string Flags::String(const std::string& name, const std::string& fallback) const {
-  auto it = values_.find(name);
-  return it == values_.end() ? fallback : it->second;
-}
+std::string AbslUnparseFlag(Count count) { return absl::StrCat(count.value); }
 
 void FillGradients(uint16_t* out, uint64_t n) {
   uint64_t x = 0x9E3779B97F4A7C15ull;

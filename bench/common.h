@@ -1,31 +1,25 @@
-// What the subcommands of shardopt-bench share: --name=value flags, a
+// What the subcommands of shardopt-bench share: counts on the command line, a
 // gradient payload, and best-of timing.
 #pragma once
 
 #include <cstdint>
 #include <functional>
-#include <initializer_list>
-#include <map>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace shardopt::bench {
 
-class Flags {
- public:
-  // Every argument must be --name=value, with a name from `known`.
-  static absl::StatusOr<Flags> Parse(const std::vector<std::string>& args,
-                                     std::initializer_list<const char*> known);
-  // A count: digits with an optional binary suffix (K, M, G), or 2^k.
-  absl::StatusOr<uint64_t> Count(const std::string& name, uint64_t fallback) const;
-  std::string String(const std::string& name, const std::string& fallback) const;
-
- private:
-  std::map<std::string, std::string> values_;
+// A count flag's value: digits with an optional binary suffix (K, M, G), or
+// 2^k, so that a size reads as it is meant: 64M, 2^26.
+struct Count {
+  uint64_t value = 0;
 };
+bool AbslParseFlag(absl::string_view text, Count* count, std::string* error);
+std::string AbslUnparseFlag(Count count);
 
 // bf16 bits of positive values in [2^-10, 1), from a fixed seed. Positive,
 // so that the roofline's v += g keeps v positive and neither loop meets a

@@ -15,7 +15,7 @@
 #include "server/job_store.h"
 #include "server/service.h"
 #include "shardopt/client.h"
-#include "shardopt/grpc_edge.h"
+#include "rpc/grpc_edge.h"
 
 namespace shardopt::bench {
 
@@ -23,37 +23,20 @@ namespace {
 constexpr uint64_t kBytesPerParam = 2;  // bf16 gradients up, bf16 params down
 }  // namespace
 
-absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args) {
-  auto flags = Flags::Parse(args, {"params", "tensors", "steps", "chunk_bytes", "threads", "servers", "workers"});
-  if (!flags.ok()) return flags.status();
-  auto params = flags->Count("params", uint64_t{64} << 20);
-  auto tensors = flags->Count("tensors", 1);
-  auto steps = flags->Count("steps", 5);
-  auto chunk_bytes = flags->Count("chunk_bytes", 1 << 20);
-  auto threads = flags->Count("threads", 0);
-  auto servers = flags->Count("servers", 1);
-  auto workers = flags->Count("workers", 1);
-  for (const auto* c : {&params, &tensors, &steps, &chunk_bytes, &threads, &servers, &workers}) {
-    if (!c->ok()) return c->status();
-  }
-  if (*servers == 0 || *servers > 64 || *workers == 0 || *workers > 64) {
-    return absl::InvalidArgumentError("need 1 <= --servers, --workers <= 64");
-  }
-  if (*tensors == 0 || *params < *tensors) return absl::InvalidArgumentError("need 1 <= --tensors <= --params");
-  if (*chunk_bytes < kBytesPerParam) return absl::InvalidArgumentError("--chunk_bytes must hold one param");
+absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args) {
   TuneAllocatorForStreaming();  // the process holds the echoes too, not only the client
 
   // S servers and W worker clients, all in this process: one step is every
   // worker pushing the whole model (split over the servers) and reading it
   // back, as in plain parameter-server aggregation.
   CpuBackendOptions backend_options;
-  backend_options.threads = static_cast<int>(*threads);
+  backend_options.threads = static_cast<int>(args.threads);
   std::vector<std::unique_ptr<Backend>> backends;
   std::vector<std::unique_ptr<JobStore>> stores;
   std::vector<std::unique_ptr<RunningServer>> running;
   ClientOptions client_options;
-  client_options.chunk_bytes = *chunk_bytes;
-  for (uint64_t s = 0; s < *servers; ++s) {
+  client_options.chunk_bytes = args.chunk_bytes;
+  for (uint64_t s = 0; s < args.servers; ++s) {
     backends.push_back(MakeCpuBackend(backend_options));
     stores.push_back(std::make_unique<JobStore>(backends.back().get()));
     ServerOptions server_options;
@@ -65,13 +48,14 @@ absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args) {
   }
   JobOptions job;
   job.name = "bench";
-  job.world_size = static_cast<uint32_t>(*workers);
+  job.world_size = static_cast<uint32_t>(args.workers);
   job.groups = {GroupOptions{}};
-  for (uint64_t i = 0; i < *tensors; ++i) {
-    job.tensors.push_back({absl::StrCat("t", i), *params / *tensors + (i + 1 == *tensors ? *params % *tensors : 0)});
+  for (uint64_t i = 0; i < args.tensors; ++i) {
+    const uint64_t numel = args.params / args.tensors + (i + 1 == args.tensors ? args.params % args.tensors : 0);
+    job.tensors.push_back({absl::StrCat("t", i), numel});
   }
   std::vector<std::unique_ptr<Client>> clients;
-  for (uint64_t w = 0; w < *workers; ++w) {
+  for (uint64_t w = 0; w < args.workers; ++w) {
     client_options.rank = static_cast<uint32_t>(w);
     auto client = Client::Connect(client_options);
     if (!client.ok()) return client.status();
@@ -80,9 +64,9 @@ absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args) {
   }
   auto& client = clients.front();
 
-  const uint64_t bytes = *params * kBytesPerParam;
-  std::vector<uint16_t> grads(*params);
-  std::vector<uint16_t> bf16_params(*params);
+  const uint64_t bytes = args.params * kBytesPerParam;
+  std::vector<uint16_t> grads(args.params);
+  std::vector<uint16_t> bf16_params(args.params);
   FillGradients(grads.data(), grads.size());
   std::vector<GradView> grad_views;
   std::vector<ParamView> param_views;
@@ -120,7 +104,7 @@ absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args) {
     return absl::OkStatus();
   };
   auto best = BestOfInterleaved(
-      *steps, {
+      args.steps, {
                   step_all,
                   // The same step again in its phases, which run back to back,
                   // to show where a step's time goes.
@@ -138,8 +122,8 @@ absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args) {
                     return client->Commit(phased_step, step_options.lr, decision.gscale, decision.skip,
                                              param_views);
                   },
-                  [&] { return (*grpc_echo)->Run(src, grpc_dst.data(), bytes, *chunk_bytes); },
-                  [&] { return (*tcp_echo)->Run(src, tcp_dst.data(), bytes, *chunk_bytes); },
+                  [&] { return (*grpc_echo)->Run(src, grpc_dst.data(), bytes, args.chunk_bytes); },
+                  [&] { return (*tcp_echo)->Run(src, tcp_dst.data(), bytes, args.chunk_bytes); },
               });
   if (!best.ok()) return best.status();
   if (std::memcmp(grpc_dst.data(), src, bytes) != 0 || std::memcmp(tcp_dst.data(), src, bytes) != 0) {
@@ -148,31 +132,31 @@ absl::StatusOr<nlohmann::json> E2eBench(const std::vector<std::string>& args) {
   const double step_seconds = (*best)[0];
   const double echo_seconds = (*best)[3];
   const double tcp_seconds = (*best)[4];
-  const double n = static_cast<double>(*params);
+  const double n = static_cast<double>(args.params);
   return nlohmann::json{
       {"benchmark", "e2e"},
       {"device", backends.front()->Describe()},
-      {"servers", *servers},
-      {"workers", *workers},
-      {"params", *params},
-      {"tensors", *tensors},
-      {"chunk_bytes", *chunk_bytes},
+      {"servers", args.servers},
+      {"workers", args.workers},
+      {"params", args.params},
+      {"tensors", args.tensors},
+      {"chunk_bytes", args.chunk_bytes},
       {"bytes_each_way", bytes},
-      {"steps", *steps},
+      {"steps", args.steps},
       {"step_seconds", step_seconds},
       {"push_seconds", clients.size() > 1 ? nlohmann::json() : nlohmann::json((*best)[1])},
       {"commit_seconds", clients.size() > 1 ? nlohmann::json() : nlohmann::json((*best)[2])},
       // Every worker's gradient up and params down, over all links.
-      {"wire_bytes_per_step", bytes * 2 * *workers},
-      {"wire_bytes_per_second", static_cast<double>(bytes * 2 * *workers) / step_seconds},
+      {"wire_bytes_per_step", bytes * 2 * args.workers},
+      {"wire_bytes_per_second", static_cast<double>(bytes * 2 * args.workers) / step_seconds},
       {"echo_seconds", echo_seconds},
       {"tcp_echo_seconds", tcp_seconds},
       {"params_per_second", n / step_seconds},
       {"echo_params_per_second", n / echo_seconds},
       {"tcp_echo_params_per_second", n / tcp_seconds},
       // The echoes move one worker's bytes; a step moves every worker's.
-      {"fraction_of_echo", echo_seconds * static_cast<double>(*workers) / step_seconds},
-      {"fraction_of_tcp", tcp_seconds * static_cast<double>(*workers) / step_seconds},
+      {"fraction_of_echo", echo_seconds * static_cast<double>(args.workers) / step_seconds},
+      {"fraction_of_tcp", tcp_seconds * static_cast<double>(args.workers) / step_seconds},
   };
 }
 

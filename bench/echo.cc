@@ -17,7 +17,7 @@
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
-#include "shardopt/grpc_edge.h"
+#include "rpc/grpc_edge.h"
 
 namespace shardopt::bench {
 

@@ -5,8 +5,6 @@
 #include <thread>
 #include <vector>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "bench/benches.h"
 #include "bench/common.h"
@@ -87,23 +85,9 @@ absl::StatusOr<nlohmann::json> CpuKernelBench(uint64_t threads, uint64_t element
 
 }  // namespace
 
-absl::StatusOr<nlohmann::json> KernelBench(const std::vector<std::string>& args) {
-  auto flags = Flags::Parse(args, {"elements", "threads", "device", "iterations"});
-  if (!flags.ok()) return flags.status();
-  auto elements = flags->Count("elements", uint64_t{1} << 26);
-  auto threads = flags->Count("threads", 0);
-  auto iterations = flags->Count("iterations", 30);
-  for (const auto* c : {&elements, &threads, &iterations}) {
-    if (!c->ok()) return c->status();
-  }
-  if (*elements == 0) return absl::InvalidArgumentError("--elements must be at least 1");
-  const std::string device = flags->String("device", "cpu");
-  if (device == "cpu") return CpuKernelBench(*threads, *elements, *iterations);
-  int index = 0;
-  if (device == "cuda" || (absl::StartsWith(device, "cuda:") && absl::SimpleAtoi(device.substr(5), &index))) {
-    return CudaKernelBench(index, *elements, *iterations);
-  }
-  return absl::InvalidArgumentError(absl::StrCat("--device must be cpu, cuda or cuda:N, got ", device));
+absl::StatusOr<nlohmann::json> KernelBench(const KernelArgs& args) {
+  if (args.cuda_device >= 0) return CudaKernelBench(args.cuda_device, args.elements, args.iterations);
+  return CpuKernelBench(args.threads, args.elements, args.iterations);
 }
 
 }  // namespace shardopt::bench

@@ -1,21 +1,155 @@
 // shardopt-bench: the benchmarks of DESIGN.md's performance budget. Each
 // subcommand prints one JSON object on stdout; a failure prints one with an
-// "error" key and exits 1.
+// "error" key and exits 1. A bad argument exits 2, printing no JSON.
 #include <algorithm>
+#include <filesystem>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "bench/benches.h"
+#include "bench/common.h"
+#include "tools/flags.h"
+
+using shardopt::bench::Count;
+
+// Every flag is optional, with its default applied by the subcommand, so that
+// a flag that only another subcommand takes is refused rather than ignored.
+ABSL_FLAG(std::optional<Count>, elements, std::nullopt,
+          "kernel: elements updated (default 2^26); checkpoint: elements of the job's one tensor (default 2^23)");
+ABSL_FLAG(std::optional<Count>, threads, std::nullopt, "kernel, e2e: CPU backend threads (default 0: one per core)");
+ABSL_FLAG(std::optional<std::string>, device, std::nullopt, "kernel: cpu, cuda or cuda:N (default cpu)");
+ABSL_FLAG(std::optional<Count>, iterations, std::nullopt, "kernel: timed runs, the best one kept (default 30)");
+ABSL_FLAG(std::optional<Count>, params, std::nullopt, "e2e: the model's params (default 64M)");
+ABSL_FLAG(std::optional<Count>, tensors, std::nullopt, "e2e: tensors the params are split into (default 1)");
+ABSL_FLAG(std::optional<Count>, steps, std::nullopt, "e2e: timed steps, the best one kept (default 5)");
+ABSL_FLAG(std::optional<Count>, chunk_bytes, std::nullopt, "e2e: bytes per gRPC message (default 1M)");
+ABSL_FLAG(std::optional<Count>, servers, std::nullopt, "e2e: servers, 1 to 64 (default 1)");
+ABSL_FLAG(std::optional<Count>, workers, std::nullopt, "e2e: worker clients, 1 to 64 (default 1)");
+ABSL_FLAG(std::optional<std::string>, dir, std::nullopt,
+          "checkpoint: a scratch directory, emptied first and removed after (default shardopt-checkpoint-bench "
+          "in the temporary directory)");
+ABSL_FLAG(std::optional<Count>, reps, std::nullopt, "checkpoint: timed runs, the best one kept (default 3)");
+
+namespace {
+
+namespace bench = shardopt::bench;
+
+constexpr char kUsage[] =
+    "the benchmarks of DESIGN.md's performance budget; each prints one JSON object.\n"
+    "usage:\n"
+    "  shardopt-bench kernel [--elements=N] [--threads=N] [--device=cpu|cuda|cuda:N] [--iterations=N]\n"
+    "  shardopt-bench e2e [--params=N] [--tensors=N] [--steps=N] [--chunk_bytes=N] [--threads=N] [--servers=N]\n"
+    "                     [--workers=N]\n"
+    "  shardopt-bench checkpoint [--elements=N] [--dir=DIR] [--reps=N]\n"
+    "A count N is digits with an optional K, M or G (binary), or 2^k: 1000, 64M, 2^26.";
+
+uint64_t Get(const absl::Flag<std::optional<Count>>& flag, uint64_t fallback) {
+  const std::optional<Count> count = absl::GetFlag(flag);
+  return count ? count->value : fallback;
+}
+
+// Refuses the flags that were given and `command` does not take.
+void CheckFlagsOf(const std::string& command, const std::vector<std::string>& takes) {
+  const std::vector<std::pair<std::string, bool>> given = {
+      {"elements", absl::GetFlag(FLAGS_elements).has_value()},
+      {"threads", absl::GetFlag(FLAGS_threads).has_value()},
+      {"device", absl::GetFlag(FLAGS_device).has_value()},
+      {"iterations", absl::GetFlag(FLAGS_iterations).has_value()},
+      {"params", absl::GetFlag(FLAGS_params).has_value()},
+      {"tensors", absl::GetFlag(FLAGS_tensors).has_value()},
+      {"steps", absl::GetFlag(FLAGS_steps).has_value()},
+      {"chunk_bytes", absl::GetFlag(FLAGS_chunk_bytes).has_value()},
+      {"servers", absl::GetFlag(FLAGS_servers).has_value()},
+      {"workers", absl::GetFlag(FLAGS_workers).has_value()},
+      {"dir", absl::GetFlag(FLAGS_dir).has_value()},
+      {"reps", absl::GetFlag(FLAGS_reps).has_value()},
+  };
+  for (const auto& [name, was_given] : given) {
+    if (was_given && std::find(takes.begin(), takes.end(), name) == takes.end()) {
+      shardopt::UsageError(absl::StrCat(command, " does not take --", name, "; it takes --",
+                                        absl::StrJoin(takes, ", --")));
+    }
+  }
+}
+
+absl::StatusOr<nlohmann::json> Kernel() {
+  CheckFlagsOf("kernel", {"elements", "threads", "device", "iterations"});
+  bench::KernelArgs args;
+  args.elements = Get(FLAGS_elements, uint64_t{1} << 26);
+  args.threads = Get(FLAGS_threads, 0);
+  args.iterations = Get(FLAGS_iterations, 30);
+  if (args.elements == 0) shardopt::UsageError("--elements must be at least 1");
+  if (args.iterations == 0) shardopt::UsageError("--iterations must be at least 1");
+  const std::string device = absl::GetFlag(FLAGS_device).value_or("cpu");
+  absl::string_view index = device;
+  if (device == "cuda") {
+    args.cuda_device = 0;
+  } else if (absl::ConsumePrefix(&index, "cuda:")) {
+    if (!absl::SimpleAtoi(index, &args.cuda_device) || args.cuda_device < 0) args.cuda_device = -1;
+  }
+  if (device != "cpu" && args.cuda_device < 0) {
+    shardopt::UsageError(absl::StrCat("--device must be cpu, cuda or cuda:N, got '", device, "'"));
+  }
+  return bench::KernelBench(args);
+}
+
+absl::StatusOr<nlohmann::json> E2e() {
+  CheckFlagsOf("e2e", {"params", "tensors", "steps", "chunk_bytes", "threads", "servers", "workers"});
+  bench::E2eArgs args;
+  args.params = Get(FLAGS_params, uint64_t{64} << 20);
+  args.tensors = Get(FLAGS_tensors, 1);
+  args.steps = Get(FLAGS_steps, 5);
+  args.chunk_bytes = Get(FLAGS_chunk_bytes, 1 << 20);
+  args.threads = Get(FLAGS_threads, 0);
+  args.servers = Get(FLAGS_servers, 1);
+  args.workers = Get(FLAGS_workers, 1);
+  if (args.servers == 0 || args.servers > 64 || args.workers == 0 || args.workers > 64) {
+    shardopt::UsageError("need 1 <= --servers, --workers <= 64");
+  }
+  if (args.tensors == 0 || args.params < args.tensors) shardopt::UsageError("need 1 <= --tensors <= --params");
+  if (args.steps == 0) shardopt::UsageError("--steps must be at least 1");
+  if (args.chunk_bytes < 2) shardopt::UsageError("--chunk_bytes must hold one param, 2 bytes");
+  return bench::E2eBench(args);
+}
+
+absl::StatusOr<nlohmann::json> Checkpoint() {
+  CheckFlagsOf("checkpoint", {"elements", "dir", "reps"});
+  bench::CheckpointArgs args;
+  args.elements = Get(FLAGS_elements, uint64_t{1} << 23);
+  args.dir = absl::GetFlag(FLAGS_dir).value_or(std::filesystem::temp_directory_path() / "shardopt-checkpoint-bench");
+  args.reps = Get(FLAGS_reps, 3);
+  if (args.elements == 0) shardopt::UsageError("--elements must be at least 1");
+  if (args.reps == 0) shardopt::UsageError("--reps must be at least 1");
+  return bench::CheckpointBench(args);
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
-  const std::string command = argc > 1 ? argv[1] : "";
-  const std::vector<std::string> args(argv + std::min(argc, 2), argv + argc);
-  absl::StatusOr<nlohmann::json> result =
-      command == "kernel" ? shardopt::bench::KernelBench(args)
-      : command == "e2e"  ? shardopt::bench::E2eBench(args)
-      : command == "checkpoint" ? shardopt::bench::CheckpointBench(args)
-                          : absl::InvalidArgumentError("usage: shardopt-bench kernel|e2e|checkpoint [--name=value ...]");
+  const std::vector<std::string> args = shardopt::ParseFlags(argc, argv, kUsage);
+  if (args.empty()) shardopt::UsageError(absl::StrCat("no subcommand given\n", kUsage));
+  if (args.size() > 1) {
+    shardopt::UsageError(absl::StrCat("unexpected arguments after the subcommand: ",
+                                      absl::StrJoin(args.begin() + 1, args.end(), " ")));
+  }
+  const std::string& command = args[0];
+  absl::StatusOr<nlohmann::json> result;
+  if (command == "kernel") {
+    result = Kernel();
+  } else if (command == "e2e") {
+    result = E2e();
+  } else if (command == "checkpoint") {
+    result = Checkpoint();
+  } else {
+    shardopt::UsageError(absl::StrCat("unknown subcommand '", command, "'\n", kUsage));
+  }
   if (!result.ok()) {
     std::cout << nlohmann::json{{"benchmark", command}, {"error", result.status().ToString()}}.dump() << std::endl;
     return 1;

@@ -12,7 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
 #include "client/wire.h"
-#include "shardopt/grpc_edge.h"
+#include "rpc/grpc_edge.h"
 #include "shardopt/safetensors.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 

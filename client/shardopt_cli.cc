@@ -3,6 +3,7 @@
 //   shardopt --server=HOST:PORT read JOB TENSOR master|exp_avg|exp_avg_sq|param [OFFSET [COUNT]]
 //   shardopt --server=HOST:PORT drop JOB
 //   shardopt export --checkpoint_dir=DIR [--step=N] [--dtype=fp32|bf16] JOB OUT.safetensors
+//   shardopt help [VERB]
 // export reads a complete checkpoint from disk, no server needed, and writes
 // each tensor's master: fp32 exactly (a BF16 group's bf16 master widened,
 // exactly), or rounded to bf16 with --dtype=bf16.
@@ -14,25 +15,73 @@
 
 #include <map>
 
+#include "absl/flags/flag.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "google/protobuf/util/json_util.h"
 #include "kernels/adamw_math.h"
-#include "server/checkpoint.h"
+#include "checkpoint/format.h"
 #include "shardopt/safetensors.h"
 #include "grpcpp/grpcpp.h"
-#include "shardopt/grpc_edge.h"
+#include "rpc/grpc_edge.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
+#include "tools/flags.h"
+
+ABSL_FLAG(std::string, server, "localhost:50051", "describe, drop, read: the server, HOST:PORT");
+ABSL_FLAG(std::string, checkpoint_dir, "", "export: the servers' --checkpoint_dir, where the checkpoint is");
+ABSL_FLAG(uint64_t, step, 0, "export: the checkpoint's step; 0 is the newest complete one");
+ABSL_FLAG(std::string, dtype, "fp32", "export: fp32 (the master exactly) or bf16 (rounded to nearest even)");
 
 namespace v1 = shardopt::v1;
 
 namespace {
 
-int Usage() {
-  std::cerr << "usage: shardopt [--server=HOST:PORT] describe JOB\n"
-               "       shardopt [--server=HOST:PORT] read JOB TENSOR master|exp_avg|exp_avg_sq|param [OFFSET [COUNT]]\n"
-               "       shardopt [--server=HOST:PORT] drop JOB\n"
-               "       shardopt export --checkpoint_dir=DIR [--step=N] [--dtype=fp32|bf16] JOB OUT.safetensors\n";
-  return 2;
+struct Verb {
+  const char* name;
+  const char* synopsis;     // what follows "shardopt "
+  const char* description;  // for `shardopt help VERB`
+  size_t min_args, max_args;  // after the verb
+};
+
+constexpr Verb kVerbs[] = {
+    {"describe", "[--server=HOST:PORT] describe JOB",
+     "Prints the job as the server holds it (step, groups, tensors, memory, device) as JSON.", 1, 1},
+    {"drop", "[--server=HOST:PORT] drop JOB", "Drops the job and its state from the server.", 1, 1},
+    {"read", "[--server=HOST:PORT] read JOB TENSOR master|exp_avg|exp_avg_sq|param [OFFSET [COUNT]]",
+     "Prints one state array of the server's shard of TENSOR, one value per line: the master, Adam's m\n"
+     "(exp_avg) or v (exp_avg_sq), as the job holds them, or the bf16 params of the last commit. OFFSET\n"
+     "(default 0) counts elements from the start of the server's shard; COUNT (default 0) is how many, 0\n"
+     "meaning to the shard's end.",
+     3, 5},
+    {"export", "export --checkpoint_dir=DIR [--step=N] [--dtype=fp32|bf16] JOB OUT.safetensors",
+     "Writes each tensor's master from a complete checkpoint under DIR (the newest, or step N) to a\n"
+     "safetensors file: fp32 exactly, or rounded to bf16. Reads the disk; no server is needed.",
+     2, 2},
+    {"help", "help [VERB]", "Prints the usage, or VERB's.", 0, 1},
+};
+
+const Verb* FindVerb(const std::string& name) {
+  for (const Verb& verb : kVerbs) {
+    if (name == verb.name) return &verb;
+  }
+  return nullptr;
+}
+
+std::string Usage() {
+  std::string usage = "the shardopt admin command line\nusage:\n";
+  for (const Verb& verb : kVerbs) absl::StrAppend(&usage, "  shardopt ", verb.synopsis, "\n");
+  absl::StrAppend(&usage, "'shardopt help VERB' describes VERB; 'shardopt --help' lists the flags.");
+  return usage;
+}
+
+uint64_t ParseCount(const Verb& verb, const char* what, const std::string& text) {
+  uint64_t value = 0;
+  if (!absl::SimpleAtoi(text, &value)) {
+    shardopt::UsageError(absl::StrCat(verb.name, ": ", what, " must be a number of elements, got '", text,
+                                      "'\nusage: shardopt ", verb.synopsis));
+  }
+  return value;
 }
 
 int Fail(const absl::Status& st) {
@@ -48,29 +97,23 @@ int Export(const std::string& dir, uint64_t step, bool bf16, const std::string& 
   if (!at.ok()) return Fail(at.status());
   auto part = shardopt::checkpoint::Load(dir, at->spec, at->step, log);
   if (!part.ok()) return Fail(part.status());
+  namespace checkpoint = shardopt::checkpoint;
   std::vector<shardopt::SafetensorsTensor> tensors;
-  uint64_t offset = 0;
+  const std::vector<uint64_t> sections = checkpoint::SectionOffsets(part->manifest);
+  std::vector<float> master;
   for (int s = 0; s < part->manifest.shards_size(); ++s) {
     const uint64_t n = at->spec.shards(s).length();
-    const bool held_bf16 = part->manifest.shards(s).dtype() == v1::BF16;
-    const char* master = part->data.data() + offset;  // the section's first array
-    offset += shardopt::checkpoint::SectionBytes(part->manifest, s);
+    master.resize(n);
+    checkpoint::DecodeArray(part->data.data() + checkpoint::ArrayOffset(sections, part->manifest, s, checkpoint::Array::kMaster),
+                            n, part->manifest.shards(s).dtype(), master.data());
     shardopt::SafetensorsTensor t{at->spec.shards(s).tensor(), bf16 ? "BF16" : "F32", {n}, {}};
     t.data.resize(n * (bf16 ? 2 : 4));
-    for (uint64_t i = 0; i < n; ++i) {
-      float x;
-      if (held_bf16) {
-        uint16_t h;
-        std::memcpy(&h, master + 2 * i, 2);
-        x = shardopt::math::bf16_to_float(h);
-      } else {
-        std::memcpy(&x, master + 4 * i, 4);
-      }
-      if (bf16) {
-        const uint16_t h = shardopt::math::float_to_bf16(x);
+    if (!bf16) {
+      std::memcpy(t.data.data(), master.data(), n * 4);
+    } else {
+      for (uint64_t i = 0; i < n; ++i) {
+        const uint16_t h = shardopt::math::float_to_bf16(master[i]);
         std::memcpy(t.data.data() + 2 * i, &h, 2);
-      } else {
-        std::memcpy(t.data.data() + 4 * i, &x, 4);
       }
     }
     tensors.push_back(std::move(t));
@@ -86,34 +129,64 @@ int Export(const std::string& dir, uint64_t step, bool bf16, const std::string& 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string server = "localhost:50051";
-  std::string checkpoint_dir;
-  uint64_t step = 0;
-  bool bf16 = false;
-  std::vector<std::string> args;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], "--server=", 9) == 0) {
-      server = argv[i] + 9;
-    } else if (std::strncmp(argv[i], "--checkpoint_dir=", 17) == 0) {
-      checkpoint_dir = argv[i] + 17;
-    } else if (std::strncmp(argv[i], "--step=", 7) == 0) {
-      if (!absl::SimpleAtoi(argv[i] + 7, &step)) return Usage();
-    } else if (std::strcmp(argv[i], "--dtype=bf16") == 0 || std::strcmp(argv[i], "--dtype=fp32") == 0) {
-      bf16 = std::strcmp(argv[i], "--dtype=bf16") == 0;
-    } else {
-      args.emplace_back(argv[i]);
+  const std::string usage = Usage();
+  const std::vector<std::string> args = shardopt::ParseFlags(argc, argv, usage);
+  if (args.empty()) shardopt::UsageError(absl::StrCat("no verb given\n", usage));
+  const Verb* verb = FindVerb(args[0]);
+  if (verb == nullptr) shardopt::UsageError(absl::StrCat("unknown verb '", args[0], "'\n", usage));
+  const size_t n = args.size() - 1;
+  if (n < verb->min_args || n > verb->max_args) {
+    const std::string what = n < verb->min_args ? "too few arguments"
+                             : absl::StrCat("too many arguments: ",
+                                            absl::StrJoin(args.begin() + 1 + verb->max_args, args.end(), " "));
+    shardopt::UsageError(absl::StrCat(verb->name, ": ", what, "\nusage: shardopt ", verb->synopsis));
+  }
+  const std::string command = verb->name;
+
+  if (command == "help") {
+    if (n == 0) {
+      std::cout << usage << "\n";
+      return 0;
     }
+    const Verb* about = FindVerb(args[1]);
+    if (about == nullptr) shardopt::UsageError(absl::StrCat("help: unknown verb '", args[1], "'\n", usage));
+    std::cout << "usage: shardopt " << about->synopsis << "\n" << about->description << "\n";
+    return 0;
   }
-  if (args.size() < 2) return Usage();
-  if (args[0] == "export") {
-    if (args.size() != 3 || checkpoint_dir.empty()) return Usage();
-    return Export(checkpoint_dir, step, bf16, args[1], args[2]);
+  if (command == "export") {
+    const std::string dtype = absl::GetFlag(FLAGS_dtype);
+    if (dtype != "fp32" && dtype != "bf16") {
+      shardopt::UsageError(absl::StrCat("--dtype must be fp32 or bf16, got '", dtype, "'"));
+    }
+    const std::string checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+    if (checkpoint_dir.empty()) {
+      shardopt::UsageError(absl::StrCat("export needs --checkpoint_dir\nusage: shardopt ", verb->synopsis));
+    }
+    return Export(checkpoint_dir, absl::GetFlag(FLAGS_step), dtype == "bf16", args[1], args[2]);
   }
+
+  // Every argument is checked before the server is contacted.
+  v1::ReadRequest read;
+  if (command == "read") {
+    read.set_job(args[1]);
+    read.set_tensor(args[2]);
+    const std::map<std::string, v1::StateKind> kinds = {
+        {"master", v1::MASTER}, {"exp_avg", v1::EXP_AVG}, {"exp_avg_sq", v1::EXP_AVG_SQ}, {"param", v1::PARAM_BF16}};
+    const auto kind = kinds.find(args[3]);
+    if (kind == kinds.end()) {
+      shardopt::UsageError(absl::StrCat("read: the state is master, exp_avg, exp_avg_sq or param, not '", args[3],
+                                        "'\nusage: shardopt ", verb->synopsis));
+    }
+    read.set_kind(kind->second);
+    if (n > 3) read.set_offset(ParseCount(*verb, "OFFSET", args[4]));
+    if (n > 4) read.set_length(ParseCount(*verb, "COUNT", args[5]));
+  }
+
   grpc::ChannelArguments channel_args;
   shardopt::TuneChannelArguments(&channel_args);
-  auto stub = v1::Optimizer::NewStub(grpc::CreateCustomChannel(server, grpc::InsecureChannelCredentials(), channel_args));
+  auto stub = v1::Optimizer::NewStub(
+      grpc::CreateCustomChannel(absl::GetFlag(FLAGS_server), grpc::InsecureChannelCredentials(), channel_args));
   grpc::ClientContext ctx;
-  const std::string& command = args[0];
 
   if (command == "describe") {
     v1::DescribeRequest req;
@@ -136,39 +209,28 @@ int main(int argc, char** argv) {
     std::cout << "dropped " << args[1] << "\n";
     return 0;
   }
-  if (command == "read" && args.size() >= 4) {
-    v1::ReadRequest req;
-    req.set_job(args[1]);
-    req.set_tensor(args[2]);
-    const std::string& kind = args[3];
-    req.set_kind(kind == "master" ? v1::MASTER : kind == "exp_avg" ? v1::EXP_AVG
-                 : kind == "exp_avg_sq" ? v1::EXP_AVG_SQ : kind == "param" ? v1::PARAM_BF16
-                 : v1::STATE_KIND_UNSPECIFIED);
-    if (args.size() > 4) req.set_offset(std::stoull(args[4]));
-    if (args.size() > 5) req.set_length(std::stoull(args[5]));
-    auto reader = stub->Read(&ctx, req);
-    v1::StateChunk chunk;
-    while (reader->Read(&chunk)) {
-      const std::string& d = chunk.data();
-      if (chunk.dtype() == v1::FP32) {
-        for (size_t i = 0; i + 4 <= d.size(); i += 4) {
-          float x;
-          std::memcpy(&x, d.data() + i, 4);
-          std::printf("%.9g\n", x);
-        }
-      } else {
-        for (size_t i = 0; i + 2 <= d.size(); i += 2) {
-          uint16_t h;
-          std::memcpy(&h, d.data() + i, 2);
-          uint32_t u = uint32_t{h} << 16;
-          float x;
-          std::memcpy(&x, &u, 4);
-          std::printf("%.9g\n", x);
-        }
+  // read
+  auto reader = stub->Read(&ctx, read);
+  v1::StateChunk chunk;
+  while (reader->Read(&chunk)) {
+    const std::string& d = chunk.data();
+    if (chunk.dtype() == v1::FP32) {
+      for (size_t i = 0; i + 4 <= d.size(); i += 4) {
+        float x;
+        std::memcpy(&x, d.data() + i, 4);
+        std::printf("%.9g\n", x);
+      }
+    } else {
+      for (size_t i = 0; i + 2 <= d.size(); i += 2) {
+        uint16_t h;
+        std::memcpy(&h, d.data() + i, 2);
+        uint32_t u = uint32_t{h} << 16;
+        float x;
+        std::memcpy(&x, &u, 4);
+        std::printf("%.9g\n", x);
       }
     }
-    if (auto st = reader->Finish(); !st.ok()) return Fail(st);
-    return 0;
   }
-  return Usage();
+  if (auto st = reader->Finish(); !st.ok()) return Fail(st);
+  return 0;
 }

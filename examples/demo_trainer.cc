@@ -3,7 +3,7 @@
 // BF16 state. The learning rate keeps each gain update below half of bf16's
 // spacing at 1.0, so with bf16 state the gains never leave 1.0.
 //
-//   demo_trainer --server=127.0.0.1:50051 [--steps=300] [--csv=demo_curves.csv]
+//   demo_trainer --server=127.0.0.1:50051 [--steps=300] [--print_every=25] [--csv=demo_curves.csv]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -13,7 +13,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "shardopt/client.h"
+#include "tools/flags.h"
+
+ABSL_FLAG(std::string, server, "127.0.0.1:50051", "the shardopt server, HOST:PORT");
+ABSL_FLAG(int, steps, 300, "training steps of each arm");
+ABSL_FLAG(int, print_every, 25, "print the losses every this many steps");
+ABSL_FLAG(std::string, csv, "demo_curves.csv", "where the loss curves go");
 
 namespace {
 
@@ -111,21 +118,20 @@ struct Arm {
   double loss = 0;
 };
 
-std::string Flag(int argc, char** argv, const std::string& name, const std::string& fallback) {
-  const std::string prefix = "--" + name + "=";
-  for (int i = 1; i < argc; ++i) {
-    if (std::strncmp(argv[i], prefix.c_str(), prefix.size()) == 0) return argv[i] + prefix.size();
-  }
-  return fallback;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  const std::string server = Flag(argc, argv, "server", "127.0.0.1:50051");
-  const int steps = std::stoi(Flag(argc, argv, "steps", "300"));
-  const int every = std::stoi(Flag(argc, argv, "print_every", "25"));
-  const std::string csv_path = Flag(argc, argv, "csv", "demo_curves.csv");
+  const std::vector<std::string> args = shardopt::ParseFlags(
+      argc, argv,
+      "the demo: a small bf16 model trained through a shardopt server twice, with FP32 and with BF16 optimizer "
+      "state.\nusage: demo_trainer --server=HOST:PORT [--steps=N] [--print_every=N] [--csv=FILE]");
+  if (!args.empty()) shardopt::UsageError("takes no arguments, only flags");
+  const std::string server = absl::GetFlag(FLAGS_server);
+  const int steps = absl::GetFlag(FLAGS_steps);
+  const int every = absl::GetFlag(FLAGS_print_every);
+  const std::string csv_path = absl::GetFlag(FLAGS_csv);
+  if (steps < 1) shardopt::UsageError("--steps must be at least 1");
+  if (every < 1) shardopt::UsageError("--print_every must be at least 1");
   const double lr = 1e-3;  // Adam's step is ~lr: below 2^-9, half of bf16's spacing just under 1.0
 
   // A teacher whose gains are not 1: the student starts with the teacher's

@@ -6,11 +6,15 @@ set -euo pipefail
 # Pinned where the build depends on the exact API: gRPC 1.51, protobuf 3.21,
 # Abseil 20220623 (Debian 12's versions).
 packages=(
-  build-essential cmake ninja-build ccache pkg-config
+  build-essential cmake ninja-build ccache
+  pkg-config  # gRPC's CMake config finds re2 through it
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
-  libssl-dev nlohmann-json3-dev
+  libgtest-dev libgmock-dev
+  # gRPC's CMake config calls find_package(OpenSSL) and its targets link
+  # OpenSSL::SSL, so configuring fails without it (libgrpc-dev pulls it in).
+  libssl-dev
+  nlohmann-json3-dev
   clang
 )
 # The outside-reference test compares against torch.optim.AdamW.

@@ -6,17 +6,19 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/gpu.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/device.h"
 #include "server/service.h"
-#include "shardopt/grpc_edge.h"
+#include "rpc/grpc_edge.h"
+#include "tools/flags.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
 ABSL_FLAG(int, port, 50051, "port to listen on; 0 picks an ephemeral port");
@@ -34,8 +36,19 @@ void OnSignal(int) { sem_post(&g_stop); }  // async-signal-safe
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage("shardopt optimizer server");
-  absl::ParseCommandLine(argc, argv);
+  const std::vector<std::string> args = shardopt::ParseFlags(
+      argc, argv,
+      "one shardopt optimizer server: keeps the fp32 state of its shards of each job and runs AdamW on it.\n"
+      "usage: shardopt-server [--host=ADDRESS] [--port=N] [--device=auto|cpu|cuda|cuda:N] [--checkpoint_dir=DIR]");
+  if (!args.empty()) {
+    shardopt::UsageError(absl::StrCat("takes no arguments, only flags; got '", absl::StrJoin(args, " "), "'"));
+  }
+  if (const int port = absl::GetFlag(FLAGS_port); port < 0 || port > 65535) {
+    shardopt::UsageError(absl::StrCat("--port=", port, " is not a port (0 to 65535; 0 picks one)"));
+  }
+  if (absl::GetFlag(FLAGS_threads) < 0) shardopt::UsageError("--threads must be 0 (one per core) or more");
+  if (absl::GetFlag(FLAGS_max_message_bytes) <= 0) shardopt::UsageError("--max_message_bytes must be positive");
+  if (absl::GetFlag(FLAGS_barrier_timeout_ms) <= 0) shardopt::UsageError("--barrier_timeout_ms must be positive");
   shardopt::TuneAllocatorForStreaming();
 
   auto backend = shardopt::MakeBackend(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_threads));

@@ -4,7 +4,7 @@
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
-#include "shardopt/grpc_edge.h"
+#include "rpc/grpc_edge.h"
 
 namespace shardopt {
 

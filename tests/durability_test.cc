@@ -14,7 +14,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "shardopt/client.h"
-#include "shardopt/grpc_edge.h"
+#include "rpc/grpc_edge.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tests/testing/scripted_trainer.h"
 #include "tests/testing/server_process.h"

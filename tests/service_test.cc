@@ -15,7 +15,7 @@
 #include "gtest/gtest.h"
 #include "kernels/adamw_math.h"
 #include "shardopt/client.h"
-#include "shardopt/grpc_edge.h"
+#include "rpc/grpc_edge.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/server_process.h"

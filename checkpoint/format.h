@@ -42,9 +42,24 @@ struct Part {
   std::string data;
 };
 
+// The data's layout, owned here alone: shard by shard in the manifest's
+// order, a section of three arrays (master, m, v), each `length` elements of
+// the shard's dtype (FP32, or BF16 for a BF16 group's state, exactly).
+enum class Array { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2 };
+inline constexpr Array kArrays[] = {Array::kMaster, Array::kExpAvg, Array::kExpAvgSq};
+
 // Bytes of one shard's section (master, m and v) and of one of its arrays.
 uint64_t ArrayBytes(const v1::PartManifest& m, int shard);
 inline uint64_t SectionBytes(const v1::PartManifest& m, int shard) { return 3 * ArrayBytes(m, shard); }
+// Where each shard's section starts in the data; the last entry is its size.
+std::vector<uint64_t> SectionOffsets(const v1::PartManifest& m);
+inline uint64_t ArrayOffset(const std::vector<uint64_t>& sections, const v1::PartManifest& m, int shard, Array a) {
+  return sections[shard] + static_cast<uint64_t>(a) * ArrayBytes(m, shard);
+}
+// One array's elements in the on-disk dtype, from floats that the dtype holds
+// exactly (a BF16 shard's state is bf16 values held as floats), and back.
+void AppendArray(std::string* data, const float* values, uint64_t count, v1::DType dtype);
+void DecodeArray(const char* bytes, uint64_t count, v1::DType dtype, float* out);
 
 std::string StepDirectory(const std::string& root, const std::string& job, uint64_t step);
 // The job's directory under the root: its name %-escaped. It must fit in one

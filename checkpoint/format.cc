@@ -1,4 +1,4 @@
-#include "server/checkpoint.h"
+#include "checkpoint/format.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -253,11 +253,7 @@ int TensorIndex(const v1::CreateJobRequest& spec, const std::string& name) {
   return -1;
 }
 
-uint64_t DataBytes(const v1::PartManifest& m) {
-  uint64_t total = 0;
-  for (int s = 0; s < m.shards_size(); ++s) total += SectionBytes(m, s);
-  return total;
-}
+uint64_t DataBytes(const v1::PartManifest& m) { return SectionOffsets(m).back(); }
 
 // A part file's manifest, and where and how big its data is.
 struct PartHead {
@@ -455,6 +451,40 @@ uint64_t ArrayBytes(const v1::PartManifest& m, int shard) {
   return m.spec().shards(shard).length() * (m.shards(shard).dtype() == v1::FP32 ? 4 : 2);
 }
 
+std::vector<uint64_t> SectionOffsets(const v1::PartManifest& m) {
+  std::vector<uint64_t> offsets(1, 0);
+  for (int s = 0; s < m.shards_size(); ++s) offsets.push_back(offsets.back() + SectionBytes(m, s));
+  return offsets;
+}
+
+void AppendArray(std::string* data, const float* values, uint64_t count, v1::DType dtype) {
+  if (dtype == v1::FP32) {
+    data->append(reinterpret_cast<const char*>(values), count * 4);
+    return;
+  }
+  const size_t at = data->size();
+  data->resize(at + count * 2);
+  for (uint64_t i = 0; i < count; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &values[i], 4);
+    const uint16_t h = static_cast<uint16_t>(u >> 16);  // exact: the value is a bf16 one
+    std::memcpy(data->data() + at + 2 * i, &h, 2);
+  }
+}
+
+void DecodeArray(const char* bytes, uint64_t count, v1::DType dtype, float* out) {
+  if (dtype == v1::FP32) {
+    std::memcpy(out, bytes, count * 4);
+    return;
+  }
+  for (uint64_t i = 0; i < count; ++i) {
+    uint16_t h;
+    std::memcpy(&h, bytes + 2 * i, 2);
+    const uint32_t u = uint32_t{h} << 16;
+    std::memcpy(&out[i], &u, 4);
+  }
+}
+
 std::string StepDirectory(const std::string& root, const std::string& job, uint64_t step) {
   return absl::StrFormat("%s/%s/step-%020u", root, JobDirectoryName(job), step);
 }
@@ -538,22 +568,21 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
     out.data = *std::move(data);
     return out;
   }
-  std::vector<uint64_t> section_offset;
   for (const v1::ShardRange& s : spec.shards()) {
     const int t = TensorIndex(spec, s.tensor());
     v1::ShardSection* section = m.add_shards();
     section->set_dtype(spec.groups(spec.tensors(t).group()).precision() == v1::PRECISION_BF16 ? v1::BF16 : v1::FP32);
-    section_offset.push_back(out.data.size());
-    out.data.resize(out.data.size() + SectionBytes(m, m.shards_size() - 1));
   }
+  const std::vector<uint64_t> to_sections = SectionOffsets(m);
+  out.data.resize(to_sections.back());
 
   std::vector<uint64_t> filled(spec.shards_size(), 0);
   std::vector<bool> step_known(spec.shards_size(), false);
   for (const PartHead& p : committed->parts) {
     std::optional<std::string> data;  // read only when the part overlaps this placement
     const v1::PartManifest& src = p.manifest;
-    uint64_t src_offset = 0;
-    for (int ss = 0; ss < src.shards_size(); src_offset += SectionBytes(src, ss), ++ss) {
+    const std::vector<uint64_t> from_sections = SectionOffsets(src);
+    for (int ss = 0; ss < src.shards_size(); ++ss) {
       const v1::ShardRange& from = src.spec().shards(ss);
       for (int ds = 0; ds < spec.shards_size(); ++ds) {
         const v1::ShardRange& to = spec.shards(ds);
@@ -578,9 +607,9 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
           data = *std::move(read);
         }
         const uint64_t esize = ArrayBytes(src, ss) / from.length();
-        for (int k = 0; k < 3; ++k) {  // master, m, v
-          std::memcpy(out.data.data() + section_offset[ds] + k * ArrayBytes(m, ds) + (begin - to.offset()) * esize,
-                      data->data() + src_offset + k * ArrayBytes(src, ss) + (begin - from.offset()) * esize,
+        for (Array a : kArrays) {
+          std::memcpy(out.data.data() + ArrayOffset(to_sections, m, ds, a) + (begin - to.offset()) * esize,
+                      data->data() + ArrayOffset(from_sections, src, ss, a) + (begin - from.offset()) * esize,
                       (end - begin) * esize);
         }
         filled[ds] += end - begin;

@@ -1,4 +1,4 @@
-#include "shardopt/grpc_edge.h"
+#include "rpc/grpc_edge.h"
 
 #include <malloc.h>
 

@@ -1,0 +1,219 @@
+#include "server/commit_stream.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardopt {
+namespace {
+
+absl::StatusOr<CommitArgs> CheckArgs(const Job& job, const v1::CommitRequest& req) {
+  if (!std::isfinite(req.lr()) || req.lr() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("lr must be finite and >= 0, got ", req.lr()));
+  }
+  if (!std::isfinite(req.gscale())) {
+    return absl::InvalidArgumentError(absl::StrCat("gscale must be finite, got ", req.gscale()));
+  }
+  if (req.group_lr_size() != 0 && req.group_lr_size() != job.spec.groups_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("group_lr has ", req.group_lr_size(), " entries; job '", job.name(),
+                                                   "' has ", job.spec.groups_size(), " groups"));
+  }
+  for (double lr : req.group_lr()) {
+    if (!std::isfinite(lr) || lr < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("every group_lr must be finite and >= 0, got ", lr));
+    }
+  }
+  return CommitArgs{req.lr(), req.gscale(), req.skip(), {req.group_lr().begin(), req.group_lr().end()}};
+}
+
+// A piece of one shard: the unit of applying and of streaming.
+struct Piece {
+  uint32_t shard;
+  uint64_t offset;
+  uint64_t length;
+};
+
+// One commit call's walk through step t's pieces.
+class CommitStream {
+ public:
+  CommitStream(Job& job, uint64_t t, const CommitArgs& args, const CommitOptions& options)
+      : job_(job), t_(t), args_(args), options_(options) {
+    for (uint32_t si = 0; si < job.shards.size(); ++si) {
+      for (uint64_t off = 0; off < job.shards[si].length; off += options.piece_elements) {
+        pieces_.push_back({si, off, std::min(options.piece_elements, job.shards[si].length - off)});
+      }
+    }
+  }
+
+  // Checks the step against the job's, and starts applying it if this is
+  // the step's first commit.
+  absl::Status Open() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
+    if (auto st = job_.CheckNotDropped(); !st.ok()) return st;
+    if (!job_.failed.ok()) return job_.failed;
+    if (t_ > job_.step + 1) {
+      return absl::OutOfRangeError(absl::StrCat("job '", job_.name(), "' is at step ", job_.step, "; commit of step ",
+                                                t_, " is in the future"));
+    }
+    if (t_ == 0 || t_ < job_.step) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", job_.name(), "' is at step ", job_.step,
+                                                        "; commit of step ", t_,
+                                                        " is stale; Read PARAM_BF16 for the current params"));
+    }
+    if (t_ == job_.step + 1 && !job_.applying) {
+      if (options_.draining) {
+        return absl::UnavailableError(absl::StrCat("the server is shutting down (SIGTERM) and checkpointing job '",
+                                                   job_.name(), "' at step ", job_.step, "; commit step ", t_,
+                                                   " on the restarted server"));
+      }
+      job_.ExpireIfLate(std::chrono::steady_clock::now());
+      if (!job_.round.sealed) {
+        return absl::FailedPreconditionError(absl::StrCat("cannot commit step ", t_, ": its push is incomplete: ",
+                                                          job_.MissingSummary()));
+      }
+      job_.applying = true;
+      job_.apply_args = args_;
+      job_.apply_progress = 0;
+    } else {
+      const CommitArgs& a = t_ == job_.step ? job_.applied : job_.apply_args;
+      if (!(a == args_)) {
+        return absl::AbortedError(absl::StrCat("step ", t_, " was applied with lr=", a.lr, " gscale=", a.gscale,
+                                               " skip=", a.skip, " and ", a.group_lr.size(),
+                                               " group lrs; this commit asks lr=", args_.lr, " gscale=", args_.gscale,
+                                               " skip=", args_.skip, " and ", args_.group_lr.size(),
+                                               " group lrs: ranks disagree"));
+      }
+    }
+    // The step's per-shard scalars, needed only by a commit that may apply.
+    contribution_.assign(job_.shards.size(), -1);
+    if (t_ == job_.step + 1 && !args_.skip) {
+      for (const ShardGrads& sg : job_.round.contributions) {
+        const uint32_t group = job_.spec.tensors(job_.shards[sg.shard].tensor).group();
+        contribution_[sg.shard] = static_cast<int64_t>(scalars_.size());
+        scalars_.push_back(ComputeAdamWScalars(job_.hypers[group], args_.lr_of(group), args_.gscale,
+                                               job_.adam_steps[sg.shard] + 1));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  size_t pieces() const { return pieces_.size(); }
+  absl::Mutex& mu() const ABSL_LOCK_RETURNED(job_.mu) { return job_.mu; }
+
+  // Applies piece k if it is the next one to apply, then reads its params
+  // into `chunk`. ABORTED when the next step has overtaken it.
+  absl::Status Read(uint64_t k, v1::ParamChunk* chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
+    if (auto st = job_.CheckNotDropped(); !st.ok()) return st;
+    if (!job_.failed.ok()) return job_.failed;
+    if (ApplyingStep() && job_.apply_progress == k) {
+      if (auto st = ApplyNext(); !st.ok()) return st;
+    }
+    // Piece k holds step t once t is done and the next step has not yet
+    // been applied past it, or while t is being applied and is past it.
+    const bool applied_past_k = job_.applying && job_.apply_progress > k;
+    const bool holds_t = job_.step == t_ ? !applied_past_k : ApplyingStep() && applied_past_k;
+    if (!holds_t) return absl::AbortedError(absl::StrCat("step ", t_, " was superseded while streaming its params"));
+    const Piece& p = pieces_[k];
+    const uint32_t tensor = job_.shards[p.shard].tensor;
+    chunk->set_step(t_);
+    chunk->set_tensor(job_.spec.tensors(tensor).name());
+    chunk->set_offset(job_.shards[p.shard].offset + p.offset);
+    // FP32 params are the master itself; bf16 ones its rounding.
+    const bool fp32 = job_.fp32_params(tensor);
+    if (fp32) {
+      chunk->set_dtype(v1::FP32);
+    } else {
+      chunk->clear_dtype();  // BF16, as servers sent it before param_dtype existed
+    }
+    std::string* data = chunk->mutable_data();
+    data->resize(p.length * (fp32 ? 4 : 2));
+    absl::Status read = job_.state->ReadState(p.shard, fp32 ? StateKind::kMaster : StateKind::kParamBf16, p.offset,
+                                              p.length, fp32 ? DType::kFp32 : DType::kBf16, data->data());
+    if (!read.ok()) {
+      if (auto st = Finish(); !st.ok()) return st;
+    }
+    return read;
+  }
+
+  // Applies what is left of step t, for a commit whose caller went away.
+  absl::Status Finish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
+    while (ApplyingStep()) {
+      if (auto st = ApplyNext(); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  bool ApplyingStep() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
+    return job_.step + 1 == t_ && job_.applying;
+  }
+
+  // Applies the next piece of step t; the last one completes the step in the
+  // same critical section, so no rank ever sees the job's step between two
+  // pieces.
+  absl::Status ApplyNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
+    const uint64_t k = job_.apply_progress;
+    const Piece& p = pieces_[k];
+    if (const int64_t c = contribution_[p.shard]; c >= 0) {
+      ShardStep step{job_.round.contributions[c], scalars_[c], p.offset, p.length};
+      if (auto st = job_.state->Apply({&step, 1}); !st.ok()) {
+        // Part of the step is applied: the job's state is no step's state.
+        job_.failed = absl::Status(st.code(), absl::StrCat("job '", job_.name(), "' failed while applying step ", t_,
+                                                           ": ", st.message()));
+        job_.applying = false;
+        job_.changed.SignalAll();
+        return job_.failed;
+      }
+    }
+    job_.apply_progress = k + 1;
+    if (k + 1 == pieces_.size()) {
+      for (size_t s = 0; s < contribution_.size(); ++s) {
+        if (contribution_[s] >= 0) ++job_.adam_steps[s];
+      }
+      job_.step = t_;
+      job_.applied = job_.apply_args;
+      job_.applying = false;
+      job_.EndRound();
+    }
+    job_.changed.SignalAll();
+    return absl::OkStatus();
+  }
+
+  Job& job_;
+  const uint64_t t_;
+  const CommitArgs args_;
+  const CommitOptions options_;
+  std::vector<Piece> pieces_;
+  std::vector<int64_t> contribution_;  // [shard]: index into scalars_ and round.contributions, or -1
+  std::vector<math::AdamWScalars> scalars_;
+};
+
+}  // namespace
+
+absl::Status CommitAndStream(Job& job, const v1::CommitRequest& req, const CommitOptions& options,
+                             const std::function<bool(const v1::ParamChunk&)>& emit) {
+  auto args = CheckArgs(job, req);
+  if (!args.ok()) return args.status();
+  CommitStream stream(job, req.step(), *args, options);
+  {
+    absl::MutexLock lock(&stream.mu());
+    if (auto st = stream.Open(); !st.ok()) return st;
+  }
+  v1::ParamChunk chunk;
+  for (uint64_t k = 0; k < stream.pieces(); ++k) {
+    {
+      absl::MutexLock lock(&stream.mu());
+      if (auto st = stream.Read(k, &chunk); !st.ok()) return st;
+    }
+    if (!emit(chunk)) {
+      absl::MutexLock lock(&stream.mu());
+      if (auto st = stream.Finish(); !st.ok()) return st;
+      return absl::CancelledError("the caller stopped reading the params");
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardopt

@@ -1,0 +1,153 @@
+#include "server/job.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "server/job_spec.h"
+#include "server/messages.h"
+
+namespace shardopt {
+namespace {
+
+bool SameBits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
+
+}  // namespace
+
+bool CommitArgs::operator==(const CommitArgs& o) const {
+  if (!SameBits(lr, o.lr) || !SameBits(gscale, o.gscale) || skip != o.skip) return false;
+  return std::equal(group_lr.begin(), group_lr.end(), o.group_lr.begin(), o.group_lr.end(),
+                    [](double a, double b) { return SameBits(a, b); });
+}
+
+Job::Job(const v1::CreateJobRequest& s) : spec(s), barrier_timeout(absl::Milliseconds(s.barrier_timeout_ms())) {}
+
+absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spec, Backend* backend) {
+  std::shared_ptr<Job> job(new Job(spec));
+  for (const v1::Group& g : spec.groups()) {
+    job->hypers.push_back({g.beta1(), g.beta2(), g.eps(), g.weight_decay(), g.lr_multiplier()});
+  }
+  job->shard_of_tensor.assign(spec.tensors_size(), -1);
+  for (int i = 0; i < spec.tensors_size(); ++i) job->tensor_index[spec.tensors(i).name()] = i;
+  JobLayout layout;
+  layout.world_size = spec.world_size();
+  // One slot dtype per job: fp32 as soon as any tensor pushes fp32, with
+  // bf16 pushes widened exactly into it (JobState::WriteGrad).
+  layout.grad_dtype = *FromProto(spec.grad_dtype());
+  for (const v1::TensorSpec& t : spec.tensors()) {
+    if (t.param_dtype() == v1::FP32) layout.grad_dtype = DType::kFp32;
+  }
+  for (const v1::ShardRange& s : spec.shards()) {
+    const uint32_t t = job->tensor_index[s.tensor()];
+    job->shard_of_tensor[t] = static_cast<int64_t>(job->shards.size());
+    job->shards.push_back({t, s.offset(), s.length()});
+    const bool bf16 = spec.groups(spec.tensors(t).group()).precision() == v1::PRECISION_BF16;
+    layout.shards.push_back({s.length(), bf16 ? Precision::kBf16 : Precision::kFp32});
+  }
+  auto state = backend->Allocate(layout);
+  if (!state.ok()) return state.status();
+  absl::MutexLock lock(&job->mu);
+  job->state = *std::move(state);
+  job->adam_steps.assign(job->shards.size(), 0);
+  job->init_cover.resize(job->shards.size());
+  job->uninitialized_shards = job->shards.size();
+  return job;
+}
+
+void Job::StartRound(std::chrono::steady_clock::time_point now) {
+  round.active = true;
+  round.deadline = now + absl::ToChronoNanoseconds(barrier_timeout);
+  round.covered.assign(world_size(), std::vector<IntervalSet>(shards.size()));
+  round.no_grad.assign(world_size(), std::vector<bool>(shards.size(), false));
+  round.finished.assign(world_size(), false);
+  round.sessions.assign(world_size(), 0);
+}
+
+void Job::EndRound() {
+  const uint64_t epoch = round.epoch + 1;
+  round = Round{};
+  round.epoch = epoch;
+  changed.SignalAll();
+}
+
+void Job::ExpireIfLate(std::chrono::steady_clock::time_point now) {
+  if (round.active && !round.sealed && now >= round.deadline) EndRound();
+}
+
+void Job::WaitUntil(const std::function<bool()>& done, std::chrono::steady_clock::time_point deadline) {
+  // absl's timed waits take the wall clock; waiting at most a second at a
+  // time bounds what a step of it can do to a steady deadline.
+  while (!done()) {
+    const auto left = deadline - std::chrono::steady_clock::now();
+    if (left <= std::chrono::steady_clock::duration::zero()) return;
+    changed.WaitWithTimeout(&mu, std::min(absl::FromChrono(left), absl::Seconds(1)));
+  }
+}
+
+void Job::AwaitWholeStep() {
+  while (applying && !dropped) changed.Wait(&mu);
+}
+
+std::string Job::MissingSummary() const {
+  if (!round.active) return absl::StrCat("no rank has pushed step ", step + 1);
+  std::vector<uint32_t> missing;
+  for (uint32_t r = 0; r < world_size(); ++r) {
+    if (!round.finished[r]) missing.push_back(r);
+  }
+  std::string out = absl::StrCat("ranks {", absl::StrJoin(missing, ", "), "} of ", world_size(),
+                                 " have not finished pushing step ", step + 1);
+  if (missing.empty()) return out;
+  const uint32_t r = missing.front();
+  for (size_t s = 0; s < shards.size(); ++s) {
+    if (round.no_grad[r][s]) continue;
+    if (auto gap = round.covered[r][s].FirstGap(0, shards[s].length)) {
+      absl::StrAppend(&out, "; rank ", r, " lacks tensor '", tensor_name(shards[s]), "' elements ",
+                      Range(shards[s].offset + gap->first, shards[s].offset + gap->second));
+      break;
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<uint32_t> Job::LocateRange(const std::string& tensor, uint64_t offset, uint64_t count) const {
+  auto it = tensor_index.find(tensor);
+  if (it == tensor_index.end()) {
+    return absl::NotFoundError(absl::StrCat("job '", name(), "' has no tensor ", Quote(tensor)));
+  }
+  const int64_t si = shard_of_tensor[it->second];
+  const uint64_t numel = spec.tensors(it->second).numel();
+  if (offset > numel || count > numel - offset) {
+    return absl::OutOfRangeError(absl::StrCat("tensor ", Quote(tensor), " has ", numel, " elements; range ",
+                                              Range(offset, offset + count), " is past its end"));
+  }
+  if (si < 0) {
+    return absl::OutOfRangeError(absl::StrCat("tensor '", tensor, "' has no shard on this server"));
+  }
+  const OwnedShard& s = shards[si];
+  if (offset < s.offset || offset + count > s.offset + s.length) {
+    return absl::OutOfRangeError(absl::StrCat("range ", Range(offset, offset + count), " of tensor '", tensor,
+                                              "' is outside this server's shard ", Range(s.offset, s.offset + s.length)));
+  }
+  return static_cast<uint32_t>(si);
+}
+
+absl::Status Job::CheckStepToPush(uint64_t t) const {
+  if (t == 0 || t + 1 <= step) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", name(), "' is at step ", step, "; step ", t,
+                                                      " is stale; push step ", step + 1));
+  }
+  if (t > step + 1) {
+    return absl::OutOfRangeError(absl::StrCat("job '", name(), "' is at step ", step, "; step ", t,
+                                              " is in the future; push step ", step + 1));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Job::CheckNotDropped() const {
+  if (dropped) return absl::NotFoundError(absl::StrCat("job '", name(), "' was dropped"));
+  return absl::OkStatus();
+}
+
+}  // namespace shardopt

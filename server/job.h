@@ -1,0 +1,125 @@
+// One job's data on this server and the lock that guards it. The step
+// protocol's pieces (push_session.h, commit_stream.h, job_snapshot.h) and
+// JobStore work on a Job under its lock; nothing here talks to the network.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "kernels/step_scalars.h"
+#include "server/interval_set.h"
+#include "shardopt/v1/optimizer.pb.h"
+
+namespace shardopt {
+
+// The part of one tensor this server owns.
+struct OwnedShard {
+  uint32_t tensor;  // index into spec.tensors
+  uint64_t offset;  // in the tensor
+  uint64_t length;
+};
+
+// A commit's arguments: what a retry must repeat.
+struct CommitArgs {
+  double lr = 0;
+  float gscale = 0;
+  bool skip = false;
+  std::vector<double> group_lr;  // empty: lr for every group
+
+  double lr_of(uint32_t group) const { return group_lr.empty() ? lr : group_lr[group]; }
+  // Bitwise: a retry must carry the very same numbers.
+  bool operator==(const CommitArgs& other) const;
+};
+
+class Job {
+ public:
+  // A job of a normalized spec (job_spec.h), with its state allocated on
+  // `backend` and no initial values yet.
+  static absl::StatusOr<std::shared_ptr<Job>> Create(const v1::CreateJobRequest& spec, Backend* backend);
+
+  // Fixed at creation, read without the lock.
+  const v1::CreateJobRequest spec;
+  const absl::Duration barrier_timeout;
+  std::vector<AdamWHyper> hypers;                           // per group
+  absl::flat_hash_map<std::string, uint32_t> tensor_index;  // name -> spec.tensors index
+  std::vector<int64_t> shard_of_tensor;                     // -1: not on this server
+  std::vector<OwnedShard> shards;
+
+  const std::string& name() const { return spec.job(); }
+  uint32_t world_size() const { return spec.world_size(); }
+  const std::string& tensor_name(const OwnedShard& s) const { return spec.tensors(s.tensor).name(); }
+  bool fp32_params(uint32_t tensor) const { return spec.tensors(tensor).param_dtype() == v1::FP32; }
+  // Gradients come in the param's dtype for FP32 params, else in the job's.
+  v1::DType grad_dtype(uint32_t tensor) const { return fp32_params(tensor) ? v1::FP32 : spec.grad_dtype(); }
+
+  mutable absl::Mutex mu;
+  // Signalled whenever the round, the step or `applying` changes, or the job is dropped.
+  absl::CondVar changed;
+
+  std::unique_ptr<JobState> state ABSL_PT_GUARDED_BY(mu);
+  bool dropped ABSL_GUARDED_BY(mu) = false;
+  uint64_t step ABSL_GUARDED_BY(mu) = 0;                 // the last step done
+  std::vector<uint64_t> adam_steps ABSL_GUARDED_BY(mu);  // per shard
+  std::vector<IntervalSet> init_cover ABSL_GUARDED_BY(mu);
+  size_t uninitialized_shards ABSL_GUARDED_BY(mu) = 0;
+
+  // The barrier round of step `step + 1`. A round ends sealed (every rank
+  // covered its shards) and then committed, or aborted at its deadline.
+  struct Round {
+    bool active = false;
+    bool sealed = false;
+    uint64_t epoch = 0;
+    // Steady, so that a step of the wall clock cannot end a round early or late.
+    std::chrono::steady_clock::time_point deadline;
+    std::vector<std::vector<IntervalSet>> covered;  // [rank][shard]
+    std::vector<std::vector<bool>> no_grad;         // [rank][shard]
+    std::vector<bool> finished;                     // [rank]
+    uint32_t finished_count = 0;
+    std::vector<uint64_t> sessions;  // [rank]: push streams begun, the latest's number
+    std::vector<ShardGrads> contributions;
+  };
+  Round round ABSL_GUARDED_BY(mu);
+  // The stats of the last sealed round, kept past its commit so that a
+  // retried push of a committed step gets its answer again.
+  uint64_t sealed_step ABSL_GUARDED_BY(mu) = 0;
+  GradStats sealed_stats ABSL_GUARDED_BY(mu);
+
+  CommitArgs applied ABSL_GUARDED_BY(mu);        // of step `step`
+  bool applying ABSL_GUARDED_BY(mu) = false;     // step + 1 is being applied, piece by piece
+  CommitArgs apply_args ABSL_GUARDED_BY(mu);     // of step + 1, while applying
+  uint64_t apply_progress ABSL_GUARDED_BY(mu) = 0;  // pieces of step + 1 applied so far
+  // Set if an apply failed halfway: the state is no step's state.
+  absl::Status failed ABSL_GUARDED_BY(mu);
+
+  void StartRound(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void EndRound() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void ExpireIfLate(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Waits until `done` holds or the steady clock reaches `deadline`.
+  void WaitUntil(const std::function<bool()>& done, std::chrono::steady_clock::time_point deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Waits until no step is half applied, so that what follows sees whole steps.
+  void AwaitWholeStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+  // Which ranks are missing from the round, and the first range one lacks.
+  std::string MissingSummary() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Resolves a tensor name to this server's shard and checks that
+  // [offset, offset+count) in tensor coordinates lies in it.
+  absl::StatusOr<uint32_t> LocateRange(const std::string& tensor, uint64_t offset, uint64_t count) const;
+  absl::Status CheckStepToPush(uint64_t t) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  absl::Status CheckNotDropped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+
+ private:
+  Job(const v1::CreateJobRequest& spec);
+};
+
+}  // namespace shardopt

@@ -1,0 +1,129 @@
+#include "server/job_spec.h"
+
+#include <cmath>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "checkpoint/format.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "server/messages.h"
+
+namespace shardopt {
+
+absl::StatusOr<DType> FromProto(v1::DType d) {
+  switch (d) {
+    case v1::FP32: return DType::kFp32;
+    case v1::BF16: return DType::kBf16;
+    default: return absl::InvalidArgumentError("dtype must be FP32 or BF16");
+  }
+}
+
+v1::DType ToProto(DType d) { return d == DType::kFp32 ? v1::FP32 : v1::BF16; }
+
+absl::Status CheckDataLength(const std::string& data, DType dtype, const std::string& what) {
+  if (data.size() % DTypeSize(dtype) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", data.size(), " bytes is not a whole number of ",
+                                                   DTypeName(dtype), " elements (", DTypeSize(dtype), " B each)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::CreateJobRequest> NormalizeJobSpec(const v1::CreateJobRequest& in, absl::Duration default_barrier) {
+  v1::CreateJobRequest r = in;
+  if (r.job().empty()) return absl::InvalidArgumentError("job name is empty");
+  if (r.job().size() > kMaxNameBytes || checkpoint::JobDirectoryName(r.job()).size() > checkpoint::kMaxFileNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("job name ", Quote(r.job()), " is ", r.job().size(), " bytes; at most ",
+                                                   kMaxNameBytes, ", and ", checkpoint::kMaxFileNameBytes,
+                                                   " once %-escaped for its checkpoint directory"));
+  }
+  if (r.world_size() < 1 || r.world_size() > kMaxWorldSize) {
+    return absl::InvalidArgumentError(absl::StrCat("world_size must be in [1, ", kMaxWorldSize, "], got ", r.world_size()));
+  }
+  if (r.groups_size() == 0) return absl::InvalidArgumentError("a job needs at least one group");
+  for (int i = 0; i < r.groups_size(); ++i) {
+    v1::Group& g = *r.mutable_groups(i);
+    if (g.name().size() > kMaxNameBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("group ", i, "'s name ", Quote(g.name()), " is ", g.name().size(),
+                                                     " bytes; at most ", kMaxNameBytes));
+    }
+    const std::string what = absl::StrCat("group ", i, " ('", g.name(), "'): ");
+    if (!(g.beta1() >= 0 && g.beta1() < 1) || !(g.beta2() >= 0 && g.beta2() < 1)) {
+      return absl::InvalidArgumentError(absl::StrCat(what, "beta1 and beta2 must be in [0, 1)"));
+    }
+    if (!(g.eps() > 0) || !std::isfinite(g.eps())) return absl::InvalidArgumentError(absl::StrCat(what, "eps must be finite and > 0"));
+    if (!(g.weight_decay() >= 0) || !std::isfinite(g.weight_decay())) {
+      return absl::InvalidArgumentError(absl::StrCat(what, "weight_decay must be finite and >= 0"));
+    }
+    if (g.lr_multiplier() == 0) g.set_lr_multiplier(1);
+    if (!(g.lr_multiplier() > 0) || !std::isfinite(g.lr_multiplier())) {
+      return absl::InvalidArgumentError(absl::StrCat(what, "lr_multiplier must be finite and > 0"));
+    }
+    if (g.precision() != v1::PRECISION_FP32 && g.precision() != v1::PRECISION_BF16) {
+      return absl::InvalidArgumentError(absl::StrCat(what, "unknown precision"));
+    }
+  }
+  if (r.tensors_size() == 0) return absl::InvalidArgumentError("a job needs at least one tensor");
+  absl::flat_hash_map<std::string, int> names;
+  for (int i = 0; i < r.tensors_size(); ++i) {
+    const v1::TensorSpec& t = r.tensors(i);
+    if (t.name().empty()) return absl::InvalidArgumentError(absl::StrCat("tensor ", i, " has no name"));
+    if (t.name().size() > kMaxNameBytes) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor ", i, "'s name ", Quote(t.name()), " is ", t.name().size(),
+                                                     " bytes; at most ", kMaxNameBytes));
+    }
+    if (!names.emplace(t.name(), i).second) return absl::InvalidArgumentError(absl::StrCat("tensor name ", Quote(t.name()), " is used twice"));
+    if (t.numel() == 0 || t.numel() > kMaxNumel) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "' has numel ", t.numel(),
+                                                     "; it must be in [1, 2^40]"));
+    }
+    if (t.group() >= static_cast<uint32_t>(r.groups_size())) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "' names group ", t.group(), " of ", r.groups_size()));
+    }
+    // BF16 is the default: spelled as unspecified, so that requests from
+    // before param_dtype existed and checkpoints written then compare equal.
+    if (t.param_dtype() == v1::BF16) r.mutable_tensors(i)->clear_param_dtype();
+    if (t.param_dtype() != v1::DTYPE_UNSPECIFIED && t.param_dtype() != v1::FP32) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "': param_dtype must be FP32 or BF16"));
+    }
+  }
+  if (r.shards_size() == 0) {
+    for (const v1::TensorSpec& t : r.tensors()) {
+      v1::ShardRange* s = r.add_shards();
+      s->set_tensor(t.name());
+      s->set_offset(0);
+      s->set_length(t.numel());
+    }
+  }
+  absl::flat_hash_map<std::string, bool> owned;
+  for (const v1::ShardRange& s : r.shards()) {
+    auto it = names.find(s.tensor());
+    if (it == names.end()) return absl::InvalidArgumentError(absl::StrCat("shard names unknown tensor ", Quote(s.tensor())));
+    if (!owned.emplace(s.tensor(), true).second) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", s.tensor(), "' has two shards on one server"));
+    }
+    const uint64_t numel = r.tensors(it->second).numel();
+    if (s.length() == 0 || s.offset() > numel || s.length() > numel - s.offset()) {
+      return absl::InvalidArgumentError(absl::StrCat("shard ", Range(s.offset(), s.offset() + s.length()), " of tensor '",
+                                                     s.tensor(), "' is empty or past its ", numel, " elements"));
+    }
+  }
+  if (r.grad_dtype() == v1::DTYPE_UNSPECIFIED) r.set_grad_dtype(v1::BF16);
+  if (r.grad_dtype() != v1::FP32 && r.grad_dtype() != v1::BF16) return absl::InvalidArgumentError("unknown grad_dtype");
+  if (r.barrier_timeout_ms() == 0) r.set_barrier_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(default_barrier)));
+  return r;
+}
+
+
+absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
+  std::string diff;
+  google::protobuf::util::MessageDifferencer differ;
+  differ.ReportDifferencesToString(&diff);
+  differ.IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
+  if (!differ.Compare(existing, requested)) {
+    return absl::AlreadyExistsError(absl::StrCat("job '", requested.job(), "' exists with a different configuration (",
+                                                 diff, "); drop it or use another name"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardopt

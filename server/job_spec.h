@@ -1,0 +1,39 @@
+// What a job is: CreateJob's request checked and brought to one normal form,
+// so that two requests compare equal exactly when they mean the same job.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kernels/backend.h"
+#include "shardopt/v1/optimizer.pb.h"
+
+namespace shardopt {
+
+inline constexpr uint32_t kMaxWorldSize = 65536;
+// 2^40 elements (a 1T-parameter tensor): with world_size at most 2^16, every
+// byte count a backend computes stays far below 2^64.
+inline constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
+// Names become file and directory names (checkpoint/format.h) and appear in
+// error messages.
+inline constexpr size_t kMaxNameBytes = 200;
+
+// Fills in defaults (lr_multiplier 1, whole-tensor shards, BF16 gradients,
+// the server's barrier deadline) and checks every field.
+absl::StatusOr<v1::CreateJobRequest> NormalizeJobSpec(const v1::CreateJobRequest& request,
+                                                      absl::Duration default_barrier_timeout);
+
+// OK when `requested` is the job `existing` is, else ALREADY_EXISTS naming
+// the difference. Both are normalized; group names are for messages only.
+absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested);
+
+absl::StatusOr<DType> FromProto(v1::DType d);
+v1::DType ToProto(DType d);
+// INVALID_ARGUMENT unless `data` is a whole number of `dtype` elements.
+absl::Status CheckDataLength(const std::string& data, DType dtype, const std::string& what);
+
+}  // namespace shardopt

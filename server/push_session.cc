@@ -1,0 +1,195 @@
+#include "server/push_session.h"
+
+#include <optional>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "server/job_spec.h"
+#include "server/messages.h"
+
+namespace shardopt {
+
+absl::StatusOr<std::unique_ptr<PushSession>> PushSession::Begin(std::shared_ptr<Job> job, const v1::GradChunk& first) {
+  absl::MutexLock lock(&job->mu);
+  if (first.rank() >= job->world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", first.rank(), " is out of range: job '", job->name(),
+                                                   "' has world_size ", job->world_size()));
+  }
+  const bool resealed = first.step() == job->step && job->sealed_step == job->step && job->step > 0;
+  if (!resealed) {
+    if (auto st = job->CheckStepToPush(first.step()); !st.ok()) return st;
+  }
+  if (job->uninitialized_shards > 0) {
+    for (size_t s = 0; s < job->shards.size(); ++s) {
+      if (auto gap = job->init_cover[s].FirstGap(0, job->shards[s].length)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("tensor '", job->tensor_name(job->shards[s]), "' elements ",
+                         Range(job->shards[s].offset + gap->first, job->shards[s].offset + gap->second),
+                         " have no initial value; stream them with Init before step 1"));
+      }
+    }
+  }
+  return std::unique_ptr<PushSession>(new PushSession(job, first.step(), first.rank()));
+}
+
+PushSession::PushSession(std::shared_ptr<Job> job, uint64_t step, uint32_t rank)
+    : job_(std::move(job)), step_(step), rank_(rank) {}
+
+void PushSession::Start(std::chrono::steady_clock::time_point now) {
+  if (!job_->round.active) job_->StartRound(now);
+  epoch_ = job_->round.epoch;
+  session_ = ++job_->round.sessions[rank_];
+  started_ = true;
+}
+
+// What the stream covered is uncovered again, so that the rank's next stream
+// starts afresh. Not once the rank has finished, nor when a newer stream of
+// the rank (a retry) is under way.
+PushSession::~PushSession() {
+  if (!started_ || answered_) return;
+  absl::MutexLock lock(&job_->mu);
+  if (!job_->round.active || job_->round.epoch != epoch_ || job_->round.sealed || job_->round.finished[rank_] ||
+      job_->round.sessions[rank_] != session_) {
+    return;
+  }
+  job_->round.covered[rank_].assign(job_->shards.size(), IntervalSet());
+}
+
+absl::Status PushSession::Add(const v1::GradChunk& chunk) {
+  if ((!chunk.job().empty() && chunk.job() != job_->name()) || (chunk.step() != 0 && chunk.step() != step_) ||
+      (chunk.rank() != 0 && chunk.rank() != rank_)) {
+    return absl::InvalidArgumentError("job, step and rank must not change within one push stream");
+  }
+  for (const std::string& t : chunk.no_grad()) no_grad_.push_back(t);
+  const bool has_data = !chunk.tensor().empty() || !chunk.data().empty();
+  absl::MutexLock lock(&job_->mu);
+  if (auto st = job_->CheckNotDropped(); !st.ok()) return st;
+  const auto now = std::chrono::steady_clock::now();
+  job_->ExpireIfLate(now);
+  if (started_ && job_->step < step_ && (job_->round.epoch != epoch_ || !job_->round.active)) {
+    return absl::DeadlineExceededError(absl::StrCat("the barrier of step ", step_, " expired before rank ", rank_,
+                                                    "'s push ended; its gradients were discarded: push step ",
+                                                    step_, " again"));
+  }
+  if (!has_data) return absl::OkStatus();
+  auto dtype = FromProto(chunk.dtype());
+  if (!dtype.ok()) return dtype.status();
+  if (auto st = CheckDataLength(chunk.data(), *dtype, "gradient chunk"); !st.ok()) return st;
+  const uint64_t count = chunk.data().size() / DTypeSize(*dtype);
+  auto shard = job_->LocateRange(chunk.tensor(), chunk.offset(), count);
+  if (!shard.ok()) return shard.status();
+  if (const v1::DType want = job_->grad_dtype(job_->shards[*shard].tensor); ToProto(*dtype) != want) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor '", chunk.tensor(), "' of job '", job_->name(), "' takes ",
+                                                   v1::DType_Name(want), " gradients; this chunk is ",
+                                                   v1::DType_Name(chunk.dtype())));
+  }
+  if (job_->step >= step_) return absl::OkStatus();  // a retry of a committed step: already counted
+  if (!started_) Start(now);
+  if (job_->round.sealed) return absl::OkStatus();  // a retry after the barrier: already counted
+  const uint64_t local = chunk.offset() - job_->shards[*shard].offset;
+  if (auto st = job_->state->WriteGrad(*shard, rank_, local, *dtype, chunk.data().data(), count); !st.ok()) return st;
+  job_->round.covered[rank_][*shard].Add(local, local + count);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::PushResponse> PushSession::Finish() {
+  absl::StatusOr<v1::PushResponse> answer = Seal();
+  answered_ = answer.ok();
+  return answer;
+}
+
+v1::PushResponse PushSession::Answer() const {
+  v1::PushResponse r;
+  r.set_step(step_);
+  r.set_sum_squares(job_->sealed_stats.sum_squares);
+  r.set_nonfinite(job_->sealed_stats.nonfinite);
+  return r;
+}
+
+absl::StatusOr<v1::PushResponse> PushSession::Seal() {
+  absl::MutexLock lock(&job_->mu);
+  if (auto st = job_->CheckNotDropped(); !st.ok()) return st;
+  if (job_->step >= step_) {  // a retry of a committed step: its answer, if still kept
+    if (job_->sealed_step == step_) return Answer();
+    return absl::FailedPreconditionError(absl::StrCat("step ", step_, " is stale: job '", job_->name(), "' is at step ", job_->step));
+  }
+  const auto now = std::chrono::steady_clock::now();
+  job_->ExpireIfLate(now);
+  if (!started_) Start(now);
+  if (job_->round.epoch != epoch_) {
+    return absl::DeadlineExceededError(absl::StrCat("the barrier of step ", step_, " expired before rank ", rank_,
+                                                    "'s push ended; push step ", step_, " again"));
+  }
+  if (job_->round.sealed) return Answer();
+
+  // Validate the whole declaration before changing anything.
+  std::vector<uint32_t> no_grad_shards;
+  for (const std::string& t : no_grad_) {
+    auto it = job_->tensor_index.find(t);
+    if (it == job_->tensor_index.end()) {
+      return absl::NotFoundError(absl::StrCat("no_grad names tensor ", Quote(t), ", which job '", job_->name(), "' lacks"));
+    }
+    const int64_t s = job_->shard_of_tensor[it->second];
+    if (s < 0) continue;
+    if (job_->round.covered[rank_][s].FirstGap(0, job_->shards[s].length) !=
+        std::make_optional(std::make_pair(uint64_t{0}, job_->shards[s].length))) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, " both pushed tensor '", t, "' and declared it no_grad"));
+    }
+    no_grad_shards.push_back(static_cast<uint32_t>(s));
+  }
+  std::vector<bool> no_grad(job_->shards.size(), false);
+  for (uint32_t s : no_grad_shards) no_grad[s] = true;
+  for (size_t s = 0; s < job_->shards.size(); ++s) {
+    if (no_grad[s]) continue;
+    if (auto gap = job_->round.covered[rank_][s].FirstGap(0, job_->shards[s].length)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("rank ", rank_, "'s push of step ", step_, " ended without tensor '",
+                       job_->tensor_name(job_->shards[s]), "' elements ",
+                       Range(job_->shards[s].offset + gap->first, job_->shards[s].offset + gap->second),
+                       "; push them or list the tensor in no_grad"));
+    }
+  }
+  job_->round.no_grad[rank_] = std::move(no_grad);
+  if (!job_->round.finished[rank_]) {
+    job_->round.finished[rank_] = true;
+    ++job_->round.finished_count;
+  }
+
+  if (job_->round.finished_count == job_->world_size()) {
+    std::vector<ShardGrads> contributions;
+    for (size_t s = 0; s < job_->shards.size(); ++s) {
+      ShardGrads sg;
+      sg.shard = static_cast<uint32_t>(s);
+      for (uint32_t r = 0; r < job_->world_size(); ++r) {
+        if (!job_->round.no_grad[r][s]) sg.ranks.push_back(r);
+      }
+      if (!sg.ranks.empty()) contributions.push_back(std::move(sg));
+    }
+    auto stats = job_->state->ReduceGrads(contributions);
+    if (!stats.ok()) return stats.status();
+    job_->round.contributions = std::move(contributions);
+    job_->round.sealed = true;
+    job_->sealed_step = step_;
+    job_->sealed_stats = *stats;
+    job_->changed.SignalAll();
+    return Answer();
+  }
+
+  const auto deadline = job_->round.deadline;
+  job_->WaitUntil([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu) {
+    return job_->dropped || job_->round.epoch != epoch_ || job_->round.sealed;
+  }, deadline);
+  if (auto st = job_->CheckNotDropped(); !st.ok()) return st;
+  if (job_->sealed_step == step_ && (job_->round.sealed || job_->step >= step_)) return Answer();
+  if (job_->round.epoch == epoch_) {  // our own deadline: end the round for everyone
+    const std::string missing = job_->MissingSummary();
+    job_->EndRound();
+    return absl::DeadlineExceededError(absl::StrCat("barrier of step ", step_, " timed out after ",
+                                                    absl::FormatDuration(job_->barrier_timeout), ": ", missing,
+                                                    "; nothing was applied: push step ", step_, " again"));
+  }
+  return absl::DeadlineExceededError(absl::StrCat("the barrier of step ", step_,
+                                                  " timed out; nothing was applied: push step ", step_, " again"));
+}
+
+}  // namespace shardopt

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The command lines of shardopt's binaries: --help and `shardopt help` exit 0
+# and print to stdout, --version prints the project's version, and a bad
+# argument exits 2 with a message instead of aborting.
+#   command_line_test.sh CASE VERSION SERVER CLI BENCH DEMO
+set -uo pipefail
+case_name=$1 version=$2 server=$3 cli=$4 bench=$5 demo=$6
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+failures=0
+
+# run EXPECTED_RC CMD...: runs CMD with stdout and stderr kept apart. A
+# command that accepts a bad argument and runs on (a server that starts
+# serving) is stopped after 60 s, and fails with 124.
+run() {
+  local want=$1
+  shift
+  timeout 60 "$@" >"$dir/out" 2>"$dir/err" </dev/null
+  local rc=$?
+  if [[ $rc -ne $want ]]; then
+    echo "FAIL: '$*' exited $rc, want $want"
+    echo "--- stdout:"; head -c 2000 "$dir/out"; echo "--- stderr:"; head -c 2000 "$dir/err"
+    failures=$((failures + 1))
+    return 1
+  fi
+}
+# expect STREAM PATTERN: the last run's stdout or stderr has a line matching PATTERN.
+expect() {
+  if ! grep -qE -- "$2" "$dir/$1"; then
+    echo "FAIL: no line matching '$2' in the $1 of the last command"
+    echo "--- $1:"; head -c 2000 "$dir/$1"
+    failures=$((failures + 1))
+  fi
+}
+# expect_empty STREAM
+expect_empty() {
+  if [[ -s "$dir/$1" ]]; then
+    echo "FAIL: the last command printed to its $1:"; head -c 2000 "$dir/$1"
+    failures=$((failures + 1))
+  fi
+}
+
+case $case_name in
+  server_help)
+    run 0 "$server" --help && expect out '--checkpoint_dir' && expect out '--port_file'
+    ;;
+  cli_help)
+    run 0 "$cli" --help && expect out 'describe' && expect out '--server'
+    run 0 "$cli" help && expect out 'read JOB TENSOR' && expect out 'export'
+    run 0 "$cli" help read && expect out 'read JOB TENSOR' && expect_empty err
+    run 0 "$cli" help export && expect out '--checkpoint_dir'
+    ;;
+  cli_bad_arguments)
+    # Each is refused before any server is contacted.
+    run 2 "$cli" read JOB T master abc && expect err 'abc' && expect_empty out
+    run 2 "$cli" read JOB T master 0 12abc && expect err "12abc"
+    run 2 "$cli" read JOB T momentum && expect err 'momentum'
+    run 2 "$cli" read JOB T && expect err 'read'
+    run 2 "$cli" describe && expect err 'describe'
+    run 2 "$cli" describe JOB extra && expect err 'extra'
+    run 2 "$cli" frobnicate JOB && expect err 'frobnicate'
+    run 2 "$cli" help frobnicate && expect err 'frobnicate'
+    run 2 "$cli" && expect err 'usage'
+    run 2 "$cli" --no_such_flag describe JOB && expect err 'no_such_flag'
+    run 2 "$cli" --step=x export --checkpoint_dir=/nonexistent JOB out.safetensors && expect err 'step'
+    run 2 "$cli" --dtype=fp16 export --checkpoint_dir=/nonexistent JOB out.safetensors && expect err 'fp16'
+    run 2 "$cli" export JOB out.safetensors && expect err 'checkpoint_dir'
+    ;;
+  server_bad_arguments)
+    run 2 "$server" --port=abc && expect err 'port'
+    run 2 "$server" --no_such_flag && expect err 'no_such_flag'
+    run 2 "$server" --port=0 stray && expect err 'stray'
+    ;;
+  version)
+    for binary in "$server" "$cli" "$bench" "$demo"; do
+      [[ -n $binary ]] || continue  # shardopt-bench is optional (SHARDOPT_BUILD_BENCH)
+      run 0 "$binary" --version && expect out "^shardopt ${version//./\\.}\$"
+    done
+    ;;
+  bench_arguments)
+    # A tiny e2e run, the flags' values in both forms.
+    for form in "--servers 3 --workers 2" "--servers=3 --workers=2"; do
+      # shellcheck disable=SC2086  # $form is two words on purpose
+      run 0 "$bench" e2e $form --params=64K --steps=1 && expect out '"servers":3' && expect out '"workers":2'
+    done
+    run 0 "$bench" --help && expect out '--servers'
+    run 2 "$bench" e2e --servers=0 && expect err 'servers'
+    run 2 "$bench" e2e --params=lots && expect err 'params'
+    run 2 "$bench" kernel --servers=3 && expect err 'servers'
+    run 2 "$bench" frobnicate && expect err 'frobnicate'
+    run 2 "$bench" && expect err 'kernel'
+    ;;
+  demo_arguments)
+    run 0 "$demo" --help && expect out '--steps'
+    run 2 "$demo" --steps=abc && expect err 'steps'
+    run 2 "$demo" --print_every=0 && expect err 'print_every'
+    ;;
+  *)
+    echo "unknown case $case_name"
+    exit 2
+    ;;
+esac
+[[ $failures -eq 0 ]]

@@ -1,0 +1,75 @@
+#include "tools/flags.h"
+
+#include <cstdlib>
+#include <iostream>
+
+#include "absl/flags/internal/parse.h"
+#include "absl/flags/internal/usage.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+
+namespace {
+std::string& ProgramName() {
+  static std::string* name = new std::string("shardopt");  // never destroyed: read while exiting
+  return *name;
+}
+}  // namespace
+
+// absl calls this after printing a fatal usage error ("ERROR: Unknown command
+// line flag 'x'"), and then exits 1. Exiting here first gives a bad flag the
+// exit status of every other bad argument, 2. It is absl's declared hook for
+// this (usage_config.h), defined weak in absl.
+extern "C" void ABSL_INTERNAL_C_SYMBOL(AbslInternalReportFatalUsageError)(absl::string_view) {
+  std::cerr << "Try '" << ProgramName() << " --help'." << std::endl;
+  std::exit(2);
+}
+
+namespace shardopt {
+
+std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage) {
+  if (argc > 0) {
+    const absl::string_view path = argv[0];
+    ProgramName() = std::string(path.substr(path.rfind('/') + 1));  // npos + 1 == 0: no directory
+  }
+  absl::SetProgramUsageMessage(usage);
+  absl::FlagsUsageConfig config;
+  // A binary's own flags are the ones not defined by Abseil (--flagfile,
+  // --fromenv, ...); those stay for --helpfull.
+  const auto own = [](absl::string_view file) { return !absl::StrContains(file, "absl/"); };
+  config.contains_help_flags = own;
+  config.contains_helpshort_flags = own;
+  config.version_string = [] { return absl::StrCat("shardopt ", SHARDOPT_VERSION, "\n"); };
+  // Files as the source tree names them ("server/main.cc"), whether the
+  // compiler got an absolute path or one relative to the build directory (as
+  // ccache's CCACHE_BASEDIR rewrites it).
+  config.normalize_filename = [](absl::string_view file) {
+    absl::ConsumePrefix(&file, SHARDOPT_SOURCE_DIR "/");
+    while (absl::ConsumePrefix(&file, "../") || absl::ConsumePrefix(&file, "./")) {
+    }
+    return std::string(file);
+  };
+  absl::SetFlagsUsageConfig(config);
+
+  // absl::ParseCommandLine exits 1 after printing --help, but help that was
+  // asked for is a success. So the usage flags are handled here, through the
+  // internal functions ParseCommandLine itself calls (absl 20220623, Debian
+  // 12's, the version scripts/install-deps.sh pins).
+  const std::vector<char*> args = absl::flags_internal::ParseCommandLineImpl(
+      argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
+      absl::flags_internal::UsageFlagsAction::kIgnoreUsage, absl::flags_internal::OnUndefinedFlag::kAbortIfUndefined);
+  if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) {
+    std::cout.flush();
+    std::exit(0);
+  }
+  return {args.begin() + 1, args.end()};  // args[0] is argv[0]
+}
+
+void UsageError(absl::string_view message) {
+  std::cerr << ProgramName() << ": " << message << "\nTry '" << ProgramName() << " --help'." << std::endl;
+  std::exit(2);
+}
+
+}  // namespace shardopt
