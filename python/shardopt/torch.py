@@ -199,16 +199,14 @@ class RemoteAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_params()
-        group_lr = [float(g["lr"]) for g in self.param_groups]
-        params = [(t.name, self._param_target(t)) for t in self._tensors]
         if self.overlap:
-            push = self._finish_push()
-            decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
-            self._client.commit(self._push_step, group_lr[0], decision.gscale, decision.skip, params, group_lr)
+            decision = self._commit_push()
         else:
+            group_lr = [float(g["lr"]) for g in self.param_groups]
             grads = [(t.name, self._grad_source(t)) for t in self._tensors]
             self._sync_staging()
-            decision = self._client.step(grads, params, group_lr[0], group_lr, self.max_grad_norm, 1.0).decision
+            decision = self._client.step(grads, self._param_targets(), group_lr[0], group_lr, self.max_grad_norm,
+                                         1.0).decision
         for t in self._tensors:
             if not t.in_place():
                 t.param.copy_(t.host_param, non_blocking=True)
@@ -219,11 +217,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         # A push running here had its backward but will get no step(): it is
         # completed as a skipped step so the job can go on.
         if self.overlap and self._client.pushing():
-            push = self._finish_push()
-            decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
-            group_lr = [float(g["lr"]) for g in self.param_groups]
-            params = [(t.name, self._param_target(t)) for t in self._tensors]
-            self._client.commit(self._push_step, group_lr[0], decision.gscale, True, params, group_lr)
+            self._commit_push(skip=True)
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
@@ -357,6 +351,9 @@ class RemoteAdamW(torch.optim.Optimizer):
         if k != len(self._tensors):
             raise ParamsChanged("the optimizer's params changed since its job was created")
 
+    def _param_targets(self):
+        return [(t.name, self._param_target(t)) for t in self._tensors]
+
     def _param_target(self, t):
         """Where the servers' new values of t go: the param itself, or its
         staging buffer."""
@@ -456,6 +453,16 @@ class RemoteAdamW(torch.optim.Optimizer):
                                "overlap pushes each gradient as backward produces it, so it takes one backward "
                                "per step (use overlap=False to accumulate gradients)")
         self._seen.append(k)
+
+    def _commit_push(self, skip=False):
+        """Finishes the running push and commits it, decided as
+        Client::Step decides (skip=True: as a skipped step)."""
+        push = self._finish_push()
+        decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
+        group_lr = [float(g["lr"]) for g in self.param_groups]
+        self._client.commit(self._push_step, group_lr[0], decision.gscale, skip or decision.skip,
+                            self._param_targets(), group_lr)
+        return decision
 
     def _finish_push(self):
         """Marks the gradients no hook delivered (set by hand, or None) and

@@ -16,3 +16,8 @@ assert os.path.dirname(shardopt.__file__).endswith("site/shardopt"), shardopt.__
 assert shardopt.expand_server_pattern("s-{i}.s:1", 2) == ["s-0.s:1", "s-1.s:1"]
 print("imported", shardopt.__file__, "and", shardopt._C.__file__)
 PY
+# The extension takes tensors' addresses; it must not link libtorch.
+if ldd "$scratch"/site/shardopt/_C*.so | grep -i torch; then
+  echo "pip_install_test: the extension links libtorch" >&2
+  exit 1
+fi
