@@ -1,5 +1,5 @@
 // `shardopt-bench e2e`: whole steps through a real server and client, against
-// the ceilings of moving the same bytes (DESIGN.md, "Performance budget"):
+// the ceilings of moving the same bytes (docs/design.md, section 10.2):
 // 2 B/param each way, through a tuned bare gRPC echo and a plain TCP echo.
 // Server, client and echoes share one process, so each pays for the same two
 // cores.

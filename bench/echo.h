@@ -1,7 +1,7 @@
-// The two ceilings that DESIGN.md states end-to-end throughput against: a
-// bare gRPC streaming echo, tuned as the design measured best, and a plain
-// TCP echo. Both send `bytes` from `src` and land the echo in `dst`, with
-// both directions in flight at once.
+// The two ceilings that docs/design.md (section 10.2) states end-to-end
+// throughput against: a bare gRPC streaming echo, tuned as the design
+// measured best, and a plain TCP echo. Both send `bytes` from `src` and land
+// the echo in `dst`, with both directions in flight at once.
 #pragma once
 
 #include <cstdint>

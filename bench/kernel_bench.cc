@@ -1,6 +1,6 @@
 // `shardopt-bench kernel`: the fused AdamW against its roofline, both run in
-// the same process on the same buffers, threads and work split (DESIGN.md,
-// "Performance budget").
+// the same process on the same buffers, threads and work split
+// (docs/design.md, section 10.1).
 #include <algorithm>
 #include <thread>
 #include <vector>
@@ -19,8 +19,8 @@ namespace {
 // Per element: a bf16 gradient and fp32 p, m, v in; p, m, v and a bf16 param out.
 constexpr uint64_t kCpuBytesPerElement = 2 + 12 + 12 + 2;
 
-// On a GPU the roofline is device-to-device copy bandwidth (DESIGN.md);
-// kernels/cuda times both with CUDA events.
+// On a GPU the roofline is device-to-device copy bandwidth (docs/design.md,
+// section 10.1); kernels/cuda times both with CUDA events.
 absl::StatusOr<nlohmann::json> CudaKernelBench(int device, uint64_t elements, uint64_t iterations) {
   auto r = BenchCudaKernel(elements, device, static_cast<int>(iterations));
   if (!r.ok()) return r.status();

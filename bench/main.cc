@@ -1,6 +1,7 @@
-// shardopt-bench: the benchmarks of DESIGN.md's performance budget. Each
-// subcommand prints one JSON object on stdout; a failure prints one with an
-// "error" key and exits 1. A bad argument exits 2, printing no JSON.
+// shardopt-bench: the benchmarks of the performance budgets in
+// docs/design.md (section 10). Each subcommand prints one JSON object on
+// stdout; a failure prints one with an "error" key and exits 1. A bad
+// argument exits 2, printing no JSON.
 #include <algorithm>
 #include <filesystem>
 #include <iostream>
@@ -42,7 +43,7 @@ namespace {
 namespace bench = shardopt::bench;
 
 constexpr char kUsage[] =
-    "the benchmarks of DESIGN.md's performance budget; each prints one JSON object.\n"
+    "the benchmarks of the performance budgets in docs/design.md; each prints one JSON object.\n"
     "usage:\n"
     "  shardopt-bench kernel [--elements=N] [--threads=N] [--device=cpu|cuda|cuda:N] [--iterations=N]\n"
     "  shardopt-bench e2e [--params=N] [--tensors=N] [--steps=N] [--chunk_bytes=N] [--threads=N] [--servers=N]\n"

@@ -15,6 +15,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "google/protobuf/util/message_differencer.h"
 
 namespace shardopt::checkpoint {
@@ -171,30 +172,27 @@ std::string Frame(const google::protobuf::Message& message) {
 // Reads and checks the frame at the start of `path` into `message`; returns
 // the frame's size, where a part's data begins.
 absl::StatusOr<uint64_t> ReadFrame(const std::string& path, google::protobuf::Message* message) {
-  auto head = ReadRange(path, 0, kHeadBytes);
-  if (!head.ok()) return head.status();
-  if (std::memcmp(head->data(), kMagic, sizeof kMagic) != 0) {
+  SHARDOPT_ASSIGN_OR_RETURN(auto head, ReadRange(path, 0, kHeadBytes));
+  if (std::memcmp(head.data(), kMagic, sizeof kMagic) != 0) {
     return absl::DataLossError(absl::StrCat(path, " is not a shardopt checkpoint file (bad magic)"));
   }
-  const uint32_t version = static_cast<uint32_t>(GetLE(head->data() + 8, 4));
+  const uint32_t version = static_cast<uint32_t>(GetLE(head.data() + 8, 4));
   if (version != kFormatVersion) {
     return absl::FailedPreconditionError(absl::StrCat(path, " has checkpoint format version ", version,
                                                       "; this build reads version ", kFormatVersion));
   }
-  const uint64_t length = GetLE(head->data() + 12, 8);
-  auto size = FileSize(path);
-  if (!size.ok()) return size.status();
-  if (length > *size || kHeadBytes + length + 4 > *size) {
+  const uint64_t length = GetLE(head.data() + 12, 8);
+  SHARDOPT_ASSIGN_OR_RETURN(auto size, FileSize(path));
+  if (length > size || kHeadBytes + length + 4 > size) {
     return absl::DataLossError(absl::StrCat(path, " is truncated: its manifest of ", length, " bytes does not fit in ",
-                                            *size, " bytes"));
+                                            size, " bytes"));
   }
-  auto rest = ReadRange(path, kHeadBytes, length + 4);
-  if (!rest.ok()) return rest.status();
-  const uint32_t crc = Crc32c(rest->data(), length, Crc32c(head->data(), kHeadBytes));
-  if (crc != static_cast<uint32_t>(GetLE(rest->data() + length, 4))) {
+  SHARDOPT_ASSIGN_OR_RETURN(auto rest, ReadRange(path, kHeadBytes, length + 4));
+  const uint32_t crc = Crc32c(rest.data(), length, Crc32c(head.data(), kHeadBytes));
+  if (crc != static_cast<uint32_t>(GetLE(rest.data() + length, 4))) {
     return absl::DataLossError(absl::StrCat(path, ": manifest checksum mismatch (crc32c)"));
   }
-  if (!message->ParseFromArray(rest->data(), static_cast<int>(length))) {
+  if (!message->ParseFromArray(rest.data(), static_cast<int>(length))) {
     return absl::DataLossError(absl::StrCat(path, ": manifest does not parse"));
   }
   return kHeadBytes + length + 4;
@@ -267,24 +265,21 @@ struct PartHead {
 absl::StatusOr<PartHead> ReadPartHead(const std::string& path) {
   PartHead h;
   h.path = path;
-  auto offset = ReadFrame(path, &h.manifest);
-  if (!offset.ok()) return offset.status();
-  h.data_offset = *offset;
+  SHARDOPT_ASSIGN_OR_RETURN(auto offset, ReadFrame(path, &h.manifest));
+  h.data_offset = offset;
   if (h.manifest.shards_size() != h.manifest.spec().shards_size()) {
     return absl::DataLossError(absl::StrCat(path, ": manifest has ", h.manifest.shards_size(), " sections for ",
                                             h.manifest.spec().shards_size(), " shards"));
   }
-  auto size = FileSize(path);
-  if (!size.ok()) return size.status();
-  h.file_bytes = *size;
+  SHARDOPT_ASSIGN_OR_RETURN(auto size, FileSize(path));
+  h.file_bytes = size;
   const uint64_t expected = h.data_offset + DataBytes(h.manifest) + 4;
   if (h.file_bytes != expected) {
     return absl::DataLossError(absl::StrCat(path, " is ", h.file_bytes, " bytes; its manifest says ", expected,
                                             h.file_bytes < expected ? " (truncated)" : ""));
   }
-  auto trailer = ReadRange(path, h.file_bytes - 4, 4);
-  if (!trailer.ok()) return trailer.status();
-  h.data_crc = static_cast<uint32_t>(GetLE(trailer->data(), 4));
+  SHARDOPT_ASSIGN_OR_RETURN(auto trailer, ReadRange(path, h.file_bytes - 4, 4));
+  h.data_crc = static_cast<uint32_t>(GetLE(trailer.data(), 4));
   return h;
 }
 
@@ -341,11 +336,10 @@ absl::StatusOr<std::vector<PartHead>> ReadCommitted(const std::string& dir, cons
   }
   if (parts.empty()) return absl::DataLossError(absl::StrCat(dir, "/COMMIT lists no parts"));
   for (const PartHead& p : parts) {
-    if (auto st = SameJob(parts.front().manifest.spec(), p.manifest.spec(), p.path); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(SameJob(parts.front().manifest.spec(), p.manifest.spec(), p.path));
   }
-  auto tiles = Tiles(parts);
-  if (!tiles.ok()) return tiles.status();
-  if (!*tiles) return absl::DataLossError(absl::StrCat(dir, ": the parts COMMIT lists do not cover every tensor"));
+  SHARDOPT_ASSIGN_OR_RETURN(auto tiles, Tiles(parts));
+  if (!tiles) return absl::DataLossError(absl::StrCat(dir, ": the parts COMMIT lists do not cover every tensor"));
   return parts;
 }
 
@@ -364,9 +358,8 @@ std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir) {
 }
 
 absl::StatusOr<std::string> ReadPartData(const PartHead& p) {
-  auto data = ReadRange(p.path, p.data_offset, p.file_bytes - 4 - p.data_offset);
-  if (!data.ok()) return data.status();
-  if (Crc32c(data->data(), data->size()) != p.data_crc) {
+  SHARDOPT_ASSIGN_OR_RETURN(auto data, ReadRange(p.path, p.data_offset, p.file_bytes - 4 - p.data_offset));
+  if (Crc32c(data.data(), data.size()) != p.data_crc) {
     return absl::DataLossError(absl::StrCat(p.path, ": data checksum mismatch (crc32c); not loading it"));
   }
   return data;
@@ -425,9 +418,8 @@ absl::StatusOr<Committed> FindCommitted(const std::string& root, const std::stri
     if (c.marker.job() != job || c.marker.step() != t) {
       return absl::DataLossError(absl::StrCat(c.dir, "/COMMIT is for job '", c.marker.job(), "' step ", c.marker.step()));
     }
-    auto parts = ReadCommitted(c.dir, c.marker);
-    if (!parts.ok()) return parts.status();
-    c.parts = *std::move(parts);
+    SHARDOPT_ASSIGN_OR_RETURN(auto parts, ReadCommitted(c.dir, c.marker));
+    c.parts = std::move(parts);
     return c;
   }
   return absl::NotFoundError(absl::StrCat("no complete checkpoint of job '", job, "' in ", root));
@@ -511,24 +503,22 @@ absl::StatusOr<WriteResult> WritePart(const std::string& root, const Part& part)
   const std::string frame = Frame(part.manifest);
   std::string trailer;
   PutU32(&trailer, Crc32c(part.data.data(), part.data.size()));
-  if (auto st = WriteFileAtomic(result.directory, name, {frame, part.data, trailer}); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(WriteFileAtomic(result.directory, name, {frame, part.data, trailer}));
   // The new entries under root must survive a crash too, up to the job's directory.
   for (const std::string& dir : {fs::path(result.directory).parent_path().string(), root}) {
-    if (auto st = FsyncDirectory(dir); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(dir));
   }
   result.part_bytes = frame.size() + part.data.size() + trailer.size();
 
   std::vector<PartHead> parts;
   for (const auto& entry : fs::directory_iterator(result.directory, ec)) {
     if (!IsPartName(entry.path().filename().string())) continue;
-    auto head = ReadPartHead(entry.path().string());
-    if (!head.ok()) return head.status();
-    if (auto st = SameJob(spec, head->manifest.spec(), head->path); !st.ok()) return st;
-    parts.push_back(*std::move(head));
+    SHARDOPT_ASSIGN_OR_RETURN(auto head, ReadPartHead(entry.path().string()));
+    SHARDOPT_RETURN_IF_ERROR(SameJob(spec, head.manifest.spec(), head.path));
+    parts.push_back(std::move(head));
   }
-  auto tiles = Tiles(parts);
-  if (!tiles.ok()) return tiles.status();
-  if (!*tiles) return result;
+  SHARDOPT_ASSIGN_OR_RETURN(auto tiles, Tiles(parts));
+  if (!tiles) return result;
   v1::CommitMarker marker;
   marker.set_job(spec.job());
   marker.set_step(part.manifest.step());
@@ -538,34 +528,32 @@ absl::StatusOr<WriteResult> WritePart(const std::string& root, const Part& part)
     ref->set_bytes(p.file_bytes);
     ref->set_data_crc32c(p.data_crc);
   }
-  if (auto st = WriteFileAtomic(result.directory, kCommitName, {Frame(marker)}); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(WriteFileAtomic(result.directory, kCommitName, {Frame(marker)}));
   result.complete = true;
   return result;
 }
 
 absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log) {
-  auto committed = FindCommitted(root, spec.job(), step, log);
-  if (!committed.ok()) return committed.status();
-  const v1::PartManifest& any = committed->parts.front().manifest;
-  if (auto st = SameJob(spec, any.spec(), committed->dir); !st.ok()) return st;
+  SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
+  const v1::PartManifest& any = committed.parts.front().manifest;
+  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, any.spec(), committed.dir));
 
   Part out;
   v1::PartManifest& m = out.manifest;
   *m.mutable_spec() = spec;
-  m.set_step(committed->marker.step());
+  m.set_step(committed.marker.step());
   *m.mutable_applied() = any.applied();
   // The same placement, as on a plain restart: the part's data is the answer
   // as it lies on disk, with no copy. Its sealed push's sums, which are per
   // server, hold only then.
-  for (const PartHead& p : committed->parts) {
+  for (const PartHead& p : committed.parts) {
     if (!SameShards(p.manifest.spec(), spec)) continue;
     m.set_sealed_step(p.manifest.sealed_step());
     m.set_sealed_sum_squares(p.manifest.sealed_sum_squares());
     m.set_sealed_nonfinite(p.manifest.sealed_nonfinite());
     *m.mutable_shards() = p.manifest.shards();
-    auto data = ReadPartData(p);
-    if (!data.ok()) return data.status();
-    out.data = *std::move(data);
+    SHARDOPT_ASSIGN_OR_RETURN(auto data, ReadPartData(p));
+    out.data = std::move(data);
     return out;
   }
   for (const v1::ShardRange& s : spec.shards()) {
@@ -578,7 +566,7 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
 
   std::vector<uint64_t> filled(spec.shards_size(), 0);
   std::vector<bool> step_known(spec.shards_size(), false);
-  for (const PartHead& p : committed->parts) {
+  for (const PartHead& p : committed.parts) {
     std::optional<std::string> data;  // read only when the part overlaps this placement
     const v1::PartManifest& src = p.manifest;
     const std::vector<uint64_t> from_sections = SectionOffsets(src);
@@ -602,9 +590,8 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
         m.mutable_shards(ds)->set_adam_step(src.shards(ss).adam_step());
         step_known[ds] = true;
         if (!data) {
-          auto read = ReadPartData(p);
-          if (!read.ok()) return read.status();
-          data = *std::move(read);
+          SHARDOPT_ASSIGN_OR_RETURN(auto read, ReadPartData(p));
+          data = std::move(read);
         }
         const uint64_t esize = ArrayBytes(src, ss) / from.length();
         for (Array a : kArrays) {
@@ -618,7 +605,7 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
   }
   for (int ds = 0; ds < spec.shards_size(); ++ds) {
     if (filled[ds] != spec.shards(ds).length()) {
-      return absl::DataLossError(absl::StrCat(committed->dir, ": the parts do not cover tensor '",
+      return absl::DataLossError(absl::StrCat(committed.dir, ": the parts do not cover tensor '",
                                               spec.shards(ds).tensor(), "' from element ", spec.shards(ds).offset()));
     }
   }
@@ -626,11 +613,10 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
 }
 
 absl::StatusOr<JobAt> WholeJob(const std::string& root, const std::string& job, uint64_t step, const Log& log) {
-  auto committed = FindCommitted(root, job, step, log);
-  if (!committed.ok()) return committed.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, job, step, log));
   JobAt out;
-  out.step = committed->marker.step();
-  out.spec = committed->parts.front().manifest.spec();
+  out.step = committed.marker.step();
+  out.spec = committed.parts.front().manifest.spec();
   out.spec.clear_shards();
   for (const v1::TensorSpec& t : out.spec.tensors()) {
     v1::ShardRange* s = out.spec.add_shards();

@@ -10,7 +10,10 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "grpcpp/grpcpp.h"
+#include "client/fanout.h"
+#include "client/proto_convert.h"
 #include "client/wire.h"
 #include "rpc/grpc_edge.h"
 #include "shardopt/safetensors.h"
@@ -20,42 +23,6 @@ namespace shardopt {
 
 namespace v1 = ::shardopt::v1;
 
-namespace {
-
-// The RPCs of one fan-out to many servers. When one server's call fails for
-// good, the calls still open to the others are cancelled: a push parked at a
-// barrier would otherwise hold the caller until the barrier's deadline, and
-// the error the caller needs is the first server's.
-class Fanout {
- public:
-  // False when the fan-out has already failed: do not start the call.
-  bool Register(grpc::ClientContext* ctx) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (failed_) return false;
-    active_.push_back(ctx);
-    return true;
-  }
-  void Unregister(grpc::ClientContext* ctx) {
-    std::lock_guard<std::mutex> lock(mu_);
-    active_.erase(std::find(active_.begin(), active_.end(), ctx));
-  }
-  void Fail() {
-    std::lock_guard<std::mutex> lock(mu_);
-    failed_ = true;
-    for (grpc::ClientContext* ctx : active_) ctx->TryCancel();
-  }
-
- private:
-  std::mutex mu_;
-  std::vector<grpc::ClientContext*> active_;
-  bool failed_ = false;
-};
-
-// The fan-out the calling thread belongs to, if any: set by ForEachServer for
-// its threads, so that Call need not take it through every caller.
-thread_local Fanout* current_fanout = nullptr;
-
-}  // namespace
 
 struct Client::Impl {
   ClientOptions options;
@@ -73,65 +40,30 @@ struct Client::Impl {
   const std::string& address(uint32_t s) const { return options.servers[s]; }
   bool fp32_params(uint32_t tensor) const { return job.tensors[tensor].param_type == ParamType::kFp32; }
   // Gradients come in the param's dtype for fp32 params, else in the job's.
-  v1::DType grad_dtype(uint32_t tensor) const {
-    return fp32_params(tensor) || job.grad_type == GradType::kFp32 ? v1::FP32 : v1::BF16;
-  }
+  v1::DType grad_dtype(uint32_t tensor) const { return GradDType(job, job.tensors[tensor]); }
 
   absl::Status CheckAttached() const {
     if (!attached) return absl::FailedPreconditionError("call CreateOrAttach first");
     return absl::OkStatus();
   }
 
-  // Runs one RPC with retries: `attempt` builds its call on a fresh context.
+  // Runs one RPC to server `server`, with retries (client/fanout.h).
   template <typename Attempt>
   absl::Status Call(uint32_t server, uint32_t timeout_ms, const Attempt& attempt) const {
-    grpc::Status st;
-    for (int a = 0; a < std::max(1, options.max_attempts); ++a) {
-      if (a > 0) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(std::min(2000, 50 << std::min(a, 6))));
-      }
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
-      if (current_fanout != nullptr && !current_fanout->Register(&ctx)) {
-        return absl::CancelledError(absl::StrCat(address(server), ": another server's call failed"));
-      }
-      st = attempt(&ctx);
-      if (current_fanout != nullptr) current_fanout->Unregister(&ctx);
-      if (st.error_code() != grpc::StatusCode::UNAVAILABLE &&
-          st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
-        break;
-      }
-    }
-    if (!st.ok() && current_fanout != nullptr) current_fanout->Fail();
-    return FromGrpcStatus(st, address(server));
+    return fanout::Call(address(server), options.max_attempts, timeout_ms, attempt);
   }
 
   // Runs fn(server) on every server that holds part of the job (only those
-  // in push_servers when `pushing`), one thread each, and returns the first
-  // error in server order that is not a cancellation by Fanout. Each thread
-  // builds one chunk message at a time, so in flight per server there is one
-  // chunk plus what gRPC buffers within one HTTP/2 flow-control window.
+  // in push_servers when `pushing`), at once. Each thread builds one chunk
+  // message at a time, so in flight per server there is one chunk plus what
+  // gRPC buffers within one HTTP/2 flow-control window.
   template <typename Fn>
   absl::Status ForEachServer(const Fn& fn, bool pushing = false) const {
     std::vector<uint32_t> targets;
     for (uint32_t s = 0; s < servers(); ++s) {
       if (!shards_of[s].empty() && (!pushing || pushes_to[s])) targets.push_back(s);
     }
-    std::vector<absl::Status> results(targets.size());
-    Fanout fanout;
-    std::vector<std::thread> threads;
-    for (size_t i = 0; i < targets.size(); ++i) {
-      threads.emplace_back([&, i] {
-        current_fanout = &fanout;
-        results[i] = fn(targets[i]);
-      });
-    }
-    for (auto& t : threads) t.join();
-    absl::Status first;
-    for (const absl::Status& st : results) {
-      if (!st.ok() && (first.ok() || absl::IsCancelled(first))) first = st;
-    }
-    return first;
+    return fanout::ForEach(targets, fn);
   }
 
   absl::StatusOr<const TensorOptions*> FindTensor(const std::string& name) const {
@@ -145,7 +77,7 @@ struct Client::Impl {
   // Describe from every server that holds part of the job; empty entries
   // for the others.
   absl::StatusOr<std::vector<v1::DescribeResponse>> DescribeAll() const {
-    if (auto st = CheckAttached(); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(CheckAttached());
     std::vector<v1::DescribeResponse> responses(servers());
     auto st = ForEachServer([&](uint32_t s) {
       return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
@@ -160,9 +92,8 @@ struct Client::Impl {
 
   absl::Status InitTensor(const std::string& tensor, const void* values, v1::DType dtype,
                           v1::StateKind kind = v1::MASTER, uint64_t adam_step = 0) {
-    if (auto st = CheckAttached(); !st.ok()) return st;
-    auto t = FindTensor(tensor);
-    if (!t.ok()) return t.status();
+    SHARDOPT_RETURN_IF_ERROR(CheckAttached());
+    SHARDOPT_RETURN_IF_ERROR(FindTensor(tensor).status());
     const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
     const uint64_t per_chunk = std::max<uint64_t>(1, options.chunk_bytes / esize);
     return ForEachServer([&](uint32_t s) -> absl::Status {
@@ -232,35 +163,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
 
   std::vector<uint64_t> steps(im.servers(), 0);
   auto st = im.ForEachServer([&](uint32_t s) {
-    v1::CreateJobRequest req;
-    req.set_job(job.name);
-    req.set_world_size(job.world_size);
-    for (const GroupOptions& g : job.groups) {
-      v1::Group* pg = req.add_groups();
-      pg->set_name(g.name);
-      pg->set_beta1(g.beta1);
-      pg->set_beta2(g.beta2);
-      pg->set_eps(g.eps);
-      pg->set_weight_decay(g.weight_decay);
-      pg->set_lr_multiplier(g.lr_multiplier);
-      pg->set_precision(g.precision == StatePrecision::kFp32 ? v1::PRECISION_FP32 : v1::PRECISION_BF16);
-    }
-    for (const TensorOptions& t : job.tensors) {
-      v1::TensorSpec* pt = req.add_tensors();
-      pt->set_name(t.name);
-      pt->set_numel(t.numel);
-      pt->set_group(t.group);
-      if (t.param_type == ParamType::kFp32) pt->set_param_dtype(v1::FP32);
-    }
-    for (const ShardPlacement& p : im.shards_of[s]) {
-      v1::ShardRange* r = req.add_shards();
-      r->set_tensor(p.tensor);
-      r->set_offset(p.offset);
-      r->set_length(p.length);
-    }
-    req.set_grad_dtype(job.grad_type == GradType::kBf16 ? v1::BF16 : v1::FP32);
-    req.set_barrier_timeout_ms(job.barrier_timeout_ms);
-    req.set_restore_step(job.restore_step);
+    const v1::CreateJobRequest req = ToCreateJobRequest(job, im.shards_of[s]);
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       v1::CreateJobResponse resp;
       grpc::Status gs = im.stubs[s]->CreateJob(ctx, req, &resp);
@@ -299,17 +202,16 @@ absl::Status Client::InitBf16(const std::string& tensor, const uint16_t* values)
 
 absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
                                    uint64_t adam_step) {
-  if (auto st = impl_->InitTensor(tensor, exp_avg, v1::FP32, v1::EXP_AVG, adam_step); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(impl_->InitTensor(tensor, exp_avg, v1::FP32, v1::EXP_AVG, adam_step));
   return impl_->InitTensor(tensor, exp_avg_sq, v1::FP32, v1::EXP_AVG_SQ, adam_step);
 }
 
 absl::Status Client::InitFromSafetensors(const std::string& path) {
   Impl& im = *impl_;
-  if (auto st = im.CheckAttached(); !st.ok()) return st;
-  auto file = ReadSafetensors(path);
-  if (!file.ok()) return file.status();
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
+  SHARDOPT_ASSIGN_OR_RETURN(auto file, ReadSafetensors(path));
   absl::flat_hash_map<std::string, const SafetensorsTensor*> by_name;
-  for (const SafetensorsTensor& t : *file) by_name[t.name] = &t;
+  for (const SafetensorsTensor& t : file) by_name[t.name] = &t;
   for (const TensorOptions& t : im.job.tensors) {
     auto it = by_name.find(t.name);
     if (it == by_name.end()) return absl::InvalidArgumentError(absl::StrCat(path, " has no tensor '", t.name, "'"));
@@ -324,7 +226,7 @@ absl::Status Client::InitFromSafetensors(const std::string& path) {
   }
   for (const TensorOptions& t : im.job.tensors) {
     const SafetensorsTensor& f = *by_name[t.name];
-    if (auto st = im.InitTensor(t.name, f.data.data(), f.dtype == "F32" ? v1::FP32 : v1::BF16); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(im.InitTensor(t.name, f.data.data(), f.dtype == "F32" ? v1::FP32 : v1::BF16));
   }
   return absl::OkStatus();
 }
@@ -338,11 +240,10 @@ absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView
 absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const std::string> order,
                                                const std::function<const void*(size_t)>& grad) {
   Impl& im = *impl_;
-  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   std::vector<int64_t> position(im.job.tensors.size(), -1);  // [tensor]: its index in `order`
   for (size_t i = 0; i < order.size(); ++i) {
-    auto t = im.FindTensor(order[i]);
-    if (!t.ok()) return t.status();
+    SHARDOPT_RETURN_IF_ERROR(im.FindTensor(order[i]).status());
     position[im.tensor_index[order[i]]] = static_cast<int64_t>(i);
   }
   std::vector<v1::PushResponse> responses(im.servers());
@@ -413,15 +314,14 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
 absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params,
                             absl::Span<const double> group_lr) {
   Impl& im = *impl_;
-  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   if (!group_lr.empty() && group_lr.size() != im.job.groups.size()) {
     return absl::InvalidArgumentError(absl::StrCat("group_lr has ", group_lr.size(), " entries; job '", im.job.name,
                                                    "' has ", im.job.groups.size(), " groups"));
   }
   std::vector<char*> out(im.job.tensors.size(), nullptr);
   for (const ParamView& p : params) {
-    auto t = im.FindTensor(p.tensor);
-    if (!t.ok()) return t.status();
+    SHARDOPT_RETURN_IF_ERROR(im.FindTensor(p.tensor).status());
     out[im.tensor_index[p.tensor]] = static_cast<char*>(p.data);
   }
   v1::CommitRequest req;
@@ -487,30 +387,25 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
 absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const StepOptions& options,
                                         absl::Span<const ParamView> params) {
   const uint64_t t = impl_->step + 1;
-  auto push = Push(t, grads);
-  if (!push.ok()) return push.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto push, Push(t, grads));
   StepResult result;
   result.step = t;
-  result.decision = Decide(*push, impl_->job.world_size, options);
-  if (auto st = Commit(t, options.lr, result.decision.gscale, result.decision.skip, params, options.group_lr); !st.ok()) {
-    return st;
-  }
+  result.decision = Decide(push, impl_->job.world_size, options);
+  SHARDOPT_RETURN_IF_ERROR(Commit(t, options.lr, result.decision.gscale, result.decision.skip, params, options.group_lr));
   const uint64_t every = impl_->options.checkpoint_every;
   if (every > 0 && impl_->options.rank == 0 && t % every == 0) {
-    if (auto st = Checkpoint(); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Checkpoint());
   }
   return result;
 }
 
 absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t offset, uint64_t count, void* out) {
   Impl& im = *impl_;
-  if (auto st = im.CheckAttached(); !st.ok()) return st;
-  auto t = im.FindTensor(tensor);
-  if (!t.ok()) return t.status();
-  if (offset > (*t)->numel || count > (*t)->numel - offset) {
-    return absl::OutOfRangeError(absl::StrCat("range past tensor '", tensor, "''s ", (*t)->numel, " elements"));
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
+  SHARDOPT_ASSIGN_OR_RETURN(auto t, im.FindTensor(tensor));
+  if (offset > (t)->numel || count > (t)->numel - offset) {
+    return absl::OutOfRangeError(absl::StrCat("range past tensor '", tensor, "''s ", (t)->numel, " elements"));
   }
-  static constexpr v1::StateKind kKinds[] = {v1::MASTER, v1::EXP_AVG, v1::EXP_AVG_SQ, v1::PARAM_BF16};
   const uint64_t esize = what == StateToRead::kParamBf16 ? 2 : 4;
   // Every chunk, from every server, must be of one step, or the caller would
   // get a mix of two steps' state.
@@ -527,7 +422,7 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
       req.set_tensor(tensor);
       req.set_offset(begin);
       req.set_length(end - begin);
-      req.set_kind(kKinds[static_cast<int>(what)]);
+      req.set_kind(ToProto(what));
       return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
         auto reader = im.stubs[s]->Read(ctx, req);
         v1::StateChunk chunk;
@@ -556,24 +451,22 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
 
 absl::StatusOr<std::vector<ServerState>> Client::Describe() {
   Impl& im = *impl_;
-  auto responses = im.DescribeAll();
-  if (!responses.ok()) return responses.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto responses, im.DescribeAll());
   std::vector<ServerState> out;
   for (uint32_t s = 0; s < im.servers(); ++s) {
     if (im.shards_of[s].empty()) continue;
-    const v1::DescribeResponse& r = (*responses)[s];
-    out.push_back({im.address(s), r.device(), r.step(), r.state_bytes(), r.staging_bytes()});
+    const v1::DescribeResponse& r = (responses)[s];
+    out.push_back(FromProto(im.address(s), r));
   }
   return out;
 }
 
 absl::StatusOr<std::vector<uint64_t>> Client::AdamSteps() {
   Impl& im = *impl_;
-  auto responses = im.DescribeAll();
-  if (!responses.ok()) return responses.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto responses, im.DescribeAll());
   // Every server holding part of a tensor counts its steps alike.
   std::vector<uint64_t> steps(im.job.tensors.size(), 0);
-  for (const v1::DescribeResponse& r : *responses) {
+  for (const v1::DescribeResponse& r : responses) {
     for (const v1::TensorState& t : r.tensors()) {
       if (auto it = im.tensor_index.find(t.name()); it != im.tensor_index.end()) steps[it->second] = t.adam_step();
     }
@@ -583,11 +476,10 @@ absl::StatusOr<std::vector<uint64_t>> Client::AdamSteps() {
 
 absl::Status Client::VerifyState() {
   Impl& im = *impl_;
-  auto responses = im.DescribeAll();
-  if (!responses.ok()) return responses.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto responses, im.DescribeAll());
   for (uint32_t s = 0; s < im.servers(); ++s) {
     if (im.shards_of[s].empty()) continue;
-    const v1::DescribeResponse& r = (*responses)[s];
+    const v1::DescribeResponse& r = (responses)[s];
     if (r.groups_size() != static_cast<int>(im.job.groups.size())) {
       return absl::FailedPreconditionError(absl::StrCat(im.address(s), " reports ", r.groups_size(), " groups, the job has ",
                                                         im.job.groups.size()));
@@ -595,7 +487,7 @@ absl::Status Client::VerifyState() {
     for (int g = 0; g < r.groups_size(); ++g) {
       const v1::DType held = r.groups(g).state_dtype();
       if (held == v1::DTYPE_UNSPECIFIED) continue;  // no tensor of this group on that server
-      const v1::DType asked = im.job.groups[g].precision == StatePrecision::kFp32 ? v1::FP32 : v1::BF16;
+      const v1::DType asked = StateDType(im.job.groups[g].precision);
       if (held != asked) {
         return absl::FailedPreconditionError(absl::StrCat(
             "group ", g, " ('", im.job.groups[g].name, "') state is held in ", v1::DType_Name(held), " on ",
@@ -608,7 +500,7 @@ absl::Status Client::VerifyState() {
 
 absl::Status Client::Checkpoint() {
   Impl& im = *impl_;
-  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   std::vector<v1::CheckpointResponse> responses(im.servers());
   auto st = im.ForEachServer([&](uint32_t s) {
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
@@ -630,7 +522,7 @@ absl::Status Client::Checkpoint() {
 
 absl::Status Client::Drop() {
   Impl& im = *impl_;
-  if (auto st = im.CheckAttached(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   auto st = im.ForEachServer([&](uint32_t s) {
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       v1::DropJobRequest req;

@@ -4,6 +4,7 @@
 #include <mutex>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/adamw_math.h"
 #include "shardopt/collective.h"
 
@@ -53,8 +54,8 @@ class CpuCollective final : public Collective {
   uint32_t size() const override { return group_->size; }
 
   absl::Status ReduceScatter(const uint16_t* in, float* out, absl::Span<const FlatRange> ranges) override {
-    if (auto st = CheckRanges(ranges); !st.ok()) return st;
-    if (auto st = Publish(const_cast<uint16_t*>(in)); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(CheckRanges(ranges));
+    SHARDOPT_RETURN_IF_ERROR(Publish(const_cast<uint16_t*>(in)));
     const FlatRange mine = ranges[rank_];
     for (uint64_t i = mine.begin; i < mine.end; ++i) {
       float sum = math::bf16_to_float(Buffer<uint16_t>(0)[i]);
@@ -65,8 +66,8 @@ class CpuCollective final : public Collective {
   }
 
   absl::Status AllGather(uint16_t* data, absl::Span<const FlatRange> ranges) override {
-    if (auto st = CheckRanges(ranges); !st.ok()) return st;
-    if (auto st = Publish(data); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(CheckRanges(ranges));
+    SHARDOPT_RETURN_IF_ERROR(Publish(data));
     for (uint32_t r = 0; r < size(); ++r) {
       if (r == rank_ || ranges[r].size() == 0) continue;
       std::memcpy(data + ranges[r].begin, Buffer<uint16_t>(r) + ranges[r].begin, ranges[r].size() * 2);
@@ -75,13 +76,13 @@ class CpuCollective final : public Collective {
   }
 
   absl::Status AllReduceSum(double* data, uint64_t count) override {
-    if (auto st = Publish(data); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Publish(data));
     std::vector<double> sum(count, 0.0);
     for (uint32_t r = 0; r < size(); ++r) {
       for (uint64_t i = 0; i < count; ++i) sum[i] += Buffer<double>(r)[i];
     }
     // Everyone has read every buffer before any changes.
-    if (auto st = group_->Barrier(); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(group_->Barrier());
     std::memcpy(data, sum.data(), count * sizeof(double));
     return absl::OkStatus();
   }

@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace shardopt {
 namespace {
@@ -34,17 +35,15 @@ absl::StatusOr<std::unique_ptr<NodeGroup>> NodeGroup::Create(const NodeGroupOpti
   for (uint32_t s = FirstOwnedServer(j, g, servers); s < FirstOwnedServer(j + 1, g, servers); ++s) {
     client_options.push_servers.push_back(s);
   }
-  auto client = Client::Connect(client_options);
-  if (!client.ok()) return client.status();
-  return std::unique_ptr<NodeGroup>(new NodeGroup(*std::move(client), collective, servers));
+  SHARDOPT_ASSIGN_OR_RETURN(auto client, Client::Connect(client_options));
+  return std::unique_ptr<NodeGroup>(new NodeGroup(std::move(client), collective, servers));
 }
 
 absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
   if (job.grad_type != GradType::kFp32) {
     return absl::InvalidArgumentError("a node group pushes its nodes' fp32 sums: set JobOptions::grad_type to kFp32");
   }
-  auto step = client_->CreateOrAttach(job);
-  if (!step.ok()) return step.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto step, client_->CreateOrAttach(job));
   job_ = job;
   offsets_ = FlatOffsets(job.tensors);
   const std::vector<uint64_t> bounds = ServerBounds(job.tensors, servers_);
@@ -55,13 +54,13 @@ absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
   }
   grads_.assign(owned().size(), 0.f);
   params_.assign(owned().size(), 0);
-  step_ = *step;
+  step_ = step;
   return step_;
 }
 
 absl::Status NodeGroup::Agree(const absl::Status& mine, const char* phase) {
   double failed = mine.ok() ? 0 : 1;
-  if (auto st = collective_->AllReduceSum(&failed, 1); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(collective_->AllReduceSum(&failed, 1));
   if (!mine.ok()) return mine;
   if (failed > 0) {
     return absl::AbortedError(absl::StrCat(phase, " of step ", step_ + 1, " failed on ", failed,
@@ -74,7 +73,7 @@ absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t*
                                            const StepOptions& options) {
   if (offsets_.empty()) return absl::FailedPreconditionError("call CreateOrAttach first");
   const FlatRange mine = owned();
-  if (auto st = collective_->ReduceScatter(flat_grads, grads_.data(), ranges_); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(collective_->ReduceScatter(flat_grads, grads_.data(), ranges_));
 
   // Only tensors that reach into the owned range: the others have no shard
   // on the owned servers.
@@ -89,7 +88,7 @@ absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t*
   const uint64_t t = step_ + 1;
   absl::StatusOr<PushResult> pushed = PushResult{};
   if (mine.size() > 0) pushed = client_->Push(t, grad_views);
-  if (auto st = Agree(pushed.status(), "push"); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(Agree(pushed.status(), "push"));
 
   // Each server's partial comes from exactly one local rank and is zero on
   // the others, so the all-reduce's sums are exact whatever its order.
@@ -98,7 +97,7 @@ absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t*
     partials[2 * s] = pushed->partials[s].sum_squares;
     partials[2 * s + 1] = pushed->partials[s].nonfinite ? 1 : 0;
   }
-  if (auto st = collective_->AllReduceSum(partials.data(), partials.size()); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(collective_->AllReduceSum(partials.data(), partials.size()));
   std::vector<PushPartial> combined(servers_);
   for (uint32_t s = 0; s < servers_; ++s) combined[s] = {partials[2 * s], partials[2 * s + 1] > 0};
   StepResult result;
@@ -110,8 +109,8 @@ absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t*
     committed = client_->Commit(t, options.lr, result.decision.gscale, result.decision.skip, param_views);
   }
   if (committed.ok()) committed = collective_->FromHost(params_.data(), flat_params + mine.begin, mine.size() * 2);
-  if (auto st = Agree(committed, "commit"); !st.ok()) return st;
-  if (auto st = collective_->AllGather(flat_params, ranges_); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(Agree(committed, "commit"));
+  SHARDOPT_RETURN_IF_ERROR(collective_->AllGather(flat_params, ranges_));
   step_ = t;
   return result;
 }

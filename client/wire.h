@@ -1,8 +1,9 @@
 // The bulk paths of Push and Commit without protobuf's copies of `bytes`
-// fields (DESIGN.md: 6 user-space copies per round trip against 1). The wire
-// format is the same shardopt.v1 messages; only the client builds and reads
-// them by hand, so a gradient chunk goes out as a slice over the caller's
-// buffer and a params chunk is copied once, into the caller's buffer.
+// fields (docs/design.md, section 10.2: 6 user-space copies per round trip
+// against 1). The wire format is the same shardopt.v1 messages; only the
+// client builds and reads them by hand, so a gradient chunk goes out as a
+// slice over the caller's buffer and a params chunk is copied once, into the
+// caller's buffer.
 #pragma once
 
 #include <cstdint>

@@ -1,6 +1,7 @@
 // The per-element numerics of shardopt, compiled by both the host compiler and
-// nvcc. DESIGN.md's contract lives here and nowhere else: every backend calls
-// these functions, which is what makes CPU and CUDA bitwise equal.
+// nvcc. The contract of docs/design.md (section 3) lives here and nowhere
+// else: every backend calls these functions, which is what makes CPU and CUDA
+// bitwise equal.
 //
 // Contraction into FMA would change the bits, so the device path spells each
 // operation as a round-to-nearest intrinsic (nvcc never fuses those), and the
@@ -100,8 +101,8 @@ struct AdamWScalars {
   float eps;              // ε
 };
 
-// One element of AdamW, in exactly DESIGN.md's order. `grad` is the
-// aggregated (summed over ranks) gradient before scaling.
+// One element of AdamW, in exactly the order of docs/design.md, section 3.1.
+// `grad` is the aggregated (summed over ranks) gradient before scaling.
 SHARDOPT_HD void adamw_update(float grad, float& p, float& m, float& v, const AdamWScalars& s) {
   const float g = mul(grad, s.gscale);
   p = mul(p, s.decay);

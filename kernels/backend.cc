@@ -1,6 +1,7 @@
 #include "kernels/backend.h"
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace shardopt {
 
@@ -28,7 +29,7 @@ absl::Status CheckShardRange(const JobLayout& layout, uint32_t shard, uint64_t o
 
 absl::Status CheckGradWrite(const JobLayout& layout, uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                             uint64_t count) {
-  if (auto st = CheckShardRange(layout, shard, offset, count); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(CheckShardRange(layout, shard, offset, count));
   if (rank >= layout.world_size) return absl::InvalidArgumentError("rank out of range");
   if (dtype != layout.grad_dtype && !(dtype == DType::kBf16 && layout.grad_dtype == DType::kFp32)) {
     return absl::InvalidArgumentError("fp32 gradients into a job that keeps bf16 gradient slots");
@@ -48,13 +49,13 @@ absl::Status CheckShardGrads(const JobLayout& layout, const ShardGrads& grads) {
 }
 
 absl::StatusOr<uint64_t> CheckShardStep(const JobLayout& layout, const ShardStep& step) {
-  if (auto st = CheckShardGrads(layout, step.grads); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(CheckShardGrads(layout, step.grads));
   const uint64_t numel = layout.shards[step.grads.shard].numel;
   if (step.offset % kApplyAlignment != 0) {
     return absl::InvalidArgumentError(absl::StrCat("update offset ", step.offset, " is not a multiple of ", kApplyAlignment));
   }
   const uint64_t length = step.length == 0 && step.offset < numel ? numel - step.offset : step.length;
-  if (auto st = CheckShardRange(layout, step.grads.shard, step.offset, length); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(CheckShardRange(layout, step.grads.shard, step.offset, length));
   return step.offset + length;
 }
 

@@ -17,7 +17,8 @@
 namespace shardopt {
 
 // How a group keeps its params, m and v. FP32 is the product; BF16 exists to
-// save memory and to show what bf16 state does (DESIGN.md).
+// save memory and to show what bf16 state does (docs/design.md, sections 1
+// and 3.4).
 enum class Precision : uint8_t { kFp32, kBf16 };
 // The element type of data crossing the interface.
 enum class DType : uint8_t { kFp32, kBf16 };

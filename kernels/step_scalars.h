@@ -1,5 +1,5 @@
-// Host-side, per-step constants of the AdamW update (DESIGN.md: computed in
-// double, rounded to float once).
+// Host-side, per-step constants of the AdamW update (docs/design.md, section
+// 3.2: computed in double, rounded to float once).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,6 @@
 // What both edges of the wire share: the one conversion between absl::Status
-// and grpc::Status, and the transport tuning DESIGN.md measured.
+// and grpc::Status, and the transport tuning measured in docs/design.md
+// (section 10.2).
 #pragma once
 
 #include <cstdint>

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace shardopt {
 namespace {
@@ -51,7 +52,7 @@ class CommitStream {
   // Checks the step against the job's, and starts applying it if this is
   // the step's first commit.
   absl::Status Open() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
-    if (auto st = job_.CheckNotDropped(); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(job_.CheckNotDropped());
     if (!job_.failed.ok()) return job_.failed;
     if (t_ > job_.step + 1) {
       return absl::OutOfRangeError(absl::StrCat("job '", job_.name(), "' is at step ", job_.step, "; commit of step ",
@@ -105,10 +106,10 @@ class CommitStream {
   // Applies piece k if it is the next one to apply, then reads its params
   // into `chunk`. ABORTED when the next step has overtaken it.
   absl::Status Read(uint64_t k, v1::ParamChunk* chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
-    if (auto st = job_.CheckNotDropped(); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(job_.CheckNotDropped());
     if (!job_.failed.ok()) return job_.failed;
     if (ApplyingStep() && job_.apply_progress == k) {
-      if (auto st = ApplyNext(); !st.ok()) return st;
+      SHARDOPT_RETURN_IF_ERROR(ApplyNext());
     }
     // Piece k holds step t once t is done and the next step has not yet
     // been applied past it, or while t is being applied and is past it.
@@ -132,7 +133,7 @@ class CommitStream {
     absl::Status read = job_.state->ReadState(p.shard, fp32 ? StateKind::kMaster : StateKind::kParamBf16, p.offset,
                                               p.length, fp32 ? DType::kFp32 : DType::kBf16, data->data());
     if (!read.ok()) {
-      if (auto st = Finish(); !st.ok()) return st;
+      SHARDOPT_RETURN_IF_ERROR(Finish());
     }
     return read;
   }
@@ -140,7 +141,7 @@ class CommitStream {
   // Applies what is left of step t, for a commit whose caller went away.
   absl::Status Finish() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
     while (ApplyingStep()) {
-      if (auto st = ApplyNext(); !st.ok()) return st;
+      SHARDOPT_RETURN_IF_ERROR(ApplyNext());
     }
     return absl::OkStatus();
   }
@@ -194,22 +195,21 @@ class CommitStream {
 
 absl::Status CommitAndStream(Job& job, const v1::CommitRequest& req, const CommitOptions& options,
                              const std::function<bool(const v1::ParamChunk&)>& emit) {
-  auto args = CheckArgs(job, req);
-  if (!args.ok()) return args.status();
-  CommitStream stream(job, req.step(), *args, options);
+  SHARDOPT_ASSIGN_OR_RETURN(auto args, CheckArgs(job, req));
+  CommitStream stream(job, req.step(), args, options);
   {
     absl::MutexLock lock(&stream.mu());
-    if (auto st = stream.Open(); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(stream.Open());
   }
   v1::ParamChunk chunk;
   for (uint64_t k = 0; k < stream.pieces(); ++k) {
     {
       absl::MutexLock lock(&stream.mu());
-      if (auto st = stream.Read(k, &chunk); !st.ok()) return st;
+      SHARDOPT_RETURN_IF_ERROR(stream.Read(k, &chunk));
     }
     if (!emit(chunk)) {
       absl::MutexLock lock(&stream.mu());
-      if (auto st = stream.Finish(); !st.ok()) return st;
+      SHARDOPT_RETURN_IF_ERROR(stream.Finish());
       return absl::CancelledError("the caller stopped reading the params");
     }
   }

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "server/job_spec.h"
 #include "server/messages.h"
 
@@ -46,10 +47,9 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spe
     const bool bf16 = spec.groups(spec.tensors(t).group()).precision() == v1::PRECISION_BF16;
     layout.shards.push_back({s.length(), bf16 ? Precision::kBf16 : Precision::kFp32});
   }
-  auto state = backend->Allocate(layout);
-  if (!state.ok()) return state.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto state, backend->Allocate(layout));
   absl::MutexLock lock(&job->mu);
-  job->state = *std::move(state);
+  job->state = std::move(state);
   job->adam_steps.assign(job->shards.size(), 0);
   job->init_cover.resize(job->shards.size());
   job->uninitialized_shards = job->shards.size();

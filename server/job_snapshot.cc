@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace shardopt {
 namespace {
@@ -47,11 +48,7 @@ absl::StatusOr<checkpoint::Part> Snapshot(const Job& job) {
     values.resize(job.shards[si].length);
     for (checkpoint::Array a : checkpoint::kArrays) {
       // Read as fp32, which is exact for both precisions.
-      if (auto st = job.state->ReadState(static_cast<uint32_t>(si), KindOf(a), 0, values.size(), DType::kFp32,
-                                         values.data());
-          !st.ok()) {
-        return st;
-      }
+      SHARDOPT_RETURN_IF_ERROR(job.state->ReadState(static_cast<uint32_t>(si), KindOf(a), 0, values.size(), DType::kFp32, values.data()));
       checkpoint::AppendArray(&part.data, values.data(), values.size(), m.shards(static_cast<int>(si)).dtype());
     }
   }
@@ -65,12 +62,7 @@ absl::Status Restore(const checkpoint::Part& part, Job& job) {
     const int s = static_cast<int>(si);
     const DType dtype = m.shards(s).dtype() == v1::BF16 ? DType::kBf16 : DType::kFp32;
     for (checkpoint::Array a : checkpoint::kArrays) {
-      if (auto st = job.state->WriteState(static_cast<uint32_t>(si), KindOf(a), 0, dtype,
-                                          part.data.data() + checkpoint::ArrayOffset(sections, m, s, a),
-                                          job.shards[si].length);
-          !st.ok()) {
-        return st;
-      }
+      SHARDOPT_RETURN_IF_ERROR(job.state->WriteState(static_cast<uint32_t>(si), KindOf(a), 0, dtype, part.data.data() + checkpoint::ArrayOffset(sections, m, s, a), job.shards[si].length));
     }
     job.adam_steps[si] = m.shards(s).adam_step();
     job.init_cover[si].Add(0, job.shards[si].length);

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "checkpoint/format.h"
 #include "server/commit_stream.h"
 #include "server/job_snapshot.h"
@@ -31,7 +32,7 @@ absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name) con
 
 
 absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1::CreateJobRequest& spec) const {
-  if (auto st = SameJobSpec(job.spec, spec); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(SameJobSpec(job.spec, spec));
   absl::MutexLock job_lock(&job.mu);
   v1::CreateJobResponse response;
   response.set_created(false);
@@ -40,41 +41,39 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1:
 }
 
 absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobRequest& request) {
-  auto spec = NormalizeJobSpec(request, options_.default_barrier_timeout);
-  if (!spec.ok()) return spec.status();
-  const uint64_t restore_step = spec->restore_step();
-  spec->clear_restore_step();
+  SHARDOPT_ASSIGN_OR_RETURN(auto spec, NormalizeJobSpec(request, options_.default_barrier_timeout));
+  const uint64_t restore_step = spec.restore_step();
+  spec.clear_restore_step();
   {
     absl::MutexLock lock(&mu_);
-    if (auto it = jobs_.find(spec->job()); it != jobs_.end()) return Attach(*it->second, *spec);
+    if (auto it = jobs_.find(spec.job()); it != jobs_.end()) return Attach(*it->second, spec);
   }
   if (restore_step > 0 && options_.checkpoint_dir.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("restore_step ", restore_step,
                                                       " asked for, but this server has no --checkpoint_dir"));
   }
 
-  auto created = Job::Create(*spec, backend_);
-  if (!created.ok()) return created.status();
-  std::shared_ptr<Job> job = *std::move(created);
+  SHARDOPT_ASSIGN_OR_RETURN(auto created, Job::Create(spec, backend_));
+  std::shared_ptr<Job> job = std::move(created);
 
   // Outside the store's lock: reading a checkpoint must not stall other jobs.
   bool restored = false;
   if (!options_.checkpoint_dir.empty()) {
-    auto part = checkpoint::Load(options_.checkpoint_dir, *spec, restore_step, options_.checkpoint_log);
+    auto part = checkpoint::Load(options_.checkpoint_dir, spec, restore_step, options_.checkpoint_log);
     if (part.ok()) {
       absl::MutexLock job_lock(&job->mu);
-      if (auto st = Restore(*part, *job); !st.ok()) return st;
+      SHARDOPT_RETURN_IF_ERROR(Restore(*part, *job));
       restored = true;
-      options_.checkpoint_log(absl::StrCat("restored job '", spec->job(), "' at step ", job->step, " from ",
-                                           checkpoint::StepDirectory(options_.checkpoint_dir, spec->job(), job->step)));
+      options_.checkpoint_log(absl::StrCat("restored job '", spec.job(), "' at step ", job->step, " from ",
+                                           checkpoint::StepDirectory(options_.checkpoint_dir, spec.job(), job->step)));
     } else if (part.status().code() != absl::StatusCode::kNotFound || restore_step > 0) {
       return part.status();
     }
   }
 
   absl::MutexLock lock(&mu_);
-  if (auto it = jobs_.find(spec->job()); it != jobs_.end()) return Attach(*it->second, *spec);
-  jobs_.emplace(spec->job(), job);
+  if (auto it = jobs_.find(spec.job()); it != jobs_.end()) return Attach(*it->second, spec);
+  jobs_.emplace(spec.job(), job);
   v1::CreateJobResponse response;
   response.set_created(true);
   response.set_restored(restored);
@@ -87,14 +86,13 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
   if (options_.checkpoint_dir.empty()) {
     return absl::FailedPreconditionError("this server has no --checkpoint_dir");
   }
-  auto found = Find(request.job());
-  if (!found.ok()) return found.status();
-  Job& job = **found;
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
+  Job& job = *found;
   absl::StatusOr<checkpoint::Part> part;
   {
     absl::MutexLock lock(&job.mu);
     job.AwaitWholeStep();
-    if (auto st = job.CheckNotDropped(); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
     if (!job.failed.ok()) return job.failed;
     if (request.step() != job.step) {
       return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
@@ -103,13 +101,12 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
     part = Snapshot(job);
   }
   if (!part.ok()) return part.status();
-  auto written = checkpoint::WritePart(options_.checkpoint_dir, *part);
-  if (!written.ok()) return written.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto written, checkpoint::WritePart(options_.checkpoint_dir, *part));
   v1::CheckpointResponse response;
   response.set_step(request.step());
-  response.set_directory(written->directory);
-  response.set_part_bytes(written->part_bytes);
-  response.set_complete(written->complete);
+  response.set_directory(written.directory);
+  response.set_part_bytes(written.part_bytes);
+  response.set_complete(written.complete);
   return response;
 }
 
@@ -153,9 +150,8 @@ absl::Status JobStore::DropJob(const std::string& name) {
 }
 
 absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const std::string& name) const {
-  auto found = Find(name);
-  if (!found.ok()) return found.status();
-  Job& job = **found;
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(name));
+  Job& job = *found;
   absl::MutexLock lock(&job.mu);
   v1::DescribeResponse r;
   r.set_job(job.name());
@@ -196,11 +192,9 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const std::string& name)
 }
 
 absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
-  auto found = Find(chunk.job());
-  if (!found.ok()) return found.status();
-  Job& job = **found;
-  auto dtype = FromProto(chunk.dtype());
-  if (!dtype.ok()) return dtype.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(chunk.job()));
+  Job& job = *found;
+  SHARDOPT_ASSIGN_OR_RETURN(auto dtype, FromProto(chunk.dtype()));
   StateKind kind = StateKind::kMaster;
   switch (chunk.kind()) {
     case v1::STATE_KIND_UNSPECIFIED:
@@ -209,11 +203,11 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
     case v1::EXP_AVG_SQ: kind = StateKind::kExpAvgSq; break;
     default: return absl::InvalidArgumentError("Init sets MASTER, EXP_AVG or EXP_AVG_SQ; params follow the master");
   }
-  if (auto st = CheckDataLength(chunk.data(), *dtype, "init chunk"); !st.ok()) return st;
-  const uint64_t count = chunk.data().size() / DTypeSize(*dtype);
+  SHARDOPT_RETURN_IF_ERROR(CheckDataLength(chunk.data(), dtype, "init chunk"));
+  const uint64_t count = chunk.data().size() / DTypeSize(dtype);
   for (uint64_t i = 0; i < count; ++i) {
     float x;
-    if (*dtype == DType::kFp32) {
+    if (dtype == DType::kFp32) {
       std::memcpy(&x, chunk.data().data() + 4 * i, 4);
     } else {
       uint16_t h;
@@ -230,44 +224,38 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
     }
   }
   absl::MutexLock lock(&job.mu);
-  if (auto st = job.CheckNotDropped(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
   if (job.step != 0 || job.applying) {
     return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
                                                       "; initial values are taken only at step 0"));
   }
-  auto shard = job.LocateRange(chunk.tensor(), chunk.offset(), count);
-  if (!shard.ok()) return shard.status();
-  const OwnedShard& s = job.shards[*shard];
+  SHARDOPT_ASSIGN_OR_RETURN(auto shard, job.LocateRange(chunk.tensor(), chunk.offset(), count));
+  const OwnedShard& s = job.shards[shard];
   const uint64_t local = chunk.offset() - s.offset;
-  if (auto st = job.state->WriteState(*shard, kind, local, *dtype, chunk.data().data(), count); !st.ok()) {
-    return st;
-  }
-  if (chunk.adam_step() != 0) job.adam_steps[*shard] = chunk.adam_step();
+  SHARDOPT_RETURN_IF_ERROR(job.state->WriteState(shard, kind, local, dtype, chunk.data().data(), count));
+  if (chunk.adam_step() != 0) job.adam_steps[shard] = chunk.adam_step();
   // Only the master makes a shard ready to step: moments default to zero.
   if (kind != StateKind::kMaster) return count;
-  const bool was_covered = job.init_cover[*shard].Covers(0, s.length);
-  job.init_cover[*shard].Add(local, local + count);
-  if (!was_covered && job.init_cover[*shard].Covers(0, s.length)) --job.uninitialized_shards;
+  const bool was_covered = job.init_cover[shard].Covers(0, s.length);
+  job.init_cover[shard].Add(local, local + count);
+  if (!was_covered && job.init_cover[shard].Covers(0, s.length)) --job.uninitialized_shards;
   return count;
 }
 
 absl::StatusOr<std::unique_ptr<PushSession>> JobStore::BeginPush(const v1::GradChunk& first) {
-  auto found = Find(first.job());
-  if (!found.ok()) return found.status();
-  return PushSession::Begin(*std::move(found), first);
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(first.job()));
+  return PushSession::Begin(std::move(found), first);
 }
 
 absl::Status JobStore::Commit(const v1::CommitRequest& request,
                               const std::function<bool(const v1::ParamChunk&)>& emit) {
-  auto found = Find(request.job());
-  if (!found.ok()) return found.status();
-  return CommitAndStream(**found, request, {options_.stream_chunk_elements, draining_.load()}, emit);
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
+  return CommitAndStream(*found, request, {options_.stream_chunk_elements, draining_.load()}, emit);
 }
 
 absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool(const v1::StateChunk&)>& emit) const {
-  auto found = Find(req.job());
-  if (!found.ok()) return found.status();
-  Job& job = **found;
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(req.job()));
+  Job& job = *found;
   StateKind kind;
   switch (req.kind()) {
     case v1::MASTER: kind = StateKind::kMaster; break;
@@ -288,9 +276,8 @@ absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool
         if (req.offset() < s.offset + s.length) length = s.offset + s.length - req.offset();
       }
     }
-    auto located = job.LocateRange(req.tensor(), req.offset(), length);
-    if (!located.ok()) return located.status();
-    shard = *located;
+    SHARDOPT_ASSIGN_OR_RETURN(auto located, job.LocateRange(req.tensor(), req.offset(), length));
+    shard = located;
     if (length == 0) {  // the offset is at the shard's end: no element of it is asked for
       const OwnedShard& s = job.shards[shard];
       return absl::OutOfRangeError(absl::StrCat("offset ", req.offset(), " of tensor '", req.tensor(),
@@ -310,11 +297,9 @@ absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool
     {
       absl::MutexLock lock(&job.mu);
       job.AwaitWholeStep();  // never between two pieces of an update
-      if (auto st = job.CheckNotDropped(); !st.ok()) return st;
+      SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
       if (!job.failed.ok()) return job.failed;
-      if (auto st = job.state->ReadState(shard, kind, off - base, n, dtype, chunk.mutable_data()->data()); !st.ok()) {
-        return st;
-      }
+      SHARDOPT_RETURN_IF_ERROR(job.state->ReadState(shard, kind, off - base, n, dtype, chunk.mutable_data()->data()));
       chunk.set_step(job.step);
     }
     if (!emit(chunk)) return absl::CancelledError("the caller stopped reading");

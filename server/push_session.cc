@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "server/job_spec.h"
 #include "server/messages.h"
 
@@ -17,7 +18,7 @@ absl::StatusOr<std::unique_ptr<PushSession>> PushSession::Begin(std::shared_ptr<
   }
   const bool resealed = first.step() == job->step && job->sealed_step == job->step && job->step > 0;
   if (!resealed) {
-    if (auto st = job->CheckStepToPush(first.step()); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(job->CheckStepToPush(first.step()));
   }
   if (job->uninitialized_shards > 0) {
     for (size_t s = 0; s < job->shards.size(); ++s) {
@@ -63,7 +64,7 @@ absl::Status PushSession::Add(const v1::GradChunk& chunk) {
   for (const std::string& t : chunk.no_grad()) no_grad_.push_back(t);
   const bool has_data = !chunk.tensor().empty() || !chunk.data().empty();
   absl::MutexLock lock(&job_->mu);
-  if (auto st = job_->CheckNotDropped(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   const auto now = std::chrono::steady_clock::now();
   job_->ExpireIfLate(now);
   if (started_ && job_->step < step_ && (job_->round.epoch != epoch_ || !job_->round.active)) {
@@ -72,13 +73,11 @@ absl::Status PushSession::Add(const v1::GradChunk& chunk) {
                                                     step_, " again"));
   }
   if (!has_data) return absl::OkStatus();
-  auto dtype = FromProto(chunk.dtype());
-  if (!dtype.ok()) return dtype.status();
-  if (auto st = CheckDataLength(chunk.data(), *dtype, "gradient chunk"); !st.ok()) return st;
-  const uint64_t count = chunk.data().size() / DTypeSize(*dtype);
-  auto shard = job_->LocateRange(chunk.tensor(), chunk.offset(), count);
-  if (!shard.ok()) return shard.status();
-  if (const v1::DType want = job_->grad_dtype(job_->shards[*shard].tensor); ToProto(*dtype) != want) {
+  SHARDOPT_ASSIGN_OR_RETURN(auto dtype, FromProto(chunk.dtype()));
+  SHARDOPT_RETURN_IF_ERROR(CheckDataLength(chunk.data(), dtype, "gradient chunk"));
+  const uint64_t count = chunk.data().size() / DTypeSize(dtype);
+  SHARDOPT_ASSIGN_OR_RETURN(auto shard, job_->LocateRange(chunk.tensor(), chunk.offset(), count));
+  if (const v1::DType want = job_->grad_dtype(job_->shards[shard].tensor); ToProto(dtype) != want) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", chunk.tensor(), "' of job '", job_->name(), "' takes ",
                                                    v1::DType_Name(want), " gradients; this chunk is ",
                                                    v1::DType_Name(chunk.dtype())));
@@ -86,9 +85,9 @@ absl::Status PushSession::Add(const v1::GradChunk& chunk) {
   if (job_->step >= step_) return absl::OkStatus();  // a retry of a committed step: already counted
   if (!started_) Start(now);
   if (job_->round.sealed) return absl::OkStatus();  // a retry after the barrier: already counted
-  const uint64_t local = chunk.offset() - job_->shards[*shard].offset;
-  if (auto st = job_->state->WriteGrad(*shard, rank_, local, *dtype, chunk.data().data(), count); !st.ok()) return st;
-  job_->round.covered[rank_][*shard].Add(local, local + count);
+  const uint64_t local = chunk.offset() - job_->shards[shard].offset;
+  SHARDOPT_RETURN_IF_ERROR(job_->state->WriteGrad(shard, rank_, local, dtype, chunk.data().data(), count));
+  job_->round.covered[rank_][shard].Add(local, local + count);
   return absl::OkStatus();
 }
 
@@ -108,7 +107,7 @@ v1::PushResponse PushSession::Answer() const {
 
 absl::StatusOr<v1::PushResponse> PushSession::Seal() {
   absl::MutexLock lock(&job_->mu);
-  if (auto st = job_->CheckNotDropped(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   if (job_->step >= step_) {  // a retry of a committed step: its answer, if still kept
     if (job_->sealed_step == step_) return Answer();
     return absl::FailedPreconditionError(absl::StrCat("step ", step_, " is stale: job '", job_->name(), "' is at step ", job_->step));
@@ -165,12 +164,11 @@ absl::StatusOr<v1::PushResponse> PushSession::Seal() {
       }
       if (!sg.ranks.empty()) contributions.push_back(std::move(sg));
     }
-    auto stats = job_->state->ReduceGrads(contributions);
-    if (!stats.ok()) return stats.status();
+    SHARDOPT_ASSIGN_OR_RETURN(auto stats, job_->state->ReduceGrads(contributions));
     job_->round.contributions = std::move(contributions);
     job_->round.sealed = true;
     job_->sealed_step = step_;
-    job_->sealed_stats = *stats;
+    job_->sealed_stats = stats;
     job_->changed.SignalAll();
     return Answer();
   }
@@ -179,7 +177,7 @@ absl::StatusOr<v1::PushResponse> PushSession::Seal() {
   job_->WaitUntil([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu) {
     return job_->dropped || job_->round.epoch != epoch_ || job_->round.sealed;
   }, deadline);
-  if (auto st = job_->CheckNotDropped(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   if (job_->sealed_step == step_ && (job_->round.sealed || job_->step >= step_)) return Answer();
   if (job_->round.epoch == epoch_) {  // our own deadline: end the round for everyone
     const std::string missing = job_->MissingSummary();

@@ -84,7 +84,8 @@ TEST(Bf16, MatchesSlowReferenceOnRandomBitPatterns) {
   }
 }
 
-// DESIGN.md's formula evaluated in double, with the step's scalars in double.
+// The formula of docs/design.md (section 3) evaluated in double, with the
+// step's scalars in double.
 struct Float64Adam {
   std::vector<double> p, m, v;
   void Step(const AdamWHyper& h, const std::vector<uint16_t>& grad, double lr, double gscale, uint64_t t) {
@@ -299,8 +300,9 @@ TEST(CpuBackend, NonfiniteGradientIsFlagged) {
   }
 }
 
-// DESIGN.md's reason to exist: an update below half of bf16's spacing at 1.0
-// rounds away in bf16 state and accumulates in fp32 state.
+// shardopt's reason to exist (docs/design.md, section 1): an update below half
+// of bf16's spacing at 1.0 rounds away in bf16 state and accumulates in fp32
+// state.
 TEST(CpuBackend, Fp32StateMovesGainsThatBf16StateLeavesAtOne) {
   constexpr uint64_t kN = 4096;
   constexpr int kSteps = 100;

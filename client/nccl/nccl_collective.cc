@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "client/nccl/widen.h"
 
 namespace shardopt {
@@ -30,7 +31,7 @@ absl::Status Reserve(T** buffer, uint64_t* capacity, uint64_t count) {
   if (*buffer != nullptr) cudaFree(*buffer);
   *buffer = nullptr;
   *capacity = 0;
-  if (auto st = Check(cudaMalloc(reinterpret_cast<void**>(buffer), count * sizeof(T)), "cudaMalloc"); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(Check(cudaMalloc(reinterpret_cast<void**>(buffer), count * sizeof(T)), "cudaMalloc"));
   *capacity = count;
   return absl::OkStatus();
 }
@@ -53,12 +54,12 @@ class NcclCollective final : public Collective {
     if (ranges.size() != size_) return absl::InvalidArgumentError("one range per rank is needed");
     uint64_t n = 0;
     for (const FlatRange& r : ranges) n = std::max(n, r.end);
-    if (auto st = Enter(); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Enter());
     // The fp32 copy of the whole gradient: 4 B/param of device memory,
     // reused from step to step.
-    if (auto st = Reserve(&widened_, &widened_capacity_, n); !st.ok()) return st;
-    if (auto st = Check(nccl::WidenBf16(in, widened_, n, stream_), "widen bf16"); !st.ok()) return st;
-    if (auto st = Check(ncclGroupStart(), "ncclGroupStart"); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Reserve(&widened_, &widened_capacity_, n));
+    SHARDOPT_RETURN_IF_ERROR(Check(nccl::WidenBf16(in, widened_, n, stream_), "widen bf16"));
+    SHARDOPT_RETURN_IF_ERROR(Check(ncclGroupStart(), "ncclGroupStart"));
     for (uint32_t r = 0; r < size_; ++r) {
       if (ranges[r].size() == 0) continue;
       float* part = widened_ + ranges[r].begin;
@@ -69,20 +70,16 @@ class NcclCollective final : public Collective {
         return st;
       }
     }
-    if (auto st = Check(ncclGroupEnd(), "ncclGroupEnd"); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Check(ncclGroupEnd(), "ncclGroupEnd"));
     const FlatRange mine = ranges[rank_];
-    if (auto st = Check(cudaMemcpyAsync(out, widened_ + mine.begin, mine.size() * sizeof(float),
-                                        cudaMemcpyDeviceToHost, stream_), "copy sums to host");
-        !st.ok()) {
-      return st;
-    }
+    SHARDOPT_RETURN_IF_ERROR(Check(cudaMemcpyAsync(out, widened_ + mine.begin, mine.size() * sizeof(float), cudaMemcpyDeviceToHost, stream_), "copy sums to host"));
     return Check(cudaStreamSynchronize(stream_), "reduce-scatter");
   }
 
   absl::Status AllGather(uint16_t* data, absl::Span<const FlatRange> ranges) override {
     if (ranges.size() != size_) return absl::InvalidArgumentError("one range per rank is needed");
-    if (auto st = Enter(); !st.ok()) return st;
-    if (auto st = Check(ncclGroupStart(), "ncclGroupStart"); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Enter());
+    SHARDOPT_RETURN_IF_ERROR(Check(ncclGroupStart(), "ncclGroupStart"));
     for (uint32_t r = 0; r < size_; ++r) {
       if (ranges[r].size() == 0) continue;
       uint16_t* part = data + ranges[r].begin;
@@ -93,31 +90,22 @@ class NcclCollective final : public Collective {
         return st;
       }
     }
-    if (auto st = Check(ncclGroupEnd(), "ncclGroupEnd"); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Check(ncclGroupEnd(), "ncclGroupEnd"));
     return Check(cudaStreamSynchronize(stream_), "all-gather");
   }
 
   absl::Status AllReduceSum(double* data, uint64_t count) override {
-    if (auto st = Enter(); !st.ok()) return st;
-    if (auto st = Reserve(&sums_, &sums_capacity_, count); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Enter());
+    SHARDOPT_RETURN_IF_ERROR(Reserve(&sums_, &sums_capacity_, count));
     const uint64_t bytes = count * sizeof(double);
-    if (auto st = Check(cudaMemcpyAsync(sums_, data, bytes, cudaMemcpyHostToDevice, stream_), "copy to device");
-        !st.ok()) {
-      return st;
-    }
-    if (auto st = Check(ncclAllReduce(sums_, sums_, count, ncclFloat64, ncclSum, comm_, stream_), "ncclAllReduce");
-        !st.ok()) {
-      return st;
-    }
-    if (auto st = Check(cudaMemcpyAsync(data, sums_, bytes, cudaMemcpyDeviceToHost, stream_), "copy to host");
-        !st.ok()) {
-      return st;
-    }
+    SHARDOPT_RETURN_IF_ERROR(Check(cudaMemcpyAsync(sums_, data, bytes, cudaMemcpyHostToDevice, stream_), "copy to device"));
+    SHARDOPT_RETURN_IF_ERROR(Check(ncclAllReduce(sums_, sums_, count, ncclFloat64, ncclSum, comm_, stream_), "ncclAllReduce"));
+    SHARDOPT_RETURN_IF_ERROR(Check(cudaMemcpyAsync(data, sums_, bytes, cudaMemcpyDeviceToHost, stream_), "copy to host"));
     return Check(cudaStreamSynchronize(stream_), "all-reduce");
   }
 
   absl::Status FromHost(const void* host_src, void* dst, uint64_t bytes) override {
-    if (auto st = Enter(); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Enter());
     return Check(cudaMemcpy(dst, host_src, bytes, cudaMemcpyHostToDevice), "copy to device");
   }
 
@@ -140,7 +128,7 @@ class NcclCollective final : public Collective {
 absl::StatusOr<NcclId> NewNcclId() {
   static_assert(sizeof(ncclUniqueId) == sizeof(NcclId), "NcclId must hold an ncclUniqueId");
   ncclUniqueId id;
-  if (auto st = Check(ncclGetUniqueId(&id), "ncclGetUniqueId"); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(Check(ncclGetUniqueId(&id), "ncclGetUniqueId"));
   NcclId out;
   std::memcpy(out.bytes, &id, sizeof id);
   return out;
@@ -151,14 +139,11 @@ absl::StatusOr<std::unique_ptr<Collective>> MakeNcclCollective(const NcclId& id,
   if (size == 0 || rank >= size) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is out of range for size ", size));
   }
-  if (auto st = Check(cudaSetDevice(device), "cudaSetDevice"); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(Check(cudaSetDevice(device), "cudaSetDevice"));
   ncclUniqueId nid;
   std::memcpy(&nid, id.bytes, sizeof nid);
   ncclComm_t comm;
-  if (auto st = Check(ncclCommInitRank(&comm, static_cast<int>(size), nid, static_cast<int>(rank)), "ncclCommInitRank");
-      !st.ok()) {
-    return st;
-  }
+  SHARDOPT_RETURN_IF_ERROR(Check(ncclCommInitRank(&comm, static_cast<int>(size), nid, static_cast<int>(rank)), "ncclCommInitRank"));
   cudaStream_t stream;
   if (auto st = Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"); !st.ok()) {
     ncclCommDestroy(comm);
@@ -168,9 +153,9 @@ absl::StatusOr<std::unique_ptr<Collective>> MakeNcclCollective(const NcclId& id,
 }
 
 absl::StatusOr<DeviceBuffer> DeviceBuffer::Allocate(uint64_t bytes, int device) {
-  if (auto st = Check(cudaSetDevice(device), "cudaSetDevice"); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(Check(cudaSetDevice(device), "cudaSetDevice"));
   DeviceBuffer b;
-  if (auto st = Check(cudaMalloc(&b.data_, std::max<uint64_t>(bytes, 1)), "cudaMalloc"); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(Check(cudaMalloc(&b.data_, std::max<uint64_t>(bytes, 1)), "cudaMalloc"));
   return b;
 }
 
@@ -195,7 +180,7 @@ absl::Status DeviceBuffer::CopyFromHost(const void* host, uint64_t bytes) {
 
 absl::StatusOr<int> CudaDeviceCount() {
   int n = 0;
-  if (auto st = Check(cudaGetDeviceCount(&n), "cudaGetDeviceCount"); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(Check(cudaGetDeviceCount(&n), "cudaGetDeviceCount"));
   return n;
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace shardopt {
@@ -70,19 +71,15 @@ class CpuJobState final : public JobState {
       s.state_elem_bytes = sl.precision == Precision::kFp32 ? 4 : 2;
       const uint64_t state = sl.numel * s.state_elem_bytes;
       auto alloc = [](uint64_t bytes, AlignedBuffer* out) -> absl::Status {
-        auto b = AlignedBuffer::Zeroed(bytes);
-        if (!b.ok()) return b.status();
-        *out = *std::move(b);
+        SHARDOPT_ASSIGN_OR_RETURN(auto b, AlignedBuffer::Zeroed(bytes));
+        *out = std::move(b);
         return absl::OkStatus();
       };
-      if (auto st = alloc(state, &s.p); !st.ok()) return st;
-      if (auto st = alloc(state, &s.m); !st.ok()) return st;
-      if (auto st = alloc(state, &s.v); !st.ok()) return st;
-      if (auto st = alloc(sl.numel * 2, &s.param_out); !st.ok()) return st;
-      if (auto st = alloc(sl.numel * layout_.world_size * DTypeSize(layout_.grad_dtype), &s.grads);
-          !st.ok()) {
-        return st;
-      }
+      SHARDOPT_RETURN_IF_ERROR(alloc(state, &s.p));
+      SHARDOPT_RETURN_IF_ERROR(alloc(state, &s.m));
+      SHARDOPT_RETURN_IF_ERROR(alloc(state, &s.v));
+      SHARDOPT_RETURN_IF_ERROR(alloc(sl.numel * 2, &s.param_out));
+      SHARDOPT_RETURN_IF_ERROR(alloc(sl.numel * layout_.world_size * DTypeSize(layout_.grad_dtype), &s.grads));
       shards_.push_back(std::move(s));
     }
     return absl::OkStatus();
@@ -90,7 +87,7 @@ class CpuJobState final : public JobState {
 
   absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                          const void* data, uint64_t count) override {
-    if (auto st = CheckGradWrite(layout_, shard, rank, offset, dtype, count); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(CheckGradWrite(layout_, shard, rank, offset, dtype, count));
     char* dst = GradSlot(shard, rank) + offset * DTypeSize(layout_.grad_dtype);
     if (dtype == layout_.grad_dtype) {
       std::memcpy(dst, data, count * DTypeSize(dtype));
@@ -102,7 +99,7 @@ class CpuJobState final : public JobState {
 
   absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype,
                           const void* data, uint64_t count) override {
-    if (auto st = CheckRange(shard, offset, count); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(CheckRange(shard, offset, count));
     if (kind == StateKind::kParamBf16) {
       return absl::InvalidArgumentError("bf16 params are derived from the master; write the master");
     }
@@ -125,7 +122,7 @@ class CpuJobState final : public JobState {
 
   absl::Status ReadState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
                          DType dtype, void* out) const override {
-    if (auto st = CheckRange(shard, offset, count); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(CheckRange(shard, offset, count));
     const CpuShard& s = shards_[shard];
     if (kind == StateKind::kParamBf16) {
       if (dtype != DType::kBf16) return absl::InvalidArgumentError("params are read as bf16");
@@ -145,7 +142,7 @@ class CpuJobState final : public JobState {
   }
 
   absl::StatusOr<GradStats> ReduceGrads(absl::Span<const ShardGrads> shards) const override {
-    if (auto st = CheckGrads(shards); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(CheckGrads(shards));
     // One partial per block, each computed whole by one thread, then summed
     // in block order: the result is independent of the thread count.
     std::vector<uint64_t> first_block(shards.size() + 1, 0);
@@ -174,22 +171,20 @@ class CpuJobState final : public JobState {
   }
 
   absl::Status Apply(absl::Span<const ShardStep> steps) override {
-    auto ends = CheckSteps(steps);
-    if (!ends.ok()) return ends.status();
-    ForEachTile(steps, *ends, [&](const ShardStep& step, uint64_t off, uint64_t len) { ApplyTile(step, off, len); });
+    SHARDOPT_ASSIGN_OR_RETURN(auto ends, CheckSteps(steps));
+    ForEachTile(steps, ends, [&](const ShardStep& step, uint64_t off, uint64_t len) { ApplyTile(step, off, len); });
     return absl::OkStatus();
   }
 
   absl::Status StreamRoofline(absl::Span<const ShardStep> steps) {
-    auto ends = CheckSteps(steps);
-    if (!ends.ok()) return ends.status();
+    SHARDOPT_ASSIGN_OR_RETURN(auto ends, CheckSteps(steps));
     if (layout_.grad_dtype != DType::kBf16) return absl::InvalidArgumentError("the roofline streams bf16 gradients");
     for (const ShardStep& st : steps) {
       if (shards_[st.grads.shard].layout.precision != Precision::kFp32 || st.grads.ranks.size() != 1) {
         return absl::InvalidArgumentError("the roofline streams FP32 shards with one rank's gradient");
       }
     }
-    ForEachTile(steps, *ends, [&](const ShardStep& step, uint64_t off, uint64_t len) {
+    ForEachTile(steps, ends, [&](const ShardStep& step, uint64_t off, uint64_t len) {
       CpuShard& s = shards_[step.grads.shard];
       cpu::StreamArgs a;
       a.grad = reinterpret_cast<const uint16_t*>(GradSlot(step.grads.shard, step.grads.ranks[0])) + off;
@@ -223,7 +218,7 @@ class CpuJobState final : public JobState {
 
   absl::Status CheckGrads(absl::Span<const ShardGrads> shards) const {
     for (const ShardGrads& sg : shards) {
-      if (auto st = CheckShardGrads(layout_, sg); !st.ok()) return st;
+      SHARDOPT_RETURN_IF_ERROR(CheckShardGrads(layout_, sg));
     }
     return absl::OkStatus();
   }
@@ -249,9 +244,8 @@ class CpuJobState final : public JobState {
   absl::StatusOr<std::vector<uint64_t>> CheckSteps(absl::Span<const ShardStep> steps) const {
     std::vector<uint64_t> ends;
     for (const ShardStep& st : steps) {
-      auto end = CheckShardStep(layout_, st);
-      if (!end.ok()) return end.status();
-      ends.push_back(*end);
+      SHARDOPT_ASSIGN_OR_RETURN(auto end, CheckShardStep(layout_, st));
+      ends.push_back(end);
     }
     return ends;
   }
@@ -331,7 +325,7 @@ class CpuBackend final : public Backend {
                                                        physical));
     }
     auto state = std::make_unique<CpuJobState>(&pool_, loops_, layout);
-    if (auto st = state->Init(); !st.ok()) return st;  // partial buffers are freed with `state`
+    SHARDOPT_RETURN_IF_ERROR(state->Init());  // partial buffers are freed with `state`
     return state;
   }
 

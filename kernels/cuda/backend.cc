@@ -1,5 +1,6 @@
 #include "kernels/cuda/backend.h"
 
+#include "base/status_macros.h"
 #include "kernels/cuda/job.h"
 #include "kernels/gpu.h"
 
@@ -7,9 +8,8 @@ namespace shardopt {
 namespace cuda {
 
 absl::StatusOr<std::unique_ptr<JobState>> CudaBackend::Allocate(const JobLayout& layout) {
-  auto job = CudaJobState::Create(device_, layout);
-  if (!job.ok()) return job.status();
-  return std::unique_ptr<JobState>(*std::move(job));
+  SHARDOPT_ASSIGN_OR_RETURN(auto job, CudaJobState::Create(device_, layout));
+  return std::unique_ptr<JobState>(std::move(job));
 }
 
 }  // namespace cuda
@@ -29,9 +29,8 @@ std::string GpuUnavailableReason() {
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
-  auto opened = cuda::Device::Open(device);
-  if (!opened.ok()) return opened.status();
-  return std::make_unique<cuda::CudaBackend>(*std::move(opened));
+  SHARDOPT_ASSIGN_OR_RETURN(auto opened, cuda::Device::Open(device));
+  return std::make_unique<cuda::CudaBackend>(std::move(opened));
 }
 
 absl::Status CudaBackendHealth(const Backend& backend) {

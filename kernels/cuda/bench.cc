@@ -1,8 +1,10 @@
-// BenchCudaKernel: the fused update against its roofline (DESIGN.md), a
-// device-to-device copy moving the same bytes, measured in the same run.
+// BenchCudaKernel: the fused update against its roofline (docs/design.md,
+// section 10.1), a device-to-device copy moving the same bytes, measured in
+// the same run.
 #include <cuda_runtime_api.h>
 
 #include "absl/functional/function_ref.h"
+#include "base/status_macros.h"
 #include "kernels/cuda/job.h"
 #include "kernels/gpu.h"
 
@@ -36,17 +38,14 @@ class EventPair {
 absl::StatusOr<double> Time(const cuda::Device& device, cudaStream_t stream,
                             absl::FunctionRef<absl::Status()> enqueue) {
   EventPair events;
-  if (auto st = device.Check(cudaEventCreate(&events.start), "cudaEventCreate"); !st.ok()) return st;
-  if (auto st = device.Check(cudaEventCreate(&events.stop), "cudaEventCreate"); !st.ok()) return st;
-  if (auto st = device.Check(cudaEventRecord(events.start, stream), "cudaEventRecord"); !st.ok()) return st;
-  if (auto st = enqueue(); !st.ok()) return st;
-  if (auto st = device.Check(cudaEventRecord(events.stop, stream), "cudaEventRecord"); !st.ok()) return st;
-  if (auto st = device.Check(cudaEventSynchronize(events.stop), "cudaEventSynchronize"); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(device.Check(cudaEventCreate(&events.start), "cudaEventCreate"));
+  SHARDOPT_RETURN_IF_ERROR(device.Check(cudaEventCreate(&events.stop), "cudaEventCreate"));
+  SHARDOPT_RETURN_IF_ERROR(device.Check(cudaEventRecord(events.start, stream), "cudaEventRecord"));
+  SHARDOPT_RETURN_IF_ERROR(enqueue());
+  SHARDOPT_RETURN_IF_ERROR(device.Check(cudaEventRecord(events.stop, stream), "cudaEventRecord"));
+  SHARDOPT_RETURN_IF_ERROR(device.Check(cudaEventSynchronize(events.stop), "cudaEventSynchronize"));
   float ms = 0;
-  if (auto st = device.Check(cudaEventElapsedTime(&ms, events.start, events.stop), "cudaEventElapsedTime");
-      !st.ok()) {
-    return st;
-  }
+  SHARDOPT_RETURN_IF_ERROR(device.Check(cudaEventElapsedTime(&ms, events.start, events.stop), "cudaEventElapsedTime"));
   return ms / 1e3;
 }
 
@@ -56,30 +55,25 @@ absl::StatusOr<GpuKernelBench> BenchCudaKernel(uint64_t elements, int device_ind
   if (elements == 0 || iterations <= 0) {
     return absl::InvalidArgumentError("the kernel benchmark needs elements and iterations above 0");
   }
-  auto device = cuda::Device::Open(device_index);
-  if (!device.ok()) return device.status();
-  const cuda::Device& dev = **device;
+  SHARDOPT_ASSIGN_OR_RETURN(auto device, cuda::Device::Open(device_index));
+  const cuda::Device& dev = *device;
   JobLayout layout;
   layout.shards = {{elements, Precision::kFp32}};
-  auto job = cuda::CudaJobState::Create(*device, layout);
-  if (!job.ok()) return job.status();
-  cudaStream_t stream = (*job)->stream();
+  SHARDOPT_ASSIGN_OR_RETURN(auto job, cuda::CudaJobState::Create(device, layout));
+  cudaStream_t stream = (job)->stream();
   // A GPU's speed does not depend on the values, but all-zero state would
   // reduce the update to p*decay; this byte makes every float and bf16 ~0.0115.
-  const cuda::DeviceArray arena = (*job)->arena();
-  if (auto st = dev.Check(cudaMemsetAsync(arena.base, 0x3C, (*job)->arena_bytes(), stream), "cudaMemsetAsync");
-      !st.ok()) {
-    return st;
-  }
+  const cuda::DeviceArray arena = (job)->arena();
+  SHARDOPT_RETURN_IF_ERROR(dev.Check(cudaMemsetAsync(arena.base, 0x3C, (job)->arena_bytes(), stream), "cudaMemsetAsync"));
   // Step 1 of AdamW at lr 1e-3 with torch's defaults. Literal, because
   // step_scalars.cc lives in shardopt_kernels, which links this library.
   const math::AdamWScalars scalars{1.0f, 1.0f - 1e-5f, 0.1f, 0.999f, 0.001f, 0.0316227766f, 1e-2f, 1e-8f};
   const ShardStep step{{0, {0}}, scalars};
   // The first launch pays for module loading; it is not timed.
-  if (auto st = (*job)->Apply({&step, 1}); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR((job)->Apply({&step, 1}));
   auto update_seconds = Time(dev, stream, [&]() -> absl::Status {
     for (int i = 0; i < iterations; ++i) {
-      if (auto st = (*job)->EnqueueApply({&step, 1}); !st.ok()) return st;
+      SHARDOPT_RETURN_IF_ERROR((job)->EnqueueApply({&step, 1}));
     }
     return absl::OkStatus();
   });
@@ -87,16 +81,16 @@ absl::StatusOr<GpuKernelBench> BenchCudaKernel(uint64_t elements, int device_ind
 
   const uint64_t copy_bytes = elements * kReadBytes;
   DeviceBuffer src, dst;
-  if (auto st = dev.Check(cudaMalloc(&src.ptr, copy_bytes), "cudaMalloc"); !st.ok()) return st;
-  if (auto st = dev.Check(cudaMalloc(&dst.ptr, copy_bytes), "cudaMalloc"); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(dev.Check(cudaMalloc(&src.ptr, copy_bytes), "cudaMalloc"));
+  SHARDOPT_RETURN_IF_ERROR(dev.Check(cudaMalloc(&dst.ptr, copy_bytes), "cudaMalloc"));
   auto copy = [&]() -> absl::Status {
     return dev.Check(cudaMemcpyAsync(dst.ptr, src.ptr, copy_bytes, cudaMemcpyDeviceToDevice, stream),
                      "cudaMemcpyAsync device to device");
   };
-  if (auto st = copy(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(copy());
   auto copy_seconds = Time(dev, stream, [&]() -> absl::Status {
     for (int i = 0; i < iterations; ++i) {
-      if (auto st = copy(); !st.ok()) return st;
+      SHARDOPT_RETURN_IF_ERROR(copy());
     }
     return absl::OkStatus();
   });

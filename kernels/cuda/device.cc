@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 
 namespace shardopt::cuda {
 namespace {
@@ -45,17 +46,10 @@ absl::StatusOr<std::shared_ptr<Device>> Device::Open(int index) {
   device->description_ = absl::StrFormat("cuda:%d (%s, compute %d.%d, %d SMs, %.1f GiB)", index, prop.name,
                                          prop.major, prop.minor, prop.multiProcessorCount,
                                          static_cast<double>(prop.totalGlobalMem) / (1 << 30));
-  if (auto st = device->Enter(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(device->Enter());
   for (Slot& s : device->slots_) {
-    if (auto st = device->Check(cudaHostAlloc(reinterpret_cast<void**>(&s.pinned), kSlotBytes, cudaHostAllocDefault),
-                                "cudaHostAlloc");
-        !st.ok()) {
-      return st;
-    }
-    if (auto st = device->Check(cudaEventCreateWithFlags(&s.free, cudaEventDisableTiming), "cudaEventCreate");
-        !st.ok()) {
-      return st;
-    }
+    SHARDOPT_RETURN_IF_ERROR(device->Check(cudaHostAlloc(reinterpret_cast<void**>(&s.pinned), kSlotBytes, cudaHostAllocDefault), "cudaHostAlloc"));
+    SHARDOPT_RETURN_IF_ERROR(device->Check(cudaEventCreateWithFlags(&s.free, cudaEventDisableTiming), "cudaEventCreate"));
   }
   return device;
 }
@@ -77,7 +71,7 @@ absl::Status Device::health() const {
 }
 
 absl::Status Device::Enter() const {
-  if (auto st = health(); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(health());
   return Check(cudaSetDevice(index_), "cudaSetDevice");
 }
 
@@ -93,7 +87,7 @@ absl::Status Device::Check(cudaError_t error, const char* what) const {
 absl::StatusOr<Device::Slot*> Device::TakeSlot() {
   Slot* slot = &slots_[next_slot_];
   next_slot_ = (next_slot_ + 1) % kSlots;
-  if (auto st = Check(cudaEventSynchronize(slot->free), "cudaEventSynchronize"); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(Check(cudaEventSynchronize(slot->free), "cudaEventSynchronize"));
   return slot;
 }
 
@@ -106,9 +100,8 @@ absl::Status Device::Upload(cudaStream_t stream, absl::Span<const DeviceArray> d
   std::lock_guard<std::mutex> lock(staging_mu_);
   for (uint64_t first = 0; first < count; first += piece) {
     const uint64_t n = std::min(piece, count - first);
-    auto slot = TakeSlot();
-    if (!slot.ok()) return slot.status();
-    char* at = (*slot)->pinned;
+    SHARDOPT_ASSIGN_OR_RETURN(auto slot, TakeSlot());
+    char* at = (slot)->pinned;
     for (size_t d = 0; d < dsts.size(); ++d) {
       staged[d] = at;
       at += n * dsts[d].elem_bytes;
@@ -116,14 +109,9 @@ absl::Status Device::Upload(cudaStream_t stream, absl::Span<const DeviceArray> d
     fill(first, n, staged.data());
     for (size_t d = 0; d < dsts.size(); ++d) {
       const DeviceArray& dst = dsts[d];
-      if (auto st = Check(cudaMemcpyAsync(static_cast<char*>(dst.base) + first * dst.elem_bytes, staged[d],
-                                          n * dst.elem_bytes, cudaMemcpyHostToDevice, stream),
-                          "cudaMemcpyAsync to the device");
-          !st.ok()) {
-        return st;
-      }
+      SHARDOPT_RETURN_IF_ERROR(Check(cudaMemcpyAsync(static_cast<char*>(dst.base) + first * dst.elem_bytes, staged[d], n * dst.elem_bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync to the device"));
     }
-    if (auto st = Check(cudaEventRecord((*slot)->free, stream), "cudaEventRecord"); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Check(cudaEventRecord((slot)->free, stream), "cudaEventRecord"));
   }
   return absl::OkStatus();
 }
@@ -138,16 +126,10 @@ absl::Status Device::Download(cudaStream_t stream, DeviceArray src, uint64_t cou
   const uint64_t piece = kSlotBytes / src.elem_bytes;
   auto enqueue = [&](uint64_t first) -> absl::StatusOr<Piece> {
     const uint64_t n = std::min(piece, count - first);
-    auto slot = TakeSlot();
-    if (!slot.ok()) return slot.status();
-    if (auto st = Check(cudaMemcpyAsync((*slot)->pinned, static_cast<const char*>(src.base) + first * src.elem_bytes,
-                                        n * src.elem_bytes, cudaMemcpyDeviceToHost, stream),
-                        "cudaMemcpyAsync to the host");
-        !st.ok()) {
-      return st;
-    }
-    if (auto st = Check(cudaEventRecord((*slot)->free, stream), "cudaEventRecord"); !st.ok()) return st;
-    return Piece{*slot, first, n};
+    SHARDOPT_ASSIGN_OR_RETURN(auto slot, TakeSlot());
+    SHARDOPT_RETURN_IF_ERROR(Check(cudaMemcpyAsync((slot)->pinned, static_cast<const char*>(src.base) + first * src.elem_bytes, n * src.elem_bytes, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync to the host"));
+    SHARDOPT_RETURN_IF_ERROR(Check(cudaEventRecord((slot)->free, stream), "cudaEventRecord"));
+    return Piece{slot, first, n};
   };
   if (count == 0) return absl::OkStatus();
   std::lock_guard<std::mutex> lock(staging_mu_);
@@ -158,7 +140,7 @@ absl::Status Device::Download(cudaStream_t stream, DeviceArray src, uint64_t cou
       next = enqueue(end);
       if (!next->ok()) return next->status();
     }
-    if (auto st = Check(cudaEventSynchronize(current->slot->free), "cudaEventSynchronize"); !st.ok()) return st;
+    SHARDOPT_RETURN_IF_ERROR(Check(cudaEventSynchronize(current->slot->free), "cudaEventSynchronize"));
     drain(current->first, current->n, current->slot->pinned);
     if (!next) return absl::OkStatus();
     current = *std::move(next);

@@ -15,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
+#include "kernels/cuda/launch_plan.h"
 
 namespace shardopt::cuda {
 
@@ -33,7 +34,7 @@ class Device {
   // Pinned staging: kSlots slots of kSlotBytes, 8 MiB per device whatever the
   // number of jobs. Two slots let the host fill one while the copy engine
   // drains the other; 4 MiB pieces keep the per-copy overhead small.
-  static constexpr uint64_t kSlotBytes = uint64_t{4} << 20;
+  static constexpr uint64_t kSlotBytes = kStagingSlotBytes;
   static constexpr int kSlots = 2;
 
   // Fails with FAILED_PRECONDITION when there is no usable device `index`.

@@ -7,12 +7,10 @@
 
 #include <memory>
 #include <mutex>
-#include <vector>
 
-#include "absl/functional/function_ref.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/device.h"
-#include "kernels/cuda/kernel_args.h"
+#include "kernels/cuda/launch_plan.h"
 
 namespace shardopt::cuda {
 
@@ -42,54 +40,21 @@ class CudaJobState final : public JobState {
   // element a launch failed to write.
   absl::Status FillParamsOut(uint32_t shard, uint8_t byte);
   DeviceArray arena() const { return {arena_, 1}; }
-  uint64_t arena_bytes() const { return arena_bytes_; }
+  uint64_t arena_bytes() const { return plan_.bytes(); }
   cudaStream_t stream() const { return stream_; }
 
  private:
-  struct Shard {
-    ShardLayout layout;
-    uint64_t state_elem_bytes = 0;  // 4 for FP32, 2 for BF16
-    // Byte offsets into the arena, each 256-byte aligned.
-    uint64_t p = 0, m = 0, v = 0, param_out = 0, grads = 0;
-    uint64_t slot_stride = 0;  // one rank's gradient slot, rounded up to keep every slot aligned
-  };
-  // One shard's entry in a launch; the reduction has no scalars.
-  struct Work {
-    const ShardGrads* grads;
-    const math::AdamWScalars* scalars;
-    uint64_t begin;  // the shard's elements [begin, end)
-    uint64_t end;
-  };
-  struct Batch {
-    std::vector<Task> tasks;
-    std::vector<uint32_t> ranks;
-    uint64_t units = 0;
-  };
-
-  CudaJobState(std::shared_ptr<Device> device, JobLayout layout)
-      : device_(std::move(device)), layout_(std::move(layout)) {}
+  CudaJobState(std::shared_ptr<Device> device, ArenaPlan plan) : device_(std::move(device)), plan_(std::move(plan)) {}
   absl::Status Init();
 
   char* At(uint64_t offset) const { return static_cast<char*>(arena_) + offset; }
-  uint64_t StateOffset(const Shard& s, StateKind kind) const;
   absl::Status Sync() const;
-
-  // Cuts `work` into launches of at most `max_units` units of `unit` elements
-  // whose table fits the arena's, splitting a shard at a unit boundary where
-  // it must, and runs `launch` on each in order.
-  absl::Status ForEachBatch(absl::Span<const Work> work, uint64_t unit, uint64_t max_units,
-                            absl::FunctionRef<absl::Status(const Batch&)> launch) const;
-  // Copies the batch's table to the device and returns the launch over it.
-  absl::StatusOr<Launch> UploadTable(const Batch& batch) const;
+  // Copies a launch's table to the arena's table slot.
+  absl::Status UploadTable(const TableImage& table) const;
 
   std::shared_ptr<Device> device_;
-  JobLayout layout_;
-  std::vector<Shard> shards_;
-  uint64_t state_bytes_ = 0;
-  uint64_t table_ = 0, table_capacity_ = 0;
-  uint64_t partials_ = 0, partials_capacity_ = 0;
+  const ArenaPlan plan_;
   void* arena_ = nullptr;
-  uint64_t arena_bytes_ = 0;
   cudaStream_t stream_ = nullptr;
   // The protocol orders a job's calls; the lock makes concurrent callers
   // safe, and the single stream orders their device work.

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "kernels/cuda/backend.h"
 #include "kernels/cuda/job.h"
 #include "kernels/cuda/trap.h"
@@ -30,8 +31,8 @@ absl::Status BreakDevice(Backend& backend) {
   auto* cuda_backend = dynamic_cast<cuda::CudaBackend*>(&backend);
   if (cuda_backend == nullptr) return absl::InvalidArgumentError("not a CUDA backend");
   const cuda::Device& device = cuda_backend->device();
-  if (auto st = device.Enter(); !st.ok()) return st;
-  if (auto st = device.Check(cuda::LaunchTrap(nullptr), "the trap launch"); !st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(device.Enter());
+  SHARDOPT_RETURN_IF_ERROR(device.Check(cuda::LaunchTrap(nullptr), "the trap launch"));
   return device.Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 

@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Writes device_check.sh's summary.json (and kernel_bench.json) from its step
-logs; exits 0 when every step passed."""
+logs, and prints its gist as one JSON line: each step's exit code, the
+kernel's and torch's fused AdamW speed against copy bandwidth. Exits 0 when
+every step passed; torch's benchmark may instead be absent (exit 3: no torch
+with CUDA on the machine)."""
 import argparse
 import json
 import os
@@ -16,6 +19,22 @@ def tail(path, chars=3000):
         return ""
 
 
+def load(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def speed(result):
+    """The figures to compare from a benchmark's JSON, or what went wrong."""
+    if not result:
+        return None
+    keys = ("elements_per_second", "copy_bytes_per_second", "fraction_of_roofline", "op", "error", "absent")
+    return {k: result[k] for k in keys if k in result}
+
+
 def command(*argv):
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout.strip()
@@ -29,6 +48,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--launch-mode", required=True)
+    ap.add_argument("--seconds", type=int, required=True)
     args = ap.parse_args()
 
     steps = []
@@ -39,6 +59,7 @@ def main():
                 name, rc, seconds, limit = line.split()
                 steps.append({"name": name, "rc": int(rc), "seconds": int(seconds), "limit_seconds": int(limit),
                               "timed_out": int(rc) in (124, 137),
+                              "skipped_for_time": int(limit) == 0,
                               "stdout_tail": tail(os.path.join(args.logs, name + ".stdout")),
                               "stderr_tail": tail(os.path.join(args.logs, name + ".stderr"))})
 
@@ -59,9 +80,18 @@ def main():
     except (OSError, ValueError) as e:
         manifest = {"error": f"no bundle manifest ({e}); run tests/gpu/make_bundle.sh on a development machine"}
 
-    ok = args.launch_mode != "none" and bool(steps) and all(s["rc"] == 0 for s in steps)
+    def absent(s):  # torch's benchmark on a machine without torch with CUDA
+        return s["name"] == "torch_fused_adamw" and s["rc"] == 3
+
+    torch_absent = any(absent(s) for s in steps)
+    ok = args.launch_mode != "none" and bool(steps) and all(s["rc"] == 0 or absent(s) for s in steps)
+    kernel = speed(load(os.path.join(args.out, "kernel_bench.json")))
+    torch = speed(load(os.path.join(args.out, "torch_fused_adamw.json")))
+    if kernel and torch and "elements_per_second" in kernel and "elements_per_second" in torch:
+        kernel["vs_torch_fused_adamw"] = round(kernel["elements_per_second"] / torch["elements_per_second"], 3)
     summary = {
         "ok": ok,
+        "seconds": args.seconds,
         "launch_mode": args.launch_mode,
         "launch_log": tail(os.path.join(args.logs, "launch.log")),
         "bundle": manifest,
@@ -71,12 +101,15 @@ def main():
             "nvidia_smi": command("nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.memory",
                                   "--format=csv,noheader"),
         },
+        "kernel": kernel,
+        "torch_fused_adamw": "absent" if torch_absent else torch,
         "steps": steps,
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    print(json.dumps({"ok": ok, "launch_mode": args.launch_mode,
-                      "steps": {s["name"]: s["rc"] for s in steps}}))
+    print(json.dumps({"ok": ok, "seconds": args.seconds, "launch_mode": args.launch_mode,
+                      "steps": {s["name"]: s["rc"] for s in steps},
+                      "kernel": kernel, "torch_fused_adamw": summary["torch_fused_adamw"]}))
     return 0 if ok else 1
 
 

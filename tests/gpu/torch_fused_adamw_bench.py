@@ -3,9 +3,14 @@
 fp32 params, grads and state, 28 bytes moved per element like shardopt's
 (which reads bf16 grads and also writes bf16 params), timed with CUDA events
 against a device-to-device copy of the same bytes in the same run. Writes one
-JSON object to --out; exits 1, with the error in the JSON, when it cannot run."""
+JSON object to --out; exits 1, with the error in the JSON, when it cannot run,
+and 3, with the reason in the JSON, where there is no torch with CUDA."""
 import argparse
 import json
+
+
+class TorchAbsent(Exception):
+    """No torch, or a torch without a usable CUDA device: nothing to compare with."""
 
 
 def timed(fn, iterations):
@@ -37,9 +42,12 @@ def fused_update(p, grad, m, v):
 
 
 def run(n, iterations):
-    import torch
+    try:
+        import torch
+    except ImportError as e:
+        raise TorchAbsent(f"no torch: {e}") from e
     if not torch.cuda.is_available():
-        raise RuntimeError("torch sees no CUDA device")
+        raise TorchAbsent(f"torch {torch.__version__} sees no CUDA device")
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     p = torch.randn(n, device=dev, generator=gen)
@@ -87,6 +95,9 @@ def main():
     try:
         result.update(run(args.elements, args.iterations))
         rc = 0
+    except TorchAbsent as e:
+        result["absent"] = str(e)
+        rc = 3
     except Exception as e:  # any failure is the result: it goes into the JSON
         result["error"] = f"{type(e).__name__}: {e}"
         rc = 1

@@ -53,8 +53,9 @@ void ReferenceTensor::StepAggregated(const std::vector<float>& g, double lr, flo
   const math::AdamWScalars s = ComputeAdamWScalars(hyper, lr, gscale, adam_step);
   auto round = [](float x) { return math::bf16_to_float(math::float_to_bf16(x)); };
   for (size_t i = 0; i < p.size(); ++i) {
-    // DESIGN.md's lines written out here rather than calling adamw_math.h,
-    // so that a change of order in the shared header fails the bitwise tests.
+    // docs/design.md's lines (section 3.1) written out here rather than
+    // calling adamw_math.h, so that a change of order in the shared header
+    // fails the bitwise tests.
     const float gs = g[i] * s.gscale;
     p[i] = p[i] * s.decay;
     m[i] = m[i] + s.one_minus_beta1 * (gs - m[i]);

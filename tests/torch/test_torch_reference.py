@@ -28,8 +28,8 @@ import time
 import numpy as np
 import torch
 
-# DESIGN.md: torch is the outside reference, not bitwise. Where torch 1.13's
-# order differs from the service's:
+# docs/design.md, section 3.6: torch is the outside reference, not bitwise.
+# Where torch 1.13's order differs from the service's:
 #   m: torch rounds m*b1, then adds (1-b1)*g, possibly fused into one FMA; the
 #      service computes the lerp m + (1-b1)*(g - m). Both are a few roundings
 #      off the exact b1*m + (1-b1)*g.

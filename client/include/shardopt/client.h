@@ -4,6 +4,11 @@
 // into the caller's buffers. It retries UNAVAILABLE and DEADLINE_EXCEEDED,
 // which the step protocol makes safe.
 //
+// Thread safety: a Client is not thread-safe; call it from one thread at a
+// time (a trainer rank has one). Separate Clients may be used at once. The
+// callback of PushInOrder is the exception: the Client calls it from its own
+// threads, one per server.
+//
 //   shardopt::ClientOptions opts;
 //   opts.servers = {"10.0.0.5:50051"};
 //   auto client = shardopt::Client::Connect(opts).value();
@@ -77,9 +82,11 @@ struct ClientOptions {
   int max_attempts = 5;
   // Deadline of an RPC, on top of the barrier's wait for a push.
   uint32_t rpc_timeout_ms = 60000;
-  // Bytes of gradient per streamed message (DESIGN.md: about 1 MiB is best).
+  // Bytes of gradient per streamed message (docs/design.md, section 10.2:
+  // about 1 MiB is best).
   uint64_t chunk_bytes = 1 << 20;
-  // Keeps freed MiB-sized buffers in the process (mallopt); see DESIGN.md.
+  // Keeps freed MiB-sized buffers in the process (mallopt); see
+  // docs/design.md, section 10.2.
   bool tune_allocator = true;
   // Rank 0 checkpoints after every step that is a multiple of this; 0: never.
   // If that checkpoint fails, Step returns its error although the step itself
@@ -154,9 +161,9 @@ struct ServerState {
 // Decide's rule, a pure function so that every rank and the tests agree.
 Decision Decide(const PushResult& push, uint32_t world_size, const StepOptions& options);
 
-// Each server's part of each tensor: DESIGN.md's placement. Tensors are laid
-// end to end in a flat space, each starting at a multiple of 4096; the space
-// is split evenly at 4096-aligned boundaries.
+// Each server's part of each tensor: the placement of docs/design.md,
+// section 5. Tensors are laid end to end in a flat space, each starting at a
+// multiple of 4096; the space is split evenly at 4096-aligned boundaries.
 struct ShardPlacement {
   uint32_t server;
   std::string tensor;

@@ -2,6 +2,9 @@
 // behind one interface: CpuCollective (threads of one process, host memory),
 // and in client/nccl/ an NCCL one (one GPU per rank, device memory), built
 // only when CUDA is on. Every rank calls every operation in the same order.
+//
+// Thread safety: each rank's Collective is used by that rank's thread alone;
+// the ranks call it at once, which is the point.
 #pragma once
 
 #include <chrono>

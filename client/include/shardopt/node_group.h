@@ -15,6 +15,9 @@
 // server computes for G ranks pushing apart; with several nodes the
 // association differs from plain aggregation over N*G ranks, so results
 // agree to fp32 rounding, not bitwise. NCCL's reduction order is its own.
+//
+// Thread safety: one NodeGroup per local rank, each used from one thread; the
+// local ranks' NodeGroups run at once and meet in their Collective.
 #pragma once
 
 #include <cstdint>

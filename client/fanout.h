@@ -1,0 +1,94 @@
+// The client's parallel RPCs: one call per server on its own thread, each
+// retried on UNAVAILABLE and DEADLINE_EXCEEDED with exponential backoff, and
+// the others cancelled as soon as one fails for good. A push parked at a
+// barrier would otherwise hold the caller until the barrier's deadline, and
+// the error the caller needs is the first server's.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/support/status.h"
+#include "rpc/grpc_edge.h"
+
+namespace shardopt::fanout {
+
+// Backoff before retry a (1, 2, ...): kBackoffBaseMs * 2^a, at most kBackoffCapMs.
+// A restarted server is back within seconds (TuneChannelArguments keeps the
+// channel's own reconnect backoff as short).
+inline constexpr int kBackoffBaseMs = 50;
+inline constexpr int kBackoffCapMs = 2000;
+
+// The calls in flight of one fan-out.
+class Fanout {
+ public:
+  // False when the fan-out has already failed: do not start the call.
+  bool Register(grpc::ClientContext* ctx);
+  void Unregister(grpc::ClientContext* ctx);
+  // Cancels every call in flight, and every call not started yet.
+  void Fail();
+
+ private:
+  std::mutex mu_;
+  std::vector<grpc::ClientContext*> active_;
+  bool failed_ = false;
+};
+
+// The fan-out the calling thread belongs to, if any: set by ForEach for its
+// threads, so that Call need not take it through every caller.
+extern thread_local Fanout* current;
+
+// Runs one RPC to `address`, retrying: `attempt` builds its call on a fresh
+// context with the deadline set. The error names the address.
+template <typename Attempt>
+absl::Status Call(const std::string& address, int max_attempts, uint32_t timeout_ms, const Attempt& attempt) {
+  grpc::Status st;
+  for (int a = 0; a < std::max(1, max_attempts); ++a) {
+    if (a > 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(kBackoffCapMs, kBackoffBaseMs << std::min(a, 6))));
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+    if (current != nullptr && !current->Register(&ctx)) {
+      return absl::CancelledError(absl::StrCat(address, ": another server's call failed"));
+    }
+    st = attempt(&ctx);
+    if (current != nullptr) current->Unregister(&ctx);
+    if (st.error_code() != grpc::StatusCode::UNAVAILABLE && st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      break;
+    }
+  }
+  if (!st.ok() && current != nullptr) current->Fail();
+  return FromGrpcStatus(st, address);
+}
+
+// Runs fn(target) for every target at once, one thread each, and returns the
+// first error in target order that is not a cancellation by the fan-out.
+template <typename Fn>
+absl::Status ForEach(const std::vector<uint32_t>& targets, const Fn& fn) {
+  std::vector<absl::Status> results(targets.size());
+  Fanout fanout;
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    threads.emplace_back([&, i] {
+      current = &fanout;
+      results[i] = fn(targets[i]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  absl::Status first;
+  for (const absl::Status& st : results) {
+    if (!st.ok() && (first.ok() || absl::IsCancelled(first))) first = st;
+  }
+  return first;
+}
+
+}  // namespace shardopt::fanout
