@@ -111,6 +111,15 @@ class ReadyTable {
 
 class PyClient {
  public:
+  // shardopt::Client is not thread-safe: while StartPush's thread uses it,
+  // every other call is refused.
+  void Idle() const {
+    if (push_thread_.joinable()) {
+      throw StatusError{absl::FailedPreconditionError(
+          "a push is running (overlap=True: backward ran and step() has not finished it)")};
+    }
+  }
+
   PyClient(std::vector<std::string> servers, uint32_t rank, int max_attempts, uint32_t rpc_timeout_ms,
            uint64_t chunk_bytes, uint64_t checkpoint_every) {
     shardopt::ClientOptions o;
@@ -140,6 +149,7 @@ class PyClient {
                           const std::vector<std::tuple<std::string, double, double, float, double, double, bool>>& groups,
                           const std::vector<std::tuple<std::string, uint64_t, uint32_t, bool>>& tensors,
                           bool fp32_grads, uint32_t barrier_timeout_ms, uint64_t restore_step) {
+    Idle();
     shardopt::JobOptions job;
     job.name = name;
     job.world_size = world_size;
@@ -158,14 +168,17 @@ class PyClient {
   }
 
   void InitFp32(const std::string& tensor, uintptr_t values) {
+    Idle();
     py::gil_scoped_release nogil;
     Check(client_->InitFp32(tensor, reinterpret_cast<const float*>(values)));
   }
   void InitBf16(const std::string& tensor, uintptr_t values) {
+    Idle();
     py::gil_scoped_release nogil;
     Check(client_->InitBf16(tensor, reinterpret_cast<const uint16_t*>(values)));
   }
   void InitAdamState(const std::string& tensor, uintptr_t exp_avg, uintptr_t exp_avg_sq, uint64_t adam_step) {
+    Idle();
     py::gil_scoped_release nogil;
     Check(client_->InitAdamState(tensor, reinterpret_cast<const float*>(exp_avg),
                                  reinterpret_cast<const float*>(exp_avg_sq), adam_step));
@@ -173,6 +186,7 @@ class PyClient {
 
   shardopt::StepResult Step(const Views& grads, const Views& params, double lr, std::vector<double> group_lr,
                             double max_grad_norm, double loss_scale) {
+    Idle();
     const auto g = GradViews(grads);
     const auto p = ParamViews(params);
     const auto o = MakeStepOptions(lr, std::move(group_lr), max_grad_norm, loss_scale);
@@ -183,6 +197,7 @@ class PyClient {
   // The C++ baseline of the benchmark: `steps` calls of Client::Step on the
   // same buffers, timed here, with no Python in between. Returns seconds.
   double TimedSteps(int steps, const Views& grads, const Views& params, double lr) {
+    Idle();
     const auto g = GradViews(grads);
     const auto p = ParamViews(params);
     const auto o = MakeStepOptions(lr, {}, 0, 1);
@@ -195,7 +210,7 @@ class PyClient {
   // Starts PushInOrder(step, order) on a thread of its own; Mark fills the
   // gradients as they become ready, FinishPush joins.
   void StartPush(uint64_t step, std::vector<std::string> order) {
-    if (push_thread_.joinable()) throw std::logic_error("a push is already running");
+    Idle();
     table_.Reset(order.size());
     push_order_ = std::move(order);
     push_result_.reset();
@@ -217,39 +232,47 @@ class PyClient {
   }
 
   shardopt::PushResult Push(uint64_t step, const Views& grads) {
+    Idle();
     const auto g = GradViews(grads);
     py::gil_scoped_release nogil;
     return Value(client_->Push(step, g));
   }
 
   void Commit(uint64_t step, double lr, float gscale, bool skip, const Views& params, std::vector<double> group_lr) {
+    Idle();
     const auto p = ParamViews(params);
     py::gil_scoped_release nogil;
     Check(client_->Commit(step, lr, gscale, skip, p, group_lr));
   }
 
   void Read(const std::string& tensor, shardopt::StateToRead what, uint64_t offset, uint64_t count, uintptr_t out) {
+    Idle();
     py::gil_scoped_release nogil;
     Check(client_->Read(tensor, what, offset, count, reinterpret_cast<void*>(out)));
   }
 
   std::vector<shardopt::ServerState> Describe() {
+    Idle();
     py::gil_scoped_release nogil;
     return Value(client_->Describe());
   }
   std::vector<uint64_t> AdamSteps() {
+    Idle();
     py::gil_scoped_release nogil;
     return Value(client_->AdamSteps());
   }
   void VerifyState() {
+    Idle();
     py::gil_scoped_release nogil;
     Check(client_->VerifyState());
   }
   void Drop() {
+    Idle();
     py::gil_scoped_release nogil;
     Check(client_->Drop());
   }
   void Checkpoint() {
+    Idle();
     py::gil_scoped_release nogil;
     Check(client_->Checkpoint());
   }

@@ -3,6 +3,7 @@ that of overlap=False."""
 import pytest
 import torch
 
+import shardopt
 from shardopt.torch import RemoteAdamW
 from models import batch, make_model, param_groups, same_bits, train
 
@@ -37,6 +38,8 @@ def test_push_starts_during_backward(servers, job):
     opt.zero_grad()
     model(tokens, targets).backward()
     assert opt._client.pushing()
+    with pytest.raises(shardopt.FailedPrecondition, match="a push is running"):
+        opt.state_dict()  # the client is the push's until step()
     opt.step()
     assert not opt._client.pushing()
     assert model.unused.grad is None and torch.equal(model.unused, torch.ones(8))
