@@ -284,9 +284,12 @@ class RemoteAdamW(torch.optim.Optimizer):
                     with torch.no_grad():  # bf16: rounded to nearest even, as the servers round
                         t.param.copy_(master.view(t.shape))
                 if "step" in entry:
+                    # Named, so that the (possibly widened) copies outlive the
+                    # call that reads their addresses.
+                    exp_avg = self._checked(entry["exp_avg"], t, "exp_avg")
+                    exp_avg_sq = self._checked(entry["exp_avg_sq"], t, "exp_avg_sq")
                     step = entry["step"]
-                    self._client.init_adam_state(t.name, self._checked(entry["exp_avg"], t, "exp_avg").data_ptr(),
-                                                 self._checked(entry["exp_avg_sq"], t, "exp_avg_sq").data_ptr(),
+                    self._client.init_adam_state(t.name, exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
                                                  int(step.item() if isinstance(step, torch.Tensor) else step))
         for g, saved in zip(self.param_groups, saved_groups):
             g.update({key: value for key, value in saved.items() if key != "params"})

@@ -134,3 +134,23 @@ def test_checkpoint_survives_a_server_restart(server_binary, job, tmp_path):
     finally:
         for p in procs:
             p.stop()
+
+
+def test_torch_adamw_state_of_a_bf16_model_is_widened_exactly(servers, job):
+    """torch.optim.AdamW on bf16 params keeps bf16 moments: loading them
+    widens them exactly, and the step counts carry over."""
+    theirs = make_model(dtype=torch.bfloat16)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-3, foreach=False)
+    train(theirs, ref, 3)
+    ours = make_model(seed=5, dtype=torch.bfloat16)
+    ours.load_state_dict(theirs.state_dict())
+    opt = RemoteAdamW(ours.named_parameters(), servers=servers, job=job, lr=1e-3)
+    opt.load_state_dict(ref.state_dict())
+    loaded = opt.state_dict()["state"]
+    for k, state in ref.state_dict()["state"].items():
+        assert state["exp_avg"].dtype == torch.bfloat16
+        assert int(loaded[k]["step"]) == int(state["step"]) == 3
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert same_bits(loaded[k][key], state[key].float()), (k, key)
+    assert all(same_bits(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+    opt.drop()
