@@ -178,3 +178,17 @@ def test_contiguous_cpu_tensors_are_not_copied_and_others_are_staged(servers, jo
     assert same_bits(contiguous, transposed.contiguous())
     assert not same_bits(contiguous, values)
     opt.drop()
+
+
+def test_params_without_grad_are_skipped(servers, job):
+    """As in torch: a param whose grad is None keeps its value, its step count
+    and (no) state; weight decay does not touch it either."""
+    model = make_model()
+    model.unused = torch.nn.Parameter(torch.full((8,), 2.0))
+    opt = RemoteAdamW(model.named_parameters(), servers=servers, job=job, lr=LR, weight_decay=0.1)
+    train(model, opt, 3)
+    assert model.unused.grad is None and torch.equal(model.unused, torch.full((8,), 2.0))
+    index = [name for name, _ in model.named_parameters()].index("unused")
+    state = opt.state_dict()["state"]
+    assert index not in state and len(state) == len(list(model.parameters())) - 1
+    opt.drop()
