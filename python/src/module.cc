@@ -231,13 +231,6 @@ class PyClient {
     return Value(*std::move(push_result_));
   }
 
-  shardopt::PushResult Push(uint64_t step, const Views& grads) {
-    Idle();
-    const auto g = GradViews(grads);
-    py::gil_scoped_release nogil;
-    return Value(client_->Push(step, g));
-  }
-
   void Commit(uint64_t step, double lr, float gscale, bool skip, const Views& params, std::vector<double> group_lr) {
     Idle();
     const auto p = ParamViews(params);
@@ -361,7 +354,6 @@ PYBIND11_MODULE(_C, m) {
       .def("mark", &PyClient::Mark)
       .def("pushing", &PyClient::Pushing)
       .def("finish_push", &PyClient::FinishPush)
-      .def("push", &PyClient::Push)
       .def("commit", &PyClient::Commit, py::arg("step"), py::arg("lr"), py::arg("gscale"), py::arg("skip"),
            py::arg("params"), py::arg("group_lr"))
       .def("read", &PyClient::Read)
