@@ -23,6 +23,7 @@ test: build
 bench: build
 	$(BUILD)/bench/shardopt-bench kernel
 	$(BUILD)/bench/shardopt-bench e2e
+	PYTHONPATH=$(BUILD)/python /usr/bin/python3 bench/remote_adamw_bench.py --server_binary=$(BUILD)/server/shardopt-server
 
 clean:
 	rm -rf $(BUILD)

@@ -1,0 +1,485 @@
+"""``RemoteAdamW``: a drop-in ``torch.optim.Optimizer`` whose state lives on
+shardopt servers.
+
+    opt = shardopt.torch.RemoteAdamW(model.named_parameters(), servers=["10.0.0.5:50051"], job="run-42", lr=3e-4)
+
+replaces ``torch.optim.AdamW(model.parameters(), lr=3e-4)``. The servers keep
+an fp32 master and fp32 moments of every param (ZeRO-style, split over the
+servers) and run AdamW; ``step()`` pushes each ``p.grad`` and writes the
+updated values into ``p`` in place: bf16 params get the master rounded to
+nearest even, fp32 params the master itself, bit for bit.
+
+Supported param dtypes: ``torch.bfloat16`` and ``torch.float32`` (anything
+else, fp16 included, raises ``shardopt.UnsupportedDtype``: fp16 gradients
+would need a loss scale that this optimizer does not manage). Params may live
+on the CPU (used in place, no copy) or on a CUDA device (staged through
+pinned host buffers with non-blocking copies).
+"""
+import weakref
+
+import torch
+
+from . import _C
+from ._errors import FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
+
+__all__ = ["RemoteAdamW"]
+
+# dtype -> whether the server treats the tensor as fp32 params (ParamType::kFp32).
+_FP32_PARAMS = {torch.bfloat16: False, torch.float32: True}
+_STATE_PRECISIONS = ("fp32", "bf16")
+
+
+class _Tensor:
+    """One param as the job knows it, and its host staging buffers (only for
+    params that are not contiguous host memory)."""
+
+    __slots__ = ("name", "param", "group", "shape", "dtype", "device", "numel", "host_param", "host_grad")
+
+    def __init__(self, name, param, group):
+        self.name, self.param, self.group = name, param, group
+        self.shape, self.dtype, self.device, self.numel = param.shape, param.dtype, param.device, param.numel()
+        self.host_param = self.host_grad = None
+
+    @property
+    def fp32(self):
+        return _FP32_PARAMS[self.dtype]
+
+    def in_place(self):
+        return self.param.device.type == "cpu" and self.param.is_contiguous()
+
+    def staging(self):
+        return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+
+
+def _is_named(item):
+    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+
+
+def _split_names(params):
+    """Param groups for torch.optim.Optimizer, and {id(param): name} when the
+    params came with names (model.named_parameters(), or groups of them)."""
+    items = list(params)
+    if not items:
+        raise ValueError("optimizer got an empty parameter list")
+    groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
+    names, unnamed = {}, 0
+    for group in groups:
+        ps = group["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) or _is_named(ps) else list(ps)
+        plain = []
+        for item in ps:
+            if _is_named(item):
+                names[id(item[1])] = item[0]
+                plain.append(item[1])
+            else:
+                unnamed += 1
+                plain.append(item)
+        group["params"] = plain
+    if names and unnamed:
+        raise ValueError("give every param a name (model.named_parameters()) or none")
+    return groups, names
+
+
+def _servers(servers, num_servers):
+    if isinstance(servers, str):
+        if "{i}" in servers:
+            if not num_servers:
+                raise ValueError(f"servers={servers!r} is a pattern: give num_servers too")
+            return _C.expand_server_pattern(servers, num_servers)
+        return [servers]
+    servers = list(servers)
+    if not servers:
+        raise ValueError("no servers given")
+    return servers
+
+
+def _host_fp32(x, what):
+    """x as contiguous fp32 host memory: fp32 kept as it is, bf16 widened
+    (exactly). Never narrows."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise UnsupportedDtype(f"{what} is {x.dtype}; fp32 or bf16 needed")
+    return x.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
+class RemoteAdamW(torch.optim.Optimizer):
+    """AdamW on shardopt servers, with torch.optim.AdamW's update rule.
+
+    Args:
+        params: tensors, param groups (dicts, e.g. no weight decay for norms
+            and biases), or ``model.named_parameters()`` (then the servers'
+            tensor names are the model's state_dict keys).
+        servers: a list of ``host:port``, one ``host:port``, or a StatefulSet
+            pattern such as ``"shardopt-{i}.shardopt:50051"`` with
+            ``num_servers``. Every rank gives the same list in the same order.
+        job: the job's name on the servers. A job that exists is attached to
+            and resumed from the servers' state (its settings must match).
+        rank, world_size: data parallelism without DDP: every rank pushes its
+            gradients, the servers average them, every rank gets the same
+            params back.
+        lr, betas, eps, weight_decay: torch.optim.AdamW's defaults for groups
+            that do not set their own.
+        max_grad_norm: global-norm clipping over the averaged gradient (0:
+            none), decided alike on every rank from the servers' partial norms.
+        state_precision: "fp32" (default) or "bf16" (the comparison arm:
+            master and moments in bf16, as torch.optim.AdamW on bf16 params).
+        overlap: push each gradient while backward is still running (one
+            backward per step; do not modify gradients between backward and
+            step; use max_grad_norm instead of clipping them yourself).
+        rpc_timeout, max_attempts: each server call's deadline in seconds, and
+            attempts for UNAVAILABLE and DEADLINE_EXCEEDED.
+        barrier_timeout: seconds the servers wait for every rank's gradients.
+        checkpoint_every: rank 0 asks for a checkpoint every this many steps
+            (servers need --checkpoint_dir); 0: only on ``checkpoint()``.
+        restore_step: for servers with --checkpoint_dir that do not hold the
+            job: 0 resumes from the newest checkpoint, t from step t's.
+    """
+
+    def __init__(self, params, servers, job, rank=0, world_size=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0.01, max_grad_norm=0.0, state_precision="fp32", overlap=False, num_servers=None,
+                 rpc_timeout=60.0, max_attempts=5, barrier_timeout=60.0, checkpoint_every=0, restore_step=0,
+                 chunk_bytes=1 << 20):
+        if state_precision not in _STATE_PRECISIONS:
+            raise ValueError(f"state_precision must be one of {_STATE_PRECISIONS}, not {state_precision!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+        groups, names = _split_names(params)
+        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+        self._tensors = []
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if p.dtype not in _FP32_PARAMS:
+                    raise UnsupportedDtype(f"param {names.get(id(p), len(self._tensors))!r} is {p.dtype}; "
+                                           "RemoteAdamW takes torch.bfloat16 and torch.float32 params")
+                self._tensors.append(_Tensor(names.get(id(p), f"param.{len(self._tensors)}"), p, gi))
+        self._hyper = [self._group_hyper(g) for g in self.param_groups]
+        self.world_size, self.max_grad_norm, self.overlap = world_size, float(max_grad_norm), overlap
+        self.last_decision = None  # of the last step(): grad_norm, clip_factor, skip
+
+        self._client = _C.Client(_servers(servers, num_servers), rank, max_attempts, int(rpc_timeout * 1000),
+                                 chunk_bytes, checkpoint_every)
+        job_groups = [(f"group.{gi}", b1, b2, eps_, wd, 1.0, state_precision == "fp32")
+                      for gi, (b1, b2, eps_, wd) in enumerate(self._hyper)]
+        job_tensors = [(t.name, t.numel, t.group, t.fp32) for t in self._tensors]
+        #: The job's step when this optimizer attached: 0 for a new job, else
+        #: the step resumed from (the params were pulled from the servers).
+        self.resumed_step = self._client.create_or_attach(job, world_size, job_groups, job_tensors, False,
+                                                          int(barrier_timeout * 1000), restore_step)
+        if self.resumed_step == 0:
+            # Every rank starts from the same params (as DDP requires too) and
+            # sends them: the servers take no rank's push before step 1's
+            # initial values, and the ranks do not wait for each other here.
+            for t in self._tensors:
+                self._init_master(t, t.param)
+        else:
+            self._pull_params()
+        self._client.verify_state()
+
+        self._hooks = []
+        if overlap:
+            self._order = list(reversed(range(len(self._tensors))))  # backward runs roughly last to first
+            self._set_order(self._order)
+            self._register_ready_hooks()
+
+    # ---- the torch.optim.Optimizer interface ----
+
+    def add_param_group(self, param_group):
+        if getattr(self, "_client", None) is not None:
+            raise ParamsChanged("RemoteAdamW's params are fixed when its job is created; build a new optimizer "
+                                "(and job) for a different set of params")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Pushes every ``p.grad`` (params whose grad is None are skipped, as
+        torch does), lets the servers apply AdamW at each group's current
+        ``lr``, and writes the new values into the params in place."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_params()
+        if self.overlap:
+            decision = self._commit_push()
+        else:
+            group_lr = [float(g["lr"]) for g in self.param_groups]
+            grads = [(t.name, self._grad_source(t)) for t in self._tensors]
+            self._sync_staging()
+            decision = self._client.step(grads, self._param_targets(), group_lr[0], group_lr, self.max_grad_norm,
+                                         1.0).decision
+        for t in self._tensors:
+            if not t.in_place():
+                t.param.copy_(t.host_param, non_blocking=True)
+        self.last_decision = decision
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        # A push running here had its backward but will get no step(): it is
+        # completed as a skipped step so the job can go on.
+        if self.overlap and self._client.pushing():
+            self._commit_push(skip=True)
+        super().zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        """torch.optim.AdamW's layout, read from the servers: per param
+        ``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master``, all fp32 (for
+        bf16 params too). Params that never had a step have no state, as in
+        torch."""
+        self._check_params()
+        steps = self._client.adam_steps()
+        state = {}
+        for k, t in enumerate(self._tensors):
+            if steps[k] == 0:
+                continue
+            entry = {"step": torch.tensor(float(steps[k]))}
+            for key, what in (("exp_avg", _C.StateToRead.EXP_AVG), ("exp_avg_sq", _C.StateToRead.EXP_AVG_SQ),
+                              ("master", _C.StateToRead.MASTER)):
+                entry[key] = self._read_fp32(t, what)
+            state[k] = entry
+        groups, k = [], 0
+        for g in self.param_groups:
+            saved = {key: value for key, value in g.items() if key != "params"}
+            saved["params"] = list(range(k, k + len(g["params"])))
+            k += len(g["params"])
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict):
+        """Loads a state dict of this class or of torch.optim.AdamW into the
+        servers, exactly: fp32 state stays fp32 whatever the params' dtype.
+        Only for a job that has not stepped yet (a trainer that attached to a
+        running job already has the servers' state; see resumed_step). The
+        params are set from the master (for a torch.optim.AdamW state dict,
+        which has none, the master is the params' current values, so load the
+        model's state_dict first)."""
+        self._check_params()
+        if self._client.step_count != 0:
+            raise FailedPrecondition(f"the job is at step {self._client.step_count}: the servers already hold its "
+                                     "state, so there is nothing to load (a restarted trainer resumes from them)")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")
+        if any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
+            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                             "optimizer's group")
+        for gi, (saved, hyper) in enumerate(zip(saved_groups, self._hyper)):
+            if saved.get("amsgrad") or saved.get("maximize"):
+                raise InvalidArgument(f"group {gi}: RemoteAdamW does not implement amsgrad or maximize")
+            theirs = self._group_hyper({**self.param_groups[gi], **saved})
+            if theirs != hyper:
+                raise InvalidArgument(f"group {gi}: the state dict's (beta1, beta2, eps, weight_decay) {theirs} "
+                                      f"differ from the job's {hyper}; construct RemoteAdamW with the same ones")
+        state = state_dict["state"]
+        tensors = iter(self._tensors)
+        for saved in saved_groups:
+            for index in saved["params"]:
+                t = next(tensors)
+                entry = state.get(index, {})
+                master = entry.get("master")
+                if master is None:  # the model's values are the master, as for a new job
+                    self._init_master(t, t.param)
+                else:
+                    master = self._checked(master, t, "master")
+                    self._init_master(t, master)
+                    with torch.no_grad():  # bf16: rounded to nearest even, as the servers round
+                        t.param.copy_(master.view(t.shape))
+                if "step" in entry:
+                    # Named, so that the (possibly widened) copies outlive the
+                    # call that reads their addresses.
+                    exp_avg = self._checked(entry["exp_avg"], t, "exp_avg")
+                    exp_avg_sq = self._checked(entry["exp_avg_sq"], t, "exp_avg_sq")
+                    step = entry["step"]
+                    self._client.init_adam_state(t.name, exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                                                 int(step.item() if isinstance(step, torch.Tensor) else step))
+        for g, saved in zip(self.param_groups, saved_groups):
+            g.update({key: value for key, value in saved.items() if key != "params"})
+
+    # ---- shardopt's own ----
+
+    def checkpoint(self):
+        """Asks the servers to write a checkpoint of the job's current step
+        (servers with --checkpoint_dir). A trainer restarted later with the
+        same job resumes from the servers' state, or from this checkpoint if
+        the servers restarted too."""
+        self._client.checkpoint()
+
+    def verify_state(self):
+        """Raises shardopt.FailedPrecondition if any group's state is not held
+        at the precision asked for."""
+        self._client.verify_state()
+
+    def describe(self):
+        """Each server's address, device, step and state bytes."""
+        return self._client.describe()
+
+    def drop(self):
+        """Deletes the job and its state from the servers."""
+        self._client.drop()
+
+    @property
+    def job_step(self):
+        """The job's step: the last one done."""
+        return self._client.step_count
+
+    def master(self, param):
+        """The fp32 master of one param, read from the servers."""
+        for t in self._tensors:
+            if t.param is param:
+                return self._read_fp32(t, _C.StateToRead.MASTER)
+        raise KeyError("not a param of this optimizer")
+
+    # ---- internals ----
+
+    @staticmethod
+    def _group_hyper(g):
+        b1, b2 = g["betas"]
+        return (float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]))
+
+    def _check_params(self):
+        k = 0
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                t = self._tensors[k] if k < len(self._tensors) else None
+                if t is None or p is not t.param or t.group != gi:
+                    raise ParamsChanged("the optimizer's params changed since its job was created; build a new "
+                                        "optimizer (and job) for a different set of params")
+                if p.shape != t.shape or p.dtype != t.dtype or p.device != t.device:
+                    raise ParamsChanged(f"param {t.name!r} is now {p.dtype} {tuple(p.shape)} on {p.device}; its job "
+                                        f"has {t.dtype} {tuple(t.shape)} on {t.device}")
+                k += 1
+            if self._group_hyper(g) != self._hyper[gi]:
+                raise InvalidArgument(f"group {gi}'s (beta1, beta2, eps, weight_decay) changed to "
+                                      f"{self._group_hyper(g)}; the servers hold {self._hyper[gi]}, fixed at creation "
+                                      "(only lr may change between steps)")
+        if k != len(self._tensors):
+            raise ParamsChanged("the optimizer's params changed since its job was created")
+
+    def _param_targets(self):
+        return [(t.name, self._param_target(t)) for t in self._tensors]
+
+    def _param_target(self, t):
+        """Where the servers' new values of t go: the param itself, or its
+        staging buffer."""
+        if t.in_place():
+            return t.param.data_ptr()
+        if t.host_param is None:
+            t.host_param = t.staging()
+        return t.host_param.data_ptr()
+
+    def _grad_source(self, t):
+        """The address of t's gradient as host memory of the param's dtype, or
+        0 for no gradient. CUDA gradients are copied without blocking: call
+        _sync_staging before the push reads them."""
+        g = t.param.grad
+        if g is None:
+            return 0
+        if g.is_sparse:
+            raise InvalidArgument(f"param {t.name!r} has a sparse gradient; RemoteAdamW needs dense ones")
+        if g.device.type == "cpu" and g.is_contiguous() and g.dtype == t.dtype:
+            return g.data_ptr()
+        if t.host_grad is None:
+            t.host_grad = t.staging()
+        t.host_grad.copy_(g, non_blocking=True)
+        return t.host_grad.data_ptr()
+
+    def _sync_staging(self):
+        for device in {t.device for t in self._tensors if t.device.type == "cuda"}:
+            torch.cuda.current_stream(device).synchronize()
+
+    def _init_master(self, t, values):
+        """The servers' master of t from `values` (fp32 exactly, or bf16)."""
+        host = values.detach().to("cpu").contiguous()
+        if host.dtype == torch.float32:
+            self._client.init_fp32(t.name, host.data_ptr())
+        elif host.dtype == torch.bfloat16:
+            self._client.init_bf16(t.name, host.data_ptr())
+        else:
+            raise UnsupportedDtype(f"initial values of {t.name!r} are {host.dtype}; fp32 or bf16 needed")
+
+    def _checked(self, x, t, what):
+        if x.numel() != t.numel:
+            raise ValueError(f"{what} of {t.name!r} has {x.numel()} elements, the param {t.numel}")
+        return _host_fp32(x, f"{what} of {t.name!r}")
+
+    def _read_fp32(self, t, what):
+        out = torch.empty(t.shape, dtype=torch.float32)
+        self._client.read(t.name, what, 0, t.numel, out.data_ptr())
+        return out
+
+    def _pull_params(self):
+        """Sets every param to the servers' values: the fp32 master itself, or
+        its bf16 rounding."""
+        for t in self._tensors:
+            target = self._param_target(t)
+            what = _C.StateToRead.MASTER if t.fp32 else _C.StateToRead.PARAM_BF16
+            self._client.read(t.name, what, 0, t.numel, target)
+            if not t.in_place():
+                t.param.data.copy_(t.host_param)
+
+    # ---- overlap: pushing while backward runs ----
+
+    def _set_order(self, order):
+        self._order = order
+        self._order_names = [self._tensors[k].name for k in order]
+        self._position = {k: i for i, k in enumerate(order)}
+
+    def _register_ready_hooks(self):
+        # torch 1.13 has no post-accumulate-grad hook; a hook on the param's
+        # AccumulateGrad node runs right after p.grad is written, on torch 1.x
+        # and 2.x alike. The nodes must be kept alive for the hooks to stay.
+        this = weakref.ref(self)
+
+        def hook(k):
+            def ready(grad_inputs, grad_outputs):
+                optimizer = this()
+                if optimizer is not None:
+                    optimizer._on_grad_ready(k)
+            return ready
+
+        for k, t in enumerate(self._tensors):
+            node = t.param.expand_as(t.param).grad_fn.next_functions[0][0]
+            node.register_hook(hook(k))
+            self._hooks.append(node)
+
+    def _on_grad_ready(self, k):
+        if not self._client.pushing():
+            self._push_step = self._client.step_count + 1
+            self._client.start_push(self._push_step, self._order_names)
+            self._seen = []
+        t = self._tensors[k]
+        source = self._grad_source(t)
+        if t.device.type == "cuda":
+            # The push reads the staging buffer as soon as it is marked.
+            torch.cuda.current_stream(t.device).synchronize()
+        if not self._client.mark(self._position[k], source):
+            raise RuntimeError(f"RemoteAdamW(overlap=True): param {t.name!r} got a second gradient before step(); "
+                               "overlap pushes each gradient as backward produces it, so it takes one backward "
+                               "per step (use overlap=False to accumulate gradients)")
+        self._seen.append(k)
+
+    def _commit_push(self, skip=False):
+        """Finishes the running push and commits it, decided as
+        Client::Step decides (skip=True: as a skipped step)."""
+        push = self._finish_push()
+        decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
+        group_lr = [float(g["lr"]) for g in self.param_groups]
+        self._client.commit(self._push_step, group_lr[0], decision.gscale, skip or decision.skip,
+                            self._param_targets(), group_lr)
+        return decision
+
+    def _finish_push(self):
+        """Marks the gradients no hook delivered (set by hand, or None) and
+        waits for the push; learns the order backward produced them in."""
+        if not self._client.pushing():  # no backward ran: push what p.grad holds
+            self._push_step = self._client.step_count + 1
+            self._client.start_push(self._push_step, self._order_names)
+            self._seen = []
+        seen = set(self._seen)
+        rest = [k for k in self._order if k not in seen]
+        sources = {k: self._grad_source(self._tensors[k]) for k in rest}
+        self._sync_staging()
+        for k in rest:
+            self._client.mark(self._position[k], sources[k])
+        push = self._client.finish_push()
+        self._set_order(self._seen + rest)
+        return push

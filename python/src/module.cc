@@ -1,0 +1,366 @@
+// shardopt._C: a thin binding of shardopt::Client for the PyTorch optimizer
+// (python/shardopt/torch.py). It never links libtorch: tensors cross as their
+// data_ptr() (an integer address) and the caller guarantees they are
+// contiguous host memory of the tensor's element type and numel. Every call
+// that talks to a server releases the GIL.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "shardopt/client.h"
+
+namespace py = pybind11;
+
+namespace {
+
+// An absl::Status that is not OK, on its way to Python: the translator below
+// turns it into shardopt._errors' exception for its code.
+struct StatusError {
+  absl::Status status;
+};
+
+void Check(const absl::Status& status) {
+  if (!status.ok()) throw StatusError{status};
+}
+
+template <typename T>
+T Value(absl::StatusOr<T> result) {
+  Check(result.status());
+  return *std::move(result);
+}
+
+// (tensor name, address) pairs from Python; address 0 is nullptr.
+using Views = std::vector<std::pair<std::string, uintptr_t>>;
+
+std::vector<shardopt::GradView> GradViews(const Views& views) {
+  std::vector<shardopt::GradView> out;
+  out.reserve(views.size());
+  for (const auto& [name, ptr] : views) out.push_back({name, reinterpret_cast<const void*>(ptr)});
+  return out;
+}
+
+std::vector<shardopt::ParamView> ParamViews(const Views& views) {
+  std::vector<shardopt::ParamView> out;
+  out.reserve(views.size());
+  for (const auto& [name, ptr] : views) out.push_back({name, reinterpret_cast<void*>(ptr)});
+  return out;
+}
+
+shardopt::StepOptions MakeStepOptions(double lr, std::vector<double> group_lr, double max_grad_norm,
+                                      double loss_scale) {
+  shardopt::StepOptions o;
+  o.lr = lr;
+  o.group_lr = std::move(group_lr);
+  o.max_grad_norm = max_grad_norm;
+  o.loss_scale = loss_scale;
+  return o;
+}
+
+// Gradients that become ready during backward, one slot per tensor of a
+// PushInOrder's order. Python's autograd hooks fill slots (Mark), the
+// client's per-server threads wait on them (Wait) without ever touching the
+// GIL.
+class ReadyTable {
+ public:
+  void Reset(size_t n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    data_.assign(n, nullptr);
+    ready_.assign(n, false);
+  }
+  // False if slot i was already marked this step.
+  bool Mark(size_t i, const void* data) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (ready_.at(i)) return false;
+      data_[i] = data;
+      ready_[i] = true;
+    }
+    cv_.notify_all();
+    return true;
+  }
+  // Marks every slot not yet marked as "no gradient".
+  void MarkRest() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (size_t i = 0; i < ready_.size(); ++i) ready_[i] = true;
+    }
+    cv_.notify_all();
+  }
+  const void* Wait(size_t i) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return ready_[i]; });
+    return data_[i];
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<const void*> data_;
+  std::vector<bool> ready_;
+};
+
+class PyClient {
+ public:
+  // shardopt::Client is not thread-safe: while StartPush's thread uses it,
+  // every other call is refused.
+  void Idle() const {
+    if (push_thread_.joinable()) {
+      throw StatusError{absl::FailedPreconditionError(
+          "a push is running (overlap=True: backward ran and step() has not finished it)")};
+    }
+  }
+
+  PyClient(std::vector<std::string> servers, uint32_t rank, int max_attempts, uint32_t rpc_timeout_ms,
+           uint64_t chunk_bytes, uint64_t checkpoint_every) {
+    shardopt::ClientOptions o;
+    o.servers = std::move(servers);
+    o.rank = rank;
+    o.max_attempts = max_attempts;
+    o.rpc_timeout_ms = rpc_timeout_ms;
+    o.chunk_bytes = chunk_bytes;
+    o.checkpoint_every = checkpoint_every;
+    py::gil_scoped_release nogil;
+    client_ = Value(shardopt::Client::Connect(o));
+  }
+
+  ~PyClient() {
+    // A push left running (backward raised, the optimizer was dropped) must
+    // end before the client it uses: its remaining tensors go as "no grad".
+    if (push_thread_.joinable()) {
+      py::gil_scoped_release nogil;
+      table_.MarkRest();
+      push_thread_.join();
+    }
+  }
+
+  // groups: (name, beta1, beta2, eps, weight_decay, lr_multiplier, fp32_state)
+  // tensors: (name, numel, group, fp32_params)
+  uint64_t CreateOrAttach(const std::string& name, uint32_t world_size,
+                          const std::vector<std::tuple<std::string, double, double, float, double, double, bool>>& groups,
+                          const std::vector<std::tuple<std::string, uint64_t, uint32_t, bool>>& tensors,
+                          bool fp32_grads, uint32_t barrier_timeout_ms, uint64_t restore_step) {
+    Idle();
+    shardopt::JobOptions job;
+    job.name = name;
+    job.world_size = world_size;
+    for (const auto& [gname, b1, b2, eps, wd, mult, fp32] : groups) {
+      job.groups.push_back({gname, b1, b2, eps, wd, mult,
+                            fp32 ? shardopt::StatePrecision::kFp32 : shardopt::StatePrecision::kBf16});
+    }
+    for (const auto& [tname, numel, group, fp32] : tensors) {
+      job.tensors.push_back({tname, numel, group, fp32 ? shardopt::ParamType::kFp32 : shardopt::ParamType::kBf16});
+    }
+    job.grad_type = fp32_grads ? shardopt::GradType::kFp32 : shardopt::GradType::kBf16;
+    job.barrier_timeout_ms = barrier_timeout_ms;
+    job.restore_step = restore_step;
+    py::gil_scoped_release nogil;
+    return Value(client_->CreateOrAttach(job));
+  }
+
+  void InitFp32(const std::string& tensor, uintptr_t values) {
+    Idle();
+    py::gil_scoped_release nogil;
+    Check(client_->InitFp32(tensor, reinterpret_cast<const float*>(values)));
+  }
+  void InitBf16(const std::string& tensor, uintptr_t values) {
+    Idle();
+    py::gil_scoped_release nogil;
+    Check(client_->InitBf16(tensor, reinterpret_cast<const uint16_t*>(values)));
+  }
+  void InitAdamState(const std::string& tensor, uintptr_t exp_avg, uintptr_t exp_avg_sq, uint64_t adam_step) {
+    Idle();
+    py::gil_scoped_release nogil;
+    Check(client_->InitAdamState(tensor, reinterpret_cast<const float*>(exp_avg),
+                                 reinterpret_cast<const float*>(exp_avg_sq), adam_step));
+  }
+
+  shardopt::StepResult Step(const Views& grads, const Views& params, double lr, std::vector<double> group_lr,
+                            double max_grad_norm, double loss_scale) {
+    Idle();
+    const auto g = GradViews(grads);
+    const auto p = ParamViews(params);
+    const auto o = MakeStepOptions(lr, std::move(group_lr), max_grad_norm, loss_scale);
+    py::gil_scoped_release nogil;
+    return Value(client_->Step(g, o, p));
+  }
+
+  // The C++ baseline of the benchmark: `steps` calls of Client::Step on the
+  // same buffers, timed here, with no Python in between. Returns seconds.
+  double TimedSteps(int steps, const Views& grads, const Views& params, double lr) {
+    Idle();
+    const auto g = GradViews(grads);
+    const auto p = ParamViews(params);
+    const auto o = MakeStepOptions(lr, {}, 0, 1);
+    py::gil_scoped_release nogil;
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < steps; ++i) Check(client_->Step(g, o, p).status());
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+
+  // Starts PushInOrder(step, order) on a thread of its own; Mark fills the
+  // gradients as they become ready, FinishPush joins.
+  void StartPush(uint64_t step, std::vector<std::string> order) {
+    Idle();
+    table_.Reset(order.size());
+    push_order_ = std::move(order);
+    push_result_.reset();
+    push_thread_ = std::thread([this, step] {
+      push_result_ = client_->PushInOrder(step, push_order_, [this](size_t i) { return table_.Wait(i); });
+    });
+  }
+  bool Mark(size_t i, uintptr_t data) { return table_.Mark(i, reinterpret_cast<const void*>(data)); }
+  bool Pushing() const { return push_thread_.joinable(); }
+  // Marks what is not marked yet as "no gradient", waits for the push.
+  shardopt::PushResult FinishPush() {
+    if (!push_thread_.joinable()) throw std::logic_error("no push is running");
+    {
+      py::gil_scoped_release nogil;
+      table_.MarkRest();
+      push_thread_.join();
+    }
+    return Value(*std::move(push_result_));
+  }
+
+  void Commit(uint64_t step, double lr, float gscale, bool skip, const Views& params, std::vector<double> group_lr) {
+    Idle();
+    const auto p = ParamViews(params);
+    py::gil_scoped_release nogil;
+    Check(client_->Commit(step, lr, gscale, skip, p, group_lr));
+  }
+
+  void Read(const std::string& tensor, shardopt::StateToRead what, uint64_t offset, uint64_t count, uintptr_t out) {
+    Idle();
+    py::gil_scoped_release nogil;
+    Check(client_->Read(tensor, what, offset, count, reinterpret_cast<void*>(out)));
+  }
+
+  std::vector<shardopt::ServerState> Describe() {
+    Idle();
+    py::gil_scoped_release nogil;
+    return Value(client_->Describe());
+  }
+  std::vector<uint64_t> AdamSteps() {
+    Idle();
+    py::gil_scoped_release nogil;
+    return Value(client_->AdamSteps());
+  }
+  void VerifyState() {
+    Idle();
+    py::gil_scoped_release nogil;
+    Check(client_->VerifyState());
+  }
+  void Drop() {
+    Idle();
+    py::gil_scoped_release nogil;
+    Check(client_->Drop());
+  }
+  void Checkpoint() {
+    Idle();
+    py::gil_scoped_release nogil;
+    Check(client_->Checkpoint());
+  }
+  uint64_t step() const { return client_->step(); }
+
+ private:
+  std::unique_ptr<shardopt::Client> client_;
+  ReadyTable table_;
+  std::vector<std::string> push_order_;
+  std::optional<absl::StatusOr<shardopt::PushResult>> push_result_;
+  std::thread push_thread_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "shardopt's C++ client, for shardopt.torch";
+
+  // Status codes become shardopt._errors' exceptions, which carry the code
+  // and the server's message.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const StatusError& e) {
+      py::object raise = py::module_::import("shardopt._errors").attr("raise_status");
+      try {
+        raise(static_cast<int>(e.status.code()), std::string(e.status.message()));
+      } catch (py::error_already_set& err) {
+        err.restore();
+      }
+    }
+  });
+
+  py::enum_<shardopt::StateToRead>(m, "StateToRead")
+      .value("MASTER", shardopt::StateToRead::kMaster)
+      .value("EXP_AVG", shardopt::StateToRead::kExpAvg)
+      .value("EXP_AVG_SQ", shardopt::StateToRead::kExpAvgSq)
+      .value("PARAM_BF16", shardopt::StateToRead::kParamBf16);
+
+  py::class_<shardopt::PushResult>(m, "PushResult")
+      .def_readonly("sum_squares", &shardopt::PushResult::sum_squares)
+      .def_readonly("nonfinite", &shardopt::PushResult::nonfinite);
+  py::class_<shardopt::Decision>(m, "Decision")
+      .def_readonly("skip", &shardopt::Decision::skip)
+      .def_readonly("grad_norm", &shardopt::Decision::grad_norm)
+      .def_readonly("clip_factor", &shardopt::Decision::clip_factor)
+      .def_readonly("gscale", &shardopt::Decision::gscale)
+      .def("__repr__", [](const shardopt::Decision& d) {
+        return "Decision(skip=" + std::string(d.skip ? "True" : "False") + ", grad_norm=" +
+               std::to_string(d.grad_norm) + ", clip_factor=" + std::to_string(d.clip_factor) + ")";
+      });
+  py::class_<shardopt::StepResult>(m, "StepResult")
+      .def_readonly("step", &shardopt::StepResult::step)
+      .def_readonly("decision", &shardopt::StepResult::decision);
+  py::class_<shardopt::ServerState>(m, "ServerState")
+      .def_readonly("address", &shardopt::ServerState::address)
+      .def_readonly("device", &shardopt::ServerState::device)
+      .def_readonly("step", &shardopt::ServerState::step)
+      .def_readonly("state_bytes", &shardopt::ServerState::state_bytes)
+      .def_readonly("staging_bytes", &shardopt::ServerState::staging_bytes);
+
+  m.def(
+      "decide",
+      [](const shardopt::PushResult& push, uint32_t world_size, double max_grad_norm, double loss_scale) {
+        return shardopt::Decide(push, world_size, MakeStepOptions(0, {}, max_grad_norm, loss_scale));
+      },
+      py::arg("push"), py::arg("world_size"), py::arg("max_grad_norm"), py::arg("loss_scale"));
+  m.def(
+      "expand_server_pattern",
+      [](const std::string& pattern, uint32_t count) { return Value(shardopt::ExpandServerPattern(pattern, count)); },
+      py::arg("pattern"), py::arg("count"));
+
+  py::class_<PyClient>(m, "Client")
+      .def(py::init<std::vector<std::string>, uint32_t, int, uint32_t, uint64_t, uint64_t>(), py::arg("servers"),
+           py::arg("rank"), py::arg("max_attempts"), py::arg("rpc_timeout_ms"), py::arg("chunk_bytes"),
+           py::arg("checkpoint_every"))
+      .def("create_or_attach", &PyClient::CreateOrAttach, py::arg("name"), py::arg("world_size"), py::arg("groups"),
+           py::arg("tensors"), py::arg("fp32_grads"), py::arg("barrier_timeout_ms"), py::arg("restore_step"))
+      .def("init_fp32", &PyClient::InitFp32)
+      .def("init_bf16", &PyClient::InitBf16)
+      .def("init_adam_state", &PyClient::InitAdamState)
+      .def("step", &PyClient::Step, py::arg("grads"), py::arg("params"), py::arg("lr"), py::arg("group_lr"),
+           py::arg("max_grad_norm"), py::arg("loss_scale"))
+      .def("timed_steps", &PyClient::TimedSteps)
+      .def("start_push", &PyClient::StartPush)
+      .def("mark", &PyClient::Mark)
+      .def("pushing", &PyClient::Pushing)
+      .def("finish_push", &PyClient::FinishPush)
+      .def("commit", &PyClient::Commit, py::arg("step"), py::arg("lr"), py::arg("gscale"), py::arg("skip"),
+           py::arg("params"), py::arg("group_lr"))
+      .def("read", &PyClient::Read)
+      .def("describe", &PyClient::Describe)
+      .def("adam_steps", &PyClient::AdamSteps)
+      .def("verify_state", &PyClient::VerifyState)
+      .def("drop", &PyClient::Drop)
+      .def("checkpoint", &PyClient::Checkpoint)
+      .def_property_readonly("step_count", &PyClient::step);
+}

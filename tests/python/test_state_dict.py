@@ -1,0 +1,156 @@
+"""state_dict round trips, moving between processes, and resuming from the
+servers' state (attaching, and after the servers restart from a checkpoint)."""
+import os
+import subprocess
+import sys
+
+import torch
+
+from shardopt.torch import RemoteAdamW
+from models import bits, make_model, param_groups, same_bits, train
+from servers import ServerProcess
+from workers import MIXED
+
+torch.set_num_threads(1)
+HERE = os.path.dirname(__file__)
+STEPS = 20
+
+
+def run_worker(*args):
+    subprocess.run([sys.executable, os.path.join(HERE, "workers.py"), *map(str, args)], check=True, timeout=300)
+
+
+def test_round_trip_in_a_new_process_is_bitwise(servers, job, tmp_path):
+    """STEPS steps, save, load in a new process, STEPS more: bitwise equal to
+    2*STEPS uninterrupted steps. The saved state is fp32 for the bf16 params
+    too, and loading it does not round it to bf16 (the seed's resume trap)."""
+    whole = make_model(**MIXED)
+    opt = RemoteAdamW(param_groups(whole), servers=servers, job=f"{job}-whole", lr=1e-3)
+    train(whole, opt, 2 * STEPS)
+    opt.drop()
+
+    model = make_model(**MIXED)
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-first", lr=1e-3)
+    train(model, opt, STEPS)
+    saved = opt.state_dict()
+    dtypes = {p.dtype for p in model.parameters()}
+    assert dtypes == {torch.bfloat16, torch.float32}
+    for k, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+        state = saved["state"][k]
+        assert int(state["step"]) == STEPS
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            assert state[key].dtype == torch.float32 and state[key].shape == p.shape, key
+        if p.dtype == torch.bfloat16:
+            # Not bf16 values in disguise: the moments have low bits set.
+            assert (bits(state["exp_avg"]) & 0xFFFF).any()
+            assert same_bits(state["master"].to(torch.bfloat16), p)
+        else:
+            assert same_bits(state["master"], p)
+    checkpoint = tmp_path / "checkpoint.pt"
+    torch.save({"model": model.state_dict(), "optimizer": saved}, checkpoint)
+    opt.drop()
+
+    out = tmp_path / "resumed.pt"
+    run_worker("resume", "--servers", ",".join(servers), "--job", f"{job}-second", "--checkpoint", checkpoint,
+               "--first", STEPS + 1, "--steps", STEPS, "--out", out)
+    resumed = torch.load(out)
+    for name, p in whole.state_dict().items():
+        assert same_bits(resumed[name], p), name
+
+
+def test_load_state_dict_does_not_cast_to_param_dtype(servers, job):
+    """Loading writes the fp32 state exactly, for bf16 params too: reading it
+    back gives the same bits."""
+    model = make_model(dtype=torch.bfloat16)
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3)
+    train(model, opt, 3)
+    saved = opt.state_dict()
+    opt.drop()
+    fresh = make_model(dtype=torch.bfloat16)
+    fresh.load_state_dict(model.state_dict())
+    opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
+    opt.load_state_dict(saved)
+    loaded = opt.state_dict()
+    for k, state in saved["state"].items():
+        for key, value in state.items():
+            assert same_bits(loaded["state"][k][key], value), (k, key)
+    opt.drop()
+
+
+def test_attach_resumes_from_the_servers(servers, job):
+    """A restarted trainer (new model, new optimizer, same job) attaches at
+    the job's step, gets the servers' params, and continues bitwise as if
+    never stopped."""
+    whole = make_model()
+    opt = RemoteAdamW(param_groups(whole), servers=servers, job=f"{job}-whole", lr=1e-3)
+    train(whole, opt, 2 * STEPS)
+    opt.drop()
+
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3)
+    assert opt.resumed_step == 0
+    train(model, opt, STEPS)
+    del opt, model  # the trainer dies; the job stays on the servers
+
+    model = make_model(seed=7)
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3)
+    assert opt.resumed_step == STEPS and opt.job_step == STEPS
+    train(model, opt, STEPS, first=STEPS + 1)
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        assert same_bits(p, q), name
+    opt.drop()
+
+
+def test_checkpoint_survives_a_server_restart(server_binary, job, tmp_path):
+    """checkpoint() writes the servers' state; after both servers are killed
+    and restarted on the same directory, a new trainer resumes from it and
+    continues bitwise equal to an uninterrupted run."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    for i in range(2):
+        (tmp_path / f"s{i}").mkdir()
+    procs = [ServerProcess(server_binary, tmp_path / f"s{i}", f"--checkpoint_dir={directory}") for i in range(2)]
+    try:
+        servers = [p.address for p in procs]
+        whole = make_model()
+        opt = RemoteAdamW(param_groups(whole), servers=servers, job=f"{job}-whole", lr=1e-3)
+        train(whole, opt, 2 * STEPS)
+
+        model = make_model()
+        opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3)
+        train(model, opt, STEPS)
+        opt.checkpoint()
+        train(model, opt, 2)  # lost with the servers: the resume goes back to the checkpoint
+        del opt
+        for p in procs:
+            p.stop()
+            p.start()
+        model = make_model(seed=7)
+        opt = RemoteAdamW(param_groups(model), servers=[p.address for p in procs], job=job, lr=1e-3)
+        assert opt.resumed_step == STEPS
+        train(model, opt, STEPS, first=STEPS + 1)
+        for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+            assert same_bits(p, q), name
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_torch_adamw_state_of_a_bf16_model_is_widened_exactly(servers, job):
+    """torch.optim.AdamW on bf16 params keeps bf16 moments: loading them
+    widens them exactly, and the step counts carry over."""
+    theirs = make_model(dtype=torch.bfloat16)
+    ref = torch.optim.AdamW(theirs.parameters(), lr=1e-3, foreach=False)
+    train(theirs, ref, 3)
+    ours = make_model(seed=5, dtype=torch.bfloat16)
+    ours.load_state_dict(theirs.state_dict())
+    opt = RemoteAdamW(ours.named_parameters(), servers=servers, job=job, lr=1e-3)
+    opt.load_state_dict(ref.state_dict())
+    loaded = opt.state_dict()["state"]
+    for k, state in ref.state_dict()["state"].items():
+        assert state["exp_avg"].dtype == torch.bfloat16
+        assert int(loaded[k]["step"]) == int(state["step"]) == 3
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert same_bits(loaded[k][key], state[key].float()), (k, key)
+    assert all(same_bits(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
+    opt.drop()

@@ -1,0 +1,194 @@
+"""RemoteAdamW against torch.optim.AdamW(foreach=False): an fp32 transformer
+with RMSNorm, the seed's bf16 figure, lr schedulers, and moving a running
+torch job onto shardopt."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from shardopt.torch import RemoteAdamW
+from models import (BOUND_SQRT_STEPS, Peaks, make_model, norm_gains, param_groups, same_bits, train, ulps_of_peak,
+                    unnamed)
+
+torch.set_num_threads(1)
+
+STEPS = 200
+LR = 1e-3
+# Losses of the two runs: the params differ by a few ulps (see
+# BOUND_SQRT_STEPS), so the losses may differ by what that moves, far below
+# this.
+LOSS_BOUND = 1e-4
+
+
+def check_within_bound(ours, theirs, peaks, steps):
+    ulps = ulps_of_peak(ours, theirs, peaks)
+    worst = max(ulps, key=ulps.get)
+    print(f"params after {steps} steps: max {ulps[worst]:.1f} ulps of the peak ({worst}); "
+          f"bound {BOUND_SQRT_STEPS * math.sqrt(steps):.0f}")
+    assert ulps[worst] <= BOUND_SQRT_STEPS * math.sqrt(steps)
+    return ulps
+
+
+@pytest.fixture(scope="module")
+def fp32_runs(servers, request):
+    """The same fp32 model trained STEPS steps by RemoteAdamW and by torch."""
+    ours, theirs = make_model(), make_model()
+    opt = RemoteAdamW(param_groups(ours), servers=servers, job=f"parity-{id(request)}", lr=LR)
+    ref = torch.optim.AdamW(unnamed(param_groups(theirs)), lr=LR, foreach=False)
+    peaks = Peaks(theirs)
+    ours_losses = train(ours, opt, STEPS)
+    theirs_losses = train(theirs, ref, STEPS, peaks=peaks)
+    yield ours, theirs, opt, ours_losses, theirs_losses, peaks
+    opt.drop()
+
+
+def test_fp32_transformer_matches_torch(fp32_runs):
+    ours, theirs, _, ours_losses, theirs_losses, peaks = fp32_runs
+    loss_diff = np.abs(np.array(ours_losses) - np.array(theirs_losses))
+    print(f"losses: first {ours_losses[0]:.4f}, last {ours_losses[-1]:.6f} (torch {theirs_losses[-1]:.6f}), "
+          f"max |diff| {loss_diff.max():.3e}")
+    assert ours_losses[-1] < 0.5 * ours_losses[0], "the model did not learn"
+    assert loss_diff.max() <= LOSS_BOUND
+    check_within_bound(ours, theirs, peaks, STEPS)
+
+
+def test_fp32_params_are_the_master_bitwise(fp32_runs):
+    ours, _, opt, _, _, _ = fp32_runs
+    for name, p in ours.named_parameters():
+        master = opt.master(p)
+        assert p.dtype == torch.float32 and same_bits(p, master), name
+
+
+def test_seed_figure_bf16_model(servers, job):
+    """On a bf16 model, fp32 state moves the RMSNorm gains; torch.optim.AdamW
+    on the bf16 params leaves every one at 1.0, because each of its updates is
+    below half of bf16's spacing just below 1.0 (2^-9)."""
+    b1, b2 = 0.9, 0.999
+    # A bound on Adam's |m_hat/sqrt(v_hat)| for any gradients (Cauchy-Schwarz,
+    # as tests/torch/test_torch_reference.py derives it).
+    t = np.arange(1, STEPS + 1, dtype=np.float64)
+    ratio_bound = ((1 - b1) / np.sqrt(1 - b2) * np.sqrt(1 / (1 - b1 * b1 / b2))
+                   * np.max(np.sqrt(1 - b2 ** t) / (1 - b1 ** t)))
+    norm_lr = 2e-4
+    assert norm_lr * ratio_bound < 2.0 ** -9
+    ours, theirs = make_model(dtype=torch.bfloat16), make_model(dtype=torch.bfloat16)
+    opt = RemoteAdamW(param_groups(ours, norm_lr=norm_lr), servers=servers, job=job, lr=LR, betas=(b1, b2))
+    ref = torch.optim.AdamW(unnamed(param_groups(theirs, norm_lr=norm_lr)), lr=LR, betas=(b1, b2), foreach=False)
+    ours_losses, theirs_losses = train(ours, opt, STEPS), train(theirs, ref, STEPS)
+    moved_ours = int((norm_gains(ours) != 1.0).sum())
+    moved_theirs = int((norm_gains(theirs) != 1.0).sum())
+    total = norm_gains(ours).numel()
+    print(f"seed's figure, bf16 model, {STEPS} steps: RemoteAdamW (fp32 state) moved {moved_ours} of {total} "
+          f"RMSNorm gains, final loss {ours_losses[-1]:.4f}; torch.optim.AdamW on bf16 params moved {moved_theirs}, "
+          f"final loss {theirs_losses[-1]:.4f}")
+    assert moved_theirs == 0
+    assert moved_ours >= total // 2
+    opt.drop()
+
+
+@pytest.mark.parametrize("schedule", ["lambda_per_group", "cosine"])
+def test_lr_schedulers(servers, job, schedule):
+    steps = 60
+    ours, theirs = make_model(), make_model()
+    opt = RemoteAdamW(param_groups(ours), servers=servers, job=job, lr=LR)
+    ref = torch.optim.AdamW(unnamed(param_groups(theirs)), lr=LR, foreach=False)
+
+    def scheduler(o):
+        if schedule == "cosine":
+            return torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=steps)
+        return torch.optim.lr_scheduler.LambdaLR(o, [lambda s: 0.97 ** s, lambda s: min(1.0, (s + 1) / 10)])
+
+    peaks = Peaks(theirs)
+    ours_sched, theirs_sched = scheduler(opt), scheduler(ref)
+    train(ours, opt, steps, scheduler=ours_sched)
+    train(theirs, ref, steps, scheduler=theirs_sched, peaks=peaks)
+    lrs = [g["lr"] for g in opt.param_groups]
+    assert lrs == [g["lr"] for g in ref.param_groups]
+    if schedule == "lambda_per_group":
+        assert lrs[0] != lrs[1]
+    check_within_bound(ours, theirs, peaks, steps)
+    opt.drop()
+
+
+def test_lr_reaches_servers(servers, job):
+    """Each group's lr from param_groups is applied: group 1 at lr 0 stays
+    where it was while group 0 moves."""
+    model = make_model()
+    groups = param_groups(model)
+    initial = [[p.detach().clone() for _, p in g["params"]] for g in groups]
+    opt = RemoteAdamW(groups, servers=servers, job=job, lr=LR)
+    opt.param_groups[1]["lr"] = 0.0
+    train(model, opt, 3)
+    assert all(same_bits(p, q) for (_, p), q in zip(groups[1]["params"], initial[1]))
+    assert not any(same_bits(p, q) for (_, p), q in zip(groups[0]["params"], initial[0]))
+    opt.drop()
+
+
+def test_load_torch_adamw_state_dict(servers, job):
+    """A running torch job moves onto shardopt: 40 steps of torch, then 40
+    more of RemoteAdamW from torch's model and optimizer state dicts, against
+    80 steps of torch."""
+    before, after = 40, 40
+    theirs = make_model()
+    ref = torch.optim.AdamW(unnamed(param_groups(theirs)), lr=LR, foreach=False)
+    peaks = Peaks(theirs)
+    train(theirs, ref, before, peaks=peaks)
+    model_sd = {k: v.clone() for k, v in theirs.state_dict().items()}
+    opt_sd = ref.state_dict()
+    opt_sd = {"state": {k: {n: v.clone() for n, v in s.items()} for k, s in opt_sd["state"].items()},
+              "param_groups": opt_sd["param_groups"]}
+
+    ours = make_model(seed=123)  # other initial values: all must come from the state dicts
+    ours.load_state_dict(model_sd)
+    opt = RemoteAdamW(param_groups(ours), servers=servers, job=job, lr=0.5)
+    opt.load_state_dict(opt_sd)
+    assert [g["lr"] for g in opt.param_groups] == [LR, LR]
+    loaded = opt.state_dict()
+    for k, s in opt_sd["state"].items():
+        assert int(loaded["state"][k]["step"]) == int(s["step"]) == before
+        assert same_bits(loaded["state"][k]["exp_avg"], s["exp_avg"])
+        assert same_bits(loaded["state"][k]["exp_avg_sq"], s["exp_avg_sq"])
+    train(ours, opt, after, first=before + 1)
+    train(theirs, ref, after, first=before + 1, peaks=peaks)
+    check_within_bound(ours, theirs, peaks, before + after)
+    opt.drop()
+
+
+def test_contiguous_cpu_tensors_are_not_copied_and_others_are_staged(servers, job):
+    """Contiguous CPU params and grads are read and written in place; a
+    non-contiguous param goes through a staging buffer and gets the same
+    bits."""
+    g = torch.Generator().manual_seed(5)
+    values = torch.randn(16, 8, generator=g)
+    contiguous = torch.nn.Parameter(values.clone())
+    transposed = torch.nn.Parameter(values.t().contiguous().t())  # same values, column-major
+    assert not transposed.is_contiguous()
+    opt = RemoteAdamW([("contiguous", contiguous), ("transposed", transposed)], servers=servers, job=job, lr=1e-2)
+    address = contiguous.data_ptr()
+    for step in range(3):
+        grad = torch.randn(16, 8, generator=g)
+        contiguous.grad = grad.clone()
+        transposed.grad = grad.t().contiguous().t()
+        opt.step()
+    assert contiguous.data_ptr() == address
+    by_name = {t.name: t for t in opt._tensors}
+    assert by_name["contiguous"].host_param is None and by_name["contiguous"].host_grad is None
+    assert by_name["transposed"].host_param is not None and not transposed.is_contiguous()
+    assert same_bits(contiguous, transposed.contiguous())
+    assert not same_bits(contiguous, values)
+    opt.drop()
+
+
+def test_params_without_grad_are_skipped(servers, job):
+    """As in torch: a param whose grad is None keeps its value, its step count
+    and (no) state; weight decay does not touch it either."""
+    model = make_model()
+    model.unused = torch.nn.Parameter(torch.full((8,), 2.0))
+    opt = RemoteAdamW(model.named_parameters(), servers=servers, job=job, lr=LR, weight_decay=0.1)
+    train(model, opt, 3)
+    assert model.unused.grad is None and torch.equal(model.unused, torch.full((8,), 2.0))
+    index = [name for name, _ in model.named_parameters()].index("unused")
+    state = opt.state_dict()["state"]
+    assert index not in state and len(state) == len(list(model.parameters())) - 1
+    opt.drop()
