@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "checkpoint/crc32c.h"
 #include "shardopt/v1/checkpoint.pb.h"
 
 namespace shardopt::checkpoint {
@@ -33,7 +34,6 @@ namespace v1 = ::shardopt::v1;
 
 inline constexpr uint32_t kFormatVersion = 1;
 
-uint32_t Crc32c(const void* data, size_t n, uint32_t crc = 0);
 
 // One placement's state at one step: the manifest and its data, as laid out
 // in a part file.
