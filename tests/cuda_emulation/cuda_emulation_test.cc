@@ -15,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/kernel_args.h"
+#include "tests/testing/rank_pattern.h"
 #include "kernels/cuda/launch_plan.h"
 #include "kernels/step_scalars.h"
 #include "tests/cuda_emulation/emulated_job.h"
@@ -53,26 +54,7 @@ class Values {
   std::mt19937_64 rng_;
 };
 
-// Which ranks contribute to a shard in a step: all, one, the two ends, all
-// but the first, by turn, so that every aggregation path runs.
-std::vector<uint32_t> RankPattern(uint32_t world, uint64_t turn) {
-  std::vector<uint32_t> ranks;
-  switch (turn % 4) {
-    case 0:
-      for (uint32_t r = 0; r < world; ++r) ranks.push_back(r);
-      break;
-    case 1:
-      ranks.push_back(static_cast<uint32_t>(turn / 4 % world));
-      break;
-    case 2:
-      ranks.push_back(0);
-      if (world > 1) ranks.push_back(world - 1);
-      break;
-    default:
-      for (uint32_t r = world > 1 ? 1 : 0; r < world; ++r) ranks.push_back(r);
-  }
-  return ranks;
-}
+using testing::RankPattern;
 
 // Values as bf16 (rounded) or fp32 bytes: how a shard stores its state and a
 // job its gradients.

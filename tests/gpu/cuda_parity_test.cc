@@ -16,6 +16,7 @@
 #include "kernels/cuda/testing.h"
 #include "kernels/gpu.h"
 #include "kernels/step_scalars.h"
+#include "tests/testing/rank_pattern.h"
 
 namespace shardopt {
 namespace {
@@ -63,26 +64,7 @@ std::vector<std::pair<uint64_t, uint64_t>> Pieces(uint64_t n, Values& values, ui
   return pieces;
 }
 
-// Which ranks contribute to a shard in a step: all, one, the two ends, all
-// but the first, in turn, so that every aggregation path runs.
-std::vector<uint32_t> RankPattern(uint32_t world, uint64_t turn) {
-  std::vector<uint32_t> ranks;
-  switch (turn % 4) {
-    case 0:
-      for (uint32_t r = 0; r < world; ++r) ranks.push_back(r);
-      break;
-    case 1:
-      ranks.push_back(static_cast<uint32_t>(turn / 4 % world));
-      break;
-    case 2:
-      ranks.push_back(0);
-      if (world > 1) ranks.push_back(world - 1);
-      break;
-    default:
-      for (uint32_t r = world > 1 ? 1 : 0; r < world; ++r) ranks.push_back(r);
-  }
-  return ranks;
-}
+using testing::RankPattern;
 
 JobLayout Layout(const std::vector<uint64_t>& sizes, Precision precision, uint32_t world, DType grad_dtype) {
   JobLayout layout;
