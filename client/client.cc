@@ -362,7 +362,9 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
               return discard.data();
             },
             &head);
-        const bool dtype_matches = head.dtype == (fp32 ? v1::FP32 : v1::DTYPE_UNSPECIFIED) || (!fp32 && head.dtype == v1::BF16);
+        // Servers send bf16 params with the dtype unset, as before param_dtype existed.
+        const uint64_t dtype = head.dtype == v1::DTYPE_UNSPECIFIED ? uint64_t{v1::BF16} : head.dtype;
+        const bool dtype_matches = dtype == (fp32 ? v1::FP32 : v1::BF16);
         if (!good || head.step != step || !dtype_matches) {
           ctx->TryCancel();
           stream.Finish();
