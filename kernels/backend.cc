@@ -37,6 +37,14 @@ absl::Status CheckGradWrite(const JobLayout& layout, uint32_t shard, uint32_t ra
   return absl::OkStatus();
 }
 
+absl::Status CheckAccumulate(const JobLayout& layout, uint32_t shard, uint64_t offset, uint64_t count) {
+  SHARDOPT_RETURN_IF_ERROR(CheckShardRange(layout, shard, offset, count));
+  if (layout.world_size != 1 || layout.grad_dtype != DType::kFp32) {
+    return absl::FailedPreconditionError("a running sum needs a layout of one fp32 gradient slot");
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckShardGrads(const JobLayout& layout, const ShardGrads& grads) {
   if (grads.shard >= layout.shards.size()) return absl::InvalidArgumentError("shard index out of range");
   if (grads.ranks.empty()) return absl::InvalidArgumentError("a shard in the batch has no contributing rank");
@@ -61,6 +69,14 @@ absl::StatusOr<uint64_t> CheckShardStep(const JobLayout& layout, const ShardStep
 
 void WidenBf16(const uint16_t* in, uint64_t count, float* out) {
   for (uint64_t i = 0; i < count; ++i) out[i] = math::bf16_to_float(in[i]);
+}
+
+void AccumulateOnHost(float* acc, const void* src, DType dtype, uint64_t count, bool first) {
+  for (uint64_t i = 0; i < count; ++i) {
+    const float x = dtype == DType::kFp32 ? static_cast<const float*>(src)[i]
+                                          : math::bf16_to_float(static_cast<const uint16_t*>(src)[i]);
+    acc[i] = first ? x : math::add(acc[i], x);
+  }
 }
 
 }  // namespace shardopt

@@ -78,9 +78,15 @@ struct MemoryUse {
 absl::Status CheckShardRange(const JobLayout& layout, uint32_t shard, uint64_t offset, uint64_t count);
 absl::Status CheckGradWrite(const JobLayout& layout, uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                             uint64_t count);
+// Checks that the layout keeps one fp32 slot and the range lies in the shard.
+absl::Status CheckAccumulate(const JobLayout& layout, uint32_t shard, uint64_t offset, uint64_t count);
 absl::Status CheckShardGrads(const JobLayout& layout, const ShardGrads& grads);
 // bf16 to float, exactly: how a bf16 gradient enters fp32 gradient slots.
 void WidenBf16(const uint16_t* in, uint64_t count, float* out);
+// acc[i] = src[i] widened when `first`, else math::add(acc[i], src[i]): the
+// CPU loops' accumulate, one element at a time, for a backend that folds on
+// the host.
+void AccumulateOnHost(float* acc, const void* src, DType dtype, uint64_t count, bool first);
 
 // Checks grads and range, and returns the end of the range to update.
 absl::StatusOr<uint64_t> CheckShardStep(const JobLayout& layout, const ShardStep& step);
@@ -95,6 +101,14 @@ class JobState {
   // bits are those of summing the bf16 values as floats.
   virtual absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                                  const void* data, uint64_t count) = 0;
+  // Folds `count` elements of one rank's gradient into the running fp32 sum
+  // kept in slot 0 of a layout of one fp32 slot (AccumulatingLayout): with
+  // `first` the sum becomes them, widened exactly; otherwise each element
+  // becomes sum + it, one fp32 add. Folding the ranks in rank order gives the
+  // bits of keeping them apart and adding their slots in rank order, with
+  // 4 B/param of staging whatever the number of ranks.
+  virtual absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype, const void* data, uint64_t count,
+                                      bool first) = 0;
   // Sets master, m or v. fp32 data into an FP32 shard is kept exactly; into a
   // BF16 shard it is rounded, which is that precision's meaning. Writing the
   // master also refreshes the bf16 params.

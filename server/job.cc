@@ -23,23 +23,22 @@ bool CommitArgs::operator==(const CommitArgs& o) const {
                     [](double a, double b) { return SameBits(a, b); });
 }
 
-Job::Job(const v1::CreateJobRequest& s) : spec(s), barrier_timeout(absl::Milliseconds(s.barrier_timeout_ms())) {}
+Job::Job(const v1::CreateJobRequest& s, uint64_t window)
+    : spec(s), barrier_timeout(absl::Milliseconds(s.barrier_timeout_ms())), window_bytes(window) {}
 
-absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spec, Backend* backend) {
-  std::shared_ptr<Job> job(new Job(spec));
+absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spec, Backend* backend,
+                                                 uint64_t window_bytes) {
+  std::shared_ptr<Job> job(new Job(spec, window_bytes));
   for (const v1::Group& g : spec.groups()) {
     job->hypers.push_back({g.beta1(), g.beta2(), g.eps(), g.weight_decay(), g.lr_multiplier()});
   }
   job->shard_of_tensor.assign(spec.tensors_size(), -1);
   for (int i = 0; i < spec.tensors_size(); ++i) job->tensor_index[spec.tensors(i).name()] = i;
+  // One fp32 slot, the running sum of every rank's gradient (running_sum.h),
+  // whatever the world size and the gradients' dtypes.
   JobLayout layout;
-  layout.world_size = spec.world_size();
-  // One slot dtype per job: fp32 as soon as any tensor pushes fp32, with
-  // bf16 pushes widened exactly into it (JobState::WriteGrad).
-  layout.grad_dtype = *FromProto(spec.grad_dtype());
-  for (const v1::TensorSpec& t : spec.tensors()) {
-    if (t.param_dtype() == v1::FP32) layout.grad_dtype = DType::kFp32;
-  }
+  layout.world_size = 1;
+  layout.grad_dtype = DType::kFp32;
   for (const v1::ShardRange& s : spec.shards()) {
     const uint32_t t = job->tensor_index[s.tensor()];
     job->shard_of_tensor[t] = static_cast<int64_t>(job->shards.size());
@@ -59,13 +58,14 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spe
 void Job::StartRound(std::chrono::steady_clock::time_point now) {
   round.active = true;
   round.deadline = now + absl::ToChronoNanoseconds(barrier_timeout);
-  round.covered.assign(world_size(), std::vector<IntervalSet>(shards.size()));
-  round.no_grad.assign(world_size(), std::vector<bool>(shards.size(), false));
-  round.finished.assign(world_size(), false);
+  std::vector<uint64_t> lengths;
+  for (const OwnedShard& s : shards) lengths.push_back(s.length);
+  round.sum = std::make_unique<RunningSum>(std::move(lengths), world_size(), window_bytes);
   round.sessions.assign(world_size(), 0);
 }
 
-void Job::EndRound() {
+void Job::EndRound(std::string why) {
+  round_end = std::move(why);
   const uint64_t epoch = round.epoch + 1;
   round = Round{};
   round.epoch = epoch;
@@ -73,7 +73,7 @@ void Job::EndRound() {
 }
 
 void Job::ExpireIfLate(std::chrono::steady_clock::time_point now) {
-  if (round.active && !round.sealed && now >= round.deadline) EndRound();
+  if (round.active && !round.sealed && now >= round.deadline) EndRound("its barrier deadline passed");
 }
 
 void Job::WaitUntil(const std::function<bool()>& done, std::chrono::steady_clock::time_point deadline) {
@@ -94,15 +94,14 @@ std::string Job::MissingSummary() const {
   if (!round.active) return absl::StrCat("no rank has pushed step ", step + 1);
   std::vector<uint32_t> missing;
   for (uint32_t r = 0; r < world_size(); ++r) {
-    if (!round.finished[r]) missing.push_back(r);
+    if (!round.sum->finished(r)) missing.push_back(r);
   }
   std::string out = absl::StrCat("ranks {", absl::StrJoin(missing, ", "), "} of ", world_size(),
                                  " have not finished pushing step ", step + 1);
   if (missing.empty()) return out;
   const uint32_t r = missing.front();
   for (size_t s = 0; s < shards.size(); ++s) {
-    if (round.no_grad[r][s]) continue;
-    if (auto gap = round.covered[r][s].FirstGap(0, shards[s].length)) {
+    if (auto gap = round.sum->FirstGap(r, static_cast<uint32_t>(s))) {
       absl::StrAppend(&out, "; rank ", r, " lacks tensor '", tensor_name(shards[s]), "' elements ",
                       Range(shards[s].offset + gap->first, shards[s].offset + gap->second));
       break;

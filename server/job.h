@@ -18,6 +18,7 @@
 #include "kernels/backend.h"
 #include "kernels/step_scalars.h"
 #include "server/interval_set.h"
+#include "server/running_sum.h"
 #include "shardopt/v1/optimizer.pb.h"
 
 namespace shardopt {
@@ -44,12 +45,15 @@ struct CommitArgs {
 class Job {
  public:
   // A job of a normalized spec (job_spec.h), with its state allocated on
-  // `backend` and no initial values yet.
-  static absl::StatusOr<std::shared_ptr<Job>> Create(const v1::CreateJobRequest& spec, Backend* backend);
+  // `backend` and no initial values yet. A round's early chunks wait in at
+  // most `window_bytes` (running_sum.h).
+  static absl::StatusOr<std::shared_ptr<Job>> Create(const v1::CreateJobRequest& spec, Backend* backend,
+                                                     uint64_t window_bytes);
 
   // Fixed at creation, read without the lock.
   const v1::CreateJobRequest spec;
   const absl::Duration barrier_timeout;
+  const uint64_t window_bytes;
   std::vector<AdamWHyper> hypers;                           // per group
   absl::flat_hash_map<std::string, uint32_t> tensor_index;  // name -> spec.tensors index
   std::vector<int64_t> shard_of_tensor;                     // -1: not on this server
@@ -81,9 +85,7 @@ class Job {
     uint64_t epoch = 0;
     // Steady, so that a step of the wall clock cannot end a round early or late.
     std::chrono::steady_clock::time_point deadline;
-    std::vector<std::vector<IntervalSet>> covered;  // [rank][shard]
-    std::vector<std::vector<bool>> no_grad;         // [rank][shard]
-    std::vector<bool> finished;                     // [rank]
+    std::unique_ptr<RunningSum> sum;  // every rank's chunks, folded in rank order
     uint32_t finished_count = 0;
     std::vector<uint64_t> sessions;  // [rank]: push streams begun, the latest's number
     std::vector<ShardGrads> contributions;
@@ -100,9 +102,13 @@ class Job {
   uint64_t apply_progress ABSL_GUARDED_BY(mu) = 0;  // pieces of step + 1 applied so far
   // Set if an apply failed halfway: the state is no step's state.
   absl::Status failed ABSL_GUARDED_BY(mu);
+  // Why the last round ended without a commit, for the pushes it discarded.
+  std::string round_end ABSL_GUARDED_BY(mu);
 
   void StartRound(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  void EndRound() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Ends the round, committed or not; `why` is what a push of the discarded
+  // round is told (empty for a committed one).
+  void EndRound(std::string why = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void ExpireIfLate(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Waits until `done` holds or the steady clock reaches `deadline`.
   void WaitUntil(const std::function<bool()>& done, std::chrono::steady_clock::time_point deadline)
@@ -119,7 +125,7 @@ class Job {
   absl::Status CheckNotDropped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
  private:
-  Job(const v1::CreateJobRequest& spec);
+  Job(const v1::CreateJobRequest& spec, uint64_t window_bytes);
 };
 
 }  // namespace shardopt

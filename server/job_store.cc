@@ -53,7 +53,11 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                                       " asked for, but this server has no --checkpoint_dir"));
   }
 
-  SHARDOPT_ASSIGN_OR_RETURN(auto created, Job::Create(spec, backend_));
+  // A few chunks per rank are enough for the ranks to stream as a wavefront;
+  // at least one block of fp32, or a rank could never take a block's turn.
+  const uint64_t window = std::max<uint64_t>(RunningSum::kBlock * 4,
+                                             std::min(options_.window_bytes, uint64_t{spec.world_size()} << 22));
+  SHARDOPT_ASSIGN_OR_RETURN(auto created, Job::Create(spec, backend_, window));
   std::shared_ptr<Job> job = std::move(created);
 
   // Outside the store's lock: reading a checkpoint must not stall other jobs.
@@ -186,7 +190,9 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const std::string& name)
   }
   const MemoryUse use = job.state->memory_use();
   r.set_state_bytes(use.state_bytes);
-  r.set_staging_bytes(use.staging_bytes);
+  // The running sum and the params out, which the backend holds, and the
+  // window for early chunks, at its cap.
+  r.set_staging_bytes(use.staging_bytes + job.window_bytes);
   r.set_device(backend_->Describe());
   return r;
 }

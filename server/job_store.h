@@ -33,6 +33,9 @@ struct JobStoreOptions {
   // Elements per streamed ParamChunk / StateChunk: 1 MiB of bf16. Rounded up
   // to a multiple of kApplyAlignment.
   uint64_t stream_chunk_elements = 512 * 1024;
+  // The most bytes of early gradient chunks a job's round holds
+  // (server/running_sum.h); a job of W ranks holds at most W x 4 MiB of it.
+  uint64_t window_bytes = uint64_t{64} << 20;
   // Where checkpoints go and come from (checkpoint/format.h); empty: none.
   std::string checkpoint_dir;
   // Told what restore found: which checkpoint it loaded, and why it passed

@@ -27,6 +27,8 @@ ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda | cuda:N; auto picks C
 ABSL_FLAG(int, threads, 0, "CPU backend threads; 0: one per core");
 ABSL_FLAG(int, max_message_bytes, shardopt::kDefaultMaxMessageBytes, "largest gRPC message accepted");
 ABSL_FLAG(int, barrier_timeout_ms, 60000, "default barrier deadline for jobs that give none");
+ABSL_FLAG(uint64_t, staging_window_bytes, uint64_t{64} << 20,
+          "per job, the most bytes of gradient chunks held while they wait for earlier ranks (at most 4 MiB per rank)");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "checkpoints go here and jobs are restored from here; share it between a job's servers");
 
@@ -61,6 +63,7 @@ int main(int argc, char** argv) {
   shardopt::JobStoreOptions store_options;
   store_options.default_barrier_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_barrier_timeout_ms));
   store_options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  store_options.window_bytes = absl::GetFlag(FLAGS_staging_window_bytes);
   shardopt::JobStore store(backend->get(), store_options);
   shardopt::ServerOptions options;
   options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));

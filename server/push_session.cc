@@ -43,20 +43,36 @@ void PushSession::Start(std::chrono::steady_clock::time_point now) {
   started_ = true;
 }
 
-// What the stream covered is uncovered again, so that the rank's next stream
-// starts afresh. Not once the rank has finished, nor when a newer stream of
-// the rank (a retry) is under way.
+// Not once the rank has finished, nor when a newer stream of the rank (a
+// retry) is under way. While none of the stream's chunks is in the sum yet,
+// they are taken back exactly, so the rank's next stream starts afresh. Once
+// some are, they cannot be: a stream that was merely cut off keeps them (its
+// retry sends the same gradient, which counts once), and a refused one ends
+// the round, whose pushes are then retried from the start.
 PushSession::~PushSession() {
   if (!started_ || answered_) return;
   absl::MutexLock lock(&job_->mu);
-  if (!job_->round.active || job_->round.epoch != epoch_ || job_->round.sealed || job_->round.finished[rank_] ||
-      job_->round.sessions[rank_] != session_) {
+  Job::Round& round = job_->round;
+  if (!round.active || round.epoch != epoch_ || round.sealed || round.sum->finished(rank_) ||
+      round.sessions[rank_] != session_) {
     return;
   }
-  job_->round.covered[rank_].assign(job_->shards.size(), IntervalSet());
+  if (round.sum->Withdraw(rank_)) {
+    job_->changed.SignalAll();
+    return;
+  }
+  if (refused_) {
+    job_->EndRound(absl::StrCat("rank ", rank_, "'s push was refused after part of it was summed"));
+  }
 }
 
 absl::Status PushSession::Add(const v1::GradChunk& chunk) {
+  absl::Status added = Take(chunk);
+  refused_ = refused_ || !added.ok();
+  return added;
+}
+
+absl::Status PushSession::Take(const v1::GradChunk& chunk) {
   if ((!chunk.job().empty() && chunk.job() != job_->name()) || (chunk.step() != 0 && chunk.step() != step_) ||
       (chunk.rank() != 0 && chunk.rank() != rank_)) {
     return absl::InvalidArgumentError("job, step and rank must not change within one push stream");
@@ -67,11 +83,7 @@ absl::Status PushSession::Add(const v1::GradChunk& chunk) {
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   const auto now = std::chrono::steady_clock::now();
   job_->ExpireIfLate(now);
-  if (started_ && job_->step < step_ && (job_->round.epoch != epoch_ || !job_->round.active)) {
-    return absl::DeadlineExceededError(absl::StrCat("the barrier of step ", step_, " expired before rank ", rank_,
-                                                    "'s push ended; its gradients were discarded: push step ",
-                                                    step_, " again"));
-  }
+  if (started_ && job_->step < step_ && (job_->round.epoch != epoch_ || !job_->round.active)) return Discarded();
   if (!has_data) return absl::OkStatus();
   SHARDOPT_ASSIGN_OR_RETURN(auto dtype, FromProto(chunk.dtype()));
   SHARDOPT_RETURN_IF_ERROR(CheckDataLength(chunk.data(), dtype, "gradient chunk"));
@@ -85,15 +97,38 @@ absl::Status PushSession::Add(const v1::GradChunk& chunk) {
   if (job_->step >= step_) return absl::OkStatus();  // a retry of a committed step: already counted
   if (!started_) Start(now);
   if (job_->round.sealed) return absl::OkStatus();  // a retry after the barrier: already counted
+  // Fold what can be folded; when the window is full, wait for it to drain
+  // (this stream is not read meanwhile, so gRPC holds its sender back).
   const uint64_t local = chunk.offset() - job_->shards[shard].offset;
-  SHARDOPT_RETURN_IF_ERROR(job_->state->WriteGrad(shard, rank_, local, dtype, chunk.data().data(), count));
-  job_->round.covered[rank_][shard].Add(local, local + count);
-  return absl::OkStatus();
+  const uint64_t esize = DTypeSize(dtype);
+  for (uint64_t taken = 0;;) {
+    RunningSum& sum = *job_->round.sum;
+    const uint64_t before = sum.progress();
+    SHARDOPT_ASSIGN_OR_RETURN(auto offered, sum.Offer(*job_->state, rank_, shard, local + taken, dtype,
+                                                      chunk.data().data() + taken * esize, count - taken));
+    taken += offered.taken;
+    if (sum.progress() != before) job_->changed.SignalAll();
+    if (!offered.window_full) return absl::OkStatus();
+    const uint64_t seen = sum.progress();
+    job_->WaitUntil([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu) {
+      return job_->dropped || job_->round.epoch != epoch_ || job_->round.sum->progress() != seen;
+    }, job_->round.deadline);
+    SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
+    job_->ExpireIfLate(std::chrono::steady_clock::now());
+    if (job_->round.epoch != epoch_) return Discarded();
+  }
+}
+
+absl::Status PushSession::Discarded() const {
+  return absl::DeadlineExceededError(absl::StrCat("the round of step ", step_, " ended before rank ", rank_,
+                                                  "'s push did (", job_->round_end,
+                                                  "); its gradients were discarded: push step ", step_, " again"));
 }
 
 absl::StatusOr<v1::PushResponse> PushSession::Finish() {
   absl::StatusOr<v1::PushResponse> answer = Seal();
   answered_ = answer.ok();
+  refused_ = refused_ || !answer.ok();
   return answer;
 }
 
@@ -115,11 +150,9 @@ absl::StatusOr<v1::PushResponse> PushSession::Seal() {
   const auto now = std::chrono::steady_clock::now();
   job_->ExpireIfLate(now);
   if (!started_) Start(now);
-  if (job_->round.epoch != epoch_) {
-    return absl::DeadlineExceededError(absl::StrCat("the barrier of step ", step_, " expired before rank ", rank_,
-                                                    "'s push ended; push step ", step_, " again"));
-  }
+  if (job_->round.epoch != epoch_) return Discarded();
   if (job_->round.sealed) return Answer();
+  RunningSum& sum = *job_->round.sum;
 
   // Validate the whole declaration before changing anything.
   std::vector<uint32_t> no_grad_shards;
@@ -130,7 +163,7 @@ absl::StatusOr<v1::PushResponse> PushSession::Seal() {
     }
     const int64_t s = job_->shard_of_tensor[it->second];
     if (s < 0) continue;
-    if (job_->round.covered[rank_][s].FirstGap(0, job_->shards[s].length) !=
+    if (sum.FirstGap(rank_, static_cast<uint32_t>(s)) !=
         std::make_optional(std::make_pair(uint64_t{0}, job_->shards[s].length))) {
       return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, " both pushed tensor '", t, "' and declared it no_grad"));
     }
@@ -140,7 +173,7 @@ absl::StatusOr<v1::PushResponse> PushSession::Seal() {
   for (uint32_t s : no_grad_shards) no_grad[s] = true;
   for (size_t s = 0; s < job_->shards.size(); ++s) {
     if (no_grad[s]) continue;
-    if (auto gap = job_->round.covered[rank_][s].FirstGap(0, job_->shards[s].length)) {
+    if (auto gap = sum.FirstGap(rank_, static_cast<uint32_t>(s))) {
       return absl::FailedPreconditionError(
           absl::StrCat("rank ", rank_, "'s push of step ", step_, " ended without tensor '",
                        job_->tensor_name(job_->shards[s]), "' elements ",
@@ -148,21 +181,19 @@ absl::StatusOr<v1::PushResponse> PushSession::Seal() {
                        "; push them or list the tensor in no_grad"));
     }
   }
-  job_->round.no_grad[rank_] = std::move(no_grad);
-  if (!job_->round.finished[rank_]) {
-    job_->round.finished[rank_] = true;
+  if (!sum.finished(rank_)) {
+    SHARDOPT_RETURN_IF_ERROR(sum.Finish(*job_->state, rank_, std::move(no_grad)));
     ++job_->round.finished_count;
+    job_->changed.SignalAll();
   }
 
   if (job_->round.finished_count == job_->world_size()) {
+    // Every rank is in: the sum is whole, and each shard with a gradient from
+    // any rank is the one slot of the running sum.
+    if (!sum.Complete()) return absl::InternalError("every rank finished, but the running sum is not whole");
     std::vector<ShardGrads> contributions;
-    for (size_t s = 0; s < job_->shards.size(); ++s) {
-      ShardGrads sg;
-      sg.shard = static_cast<uint32_t>(s);
-      for (uint32_t r = 0; r < job_->world_size(); ++r) {
-        if (!job_->round.no_grad[r][s]) sg.ranks.push_back(r);
-      }
-      if (!sg.ranks.empty()) contributions.push_back(std::move(sg));
+    for (uint32_t s = 0; s < job_->shards.size(); ++s) {
+      if (sum.Contributed(s)) contributions.push_back({s, {0}});
     }
     SHARDOPT_ASSIGN_OR_RETURN(auto stats, job_->state->ReduceGrads(contributions));
     job_->round.contributions = std::move(contributions);
@@ -181,13 +212,12 @@ absl::StatusOr<v1::PushResponse> PushSession::Seal() {
   if (job_->sealed_step == step_ && (job_->round.sealed || job_->step >= step_)) return Answer();
   if (job_->round.epoch == epoch_) {  // our own deadline: end the round for everyone
     const std::string missing = job_->MissingSummary();
-    job_->EndRound();
+    job_->EndRound("its barrier deadline passed");
     return absl::DeadlineExceededError(absl::StrCat("barrier of step ", step_, " timed out after ",
                                                     absl::FormatDuration(job_->barrier_timeout), ": ", missing,
                                                     "; nothing was applied: push step ", step_, " again"));
   }
-  return absl::DeadlineExceededError(absl::StrCat("the barrier of step ", step_,
-                                                  " timed out; nothing was applied: push step ", step_, " again"));
+  return Discarded();
 }
 
 }  // namespace shardopt

@@ -1,9 +1,9 @@
 // One rank's push of one step to this server, and the barrier it ends at:
 // Begin, any number of Add, then Finish, which waits for the other ranks.
-// Each rank's gradient is kept apart in its own slot and summed in rank order
-// when the last rank finishes (the seal), so the sum's bits do not depend on
-// the order of arrival; a chunk that arrives twice covers the same range
-// twice and counts once.
+// The chunks are folded into the round's running sum in rank order
+// (running_sum.h), so the sum's bits do not depend on the order of arrival;
+// a chunk that arrives twice counts once. Add may wait while the window of
+// early chunks is full.
 #pragma once
 
 #include <chrono>
@@ -36,6 +36,9 @@ class PushSession {
   // Joins the round of step_, starting it if needed.
   void Start(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   absl::StatusOr<v1::PushResponse> Seal();
+  absl::Status Take(const v1::GradChunk& chunk);
+  // The answer to a push whose round ended without it.
+  absl::Status Discarded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // The answer to the push of a sealed step: the job's kept sums.
   v1::PushResponse Answer() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
 
@@ -46,6 +49,7 @@ class PushSession {
   uint64_t session_ = 0;  // this stream's number among the rank's in the round
   bool started_ = false;
   bool answered_ = false;
+  bool refused_ = false;  // Add or Finish answered an error
   std::vector<std::string> no_grad_;
 };
 

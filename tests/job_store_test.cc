@@ -506,7 +506,8 @@ TEST_F(StoreTest, DescribeReportsStateBytesAndHeldPrecision) {
   Create(JobRequest("bf16", 1, {{"w", 1000}}, v1::PRECISION_BF16));
   auto d32 = store_.Describe("fp32");
   EXPECT_EQ(d32->state_bytes(), 1024u * 12);
-  EXPECT_EQ(d32->staging_bytes(), 1024u * 2 + 1024u * 2 * 2);  // params out + 2 ranks' bf16 slots
+  // Params out, the running fp32 sum, and the window's cap: 4 MiB per rank.
+  EXPECT_EQ(d32->staging_bytes(), 1024u * 2 + 1024u * 4 + 2u * (4 << 20));
   EXPECT_EQ(d32->groups(0).state_dtype(), v1::FP32);
   auto d16 = store_.Describe("bf16");
   EXPECT_EQ(d16->state_bytes(), 1000u * 6);

@@ -97,6 +97,14 @@ class CpuJobState final : public JobState {
     return absl::OkStatus();
   }
 
+  absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype, const void* data, uint64_t count,
+                              bool first) override {
+    SHARDOPT_RETURN_IF_ERROR(CheckAccumulate(layout_, shard, offset, count));
+    // The same loop that adds rank slots tile by tile in ReduceGrads and Apply.
+    loops_->accumulate(reinterpret_cast<float*>(GradSlot(shard, 0)) + offset, data, dtype, count, first);
+    return absl::OkStatus();
+  }
+
   absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype,
                           const void* data, uint64_t count) override {
     SHARDOPT_RETURN_IF_ERROR(CheckRange(shard, offset, count));

@@ -22,6 +22,8 @@ class CudaJobState final : public JobState {
                                                               const JobLayout& layout);
   ~CudaJobState() override;
 
+  absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype, const void* data, uint64_t count,
+                              bool first) override;
   absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype, const void* data,
                          uint64_t count) override;
   absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype, const void* data,

@@ -60,7 +60,14 @@ int Run() {
   if (!client.ok()) return Fail(log, client.status(), "connect");
   const JobOptions job = MakeJob(absl::GetFlag(FLAGS_job), absl::GetFlag(FLAGS_world_size),
                                  absl::GetFlag(FLAGS_barrier_timeout_ms));
+  // A server that many workers reach at once may be slow to take the
+  // connection: attaching changes nothing, so it is retried here.
   auto start = (*client)->CreateOrAttach(job);
+  for (int attempt = 2; attempt <= absl::GetFlag(FLAGS_step_attempts) && absl::IsUnavailable(start.status()); ++attempt) {
+    log << "attach attempt " << attempt - 1 << ": " << start.status() << std::endl;
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    start = (*client)->CreateOrAttach(job);
+  }
   if (!start.ok()) return Fail(log, start.status(), "attach");
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
   if (*start == 0) {

@@ -1,0 +1,168 @@
+#include "server/running_sum.h"
+
+#include <algorithm>
+
+#include "base/status_macros.h"
+
+namespace shardopt {
+
+RunningSum::RunningSum(std::vector<uint64_t> shard_lengths, uint32_t world_size, uint64_t window_cap_bytes)
+    : lengths_(std::move(shard_lengths)), world_size_(world_size), window_cap_(window_cap_bytes),
+      ranks_(world_size) {
+  for (uint64_t n : lengths_) blocks_.emplace_back((n + kBlock - 1) / kBlock);
+}
+
+uint64_t RunningSum::BlockEnd(uint32_t shard, uint64_t block) const {
+  return std::min(lengths_[shard], (block + 1) * kBlock);
+}
+
+bool RunningSum::no_grad(uint32_t rank, uint32_t shard) const {
+  return ranks_[rank].finished && ranks_[rank].no_grad[shard];
+}
+
+std::optional<std::pair<uint64_t, uint64_t>> RunningSum::FirstGap(uint32_t rank, uint32_t shard) const {
+  const RankState& r = ranks_[rank];
+  if (r.offered.empty()) return std::make_pair(uint64_t{0}, lengths_[shard]);
+  return r.offered[shard].FirstGap(0, lengths_[shard]);
+}
+
+absl::Status RunningSum::Fold(JobState& state, uint32_t shard, Block& block, uint64_t offset, DType dtype,
+                              const char* data, uint64_t count, RankState& rank) {
+  // The first rank in the block's sum sets it: adding to a zero would turn a
+  // -0 gradient into +0, which keeping the ranks apart never did.
+  SHARDOPT_RETURN_IF_ERROR(state.AccumulateGrad(shard, offset, dtype, data, count, !block.any));
+  rank.folded = true;
+  ++progress_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RunningSum::Offered> RunningSum::Offer(JobState& state, uint32_t rank, uint32_t shard,
+                                                      uint64_t offset, DType dtype, const char* data,
+                                                      uint64_t count) {
+  RankState& r = ranks_[rank];
+  if (r.offered.empty()) r.offered.resize(lengths_.size());
+  const uint64_t esize = DTypeSize(dtype);
+  const uint64_t end = offset + count;
+  for (uint64_t pos = offset; pos < end;) {
+    const uint64_t k = pos / kBlock;
+    const uint64_t stop = std::min(end, BlockEnd(shard, k));
+    Block& b = blocks_[shard][k];
+    if (rank >= b.next) {
+      // What of [pos, stop) this rank has not offered before.
+      std::vector<std::pair<uint64_t, uint64_t>> gaps;
+      for (uint64_t at = pos; at < stop;) {
+        auto gap = r.offered[shard].FirstGap(at, stop);
+        if (!gap) break;
+        gaps.push_back(*gap);
+        at = gap->second;
+      }
+      if (rank == b.next) {
+        for (const auto& [g0, g1] : gaps) {
+          SHARDOPT_RETURN_IF_ERROR(Fold(state, shard, b, g0, dtype, data + (g0 - offset) * esize, g1 - g0, r));
+        }
+        r.offered[shard].Add(pos, stop);
+        SHARDOPT_RETURN_IF_ERROR(Advance(state, shard, k));
+      } else {
+        uint64_t bytes = 0;
+        for (const auto& [g0, g1] : gaps) bytes += (g1 - g0) * esize;
+        if (bytes > 0 && window_bytes_ + bytes > window_cap_) return Offered{pos - offset, true};
+        for (const auto& [g0, g1] : gaps) {
+          window_[Key(shard, k)].push_back(
+              {rank, g0, dtype, std::string(data + (g0 - offset) * esize, (g1 - g0) * esize)});
+        }
+        window_bytes_ += bytes;
+        r.offered[shard].Add(pos, stop);
+        ++progress_;
+      }
+    }
+    // rank < b.next: this rank is in the block's sum already; a retry.
+    pos = stop;
+  }
+  return Offered{count, false};
+}
+
+absl::Status RunningSum::Advance(JobState& state, uint32_t shard, uint64_t k) {
+  Block& b = blocks_[shard][k];
+  const uint64_t begin = k * kBlock, end = BlockEnd(shard, k);
+  while (b.next < world_size_) {
+    RankState& r = ranks_[b.next];
+    if (r.finished && r.no_grad[shard]) {
+      ++b.next;
+      continue;
+    }
+    if (auto it = window_.find(Key(shard, k)); it != window_.end()) {
+      std::vector<Waiting>& waiting = it->second;
+      // Each rank's windowed ranges are disjoint: fold them in any order.
+      auto mine = std::stable_partition(waiting.begin(), waiting.end(),
+                                        [&](const Waiting& w) { return w.rank != b.next; });
+      for (auto w = mine; w != waiting.end(); ++w) {
+        SHARDOPT_RETURN_IF_ERROR(Fold(state, shard, b, w->offset, w->dtype, w->bytes.data(),
+                                      w->bytes.size() / DTypeSize(w->dtype), r));
+        window_bytes_ -= w->bytes.size();
+      }
+      waiting.erase(mine, waiting.end());
+      if (waiting.empty()) window_.erase(it);
+    }
+    if (r.offered.empty() || !r.offered[shard].Covers(begin, end)) break;
+    b.any = true;
+    ++b.next;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RunningSum::Finish(JobState& state, uint32_t rank, std::vector<bool> no_grad) {
+  RankState& r = ranks_[rank];
+  r.finished = true;
+  r.no_grad = std::move(no_grad);
+  for (uint32_t s = 0; s < blocks_.size(); ++s) {
+    for (uint64_t k = 0; k < blocks_[s].size(); ++k) {
+      if (blocks_[s][k].next == rank) SHARDOPT_RETURN_IF_ERROR(Advance(state, s, k));
+    }
+  }
+  ++progress_;
+  return absl::OkStatus();
+}
+
+bool RunningSum::Withdraw(uint32_t rank) {
+  RankState& r = ranks_[rank];
+  if (r.folded || r.finished) return false;
+  for (auto it = window_.begin(); it != window_.end();) {
+    std::vector<Waiting>& waiting = it->second;
+    auto mine = std::stable_partition(waiting.begin(), waiting.end(), [&](const Waiting& w) { return w.rank != rank; });
+    for (auto w = mine; w != waiting.end(); ++w) window_bytes_ -= w->bytes.size();
+    waiting.erase(mine, waiting.end());
+    if (waiting.empty()) {
+      window_.erase(it++);
+    } else {
+      ++it;
+    }
+  }
+  r.offered.clear();
+  ++progress_;
+  return true;
+}
+
+bool RunningSum::Complete() const {
+  for (const auto& shard : blocks_) {
+    for (const Block& b : shard) {
+      if (b.next < world_size_) return false;
+    }
+  }
+  return true;
+}
+
+bool RunningSum::Contributed(uint32_t shard) const {
+  for (const RankState& r : ranks_) {
+    if (r.finished && !r.no_grad[shard]) return true;
+  }
+  return false;
+}
+
+uint64_t RunningSum::tracking_bytes() const {
+  uint64_t bytes = window_bytes_ + ranks_.size() * sizeof(RankState);
+  for (const auto& shard : blocks_) bytes += shard.size() * sizeof(Block);
+  for (const RankState& r : ranks_) bytes += r.offered.size() * sizeof(IntervalSet) + r.no_grad.size() / 8;
+  return bytes;
+}
+
+}  // namespace shardopt

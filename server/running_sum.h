@@ -1,0 +1,108 @@
+// One barrier round's gradient on this server: every rank's chunks folded
+// into one running fp32 sum as they arrive, in rank order per block of
+// elements, so that the result is bitwise the sum of the ranks' gradients
+// added in rank order (what keeping every rank apart gave) while staging
+// stays 4 B/param whatever the number of ranks.
+//
+// A block's sum takes rank r once ranks 0..r-1 are in it (or have declared
+// the tensor without a gradient). A chunk of a rank that is not yet next
+// waits in a window capped in bytes; when it is full the offer stops, and
+// the push waits (gRPC's flow control then holds the sender back). The rank
+// that is next in a block never needs the window, so the lowest unfinished
+// rank always progresses. If every rank sends its ranges in the same order,
+// the ranks stream at once as a wavefront.
+//
+// Not thread-safe: used under its job's lock.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "server/interval_set.h"
+
+namespace shardopt {
+
+class RunningSum {
+ public:
+  // Elements per block: the unit of rank order.
+  static constexpr uint64_t kBlock = kApplyAlignment;
+
+  RunningSum(std::vector<uint64_t> shard_lengths, uint32_t world_size, uint64_t window_cap_bytes);
+
+  struct Offered {
+    uint64_t taken = 0;        // elements from the start dealt with
+    bool window_full = false;  // the rest must wait for the window to drain
+  };
+  // Offers rank `rank`'s elements [offset, offset+count) of shard `shard`
+  // (shard coordinates, data in `dtype`): folds into `state` what is next
+  // in rank order, windows what must wait, and skips what was offered before
+  // (a retried chunk counts once).
+  absl::StatusOr<Offered> Offer(JobState& state, uint32_t rank, uint32_t shard, uint64_t offset, DType dtype,
+                                const char* data, uint64_t count);
+  // Rank `rank`'s push ended; `no_grad[s]` for the shards it has no gradient
+  // for. Folds whatever that lets through.
+  absl::Status Finish(JobState& state, uint32_t rank, std::vector<bool> no_grad);
+
+  // Takes back an unfinished rank's offers. Exact (and true) only while none
+  // of them was folded into the sum; otherwise nothing changes and false.
+  bool Withdraw(uint32_t rank);
+
+  bool finished(uint32_t rank) const { return ranks_[rank].finished; }
+  bool folded(uint32_t rank) const { return ranks_[rank].folded; }
+  bool no_grad(uint32_t rank, uint32_t shard) const;
+  // The first range of the shard the rank has not offered, if any.
+  std::optional<std::pair<uint64_t, uint64_t>> FirstGap(uint32_t rank, uint32_t shard) const;
+  // Every block folded past every rank: the sum is whole.
+  bool Complete() const;
+  // Whether any rank has a gradient for the shard (once every rank finished).
+  bool Contributed(uint32_t shard) const;
+  uint64_t window_bytes() const { return window_bytes_; }
+  // Bumped by every fold and every change of the window: what a push that
+  // waits for room waits on.
+  uint64_t progress() const { return progress_; }
+  // What this round's bookkeeping holds besides the sum: per block, per rank
+  // that pushed, and the window.
+  uint64_t tracking_bytes() const;
+
+ private:
+  struct Block {
+    uint32_t next = 0;  // the rank the block's sum takes next
+    bool any = false;   // some rank before `next` is in the sum
+  };
+  struct RankState {
+    bool finished = false;
+    bool folded = false;                // some of its elements are in the sum
+    std::vector<IntervalSet> offered;   // [shard], once the rank offers anything
+    std::vector<bool> no_grad;          // [shard], once it finished
+  };
+  struct Waiting {
+    uint32_t rank;
+    uint64_t offset;  // in the shard
+    DType dtype;
+    std::string bytes;
+  };
+
+  static uint64_t Key(uint32_t shard, uint64_t block) { return uint64_t{shard} << 32 | block; }
+  uint64_t BlockEnd(uint32_t shard, uint64_t block) const;
+  absl::Status Fold(JobState& state, uint32_t shard, Block& block, uint64_t offset, DType dtype, const char* data,
+                    uint64_t count, RankState& rank);
+  // Moves the block's sum past every rank that is done with it.
+  absl::Status Advance(JobState& state, uint32_t shard, uint64_t block);
+
+  const std::vector<uint64_t> lengths_;
+  const uint32_t world_size_;
+  const uint64_t window_cap_;
+  std::vector<std::vector<Block>> blocks_;  // [shard][block]
+  std::vector<RankState> ranks_;
+  absl::flat_hash_map<uint64_t, std::vector<Waiting>> window_;  // by Key(shard, block)
+  uint64_t window_bytes_ = 0;
+  uint64_t progress_ = 0;
+};
+
+}  // namespace shardopt

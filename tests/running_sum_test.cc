@@ -1,0 +1,124 @@
+// The running sum that replaced per-rank gradient slots: bitwise the
+// rank-order sum whatever the arrival order, the chunking, the ranks without
+// a gradient and a window small enough that pushes must wait for it; and a
+// refused push that was partly summed restarts the round cleanly.
+#include <algorithm>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/reference.h"
+#include "tests/testing/store_fixture.h"
+
+namespace shardopt {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RandomBf16;
+using testing::ReferenceTensor;
+using testing::StoreTest;
+
+constexpr AdamWHyper kHyper = testing::kDefaultHyper;
+
+JobStoreOptions SmallWindow() {
+  JobStoreOptions o;
+  o.window_bytes = 0;  // raised to the smallest the store allows: a few blocks
+  return o;
+}
+
+class RunningSumTest : public StoreTest {
+ protected:
+  RunningSumTest() : StoreTest(SmallWindow()) {}
+};
+
+TEST_F(RunningSumTest, AnyArrivalOrderAndChunkingThroughAFullWindowGivesTheRankOrderSum) {
+  constexpr uint32_t kWorld = 6;
+  const std::vector<testing::TensorDef> tensors = {{"w", 70001}, {"b", 333}, {"e", 40000}};
+  auto init = Create(JobRequest("wave", kWorld, tensors));
+  std::map<std::string, ReferenceTensor> ref;
+  for (const auto& t : tensors) ref.emplace(t.name, ReferenceTensor(kHyper, init[t.name], false));
+  for (uint64_t step = 1; step <= 3; ++step) {
+    std::vector<std::map<std::string, std::vector<uint16_t>>> grads(kWorld);
+    for (auto& g : grads) {
+      for (const auto& t : tensors) g[t.name] = RandomBf16(rng_, t.numel, 1.0f);
+    }
+    // Rank 3 has no gradient for "e" (torch: grad is None on that rank).
+    grads[3].erase("e");
+    // Ranks start in reverse order, each with its own chunk size and order.
+    std::vector<std::thread> ranks;
+    for (int r = kWorld - 1; r >= 0; --r) {
+      const uint64_t chunk = 1000 + 777 * r, order = step * 100 + r;
+      const std::vector<std::string> no_grad = r == 3 ? std::vector<std::string>{"e"} : std::vector<std::string>{};
+      ranks.emplace_back([&, r, chunk, order, no_grad] {
+        auto pushed = Push("wave", step, r, grads[r], chunk, order, no_grad);
+        EXPECT_TRUE(pushed.ok()) << "rank " << r << ": " << pushed.status();
+      });
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    for (auto& t : ranks) t.join();
+    ASSERT_TRUE(Commit("wave", step, 1e-3, 1.0f / kWorld).ok());
+    for (const auto& t : tensors) {
+      std::vector<const uint16_t*> in_order;
+      for (uint32_t r = 0; r < kWorld; ++r) {
+        if (grads[r].count(t.name)) in_order.push_back(grads[r][t.name].data());
+      }
+      ref.at(t.name).Step(in_order, 1e-3, 1.0f / kWorld);
+      EXPECT_EQ(ReadFloats("wave", t.name, v1::MASTER), ref.at(t.name).p) << t.name << " step " << step;
+    }
+  }
+  auto described = store_.Describe("wave");
+  ASSERT_TRUE(described.ok());
+  // 4 B/param of sum and 2 B/param of params out (padded per shard), and the
+  // window's cap: nothing that grows with the ranks.
+  EXPECT_LE(described->staging_bytes(), (70001 + 333 + 40000 + 3 * 64) * 6 + 4 * RunningSum::kBlock * 4);
+}
+
+TEST_F(RunningSumTest, ARefusedPushThatWasPartlySummedRestartsTheRound) {
+  auto init = Create(JobRequest("restart", 2, {{"w", 50000}}));
+  const auto g0 = RandomBf16(rng_, 50000, 1.0f), g1 = RandomBf16(rng_, 50000, 1.0f);
+  // Rank 1 waits at the barrier, its gradient windowed behind rank 0's.
+  absl::StatusOr<v1::PushResponse> first_of_rank1;
+  std::thread rank1([&] { first_of_rank1 = Push("restart", 1, 1, {{"w", g1}}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  {
+    auto session = StartPush("restart", 1, 0);
+    ASSERT_TRUE(session.ok());
+    ASSERT_TRUE((*session)->Add(Chunk("w", 0, g0.data(), 20000)).ok());  // summed at once: rank 0 is first
+    v1::GradChunk odd = Chunk("w", 20000, g0.data() + 20000, 1);
+    odd.mutable_data()->resize(1);
+    EXPECT_EQ((*session)->Add(odd).code(), absl::StatusCode::kInvalidArgument);
+  }
+  rank1.join();
+  EXPECT_EQ(first_of_rank1.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(first_of_rank1.status().message()), HasSubstr("rank 0's push was refused"));
+  // Both push again: the step is as if the refused stream never came.
+  std::thread again([&] { EXPECT_TRUE(Push("restart", 1, 1, {{"w", g1}}).ok()); });
+  EXPECT_TRUE(Push("restart", 1, 0, {{"w", g0}}).ok());
+  again.join();
+  ASSERT_TRUE(Commit("restart", 1, 1e-3, 0.5f).ok());
+  ReferenceTensor ref(kHyper, init["w"], false);
+  ref.Step({g0.data(), g1.data()}, 1e-3, 0.5f);
+  EXPECT_EQ(ReadFloats("restart", "w", v1::MASTER), ref.p);
+}
+
+TEST_F(RunningSumTest, AStreamCutOffAfterPartOfItWasSummedKeepsItAndItsRetryCountsOnce) {
+  auto init = Create(JobRequest("cut", 1, {{"w", 40000}}));
+  const auto g = RandomBf16(rng_, 40000, 1.0f);
+  {
+    auto session = StartPush("cut", 1, 0);
+    ASSERT_TRUE(session.ok());
+    ASSERT_TRUE((*session)->Add(Chunk("w", 0, g.data(), 30000)).ok());
+  }  // the connection dropped: no error was answered
+  ASSERT_TRUE(Push("cut", 1, 0, {{"w", g}}).ok());  // the retry sends it all again
+  ASSERT_TRUE(Commit("cut", 1, 1e-3).ok());
+  ReferenceTensor ref(kHyper, init["w"], false);
+  ref.Step({g.data()}, 1e-3, 1.0f);
+  EXPECT_EQ(ReadFloats("cut", "w", v1::MASTER), ref.p);
+}
+
+}  // namespace
+}  // namespace shardopt
