@@ -164,7 +164,7 @@ class CommitStream {
         job_.failed = absl::Status(st.code(), absl::StrCat("job '", job_.name(), "' failed while applying step ", t_,
                                                            ": ", st.message()));
         job_.applying = false;
-        job_.changed.SignalAll();
+        job_.Notify();
         return job_.failed;
       }
     }
@@ -178,7 +178,7 @@ class CommitStream {
       job_.applying = false;
       job_.EndRound();
     }
-    job_.changed.SignalAll();
+    job_.Notify();
     return absl::OkStatus();
   }
 

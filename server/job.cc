@@ -23,12 +23,12 @@ bool CommitArgs::operator==(const CommitArgs& o) const {
                     [](double a, double b) { return SameBits(a, b); });
 }
 
-Job::Job(const v1::CreateJobRequest& s, uint64_t window)
-    : spec(s), barrier_timeout(absl::Milliseconds(s.barrier_timeout_ms())), window_bytes(window) {}
+Job::Job(const v1::CreateJobRequest& s, uint64_t window, Wakeups* wakeups)
+    : spec(s), barrier_timeout(absl::Milliseconds(s.barrier_timeout_ms())), window_bytes(window), wakeups_(wakeups) {}
 
 absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spec, Backend* backend,
-                                                 uint64_t window_bytes) {
-  std::shared_ptr<Job> job(new Job(spec, window_bytes));
+                                                 uint64_t window_bytes, Wakeups* wakeups) {
+  std::shared_ptr<Job> job(new Job(spec, window_bytes, wakeups));
   for (const v1::Group& g : spec.groups()) {
     job->hypers.push_back({g.beta1(), g.beta2(), g.eps(), g.weight_decay(), g.lr_multiplier()});
   }
@@ -69,21 +69,22 @@ void Job::EndRound(std::string why) {
   const uint64_t epoch = round.epoch + 1;
   round = Round{};
   round.epoch = epoch;
-  changed.SignalAll();
+  Notify();
 }
 
 void Job::ExpireIfLate(std::chrono::steady_clock::time_point now) {
   if (round.active && !round.sealed && now >= round.deadline) EndRound("its barrier deadline passed");
 }
 
-void Job::WaitUntil(const std::function<bool()>& done, std::chrono::steady_clock::time_point deadline) {
-  // absl's timed waits take the wall clock; waiting at most a second at a
-  // time bounds what a step of it can do to a steady deadline.
-  while (!done()) {
-    const auto left = deadline - std::chrono::steady_clock::now();
-    if (left <= std::chrono::steady_clock::duration::zero()) return;
-    changed.WaitWithTimeout(&mu, std::min(absl::FromChrono(left), absl::Seconds(1)));
-  }
+void Job::Notify() {
+  changed.SignalAll();
+  for (auto& wake : watchers_) wakeups_->Post(std::move(wake));
+  watchers_.clear();
+}
+
+void Job::Watch(std::function<void()> wake, std::chrono::steady_clock::time_point deadline) {
+  if (deadline != std::chrono::steady_clock::time_point::max()) wakeups_->At(deadline, wake);
+  watchers_.push_back(std::move(wake));
 }
 
 void Job::AwaitWholeStep() {

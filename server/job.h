@@ -18,6 +18,7 @@
 #include "kernels/backend.h"
 #include "kernels/step_scalars.h"
 #include "server/interval_set.h"
+#include "server/wakeups.h"
 #include "server/running_sum.h"
 #include "shardopt/v1/optimizer.pb.h"
 
@@ -48,7 +49,7 @@ class Job {
   // `backend` and no initial values yet. A round's early chunks wait in at
   // most `window_bytes` (running_sum.h).
   static absl::StatusOr<std::shared_ptr<Job>> Create(const v1::CreateJobRequest& spec, Backend* backend,
-                                                     uint64_t window_bytes);
+                                                     uint64_t window_bytes, Wakeups* wakeups);
 
   // Fixed at creation, read without the lock.
   const v1::CreateJobRequest spec;
@@ -110,8 +111,14 @@ class Job {
   // round is told (empty for a committed one).
   void EndRound(std::string why = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void ExpireIfLate(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Waits until `done` holds or the steady clock reaches `deadline`.
-  void WaitUntil(const std::function<bool()>& done, std::chrono::steady_clock::time_point deadline)
+  // Wakes everything that waits on the job: the CondVar's waiters, and the
+  // watchers, each run once on the wakeup thread. Every change of the round,
+  // the step, `applying` or `dropped` calls it.
+  void Notify() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Runs `wake` (once, on the wakeup thread) at the next Notify, and also at
+  // `deadline` unless that is the time point's max. Registered under the same
+  // lock as the check that found nothing to do yet, so no change is missed.
+  void Watch(std::function<void()> wake, std::chrono::steady_clock::time_point deadline)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Waits until no step is half applied, so that what follows sees whole steps.
   void AwaitWholeStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
@@ -125,7 +132,9 @@ class Job {
   absl::Status CheckNotDropped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
  private:
-  Job(const v1::CreateJobRequest& spec, uint64_t window_bytes);
+  Job(const v1::CreateJobRequest& spec, uint64_t window_bytes, Wakeups* wakeups);
+  Wakeups* const wakeups_;
+  std::vector<std::function<void()>> watchers_ ABSL_GUARDED_BY(mu);
 };
 
 }  // namespace shardopt

@@ -57,7 +57,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   // at least one block of fp32, or a rank could never take a block's turn.
   const uint64_t window = std::max<uint64_t>(RunningSum::kBlock * 4,
                                              std::min(options_.window_bytes, uint64_t{spec.world_size()} << 22));
-  SHARDOPT_ASSIGN_OR_RETURN(auto created, Job::Create(spec, backend_, window));
+  SHARDOPT_ASSIGN_OR_RETURN(auto created, Job::Create(spec, backend_, window, &wakeups_));
   std::shared_ptr<Job> job = std::move(created);
 
   // Outside the store's lock: reading a checkpoint must not stall other jobs.
@@ -149,7 +149,7 @@ absl::Status JobStore::DropJob(const std::string& name) {
   }
   absl::MutexLock lock(&job->mu);
   job->dropped = true;
-  job->changed.SignalAll();
+  job->Notify();
   return absl::OkStatus();
 }
 

@@ -94,6 +94,9 @@ class JobStore {
 
   Backend* const backend_;
   JobStoreOptions options_;
+  // Resumes waiting pushes. Declared before the jobs, so that it is
+  // destroyed after them: a job posts to it until its last moment.
+  Wakeups wakeups_;
   std::atomic<bool> draining_{false};
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);

@@ -58,7 +58,7 @@ PushSession::~PushSession() {
     return;
   }
   if (round.sum->Withdraw(rank_)) {
-    job_->changed.SignalAll();
+    job_->Notify();
     return;
   }
   if (refused_) {
@@ -66,25 +66,77 @@ PushSession::~PushSession() {
   }
 }
 
+namespace {
+
+// A blocking caller's wait: the wake sets the flag. Shared, because a wake
+// registered for the round's deadline may run after the caller returned.
+struct Latch {
+  absl::Mutex mu;
+  bool woken ABSL_GUARDED_BY(mu) = false;
+  void Wait() {
+    absl::MutexLock lock(&mu);
+    mu.Await(absl::Condition(&woken));
+    woken = false;
+  }
+  static PushSession::Wake WakeOf(const std::shared_ptr<Latch>& latch) {
+    return [latch] {
+      absl::MutexLock lock(&latch->mu);
+      latch->woken = true;
+    };
+  }
+};
+
+}  // namespace
+
 absl::Status PushSession::Add(const v1::GradChunk& chunk) {
-  absl::Status added = Take(chunk);
-  refused_ = refused_ || !added.ok();
-  return added;
+  auto latch = std::make_shared<Latch>();
+  const Wake wake = Latch::WakeOf(latch);
+  absl::StatusOr<bool> done = Offer(chunk, wake);
+  while (done.ok() && !*done) {
+    latch->Wait();
+    done = Resume(wake);
+  }
+  return done.status();
 }
 
-absl::Status PushSession::Take(const v1::GradChunk& chunk) {
+absl::StatusOr<v1::PushResponse> PushSession::Finish() {
+  auto latch = std::make_shared<Latch>();
+  const Wake wake = Latch::WakeOf(latch);
+  for (;;) {
+    SHARDOPT_ASSIGN_OR_RETURN(auto answer, TrySeal(wake));
+    if (answer) return *std::move(answer);
+    latch->Wait();
+  }
+}
+
+absl::StatusOr<bool> PushSession::Offer(v1::GradChunk chunk, const Wake& wake) {
+  absl::StatusOr<bool> taken = Take(std::move(chunk), wake);
+  refused_ = refused_ || !taken.ok();
+  return taken;
+}
+
+absl::StatusOr<bool> PushSession::Resume(const Wake& wake) {
+  absl::StatusOr<bool> taken = [&]() -> absl::StatusOr<bool> {
+    absl::MutexLock lock(&job_->mu);
+    return Fold(wake);
+  }();
+  refused_ = refused_ || !taken.ok();
+  return taken;
+}
+
+absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, const Wake& wake) {
   if ((!chunk.job().empty() && chunk.job() != job_->name()) || (chunk.step() != 0 && chunk.step() != step_) ||
       (chunk.rank() != 0 && chunk.rank() != rank_)) {
     return absl::InvalidArgumentError("job, step and rank must not change within one push stream");
   }
-  for (const std::string& t : chunk.no_grad()) no_grad_.push_back(t);
+  for (std::string& t : *chunk.mutable_no_grad()) no_grad_.push_back(std::move(t));
   const bool has_data = !chunk.tensor().empty() || !chunk.data().empty();
   absl::MutexLock lock(&job_->mu);
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   const auto now = std::chrono::steady_clock::now();
   job_->ExpireIfLate(now);
   if (started_ && job_->step < step_ && (job_->round.epoch != epoch_ || !job_->round.active)) return Discarded();
-  if (!has_data) return absl::OkStatus();
+  if (!has_data) return true;
   SHARDOPT_ASSIGN_OR_RETURN(auto dtype, FromProto(chunk.dtype()));
   SHARDOPT_RETURN_IF_ERROR(CheckDataLength(chunk.data(), dtype, "gradient chunk"));
   const uint64_t count = chunk.data().size() / DTypeSize(dtype);
@@ -94,40 +146,61 @@ absl::Status PushSession::Take(const v1::GradChunk& chunk) {
                                                    v1::DType_Name(want), " gradients; this chunk is ",
                                                    v1::DType_Name(chunk.dtype())));
   }
-  if (job_->step >= step_) return absl::OkStatus();  // a retry of a committed step: already counted
+  if (job_->step >= step_) return true;  // a retry of a committed step: already counted
   if (!started_) Start(now);
-  if (job_->round.sealed) return absl::OkStatus();  // a retry after the barrier: already counted
-  // Fold what can be folded; when the window is full, wait for it to drain
-  // (this stream is not read meanwhile, so gRPC holds its sender back).
-  const uint64_t local = chunk.offset() - job_->shards[shard].offset;
-  const uint64_t esize = DTypeSize(dtype);
-  for (uint64_t taken = 0;;) {
-    RunningSum& sum = *job_->round.sum;
-    const uint64_t before = sum.progress();
-    SHARDOPT_ASSIGN_OR_RETURN(auto offered, sum.Offer(*job_->state, rank_, shard, local + taken, dtype,
-                                                      chunk.data().data() + taken * esize, count - taken));
-    taken += offered.taken;
-    if (sum.progress() != before) job_->changed.SignalAll();
-    if (!offered.window_full) return absl::OkStatus();
-    const uint64_t seen = sum.progress();
-    job_->WaitUntil([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu) {
-      return job_->dropped || job_->round.epoch != epoch_ || job_->round.sum->progress() != seen;
-    }, job_->round.deadline);
-    SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
-    job_->ExpireIfLate(std::chrono::steady_clock::now());
-    if (job_->round.epoch != epoch_) return Discarded();
+  if (job_->round.sealed) return true;  // a retry after the barrier: already counted
+  pending_ = std::move(chunk);
+  pending_taken_ = 0;
+  pending_dtype_ = dtype;
+  pending_shard_ = shard;
+  return Fold(wake);
+}
+
+absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
+  if (!pending_) return true;
+  SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
+  job_->ExpireIfLate(std::chrono::steady_clock::now());
+  if (job_->round.epoch != epoch_) return Discarded();
+  const std::string& data = pending_->data();
+  const uint64_t esize = DTypeSize(pending_dtype_);
+  const uint64_t count = data.size() / esize;
+  const uint64_t local = pending_->offset() - job_->shards[pending_shard_].offset;
+  RunningSum& sum = *job_->round.sum;
+  const uint64_t before = sum.progress();
+  SHARDOPT_ASSIGN_OR_RETURN(auto offered, sum.Offer(*job_->state, rank_, pending_shard_, local + pending_taken_,
+                                                    pending_dtype_, data.data() + pending_taken_ * esize,
+                                                    count - pending_taken_));
+  pending_taken_ += offered.taken;
+  if (sum.progress() != before) job_->Notify();
+  if (!offered.window_full) {
+    pending_.reset();
+    return true;
   }
+  // The window is full: this stream is not read until it drains, so gRPC's
+  // flow control holds the sender back.
+  WatchRound(wake);
+  return false;
+}
+
+void PushSession::WatchRound(const Wake& wake) {
+  job_->Watch(wake, watched_deadline_ == job_->round.deadline ? std::chrono::steady_clock::time_point::max()
+                                                               : job_->round.deadline);
+  watched_deadline_ = job_->round.deadline;
 }
 
 absl::Status PushSession::Discarded() const {
   return absl::DeadlineExceededError(absl::StrCat("the round of step ", step_, " ended before rank ", rank_,
                                                   "'s push did (", job_->round_end,
-                                                  "); its gradients were discarded: push step ", step_, " again"));
+                                                  "); nothing was applied and its gradients were discarded: push step ",
+                                                  step_, " again"));
 }
 
-absl::StatusOr<v1::PushResponse> PushSession::Finish() {
-  absl::StatusOr<v1::PushResponse> answer = Seal();
-  answered_ = answer.ok();
+absl::StatusOr<std::optional<v1::PushResponse>> PushSession::TrySeal(const Wake& wake) {
+  absl::StatusOr<std::optional<v1::PushResponse>> answer = [&] {
+    absl::MutexLock lock(&job_->mu);
+    return sealing_ ? AwaitSeal(wake) : Seal(wake);
+  }();
+  if (answer.ok() && *answer) answered_ = true;
   refused_ = refused_ || !answer.ok();
   return answer;
 }
@@ -140,9 +213,9 @@ v1::PushResponse PushSession::Answer() const {
   return r;
 }
 
-absl::StatusOr<v1::PushResponse> PushSession::Seal() {
-  absl::MutexLock lock(&job_->mu);
+absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wake) {
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
+  if (pending_) return absl::FailedPreconditionError("the push ended while a chunk was still being taken");
   if (job_->step >= step_) {  // a retry of a committed step: its answer, if still kept
     if (job_->sealed_step == step_) return Answer();
     return absl::FailedPreconditionError(absl::StrCat("step ", step_, " is stale: job '", job_->name(), "' is at step ", job_->step));
@@ -184,7 +257,7 @@ absl::StatusOr<v1::PushResponse> PushSession::Seal() {
   if (!sum.finished(rank_)) {
     SHARDOPT_RETURN_IF_ERROR(sum.Finish(*job_->state, rank_, std::move(no_grad)));
     ++job_->round.finished_count;
-    job_->changed.SignalAll();
+    job_->Notify();
   }
 
   if (job_->round.finished_count == job_->world_size()) {
@@ -200,24 +273,27 @@ absl::StatusOr<v1::PushResponse> PushSession::Seal() {
     job_->round.sealed = true;
     job_->sealed_step = step_;
     job_->sealed_stats = stats;
-    job_->changed.SignalAll();
+    job_->Notify();
     return Answer();
   }
+  sealing_ = true;
+  return AwaitSeal(wake);
+}
 
-  const auto deadline = job_->round.deadline;
-  job_->WaitUntil([&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu) {
-    return job_->dropped || job_->round.epoch != epoch_ || job_->round.sealed;
-  }, deadline);
+absl::StatusOr<std::optional<v1::PushResponse>> PushSession::AwaitSeal(const Wake& wake) {
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   if (job_->sealed_step == step_ && (job_->round.sealed || job_->step >= step_)) return Answer();
-  if (job_->round.epoch == epoch_) {  // our own deadline: end the round for everyone
-    const std::string missing = job_->MissingSummary();
-    job_->EndRound("its barrier deadline passed");
-    return absl::DeadlineExceededError(absl::StrCat("barrier of step ", step_, " timed out after ",
-                                                    absl::FormatDuration(job_->barrier_timeout), ": ", missing,
-                                                    "; nothing was applied: push step ", step_, " again"));
+  if (job_->round.epoch != epoch_) return Discarded();
+  if (std::chrono::steady_clock::now() < job_->round.deadline) {
+    WatchRound(wake);
+    return std::nullopt;
   }
-  return Discarded();
+  // Our own deadline: end the round for everyone.
+  const std::string missing = job_->MissingSummary();
+  job_->EndRound("its barrier deadline passed");
+  return absl::DeadlineExceededError(absl::StrCat("barrier of step ", step_, " timed out after ",
+                                                  absl::FormatDuration(job_->barrier_timeout), ": ", missing,
+                                                  "; nothing was applied: push step ", step_, " again"));
 }
 
 }  // namespace shardopt

@@ -1,14 +1,23 @@
 // One rank's push of one step to this server, and the barrier it ends at:
-// Begin, any number of Add, then Finish, which waits for the other ranks.
-// The chunks are folded into the round's running sum in rank order
+// Begin, any number of chunks, then the seal, which waits for the other
+// ranks. The chunks are folded into the round's running sum in rank order
 // (running_sum.h), so the sum's bits do not depend on the order of arrival;
-// a chunk that arrives twice counts once. Add may wait while the window of
-// early chunks is full.
+// a chunk that arrives twice counts once.
+//
+// Two ways to wait. Offer/Resume and TrySeal never block: when the window of
+// early chunks is full, or the barrier is not yet reached, they answer
+// "waiting" and call `wake` (on the job's wakeup thread) once something may
+// have changed or the round's deadline is reached; the caller then calls
+// Resume or TrySeal again. The gRPC service waits this way, so a waiting
+// stream holds no thread. Add and Finish block the calling thread, for
+// callers that have one to spare (tests, in-process tools).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +37,17 @@ class PushSession {
   PushSession(const PushSession&) = delete;
   PushSession& operator=(const PushSession&) = delete;
 
+  using Wake = std::function<void()>;
+  // Takes a chunk: true once it is all dealt with; false while part of it
+  // waits for room in the window (then call Resume after `wake`). An error
+  // refuses the chunk; the stream must then end.
+  absl::StatusOr<bool> Offer(v1::GradChunk chunk, const Wake& wake);
+  absl::StatusOr<bool> Resume(const Wake& wake);
+  // Ends the rank's push and answers once the round is sealed; nullopt while
+  // it waits at the barrier (then call TrySeal again after `wake`).
+  absl::StatusOr<std::optional<v1::PushResponse>> TrySeal(const Wake& wake);
+
+  // The blocking forms of Offer and TrySeal.
   absl::Status Add(const v1::GradChunk& chunk);
   absl::StatusOr<v1::PushResponse> Finish();
 
@@ -35,8 +55,15 @@ class PushSession {
   PushSession(std::shared_ptr<Job> job, uint64_t step, uint32_t rank);
   // Joins the round of step_, starting it if needed.
   void Start(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
-  absl::StatusOr<v1::PushResponse> Seal();
-  absl::Status Take(const v1::GradChunk& chunk);
+  // Under the job's lock: the first part of the seal (the rank's
+  // declaration, its finish in the sum), then whether the round is sealed.
+  absl::StatusOr<std::optional<v1::PushResponse>> Seal(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
+  absl::StatusOr<std::optional<v1::PushResponse>> AwaitSeal(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
+  absl::StatusOr<bool> Take(v1::GradChunk chunk, const Wake& wake);
+  // Folds what it can of the pending chunk; false when the rest must wait.
+  absl::StatusOr<bool> Fold(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
+  // Watches the job for `wake`, with the round's deadline.
+  void WatchRound(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // The answer to a push whose round ended without it.
   absl::Status Discarded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // The answer to the push of a sealed step: the job's kept sums.
@@ -49,8 +76,17 @@ class PushSession {
   uint64_t session_ = 0;  // this stream's number among the rank's in the round
   bool started_ = false;
   bool answered_ = false;
-  bool refused_ = false;  // Add or Finish answered an error
+  bool refused_ = false;  // Offer or TrySeal answered an error
+  bool sealing_ = false;  // the rank finished in the sum: only the barrier is left
   std::vector<std::string> no_grad_;
+  // The chunk being folded while the window is full, and how much is done.
+  std::optional<v1::GradChunk> pending_;
+  uint64_t pending_taken_ = 0;
+  DType pending_dtype_ = DType::kBf16;
+  uint32_t pending_shard_ = 0;
+  // The deadline a wake is already set for: one timer per round, however
+  // often the session waits in it.
+  std::chrono::steady_clock::time_point watched_deadline_;
 };
 
 }  // namespace shardopt

@@ -5,6 +5,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "rpc/grpc_edge.h"
+#include "server/push_reactor.h"
 
 namespace shardopt {
 
@@ -31,18 +32,9 @@ grpc::Status OptimizerService::Init(grpc::ServerContext*, grpc::ServerReader<v1:
   return grpc::Status::OK;
 }
 
-grpc::Status OptimizerService::Push(grpc::ServerContext*, grpc::ServerReader<v1::GradChunk>* reader,
-                                    v1::PushResponse* resp) {
-  v1::GradChunk chunk;
-  if (!reader->Read(&chunk)) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty push stream");
-  auto session = store_->BeginPush(chunk);
-  if (!session.ok()) return ToGrpcStatus(session.status());
-  do {
-    if (auto st = (*session)->Add(chunk); !st.ok()) return ToGrpcStatus(st);
-  } while (reader->Read(&chunk));
-  auto r = (*session)->Finish();
-  if (r.ok()) *resp = *std::move(r);
-  return ToGrpcStatus(r.status());
+grpc::ServerReadReactor<v1::GradChunk>* OptimizerService::Push(grpc::CallbackServerContext* context,
+                                                              v1::PushResponse* response) {
+  return StartPushReactor(store_, context, response);
 }
 
 grpc::Status OptimizerService::Commit(grpc::ServerContext*, const v1::CommitRequest* req,

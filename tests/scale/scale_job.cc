@@ -24,12 +24,12 @@ uint64_t Key(uint64_t seed, uint64_t step, uint64_t rank, uint64_t tensor) {
 
 }  // namespace
 
-JobOptions MakeJob(const std::string& name, uint32_t world_size, uint32_t barrier_timeout_ms) {
+JobOptions MakeJob(const std::string& name, uint32_t world_size, uint32_t barrier_timeout_ms, uint32_t size) {
   JobOptions job;
   job.name = name;
   job.world_size = world_size;
   job.groups = {{"all", kHyper.beta1, kHyper.beta2, kHyper.eps, kHyper.weight_decay, kHyper.lr_multiplier}};
-  job.tensors = {{"w", 40000, 0}, {"b", 5000, 0}, {"gain", 64, 0}};
+  job.tensors = {{"w", 40000ull * size, 0}, {"b", 5000ull * size, 0}, {"gain", 64ull * size, 0}};
   job.barrier_timeout_ms = barrier_timeout_ms;
   return job;
 }

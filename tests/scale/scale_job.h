@@ -18,8 +18,9 @@ inline const AdamWHyper kHyper{0.9, 0.999, 1e-8f, 0.01, 1.0};
 inline constexpr double kLr = 1e-3;
 
 // 13 blocks of 4096 in the flat space: every server of up to 13 holds a part,
-// and tensors straddle server boundaries.
-JobOptions MakeJob(const std::string& name, uint32_t world_size, uint32_t barrier_timeout_ms);
+// and tensors straddle server boundaries. `size` multiplies the tensors'
+// lengths, for tests where the gradient's bytes must dominate the server's.
+JobOptions MakeJob(const std::string& name, uint32_t world_size, uint32_t barrier_timeout_ms, uint32_t size = 1);
 
 std::vector<uint16_t> Gradient(uint64_t seed, uint64_t step, uint32_t rank, uint32_t tensor, uint64_t numel);
 std::vector<float> InitialValues(uint64_t seed, uint32_t tensor, uint64_t numel);

@@ -25,8 +25,11 @@ using testing::SpawnProcess;
 using testing::WaitProcess;
 using namespace std::chrono_literals;
 
-constexpr uint64_t kWindowBytes = 256 << 10;  // 4 ranks' chunks of this job
+constexpr uint64_t kWindowBytes = 256 << 10;
 constexpr uint64_t kSteps = 3;
+// 2.25M params, 4.5 MB of bf16 gradient per rank, in 1 MiB chunks: the
+// 256 KiB window is full at every W > 1, and the ranks' chunks wait on it.
+constexpr uint32_t kSize = 50;
 
 std::string ReadText(const std::string& path) {
   std::ifstream f(path);
@@ -63,7 +66,8 @@ Measured TrainWith(uint32_t world) {
   for (uint32_t r = 0; r < world; ++r) {
     workers.push_back(SpawnProcess({SHARDOPT_WORKER_BINARY, "--servers=" + server->address(),
                                     absl::StrCat("--rank=", r), absl::StrCat("--world_size=", world),
-                                    absl::StrCat("--steps=", kSteps), "--barrier_timeout_ms=30000", "--step_attempts=8",
+                                    absl::StrCat("--steps=", kSteps), absl::StrCat("--size=", kSize),
+                                    "--barrier_timeout_ms=30000", "--step_attempts=8",
                                     "--out=" + out}));
   }
   const auto give_up = std::chrono::steady_clock::now() + 240s;
@@ -74,7 +78,7 @@ Measured TrainWith(uint32_t world) {
     EXPECT_TRUE(status && WIFEXITED(*status) && WEXITSTATUS(*status) == 0)
         << "a worker of " << world << " failed: " << ReadText(OutputPath(out, static_cast<uint32_t>(&pid - workers.data())) + ".log");
   }
-  const JobOptions job = MakeJob("scale", world, 30000);
+  const JobOptions job = MakeJob("scale", world, 30000, kSize);
   uint64_t masters = 0;
   for (const TensorOptions& t : job.tensors) masters += t.numel;
   const std::vector<float> expected = ReferenceMasters(job, 1, std::vector<float>(kSteps, 1.0f / world));
@@ -101,7 +105,7 @@ Measured TrainWith(uint32_t world) {
 
 TEST(Staging, FlatInTheNumberOfRanksAndBitwiseAtEveryWorldSize) {
   uint64_t params = 0;
-  for (const TensorOptions& t : MakeJob("scale", 1, 1000).tensors) params += t.numel;
+  for (const TensorOptions& t : MakeJob("scale", 1, 1000, kSize).tensors) params += t.numel;
   std::vector<std::pair<uint32_t, Measured>> runs;
   for (uint32_t world : {1u, 8u, 32u, 64u}) runs.emplace_back(world, TrainWith(world));
   std::printf("ranks  staging_bytes  server_peak_rss_bytes  per-rank-slots_bytes (before)\n");
@@ -116,6 +120,10 @@ TEST(Staging, FlatInTheNumberOfRanksAndBitwiseAtEveryWorldSize) {
   EXPECT_LE(flat, params * 6 + 6 * 13 * 64 + kWindowBytes);
   EXPECT_EQ(runs[2].second.staging_bytes, flat);
   EXPECT_EQ(runs[3].second.staging_bytes, flat);
+  // The server's peak RSS is printed, not asserted: on 2 cores it swings by
+  // 2x from run to run with how many ranks' Init and Commit messages are in
+  // flight at once (docs/design.md, staging), which the running sum does not
+  // hold.
 }
 
 }  // namespace

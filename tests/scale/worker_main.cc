@@ -29,6 +29,7 @@ ABSL_FLAG(uint64_t, stall_at_step, 0, "if set, hang in this step (for the kill t
 ABSL_FLAG(int, stall_after_pushing_server, -1,
           "with --stall_at_step: first push that step to this server only, so the worker dies half-pushed");
 ABSL_FLAG(int, step_attempts, 20, "attempts per step while the barrier times out");
+ABSL_FLAG(uint32_t, size, 1, "scale::MakeJob's multiplier of the tensors' lengths");
 ABSL_FLAG(std::string, out, "", "output path prefix");
 
 namespace shardopt::scale {
@@ -59,7 +60,7 @@ int Run() {
   auto client = Client::Connect(options);
   if (!client.ok()) return Fail(log, client.status(), "connect");
   const JobOptions job = MakeJob(absl::GetFlag(FLAGS_job), absl::GetFlag(FLAGS_world_size),
-                                 absl::GetFlag(FLAGS_barrier_timeout_ms));
+                                 absl::GetFlag(FLAGS_barrier_timeout_ms), absl::GetFlag(FLAGS_size));
   // A server that many workers reach at once may be slow to take the
   // connection: attaching changes nothing, so it is retried here.
   auto start = (*client)->CreateOrAttach(job);
