@@ -4,11 +4,14 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
+#include <filesystem>
 #include <cstring>
 #include <random>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -281,6 +284,67 @@ TEST_F(ServiceTest, PushAfterTheBarrierDeadlineIsRefusedAndChangesNothing) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("ranks {1} of 2"));
   EXPECT_EQ(ReadAll(*client, job), before);
+}
+
+// The threads of a process, from /proc.
+size_t ThreadCount(pid_t pid) {
+  size_t n = 0;
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator(absl::StrCat("/proc/", pid, "/task"), ec);
+       it != std::filesystem::directory_iterator(); it.increment(ec)) {
+    ++n;
+  }
+  return n;
+}
+
+// Pushes waiting at the barrier are served on the callback API and hold no
+// server thread: 200 of them leave the thread count where it was, another
+// job steps meanwhile, and the last rank's push releases them all.
+TEST_F(ServiceTest, PushesWaitingAtTheBarrierHoldNoServerThread) {
+  constexpr uint32_t kWaiting = 200;
+  JobOptions job = MakeJob("wide", kWaiting + 1, {{"w", 64}});
+  job.barrier_timeout_ms = 60000;
+  auto first = Connect(server_->address());
+  ASSERT_TRUE(first->CreateOrAttach(job).ok());
+  auto init = RandomFloats(rng_, 64, -1, 1);
+  ASSERT_TRUE(first->InitFp32("w", init.data()).ok());
+  const size_t idle = ThreadCount(server_->pid());
+  std::vector<std::vector<uint16_t>> grads;
+  for (uint32_t r = 0; r <= kWaiting; ++r) grads.push_back(RandomBf16(rng_, 64, 1.0f));
+  std::vector<std::thread> ranks;
+  std::atomic<int> answered{0};
+  for (uint32_t r = 0; r < kWaiting; ++r) {
+    ranks.emplace_back([&, r] {
+      auto client = Connect(server_->address(), r);
+      if (client->CreateOrAttach(job).ok() && client->Push(1, {{"w", grads[r].data()}}).ok()) ++answered;
+    });
+  }
+  // Every waiting rank has pushed once the round lacks only the last.
+  const JobOptions other = MakeJob("other", 1, {{"w", 100}});
+  auto side = Connect(server_->address());
+  ASSERT_TRUE(side->CreateOrAttach(other).ok());
+  auto side_init = RandomFloats(rng_, 100, -1, 1);
+  ASSERT_TRUE(side->InitFp32("w", side_init.data()).ok());
+  size_t most = 0;
+  for (int i = 0; i < 300 && answered == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    most = std::max(most, ThreadCount(server_->pid()));
+    if (i % 10 == 0) {  // the other job keeps stepping
+      auto g = RandomBf16(rng_, 100, 1.0f);
+      std::vector<uint16_t> p(100);
+      StepOptions so;
+      so.lr = 1e-3;
+      ASSERT_TRUE(side->Step({{"w", g.data()}}, so, {{"w", p.data()}}).ok());
+    }
+  }
+  EXPECT_EQ(answered, 0) << "a push was answered before the last rank came";
+  std::printf("server threads: %zu idle, at most %zu with %u pushes waiting\n", idle, most, kWaiting);
+  EXPECT_LT(most, idle + 16) << "waiting pushes hold server threads";
+  auto last = Connect(server_->address(), kWaiting);
+  ASSERT_TRUE(last->CreateOrAttach(job).ok());
+  EXPECT_TRUE(last->Push(1, {{"w", grads[kWaiting].data()}}).ok());
+  for (auto& t : ranks) t.join();
+  EXPECT_EQ(answered, static_cast<int>(kWaiting));
 }
 
 TEST_F(ServiceTest, TwoJobsAreIsolated) {
