@@ -489,6 +489,23 @@ absl::StatusOr<WriteResult> WritePart(const std::string& root, const Part& part)
   return result;
 }
 
+std::vector<std::string> Prune(const std::string& root, const std::string& job, uint64_t keep) {
+  std::vector<std::string> removed;
+  uint64_t complete = 0;
+  std::error_code ec;
+  for (uint64_t step : StepsNewestFirst(absl::StrCat(root, "/", JobDirectoryName(job)))) {
+    const std::string dir = StepDirectory(root, job, step);
+    if (complete >= keep) {
+      // Another server of the job may prune the same directory at once.
+      fs::remove_all(dir, ec);
+      removed.push_back(dir);
+    } else if (fs::exists(absl::StrCat(dir, "/", kCommitName), ec)) {
+      ++complete;
+    }
+  }
+  return removed;
+}
+
 absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log) {
   SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
   const v1::PartManifest& any = committed.parts.front().manifest;

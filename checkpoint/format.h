@@ -78,6 +78,12 @@ struct WriteResult {
 // job's configuration, naming the files.
 absl::StatusOr<WriteResult> WritePart(const std::string& root, const Part& part);
 
+// Keeps the `keep` newest complete checkpoints of the job (keep >= 1) and
+// removes every older step directory, complete or torn. Steps newer than the
+// newest complete one may be in progress and are never touched, so the
+// newest complete checkpoint always stays. Returns the directories removed.
+std::vector<std::string> Prune(const std::string& root, const std::string& job, uint64_t keep);
+
 // Why each newer checkpoint was passed over, for the server's log.
 using Log = std::function<void(const std::string&)>;
 

@@ -106,6 +106,11 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
   }
   if (!part.ok()) return part.status();
   SHARDOPT_ASSIGN_OR_RETURN(auto written, checkpoint::WritePart(options_.checkpoint_dir, *part));
+  if (written.complete && options_.checkpoint_keep > 0) {
+    for (const std::string& dir : checkpoint::Prune(options_.checkpoint_dir, job.name(), options_.checkpoint_keep)) {
+      options_.checkpoint_log(absl::StrCat("pruned checkpoint ", dir, " (--checkpoint_keep=", options_.checkpoint_keep, ")"));
+    }
+  }
   v1::CheckpointResponse response;
   response.set_step(request.step());
   response.set_directory(written.directory);

@@ -38,6 +38,9 @@ struct JobStoreOptions {
   uint64_t window_bytes = uint64_t{64} << 20;
   // Where checkpoints go and come from (checkpoint/format.h); empty: none.
   std::string checkpoint_dir;
+  // After a checkpoint completes, keep this many complete checkpoints of the
+  // job and remove older steps (checkpoint::Prune); 0 keeps all.
+  uint64_t checkpoint_keep = 0;
   // Told what restore found: which checkpoint it loaded, and why it passed
   // over newer, torn ones.
   std::function<void(const std::string&)> checkpoint_log = [](const std::string& line) {

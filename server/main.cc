@@ -31,6 +31,9 @@ ABSL_FLAG(uint64_t, staging_window_bytes, uint64_t{64} << 20,
           "per job, the most bytes of gradient chunks held while they wait for earlier ranks (at most 4 MiB per rank)");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "checkpoints go here and jobs are restored from here; share it between a job's servers");
+ABSL_FLAG(uint64_t, checkpoint_keep, 0,
+          "after a checkpoint completes, keep this many complete checkpoints per job and remove older steps; "
+          "0 keeps all. The newest complete one is never removed");
 
 namespace {
 sem_t g_stop;
@@ -63,6 +66,7 @@ int main(int argc, char** argv) {
   shardopt::JobStoreOptions store_options;
   store_options.default_barrier_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_barrier_timeout_ms));
   store_options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
+  store_options.checkpoint_keep = absl::GetFlag(FLAGS_checkpoint_keep);
   store_options.window_bytes = absl::GetFlag(FLAGS_staging_window_bytes);
   shardopt::JobStore store(backend->get(), store_options);
   shardopt::ServerOptions options;

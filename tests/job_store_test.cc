@@ -7,10 +7,12 @@
 #include <cstring>
 #include <filesystem>
 #include <mutex>
+#include <fstream>
 #include <random>
 #include <thread>
 
 #include "gmock/gmock.h"
+#include "checkpoint/format.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "server/job_store.h"
@@ -551,6 +553,70 @@ TEST_F(DrainTest, DrainCheckpointsAppliedStepsSkipsUninitializedJobsAndRefusesNe
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("shutting down"));
   EXPECT_EQ(Commit("a", 1, 1e-3).value(), *applied);  // a retry of what was applied still answers
+}
+
+// --checkpoint_keep: the newest complete checkpoints stay, older steps go,
+// torn or not, and a newer step still being written is never touched.
+class CheckpointKeepTest : public StoreTest {
+ protected:
+  CheckpointKeepTest() : StoreTest(Options()) {}
+  ~CheckpointKeepTest() override { std::filesystem::remove_all(dir_); }
+  static JobStoreOptions Options() {
+    char tmpl[] = "/tmp/shardopt-keep-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    log_.clear();
+    JobStoreOptions o;
+    o.checkpoint_dir = dir_;
+    o.checkpoint_keep = 2;
+    o.checkpoint_log = [](const std::string& line) { log_.push_back(line); };
+    return o;
+  }
+  static JobStoreOptions Options0(const std::string& dir) {
+    JobStoreOptions o;
+    o.checkpoint_dir = dir;
+    o.checkpoint_log = [](const std::string&) {};
+    return o;
+  }
+  static inline std::string dir_;
+  static inline std::vector<std::string> log_;
+};
+
+TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
+  const std::string& dir = dir_;
+  Create(JobRequest("k", 1, {{"w", 100}}));
+  // A torn step older than all (a server died writing it), and one newer
+  // than all, as if another server were writing it now.
+  const std::string torn_old = checkpoint::StepDirectory(dir, "k", 0);
+  const std::string in_progress = checkpoint::StepDirectory(dir, "k", 99);
+  for (const std::string& d : {torn_old, in_progress}) {
+    std::filesystem::create_directories(d);
+    std::ofstream(d + "/part-0-0.bin") << "partial";
+  }
+  std::mt19937_64 rng(11);
+  for (uint64_t step = 1; step <= 4; ++step) {
+    ASSERT_TRUE(Push("k", step, 0, {{"w", RandomBf16(rng, 100, 0.3f)}}).ok());
+    ASSERT_TRUE(Commit("k", step, 1e-3).ok());
+    v1::CheckpointRequest request;
+    request.set_job("k");
+    request.set_step(step);
+    auto written = store_.Checkpoint(request);
+    ASSERT_TRUE(written.ok()) << written.status();
+    EXPECT_TRUE(written->complete());
+  }
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(in_progress).parent_path())) {
+    left.push_back(e.path().string());
+  }
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{checkpoint::StepDirectory(dir, "k", 3), checkpoint::StepDirectory(dir, "k", 4),
+                                            in_progress}));
+  EXPECT_THAT(log_, ::testing::Contains(HasSubstr("pruned checkpoint " + torn_old)));
+  // What is left restores: the newest complete one, step 4.
+  auto backend = MakeCpuBackend({});
+  JobStore fresh(backend.get(), Options0(dir));
+  auto restored = fresh.CreateJob(JobRequest("k", 1, {{"w", 100}}));
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(restored->step(), 4u);
 }
 
 }  // namespace
