@@ -325,11 +325,30 @@ std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir) {
   return steps;
 }
 
-absl::StatusOr<std::string> ReadPartData(const PartHead& p) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto data, ReadRange(p.path, p.data_offset, p.file_bytes - 4 - p.data_offset));
-  if (Crc32c(data.data(), data.size()) != p.data_crc) {
+// Streams a part's data to `sink`, checking its crc32c as it goes; the
+// mismatch, if any, is known after the last piece.
+absl::Status StreamPartData(const PartHead& p, const DataSink& sink) {
+  uint32_t crc = 0;
+  uint64_t at = 0;
+  SHARDOPT_RETURN_IF_ERROR(ReadSequential(p.path, p.data_offset, p.file_bytes - 4 - p.data_offset,
+                                          [&](const char* bytes, size_t n) {
+                                            crc = Crc32c(bytes, n, crc);
+                                            const uint64_t offset = at;
+                                            at += n;
+                                            return sink(offset, bytes, n);
+                                          }));
+  if (crc != p.data_crc) {
     return absl::DataLossError(absl::StrCat(p.path, ": data checksum mismatch (crc32c); not loading it"));
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadPartData(const PartHead& p) {
+  std::string data(p.file_bytes - 4 - p.data_offset, '\0');
+  SHARDOPT_RETURN_IF_ERROR(StreamPartData(p, [&](uint64_t offset, const char* bytes, size_t n) {
+    std::memcpy(data.data() + offset, bytes, n);
+    return absl::OkStatus();
+  }));
   return data;
 }
 
@@ -437,56 +456,96 @@ std::string StepDirectory(const std::string& root, const std::string& job, uint6
   return absl::StrFormat("%s/%s/step-%020u", root, JobDirectoryName(job), step);
 }
 
-absl::StatusOr<WriteResult> WritePart(const std::string& root, const Part& part) {
-  const v1::CreateJobRequest& spec = part.manifest.spec();
-  if (spec.shards_size() == 0 || part.data.size() != DataBytes(part.manifest)) {
-    return absl::InternalError("a checkpoint part needs shards and data that match them");
+absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& root, v1::PartManifest manifest) {
+  const v1::CreateJobRequest& spec = manifest.spec();
+  if (spec.shards_size() == 0 || manifest.shards_size() != spec.shards_size()) {
+    return absl::InternalError("a checkpoint part needs shards and a section for each");
   }
-  WriteResult result;
-  result.directory = StepDirectory(root, spec.job(), part.manifest.step());
+  std::unique_ptr<PartWriter> w(new PartWriter());
+  w->root_ = root;
+  w->result_.directory = StepDirectory(root, spec.job(), manifest.step());
   std::error_code ec;
-  fs::create_directories(result.directory, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot create ", result.directory, ": ", ec.message()));
+  fs::create_directories(w->result_.directory, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", w->result_.directory, ": ", ec.message()));
   // A step's state is unique (the step protocol applies each step once), so
   // a complete checkpoint of it needs nothing more, from any placement.
-  if (fs::exists(absl::StrCat(result.directory, "/", kCommitName), ec)) {
-    result.complete = true;
-    return result;
+  if (fs::exists(absl::StrCat(w->result_.directory, "/", kCommitName), ec)) {
+    w->result_.complete = true;
+    w->manifest_ = std::move(manifest);
+    return w;
   }
   const v1::ShardRange& first = spec.shards(0);
-  const std::string name = absl::StrCat("part-", TensorIndex(spec, first.tensor()), "-", first.offset(), ".bin");
-  RemoveOverlappingParts(result.directory, name, spec);
-  const std::string frame = Frame(part.manifest);
+  w->name_ = absl::StrCat("part-", TensorIndex(spec, first.tensor()), "-", first.offset(), ".bin");
+  RemoveOverlappingParts(w->result_.directory, w->name_, spec);
+  static std::atomic<uint64_t> counter{0};
+  w->tmp_ = absl::StrCat(w->result_.directory, "/", w->name_, ".tmp.", getpid(), ".", counter++);
+  SHARDOPT_ASSIGN_OR_RETURN(w->file_, SequentialWriter::Create(w->tmp_));
+  const std::string frame = Frame(manifest);
+  w->file_->Append(frame.data(), frame.size());
+  w->frame_bytes_ = frame.size();
+  w->manifest_ = std::move(manifest);
+  return w;
+}
+
+PartWriter::~PartWriter() {
+  if (file_) {
+    file_.reset();
+    unlink(tmp_.c_str());
+  }
+}
+
+void PartWriter::Append(const void* data, size_t n) {
+  if (!file_) return;  // the step is complete already
+  crc_ = Crc32c(data, n, crc_);
+  data_bytes_ += n;
+  file_->Append(data, n);
+}
+
+absl::StatusOr<WriteResult> PartWriter::Finish() {
+  if (!file_) return result_;
+  if (data_bytes_ != DataBytes(manifest_)) {
+    return absl::InternalError(absl::StrCat("a checkpoint part of ", DataBytes(manifest_), " data bytes got ", data_bytes_));
+  }
   std::string trailer;
-  PutU32(&trailer, Crc32c(part.data.data(), part.data.size()));
-  SHARDOPT_RETURN_IF_ERROR(WriteFileAtomic(result.directory, name, {frame, part.data, trailer}));
+  PutU32(&trailer, crc_);
+  file_->Append(trailer.data(), trailer.size());
+  SHARDOPT_RETURN_IF_ERROR(file_->Close());
+  file_.reset();
+  const std::string path = absl::StrCat(result_.directory, "/", name_);
+  if (rename(tmp_.c_str(), path.c_str()) != 0) {
+    const absl::Status st = absl::InternalError(ErrnoText("cannot rename into", path));
+    unlink(tmp_.c_str());
+    return st;
+  }
   // The new entries under root must survive a crash too, up to the job's directory.
-  for (const std::string& dir : {fs::path(result.directory).parent_path().string(), root}) {
+  for (const std::string& dir : {result_.directory, fs::path(result_.directory).parent_path().string(), root_}) {
     SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(dir));
   }
-  result.part_bytes = frame.size() + part.data.size() + trailer.size();
+  result_.part_bytes = frame_bytes_ + data_bytes_ + trailer.size();
 
+  const v1::CreateJobRequest& spec = manifest_.spec();
   std::vector<PartHead> parts;
-  for (const auto& entry : fs::directory_iterator(result.directory, ec)) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(result_.directory, ec)) {
     if (!IsPartName(entry.path().filename().string())) continue;
     SHARDOPT_ASSIGN_OR_RETURN(auto head, ReadPartHead(entry.path().string()));
     SHARDOPT_RETURN_IF_ERROR(SameJob(spec, head.manifest.spec(), head.path));
     parts.push_back(std::move(head));
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto tiles, Tiles(parts));
-  if (!tiles) return result;
+  if (!tiles) return result_;
   v1::CommitMarker marker;
   marker.set_job(spec.job());
-  marker.set_step(part.manifest.step());
+  marker.set_step(manifest_.step());
   for (const PartHead& p : parts) {
     v1::PartRef* ref = marker.add_parts();
     ref->set_file(fs::path(p.path).filename().string());
     ref->set_bytes(p.file_bytes);
     ref->set_data_crc32c(p.data_crc);
   }
-  SHARDOPT_RETURN_IF_ERROR(WriteFileAtomic(result.directory, kCommitName, {Frame(marker)}));
-  result.complete = true;
-  return result;
+  SHARDOPT_RETURN_IF_ERROR(WriteFileAtomic(result_.directory, kCommitName, {Frame(marker)}));
+  result_.complete = true;
+  return result_;
 }
 
 std::vector<std::string> Prune(const std::string& root, const std::string& job, uint64_t keep) {
@@ -506,26 +565,63 @@ std::vector<std::string> Prune(const std::string& root, const std::string& job, 
   return removed;
 }
 
-absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
-  const v1::PartManifest& any = committed.parts.front().manifest;
-  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, any.spec(), committed.dir));
+namespace {
 
-  Part out;
-  v1::PartManifest& m = out.manifest;
+// The manifest a load of `spec` from `committed` answers with: the job's
+// step and last commit, and, where a part has this very placement, that
+// part's sections and its sealed push's sums (which are per server).
+v1::PartManifest LoadedManifest(const Committed& committed, const v1::CreateJobRequest& spec, const PartHead* same) {
+  v1::PartManifest m;
   *m.mutable_spec() = spec;
   m.set_step(committed.marker.step());
-  *m.mutable_applied() = any.applied();
-  // The same placement, as on a plain restart: the part's data is the answer
-  // as it lies on disk, with no copy. Its sealed push's sums, which are per
-  // server, hold only then.
+  *m.mutable_applied() = committed.parts.front().manifest.applied();
+  if (same != nullptr) {
+    m.set_sealed_step(same->manifest.sealed_step());
+    m.set_sealed_sum_squares(same->manifest.sealed_sum_squares());
+    m.set_sealed_nonfinite(same->manifest.sealed_nonfinite());
+    *m.mutable_shards() = same->manifest.shards();
+  }
+  return m;
+}
+
+const PartHead* SamePlacement(const Committed& committed, const v1::CreateJobRequest& spec) {
   for (const PartHead& p : committed.parts) {
-    if (!SameShards(p.manifest.spec(), spec)) continue;
-    m.set_sealed_step(p.manifest.sealed_step());
-    m.set_sealed_sum_squares(p.manifest.sealed_sum_squares());
-    m.set_sealed_nonfinite(p.manifest.sealed_nonfinite());
-    *m.mutable_shards() = p.manifest.shards();
-    SHARDOPT_ASSIGN_OR_RETURN(auto data, ReadPartData(p));
+    if (SameShards(p.manifest.spec(), spec)) return &p;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
+                                          const Log& log,
+                                          const std::function<absl::Status(const v1::PartManifest&)>& begin,
+                                          const DataSink& sink) {
+  SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
+  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir));
+  // The same placement, as on a plain restart: the part's data is the answer
+  // as it lies on disk, streamed.
+  if (const PartHead* same = SamePlacement(committed, spec)) {
+    v1::PartManifest manifest = LoadedManifest(committed, spec, same);
+    SHARDOPT_RETURN_IF_ERROR(begin(manifest));
+    SHARDOPT_RETURN_IF_ERROR(StreamPartData(*same, sink));
+    return manifest;
+  }
+  SHARDOPT_ASSIGN_OR_RETURN(auto part, Load(root, spec, step, log));
+  SHARDOPT_RETURN_IF_ERROR(begin(part.manifest));
+  SHARDOPT_RETURN_IF_ERROR(sink(0, part.data.data(), part.data.size()));
+  return part.manifest;
+}
+
+absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log) {
+  SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
+  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir));
+  Part out;
+  const PartHead* same = SamePlacement(committed, spec);
+  out.manifest = LoadedManifest(committed, spec, same);
+  v1::PartManifest& m = out.manifest;
+  if (same != nullptr) {
+    SHARDOPT_ASSIGN_OR_RETURN(auto data, ReadPartData(*same));
     out.data = std::move(data);
     return out;
   }

@@ -21,11 +21,13 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "checkpoint/crc32c.h"
+#include "checkpoint/direct_io.h"
 #include "shardopt/v1/checkpoint.pb.h"
 
 namespace shardopt::checkpoint {
@@ -73,10 +75,30 @@ struct WriteResult {
   bool complete = false;
 };
 
-// Writes `part` into its step's directory, then writes COMMIT if the parts
-// there now cover every tensor. Refuses parts that overlap or disagree on the
-// job's configuration, naming the files.
-absl::StatusOr<WriteResult> WritePart(const std::string& root, const Part& part);
+// Writes one part into its step's directory as its data is appended, then
+// writes COMMIT if the parts there now cover every tensor. The file goes out
+// with O_DIRECT in large aligned writes on a thread of its own, its crc32c
+// computed as the data comes; Append never waits for the disk, so a caller
+// holding a lock while it appends holds it only for the copies. Finish
+// refuses parts that overlap or disagree on the job's configuration, naming
+// the files.
+class PartWriter {
+ public:
+  static absl::StatusOr<std::unique_ptr<PartWriter>> Open(const std::string& root, v1::PartManifest manifest);
+  ~PartWriter();  // a part not finished leaves no file
+  // The data, in the layout's order (SectionOffsets).
+  void Append(const void* data, size_t n);
+  absl::StatusOr<WriteResult> Finish();
+
+ private:
+  PartWriter() = default;
+  std::string root_, name_, tmp_;
+  v1::PartManifest manifest_;
+  WriteResult result_;
+  std::unique_ptr<SequentialWriter> file_;  // null once the step is complete already
+  uint64_t frame_bytes_ = 0, data_bytes_ = 0;
+  uint32_t crc_ = 0;
+};
 
 // Keeps the `keep` newest complete checkpoints of the job (keep >= 1) and
 // removes every older step directory, complete or torn. Steps newer than the
@@ -94,6 +116,19 @@ using Log = std::function<void(const std::string&)>;
 // COMMIT, or an unreadable one) are skipped when looking for the newest, and
 // `log` is told why.
 absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log);
+
+// Load without holding the data in memory: `sink` gets it in order, in
+// pieces, contiguous from data offset 0, as it is read (a plain restart of
+// the same placement streams the file; another placement is assembled
+// first). Returns the manifest. The checksum is known only at the end: on an
+// error the sink has seen data that must be thrown away.
+// `begin` gets the manifest before any data, so that the sink knows the
+// layout.
+using DataSink = std::function<absl::Status(uint64_t data_offset, const char* bytes, size_t n)>;
+absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
+                                          const Log& log,
+                                          const std::function<absl::Status(const v1::PartManifest&)>& begin,
+                                          const DataSink& sink);
 
 // A complete checkpoint's step and job configuration, with every tensor whole
 // as the placement: what export loads.

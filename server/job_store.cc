@@ -63,15 +63,14 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   // Outside the store's lock: reading a checkpoint must not stall other jobs.
   bool restored = false;
   if (!options_.checkpoint_dir.empty()) {
-    auto part = checkpoint::Load(options_.checkpoint_dir, spec, restore_step, options_.checkpoint_log);
-    if (part.ok()) {
-      absl::MutexLock job_lock(&job->mu);
-      SHARDOPT_RETURN_IF_ERROR(Restore(*part, *job));
+    absl::MutexLock job_lock(&job->mu);
+    const absl::Status loaded = Restore(options_.checkpoint_dir, restore_step, options_.checkpoint_log, *job);
+    if (loaded.ok()) {
       restored = true;
       options_.checkpoint_log(absl::StrCat("restored job '", spec.job(), "' at step ", job->step, " from ",
                                            checkpoint::StepDirectory(options_.checkpoint_dir, spec.job(), job->step)));
-    } else if (part.status().code() != absl::StatusCode::kNotFound || restore_step > 0) {
-      return part.status();
+    } else if (loaded.code() != absl::StatusCode::kNotFound || restore_step > 0) {
+      return loaded;  // the job, partly written, is thrown away
     }
   }
 
@@ -92,7 +91,7 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
   Job& job = *found;
-  absl::StatusOr<checkpoint::Part> part;
+  absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> writer;
   {
     absl::MutexLock lock(&job.mu);
     job.AwaitWholeStep();
@@ -102,10 +101,10 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
       return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
                                                         "; cannot checkpoint step ", request.step()));
     }
-    part = Snapshot(job);
+    writer = Snapshot(job, options_.checkpoint_dir);
   }
-  if (!part.ok()) return part.status();
-  SHARDOPT_ASSIGN_OR_RETURN(auto written, checkpoint::WritePart(options_.checkpoint_dir, *part));
+  if (!writer.ok()) return writer.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto written, (*writer)->Finish());
   if (written.complete && options_.checkpoint_keep > 0) {
     for (const std::string& dir : checkpoint::Prune(options_.checkpoint_dir, job.name(), options_.checkpoint_keep)) {
       options_.checkpoint_log(absl::StrCat("pruned checkpoint ", dir, " (--checkpoint_keep=", options_.checkpoint_keep, ")"));

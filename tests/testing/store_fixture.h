@@ -131,12 +131,16 @@ class StoreTest : public ::testing::Test {
   }
 
   std::vector<float> ReadFloats(const std::string& job, const std::string& tensor, v1::StateKind kind) {
+    return ReadFloats(store_, job, tensor, kind);
+  }
+  static std::vector<float> ReadFloats(const JobStore& store, const std::string& job, const std::string& tensor,
+                                       v1::StateKind kind) {
     v1::ReadRequest r;
     r.set_job(job);
     r.set_tensor(tensor);
     r.set_kind(kind);
     std::vector<float> out;
-    EXPECT_TRUE(store_.Read(r, [&](const v1::StateChunk& c) {
+    EXPECT_TRUE(store.Read(r, [&](const v1::StateChunk& c) {
                   const size_t n = c.data().size() / 4;
                   out.resize(c.offset() + n);
                   std::memcpy(out.data() + c.offset(), c.data().data(), n * 4);
@@ -146,13 +150,14 @@ class StoreTest : public ::testing::Test {
   }
 
   // Everything a refusal must leave alone.
-  std::string Snapshot(const std::string& job) {
-    auto d = store_.Describe(job);
+  std::string Snapshot(const std::string& job) { return Snapshot(store_, job); }
+  static std::string Snapshot(const JobStore& store, const std::string& job) {
+    auto d = store.Describe(job);
     EXPECT_TRUE(d.ok());
     std::string s = d->SerializeAsString();
     for (const auto& t : d->tensors()) {
       for (v1::StateKind k : {v1::MASTER, v1::EXP_AVG, v1::EXP_AVG_SQ}) {
-        auto v = ReadFloats(job, t.name(), k);
+        auto v = ReadFloats(store, job, t.name(), k);
         s.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
       }
     }

@@ -1,0 +1,233 @@
+#include "checkpoint/direct_io.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <condition_variable>
+#include <mutex>
+#include <optional>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace shardopt::checkpoint {
+namespace {
+
+uint64_t RoundDown(uint64_t n) { return n / kDirectAlignment * kDirectAlignment; }
+uint64_t RoundUp(uint64_t n) { return RoundDown(n + kDirectAlignment - 1); }
+
+std::string ErrnoText(const std::string& what, const std::string& path) {
+  return absl::StrCat(what, " ", path, ": ", std::strerror(errno));
+}
+
+// O_DIRECT where the file system has it; tmpfs and some others refuse the
+// flag with EINVAL, and then the same calls go through the page cache.
+int OpenMaybeDirect(const std::string& path, int flags, bool* direct) {
+  int fd = open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
+  *direct = fd >= 0;
+  if (fd < 0 && errno == EINVAL) fd = open(path.c_str(), flags | O_CLOEXEC, 0644);
+  return fd;
+}
+
+}  // namespace
+
+AlignedBytes AllocateAligned(size_t bytes) {
+  void* p = nullptr;
+  if (posix_memalign(&p, kDirectAlignment, bytes) != 0) std::abort();
+  return AlignedBytes(static_cast<char*>(p));
+}
+
+absl::StatusOr<std::unique_ptr<SequentialWriter>> SequentialWriter::Create(const std::string& path) {
+  bool direct = false;
+  const int fd = OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_EXCL, &direct);
+  if (fd < 0) return absl::InternalError(ErrnoText("cannot create", path));
+  return std::unique_ptr<SequentialWriter>(new SequentialWriter(fd, path, direct));
+}
+
+SequentialWriter::SequentialWriter(int fd, std::string path, bool direct)
+    : fd_(fd), path_(std::move(path)), direct_(direct), current_(AllocateAligned(kDirectChunkBytes)),
+      thread_([this] { Run(); }) {}
+
+SequentialWriter::~SequentialWriter() {
+  {
+    absl::MutexLock lock(&mu_);
+    closing_ = true;
+  }
+  if (thread_.joinable()) thread_.join();
+  if (fd_ >= 0) close(fd_);
+}
+
+void SequentialWriter::Append(const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  bytes_ += n;
+  while (n > 0) {
+    const size_t take = std::min(n, kDirectChunkBytes - used_);
+    std::memcpy(current_.get() + used_, p, take);
+    used_ += take;
+    p += take;
+    n -= take;
+    if (used_ == kDirectChunkBytes) Submit();
+  }
+}
+
+void SequentialWriter::Submit() {
+  // The last buffer is padded to the alignment O_DIRECT needs; Close cuts
+  // the file back to its size.
+  const size_t length = RoundUp(used_);
+  std::memset(current_.get() + used_, 0, length - used_);
+  AlignedBytes next;
+  {
+    absl::MutexLock lock(&mu_);
+    queue_.emplace_back(std::move(current_), length);
+    if (!spare_.empty()) {
+      next = std::move(spare_.back());
+      spare_.pop_back();
+    }
+  }
+  current_ = next ? std::move(next) : AllocateAligned(kDirectChunkBytes);
+  used_ = 0;
+}
+
+void SequentialWriter::Run() {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    mu_.Await(absl::Condition(
+        +[](SequentialWriter* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) { return w->closing_ || !w->queue_.empty(); },
+        this));
+    if (queue_.empty()) return;  // closing, and everything is written
+    auto [buffer, length] = std::move(queue_.front());
+    queue_.pop_front();
+    const uint64_t at = written_;
+    written_ += length;
+    mu_.Unlock();
+    absl::Status status;
+    for (size_t done = 0; done < length && status.ok();) {
+      const ssize_t n = pwrite(fd_, buffer.get() + done, length - done, static_cast<off_t>(at + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) status = absl::InternalError(ErrnoText("cannot write", path_));
+      done += n > 0 ? static_cast<size_t>(n) : 0;
+    }
+    mu_.Lock();
+    if (error_.ok()) error_ = status;
+    // A few buffers come back for reuse: their pages are already mapped.
+    if (spare_.size() < 4) spare_.push_back(std::move(buffer));
+  }
+}
+
+absl::Status SequentialWriter::Close() {
+  if (used_ > 0) Submit();
+  {
+    absl::MutexLock lock(&mu_);
+    closing_ = true;
+  }
+  thread_.join();
+  absl::Status status;
+  {
+    absl::MutexLock lock(&mu_);
+    status = error_;
+  }
+  if (!status.ok()) return status;
+  if (ftruncate(fd_, static_cast<off_t>(bytes_)) != 0) return absl::InternalError(ErrnoText("cannot truncate", path_));
+  if (fsync(fd_) != 0) return absl::InternalError(ErrnoText("cannot fsync", path_));
+  return absl::OkStatus();
+}
+
+absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t length,
+                            const std::function<absl::Status(const char* data, size_t n)>& sink) {
+  // Reads go through the page cache with the kernel's readahead: on the
+  // virtual disks measured here O_DIRECT at one request in flight read at
+  // half the speed of readahead (0.9 against 1.9 GB/s, docs/design.md).
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  if (fd < 0) {
+    return errno == ENOENT ? absl::NotFoundError(ErrnoText("cannot open", path))
+                           : absl::DataLossError(ErrnoText("cannot open", path));
+  }
+  // Aligned file ranges of kDirectChunkBytes from below `offset`; the
+  // reader thread fills one buffer while the sink takes the other.
+  const uint64_t begin = RoundDown(offset), end = offset + length;
+  struct Piece {
+    AlignedBytes buffer;
+    uint64_t file_offset = 0;
+    size_t got = 0;
+    absl::Status status;
+  };
+  std::mutex mu;
+  std::condition_variable changed;
+  std::optional<Piece> ready;  // these three under mu
+  std::vector<AlignedBytes> spare;
+  bool stop = false;
+  spare.push_back(AllocateAligned(kDirectChunkBytes));
+  spare.push_back(AllocateAligned(kDirectChunkBytes));
+  std::thread reader([&] {
+    for (uint64_t at = begin; at < end;) {
+      Piece piece;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        changed.wait(lock, [&] { return !spare.empty() || stop; });
+        if (stop) return;
+        piece.buffer = std::move(spare.back());
+        spare.pop_back();
+      }
+      piece.file_offset = at;
+      const size_t want = static_cast<size_t>(std::min<uint64_t>(kDirectChunkBytes, RoundUp(end - at)));
+      while (piece.got < want) {
+        const ssize_t n = pread(fd, piece.buffer.get() + piece.got, want - piece.got, static_cast<off_t>(at + piece.got));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) piece.status = absl::DataLossError(ErrnoText("cannot read", path));
+        if (n <= 0) break;
+        piece.got += static_cast<size_t>(n);
+      }
+      const bool last = !piece.status.ok() || piece.got < want;
+      at += want;
+      std::unique_lock<std::mutex> lock(mu);
+      changed.wait(lock, [&] { return !ready.has_value() || stop; });
+      if (stop) return;
+      ready = std::move(piece);
+      changed.notify_all();
+      if (last) return;
+    }
+  });
+  absl::Status status;
+  for (uint64_t delivered = offset; delivered < end && status.ok();) {
+    Piece piece;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      changed.wait(lock, [&] { return ready.has_value(); });
+      piece = std::move(*ready);
+      ready.reset();
+      changed.notify_all();
+    }
+    const uint64_t piece_end = piece.file_offset + piece.got;
+    status = piece.status;
+    if (status.ok() && piece_end <= delivered) {
+      status = absl::DataLossError(absl::StrCat(path, " is truncated: it ends before byte ", end));
+    }
+    if (status.ok()) {
+      const uint64_t upto = std::min(piece_end, end);
+      status = sink(piece.buffer.get() + (delivered - piece.file_offset), static_cast<size_t>(upto - delivered));
+      delivered = upto;
+      // A piece shorter than asked for was the file's end.
+      if (status.ok() && delivered < end && piece.got < kDirectChunkBytes) {
+        status = absl::DataLossError(absl::StrCat(path, " is truncated: it ends before byte ", end));
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    spare.push_back(std::move(piece.buffer));
+    changed.notify_all();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    stop = true;
+    changed.notify_all();
+  }
+  reader.join();
+  close(fd);
+  return status;
+}
+
+}  // namespace shardopt::checkpoint
