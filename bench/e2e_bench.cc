@@ -3,6 +3,7 @@
 // 2 B/param each way, through a tuned bare gRPC echo and a plain TCP echo.
 // Server, client and echoes share one process, so each pays for the same two
 // cores.
+#include <algorithm>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -133,6 +134,16 @@ absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args) {
   const double echo_seconds = (*best)[3];
   const double tcp_seconds = (*best)[4];
   const double n = static_cast<double>(args.params);
+  // The step's ceiling on one machine whose cores both move the bytes and
+  // run the update: the echo of the same bytes, then the kernel over the
+  // same elements (each worker's bytes, every server's update).
+  auto kernel = KernelBench({args.params, args.threads, -1, std::max<uint64_t>(args.steps, 3)});
+  if (!kernel.ok()) return kernel.status();
+  const double kernel_seconds = (*kernel)["update_seconds"].get<double>();
+  const double ceiling = echo_seconds * static_cast<double>(args.workers) + kernel_seconds;
+  // Server 0's phases of the last step (a phased one when W = 1).
+  auto phases = stores.front()->LastStepPhases(job.name);
+  if (!phases.ok()) return phases.status();
   return nlohmann::json{
       {"benchmark", "e2e"},
       {"device", backends.front()->Describe()},
@@ -157,6 +168,16 @@ absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args) {
       // The echoes move one worker's bytes; a step moves every worker's.
       {"fraction_of_echo", echo_seconds * static_cast<double>(args.workers) / step_seconds},
       {"fraction_of_tcp", tcp_seconds * static_cast<double>(args.workers) / step_seconds},
+      {"kernel_seconds", kernel_seconds},
+      {"serial_ceiling_seconds", ceiling},
+      {"fraction_of_serial_ceiling", ceiling / step_seconds},
+      {"server_phases_seconds",
+       {{"push", phases->push},
+        {"reduce_in_push", phases->reduce},
+        {"barrier", phases->barrier},
+        {"norm", phases->norm},
+        {"apply", phases->apply},
+        {"params_streamed", phases->params}}},
   };
 }
 

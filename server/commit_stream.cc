@@ -77,6 +77,7 @@ class CommitStream {
       job_.applying = true;
       job_.apply_args = args_;
       job_.apply_progress = 0;
+      starts_apply_ = true;
     } else {
       const CommitArgs& a = t_ == job_.step ? job_.applied : job_.apply_args;
       if (!(a == args_)) {
@@ -101,6 +102,8 @@ class CommitStream {
   }
 
   size_t pieces() const { return pieces_.size(); }
+  // This stream's Open began applying the step: its stream is the step's.
+  bool starts_apply() const { return starts_apply_; }
   absl::Mutex& mu() const ABSL_LOCK_RETURNED(job_.mu) { return job_.mu; }
 
   // Applies piece k if it is the next one to apply, then reads its params
@@ -159,7 +162,10 @@ class CommitStream {
     const Piece& p = pieces_[k];
     if (const int64_t c = contribution_[p.shard]; c >= 0) {
       ShardStep step{job_.round.contributions[c], scalars_[c], p.offset, p.length};
-      if (auto st = job_.state->Apply({&step, 1}); !st.ok()) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const absl::Status st = job_.state->Apply({&step, 1});
+      job_.round.phases.apply += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (!st.ok()) {
         // Part of the step is applied: the job's state is no step's state.
         job_.failed = absl::Status(st.code(), absl::StrCat("job '", job_.name(), "' failed while applying step ", t_,
                                                            ": ", st.message()));
@@ -176,6 +182,7 @@ class CommitStream {
       job_.step = t_;
       job_.applied = job_.apply_args;
       job_.applying = false;
+      job_.applying_phases = job_.round.phases;
       job_.EndRound();
     }
     job_.Notify();
@@ -189,6 +196,7 @@ class CommitStream {
   std::vector<Piece> pieces_;
   std::vector<int64_t> contribution_;  // [shard]: index into scalars_ and round.contributions, or -1
   std::vector<math::AdamWScalars> scalars_;
+  bool starts_apply_ = false;
 };
 
 }  // namespace
@@ -201,6 +209,7 @@ absl::Status CommitAndStream(Job& job, const v1::CommitRequest& req, const Commi
     absl::MutexLock lock(&stream.mu());
     SHARDOPT_RETURN_IF_ERROR(stream.Open());
   }
+  const auto started = std::chrono::steady_clock::now();
   v1::ParamChunk chunk;
   for (uint64_t k = 0; k < stream.pieces(); ++k) {
     {
@@ -212,6 +221,11 @@ absl::Status CommitAndStream(Job& job, const v1::CommitRequest& req, const Commi
       SHARDOPT_RETURN_IF_ERROR(stream.Finish());
       return absl::CancelledError("the caller stopped reading the params");
     }
+  }
+  if (stream.starts_apply()) {
+    absl::MutexLock lock(&stream.mu());
+    job.last_phases = job.applying_phases;
+    job.last_phases.params = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   }
   return absl::OkStatus();
 }

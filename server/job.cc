@@ -57,6 +57,7 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spe
 
 void Job::StartRound(std::chrono::steady_clock::time_point now) {
   round.active = true;
+  round.started = now;
   round.deadline = now + absl::ToChronoNanoseconds(barrier_timeout);
   std::vector<uint64_t> lengths;
   for (const OwnedShard& s : shards) lengths.push_back(s.length);

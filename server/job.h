@@ -31,6 +31,17 @@ struct OwnedShard {
   uint64_t length;
 };
 
+// Where one step's time went on this server, in seconds: what
+// `shardopt-bench e2e` reports next to its rooflines.
+struct StepPhases {
+  double push = 0;     // the round's first chunk to the last rank's push ending
+  double reduce = 0;   // of that, folding chunks into the running sum
+  double barrier = 0;  // the first rank's push ending to the seal
+  double norm = 0;     // the sealed sum's sum of squares and nonfinite check
+  double apply = 0;    // AdamW over every piece
+  double params = 0;   // the first commit's stream, from its start to its last chunk handed to gRPC
+};
+
 // A commit's arguments: what a retry must repeat.
 struct CommitArgs {
   double lr = 0;
@@ -90,8 +101,13 @@ class Job {
     uint32_t finished_count = 0;
     std::vector<uint64_t> sessions;  // [rank]: push streams begun, the latest's number
     std::vector<ShardGrads> contributions;
+    std::chrono::steady_clock::time_point started, first_finished;
+    StepPhases phases;  // filled as the round goes, and by its commit
   };
   Round round ABSL_GUARDED_BY(mu);
+  // The phases of the last step done, and of the step being applied.
+  StepPhases last_phases ABSL_GUARDED_BY(mu);
+  StepPhases applying_phases ABSL_GUARDED_BY(mu);
   // The stats of the last sealed round, kept past its commit so that a
   // retried push of a committed step gets its answer again.
   uint64_t sealed_step ABSL_GUARDED_BY(mu) = 0;

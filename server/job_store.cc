@@ -257,6 +257,12 @@ absl::StatusOr<std::unique_ptr<PushSession>> JobStore::BeginPush(const v1::GradC
   return PushSession::Begin(std::move(found), first);
 }
 
+absl::StatusOr<StepPhases> JobStore::LastStepPhases(const std::string& name) const {
+  SHARDOPT_ASSIGN_OR_RETURN(auto job, Find(name));
+  absl::MutexLock lock(&job->mu);
+  return job->last_phases;
+}
+
 absl::Status JobStore::Commit(const v1::CommitRequest& request,
                               const std::function<bool(const v1::ParamChunk&)>& emit) {
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));

@@ -89,6 +89,9 @@ class JobStore {
   absl::Status Read(const v1::ReadRequest& request, const std::function<bool(const v1::StateChunk&)>& emit) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Where the last step done went, on this server (job.h).
+  absl::StatusOr<StepPhases> LastStepPhases(const std::string& job) const ABSL_LOCKS_EXCLUDED(mu_);
+
   std::string backend_name() const { return backend_->Describe(); }
 
  private:

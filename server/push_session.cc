@@ -9,6 +9,11 @@
 #include "server/messages.h"
 
 namespace shardopt {
+namespace {
+
+double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<PushSession>> PushSession::Begin(std::shared_ptr<Job> job, const v1::GradChunk& first) {
   absl::MutexLock lock(&job->mu);
@@ -167,9 +172,11 @@ absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
   const uint64_t local = pending_->offset() - job_->shards[pending_shard_].offset;
   RunningSum& sum = *job_->round.sum;
   const uint64_t before = sum.progress();
+  const auto t0 = std::chrono::steady_clock::now();
   SHARDOPT_ASSIGN_OR_RETURN(auto offered, sum.Offer(*job_->state, rank_, pending_shard_, local + pending_taken_,
                                                     pending_dtype_, data.data() + pending_taken_ * esize,
                                                     count - pending_taken_));
+  job_->round.phases.reduce += Seconds(std::chrono::steady_clock::now() - t0);
   pending_taken_ += offered.taken;
   if (sum.progress() != before) job_->Notify();
   if (!offered.window_full) {
@@ -255,7 +262,11 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
     }
   }
   if (!sum.finished(rank_)) {
+    const auto t0 = std::chrono::steady_clock::now();
     SHARDOPT_RETURN_IF_ERROR(sum.Finish(*job_->state, rank_, std::move(no_grad)));
+    const auto t1 = std::chrono::steady_clock::now();
+    job_->round.phases.reduce += Seconds(t1 - t0);
+    if (job_->round.finished_count == 0) job_->round.first_finished = t1;
     ++job_->round.finished_count;
     job_->Notify();
   }
@@ -268,7 +279,13 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
     for (uint32_t s = 0; s < job_->shards.size(); ++s) {
       if (sum.Contributed(s)) contributions.push_back({s, {0}});
     }
+    const auto t0 = std::chrono::steady_clock::now();
     SHARDOPT_ASSIGN_OR_RETURN(auto stats, job_->state->ReduceGrads(contributions));
+    const auto t1 = std::chrono::steady_clock::now();
+    StepPhases& phases = job_->round.phases;
+    phases.push = Seconds(t0 - job_->round.started);
+    phases.barrier = Seconds(t0 - job_->round.first_finished);
+    phases.norm = Seconds(t1 - t0);
     job_->round.contributions = std::move(contributions);
     job_->round.sealed = true;
     job_->sealed_step = step_;
