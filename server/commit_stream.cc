@@ -223,7 +223,7 @@ absl::Status CommitAndStream(Job& job, const v1::CommitRequest& req, const Commi
     }
   }
   if (stream.starts_apply()) {
-    absl::MutexLock lock(&stream.mu());
+    absl::MutexLock lock(&job.mu);
     job.last_phases = job.applying_phases;
     job.last_phases.params = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   }
