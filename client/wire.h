@@ -14,14 +14,10 @@
 #include "absl/strings/string_view.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
+#include "rpc/wire_format.h"  // AppendVarintField and the rest
 
 namespace shardopt::wire {
 
-// Protobuf wire format, for the few fields the bulk messages have.
-void AppendVarintField(std::string* out, int field, uint64_t value);
-void AppendBytesField(std::string* out, int field, absl::string_view bytes);
-// A bytes field's tag and length: the bytes themselves follow in another slice.
-void AppendBytesHeader(std::string* out, int field, uint64_t length);
 
 // `head` copied, then `bytes` referenced in place: it must outlive the call.
 grpc::ByteBuffer HeadAndBorrowedBytes(const std::string& head, const void* bytes, size_t length);

@@ -1,6 +1,9 @@
 #include "server/commit_stream.h"
 
 #include <algorithm>
+#include <chrono>
+#include <memory>
+#include <optional>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -102,13 +105,20 @@ class CommitStream {
   }
 
   size_t pieces() const { return pieces_.size(); }
-  // This stream's Open began applying the step: its stream is the step's.
-  bool starts_apply() const { return starts_apply_; }
+  // Once the last piece is out: if this stream's Open began applying the
+  // step, its stream is the step's, and the step's phases are recorded.
+  void RecordPhases(std::chrono::steady_clock::time_point started) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
+    if (!starts_apply_) return;
+    job_.last_phases = job_.applying_phases;
+    job_.last_phases.params = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    starts_apply_ = false;
+  }
   absl::Mutex& mu() const ABSL_LOCK_RETURNED(job_.mu) { return job_.mu; }
 
   // Applies piece k if it is the next one to apply, then reads its params
-  // into `chunk`. ABORTED when the next step has overtaken it.
-  absl::Status Read(uint64_t k, v1::ParamChunk* chunk) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
+  // to where `place` says. ABORTED when the next step has overtaken it.
+  absl::StatusOr<ParamStream::Piece> Read(uint64_t k, absl::FunctionRef<char*(const ParamStream::Piece&)> place)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
     SHARDOPT_RETURN_IF_ERROR(job_.CheckNotDropped());
     if (!job_.failed.ok()) return job_.failed;
     if (ApplyingStep() && job_.apply_progress == k) {
@@ -121,24 +131,17 @@ class CommitStream {
     if (!holds_t) return absl::AbortedError(absl::StrCat("step ", t_, " was superseded while streaming its params"));
     const Piece& p = pieces_[k];
     const uint32_t tensor = job_.shards[p.shard].tensor;
-    chunk->set_step(t_);
-    chunk->set_tensor(job_.spec.tensors(tensor).name());
-    chunk->set_offset(job_.shards[p.shard].offset + p.offset);
     // FP32 params are the master itself; bf16 ones its rounding.
     const bool fp32 = job_.fp32_params(tensor);
-    if (fp32) {
-      chunk->set_dtype(v1::FP32);
-    } else {
-      chunk->clear_dtype();  // BF16, as servers sent it before param_dtype existed
-    }
-    std::string* data = chunk->mutable_data();
-    data->resize(p.length * (fp32 ? 4 : 2));
+    const ParamStream::Piece head{t_, &job_.spec.tensors(tensor).name(), job_.shards[p.shard].offset + p.offset, fp32,
+                                  p.length * (fp32 ? 4 : 2)};
     absl::Status read = job_.state->ReadState(p.shard, fp32 ? StateKind::kMaster : StateKind::kParamBf16, p.offset,
-                                              p.length, fp32 ? DType::kFp32 : DType::kBf16, data->data());
+                                              p.length, fp32 ? DType::kFp32 : DType::kBf16, place(head));
     if (!read.ok()) {
       SHARDOPT_RETURN_IF_ERROR(Finish());
+      return read;
     }
-    return read;
+    return head;
   }
 
   // Applies what is left of step t, for a commit whose caller went away.
@@ -201,33 +204,73 @@ class CommitStream {
 
 }  // namespace
 
-absl::Status CommitAndStream(Job& job, const v1::CommitRequest& req, const CommitOptions& options,
-                             const std::function<bool(const v1::ParamChunk&)>& emit) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto args, CheckArgs(job, req));
-  CommitStream stream(job, req.step(), args, options);
+struct ParamStream::Walk {
+  Walk(std::shared_ptr<Job> j, uint64_t t, const CommitArgs& args, const CommitOptions& options)
+      : job(std::move(j)), stream(*job, t, args, options) {}
+  std::shared_ptr<Job> job;
+  CommitStream stream;
+};
+
+absl::StatusOr<std::unique_ptr<ParamStream>> ParamStream::Open(std::shared_ptr<Job> job,
+                                                               const v1::CommitRequest& request,
+                                                               const CommitOptions& options) {
+  SHARDOPT_ASSIGN_OR_RETURN(auto args, CheckArgs(*job, request));
+  std::unique_ptr<ParamStream> out(new ParamStream());
+  out->walk_ = std::make_unique<Walk>(std::move(job), request.step(), args, options);
   {
-    absl::MutexLock lock(&stream.mu());
-    SHARDOPT_RETURN_IF_ERROR(stream.Open());
+    absl::MutexLock lock(&out->walk_->stream.mu());
+    SHARDOPT_RETURN_IF_ERROR(out->walk_->stream.Open());
   }
-  const auto started = std::chrono::steady_clock::now();
+  out->started_ = std::chrono::steady_clock::now();
+  return out;
+}
+
+ParamStream::~ParamStream() {
+  if (walk_ && next_ < walk_->stream.pieces()) Abandon().IgnoreError();
+}
+
+absl::StatusOr<std::optional<ParamStream::Piece>> ParamStream::Next(absl::FunctionRef<char*(const Piece&)> place) {
+  absl::MutexLock lock(&walk_->stream.mu());
+  if (next_ == walk_->stream.pieces()) {
+    walk_->stream.RecordPhases(started_);
+    return std::nullopt;
+  }
+  // Never a piece again after an error: the stream is over.
+  absl::StatusOr<Piece> piece = walk_->stream.Read(next_, place);
+  next_ = piece.ok() ? next_ + 1 : walk_->stream.pieces();
+  if (!piece.ok()) return piece.status();
+  return *piece;
+}
+
+absl::Status ParamStream::Abandon() {
+  next_ = walk_->stream.pieces();
+  absl::MutexLock lock(&walk_->stream.mu());
+  return walk_->stream.Finish();
+}
+
+absl::Status CommitAndStream(std::shared_ptr<Job> job, const v1::CommitRequest& req, const CommitOptions& options,
+                             const std::function<bool(const v1::ParamChunk&)>& emit) {
+  SHARDOPT_ASSIGN_OR_RETURN(auto stream, ParamStream::Open(std::move(job), req, options));
   v1::ParamChunk chunk;
-  for (uint64_t k = 0; k < stream.pieces(); ++k) {
-    {
-      absl::MutexLock lock(&stream.mu());
-      SHARDOPT_RETURN_IF_ERROR(stream.Read(k, &chunk));
-    }
+  for (;;) {
+    SHARDOPT_ASSIGN_OR_RETURN(auto piece, stream->Next([&](const ParamStream::Piece& p) {
+      chunk.set_step(p.step);
+      chunk.set_tensor(*p.tensor);
+      chunk.set_offset(p.offset);
+      if (p.fp32) {
+        chunk.set_dtype(v1::FP32);
+      } else {
+        chunk.clear_dtype();  // BF16, as servers sent it before param_dtype existed
+      }
+      chunk.mutable_data()->resize(p.bytes);
+      return chunk.mutable_data()->data();
+    }));
+    if (!piece) return absl::OkStatus();
     if (!emit(chunk)) {
-      absl::MutexLock lock(&stream.mu());
-      SHARDOPT_RETURN_IF_ERROR(stream.Finish());
+      SHARDOPT_RETURN_IF_ERROR(stream->Abandon());
       return absl::CancelledError("the caller stopped reading the params");
     }
   }
-  if (stream.starts_apply()) {
-    absl::MutexLock lock(&job.mu);
-    job.last_phases = job.applying_phases;
-    job.last_phases.params = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  }
-  return absl::OkStatus();
 }
 
 }  // namespace shardopt

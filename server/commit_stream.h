@@ -7,7 +7,14 @@
 #pragma once
 
 #include <cstdint>
+#include <chrono>
 #include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/statusor.h"
 
 #include "absl/status/status.h"
 #include "server/job.h"
@@ -19,9 +26,47 @@ struct CommitOptions {
   bool draining = false;        // SIGTERM: no new step may start applying
 };
 
+// One commit's params, pulled piece by piece: each Next applies its piece
+// if it is the next one to apply, then writes the piece's params where the
+// caller says, so that a transport can read them straight into its own
+// buffers. The gRPC service's callback reactor drives it; CommitAndStream is
+// the blocking loop over it. Takes the job's lock inside each call.
+class ParamStream {
+ public:
+  // One piece's params: what a ParamChunk carries besides the bytes.
+  struct Piece {
+    uint64_t step;
+    const std::string* tensor;  // the job's, alive as long as the job
+    uint64_t offset;            // in the tensor, elements
+    bool fp32;                  // FP32 params (the master itself), else bf16
+    uint64_t bytes;
+  };
+
+  // Checks the commit and starts applying its step if this is the step's
+  // first commit.
+  static absl::StatusOr<std::unique_ptr<ParamStream>> Open(std::shared_ptr<Job> job, const v1::CommitRequest& request,
+                                                           const CommitOptions& options);
+  // A stream not read to the end is abandoned: the rest of the step is
+  // applied, so it never stays half applied.
+  ~ParamStream();
+
+  // The next piece, its params written to `place(piece)` (piece.bytes long);
+  // nullopt after the last. After an error there is no next piece.
+  absl::StatusOr<std::optional<Piece>> Next(absl::FunctionRef<char*(const Piece&)> place);
+  // The caller stops reading: applies what is left of the step.
+  absl::Status Abandon();
+
+ private:
+  struct Walk;
+  ParamStream() = default;
+  std::unique_ptr<Walk> walk_;
+  uint64_t next_ = 0;
+  std::chrono::steady_clock::time_point started_;
+};
+
 // `emit` runs without the job's lock; returning false stops the stream (the
 // step is still completed, so it never stays half applied).
-absl::Status CommitAndStream(Job& job, const v1::CommitRequest& request, const CommitOptions& options,
-                             const std::function<bool(const v1::ParamChunk&)>& emit) ABSL_LOCKS_EXCLUDED(job.mu);
+absl::Status CommitAndStream(std::shared_ptr<Job> job, const v1::CommitRequest& request, const CommitOptions& options,
+                             const std::function<bool(const v1::ParamChunk&)>& emit);
 
 }  // namespace shardopt

@@ -266,7 +266,12 @@ absl::StatusOr<StepPhases> JobStore::LastStepPhases(const std::string& name) con
 absl::Status JobStore::Commit(const v1::CommitRequest& request,
                               const std::function<bool(const v1::ParamChunk&)>& emit) {
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
-  return CommitAndStream(*found, request, {options_.stream_chunk_elements, draining_.load()}, emit);
+  return CommitAndStream(std::move(found), request, {options_.stream_chunk_elements, draining_.load()}, emit);
+}
+
+absl::StatusOr<std::unique_ptr<ParamStream>> JobStore::OpenCommit(const v1::CommitRequest& request) {
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
+  return ParamStream::Open(std::move(found), request, {options_.stream_chunk_elements, draining_.load()});
 }
 
 absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool(const v1::StateChunk&)>& emit) const {

@@ -22,6 +22,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
+#include "server/commit_stream.h"
 #include "server/job.h"
 #include "server/push_session.h"
 #include "shardopt/v1/optimizer.pb.h"
@@ -85,6 +86,8 @@ class JobStore {
   // any lock held (server/commit_stream.h).
   absl::Status Commit(const v1::CommitRequest& request, const std::function<bool(const v1::ParamChunk&)>& emit)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The same commit, pulled piece by piece (server/commit_stream.h).
+  absl::StatusOr<std::unique_ptr<ParamStream>> OpenCommit(const v1::CommitRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
   // Streams a range of one tensor's state, every chunk of one whole step.
   absl::Status Read(const v1::ReadRequest& request, const std::function<bool(const v1::StateChunk&)>& emit) const
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -5,6 +5,7 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "rpc/grpc_edge.h"
+#include "server/commit_reactor.h"
 #include "server/push_reactor.h"
 
 namespace shardopt {
@@ -37,9 +38,9 @@ grpc::ServerReadReactor<v1::GradChunk>* OptimizerService::Push(grpc::CallbackSer
   return StartPushReactor(store_, context, response);
 }
 
-grpc::Status OptimizerService::Commit(grpc::ServerContext*, const v1::CommitRequest* req,
-                                      grpc::ServerWriter<v1::ParamChunk>* writer) {
-  return ToGrpcStatus(store_->Commit(*req, [&](const v1::ParamChunk& c) { return writer->Write(c); }));
+grpc::ServerWriteReactor<grpc::ByteBuffer>* OptimizerService::Commit(grpc::CallbackServerContext* context,
+                                                                     const grpc::ByteBuffer* request) {
+  return StartCommitReactor(store_, context, request);
 }
 
 grpc::Status OptimizerService::Read(grpc::ServerContext*, const v1::ReadRequest* req,

@@ -16,14 +16,17 @@ namespace shardopt {
 // Push is served on gRPC's callback API: a push that waits (for room in the
 // running sum's window, or at the barrier) holds no thread, so any number of
 // ranks can wait on a server with a fixed set of threads (push_reactor.h).
-class OptimizerService final : public v1::Optimizer::WithCallbackMethod_Push<v1::Optimizer::Service> {
+// Commit is served raw on the callback API too, its params copied once on
+// their way out (commit_reactor.h).
+class OptimizerService final
+    : public v1::Optimizer::WithCallbackMethod_Push<v1::Optimizer::WithRawCallbackMethod_Commit<v1::Optimizer::Service>> {
  public:
   explicit OptimizerService(JobStore* store) : store_(store) {}
 
   grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest*, v1::CreateJobResponse*) override;
   grpc::Status Init(grpc::ServerContext*, grpc::ServerReader<v1::InitChunk>*, v1::InitResponse*) override;
   grpc::ServerReadReactor<v1::GradChunk>* Push(grpc::CallbackServerContext*, v1::PushResponse*) override;
-  grpc::Status Commit(grpc::ServerContext*, const v1::CommitRequest*, grpc::ServerWriter<v1::ParamChunk>*) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Commit(grpc::CallbackServerContext*, const grpc::ByteBuffer*) override;
   grpc::Status Read(grpc::ServerContext*, const v1::ReadRequest*, grpc::ServerWriter<v1::StateChunk>*) override;
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse*) override;
   grpc::Status DropJob(grpc::ServerContext*, const v1::DropJobRequest*, v1::DropJobResponse*) override;

@@ -1,0 +1,87 @@
+#include "server/commit_reactor.h"
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "grpcpp/server_context.h"
+#include "grpcpp/support/slice.h"
+#include "rpc/grpc_edge.h"
+#include "rpc/wire_format.h"
+
+namespace shardopt {
+namespace {
+
+class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  CommitReactor(JobStore* store, const grpc::ByteBuffer* request) {
+    v1::CommitRequest parsed;
+    std::vector<grpc::Slice> slices;
+    std::string bytes;
+    if (request->Dump(&slices).ok()) {
+      for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+    if (!parsed.ParseFromString(bytes)) {
+      Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the CommitRequest does not parse"));
+      return;
+    }
+    auto stream = store->OpenCommit(parsed);
+    if (!stream.ok()) {
+      Finish(ToGrpcStatus(stream.status()));
+      return;
+    }
+    stream_ = *std::move(stream);
+    WriteNext();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {  // the caller went away: the step is still completed
+      stream_->Abandon().IgnoreError();
+      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the caller stopped reading the params"));
+      return;
+    }
+    WriteNext();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  // The params go out in a buffer of their own, freed by gRPC once sent.
+  void WriteNext() {
+    char* data = nullptr;
+    auto piece = stream_->Next([&](const ParamStream::Piece& p) {
+      data = static_cast<char*>(std::malloc(std::max<uint64_t>(p.bytes, 1)));
+      return data;
+    });
+    if (!piece.ok() || !*piece) {
+      std::free(data);
+      Finish(piece.ok() ? grpc::Status::OK : ToGrpcStatus(piece.status()));
+      return;
+    }
+    const ParamStream::Piece& p = **piece;
+    // Field order as protobuf writes it: tensor, offset, data, step, dtype.
+    std::string head, tail;
+    wire::AppendBytesField(&head, v1::ParamChunk::kTensorFieldNumber, *p.tensor);
+    wire::AppendVarintField(&head, v1::ParamChunk::kOffsetFieldNumber, p.offset);
+    wire::AppendBytesHeader(&head, v1::ParamChunk::kDataFieldNumber, p.bytes);
+    wire::AppendVarintField(&tail, v1::ParamChunk::kStepFieldNumber, p.step);
+    // BF16 is sent as unspecified, as servers sent it before param_dtype existed.
+    if (p.fp32) wire::AppendVarintField(&tail, v1::ParamChunk::kDtypeFieldNumber, v1::FP32);
+    grpc::Slice slices[3] = {grpc::Slice(head), grpc::Slice(data, p.bytes, std::free), grpc::Slice(tail)};
+    message_ = grpc::ByteBuffer(slices, 3);
+    StartWrite(&message_);
+  }
+
+  std::unique_ptr<ParamStream> stream_;
+  grpc::ByteBuffer message_;
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartCommitReactor(JobStore* store, grpc::CallbackServerContext*,
+                                                               const grpc::ByteBuffer* request) {
+  return new CommitReactor(store, request);
+}
+
+}  // namespace shardopt
