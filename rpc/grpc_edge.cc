@@ -5,7 +5,10 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/message.h"
 #include "grpcpp/server_builder.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/proto_buffer_reader.h"
 
 namespace shardopt {
 
@@ -43,6 +46,20 @@ void TuneServerBuilder(grpc::ServerBuilder* builder, int max_message_bytes) {
   builder->AddChannelArgument("grpc.http2.lookahead_bytes", kLookaheadBytes);
   builder->SetMaxReceiveMessageSize(max_message_bytes);
   builder->SetMaxSendMessageSize(max_message_bytes);
+}
+
+absl::Status ParseMessage(grpc::ByteBuffer* buffer, google::protobuf::Message* message, absl::string_view what) {
+  message->Clear();
+  grpc::ProtoBufferReader reader(buffer);
+  if (!reader.status().ok() || !message->ParseFromZeroCopyStream(&reader)) {
+    return absl::InvalidArgumentError(absl::StrCat("a ", what, " message does not parse; the stream is refused"));
+  }
+  return absl::OkStatus();
+}
+
+grpc::ByteBuffer SerializeMessage(const google::protobuf::Message& message) {
+  grpc::Slice slice(message.SerializeAsString());
+  return grpc::ByteBuffer(&slice, 1);
 }
 
 void TuneAllocatorForStreaming() {

@@ -11,8 +11,12 @@
 #include "grpcpp/support/status.h"
 
 namespace grpc {
+class ByteBuffer;
 class ServerBuilder;
-}
+}  // namespace grpc
+namespace google::protobuf {
+class Message;
+}  // namespace google::protobuf
 
 namespace shardopt {
 
@@ -20,6 +24,12 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 // `peer` names the other side in the message, so a user of many servers sees
 // which one refused.
 absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view peer = {});
+
+// A raw message into `message`: INVALID_ARGUMENT naming `what` when it does
+// not parse, where gRPC's typed readers would only end the stream.
+absl::Status ParseMessage(grpc::ByteBuffer* buffer, google::protobuf::Message* message, absl::string_view what);
+// A message into a raw buffer, for a raw handler's answer.
+grpc::ByteBuffer SerializeMessage(const google::protobuf::Message& message);
 
 // Large enough for 4 MiB chunks with room for the message's other fields.
 inline constexpr int kDefaultMaxMessageBytes = 8 << 20;

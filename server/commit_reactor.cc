@@ -3,7 +3,6 @@
 #include <cstdlib>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/slice.h"
@@ -17,13 +16,9 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   CommitReactor(JobStore* store, const grpc::ByteBuffer* request) {
     v1::CommitRequest parsed;
-    std::vector<grpc::Slice> slices;
-    std::string bytes;
-    if (request->Dump(&slices).ok()) {
-      for (const grpc::Slice& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
-    }
-    if (!parsed.ParseFromString(bytes)) {
-      Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "the CommitRequest does not parse"));
+    grpc::ByteBuffer copy = *request;  // shares the slices: ParseMessage reads it through
+    if (absl::Status st = ParseMessage(&copy, &parsed, "CommitRequest"); !st.ok()) {
+      Finish(ToGrpcStatus(st));
       return;
     }
     auto stream = store->OpenCommit(parsed);

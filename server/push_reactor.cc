@@ -15,16 +15,16 @@ namespace {
 // holds: a wake that runs after the call ended finds `done_` and does
 // nothing. Every reactor step runs under `mu_`, so a wake never races a
 // read's completion.
-class PushReactor final : public grpc::ServerReadReactor<v1::GradChunk>,
+class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
                           public std::enable_shared_from_this<PushReactor> {
  public:
-  PushReactor(JobStore* store, grpc::CallbackServerContext* context, v1::PushResponse* response)
+  PushReactor(JobStore* store, grpc::CallbackServerContext* context, grpc::ByteBuffer* response)
       : store_(store), context_(context), response_(response) {}
 
   void Begin() {
     self_ = shared_from_this();
     std::lock_guard<std::recursive_mutex> lock(mu_);
-    StartRead(&chunk_);
+    StartRead(&message_);
   }
 
   void OnReadDone(bool ok) override {
@@ -34,6 +34,10 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GradChunk>,
       if (context_->IsCancelled()) return End(grpc::Status(grpc::StatusCode::CANCELLED, "push cancelled"));
       if (!session_) return End(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "empty push stream"));
       return Seal();
+    }
+    if (absl::Status parsed = ParseMessage(&message_, &chunk_, "GradChunk"); !parsed.ok()) {
+      if (session_) session_->Refuse();
+      return End(ToGrpcStatus(parsed));
     }
     if (!session_) {
       auto session = store_->BeginPush(chunk_);
@@ -85,8 +89,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GradChunk>,
       waiting_ = Waiting::kWindow;
       return;
     }
-    chunk_.Clear();
-    StartRead(&chunk_);
+    StartRead(&message_);
   }
 
   void Seal() {
@@ -96,7 +99,7 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GradChunk>,
       waiting_ = Waiting::kBarrier;
       return;
     }
-    *response_ = **std::move(answer);
+    *response_ = SerializeMessage(**answer);
     End(grpc::Status::OK);
   }
 
@@ -109,11 +112,12 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GradChunk>,
 
   JobStore* const store_;
   grpc::CallbackServerContext* const context_;
-  v1::PushResponse* const response_;
+  grpc::ByteBuffer* const response_;
   std::shared_ptr<PushReactor> self_;
 
   // Recursive in case gRPC runs a reaction inline from a Start call.
   std::recursive_mutex mu_;
+  grpc::ByteBuffer message_;
   v1::GradChunk chunk_;
   std::unique_ptr<PushSession> session_;
   Waiting waiting_ = Waiting::kNothing;
@@ -123,8 +127,8 @@ class PushReactor final : public grpc::ServerReadReactor<v1::GradChunk>,
 
 }  // namespace
 
-grpc::ServerReadReactor<v1::GradChunk>* StartPushReactor(JobStore* store, grpc::CallbackServerContext* context,
-                                                         v1::PushResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* StartPushReactor(JobStore* store, grpc::CallbackServerContext* context,
+                                                            grpc::ByteBuffer* response) {
   auto reactor = std::make_shared<PushReactor>(store, context, response);
   reactor->Begin();
   return reactor.get();

@@ -47,6 +47,10 @@ class PushSession {
   // it waits at the barrier (then call TrySeal again after `wake`).
   absl::StatusOr<std::optional<v1::PushResponse>> TrySeal(const Wake& wake);
 
+  // The stream was refused outside the session (a message that does not
+  // parse): its chunks leave the round as a refused push's do.
+  void Refuse() { refused_ = true; }
+
   // The blocking forms of Offer and TrySeal.
   absl::Status Add(const v1::GradChunk& chunk);
   absl::StatusOr<v1::PushResponse> Finish();

@@ -6,6 +6,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "rpc/grpc_edge.h"
 #include "server/commit_reactor.h"
+#include "server/init_reactor.h"
 #include "server/push_reactor.h"
 
 namespace shardopt {
@@ -17,24 +18,13 @@ grpc::Status OptimizerService::CreateJob(grpc::ServerContext*, const v1::CreateJ
   return ToGrpcStatus(r.status());
 }
 
-grpc::Status OptimizerService::Init(grpc::ServerContext*, grpc::ServerReader<v1::InitChunk>* reader,
-                                    v1::InitResponse* resp) {
-  v1::InitChunk chunk;
-  std::string job;
-  uint64_t elements = 0;
-  while (reader->Read(&chunk)) {
-    if (chunk.job().empty()) chunk.set_job(job);
-    job = chunk.job();
-    auto written = store_->Init(chunk);
-    if (!written.ok()) return ToGrpcStatus(written.status());
-    elements += *written;
-  }
-  resp->set_elements(elements);
-  return grpc::Status::OK;
+grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Init(grpc::CallbackServerContext*,
+                                                                  grpc::ByteBuffer* response) {
+  return StartInitReactor(store_, response);
 }
 
-grpc::ServerReadReactor<v1::GradChunk>* OptimizerService::Push(grpc::CallbackServerContext* context,
-                                                              v1::PushResponse* response) {
+grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Push(grpc::CallbackServerContext* context,
+                                                                  grpc::ByteBuffer* response) {
   return StartPushReactor(store_, context, response);
 }
 

@@ -13,19 +13,22 @@ class Server;
 
 namespace shardopt {
 
-// Push is served on gRPC's callback API: a push that waits (for room in the
-// running sum's window, or at the barrier) holds no thread, so any number of
-// ranks can wait on a server with a fixed set of threads (push_reactor.h).
-// Commit is served raw on the callback API too, its params copied once on
-// their way out (commit_reactor.h).
+// The streaming RPCs that carry a step's bulk are served on gRPC's callback
+// API with raw messages: a push that waits (for room in the running sum's
+// window, or at the barrier) holds no thread, so any number of ranks can
+// wait on a server with a fixed set of threads (push_reactor.h); a commit's
+// params are copied once on their way out (commit_reactor.h); and a message
+// of Push or Init that does not parse is INVALID_ARGUMENT (init_reactor.h).
+// The unary RPCs and Read stay synchronous.
 class OptimizerService final
-    : public v1::Optimizer::WithCallbackMethod_Push<v1::Optimizer::WithRawCallbackMethod_Commit<v1::Optimizer::Service>> {
+    : public v1::Optimizer::WithRawCallbackMethod_Init<
+          v1::Optimizer::WithRawCallbackMethod_Push<v1::Optimizer::WithRawCallbackMethod_Commit<v1::Optimizer::Service>>> {
  public:
   explicit OptimizerService(JobStore* store) : store_(store) {}
 
   grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest*, v1::CreateJobResponse*) override;
-  grpc::Status Init(grpc::ServerContext*, grpc::ServerReader<v1::InitChunk>*, v1::InitResponse*) override;
-  grpc::ServerReadReactor<v1::GradChunk>* Push(grpc::CallbackServerContext*, v1::PushResponse*) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Init(grpc::CallbackServerContext*, grpc::ByteBuffer*) override;
+  grpc::ServerReadReactor<grpc::ByteBuffer>* Push(grpc::CallbackServerContext*, grpc::ByteBuffer*) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Commit(grpc::CallbackServerContext*, const grpc::ByteBuffer*) override;
   grpc::Status Read(grpc::ServerContext*, const v1::ReadRequest*, grpc::ServerWriter<v1::StateChunk>*) override;
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse*) override;

@@ -18,6 +18,7 @@
 #include "gtest/gtest.h"
 #include "kernels/adamw_math.h"
 #include "shardopt/client.h"
+#include "client/wire.h"
 #include "rpc/grpc_edge.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tests/testing/reference.h"
@@ -425,6 +426,66 @@ TEST(ClientRetries, UnavailableIsRetriedUntilTheServerComes) {
   trainer.join();
   ASSERT_NE(server, nullptr);
   EXPECT_TRUE(step.ok()) << step.status();
+}
+
+// A stream message that does not parse is INVALID_ARGUMENT, never the
+// stream's quiet end: an Init cut by one is not answered OK with part of the
+// values, and a Push with one is refused and counts for nothing.
+TEST_F(ServiceTest, AnUnparseableStreamMessageIsInvalidArgumentAndChangesNothing) {
+  const JobOptions job = MakeJob("garbled", 1, {{"w", 4096}});
+  auto client = Connect(server_->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub generic(channel);
+  const std::string garbage("\x0a\xff\xff\xff\xff\x0f", 6);  // field 1, a length past the message's end
+  auto init = RandomFloats(rng_, 4096, -1, 1);
+  auto stream_of = [&](const std::string& method, const std::vector<std::string>& messages) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    wire::Stream stream(&generic, &ctx, method);
+    for (const std::string& m : messages) {
+      grpc::Slice slice(m);
+      if (!stream.Write(grpc::ByteBuffer(&slice, 1))) break;
+    }
+    stream.WritesDone();
+    return stream.Finish();
+  };
+
+  v1::InitChunk half;
+  half.set_job("garbled");
+  half.set_tensor("w");
+  half.set_dtype(v1::FP32);
+  half.set_data(init.data(), 2048 * 4);
+  const grpc::Status cut = stream_of("/shardopt.v1.Optimizer/Init", {half.SerializeAsString(), garbage});
+  EXPECT_EQ(cut.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(cut.error_message(), HasSubstr("InitChunk message does not parse"));
+  EXPECT_THAT(cut.error_message(), HasSubstr("after 2048 elements"));
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+
+  const auto before = ReadAll(*client, job);
+  auto bad = RandomBf16(rng_, 4096, 1.0f);
+  v1::GradChunk whole;
+  whole.set_job("garbled");
+  whole.set_step(1);
+  whole.set_tensor("w");
+  whole.set_dtype(v1::BF16);
+  whole.set_data(bad.data(), 4096 * 2);
+  const grpc::Status refused = stream_of("/shardopt.v1.Optimizer/Push", {whole.SerializeAsString(), garbage});
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(refused.error_message(), HasSubstr("GradChunk message does not parse"));
+  EXPECT_EQ(ReadAll(*client, job), before);
+
+  // The refused push's gradient counts for nothing: the step is the next
+  // push's alone.
+  auto good = RandomBf16(rng_, 4096, 1.0f);
+  std::vector<uint16_t> params(4096);
+  StepOptions so;
+  so.lr = 1e-2;
+  auto r = client->Step({{"w", good.data()}}, so, {{"w", params.data()}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ReferenceTensor ref(kHyper, init, false);
+  ref.Step({good.data()}, so.lr, r->decision.gscale);
+  EXPECT_EQ(params, ref.Params());
 }
 
 TEST_F(ServiceTest, HealthAndReflectionAreServed) {
