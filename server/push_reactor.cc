@@ -39,6 +39,7 @@ class PushReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer>,
       if (session_) session_->Refuse();
       return End(ToGrpcStatus(parsed));
     }
+    message_.Clear();  // the chunk holds its bytes now; a waiting push keeps one copy, not two
     if (!session_) {
       auto session = store_->BeginPush(chunk_);
       if (!session.ok()) return End(ToGrpcStatus(session.status()));

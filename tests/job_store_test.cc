@@ -519,20 +519,36 @@ TEST_F(StoreTest, DescribeReportsStateBytesAndHeldPrecision) {
   EXPECT_THAT(d16->device(), HasSubstr("cpu"));
 }
 
-// SIGTERM's path: what was applied is checkpointed, what comes after is refused.
-class DrainTest : public StoreTest {
+// A store whose checkpoints go to a fresh temporary directory, keeping
+// `kKeep` per job (0: all), its log lines kept for the test to read.
+template <uint64_t kKeep>
+class CheckpointDirTest : public StoreTest {
  protected:
-  DrainTest() : StoreTest(Options()) {}
-  ~DrainTest() override { std::filesystem::remove_all(dir_); }
+  CheckpointDirTest() : StoreTest(Options()) {}
+  ~CheckpointDirTest() override { std::filesystem::remove_all(dir_); }
   static JobStoreOptions Options() {
-    char tmpl[] = "/tmp/shardopt-drain-XXXXXX";
+    char tmpl[] = "/tmp/shardopt-checkpoints-XXXXXX";
     dir_ = mkdtemp(tmpl);
+    log_.clear();
     JobStoreOptions o;
     o.checkpoint_dir = dir_;
+    o.checkpoint_keep = kKeep;
+    o.checkpoint_log = [](const std::string& line) { log_.push_back(line); };
+    return o;
+  }
+  // Another store's options on the same directory, that keeps every checkpoint.
+  static JobStoreOptions Options0(const std::string& dir) {
+    JobStoreOptions o;
+    o.checkpoint_dir = dir;
+    o.checkpoint_log = [](const std::string&) {};
     return o;
   }
   static inline std::string dir_;
+  static inline std::vector<std::string> log_;
 };
+
+// SIGTERM's path: what was applied is checkpointed, what comes after is refused.
+using DrainTest = CheckpointDirTest<0>;
 
 TEST_F(DrainTest, DrainCheckpointsAppliedStepsSkipsUninitializedJobsAndRefusesNewCommitsWithUnavailable) {
   Create(JobRequest("a", 1, {{"w", 100}}));
@@ -559,29 +575,7 @@ TEST_F(DrainTest, DrainCheckpointsAppliedStepsSkipsUninitializedJobsAndRefusesNe
 
 // --checkpoint_keep: the newest complete checkpoints stay, older steps go,
 // torn or not, and a newer step still being written is never touched.
-class CheckpointKeepTest : public StoreTest {
- protected:
-  CheckpointKeepTest() : StoreTest(Options()) {}
-  ~CheckpointKeepTest() override { std::filesystem::remove_all(dir_); }
-  static JobStoreOptions Options() {
-    char tmpl[] = "/tmp/shardopt-keep-XXXXXX";
-    dir_ = mkdtemp(tmpl);
-    log_.clear();
-    JobStoreOptions o;
-    o.checkpoint_dir = dir_;
-    o.checkpoint_keep = 2;
-    o.checkpoint_log = [](const std::string& line) { log_.push_back(line); };
-    return o;
-  }
-  static JobStoreOptions Options0(const std::string& dir) {
-    JobStoreOptions o;
-    o.checkpoint_dir = dir;
-    o.checkpoint_log = [](const std::string&) {};
-    return o;
-  }
-  static inline std::string dir_;
-  static inline std::vector<std::string> log_;
-};
+using CheckpointKeepTest = CheckpointDirTest<2>;
 
 TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
   const std::string& dir = dir_;
