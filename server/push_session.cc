@@ -134,7 +134,16 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, const Wake& wake) {
       (chunk.rank() != 0 && chunk.rank() != rank_)) {
     return absl::InvalidArgumentError("job, step and rank must not change within one push stream");
   }
-  for (std::string& t : *chunk.mutable_no_grad()) no_grad_.push_back(std::move(t));
+  // Resolved as they arrive, so a stream of names holds one bit per tensor
+  // of the job however many it sends, and an unknown one is refused at once.
+  for (const std::string& t : chunk.no_grad()) {
+    auto it = job_->tensor_index.find(t);  // fixed at creation: no lock needed
+    if (it == job_->tensor_index.end()) {
+      return absl::NotFoundError(absl::StrCat("no_grad names tensor ", Quote(t), ", which job '", job_->name(), "' lacks"));
+    }
+    if (no_grad_.empty()) no_grad_.resize(job_->spec.tensors_size());
+    no_grad_[it->second] = true;
+  }
   const bool has_data = !chunk.tensor().empty() || !chunk.data().empty();
   absl::MutexLock lock(&job_->mu);
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
@@ -236,16 +245,14 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
 
   // Validate the whole declaration before changing anything.
   std::vector<uint32_t> no_grad_shards;
-  for (const std::string& t : no_grad_) {
-    auto it = job_->tensor_index.find(t);
-    if (it == job_->tensor_index.end()) {
-      return absl::NotFoundError(absl::StrCat("no_grad names tensor ", Quote(t), ", which job '", job_->name(), "' lacks"));
-    }
-    const int64_t s = job_->shard_of_tensor[it->second];
+  for (uint32_t t = 0; t < no_grad_.size(); ++t) {
+    if (!no_grad_[t]) continue;
+    const int64_t s = job_->shard_of_tensor[t];
     if (s < 0) continue;
     if (sum.FirstGap(rank_, static_cast<uint32_t>(s)) !=
         std::make_optional(std::make_pair(uint64_t{0}, job_->shards[s].length))) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, " both pushed tensor '", t, "' and declared it no_grad"));
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, " both pushed tensor '", job_->spec.tensors(t).name(),
+                                                     "' and declared it no_grad"));
     }
     no_grad_shards.push_back(static_cast<uint32_t>(s));
   }

@@ -82,7 +82,7 @@ class PushSession {
   bool answered_ = false;
   bool refused_ = false;  // Offer or TrySeal answered an error
   bool sealing_ = false;  // the rank finished in the sum: only the barrier is left
-  std::vector<std::string> no_grad_;
+  std::vector<bool> no_grad_;  // [tensor], once the stream names any
   // The chunk being folded while the window is full, and how much is done.
   std::optional<v1::GradChunk> pending_;
   uint64_t pending_taken_ = 0;

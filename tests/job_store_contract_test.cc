@@ -238,6 +238,42 @@ TEST_F(ContractTest, InitRefusesNegativeSecondMomentsAndParamsAndChangesNothing)
   EXPECT_EQ(Snapshot("moments"), before);
 }
 
+// no_grad names are resolved as they arrive: an unknown one is refused at
+// its chunk, not after the stream has sent all it likes, and repeating a
+// known one costs nothing (the session keeps one bit per tensor).
+TEST_F(ContractTest, NoGradNamesAreCheckedAsTheyArriveAndRepeatsCountOnce) {
+  auto init = Create(JobRequest("nograd", 1, {{"a", 100}, {"b", 100}}));
+  const std::string before = Snapshot("nograd");
+  {
+    auto session = StartPush("nograd", 1, 0);
+    ASSERT_TRUE(session.ok());
+    v1::GradChunk names;
+    for (int i = 0; i < 60000; ++i) names.add_no_grad("b");
+    ASSERT_TRUE((*session)->Add(names).ok());
+    v1::GradChunk unknown;
+    unknown.add_no_grad("b");
+    unknown.add_no_grad(std::string(100, 'x'));
+    const absl::Status refused = (*session)->Add(unknown);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kNotFound);
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("which job 'nograd' lacks"));
+  }
+  EXPECT_EQ(Snapshot("nograd"), before);
+  // The repeats declared `b` once: a push of `a` alone with them seals.
+  const auto ga = RandomBf16(rng_, 100, 1);
+  auto session = StartPush("nograd", 1, 0);
+  ASSERT_TRUE(session.ok());
+  v1::GradChunk names;
+  for (int i = 0; i < 1000; ++i) names.add_no_grad("b");
+  ASSERT_TRUE((*session)->Add(names).ok());
+  ASSERT_TRUE((*session)->Add(Chunk("a", 0, ga.data(), 100)).ok());
+  ASSERT_TRUE((*session)->Finish().ok());
+  ASSERT_TRUE(Commit("nograd", 1, 1e-3).ok());
+  ReferenceTensor a(kHyper, init["a"], false);
+  a.Step({ga.data()}, 1e-3, 1.0f);
+  EXPECT_EQ(ReadFloats("nograd", "a", v1::MASTER), a.p);
+  EXPECT_EQ(ReadFloats("nograd", "b", v1::MASTER), init["b"]);
+}
+
 // A stream refused halfway must leave the round as if it never came: here
 // the valid chunk of `b` it sent first once made the rank's next push, which
 // declares `b` without a gradient, fail as "both pushed and declared".
