@@ -24,12 +24,16 @@ std::string ErrnoText(const std::string& what, const std::string& path) {
   return absl::StrCat(what, " ", path, ": ", std::strerror(errno));
 }
 
-// O_DIRECT where the file system has it; tmpfs and some others refuse the
-// flag with EINVAL, and then the same calls go through the page cache.
+// O_DIRECT where the file system has it; some (older tmpfs, FUSE, network
+// file systems) refuse the flag, and then the same calls go through the page
+// cache. The flag is set after the open: an open(O_CREAT | O_DIRECT) that
+// fails for the flag has already created the file.
 int OpenMaybeDirect(const std::string& path, int flags, bool* direct) {
-  int fd = open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
-  *direct = fd >= 0;
-  if (fd < 0 && errno == EINVAL) fd = open(path.c_str(), flags | O_CLOEXEC, 0644);
+  const int fd = open(path.c_str(), flags | O_CLOEXEC, 0644);
+  *direct = false;
+  if (fd < 0) return fd;
+  const int status = fcntl(fd, F_GETFL);
+  *direct = status >= 0 && fcntl(fd, F_SETFL, status | O_DIRECT) == 0;
   return fd;
 }
 

@@ -29,6 +29,7 @@ Job::Job(const v1::CreateJobRequest& s, uint64_t window, Wakeups* wakeups)
 absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spec, Backend* backend,
                                                  uint64_t window_bytes, Wakeups* wakeups) {
   std::shared_ptr<Job> job(new Job(spec, window_bytes, wakeups));
+  job->self_ = job;
   for (const v1::Group& g : spec.groups()) {
     job->hypers.push_back({g.beta1(), g.beta2(), g.eps(), g.weight_decay(), g.lr_multiplier()});
   }
@@ -63,6 +64,14 @@ void Job::StartRound(std::chrono::steady_clock::time_point now) {
   for (const OwnedShard& s : shards) lengths.push_back(s.length);
   round.sum = std::make_unique<RunningSum>(std::move(lengths), world_size(), window_bytes);
   round.sessions.assign(world_size(), 0);
+  // At the deadline every waiter looks again; the first to see it passed
+  // ends the round (push_session.cc), saying who is missing.
+  wakeups_->At(round.deadline, [weak = self_, epoch = round.epoch] {
+    if (auto job = weak.lock()) {
+      absl::MutexLock lock(&job->mu);
+      if (job->round.epoch == epoch && job->round.active && !job->round.sealed) job->Notify();
+    }
+  });
 }
 
 void Job::EndRound(std::string why) {
@@ -83,10 +92,7 @@ void Job::Notify() {
   watchers_.clear();
 }
 
-void Job::Watch(std::function<void()> wake, std::chrono::steady_clock::time_point deadline) {
-  if (deadline != std::chrono::steady_clock::time_point::max()) wakeups_->At(deadline, wake);
-  watchers_.push_back(std::move(wake));
-}
+void Job::Watch(std::function<void()> wake) { watchers_.push_back(std::move(wake)); }
 
 void Job::AwaitWholeStep() {
   while (applying && !dropped) changed.Wait(&mu);

@@ -131,11 +131,11 @@ class Job {
   // watchers, each run once on the wakeup thread. Every change of the round,
   // the step, `applying` or `dropped` calls it.
   void Notify() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Runs `wake` (once, on the wakeup thread) at the next Notify, and also at
-  // `deadline` unless that is the time point's max. Registered under the same
-  // lock as the check that found nothing to do yet, so no change is missed.
-  void Watch(std::function<void()> wake, std::chrono::steady_clock::time_point deadline)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Runs `wake` (once, on the wakeup thread) at the next Notify. Registered
+  // under the same lock as the check that found nothing to do yet, so no
+  // change is missed. A round's deadline is a Notify too: StartRound sets one
+  // timer for it, whatever the number of waiters.
+  void Watch(std::function<void()> wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Waits until no step is half applied, so that what follows sees whole steps.
   void AwaitWholeStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
@@ -150,6 +150,7 @@ class Job {
  private:
   Job(const v1::CreateJobRequest& spec, uint64_t window_bytes, Wakeups* wakeups);
   Wakeups* const wakeups_;
+  std::weak_ptr<Job> self_;  // for the round's deadline timer, which may outlive the job
   std::vector<std::function<void()>> watchers_ ABSL_GUARDED_BY(mu);
 };
 

@@ -74,7 +74,7 @@ PushSession::~PushSession() {
 namespace {
 
 // A blocking caller's wait: the wake sets the flag. Shared, because a wake
-// registered for the round's deadline may run after the caller returned.
+// already posted may run after the caller returned.
 struct Latch {
   absl::Mutex mu;
   bool woken ABSL_GUARDED_BY(mu) = false;
@@ -194,14 +194,8 @@ absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
   }
   // The window is full: this stream is not read until it drains, so gRPC's
   // flow control holds the sender back.
-  WatchRound(wake);
+  job_->Watch(wake);
   return false;
-}
-
-void PushSession::WatchRound(const Wake& wake) {
-  job_->Watch(wake, watched_deadline_ == job_->round.deadline ? std::chrono::steady_clock::time_point::max()
-                                                               : job_->round.deadline);
-  watched_deadline_ = job_->round.deadline;
 }
 
 absl::Status PushSession::Discarded() const {
@@ -309,7 +303,7 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::AwaitSeal(const Wak
   if (job_->sealed_step == step_ && (job_->round.sealed || job_->step >= step_)) return Answer();
   if (job_->round.epoch != epoch_) return Discarded();
   if (std::chrono::steady_clock::now() < job_->round.deadline) {
-    WatchRound(wake);
+    job_->Watch(wake);
     return std::nullopt;
   }
   // Our own deadline: end the round for everyone.

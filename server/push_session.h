@@ -66,8 +66,7 @@ class PushSession {
   absl::StatusOr<bool> Take(v1::GradChunk chunk, const Wake& wake);
   // Folds what it can of the pending chunk; false when the rest must wait.
   absl::StatusOr<bool> Fold(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
-  // Watches the job for `wake`, with the round's deadline.
-  void WatchRound(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
+
   // The answer to a push whose round ended without it.
   absl::Status Discarded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // The answer to the push of a sealed step: the job's kept sums.
@@ -88,9 +87,7 @@ class PushSession {
   uint64_t pending_taken_ = 0;
   DType pending_dtype_ = DType::kBf16;
   uint32_t pending_shard_ = 0;
-  // The deadline a wake is already set for: one timer per round, however
-  // often the session waits in it.
-  std::chrono::steady_clock::time_point watched_deadline_;
+
 };
 
 }  // namespace shardopt

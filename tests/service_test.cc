@@ -428,6 +428,56 @@ TEST(ClientRetries, UnavailableIsRetriedUntilTheServerComes) {
   EXPECT_TRUE(step.ok()) << step.status();
 }
 
+// Init streams that a client holds open without finishing hold no server
+// thread either (they once pinned one each, until a task limit made every
+// new call fail): 300 of them leave the thread count as it was, another job
+// steps meanwhile, and each is answered once its client finishes it.
+TEST_F(ServiceTest, InitStreamsHeldOpenHoldNoServerThread) {
+  constexpr int kStreams = 300;
+  const JobOptions held = MakeJob("held", 1, {{"w", 64}});
+  auto client = Connect(server_->address());
+  ASSERT_TRUE(client->CreateOrAttach(held).ok());
+  const size_t idle = ThreadCount(server_->pid());
+  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub generic(channel);
+  auto values = RandomFloats(rng_, 64, -1, 1);
+  v1::InitChunk chunk;
+  chunk.set_job("held");
+  chunk.set_tensor("w");
+  chunk.set_dtype(v1::FP32);
+  chunk.set_data(values.data(), 64 * 4);
+  const std::string message = chunk.SerializeAsString();
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<wire::Stream>> streams;
+  for (int i = 0; i < kStreams; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    contexts.back()->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    streams.push_back(std::make_unique<wire::Stream>(&generic, contexts.back().get(), "/shardopt.v1.Optimizer/Init"));
+    grpc::Slice slice(message);
+    ASSERT_TRUE(streams.back()->Write(grpc::ByteBuffer(&slice, 1))) << "stream " << i;
+  }
+  const size_t open = ThreadCount(server_->pid());
+  const JobOptions other = MakeJob("other", 1, {{"w", 100}});
+  auto side = Connect(server_->address());
+  ASSERT_TRUE(side->CreateOrAttach(other).ok());
+  auto side_init = RandomFloats(rng_, 100, -1, 1);
+  ASSERT_TRUE(side->InitFp32("w", side_init.data()).ok());
+  auto g = RandomBf16(rng_, 100, 1.0f);
+  std::vector<uint16_t> p(100);
+  StepOptions so;
+  so.lr = 1e-3;
+  EXPECT_TRUE(side->Step({{"w", g.data()}}, so, {{"w", p.data()}}).ok());
+  std::printf("server threads: %zu idle, %zu with %d Init streams open\n", idle, open, kStreams);
+  EXPECT_LT(open, idle + 16) << "open Init streams hold server threads";
+  for (auto& stream : streams) {
+    stream->WritesDone();
+    grpc::ByteBuffer answer;  // a generic call's status comes after its message is read
+    EXPECT_TRUE(stream->Read(&answer));
+    const grpc::Status done = stream->Finish();
+    EXPECT_TRUE(done.ok()) << done.error_code() << " " << done.error_message();
+  }
+}
+
 // A stream message that does not parse is INVALID_ARGUMENT, never the
 // stream's quiet end: an Init cut by one is not answered OK with part of the
 // values, and a Push with one is refused and counts for nothing.

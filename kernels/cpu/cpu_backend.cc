@@ -53,6 +53,7 @@ class AlignedBuffer {
   AlignedBuffer(AlignedBuffer&& o) noexcept : data_(o.data_), bytes_(o.bytes_), mapped_(o.mapped_) {
     o.data_ = nullptr;
     o.bytes_ = 0;
+    o.mapped_ = false;
   }
   AlignedBuffer& operator=(AlignedBuffer&& o) noexcept {
     std::swap(data_, o.data_);
@@ -143,14 +144,25 @@ class CpuJobState final : public JobState {
       // fp32 into fp32 (a restore's bulk): a copy, and the params from it.
       std::memcpy(dst, data, count * 4);
       if (kind == StateKind::kMaster) {
+        // From the copy, which is aligned: `data` need not be (a restore's
+        // pieces start wherever the part's frame ends).
+        const float* master = reinterpret_cast<const float*>(dst);
         uint16_t* params = reinterpret_cast<uint16_t*>(s.param_out.data()) + offset;
-        for (uint64_t i = 0; i < count; ++i) params[i] = math::float_to_bf16(static_cast<const float*>(data)[i]);
+        for (uint64_t i = 0; i < count; ++i) params[i] = math::float_to_bf16(master[i]);
       }
       return absl::OkStatus();
     }
+    const char* in = static_cast<const char*>(data);
     for (uint64_t i = 0; i < count; ++i) {
-      const float x = dtype == DType::kFp32 ? static_cast<const float*>(data)[i]
-                                            : math::bf16_to_float(static_cast<const uint16_t*>(data)[i]);
+      // Loaded through memcpy: `data` need not be aligned to its element.
+      float x;
+      if (dtype == DType::kFp32) {
+        std::memcpy(&x, in + 4 * i, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, in + 2 * i, 2);
+        x = math::bf16_to_float(h);
+      }
       if (s.layout.precision == Precision::kFp32) {
         reinterpret_cast<float*>(dst)[i] = x;
       } else {
