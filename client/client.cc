@@ -141,7 +141,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   for (const std::string& address : options.servers) {
     grpc::ChannelArguments args;
     TuneChannelArguments(&args);
-    auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    auto channel = grpc::CreateCustomChannel(
+        address, ChannelCredentialsFor(options.tls_root_certs, options.tls_cert_chain, options.tls_private_key), args);
     impl->stubs.push_back(v1::Optimizer::NewStub(channel));
     impl->generic.push_back(std::make_unique<grpc::GenericStub>(channel));
   }

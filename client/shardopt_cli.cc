@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -29,6 +31,9 @@
 #include "tools/flags.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "describe, drop, read: the server, HOST:PORT");
+ABSL_FLAG(std::string, tls_ca, "", "describe, drop, read: PEM CA of the server's certificate; set it to use TLS");
+ABSL_FLAG(std::string, tls_cert, "", "describe, drop, read: PEM certificate of this client, for mutual TLS");
+ABSL_FLAG(std::string, tls_key, "", "describe, drop, read: PEM private key of --tls_cert");
 ABSL_FLAG(std::string, checkpoint_dir, "", "export: the servers' --checkpoint_dir, where the checkpoint is");
 ABSL_FLAG(uint64_t, step, 0, "export: the checkpoint's step; 0 is the newest complete one");
 ABSL_FLAG(std::string, dtype, "fp32", "export: fp32 (the master exactly) or bf16 (rounded to nearest even)");
@@ -184,8 +189,18 @@ int main(int argc, char** argv) {
 
   grpc::ChannelArguments channel_args;
   shardopt::TuneChannelArguments(&channel_args);
-  auto stub = v1::Optimizer::NewStub(
-      grpc::CreateCustomChannel(absl::GetFlag(FLAGS_server), grpc::InsecureChannelCredentials(), channel_args));
+  std::string pem[3];
+  const std::string paths[3] = {absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key)};
+  for (int i = 0; i < 3; ++i) {
+    if (paths[i].empty()) continue;
+    std::ifstream in(paths[i]);
+    std::stringstream text;
+    text << in.rdbuf();
+    if (!in || text.str().empty()) return Fail(absl::NotFoundError(absl::StrCat(paths[i], " cannot be read")));
+    pem[i] = text.str();
+  }
+  auto stub = v1::Optimizer::NewStub(grpc::CreateCustomChannel(
+      absl::GetFlag(FLAGS_server), shardopt::ChannelCredentialsFor(pem[0], pem[1], pem[2]), channel_args));
   grpc::ClientContext ctx;
 
   if (command == "describe") {

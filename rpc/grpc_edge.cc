@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/message.h"
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/proto_buffer_reader.h"
@@ -46,6 +47,19 @@ void TuneServerBuilder(grpc::ServerBuilder* builder, int max_message_bytes) {
   builder->AddChannelArgument("grpc.http2.lookahead_bytes", kLookaheadBytes);
   builder->SetMaxReceiveMessageSize(max_message_bytes);
   builder->SetMaxSendMessageSize(max_message_bytes);
+}
+
+std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFor(const std::string& root_certs_pem,
+                                                                const std::string& cert_chain_pem,
+                                                                const std::string& private_key_pem) {
+  if (root_certs_pem.empty() && cert_chain_pem.empty() && private_key_pem.empty()) {
+    return grpc::InsecureChannelCredentials();
+  }
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = root_certs_pem;  // empty: gRPC's default roots
+  ssl.pem_cert_chain = cert_chain_pem;
+  ssl.pem_private_key = private_key_pem;
+  return grpc::SslCredentials(ssl);
 }
 
 absl::Status ParseMessage(grpc::ByteBuffer* buffer, google::protobuf::Message* message, absl::string_view what) {

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <string>
 #include "absl/strings/string_view.h"
 
 #include "absl/status/status.h"
@@ -12,6 +14,7 @@
 
 namespace grpc {
 class ByteBuffer;
+class ChannelCredentials;
 class ServerBuilder;
 }  // namespace grpc
 namespace google::protobuf {
@@ -24,6 +27,14 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 // `peer` names the other side in the message, so a user of many servers sees
 // which one refused.
 absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view peer = {});
+
+// A channel's credentials: TLS when `root_certs_pem` (the CA that signed
+// the servers' certificates) is set, with a client certificate when
+// `cert_chain_pem` and `private_key_pem` are too (mutual TLS); plaintext
+// when all are empty.
+std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFor(const std::string& root_certs_pem,
+                                                                const std::string& cert_chain_pem,
+                                                                const std::string& private_key_pem);
 
 // A raw message into `message`: INVALID_ARGUMENT naming `what` when it does
 // not parse, where gRPC's typed readers would only end the stream.

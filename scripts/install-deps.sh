@@ -16,6 +16,7 @@ packages=(
   libssl-dev
   nlohmann-json3-dev
   clang
+  openssl  # tests/tls_test.cc makes its certificates with the openssl command
 )
 # The outside-reference test compares against torch.optim.AdamW.
 if [[ "${SHARDOPT_WITH_TORCH:-1}" == 1 ]]; then

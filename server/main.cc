@@ -3,9 +3,11 @@
 #include <time.h>
 
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -31,6 +33,13 @@ ABSL_FLAG(uint64_t, staging_window_bytes, uint64_t{64} << 20,
           "per job, the most bytes of gradient chunks held while they wait for earlier ranks (at most 4 MiB per rank)");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "checkpoints go here and jobs are restored from here; share it between a job's servers");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of this server; with --tls_key, serve TLS only");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA certificates; with it every client must present a certificate they signed (mutual TLS)");
+ABSL_FLAG(bool, insecure, false,
+          "allow plaintext on an address other than loopback (anyone who reaches the port can use every job)");
+ABSL_FLAG(bool, reflection, false, "serve gRPC server reflection (it lists the services to anyone who asks)");
 ABSL_FLAG(uint64_t, checkpoint_keep, 0,
           "after a checkpoint completes, keep this many complete checkpoints per job and remove older steps; "
           "0 keeps all. The newest complete one is never removed");
@@ -38,6 +47,23 @@ ABSL_FLAG(uint64_t, checkpoint_keep, 0,
 namespace {
 sem_t g_stop;
 void OnSignal(int) { sem_post(&g_stop); }  // async-signal-safe
+
+bool IsLoopback(const std::string& host) {
+  return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
+}
+
+// A PEM file's text; exits 1 naming the file if it cannot be read.
+std::string ReadPem(const std::string& flag, const std::string& path) {
+  if (path.empty()) return "";
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (!in || text.str().empty()) {
+    std::cerr << "shardopt-server: --" << flag << "=" << path << " cannot be read\n";
+    std::exit(1);
+  }
+  return text.str();
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -54,6 +80,18 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_threads) < 0) shardopt::UsageError("--threads must be 0 (one per core) or more");
   if (absl::GetFlag(FLAGS_max_message_bytes) <= 0) shardopt::UsageError("--max_message_bytes must be positive");
   if (absl::GetFlag(FLAGS_barrier_timeout_ms) <= 0) shardopt::UsageError("--barrier_timeout_ms must be positive");
+  if (absl::GetFlag(FLAGS_tls_cert).empty() != absl::GetFlag(FLAGS_tls_key).empty()) {
+    shardopt::UsageError("--tls_cert and --tls_key go together");
+  }
+  if (absl::GetFlag(FLAGS_tls_cert).empty() && !absl::GetFlag(FLAGS_tls_client_ca).empty()) {
+    shardopt::UsageError("--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key");
+  }
+  if (absl::GetFlag(FLAGS_tls_cert).empty() && !IsLoopback(absl::GetFlag(FLAGS_host)) &&
+      !absl::GetFlag(FLAGS_insecure)) {
+    shardopt::UsageError(absl::StrCat("plaintext on --host=", absl::GetFlag(FLAGS_host),
+                                      " lets anyone who reaches the port read, change or drop every job: give "
+                                      "--tls_cert and --tls_key, listen on loopback, or pass --insecure"));
+  }
   shardopt::TuneAllocatorForStreaming();
 
   auto backend = shardopt::MakeBackend(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_threads));
@@ -72,12 +110,19 @@ int main(int argc, char** argv) {
   shardopt::ServerOptions options;
   options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.tls_cert_pem = ReadPem("tls_cert", absl::GetFlag(FLAGS_tls_cert));
+  options.tls_key_pem = ReadPem("tls_key", absl::GetFlag(FLAGS_tls_key));
+  options.tls_client_ca_pem = ReadPem("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca));
+  options.reflection = absl::GetFlag(FLAGS_reflection);
   auto running = shardopt::StartServer(&store, options);
   if (!running.ok()) {
     std::cerr << "shardopt-server: " << running.status().message() << "\n";
     return 1;
   }
-  std::cerr << "shardopt-server: listening on " << absl::GetFlag(FLAGS_host) << ":" << (*running)->port << std::endl;
+  std::cerr << "shardopt-server: listening on " << absl::GetFlag(FLAGS_host) << ":" << (*running)->port
+            << (options.tls_cert_pem.empty() ? " (plaintext)"
+                                             : options.tls_client_ca_pem.empty() ? " (TLS)" : " (mutual TLS)")
+            << std::endl;
   if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
     const std::string tmp = path + ".tmp";  // renamed so a reader never sees a partial number
     std::ofstream(tmp) << (*running)->port << "\n";

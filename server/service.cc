@@ -1,9 +1,15 @@
 #include "server/service.h"
 
+#include <algorithm>
+#include <memory>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/impl/server_builder_option.h"
+#include "grpcpp/impl/server_builder_plugin.h"
 #include "rpc/grpc_edge.h"
 #include "server/commit_reactor.h"
 #include "server/init_reactor.h"
@@ -60,17 +66,51 @@ RunningServer::~RunningServer() {
   if (server) server->Shutdown();
 }
 
+namespace {
+
+std::shared_ptr<grpc::ServerCredentials> Credentials(const ServerOptions& options) {
+  if (options.tls_cert_pem.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl(options.tls_client_ca_pem.empty()
+                                            ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                            : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  ssl.pem_root_certs = options.tls_client_ca_pem;
+  ssl.pem_key_cert_pairs.push_back({options.tls_key_pem, options.tls_cert_pem});
+  return grpc::SslServerCredentials(ssl);
+}
+
+// Linking gRPC's reflection library registers its plugin with every
+// ServerBuilder of the process; this option takes it out again unless the
+// server was asked for reflection.
+class WithoutReflection final : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments*) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>* plugins) override {
+    plugins->erase(std::remove_if(plugins->begin(), plugins->end(),
+                                  [](const auto& p) { return p->name() == "proto_server_reflection"; }),
+                   plugins->end());
+  }
+};
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, const ServerOptions& options) {
+  if (options.tls_cert_pem.empty() != options.tls_key_pem.empty()) {
+    return absl::InvalidArgumentError("TLS needs both a certificate and its private key");
+  }
+  if (options.tls_cert_pem.empty() && !options.tls_client_ca_pem.empty()) {
+    return absl::InvalidArgumentError("a client CA (mutual TLS) needs the server's own certificate and key");
+  }
   grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   auto running = std::make_unique<RunningServer>();
   running->service = std::make_unique<OptimizerService>(store);
   grpc::ServerBuilder builder;
+  if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   // gRPC's default SO_REUSEPORT lets a second server bind a port already in
   // use, and with port 0 two servers started at once can be handed the same
   // one (grpc/grpc#10755): clients then reach either. A port is one server's.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.AddListeningPort(options.address, grpc::InsecureServerCredentials(), &running->port);
+  builder.AddListeningPort(options.address, Credentials(options), &running->port);
   TuneServerBuilder(&builder, options.max_message_bytes > 0 ? options.max_message_bytes : kDefaultMaxMessageBytes);
   builder.RegisterService(running->service.get());
   running->server = builder.BuildAndStart();

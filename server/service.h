@@ -42,9 +42,18 @@ class OptimizerService final
 struct ServerOptions {
   std::string address = "0.0.0.0:0";  // port 0: an ephemeral port
   int max_message_bytes = 0;          // 0: kDefaultMaxMessageBytes
+  // TLS: the server's certificate chain and private key (PEM); both empty
+  // for plaintext. With `tls_client_ca` (PEM) set too, every client must
+  // present a certificate that it signed (mutual TLS).
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
+  std::string tls_client_ca_pem;
+  // gRPC server reflection, which lists the services to anyone who asks.
+  bool reflection = false;
 };
 
-// A running server: the gRPC server with health and reflection, over a store.
+// A running server: the gRPC server with health (and reflection if asked),
+// over a store.
 struct RunningServer {
   std::unique_ptr<OptimizerService> service;
   std::unique_ptr<grpc::Server> server;

@@ -538,7 +538,7 @@ TEST_F(ServiceTest, AnUnparseableStreamMessageIsInvalidArgumentAndChangesNothing
   EXPECT_EQ(params, ref.Params());
 }
 
-TEST_F(ServiceTest, HealthAndReflectionAreServed) {
+TEST_F(ServiceTest, HealthIsServedAndReflectionOnlyWhenAsked) {
   auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
   grpc::GenericStub generic(channel);
   auto call = [&](const std::string& method, const std::string& request) {
@@ -566,28 +566,46 @@ TEST_F(ServiceTest, HealthAndReflectionAreServed) {
   ASSERT_TRUE(health_status.ok()) << health_status.error_message();
   EXPECT_EQ(health, std::string("\x08\x01", 2));
 
-  // Reflection is a bidi stream: ask it to list the services.
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  // The generic stub streams only through a completion queue in 1.51.
-  grpc::CompletionQueue cq;
-  auto rs = generic.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
-  void* tag;
-  bool ok;
-  rs->StartCall(reinterpret_cast<void*>(1));
-  ASSERT_TRUE(cq.Next(&tag, &ok) && ok);
-  grpc::Slice req(std::string("\x3a\x00", 2));  // list_services: ""
-  grpc::ByteBuffer send(&req, 1), recv;
-  rs->Write(send, reinterpret_cast<void*>(2));
-  ASSERT_TRUE(cq.Next(&tag, &ok) && ok);
-  rs->Read(&recv, reinterpret_cast<void*>(3));
-  ASSERT_TRUE(cq.Next(&tag, &ok) && ok);
-  std::vector<grpc::Slice> slices;
-  std::string listed;
-  ASSERT_TRUE(recv.Dump(&slices).ok());
-  for (auto& s : slices) listed.append(reinterpret_cast<const char*>(s.begin()), s.size());
-  EXPECT_THAT(listed, HasSubstr("shardopt.v1.Optimizer"));
-  ctx.TryCancel();
+  // Reflection lists the services to anyone who asks: served only with
+  // --reflection. It is a bidi stream: ask it to list the services.
+  auto list_services = [](const std::string& address) {
+    auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+    grpc::GenericStub generic(channel);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    // The generic stub streams only through a completion queue in 1.51.
+    grpc::CompletionQueue cq;
+    auto rs = generic.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+    void* tag;
+    bool ok = false;
+    std::string listed;
+    rs->StartCall(reinterpret_cast<void*>(1));
+    if (cq.Next(&tag, &ok) && ok) {
+      grpc::Slice req(std::string("\x3a\x00", 2));  // list_services: ""
+      grpc::ByteBuffer send(&req, 1), recv;
+      rs->Write(send, reinterpret_cast<void*>(2));
+      if (cq.Next(&tag, &ok) && ok) {
+        rs->Read(&recv, reinterpret_cast<void*>(3));
+        std::vector<grpc::Slice> slices;
+        if (cq.Next(&tag, &ok) && ok && recv.Dump(&slices).ok()) {
+          for (auto& s : slices) listed.append(reinterpret_cast<const char*>(s.begin()), s.size());
+        }
+      }
+    }
+    ctx.TryCancel();
+    grpc::Status status;
+    rs->Finish(&status, reinterpret_cast<void*>(4));
+    while (cq.Next(&tag, &ok) && tag != reinterpret_cast<void*>(4)) {
+    }
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+    return listed;
+  };
+  EXPECT_EQ(list_services(server_->address()), "") << "reflection served without --reflection";
+  auto reflecting = ServerProcess::Start({"--reflection"});
+  ASSERT_NE(reflecting, nullptr);
+  EXPECT_THAT(list_services(reflecting->address()), HasSubstr("shardopt.v1.Optimizer"));
 }
 
 }  // namespace

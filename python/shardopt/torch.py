@@ -80,6 +80,14 @@ def _split_names(params):
     return groups, names
 
 
+def _read_pem(path):
+    """A PEM file's text, or "" for None."""
+    if path is None:
+        return ""
+    with open(path, "r", encoding="ascii") as f:
+        return f.read()
+
+
 def _servers(servers, num_servers):
     if isinstance(servers, str):
         if "{i}" in servers:
@@ -132,12 +140,16 @@ class RemoteAdamW(torch.optim.Optimizer):
             (servers need --checkpoint_dir); 0: only on ``checkpoint()``.
         restore_step: for servers with --checkpoint_dir that do not hold the
             job: 0 resumes from the newest checkpoint, t from step t's.
+        tls_ca, tls_cert, tls_key: paths of PEM files. ``tls_ca`` (the CA
+            that signed the servers' certificates) turns TLS on;
+            ``tls_cert`` and ``tls_key`` are this trainer's certificate and
+            key, for servers started with --tls_client_ca (mutual TLS).
     """
 
     def __init__(self, params, servers, job, rank=0, world_size=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm=0.0, state_precision="fp32", overlap=False, num_servers=None,
                  rpc_timeout=60.0, max_attempts=5, barrier_timeout=60.0, checkpoint_every=0, restore_step=0,
-                 chunk_bytes=1 << 20):
+                 chunk_bytes=1 << 20, tls_ca=None, tls_cert=None, tls_key=None):
         if state_precision not in _STATE_PRECISIONS:
             raise ValueError(f"state_precision must be one of {_STATE_PRECISIONS}, not {state_precision!r}")
         if not 0 <= rank < world_size:
@@ -156,8 +168,9 @@ class RemoteAdamW(torch.optim.Optimizer):
         self.world_size, self.max_grad_norm, self.overlap = world_size, float(max_grad_norm), overlap
         self.last_decision = None  # of the last step(): grad_norm, clip_factor, skip
 
+        pem = [_read_pem(path) for path in (tls_ca, tls_cert, tls_key)]
         self._client = _C.Client(_servers(servers, num_servers), rank, max_attempts, int(rpc_timeout * 1000),
-                                 chunk_bytes, checkpoint_every)
+                                 chunk_bytes, checkpoint_every, *pem)
         job_groups = [(f"group.{gi}", b1, b2, eps_, wd, 1.0, state_precision == "fp32")
                       for gi, (b1, b2, eps_, wd) in enumerate(self._hyper)]
         job_tensors = [(t.name, t.numel, t.group, t.fp32) for t in self._tensors]

@@ -92,6 +92,12 @@ struct ClientOptions {
   // If that checkpoint fails, Step returns its error although the step itself
   // is done (step() says so); Checkpoint() may be called again.
   uint64_t checkpoint_every = 0;
+  // TLS, as PEM text: the CA that signed the servers' certificates (set it
+  // to use TLS), and this client's certificate chain and key for servers that
+  // ask for one (mutual TLS). All empty: plaintext.
+  std::string tls_root_certs;
+  std::string tls_cert_chain;
+  std::string tls_private_key;
 };
 
 // One tensor's gradient: numel elements (float for a kFp32 tensor, else the

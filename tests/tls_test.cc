@@ -1,0 +1,145 @@
+// TLS and mutual TLS over real server processes, with certificates made by
+// the openssl command for each run: who can reach a TLS server, who a
+// mutual-TLS one, and the refusal of plaintext on a non-loopback address.
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "shardopt/client.h"
+#include "tests/testing/reference.h"
+#include "tests/testing/server_process.h"
+
+namespace shardopt {
+namespace {
+
+using testing::ServerProcess;
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// A CA, a server certificate for 127.0.0.1 and a client certificate it
+// signed, and a second, unrelated CA with a client certificate of its own.
+class Certificates {
+ public:
+  Certificates() {
+    char tmpl[] = "/tmp/shardopt-tls-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    std::ofstream(dir_ + "/server.ext") << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
+    std::ofstream(dir_ + "/client.ext") << "extendedKeyUsage=clientAuth\n";
+    const std::string key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
+    ok_ = Run(absl::StrCat("openssl req -x509 ", key, " -keyout ca.key -out ca.pem -days 2 -subj /CN=shardopt-test-ca")) &&
+          Run(absl::StrCat("openssl req -x509 ", key, " -keyout rogue.key -out rogue.pem -days 2 -subj /CN=rogue-ca")) &&
+          Sign("server", "ca") && Sign("client", "ca") && Sign("stranger", "rogue");
+  }
+  ~Certificates() { std::filesystem::remove_all(dir_); }
+
+  bool ok() const { return ok_; }
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string pem(const std::string& name) const { return ReadText(path(name)); }
+
+ private:
+  bool Run(const std::string& command) {
+    return std::system(absl::StrCat("cd ", dir_, " && ", command, " >/dev/null 2>&1").c_str()) == 0;
+  }
+  bool Sign(const std::string& who, const std::string& ca) {
+    const std::string ext = who == "server" ? "server.ext" : "client.ext";
+    return Run(absl::StrCat("openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -keyout ", who,
+                            ".key -out ", who, ".csr -subj /CN=", who)) &&
+           Run(absl::StrCat("openssl x509 -req -in ", who, ".csr -CA ", ca, ".pem -CAkey ", ca, ".key -CAcreateserial",
+                            " -days 2 -extfile ", ext, " -out ", who, ".pem"));
+  }
+
+  std::string dir_;
+  bool ok_ = false;
+};
+
+JobOptions OneTensorJob(const std::string& name) {
+  JobOptions job;
+  job.name = name;
+  job.world_size = 1;
+  job.groups = {GroupOptions{}};
+  job.tensors = {{"w", 1000, 0}};
+  return job;
+}
+
+// Connects with `options`' TLS settings and runs one whole step.
+absl::Status StepOnce(const std::string& address, ClientOptions options, const std::string& job_name) {
+  options.servers = {address};
+  options.max_attempts = 1;
+  options.rpc_timeout_ms = 10000;
+  auto client = Client::Connect(options);
+  if (!client.ok()) return client.status();
+  const JobOptions job = OneTensorJob(job_name);
+  if (auto st = (*client)->CreateOrAttach(job); !st.ok()) return st.status();
+  std::mt19937_64 rng(3);
+  auto init = testing::RandomFloats(rng, 1000, -1, 1);
+  if (auto st = (*client)->InitFp32("w", init.data()); !st.ok()) return st;
+  auto g = testing::RandomBf16(rng, 1000, 1.0f);
+  std::vector<uint16_t> p(1000);
+  StepOptions so;
+  so.lr = 1e-3;
+  return (*client)->Step({{"w", g.data()}}, so, {{"w", p.data()}}).status();
+}
+
+TEST(TlsTest, ATlsServerServesTlsClientsOfItsCaAndRefusesPlaintextAndOtherCas) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
+  auto server = ServerProcess::Start({"--tls_cert=" + certs.path("server.pem"), "--tls_key=" + certs.path("server.key")});
+  ASSERT_NE(server, nullptr);
+  ClientOptions tls;
+  tls.tls_root_certs = certs.pem("ca.pem");
+  EXPECT_TRUE(StepOnce(server->address(), tls, "a").ok());
+  const absl::Status plaintext = StepOnce(server->address(), {}, "b");
+  EXPECT_EQ(plaintext.code(), absl::StatusCode::kUnavailable) << plaintext;
+  ClientOptions other_ca;
+  other_ca.tls_root_certs = certs.pem("rogue.pem");
+  const absl::Status refused = StepOnce(server->address(), other_ca, "c");
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+}
+
+TEST(TlsTest, AMutualTlsServerServesOnlyClientsWithACertificateItsCaSigned) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
+  auto server = ServerProcess::Start({"--tls_cert=" + certs.path("server.pem"), "--tls_key=" + certs.path("server.key"),
+                                      "--tls_client_ca=" + certs.path("ca.pem")});
+  ASSERT_NE(server, nullptr);
+  ClientOptions trusted;
+  trusted.tls_root_certs = certs.pem("ca.pem");
+  trusted.tls_cert_chain = certs.pem("client.pem");
+  trusted.tls_private_key = certs.pem("client.key");
+  EXPECT_TRUE(StepOnce(server->address(), trusted, "a").ok());
+  ClientOptions anonymous;
+  anonymous.tls_root_certs = certs.pem("ca.pem");
+  EXPECT_EQ(StepOnce(server->address(), anonymous, "b").code(), absl::StatusCode::kUnavailable);
+  ClientOptions stranger = anonymous;
+  stranger.tls_cert_chain = certs.pem("stranger.pem");
+  stranger.tls_private_key = certs.pem("stranger.key");
+  EXPECT_EQ(StepOnce(server->address(), stranger, "c").code(), absl::StatusCode::kUnavailable);
+}
+
+TEST(TlsTest, PlaintextOnANonLoopbackAddressIsRefusedUnlessInsecureIsGiven) {
+  const pid_t refused = testing::SpawnProcess({SHARDOPT_SERVER_BINARY, "--host=0.0.0.0", "--port=0", "--device=cpu"});
+  const auto status = testing::WaitProcess(refused, std::chrono::seconds(20));
+  ASSERT_TRUE(status.has_value());
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 2) << "wait status " << *status;
+  // ServerProcess listens on 127.0.0.1; the later --host wins.
+  auto server = ServerProcess::Start({"--host=0.0.0.0", "--insecure"});
+  ASSERT_NE(server, nullptr);
+  EXPECT_TRUE(StepOnce(server->address(), {}, "a").ok());
+}
+
+}  // namespace
+}  // namespace shardopt
