@@ -41,6 +41,18 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1:
 }
 
 absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobRequest& request) {
+  // Before anything is built from the request: a small request must not make
+  // the server build a large job.
+  if (static_cast<uint64_t>(request.tensors_size()) > options_.max_tensors_per_job) {
+    return absl::ResourceExhaustedError(absl::StrCat("job ", Quote(request.job()), " has ", request.tensors_size(),
+                                                     " tensors; this server takes at most ",
+                                                     options_.max_tensors_per_job, " (--max_tensors_per_job)"));
+  }
+  if (request.world_size() > options_.max_world_size) {
+    return absl::ResourceExhaustedError(absl::StrCat("job ", Quote(request.job()), " has world_size ",
+                                                     request.world_size(), "; this server takes at most ",
+                                                     options_.max_world_size, " (--max_world_size)"));
+  }
   SHARDOPT_ASSIGN_OR_RETURN(auto spec, NormalizeJobSpec(request, options_.default_barrier_timeout));
   const uint64_t restore_step = spec.restore_step();
   spec.clear_restore_step();

@@ -24,6 +24,7 @@
 #include "kernels/backend.h"
 #include "server/commit_stream.h"
 #include "server/job.h"
+#include "server/job_spec.h"
 #include "server/push_session.h"
 #include "shardopt/v1/optimizer.pb.h"
 
@@ -37,6 +38,10 @@ struct JobStoreOptions {
   // The most bytes of early gradient chunks a job's round holds
   // (server/running_sum.h); a job of W ranks holds at most W x 4 MiB of it.
   uint64_t window_bytes = uint64_t{64} << 20;
+  // Caps on what one CreateJob may ask for: each tensor and each rank costs
+  // the server bookkeeping, and Describe answers with every tensor.
+  uint32_t max_tensors_per_job = 16384;
+  uint32_t max_world_size = kMaxWorldSize;
   // Where checkpoints go and come from (checkpoint/format.h); empty: none.
   std::string checkpoint_dir;
   // After a checkpoint completes, keep this many complete checkpoints of the

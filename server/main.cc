@@ -18,6 +18,7 @@
 #include "kernels/gpu.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/device.h"
+#include "server/job_spec.h"
 #include "server/service.h"
 #include "rpc/grpc_edge.h"
 #include "tools/flags.h"
@@ -33,6 +34,9 @@ ABSL_FLAG(uint64_t, staging_window_bytes, uint64_t{64} << 20,
           "per job, the most bytes of gradient chunks held while they wait for earlier ranks (at most 4 MiB per rank)");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "checkpoints go here and jobs are restored from here; share it between a job's servers");
+ABSL_FLAG(uint32_t, max_tensors_per_job, 16384, "CreateJob of more tensors is RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint32_t, max_world_size, shardopt::kMaxWorldSize,
+          "CreateJob of a larger world_size is RESOURCE_EXHAUSTED (at most 65536)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of this server; with --tls_key, serve TLS only");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -80,6 +84,10 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_threads) < 0) shardopt::UsageError("--threads must be 0 (one per core) or more");
   if (absl::GetFlag(FLAGS_max_message_bytes) <= 0) shardopt::UsageError("--max_message_bytes must be positive");
   if (absl::GetFlag(FLAGS_barrier_timeout_ms) <= 0) shardopt::UsageError("--barrier_timeout_ms must be positive");
+  if (absl::GetFlag(FLAGS_max_tensors_per_job) < 1) shardopt::UsageError("--max_tensors_per_job must be at least 1");
+  if (absl::GetFlag(FLAGS_max_world_size) < 1 || absl::GetFlag(FLAGS_max_world_size) > shardopt::kMaxWorldSize) {
+    shardopt::UsageError(absl::StrCat("--max_world_size must be in [1, ", shardopt::kMaxWorldSize, "]"));
+  }
   if (absl::GetFlag(FLAGS_tls_cert).empty() != absl::GetFlag(FLAGS_tls_key).empty()) {
     shardopt::UsageError("--tls_cert and --tls_key go together");
   }
@@ -106,6 +114,8 @@ int main(int argc, char** argv) {
   store_options.checkpoint_dir = absl::GetFlag(FLAGS_checkpoint_dir);
   store_options.checkpoint_keep = absl::GetFlag(FLAGS_checkpoint_keep);
   store_options.window_bytes = absl::GetFlag(FLAGS_staging_window_bytes);
+  store_options.max_tensors_per_job = absl::GetFlag(FLAGS_max_tensors_per_job);
+  store_options.max_world_size = absl::GetFlag(FLAGS_max_world_size);
   shardopt::JobStore store(backend->get(), store_options);
   shardopt::ServerOptions options;
   options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));

@@ -373,5 +373,39 @@ TEST_F(ContractTest, AReadAtTheShardsEndIsOutOfRange) {
   EXPECT_EQ(chunks, 1);
 }
 
+// The caps on one CreateJob: more tensors or ranks than the server takes is
+// RESOURCE_EXHAUSTED naming the flag, before anything is built, and leaves
+// no job behind; at the cap it is accepted.
+class CapsTest : public StoreTest {
+ protected:
+  CapsTest() : StoreTest(Options()) {}
+  static JobStoreOptions Options() {
+    JobStoreOptions o;
+    o.max_tensors_per_job = 3;
+    o.max_world_size = 4;
+    return o;
+  }
+};
+
+TEST_F(CapsTest, TensorsAndRanksOverTheServersCapsAreRefusedAndBuildNothing) {
+  auto tensors = store_.CreateJob(JobRequest("wide", 1, {{"a", 10}, {"b", 10}, {"c", 10}, {"d", 10}}));
+  EXPECT_EQ(tensors.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(tensors.status().message()), HasSubstr("at most 3 (--max_tensors_per_job)"));
+  auto ranks = store_.CreateJob(JobRequest("many", 5, {{"a", 10}}));
+  EXPECT_EQ(ranks.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(ranks.status().message()), HasSubstr("at most 4 (--max_world_size)"));
+  EXPECT_EQ(store_.Describe("wide").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_.Describe("many").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(store_.CreateJob(JobRequest("fits", 4, {{"a", 10}, {"b", 10}, {"c", 10}})).ok());
+}
+
+TEST_F(ContractTest, TheDefaultCapRefusesAJobOfManyTinyTensors) {
+  std::vector<testing::TensorDef> tiny;
+  for (int i = 0; i < 20000; ++i) tiny.push_back({absl::StrCat("t", i), 1});
+  auto r = store_.CreateJob(JobRequest("tiny", 1, tiny));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("at most 16384"));
+}
+
 }  // namespace
 }  // namespace shardopt
