@@ -101,6 +101,9 @@ class JobStore {
   absl::StatusOr<StepPhases> LastStepPhases(const std::string& job) const ABSL_LOCKS_EXCLUDED(mu_);
 
   std::string backend_name() const { return backend_->Describe(); }
+  // The thread that resumes waiting pushes; the service's stream timers run
+  // on it too.
+  Wakeups* wakeups() { return &wakeups_; }
 
  private:
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);

@@ -37,6 +37,8 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
 ABSL_FLAG(uint32_t, max_tensors_per_job, 16384, "CreateJob of more tensors is RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint32_t, max_world_size, shardopt::kMaxWorldSize,
           "CreateJob of a larger world_size is RESOURCE_EXHAUSTED (at most 65536)");
+ABSL_FLAG(int, idle_stream_timeout_ms, 120000,
+          "a Push stream the server waits on this long for its next message is cancelled (DEADLINE_EXCEEDED)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of this server; with --tls_key, serve TLS only");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -84,6 +86,7 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_threads) < 0) shardopt::UsageError("--threads must be 0 (one per core) or more");
   if (absl::GetFlag(FLAGS_max_message_bytes) <= 0) shardopt::UsageError("--max_message_bytes must be positive");
   if (absl::GetFlag(FLAGS_barrier_timeout_ms) <= 0) shardopt::UsageError("--barrier_timeout_ms must be positive");
+  if (absl::GetFlag(FLAGS_idle_stream_timeout_ms) <= 0) shardopt::UsageError("--idle_stream_timeout_ms must be positive");
   if (absl::GetFlag(FLAGS_max_tensors_per_job) < 1) shardopt::UsageError("--max_tensors_per_job must be at least 1");
   if (absl::GetFlag(FLAGS_max_world_size) < 1 || absl::GetFlag(FLAGS_max_world_size) > shardopt::kMaxWorldSize) {
     shardopt::UsageError(absl::StrCat("--max_world_size must be in [1, ", shardopt::kMaxWorldSize, "]"));
@@ -124,6 +127,7 @@ int main(int argc, char** argv) {
   options.tls_key_pem = ReadPem("tls_key", absl::GetFlag(FLAGS_tls_key));
   options.tls_client_ca_pem = ReadPem("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca));
   options.reflection = absl::GetFlag(FLAGS_reflection);
+  options.idle_stream_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_idle_stream_timeout_ms));
   auto running = shardopt::StartServer(&store, options);
   if (!running.ok()) {
     std::cerr << "shardopt-server: " << running.status().message() << "\n";

@@ -6,6 +6,7 @@
 // holds no thread. The session's wakes resume it.
 #pragma once
 
+#include "absl/time/time.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
 #include "server/job_store.h"
@@ -18,7 +19,11 @@ class CallbackServerContext;
 namespace shardopt {
 
 // The reactor for one Push call; gRPC owns it until its OnDone.
+// A stream that sends nothing for `idle_timeout` while the reactor waits to
+// read from it is cancelled with DEADLINE_EXCEEDED, as a refused push: its
+// round is left as if it never came (push_session.h). Waiting for the window
+// or at the barrier is the server's wait, not the stream's, and never counts.
 grpc::ServerReadReactor<grpc::ByteBuffer>* StartPushReactor(JobStore* store, grpc::CallbackServerContext* context,
-                                                            grpc::ByteBuffer* response);
+                                                            grpc::ByteBuffer* response, absl::Duration idle_timeout);
 
 }  // namespace shardopt

@@ -31,7 +31,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Init(grpc::Callback
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Push(grpc::CallbackServerContext* context,
                                                                   grpc::ByteBuffer* response) {
-  return StartPushReactor(store_, context, response);
+  return StartPushReactor(store_, context, response, idle_stream_timeout_);
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* OptimizerService::Commit(grpc::CallbackServerContext* context,
@@ -103,7 +103,7 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
   grpc::EnableDefaultHealthCheckService(true);
   if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   auto running = std::make_unique<RunningServer>();
-  running->service = std::make_unique<OptimizerService>(store);
+  running->service = std::make_unique<OptimizerService>(store, options.idle_stream_timeout);
   grpc::ServerBuilder builder;
   if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   // gRPC's default SO_REUSEPORT lets a second server bind a port already in

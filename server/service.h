@@ -24,7 +24,10 @@ class OptimizerService final
     : public v1::Optimizer::WithRawCallbackMethod_Init<
           v1::Optimizer::WithRawCallbackMethod_Push<v1::Optimizer::WithRawCallbackMethod_Commit<v1::Optimizer::Service>>> {
  public:
-  explicit OptimizerService(JobStore* store) : store_(store) {}
+  // A Push stream that sends nothing for `idle_stream_timeout` while the
+  // server waits to read from it is cancelled (push_reactor.h).
+  OptimizerService(JobStore* store, absl::Duration idle_stream_timeout)
+      : store_(store), idle_stream_timeout_(idle_stream_timeout) {}
 
   grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest*, v1::CreateJobResponse*) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* Init(grpc::CallbackServerContext*, grpc::ByteBuffer*) override;
@@ -37,6 +40,7 @@ class OptimizerService final
 
  private:
   JobStore* store_;
+  const absl::Duration idle_stream_timeout_;
 };
 
 struct ServerOptions {
@@ -50,6 +54,9 @@ struct ServerOptions {
   std::string tls_client_ca_pem;
   // gRPC server reflection, which lists the services to anyone who asks.
   bool reflection = false;
+  // A Push stream the server waits on this long for its next message is
+  // cancelled, its round left as after a refused push.
+  absl::Duration idle_stream_timeout = absl::Minutes(2);
 };
 
 // A running server: the gRPC server with health (and reflection if asked),

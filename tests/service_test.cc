@@ -478,6 +478,66 @@ TEST_F(ServiceTest, InitStreamsHeldOpenHoldNoServerThread) {
   }
 }
 
+// A push stream that sends nothing for --idle_stream_timeout_ms is cancelled
+// and counts for nothing; a push waiting at the barrier longer than that is
+// the server's wait, not the stream's, and is answered.
+TEST_F(ServiceTest, AnIdlePushStreamIsCancelledButAWaitAtTheBarrierIsNot) {
+  auto server = ServerProcess::Start({"--idle_stream_timeout_ms=300"});
+  ASSERT_NE(server, nullptr);
+  const JobOptions job = MakeJob("idle", 1, {{"w", 4096}});
+  auto client = Connect(server->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  auto init = RandomFloats(rng_, 4096, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  auto channel = grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub generic(channel);
+  auto stale = RandomBf16(rng_, 4096, 1.0f);
+  v1::GradChunk half;
+  half.set_job("idle");
+  half.set_step(1);
+  half.set_tensor("w");
+  half.set_dtype(v1::BF16);
+  half.set_data(stale.data(), 2048 * 2);
+  const auto started = std::chrono::steady_clock::now();
+  grpc::Status idle;
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    wire::Stream stream(&generic, &ctx, "/shardopt.v1.Optimizer/Push");
+    grpc::Slice slice(half.SerializeAsString());
+    ASSERT_TRUE(stream.Write(grpc::ByteBuffer(&slice, 1)));
+    idle = stream.Finish();  // and then sends nothing
+  }
+  EXPECT_EQ(idle.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << idle.error_message();
+  EXPECT_THAT(idle.error_message(), HasSubstr("sent nothing for"));
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
+  // Its half counts for nothing: the step is the next push's alone.
+  auto good = RandomBf16(rng_, 4096, 1.0f);
+  std::vector<uint16_t> params(4096);
+  StepOptions so;
+  so.lr = 1e-2;
+  auto r = client->Step({{"w", good.data()}}, so, {{"w", params.data()}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ReferenceTensor ref(kHyper, init, false);
+  ref.Step({good.data()}, so.lr, r->decision.gscale);
+  EXPECT_EQ(params, ref.Params());
+
+  // Two ranks: rank 0 waits at the barrier four idle timeouts for rank 1.
+  const JobOptions pair = MakeJob("pair", 2, {{"w", 64}});
+  auto first = Connect(server->address(), 0), second = Connect(server->address(), 1);
+  ASSERT_TRUE(first->CreateOrAttach(pair).ok());
+  ASSERT_TRUE(second->CreateOrAttach(pair).ok());
+  auto pair_init = RandomFloats(rng_, 64, -1, 1);
+  ASSERT_TRUE(first->InitFp32("w", pair_init.data()).ok());
+  auto g0 = RandomBf16(rng_, 64, 1.0f), g1 = RandomBf16(rng_, 64, 1.0f);
+  absl::StatusOr<PushResult> waited;
+  std::thread rank0([&] { waited = first->Push(1, {{"w", g0.data()}}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  EXPECT_TRUE(second->Push(1, {{"w", g1.data()}}).ok());
+  rank0.join();
+  EXPECT_TRUE(waited.ok()) << waited.status();
+}
+
 // A stream message that does not parse is INVALID_ARGUMENT, never the
 // stream's quiet end: an Init cut by one is not answered OK with part of the
 // values, and a Push with one is refused and counts for nothing.
