@@ -80,6 +80,20 @@ std::vector<float> ReadAll(Client& c, const JobOptions& job) {
   return out;
 }
 
+// After a push that must count for nothing, the next step of tensor "w"
+// (4096 elements, initial values `init`) is bitwise its own push alone.
+void ExpectTheNextStepIsItsPushAlone(Client& client, const std::vector<float>& init, std::mt19937_64& rng) {
+  auto good = RandomBf16(rng, 4096, 1.0f);
+  std::vector<uint16_t> params(4096);
+  StepOptions so;
+  so.lr = 1e-2;
+  auto r = client.Step({{"w", good.data()}}, so, {{"w", params.data()}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ReferenceTensor ref(kHyper, init, false);
+  ref.Step({good.data()}, so.lr, r->decision.gscale);
+  EXPECT_EQ(params, ref.Params());
+}
+
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -512,15 +526,7 @@ TEST_F(ServiceTest, AnIdlePushStreamIsCancelledButAWaitAtTheBarrierIsNot) {
   EXPECT_THAT(idle.error_message(), HasSubstr("sent nothing for"));
   EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
   // Its half counts for nothing: the step is the next push's alone.
-  auto good = RandomBf16(rng_, 4096, 1.0f);
-  std::vector<uint16_t> params(4096);
-  StepOptions so;
-  so.lr = 1e-2;
-  auto r = client->Step({{"w", good.data()}}, so, {{"w", params.data()}});
-  ASSERT_TRUE(r.ok()) << r.status();
-  ReferenceTensor ref(kHyper, init, false);
-  ref.Step({good.data()}, so.lr, r->decision.gscale);
-  EXPECT_EQ(params, ref.Params());
+  ExpectTheNextStepIsItsPushAlone(*client, init, rng_);
 
   // Two ranks: rank 0 waits at the barrier four idle timeouts for rank 1.
   const JobOptions pair = MakeJob("pair", 2, {{"w", 64}});
@@ -585,17 +591,8 @@ TEST_F(ServiceTest, AnUnparseableStreamMessageIsInvalidArgumentAndChangesNothing
   EXPECT_THAT(refused.error_message(), HasSubstr("GradChunk message does not parse"));
   EXPECT_EQ(ReadAll(*client, job), before);
 
-  // The refused push's gradient counts for nothing: the step is the next
-  // push's alone.
-  auto good = RandomBf16(rng_, 4096, 1.0f);
-  std::vector<uint16_t> params(4096);
-  StepOptions so;
-  so.lr = 1e-2;
-  auto r = client->Step({{"w", good.data()}}, so, {{"w", params.data()}});
-  ASSERT_TRUE(r.ok()) << r.status();
-  ReferenceTensor ref(kHyper, init, false);
-  ref.Step({good.data()}, so.lr, r->decision.gscale);
-  EXPECT_EQ(params, ref.Params());
+  // The refused push's gradient counts for nothing.
+  ExpectTheNextStepIsItsPushAlone(*client, init, rng_);
 }
 
 TEST_F(ServiceTest, HealthIsServedAndReflectionOnlyWhenAsked) {
