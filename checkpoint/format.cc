@@ -1,172 +1,23 @@
 #include "checkpoint/format.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <map>
 #include <optional>
 
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "base/status_macros.h"
+#include "checkpoint/catalog.h"
 #include "checkpoint/crc32c.h"
-#include "google/protobuf/util/message_differencer.h"
+#include "checkpoint/files.h"
 
 namespace shardopt::checkpoint {
-namespace {
 
 namespace fs = std::filesystem;
-
-constexpr char kMagic[8] = {'S', 'H', 'O', 'P', 'T', 'C', 'K', '\n'};
-constexpr size_t kHeadBytes = 8 + 4 + 8;  // magic, version, manifest length
-constexpr char kCommitName[] = "COMMIT";
-
-void PutU32(std::string* out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out->push_back(static_cast<char>(v >> (8 * i)));
-}
-void PutU64(std::string* out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out->push_back(static_cast<char>(v >> (8 * i)));
-}
-uint64_t GetLE(const char* p, int bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v |= uint64_t{static_cast<uint8_t>(p[i])} << (8 * i);
-  return v;
-}
-
-std::string ErrnoText(const std::string& what, const std::string& path) {
-  return absl::StrCat(what, " ", path, ": ", std::strerror(errno));
-}
-
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) close(fd_);
-  }
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
-absl::Status FsyncDirectory(const std::string& dir) {
-  Fd fd(open(dir.c_str(), O_RDONLY | O_DIRECTORY));
-  if (fd.get() < 0 || fsync(fd.get()) != 0) return absl::InternalError(ErrnoText("cannot fsync directory", dir));
-  return absl::OkStatus();
-}
-
-// Temp name, write, fsync, rename, fsync the directory: after a crash the
-// file is either whole or absent. The temporary name is unique per process
-// and call, so that concurrent writers of one file never share one.
-absl::Status WriteFileAtomic(const std::string& dir, const std::string& name,
-                             std::initializer_list<std::string_view> pieces) {
-  static std::atomic<uint64_t> counter{0};
-  const std::string path = absl::StrCat(dir, "/", name);
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid(), ".", counter++);
-  {
-    Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (fd.get() < 0) return absl::InternalError(ErrnoText("cannot create", tmp));
-    for (std::string_view piece : pieces) {
-      for (size_t done = 0; done < piece.size();) {
-        const ssize_t n = write(fd.get(), piece.data() + done, piece.size() - done);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-          const absl::Status st = absl::InternalError(ErrnoText("cannot write", tmp));
-          unlink(tmp.c_str());
-          return st;
-        }
-        done += static_cast<size_t>(n);
-      }
-    }
-    if (fsync(fd.get()) != 0) {
-      const absl::Status st = absl::InternalError(ErrnoText("cannot fsync", tmp));
-      unlink(tmp.c_str());
-      return st;
-    }
-  }
-  if (rename(tmp.c_str(), path.c_str()) != 0) {
-    const absl::Status st = absl::InternalError(ErrnoText("cannot rename into", path));
-    unlink(tmp.c_str());
-    return st;
-  }
-  return FsyncDirectory(dir);
-}
-
-absl::StatusOr<std::string> ReadRange(const std::string& path, uint64_t offset, uint64_t length) {
-  Fd fd(open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) {
-    return errno == ENOENT ? absl::NotFoundError(ErrnoText("cannot open", path))
-                           : absl::DataLossError(ErrnoText("cannot open", path));
-  }
-  std::string out(length, '\0');
-  for (uint64_t done = 0; done < length;) {
-    const ssize_t n = pread(fd.get(), out.data() + done, length - done, static_cast<off_t>(offset + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return absl::DataLossError(ErrnoText("cannot read", path));
-    if (n == 0) {
-      return absl::DataLossError(absl::StrCat(path, " is truncated: it ends before byte ", offset + length));
-    }
-    done += static_cast<uint64_t>(n);
-  }
-  return out;
-}
-
-absl::StatusOr<uint64_t> FileSize(const std::string& path) {
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0) {
-    return errno == ENOENT ? absl::NotFoundError(ErrnoText("no file", path))
-                           : absl::DataLossError(ErrnoText("cannot stat", path));
-  }
-  return static_cast<uint64_t>(st.st_size);
-}
-
-std::string Frame(const google::protobuf::Message& message) {
-  const std::string payload = message.SerializeAsString();
-  std::string out(kMagic, sizeof kMagic);
-  PutU32(&out, kFormatVersion);
-  PutU64(&out, payload.size());
-  out += payload;
-  PutU32(&out, Crc32c(out.data(), out.size()));
-  return out;
-}
-
-// Reads and checks the frame at the start of `path` into `message`; returns
-// the frame's size, where a part's data begins.
-absl::StatusOr<uint64_t> ReadFrame(const std::string& path, google::protobuf::Message* message) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto head, ReadRange(path, 0, kHeadBytes));
-  if (std::memcmp(head.data(), kMagic, sizeof kMagic) != 0) {
-    return absl::DataLossError(absl::StrCat(path, " is not a shardopt checkpoint file (bad magic)"));
-  }
-  const uint32_t version = static_cast<uint32_t>(GetLE(head.data() + 8, 4));
-  if (version != kFormatVersion) {
-    return absl::FailedPreconditionError(absl::StrCat(path, " has checkpoint format version ", version,
-                                                      "; this build reads version ", kFormatVersion));
-  }
-  const uint64_t length = GetLE(head.data() + 12, 8);
-  SHARDOPT_ASSIGN_OR_RETURN(auto size, FileSize(path));
-  if (length > size || kHeadBytes + length + 4 > size) {
-    return absl::DataLossError(absl::StrCat(path, " is truncated: its manifest of ", length, " bytes does not fit in ",
-                                            size, " bytes"));
-  }
-  SHARDOPT_ASSIGN_OR_RETURN(auto rest, ReadRange(path, kHeadBytes, length + 4));
-  const uint32_t crc = Crc32c(rest.data(), length, Crc32c(head.data(), kHeadBytes));
-  if (crc != static_cast<uint32_t>(GetLE(rest.data() + length, 4))) {
-    return absl::DataLossError(absl::StrCat(path, ": manifest checksum mismatch (crc32c)"));
-  }
-  if (!message->ParseFromArray(rest.data(), static_cast<int>(length))) {
-    return absl::DataLossError(absl::StrCat(path, ": manifest does not parse"));
-  }
-  return kHeadBytes + length + 4;
-}
-
-}  // namespace
 
 std::string JobDirectoryName(const std::string& job) {
   std::string out;
@@ -180,239 +31,6 @@ std::string JobDirectoryName(const std::string& job) {
   return out == "." || out == ".." ? absl::StrCat("%2E", out.substr(1)) : out;
 }
 
-namespace {
-
-// The fields that make a job what it is; the placement and the barrier's
-// deadline may change across a restore.
-v1::CreateJobRequest Identity(const v1::CreateJobRequest& spec) {
-  v1::CreateJobRequest id = spec;
-  id.clear_shards();
-  id.clear_barrier_timeout_ms();
-  id.clear_restore_step();
-  for (v1::Group& g : *id.mutable_groups()) g.clear_name();  // for messages only
-  return id;
-}
-
-absl::Status SameJob(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b, const std::string& where) {
-  std::string diff;
-  google::protobuf::util::MessageDifferencer differ;
-  differ.ReportDifferencesToString(&diff);
-  if (!differ.Compare(Identity(a), Identity(b))) {
-    return absl::FailedPreconditionError(absl::StrCat(where, " holds job '", b.job(), "' with another configuration (",
-                                                      diff, "); move the checkpoint away or use another job name"));
-  }
-  return absl::OkStatus();
-}
-
-bool SameShards(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b) {
-  if (a.shards_size() != b.shards_size()) return false;
-  for (int i = 0; i < a.shards_size(); ++i) {
-    if (!google::protobuf::util::MessageDifferencer::Equals(a.shards(i), b.shards(i))) return false;
-  }
-  return true;
-}
-
-int TensorIndex(const v1::CreateJobRequest& spec, const std::string& name) {
-  for (int i = 0; i < spec.tensors_size(); ++i) {
-    if (spec.tensors(i).name() == name) return i;
-  }
-  return -1;
-}
-
-uint64_t DataBytes(const v1::PartManifest& m) { return SectionOffsets(m).back(); }
-
-// A part file's manifest, and where and how big its data is.
-struct PartHead {
-  std::string path;
-  v1::PartManifest manifest;
-  uint64_t data_offset = 0;
-  uint64_t file_bytes = 0;
-  uint32_t data_crc = 0;  // as the trailer states it
-};
-
-absl::StatusOr<PartHead> ReadPartHead(const std::string& path) {
-  PartHead h;
-  h.path = path;
-  SHARDOPT_ASSIGN_OR_RETURN(auto offset, ReadFrame(path, &h.manifest));
-  h.data_offset = offset;
-  if (h.manifest.shards_size() != h.manifest.spec().shards_size()) {
-    return absl::DataLossError(absl::StrCat(path, ": manifest has ", h.manifest.shards_size(), " sections for ",
-                                            h.manifest.spec().shards_size(), " shards"));
-  }
-  SHARDOPT_ASSIGN_OR_RETURN(auto size, FileSize(path));
-  h.file_bytes = size;
-  const uint64_t expected = h.data_offset + DataBytes(h.manifest) + 4;
-  if (h.file_bytes != expected) {
-    return absl::DataLossError(absl::StrCat(path, " is ", h.file_bytes, " bytes; its manifest says ", expected,
-                                            h.file_bytes < expected ? " (truncated)" : ""));
-  }
-  SHARDOPT_ASSIGN_OR_RETURN(auto trailer, ReadRange(path, h.file_bytes - 4, 4));
-  h.data_crc = static_cast<uint32_t>(GetLE(trailer.data(), 4));
-  return h;
-}
-
-// The parts' shard ranges of each tensor must tile it: sorted by offset, each
-// begins where the previous ended. Returns whether they cover every tensor.
-absl::StatusOr<bool> Tiles(const std::vector<PartHead>& parts) {
-  const v1::CreateJobRequest& spec = parts.front().manifest.spec();
-  std::vector<std::map<uint64_t, std::pair<uint64_t, const PartHead*>>> ranges(spec.tensors_size());
-  for (const PartHead& p : parts) {
-    for (const v1::ShardRange& s : p.manifest.spec().shards()) {
-      const int t = TensorIndex(spec, s.tensor());
-      if (t < 0) return absl::DataLossError(absl::StrCat(p.path, " names unknown tensor '", s.tensor(), "'"));
-      auto [it, fresh] = ranges[t].emplace(s.offset(), std::make_pair(s.length(), &p));
-      if (!fresh) {
-        return absl::FailedPreconditionError(absl::StrCat(p.path, " and ", it->second.second->path, " both hold tensor '",
-                                                          s.tensor(), "' from element ", s.offset(),
-                                                          ": parts of two placements are mixed in one step"));
-      }
-    }
-  }
-  bool complete = true;
-  for (int t = 0; t < spec.tensors_size(); ++t) {
-    uint64_t end = 0;
-    for (const auto& [offset, r] : ranges[t]) {
-      if (offset < end) {
-        return absl::FailedPreconditionError(absl::StrCat(r.second->path, " overlaps another part in tensor '",
-                                                          spec.tensors(t).name(), "' at element ", offset));
-      }
-      if (offset > end) complete = false;
-      end = offset + r.first;
-    }
-    if (end != spec.tensors(t).numel()) complete = false;
-  }
-  return complete;
-}
-
-// The marker's parts, with their manifests checked against it.
-absl::StatusOr<std::vector<PartHead>> ReadCommitted(const std::string& dir, const v1::CommitMarker& marker) {
-  std::vector<PartHead> parts;
-  for (const v1::PartRef& ref : marker.parts()) {
-    auto head = ReadPartHead(absl::StrCat(dir, "/", ref.file()));
-    if (!head.ok()) {
-      return head.status().code() == absl::StatusCode::kNotFound
-                 ? absl::DataLossError(absl::StrCat("COMMIT lists a missing part: ", head.status().message()))
-                 : head.status();
-    }
-    if (head->file_bytes != ref.bytes() || head->data_crc != ref.data_crc32c() ||
-        head->manifest.step() != marker.step()) {
-      return absl::DataLossError(absl::StrCat(head->path, " is not the part COMMIT recorded (", head->file_bytes,
-                                              " bytes, step ", head->manifest.step(), "; COMMIT says ", ref.bytes(),
-                                              " bytes, step ", marker.step(), ")"));
-    }
-    parts.push_back(*std::move(head));
-  }
-  if (parts.empty()) return absl::DataLossError(absl::StrCat(dir, "/COMMIT lists no parts"));
-  for (const PartHead& p : parts) {
-    SHARDOPT_RETURN_IF_ERROR(SameJob(parts.front().manifest.spec(), p.manifest.spec(), p.path));
-  }
-  SHARDOPT_ASSIGN_OR_RETURN(auto tiles, Tiles(parts));
-  if (!tiles) return absl::DataLossError(absl::StrCat(dir, ": the parts COMMIT lists do not cover every tensor"));
-  return parts;
-}
-
-std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir) {
-  std::vector<uint64_t> steps;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(job_dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    uint64_t step;
-    if (name.size() == 25 && name.rfind("step-", 0) == 0 && absl::SimpleAtoi(name.substr(5), &step)) {
-      steps.push_back(step);
-    }
-  }
-  std::sort(steps.rbegin(), steps.rend());
-  return steps;
-}
-
-// Streams a part's data to `sink`, checking its crc32c as it goes; the
-// mismatch, if any, is known after the last piece.
-absl::Status StreamPartData(const PartHead& p, const DataSink& sink) {
-  uint32_t crc = 0;
-  uint64_t at = 0;
-  SHARDOPT_RETURN_IF_ERROR(ReadSequential(p.path, p.data_offset, p.file_bytes - 4 - p.data_offset,
-                                          [&](const char* bytes, size_t n) {
-                                            crc = Crc32c(bytes, n, crc);
-                                            const uint64_t offset = at;
-                                            at += n;
-                                            return sink(offset, bytes, n);
-                                          }));
-  if (crc != p.data_crc) {
-    return absl::DataLossError(absl::StrCat(p.path, ": data checksum mismatch (crc32c); not loading it"));
-  }
-  return absl::OkStatus();
-}
-
-absl::StatusOr<std::string> ReadPartData(const PartHead& p) {
-  std::string data(p.file_bytes - 4 - p.data_offset, '\0');
-  SHARDOPT_RETURN_IF_ERROR(StreamPartData(p, [&](uint64_t offset, const char* bytes, size_t n) {
-    std::memcpy(data.data() + offset, bytes, n);
-    return absl::OkStatus();
-  }));
-  return data;
-}
-
-bool IsPartName(const std::string& file) {
-  return file.rfind("part-", 0) == 0 && file.size() > 4 && file.compare(file.size() - 4, 4, ".bin") == 0;
-}
-
-// Parts of a step that overlap this server's were left by a torn attempt with
-// another placement (the peers of one placement never overlap); they would
-// keep the step from ever tiling, and nothing complete refers to them.
-void RemoveOverlappingParts(const std::string& dir, const std::string& own, const v1::CreateJobRequest& spec) {
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string file = entry.path().filename().string();
-    if (!IsPartName(file) || file == own) continue;
-    auto head = ReadPartHead(entry.path().string());
-    if (!head.ok()) continue;  // WritePart's check of every part reports it
-    for (const v1::ShardRange& theirs : head->manifest.spec().shards()) {
-      for (const v1::ShardRange& ours : spec.shards()) {
-        if (theirs.tensor() == ours.tensor() && theirs.offset() < ours.offset() + ours.length() &&
-            ours.offset() < theirs.offset() + theirs.length()) {
-          fs::remove(entry.path(), ec);
-        }
-      }
-    }
-  }
-}
-
-struct Committed {
-  std::string dir;
-  v1::CommitMarker marker;
-  std::vector<PartHead> parts;
-};
-
-// The complete checkpoint of `step`, or the newest one when step is 0.
-absl::StatusOr<Committed> FindCommitted(const std::string& root, const std::string& job, uint64_t step,
-                                        const Log& log) {
-  const std::vector<uint64_t> steps = step > 0 ? std::vector<uint64_t>{step} : StepsNewestFirst(absl::StrCat(root, "/", JobDirectoryName(job)));
-  for (uint64_t t : steps) {
-    Committed c;
-    c.dir = StepDirectory(root, job, t);
-    std::error_code ec;
-    if (!fs::is_directory(c.dir, ec)) {
-      return absl::NotFoundError(absl::StrCat("no checkpoint of job '", job, "' step ", t, " in ", root));
-    }
-    auto read = ReadFrame(absl::StrCat(c.dir, "/", kCommitName), &c.marker);
-    if (read.status().code() == absl::StatusCode::kNotFound) {
-      const std::string why = absl::StrCat("checkpoint ", c.dir, " is torn (no COMMIT marker: not every part was written)");
-      if (step > 0) return absl::NotFoundError(why);
-      log(absl::StrCat(why, "; trying an older one"));
-      continue;
-    }
-    if (!read.ok()) return read.status();
-    if (c.marker.job() != job || c.marker.step() != t) {
-      return absl::DataLossError(absl::StrCat(c.dir, "/COMMIT is for job '", c.marker.job(), "' step ", c.marker.step()));
-    }
-    SHARDOPT_ASSIGN_OR_RETURN(auto parts, ReadCommitted(c.dir, c.marker));
-    c.parts = std::move(parts);
-    return c;
-  }
-  return absl::NotFoundError(absl::StrCat("no complete checkpoint of job '", job, "' in ", root));
-}
-
-}  // namespace
 
 uint64_t ArrayBytes(const v1::PartManifest& m, int shard) {
   return m.spec().shards(shard).length() * (m.shards(shard).dtype() == v1::FP32 ? 4 : 2);
@@ -593,29 +211,12 @@ const PartHead* SamePlacement(const Committed& committed, const v1::CreateJobReq
 
 }  // namespace
 
-absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
-                                          const Log& log,
-                                          const std::function<absl::Status(const v1::PartManifest&)>& begin,
-                                          const DataSink& sink) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
-  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir));
-  // The same placement, as on a plain restart: the part's data is the answer
-  // as it lies on disk, streamed.
-  if (const PartHead* same = SamePlacement(committed, spec)) {
-    v1::PartManifest manifest = LoadedManifest(committed, spec, same);
-    SHARDOPT_RETURN_IF_ERROR(begin(manifest));
-    SHARDOPT_RETURN_IF_ERROR(StreamPartData(*same, sink));
-    return manifest;
-  }
-  SHARDOPT_ASSIGN_OR_RETURN(auto part, Load(root, spec, step, log));
-  SHARDOPT_RETURN_IF_ERROR(begin(part.manifest));
-  SHARDOPT_RETURN_IF_ERROR(sink(0, part.data.data(), part.data.size()));
-  return part.manifest;
-}
+namespace {
 
-absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
-  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir));
+// `spec`'s placement from a complete checkpoint of the same job: the part of
+// that very placement as it lies on disk, or else each shard cut from the
+// parts that overlap it.
+absl::StatusOr<Part> Assemble(const Committed& committed, const v1::CreateJobRequest& spec) {
   Part out;
   const PartHead* same = SamePlacement(committed, spec);
   out.manifest = LoadedManifest(committed, spec, same);
@@ -679,6 +280,34 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
     }
   }
   return out;
+}
+
+}  // namespace
+
+absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log) {
+  SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
+  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir));
+  return Assemble(committed, spec);
+}
+
+absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
+                                          const Log& log,
+                                          const std::function<absl::Status(const v1::PartManifest&)>& begin,
+                                          const DataSink& sink) {
+  SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
+  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir));
+  // The same placement, as on a plain restart: the part's data is the answer
+  // as it lies on disk, streamed.
+  if (const PartHead* same = SamePlacement(committed, spec)) {
+    v1::PartManifest manifest = LoadedManifest(committed, spec, same);
+    SHARDOPT_RETURN_IF_ERROR(begin(manifest));
+    SHARDOPT_RETURN_IF_ERROR(StreamPartData(*same, sink));
+    return manifest;
+  }
+  SHARDOPT_ASSIGN_OR_RETURN(auto part, Assemble(committed, spec));
+  SHARDOPT_RETURN_IF_ERROR(begin(part.manifest));
+  SHARDOPT_RETURN_IF_ERROR(sink(0, part.data.data(), part.data.size()));
+  return part.manifest;
 }
 
 absl::StatusOr<JobAt> WholeJob(const std::string& root, const std::string& job, uint64_t step, const Log& log) {
