@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "checkpoint/files.h"
 
 namespace shardopt::checkpoint {
 namespace {
@@ -20,20 +21,15 @@ namespace {
 uint64_t RoundDown(uint64_t n) { return n / kDirectAlignment * kDirectAlignment; }
 uint64_t RoundUp(uint64_t n) { return RoundDown(n + kDirectAlignment - 1); }
 
-std::string ErrnoText(const std::string& what, const std::string& path) {
-  return absl::StrCat(what, " ", path, ": ", std::strerror(errno));
-}
-
 // O_DIRECT where the file system has it; some (older tmpfs, FUSE, network
 // file systems) refuse the flag, and then the same calls go through the page
 // cache. The flag is set after the open: an open(O_CREAT | O_DIRECT) that
 // fails for the flag has already created the file.
-int OpenMaybeDirect(const std::string& path, int flags, bool* direct) {
+int OpenMaybeDirect(const std::string& path, int flags) {
   const int fd = open(path.c_str(), flags | O_CLOEXEC, 0644);
-  *direct = false;
   if (fd < 0) return fd;
   const int status = fcntl(fd, F_GETFL);
-  *direct = status >= 0 && fcntl(fd, F_SETFL, status | O_DIRECT) == 0;
+  if (status >= 0) fcntl(fd, F_SETFL, status | O_DIRECT);  // EINVAL: stays buffered
   return fd;
 }
 
@@ -46,14 +42,13 @@ AlignedBytes AllocateAligned(size_t bytes) {
 }
 
 absl::StatusOr<std::unique_ptr<SequentialWriter>> SequentialWriter::Create(const std::string& path) {
-  bool direct = false;
-  const int fd = OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_EXCL, &direct);
+  const int fd = OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_EXCL);
   if (fd < 0) return absl::InternalError(ErrnoText("cannot create", path));
-  return std::unique_ptr<SequentialWriter>(new SequentialWriter(fd, path, direct));
+  return std::unique_ptr<SequentialWriter>(new SequentialWriter(fd, path));
 }
 
-SequentialWriter::SequentialWriter(int fd, std::string path, bool direct)
-    : fd_(fd), path_(std::move(path)), direct_(direct), current_(AllocateAligned(kDirectChunkBytes)),
+SequentialWriter::SequentialWriter(int fd, std::string path)
+    : fd_(fd), path_(std::move(path)), current_(AllocateAligned(kDirectChunkBytes)),
       thread_([this] { Run(); }) {}
 
 SequentialWriter::~SequentialWriter() {
