@@ -42,19 +42,16 @@ std::vector<uint64_t> SectionOffsets(const v1::PartManifest& m) {
   return offsets;
 }
 
-void AppendArray(std::string* data, const float* values, uint64_t count, v1::DType dtype) {
-  if (dtype == v1::FP32) {
-    data->append(reinterpret_cast<const char*>(values), count * 4);
-    return;
-  }
-  const size_t at = data->size();
-  data->resize(at + count * 2);
+std::string_view EncodeArray(const float* values, uint64_t count, v1::DType dtype, std::string* scratch) {
+  if (dtype == v1::FP32) return {reinterpret_cast<const char*>(values), count * 4};
+  scratch->resize(count * 2);
   for (uint64_t i = 0; i < count; ++i) {
     uint32_t u;
     std::memcpy(&u, &values[i], 4);
     const uint16_t h = static_cast<uint16_t>(u >> 16);  // exact: the value is a bf16 one
-    std::memcpy(data->data() + at + 2 * i, &h, 2);
+    std::memcpy(scratch->data() + 2 * i, &h, 2);
   }
+  return *scratch;
 }
 
 void DecodeArray(const char* bytes, uint64_t count, v1::DType dtype, float* out) {

@@ -23,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -60,7 +61,9 @@ inline uint64_t ArrayOffset(const std::vector<uint64_t>& sections, const v1::Par
 }
 // One array's elements in the on-disk dtype, from floats that the dtype holds
 // exactly (a BF16 shard's state is bf16 values held as floats), and back.
-void AppendArray(std::string* data, const float* values, uint64_t count, v1::DType dtype);
+// FP32 is the floats' own bytes, with no copy; BF16 is encoded into
+// `scratch`, which the answer then points into.
+std::string_view EncodeArray(const float* values, uint64_t count, v1::DType dtype, std::string* scratch);
 void DecodeArray(const char* bytes, uint64_t count, v1::DType dtype, float* out);
 
 std::string StepDirectory(const std::string& root, const std::string& job, uint64_t step);

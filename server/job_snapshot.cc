@@ -58,9 +58,8 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(const Job& job,
         // Read as fp32, which is exact for both precisions.
         SHARDOPT_RETURN_IF_ERROR(
             job.state->ReadState(static_cast<uint32_t>(si), KindOf(a), at, n, DType::kFp32, values.data()));
-        bytes.clear();
-        checkpoint::AppendArray(&bytes, values.data(), n, dtypes[si]);
-        writer->Append(bytes.data(), bytes.size());
+        const std::string_view encoded = checkpoint::EncodeArray(values.data(), n, dtypes[si], &bytes);
+        writer->Append(encoded.data(), encoded.size());
       }
     }
   }
