@@ -21,14 +21,8 @@
 namespace shardopt {
 namespace {
 
+using testing::ReadText;
 using testing::ServerProcess;
-
-std::string ReadText(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 // A CA, a server certificate for 127.0.0.1 and a client certificate it
 // signed, and a second, unrelated CA with a client certificate of its own.

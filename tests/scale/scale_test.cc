@@ -21,17 +21,11 @@ namespace shardopt::scale {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::ReadText;
 using testing::ServerProcess;
 using testing::SpawnProcess;
 using testing::WaitProcess;
 using namespace std::chrono_literals;
-
-std::string ReadText(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
 
 // S servers and the workers of one job, all children of this thread (a
 // server dies with the thread that started it).

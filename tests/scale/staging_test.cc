@@ -20,6 +20,7 @@
 namespace shardopt::scale {
 namespace {
 
+using testing::ReadText;
 using testing::ServerProcess;
 using testing::SpawnProcess;
 using testing::WaitProcess;
@@ -30,13 +31,6 @@ constexpr uint64_t kSteps = 3;
 // 2.25M params, 4.5 MB of bf16 gradient per rank, in 1 MiB chunks: the
 // 256 KiB window is full at every W > 1, and the ranks' chunks wait on it.
 constexpr uint32_t kSize = 50;
-
-std::string ReadText(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
 
 // The peak resident set of a process, from /proc.
 uint64_t PeakRssBytes(pid_t pid) {

@@ -9,12 +9,20 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace shardopt::testing {
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
 
 pid_t SpawnProcess(std::vector<std::string> argv) {
   const pid_t pid = fork();

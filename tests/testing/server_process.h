@@ -12,6 +12,9 @@
 
 namespace shardopt::testing {
 
+// A file's whole text (a process's log, a certificate); empty if unreadable.
+std::string ReadText(const std::string& path);
+
 // Forks and execs argv[0]; the child is killed when the calling thread exits.
 pid_t SpawnProcess(std::vector<std::string> argv);
 // The child's wait status once it has exited, or nullopt after `timeout`.
