@@ -50,7 +50,7 @@ struct Client::Impl {
   // Runs one RPC to server `server`, with retries (client/fanout.h).
   template <typename Attempt>
   absl::Status Call(uint32_t server, uint32_t timeout_ms, const Attempt& attempt) const {
-    return fanout::Call(address(server), options.max_attempts, timeout_ms, attempt);
+    return fanout::Call(address(server), options.token, options.max_attempts, timeout_ms, attempt);
   }
 
   // Runs fn(server) on every server that holds part of the job (only those
@@ -80,11 +80,25 @@ struct Client::Impl {
     SHARDOPT_RETURN_IF_ERROR(CheckAttached());
     std::vector<v1::DescribeResponse> responses(servers());
     auto st = ForEachServer([&](uint32_t s) {
-      return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-        v1::DescribeRequest req;
-        req.set_job(job.name);
-        return stubs[s]->Describe(ctx, req, &responses[s]);
-      });
+      // Page by page: a server answers at most a page of tensors at a time.
+      google::protobuf::RepeatedPtrField<v1::TensorState> tensors;
+      do {
+        v1::DescribeResponse page;
+        SHARDOPT_RETURN_IF_ERROR(Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+          v1::DescribeRequest req;
+          req.set_job(job.name);
+          req.set_tensor_offset(tensors.size());
+          return stubs[s]->Describe(ctx, req, &page);
+        }));
+        if (page.tensors_size() == 0 && page.tensor_count() > static_cast<uint32_t>(tensors.size())) {
+          return absl::DataLossError(absl::StrCat(address(s), ": Describe answered an empty page"));
+        }
+        for (v1::TensorState& t : *page.mutable_tensors()) *tensors.Add() = std::move(t);
+        page.clear_tensors();
+        responses[s] = std::move(page);
+      } while (static_cast<uint32_t>(tensors.size()) < responses[s].tensor_count());
+      *responses[s].mutable_tensors() = std::move(tensors);
+      return absl::OkStatus();
     });
     if (!st.ok()) return st;
     return responses;

@@ -47,9 +47,11 @@ class Fanout {
 extern thread_local Fanout* current;
 
 // Runs one RPC to `address`, retrying: `attempt` builds its call on a fresh
-// context with the deadline set. The error names the address.
+// context with the deadline set, and the bearer token if `token` is not
+// empty. The error names the address.
 template <typename Attempt>
-absl::Status Call(const std::string& address, int max_attempts, uint32_t timeout_ms, const Attempt& attempt) {
+absl::Status Call(const std::string& address, const std::string& token, int max_attempts, uint32_t timeout_ms,
+                  const Attempt& attempt) {
   grpc::Status st;
   for (int a = 0; a < std::max(1, max_attempts); ++a) {
     if (a > 0) {
@@ -57,6 +59,7 @@ absl::Status Call(const std::string& address, int max_attempts, uint32_t timeout
     }
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
     if (current != nullptr && !current->Register(&ctx)) {
       return absl::CancelledError(absl::StrCat(address, ": another server's call failed"));
     }

@@ -8,8 +8,10 @@
 // each tensor's master: fp32 exactly (a BF16 group's bf16 master widened,
 // exactly), or rounded to bf16 with --dtype=bf16.
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
+#include <memory>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -21,6 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "google/protobuf/util/json_util.h"
 #include "kernels/adamw_math.h"
 #include "checkpoint/format.h"
@@ -34,6 +37,9 @@ ABSL_FLAG(std::string, server, "localhost:50051", "describe, drop, read: the ser
 ABSL_FLAG(std::string, tls_ca, "", "describe, drop, read: PEM CA of the server's certificate; set it to use TLS");
 ABSL_FLAG(std::string, tls_cert, "", "describe, drop, read: PEM certificate of this client, for mutual TLS");
 ABSL_FLAG(std::string, tls_key, "", "describe, drop, read: PEM private key of --tls_cert");
+ABSL_FLAG(std::string, token_file, "",
+          "describe, drop, read: a file holding the bearer token for a server with --tokens_file; "
+          "without it the environment variable SHARDOPT_TOKEN, if set");
 ABSL_FLAG(std::string, checkpoint_dir, "", "export: the servers' --checkpoint_dir, where the checkpoint is");
 ABSL_FLAG(uint64_t, step, 0, "export: the checkpoint's step; 0 is the newest complete one");
 ABSL_FLAG(std::string, dtype, "fp32", "export: fp32 (the master exactly) or bf16 (rounded to nearest even)");
@@ -189,25 +195,45 @@ int main(int argc, char** argv) {
 
   grpc::ChannelArguments channel_args;
   shardopt::TuneChannelArguments(&channel_args);
-  std::string pem[3];
-  const std::string paths[3] = {absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key)};
-  for (int i = 0; i < 3; ++i) {
+  // The PEM files, then the token file.
+  std::string text[4];
+  const std::string paths[4] = {absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                                absl::GetFlag(FLAGS_token_file)};
+  for (int i = 0; i < 4; ++i) {
     if (paths[i].empty()) continue;
     std::ifstream in(paths[i]);
-    std::stringstream text;
-    text << in.rdbuf();
-    if (!in || text.str().empty()) return Fail(absl::NotFoundError(absl::StrCat(paths[i], " cannot be read")));
-    pem[i] = text.str();
+    std::stringstream contents;
+    contents << in.rdbuf();
+    if (!in || contents.str().empty()) return Fail(absl::NotFoundError(absl::StrCat(paths[i], " cannot be read")));
+    text[i] = contents.str();
+  }
+  std::string token = std::string(absl::StripAsciiWhitespace(text[3]));
+  if (token.empty()) {
+    if (const char* env = std::getenv("SHARDOPT_TOKEN"); env != nullptr) token = env;
   }
   auto stub = v1::Optimizer::NewStub(grpc::CreateCustomChannel(
-      absl::GetFlag(FLAGS_server), shardopt::ChannelCredentialsFor(pem[0], pem[1], pem[2]), channel_args));
-  grpc::ClientContext ctx;
+      absl::GetFlag(FLAGS_server), shardopt::ChannelCredentialsFor(text[0], text[1], text[2]), channel_args));
+  // One context per call, each with the token.
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  const auto context = [&] {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    if (!token.empty()) contexts.back()->AddMetadata("authorization", "Bearer " + token);
+    return contexts.back().get();
+  };
 
   if (command == "describe") {
-    v1::DescribeRequest req;
-    req.set_job(args[1]);
+    // Every page of the job's tensors, as one answer.
     v1::DescribeResponse resp;
-    if (auto st = stub->Describe(&ctx, req, &resp); !st.ok()) return Fail(st);
+    google::protobuf::RepeatedPtrField<v1::TensorState> tensors;
+    do {
+      v1::DescribeRequest req;
+      req.set_job(args[1]);
+      req.set_tensor_offset(tensors.size());
+      if (auto st = stub->Describe(context(), req, &resp); !st.ok()) return Fail(st);
+      if (resp.tensors_size() == 0) break;
+      for (v1::TensorState& t : *resp.mutable_tensors()) *tensors.Add() = std::move(t);
+    } while (static_cast<uint32_t>(tensors.size()) < resp.tensor_count());
+    *resp.mutable_tensors() = std::move(tensors);
     std::string json;
     google::protobuf::util::JsonPrintOptions options;
     options.add_whitespace = true;
@@ -220,12 +246,12 @@ int main(int argc, char** argv) {
     v1::DropJobRequest req;
     req.set_job(args[1]);
     v1::DropJobResponse resp;
-    if (auto st = stub->DropJob(&ctx, req, &resp); !st.ok()) return Fail(st);
+    if (auto st = stub->DropJob(context(), req, &resp); !st.ok()) return Fail(st);
     std::cout << "dropped " << args[1] << "\n";
     return 0;
   }
   // read
-  auto reader = stub->Read(&ctx, read);
+  auto reader = stub->Read(context(), read);
   v1::StateChunk chunk;
   while (reader->Read(&chunk)) {
     const std::string& d = chunk.data();

@@ -14,11 +14,17 @@ namespace {
 
 class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  CommitReactor(JobStore* store, const grpc::ByteBuffer* request) {
+  CommitReactor(JobStore* store, const grpc::ByteBuffer* request, const Caller& caller,
+                std::unique_ptr<StreamLimits::Slot> slot)
+      : slot_(std::move(slot)) {
     v1::CommitRequest parsed;
     grpc::ByteBuffer copy = *request;  // shares the slices: ParseMessage reads it through
     if (absl::Status st = ParseMessage(&copy, &parsed, "CommitRequest"); !st.ok()) {
       Finish(ToGrpcStatus(st));
+      return;
+    }
+    if (absl::Status allowed = caller.Allows(Action::kCommit, parsed.job()); !allowed.ok()) {
+      Finish(ToGrpcStatus(allowed));
       return;
     }
     auto stream = store->OpenCommit(parsed);
@@ -68,15 +74,17 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     StartWrite(&message_);
   }
 
+  std::unique_ptr<StreamLimits::Slot> slot_;
   std::unique_ptr<ParamStream> stream_;
   grpc::ByteBuffer message_;
 };
 
 }  // namespace
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* StartCommitReactor(JobStore* store, grpc::CallbackServerContext*,
-                                                               const grpc::ByteBuffer* request) {
-  return new CommitReactor(store, request);
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartCommitReactor(JobStore* store, const grpc::ByteBuffer* request,
+                                                               const Caller& caller,
+                                                               std::unique_ptr<StreamLimits::Slot> slot) {
+  return new CommitReactor(store, request, caller, std::move(slot));
 }
 
 }  // namespace shardopt

@@ -9,7 +9,9 @@
 
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
+#include "server/auth.h"
 #include "server/job_store.h"
+#include "server/stream_limits.h"
 
 namespace grpc {
 class CallbackServerContext;
@@ -18,7 +20,10 @@ class CallbackServerContext;
 namespace shardopt {
 
 // The reactor for one Commit call; gRPC owns it until its OnDone.
-grpc::ServerWriteReactor<grpc::ByteBuffer>* StartCommitReactor(JobStore* store, grpc::CallbackServerContext* context,
-                                                               const grpc::ByteBuffer* request);
+// `caller` must be allowed to commit the request's job; `slot` is held
+// until the stream ends.
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartCommitReactor(JobStore* store, const grpc::ByteBuffer* request,
+                                                               const Caller& caller,
+                                                               std::unique_ptr<StreamLimits::Slot> slot);
 
 }  // namespace shardopt

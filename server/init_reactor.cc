@@ -1,6 +1,8 @@
 #include "server/init_reactor.h"
 
+#include <memory>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "rpc/grpc_edge.h"
@@ -8,43 +10,43 @@
 namespace shardopt {
 namespace {
 
-class InitReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+class InitReactor final : public ReadReactor {
  public:
-  InitReactor(JobStore* store, grpc::ByteBuffer* response) : store_(store), response_(response) {
-    StartRead(&message_);
-  }
+  InitReactor(JobStore* store, grpc::CallbackServerContext* context, grpc::ByteBuffer* response, Caller caller,
+              StreamSettings settings)
+      : ReadReactor("init", context, store->wakeups(), std::move(settings)), store_(store), response_(response),
+        caller_(std::move(caller)) {}
 
-  void OnReadDone(bool ok) override {
-    if (!ok) {  // the client closed its side
-      v1::InitResponse answer;
-      answer.set_elements(elements_);
-      *response_ = SerializeMessage(answer);
-      Finish(grpc::Status::OK);
-      return;
-    }
-    if (absl::Status parsed = ParseMessage(&message_, &chunk_, "InitChunk"); !parsed.ok()) {
-      Finish(ToGrpcStatus(absl::Status(parsed.code(), absl::StrCat(parsed.message(), " after ", elements_,
-                                                                   " elements were written"))));
-      return;
+ private:
+  void OnMessage(grpc::ByteBuffer* message) override {
+    if (absl::Status parsed = ParseMessage(message, &chunk_, "InitChunk"); !parsed.ok()) {
+      return End(ToGrpcStatus(absl::Status(parsed.code(), absl::StrCat(parsed.message(), " after ", elements_,
+                                                                       " elements were written"))));
     }
     // A chunk without a job name continues the stream's job.
     if (chunk_.job().empty()) chunk_.set_job(job_);
     job_ = chunk_.job();
+    if (absl::Status allowed = caller_.Allows(Action::kInit, job_); !allowed.ok()) return End(ToGrpcStatus(allowed));
     auto written = store_->Init(chunk_);
-    if (!written.ok()) {
-      Finish(ToGrpcStatus(written.status()));
-      return;
-    }
+    if (!written.ok()) return End(ToGrpcStatus(written.status()));
     elements_ += *written;
-    StartRead(&message_);
+    Read();
   }
 
-  void OnDone() override { delete this; }
+  void OnClosed() override {
+    v1::InitResponse answer;
+    answer.set_elements(elements_);
+    *response_ = SerializeMessage(answer);
+    End(grpc::Status::OK);
+  }
 
- private:
+  std::string OnCut(bool) override {
+    return absl::StrCat(elements_, " elements were written before; send the rest again");
+  }
+
   JobStore* const store_;
   grpc::ByteBuffer* const response_;
-  grpc::ByteBuffer message_;
+  const Caller caller_;
   v1::InitChunk chunk_;
   std::string job_;
   uint64_t elements_ = 0;
@@ -52,8 +54,12 @@ class InitReactor final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
 
 }  // namespace
 
-grpc::ServerReadReactor<grpc::ByteBuffer>* StartInitReactor(JobStore* store, grpc::ByteBuffer* response) {
-  return new InitReactor(store, response);
+grpc::ServerReadReactor<grpc::ByteBuffer>* StartInitReactor(JobStore* store, grpc::CallbackServerContext* context,
+                                                            grpc::ByteBuffer* response, Caller caller,
+                                                            StreamSettings settings) {
+  auto reactor = std::make_shared<InitReactor>(store, context, response, std::move(caller), std::move(settings));
+  reactor->Begin();
+  return reactor.get();
 }
 
 }  // namespace shardopt

@@ -169,8 +169,8 @@ absl::Status JobStore::DropJob(const std::string& name) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const std::string& name) const {
-  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(name));
+absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeRequest& request) const {
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
   Job& job = *found;
   absl::MutexLock lock(&job.mu);
   v1::DescribeResponse r;
@@ -192,7 +192,15 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const std::string& name)
     }
     gs->set_state_dtype(!any ? v1::DTYPE_UNSPECIFIED : held == Precision::kFp32 ? v1::FP32 : v1::BF16);
   }
-  for (size_t si = 0; si < job.shards.size(); ++si) {
+  const size_t count = job.shards.size();
+  if (request.tensor_offset() > count) {
+    return absl::OutOfRangeError(absl::StrCat("tensor_offset ", request.tensor_offset(), " is past the ", count,
+                                              " tensors of job '", job.name(), "' on this server"));
+  }
+  const uint32_t page = request.max_tensors() == 0 ? kDescribePage : std::min(request.max_tensors(), kDescribePage);
+  r.set_tensor_offset(request.tensor_offset());
+  r.set_tensor_count(static_cast<uint32_t>(count));
+  for (size_t si = request.tensor_offset(); si < std::min<size_t>(count, size_t{request.tensor_offset()} + page); ++si) {
     const OwnedShard& s = job.shards[si];
     v1::TensorState* ts = r.add_tensors();
     const v1::TensorSpec& spec = job.spec.tensors(s.tensor);

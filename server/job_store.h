@@ -75,7 +75,15 @@ class JobStore {
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> DrainAndCheckpoint()
       ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status DropJob(const std::string& job) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<v1::DescribeResponse> Describe(const std::string& job) const ABSL_LOCKS_EXCLUDED(mu_);
+  // One page of the job's tensors on this server, at most kDescribePage.
+  static constexpr uint32_t kDescribePage = 4096;
+  absl::StatusOr<v1::DescribeResponse> Describe(const v1::DescribeRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The first page.
+  absl::StatusOr<v1::DescribeResponse> Describe(const std::string& job) const ABSL_LOCKS_EXCLUDED(mu_) {
+    v1::DescribeRequest request;
+    request.set_job(job);
+    return Describe(request);
+  }
 
   // Writes one chunk of initial values (the master, or Adam's moments).
   // All-or-nothing: a chunk with a bad range or value changes nothing.

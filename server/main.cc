@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "grpcpp/grpcpp.h"
 #include "kernels/gpu.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "server/auth.h"
 #include "server/device.h"
 #include "server/job_spec.h"
 #include "server/service.h"
@@ -38,7 +40,13 @@ ABSL_FLAG(uint32_t, max_tensors_per_job, 16384, "CreateJob of more tensors is RE
 ABSL_FLAG(uint32_t, max_world_size, shardopt::kMaxWorldSize,
           "CreateJob of a larger world_size is RESOURCE_EXHAUSTED (at most 65536)");
 ABSL_FLAG(int, idle_stream_timeout_ms, 120000,
-          "a Push stream the server waits on this long for its next message is cancelled (DEADLINE_EXCEEDED)");
+          "a Push or Init stream the server waits on this long for its next message is cancelled (DEADLINE_EXCEEDED)");
+ABSL_FLAG(std::string, tokens_file, "",
+          "bearer tokens, one per line: NAME trainer|admin TOKEN [JOB_PREFIX ...]; every call then needs one "
+          "(docs/design.md, security). Reloaded on SIGHUP");
+ABSL_FLAG(uint32_t, max_streams, 4096, "Push, Init, Commit and Read streams open at once; more are RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint32_t, max_streams_per_client, 1024,
+          "streams open at once per client (its token's name, or its address without --tokens_file)");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of this server; with --tls_key, serve TLS only");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -51,8 +59,17 @@ ABSL_FLAG(uint64_t, checkpoint_keep, 0,
           "0 keeps all. The newest complete one is never removed");
 
 namespace {
-sem_t g_stop;
-void OnSignal(int) { sem_post(&g_stop); }  // async-signal-safe
+sem_t g_wake;
+volatile std::sig_atomic_t g_stop = 0;
+volatile std::sig_atomic_t g_reload = 0;
+void OnStop(int) {
+  g_stop = 1;
+  sem_post(&g_wake);  // async-signal-safe
+}
+void OnReload(int) {
+  g_reload = 1;
+  sem_post(&g_wake);
+}
 
 bool IsLoopback(const std::string& host) {
   return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
@@ -120,6 +137,16 @@ int main(int argc, char** argv) {
   store_options.max_tensors_per_job = absl::GetFlag(FLAGS_max_tensors_per_job);
   store_options.max_world_size = absl::GetFlag(FLAGS_max_world_size);
   shardopt::JobStore store(backend->get(), store_options);
+  std::unique_ptr<shardopt::Authenticator> auth;
+  if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {
+    auto loaded = shardopt::Authenticator::FromFile(path);
+    if (!loaded.ok()) {
+      std::cerr << "shardopt-server: " << loaded.status().message() << "\n";
+      return 1;
+    }
+    auth = *std::move(loaded);
+    std::cerr << "shardopt-server: " << auth->size() << " tokens from " << path << "\n";
+  }
   shardopt::ServerOptions options;
   options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
@@ -127,7 +154,10 @@ int main(int argc, char** argv) {
   options.tls_key_pem = ReadPem("tls_key", absl::GetFlag(FLAGS_tls_key));
   options.tls_client_ca_pem = ReadPem("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca));
   options.reflection = absl::GetFlag(FLAGS_reflection);
-  options.idle_stream_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_idle_stream_timeout_ms));
+  options.service.idle_stream_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_idle_stream_timeout_ms));
+  options.service.auth = auth.get();
+  options.service.max_streams = absl::GetFlag(FLAGS_max_streams);
+  options.service.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
   auto running = shardopt::StartServer(&store, options);
   if (!running.ok()) {
     std::cerr << "shardopt-server: " << running.status().message() << "\n";
@@ -143,9 +173,10 @@ int main(int argc, char** argv) {
     std::rename(tmp.c_str(), path.c_str());
   }
 
-  sem_init(&g_stop, 0, 0);
-  std::signal(SIGTERM, OnSignal);
-  std::signal(SIGINT, OnSignal);
+  sem_init(&g_wake, 0, 0);
+  std::signal(SIGTERM, OnStop);
+  std::signal(SIGINT, OnStop);
+  std::signal(SIGHUP, OnReload);
   // A sticky CUDA error makes the device useless until the process restarts:
   // report NOT_SERVING so that Kubernetes replaces the pod. Requests already
   // fail with UNAVAILABLE and the CUDA error's text.
@@ -154,7 +185,18 @@ int main(int argc, char** argv) {
     timespec wake;
     clock_gettime(CLOCK_REALTIME, &wake);
     wake.tv_sec += 1;
-    if (sem_timedwait(&g_stop, &wake) == 0) break;
+    sem_timedwait(&g_wake, &wake);
+    if (g_stop) break;
+    if (g_reload) {
+      g_reload = 0;
+      if (auth == nullptr) {
+        std::cerr << "shardopt-server: SIGHUP: no --tokens_file to reload" << std::endl;
+      } else if (const absl::Status st = auth->Reload(); !st.ok()) {
+        std::cerr << "shardopt-server: SIGHUP: keeping the old tokens: " << st.message() << std::endl;
+      } else {
+        std::cerr << "shardopt-server: SIGHUP: " << auth->size() << " tokens reloaded" << std::endl;
+      }
+    }
     if (const absl::Status health = shardopt::CudaBackendHealth(**backend); serving && !health.ok()) {
       std::cerr << "shardopt-server: device failed, NOT_SERVING: " << health.message() << std::endl;
       (*running)->server->GetHealthCheckService()->SetServingStatus(false);

@@ -9,7 +9,9 @@
 #include "absl/time/time.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
+#include "server/auth.h"
 #include "server/job_store.h"
+#include "server/read_reactor.h"
 #include "shardopt/v1/optimizer.pb.h"
 
 namespace grpc {
@@ -23,7 +25,11 @@ namespace shardopt {
 // read from it is cancelled with DEADLINE_EXCEEDED, as a refused push: its
 // round is left as if it never came (push_session.h). Waiting for the window
 // or at the barrier is the server's wait, not the stream's, and never counts.
+// The stream is also cut, DEADLINE_EXCEEDED, if it is still sending when its
+// round's barrier deadline passes. `caller` must be allowed to push the job
+// its first message names.
 grpc::ServerReadReactor<grpc::ByteBuffer>* StartPushReactor(JobStore* store, grpc::CallbackServerContext* context,
-                                                            grpc::ByteBuffer* response, absl::Duration idle_timeout);
+                                                            grpc::ByteBuffer* response, Caller caller,
+                                                            StreamSettings settings);
 
 }  // namespace shardopt

@@ -198,6 +198,23 @@ absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
   return false;
 }
 
+std::optional<std::chrono::steady_clock::time_point> PushSession::RoundDeadline() const {
+  absl::MutexLock lock(&job_->mu);
+  if (!started_ || job_->round.epoch != epoch_) return std::nullopt;
+  return job_->round.deadline;
+}
+
+absl::Status PushSession::CheckRound() {
+  absl::MutexLock lock(&job_->mu);
+  SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
+  job_->ExpireIfLate(std::chrono::steady_clock::now());
+  if (started_ && job_->step < step_ && (job_->round.epoch != epoch_ || !job_->round.active)) {
+    refused_ = true;
+    return Discarded();
+  }
+  return absl::OkStatus();
+}
+
 absl::Status PushSession::Discarded() const {
   return absl::DeadlineExceededError(absl::StrCat("the round of step ", step_, " ended before rank ", rank_,
                                                   "'s push did (", job_->round_end,

@@ -47,6 +47,14 @@ class PushSession {
   // it waits at the barrier (then call TrySeal again after `wake`).
   absl::StatusOr<std::optional<v1::PushResponse>> TrySeal(const Wake& wake);
 
+  // The deadline of the round the session joined, if it joined one yet.
+  std::optional<std::chrono::steady_clock::time_point> RoundDeadline() const;
+  // OK while the session's round may still take its chunks; once the round
+  // ended without it (its deadline passed: then it ends here, for every
+  // rank), the answer its push gets. A stream still sending at the barrier
+  // deadline is cut with it.
+  absl::Status CheckRound();
+
   // The stream was refused outside the session (a message that does not
   // parse): its chunks leave the round as a refused push's do.
   void Refuse() { refused_ = true; }

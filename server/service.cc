@@ -10,6 +10,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/impl/server_builder_plugin.h"
+#include "base/status_macros.h"
 #include "rpc/grpc_edge.h"
 #include "server/commit_reactor.h"
 #include "server/init_reactor.h"
@@ -17,46 +18,110 @@
 
 namespace shardopt {
 
-grpc::Status OptimizerService::CreateJob(grpc::ServerContext*, const v1::CreateJobRequest* req,
+namespace {
+
+// A stream refused before it starts.
+class RefusedRead final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
+ public:
+  explicit RefusedRead(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+class RefusedWrite final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+ public:
+  explicit RefusedWrite(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  void OnDone() override { delete this; }
+};
+
+// "ipv4:127.0.0.1:5555" -> "ipv4:127.0.0.1": a client's connections share
+// their address, not their port.
+std::string PeerAddress(const std::string& peer) {
+  const size_t colon = peer.rfind(':');
+  return colon == std::string::npos ? peer : peer.substr(0, colon);
+}
+
+}  // namespace
+
+absl::StatusOr<Caller> OptimizerService::Identify(const grpc::ServerContextBase& context) const {
+  if (options_.auth == nullptr) return Caller{PeerAddress(context.peer()), Role::kAdmin, {}};
+  const auto& metadata = context.client_metadata();
+  const auto it = metadata.find("authorization");
+  return options_.auth->Authenticate(it == metadata.end() ? absl::string_view()
+                                                          : absl::string_view(it->second.data(), it->second.size()));
+}
+
+absl::StatusOr<Caller> OptimizerService::Authorize(const grpc::ServerContextBase& context, Action action,
+                                                   const std::string& job) const {
+  SHARDOPT_ASSIGN_OR_RETURN(Caller caller, Identify(context));
+  SHARDOPT_RETURN_IF_ERROR(caller.Allows(action, job));
+  return caller;
+}
+
+absl::StatusOr<std::pair<Caller, std::unique_ptr<StreamLimits::Slot>>> OptimizerService::OpenStream(
+    const grpc::ServerContextBase& context, Action action, const std::string& job) {
+  SHARDOPT_ASSIGN_OR_RETURN(Caller caller, job.empty() ? Identify(context) : Authorize(context, action, job));
+  SHARDOPT_ASSIGN_OR_RETURN(auto slot, streams_.Open(caller.name));
+  return std::make_pair(std::move(caller), std::move(slot));
+}
+
+grpc::Status OptimizerService::CreateJob(grpc::ServerContext* context, const v1::CreateJobRequest* req,
                                          v1::CreateJobResponse* resp) {
+  if (auto caller = Authorize(*context, Action::kCreate, req->job()); !caller.ok()) return ToGrpcStatus(caller.status());
   auto r = store_->CreateJob(*req);
   if (r.ok()) *resp = *std::move(r);
   return ToGrpcStatus(r.status());
 }
 
-grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Init(grpc::CallbackServerContext*,
+grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Init(grpc::CallbackServerContext* context,
                                                                   grpc::ByteBuffer* response) {
-  return StartInitReactor(store_, response);
+  auto opened = OpenStream(*context, Action::kInit, "");
+  if (!opened.ok()) return new RefusedRead(opened.status());
+  return StartInitReactor(store_, context, response, std::move(opened->first),
+                          {options_.idle_stream_timeout, std::move(opened->second)});
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Push(grpc::CallbackServerContext* context,
                                                                   grpc::ByteBuffer* response) {
-  return StartPushReactor(store_, context, response, idle_stream_timeout_);
+  auto opened = OpenStream(*context, Action::kPush, "");
+  if (!opened.ok()) return new RefusedRead(opened.status());
+  return StartPushReactor(store_, context, response, std::move(opened->first),
+                          {options_.idle_stream_timeout, std::move(opened->second)});
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* OptimizerService::Commit(grpc::CallbackServerContext* context,
                                                                      const grpc::ByteBuffer* request) {
-  return StartCommitReactor(store_, context, request);
+  auto opened = OpenStream(*context, Action::kCommit, "");
+  if (!opened.ok()) return new RefusedWrite(opened.status());
+  return StartCommitReactor(store_, request, opened->first, std::move(opened->second));
 }
 
-grpc::Status OptimizerService::Read(grpc::ServerContext*, const v1::ReadRequest* req,
+grpc::Status OptimizerService::Read(grpc::ServerContext* context, const v1::ReadRequest* req,
                                     grpc::ServerWriter<v1::StateChunk>* writer) {
+  auto opened = OpenStream(*context, Action::kRead, req->job());
+  if (!opened.ok()) return ToGrpcStatus(opened.status());
   return ToGrpcStatus(store_->Read(*req, [&](const v1::StateChunk& c) { return writer->Write(c); }));
 }
 
-grpc::Status OptimizerService::Describe(grpc::ServerContext*, const v1::DescribeRequest* req,
+grpc::Status OptimizerService::Describe(grpc::ServerContext* context, const v1::DescribeRequest* req,
                                         v1::DescribeResponse* resp) {
-  auto r = store_->Describe(req->job());
+  if (auto caller = Authorize(*context, Action::kDescribe, req->job()); !caller.ok()) {
+    return ToGrpcStatus(caller.status());
+  }
+  auto r = store_->Describe(*req);
   if (r.ok()) *resp = *std::move(r);
   return ToGrpcStatus(r.status());
 }
 
-grpc::Status OptimizerService::DropJob(grpc::ServerContext*, const v1::DropJobRequest* req, v1::DropJobResponse*) {
+grpc::Status OptimizerService::DropJob(grpc::ServerContext* context, const v1::DropJobRequest* req,
+                                       v1::DropJobResponse*) {
+  if (auto caller = Authorize(*context, Action::kDrop, req->job()); !caller.ok()) return ToGrpcStatus(caller.status());
   return ToGrpcStatus(store_->DropJob(req->job()));
 }
 
-grpc::Status OptimizerService::Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest* req,
+grpc::Status OptimizerService::Checkpoint(grpc::ServerContext* context, const v1::CheckpointRequest* req,
                                           v1::CheckpointResponse* resp) {
+  if (auto caller = Authorize(*context, Action::kCheckpoint, req->job()); !caller.ok()) {
+    return ToGrpcStatus(caller.status());
+  }
   auto r = store_->Checkpoint(*req);
   if (r.ok()) *resp = *std::move(r);
   return ToGrpcStatus(r.status());
@@ -103,7 +168,7 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
   grpc::EnableDefaultHealthCheckService(true);
   if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   auto running = std::make_unique<RunningServer>();
-  running->service = std::make_unique<OptimizerService>(store, options.idle_stream_timeout);
+  running->service = std::make_unique<OptimizerService>(store, options.service);
   grpc::ServerBuilder builder;
   if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   // gRPC's default SO_REUSEPORT lets a second server bind a port already in

@@ -4,7 +4,9 @@
 #include <memory>
 #include <string>
 
+#include "server/auth.h"
 #include "server/job_store.h"
+#include "server/stream_limits.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 
 namespace grpc {
@@ -20,14 +22,26 @@ namespace shardopt {
 // params are copied once on their way out (commit_reactor.h); and a message
 // of Push or Init that does not parse is INVALID_ARGUMENT (init_reactor.h).
 // The unary RPCs and Read stay synchronous.
+//
+// Every RPC but health checks first authenticates its caller (auth.h) and
+// checks that it may do this to the job; every stream holds one of the
+// server's stream slots (stream_limits.h) while it is open.
+struct ServiceOptions {
+  // A stream the server waits on this long for its next message is cut.
+  absl::Duration idle_stream_timeout = absl::Minutes(2);
+  // Not owned; null: no tokens, every caller may do everything.
+  const Authenticator* auth = nullptr;
+  // Streams open at once on this server, and per client; 0: no cap.
+  uint32_t max_streams = 4096;
+  uint32_t max_streams_per_client = 1024;
+};
+
 class OptimizerService final
     : public v1::Optimizer::WithRawCallbackMethod_Init<
           v1::Optimizer::WithRawCallbackMethod_Push<v1::Optimizer::WithRawCallbackMethod_Commit<v1::Optimizer::Service>>> {
  public:
-  // A Push stream that sends nothing for `idle_stream_timeout` while the
-  // server waits to read from it is cancelled (push_reactor.h).
-  OptimizerService(JobStore* store, absl::Duration idle_stream_timeout)
-      : store_(store), idle_stream_timeout_(idle_stream_timeout) {}
+  OptimizerService(JobStore* store, const ServiceOptions& options)
+      : store_(store), options_(options), streams_(options.max_streams, options.max_streams_per_client) {}
 
   grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest*, v1::CreateJobResponse*) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* Init(grpc::CallbackServerContext*, grpc::ByteBuffer*) override;
@@ -38,9 +52,22 @@ class OptimizerService final
   grpc::Status DropJob(grpc::ServerContext*, const v1::DropJobRequest*, v1::DropJobResponse*) override;
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*) override;
 
+  // Streams open now, for tests and metrics.
+  uint32_t open_streams() const { return streams_.open(); }
+
  private:
+  // Who is calling: the token's holder, or with no tokens the peer's address.
+  absl::StatusOr<Caller> Identify(const grpc::ServerContextBase& context) const;
+  // The caller, if it may do `action` to `job`.
+  absl::StatusOr<Caller> Authorize(const grpc::ServerContextBase& context, Action action, const std::string& job) const;
+  // The caller and a stream slot for a stream; `job` empty when the job is
+  // known only from the stream's messages (each is checked then).
+  absl::StatusOr<std::pair<Caller, std::unique_ptr<StreamLimits::Slot>>> OpenStream(
+      const grpc::ServerContextBase& context, Action action, const std::string& job);
+
   JobStore* store_;
-  const absl::Duration idle_stream_timeout_;
+  const ServiceOptions options_;
+  StreamLimits streams_;
 };
 
 struct ServerOptions {
@@ -54,9 +81,7 @@ struct ServerOptions {
   std::string tls_client_ca_pem;
   // gRPC server reflection, which lists the services to anyone who asks.
   bool reflection = false;
-  // A Push stream the server waits on this long for its next message is
-  // cancelled, its round left as after a refused push.
-  absl::Duration idle_stream_timeout = absl::Minutes(2);
+  ServiceOptions service;
 };
 
 // A running server: the gRPC server with health (and reflection if asked),

@@ -15,6 +15,7 @@ would need a loss scale that this optimizer does not manage). Params may live
 on the CPU (used in place, no copy) or on a CUDA device (staged through
 pinned host buffers with non-blocking copies).
 """
+import os
 import weakref
 
 import torch
@@ -144,12 +145,15 @@ class RemoteAdamW(torch.optim.Optimizer):
             that signed the servers' certificates) turns TLS on;
             ``tls_cert`` and ``tls_key`` are this trainer's certificate and
             key, for servers started with --tls_client_ca (mutual TLS).
+        token: the bearer token for servers started with --tokens_file;
+            None reads the environment variable SHARDOPT_TOKEN (unset: no
+            token). Give servers TLS too, or the token crosses in the clear.
     """
 
     def __init__(self, params, servers, job, rank=0, world_size=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm=0.0, state_precision="fp32", overlap=False, num_servers=None,
                  rpc_timeout=60.0, max_attempts=5, barrier_timeout=60.0, checkpoint_every=0, restore_step=0,
-                 chunk_bytes=1 << 20, tls_ca=None, tls_cert=None, tls_key=None):
+                 chunk_bytes=1 << 20, tls_ca=None, tls_cert=None, tls_key=None, token=None):
         if state_precision not in _STATE_PRECISIONS:
             raise ValueError(f"state_precision must be one of {_STATE_PRECISIONS}, not {state_precision!r}")
         if not 0 <= rank < world_size:
@@ -169,8 +173,10 @@ class RemoteAdamW(torch.optim.Optimizer):
         self.last_decision = None  # of the last step(): grad_norm, clip_factor, skip
 
         pem = [_read_pem(path) for path in (tls_ca, tls_cert, tls_key)]
+        if token is None:
+            token = os.environ.get("SHARDOPT_TOKEN", "")
         self._client = _C.Client(_servers(servers, num_servers), rank, max_attempts, int(rpc_timeout * 1000),
-                                 chunk_bytes, checkpoint_every, *pem)
+                                 chunk_bytes, checkpoint_every, *pem, token=token)
         job_groups = [(f"group.{gi}", b1, b2, eps_, wd, 1.0, state_precision == "fp32")
                       for gi, (b1, b2, eps_, wd) in enumerate(self._hyper)]
         job_tensors = [(t.name, t.numel, t.group, t.fp32) for t in self._tensors]

@@ -122,7 +122,7 @@ class PyClient {
 
   PyClient(std::vector<std::string> servers, uint32_t rank, int max_attempts, uint32_t rpc_timeout_ms,
            uint64_t chunk_bytes, uint64_t checkpoint_every, std::string tls_root_certs, std::string tls_cert_chain,
-           std::string tls_private_key) {
+           std::string tls_private_key, std::string token) {
     shardopt::ClientOptions o;
     o.servers = std::move(servers);
     o.rank = rank;
@@ -133,6 +133,7 @@ class PyClient {
     o.tls_root_certs = std::move(tls_root_certs);
     o.tls_cert_chain = std::move(tls_cert_chain);
     o.tls_private_key = std::move(tls_private_key);
+    o.token = std::move(token);
     py::gil_scoped_release nogil;
     client_ = Value(shardopt::Client::Connect(o));
   }
@@ -344,10 +345,10 @@ PYBIND11_MODULE(_C, m) {
 
   py::class_<PyClient>(m, "Client")
       .def(py::init<std::vector<std::string>, uint32_t, int, uint32_t, uint64_t, uint64_t, std::string, std::string,
-                    std::string>(),
+                    std::string, std::string>(),
            py::arg("servers"), py::arg("rank"), py::arg("max_attempts"), py::arg("rpc_timeout_ms"),
            py::arg("chunk_bytes"), py::arg("checkpoint_every"), py::arg("tls_root_certs") = "",
-           py::arg("tls_cert_chain") = "", py::arg("tls_private_key") = "")
+           py::arg("tls_cert_chain") = "", py::arg("tls_private_key") = "", py::arg("token") = "")
       .def("create_or_attach", &PyClient::CreateOrAttach, py::arg("name"), py::arg("world_size"), py::arg("groups"),
            py::arg("tensors"), py::arg("fp32_grads"), py::arg("barrier_timeout_ms"), py::arg("restore_step"))
       .def("init_fp32", &PyClient::InitFp32)

@@ -98,6 +98,10 @@ struct ClientOptions {
   std::string tls_root_certs;
   std::string tls_cert_chain;
   std::string tls_private_key;
+  // The bearer token for servers started with --tokens_file (sent as
+  // 'authorization: Bearer <token>' on every call). Without TLS anyone on
+  // the path can read it.
+  std::string token;
 };
 
 // One tensor's gradient: numel elements (float for a kFp32 tensor, else the

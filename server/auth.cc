@@ -1,0 +1,150 @@
+#include "server/auth.h"
+
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace shardopt {
+namespace {
+
+constexpr size_t kMinTokenBytes = 16;
+
+// Equal when `given` is `secret`, in time that depends only on the length
+// of `secret`: every byte is looked at whatever the first difference.
+bool ConstantTimeEquals(absl::string_view secret, absl::string_view given) {
+  unsigned diff = secret.size() != given.size();
+  for (size_t i = 0; i < secret.size(); ++i) {
+    const unsigned char g = given.empty() ? 0 : given[i % given.size()];
+    diff |= static_cast<unsigned char>(secret[i]) ^ g;
+  }
+  return diff == 0;
+}
+
+}  // namespace
+
+const char* ActionName(Action a) {
+  switch (a) {
+    case Action::kCreate: return "CreateJob";
+    case Action::kInit: return "Init";
+    case Action::kPush: return "Push";
+    case Action::kCommit: return "Commit";
+    case Action::kDescribe: return "Describe";
+    case Action::kRead: return "Read";
+    case Action::kCheckpoint: return "Checkpoint";
+    case Action::kDrop: return "DropJob";
+  }
+  return "?";
+}
+
+absl::Status Caller::Allows(Action action, const std::string& job) const {
+  if (role == Role::kAdmin) return absl::OkStatus();
+  if (action == Action::kDrop) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("'", name, "' is a trainer; only an admin token may DropJob (job '", job, "')"));
+  }
+  for (const std::string& p : prefixes) {
+    if (p == "*" || absl::StartsWith(job, p)) return absl::OkStatus();
+  }
+  return absl::PermissionDeniedError(absl::StrCat("'", name, "' may not ", ActionName(action), " job '", job,
+                                                  "': it is outside the token's job prefixes"));
+}
+
+absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {
+  TokenTable table;
+  absl::flat_hash_set<std::string> names;
+  int line_number = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_number;
+    if (const size_t hash = line.find('#'); hash != absl::string_view::npos) line = line.substr(0, hash);
+    std::vector<absl::string_view> fields = absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
+    if (fields.empty()) continue;
+    // Errors name the line and the holder, never the token.
+    const auto bad = [&](absl::string_view why) {
+      return absl::InvalidArgumentError(absl::StrCat("tokens file line ", line_number, ": ", why));
+    };
+    if (fields.size() < 3) return bad("expected <name> <role> <token> [<prefix> ...]");
+    Entry e;
+    e.caller.name = std::string(fields[0]);
+    if (fields[1] == "trainer") {
+      e.caller.role = Role::kTrainer;
+    } else if (fields[1] == "admin") {
+      e.caller.role = Role::kAdmin;
+    } else {
+      return bad(absl::StrCat("role '", fields[1], "' of '", fields[0], "' is neither trainer nor admin"));
+    }
+    e.token = std::string(fields[2]);
+    if (e.token.size() < kMinTokenBytes) {
+      return bad(absl::StrCat("the token of '", fields[0], "' is shorter than ", kMinTokenBytes, " characters"));
+    }
+    for (size_t i = 3; i < fields.size(); ++i) e.caller.prefixes.emplace_back(fields[i]);
+    if (e.caller.role == Role::kTrainer && e.caller.prefixes.empty()) {
+      return bad(absl::StrCat("trainer '", fields[0], "' has no job prefix (give '*' for every job)"));
+    }
+    if (!names.insert(e.caller.name).second) return bad(absl::StrCat("'", fields[0], "' appears twice"));
+    for (const Entry& other : table.entries_) {
+      if (ConstantTimeEquals(other.token, e.token)) {
+        return bad(absl::StrCat("'", fields[0], "' has the same token as '", other.caller.name, "'"));
+      }
+    }
+    table.entries_.push_back(std::move(e));
+  }
+  return table;
+}
+
+absl::StatusOr<Caller> TokenTable::Authenticate(absl::string_view authorization) const {
+  if (authorization.empty()) {
+    return absl::UnauthenticatedError("this server needs a bearer token (metadata 'authorization: Bearer <token>')");
+  }
+  absl::string_view token = authorization;
+  if (!absl::ConsumePrefix(&token, "Bearer ")) {
+    return absl::UnauthenticatedError("the 'authorization' metadata must be 'Bearer <token>'");
+  }
+  const Entry* found = nullptr;
+  for (const Entry& e : entries_) {  // no early exit: the time says nothing of which entry matched
+    if (ConstantTimeEquals(e.token, token)) found = &e;
+  }
+  if (found == nullptr) return absl::UnauthenticatedError("the bearer token is not one this server knows");
+  return found->caller;
+}
+
+absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(std::string path) {
+  std::unique_ptr<Authenticator> auth(new Authenticator(std::move(path)));
+  if (absl::Status st = auth->Reload(); !st.ok()) return st;
+  return auth;
+}
+
+absl::Status Authenticator::Reload() {
+  std::ifstream in(path_);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (!in) return absl::NotFoundError(absl::StrCat("tokens file ", path_, " cannot be read"));
+  auto table = TokenTable::Parse(text.str());
+  if (!table.ok()) return absl::Status(table.status().code(), absl::StrCat(path_, ": ", table.status().message()));
+  if (table->size() == 0) return absl::InvalidArgumentError(absl::StrCat("tokens file ", path_, " has no token"));
+  auto shared = std::make_shared<const TokenTable>(*std::move(table));
+  absl::MutexLock lock(&mu_);
+  table_ = std::move(shared);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<Caller> Authenticator::Authenticate(absl::string_view authorization) const {
+  std::shared_ptr<const TokenTable> table;
+  {
+    absl::MutexLock lock(&mu_);
+    table = table_;
+  }
+  return table->Authenticate(authorization);
+}
+
+size_t Authenticator::size() const {
+  absl::MutexLock lock(&mu_);
+  return table_->size();
+}
+
+}  // namespace shardopt

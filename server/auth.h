@@ -1,0 +1,86 @@
+// Who may call what: bearer tokens, each with a role and the job-name
+// prefixes it may use, read from a tokens file that a SIGHUP reloads.
+// No gRPC here: the service hands in the `authorization` header's value
+// (service.cc), and tests drive this directly.
+//
+// The tokens file, one token per line ('#' starts a comment):
+//
+//   <name> <role> <token> [<prefix> ...]
+//
+// - name: who holds the token, for logs and per-client caps; the token
+//   itself is never logged.
+// - role: `trainer` may create, initialize, push, commit, describe, read
+//   and checkpoint jobs whose names start with one of its prefixes (`*` for
+//   every job); `admin` may do all of that and drop, for any job.
+// - token: at least 16 characters, compared in constant time.
+#pragma once
+
+#include <memory>
+#include <string>
+#include "absl/strings/string_view.h"
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+
+namespace shardopt {
+
+enum class Role { kTrainer, kAdmin };
+
+// What an RPC does to its job.
+enum class Action { kCreate, kInit, kPush, kCommit, kDescribe, kRead, kCheckpoint, kDrop };
+const char* ActionName(Action a);
+
+// An authenticated caller.
+struct Caller {
+  std::string name;  // the tokens file's name, or the peer's address when tokens are off
+  Role role = Role::kAdmin;
+  std::vector<std::string> prefixes;  // empty with kAdmin: every job
+
+  // OK, or PERMISSION_DENIED naming the caller, the action and the job.
+  absl::Status Allows(Action action, const std::string& job) const;
+};
+
+// One tokens file's contents.
+class TokenTable {
+ public:
+  // INVALID_ARGUMENT naming the line when a line is malformed, a role is
+  // unknown, a token is short or repeated, or a trainer has no prefix.
+  static absl::StatusOr<TokenTable> Parse(absl::string_view text);
+
+  // The caller of an `authorization` header's value ("Bearer <token>"):
+  // UNAUTHENTICATED when it is empty, malformed or no token matches. Every
+  // entry is compared, each in time that does not depend on where the
+  // bytes differ.
+  absl::StatusOr<Caller> Authenticate(absl::string_view authorization) const;
+  size_t size() const { return entries_.size(); }
+
+ private:
+  struct Entry {
+    std::string token;
+    Caller caller;
+  };
+  std::vector<Entry> entries_;
+};
+
+// The server's tokens: a file, loaded at start and again on Reload.
+class Authenticator {
+ public:
+  // The file must load, or the server does not start.
+  static absl::StatusOr<std::unique_ptr<Authenticator>> FromFile(std::string path);
+
+  // Reads the file again. On an error the old tokens stay in force.
+  absl::Status Reload() ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<Caller> Authenticate(absl::string_view authorization) const ABSL_LOCKS_EXCLUDED(mu_);
+  size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  explicit Authenticator(std::string path) : path_(std::move(path)) {}
+  const std::string path_;
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const TokenTable> table_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace shardopt

@@ -1,0 +1,103 @@
+#include "server/read_reactor.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "rpc/grpc_edge.h"
+
+namespace shardopt {
+
+ReadReactor::ReadReactor(const char* what, grpc::CallbackServerContext* context, Wakeups* wakeups,
+                         StreamSettings settings)
+    : context_(context), what_(what), wakeups_(wakeups),
+      idle_timeout_(absl::ToChronoNanoseconds(settings.idle_timeout)), slot_(std::move(settings.slot)) {}
+
+void ReadReactor::Begin() {
+  self_ = shared_from_this();
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  Read();
+}
+
+void ReadReactor::OnReadDone(bool ok) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  reading_ = false;
+  if (finished_) return;
+  if (ok) return OnMessage(&message_);
+  if (context_->IsCancelled()) {
+    OnCut(false);
+    return End(grpc::Status(grpc::StatusCode::CANCELLED, absl::StrCat(what_, " cancelled")));
+  }
+  OnClosed();
+}
+
+void ReadReactor::OnCancel() {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  // A read in flight completes with !ok and ends the call there; a wait of
+  // the server's (for the window, at the barrier) ends here.
+  if (!reading_ && !finished_) {
+    OnCut(false);
+    End(grpc::Status(grpc::StatusCode::CANCELLED, absl::StrCat(what_, " cancelled")));
+  }
+}
+
+void ReadReactor::OnDone() {
+  {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    done_ = true;
+    slot_.reset();
+  }
+  self_.reset();  // last: may destroy this
+}
+
+// The timers: at most one pending per distinct time, and one re-armed from
+// the latest read's start when it fires early.
+void ReadReactor::Read() {
+  reading_ = true;
+  read_started_ = Clock::now();
+  Clock::time_point due = read_started_ + idle_timeout_;
+  if (const auto cut = CutOffAt(); cut && *cut > read_started_) due = std::min(due, *cut);
+  if (due < armed_for_) Arm(due);
+  message_.Clear();
+  StartRead(&message_);
+}
+
+void ReadReactor::Arm(Clock::time_point when) {
+  armed_for_ = when;
+  wakeups_->At(when, [weak = std::weak_ptr<ReadReactor>(shared_from_this()), when] {
+    if (auto self = weak.lock()) self->TimerFired(when);
+  });
+}
+
+void ReadReactor::TimerFired(Clock::time_point when) {
+  std::lock_guard<std::recursive_mutex> lock(mu_);
+  if (armed_for_ <= when) armed_for_ = Clock::time_point::max();  // timers fire in time order
+  if (done_ || finished_ || !reading_) return;
+  const auto now = Clock::now();
+  const auto cut = CutOffAt();
+  if (cut && now >= *cut) {
+    if (absl::Status st = AtCutOff(); !st.ok()) {
+      OnCut(true);
+      return End(ToGrpcStatus(st));
+    }
+  }
+  const auto idle_due = read_started_ + idle_timeout_;
+  if (now >= idle_due) {
+    const std::string advice = OnCut(true);
+    return End(grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED,
+                            absl::StrCat("the ", what_, " stream sent nothing for ",
+                                         absl::FormatDuration(absl::FromChrono(idle_timeout_)),
+                                         " (--idle_stream_timeout_ms); it is cancelled: ", advice)));
+  }
+  Clock::time_point due = idle_due;
+  if (cut && *cut > now) due = std::min(due, *cut);
+  if (due < armed_for_) Arm(due);
+}
+
+void ReadReactor::End(const grpc::Status& status) {
+  if (finished_) return;
+  finished_ = true;
+  Finish(status);
+}
+
+}  // namespace shardopt

@@ -1,0 +1,348 @@
+// Bearer tokens against a real server process: every RPC against every kind
+// of caller (none, an unknown token, a trainer of other jobs, the job's
+// trainer, an admin), each refusal checked to change nothing; the tokens
+// file's checks; and a reload on SIGHUP.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "server/auth.h"
+#include "shardopt/v1/optimizer.grpc.pb.h"
+#include "tests/testing/reference.h"
+#include "tests/testing/server_process.h"
+
+namespace shardopt {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RandomBf16;
+using testing::RandomFloats;
+using testing::ServerProcess;
+
+constexpr char kAlice[] = "alice-token-0123456789abcdef";  // trainer of team-a/
+constexpr char kBob[] = "bob-token-0123456789abcdef";      // trainer of team-b/
+constexpr char kRoot[] = "root-token-0123456789abcdef";    // admin
+constexpr uint64_t kNumel = 64;
+
+std::string TokensFile(const std::string& dir, const std::string& text) {
+  const std::string path = dir + "/tokens";
+  std::ofstream(path + ".tmp") << text;
+  std::filesystem::rename(path + ".tmp", path);
+  return path;
+}
+
+std::string StandardTokens() {
+  return absl::StrCat("# name role token prefixes\n", "alice trainer ", kAlice, " team-a/\n", "bob trainer ", kBob,
+                      " team-b/ shared/\n", "root admin ", kRoot, "\n");
+}
+
+// One valid call of each RPC on job `job`, with `token` (empty: none).
+class Caller {
+ public:
+  Caller(std::shared_ptr<grpc::Channel> channel, std::string token)
+      : stub_(v1::Optimizer::NewStub(std::move(channel))), token_(std::move(token)) {}
+
+  grpc::Status CreateJob(const std::string& job) {
+    auto ctx = Context();
+    v1::CreateJobRequest req;
+    req.set_job(job);
+    req.set_world_size(1);
+    v1::Group* g = req.add_groups();
+    g->set_beta1(0.9);
+    g->set_beta2(0.999);
+    g->set_eps(1e-8f);
+    v1::TensorSpec* t = req.add_tensors();
+    t->set_name("w");
+    t->set_numel(kNumel);
+    v1::CreateJobResponse resp;
+    return stub_->CreateJob(ctx.get(), req, &resp);
+  }
+  grpc::Status Init(const std::string& job, const std::vector<float>& values) {
+    auto ctx = Context();
+    v1::InitResponse resp;
+    auto writer = stub_->Init(ctx.get(), &resp);
+    v1::InitChunk chunk;
+    chunk.set_job(job);
+    chunk.set_tensor("w");
+    chunk.set_dtype(v1::FP32);
+    chunk.set_kind(v1::MASTER);
+    chunk.set_data(values.data(), values.size() * 4);
+    writer->Write(chunk);
+    writer->WritesDone();
+    return writer->Finish();
+  }
+  grpc::Status Push(const std::string& job, uint64_t step, const std::vector<uint16_t>& grad) {
+    auto ctx = Context();
+    v1::PushResponse resp;
+    auto writer = stub_->Push(ctx.get(), &resp);
+    v1::GradChunk chunk;
+    chunk.set_job(job);
+    chunk.set_step(step);
+    chunk.set_tensor("w");
+    chunk.set_dtype(v1::BF16);
+    chunk.set_data(grad.data(), grad.size() * 2);
+    writer->Write(chunk);
+    writer->WritesDone();
+    return writer->Finish();
+  }
+  grpc::Status Commit(const std::string& job, uint64_t step) {
+    auto ctx = Context();
+    v1::CommitRequest req;
+    req.set_job(job);
+    req.set_step(step);
+    req.set_lr(1e-2);
+    req.set_gscale(1.0f);
+    auto reader = stub_->Commit(ctx.get(), req);
+    v1::ParamChunk chunk;
+    while (reader->Read(&chunk)) {
+    }
+    return reader->Finish();
+  }
+  grpc::Status Describe(const std::string& job, v1::DescribeResponse* resp = nullptr) {
+    auto ctx = Context();
+    v1::DescribeRequest req;
+    req.set_job(job);
+    v1::DescribeResponse ignored;
+    return stub_->Describe(ctx.get(), req, resp ? resp : &ignored);
+  }
+  grpc::Status Read(const std::string& job, std::vector<float>* master = nullptr) {
+    auto ctx = Context();
+    v1::ReadRequest req;
+    req.set_job(job);
+    req.set_tensor("w");
+    req.set_kind(v1::MASTER);
+    auto reader = stub_->Read(ctx.get(), req);
+    v1::StateChunk chunk;
+    std::string bytes;
+    while (reader->Read(&chunk)) bytes += chunk.data();
+    if (master != nullptr) {
+      master->resize(bytes.size() / 4);
+      std::memcpy(master->data(), bytes.data(), bytes.size());
+    }
+    return reader->Finish();
+  }
+  grpc::Status Checkpoint(const std::string& job, uint64_t step) {
+    auto ctx = Context();
+    v1::CheckpointRequest req;
+    req.set_job(job);
+    req.set_step(step);
+    v1::CheckpointResponse resp;
+    return stub_->Checkpoint(ctx.get(), req, &resp);
+  }
+  grpc::Status Drop(const std::string& job) {
+    auto ctx = Context();
+    v1::DropJobRequest req;
+    req.set_job(job);
+    v1::DropJobResponse resp;
+    return stub_->DropJob(ctx.get(), req, &resp);
+  }
+
+ private:
+  std::unique_ptr<grpc::ClientContext> Context() const {
+    auto ctx = std::make_unique<grpc::ClientContext>();
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    if (!token_.empty()) ctx->AddMetadata("authorization", token_);
+    return ctx;
+  }
+
+  std::unique_ptr<v1::Optimizer::Stub> stub_;
+  const std::string token_;
+};
+
+class AuthTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/shardopt-auth-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    tokens_ = TokensFile(dir_, StandardTokens());
+    server_ = ServerProcess::Start({"--tokens_file=" + tokens_, "--checkpoint_dir=" + dir_ + "/ckpt"});
+    ASSERT_NE(server_, nullptr);
+    channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+  }
+  void TearDown() override {
+    server_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  Caller As(const std::string& header) { return Caller(channel_, header); }
+  // The exit code of a server started with `args`, or -1 if it keeps running.
+  static int ExitCode(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {SHARDOPT_SERVER_BINARY, "--host=127.0.0.1", "--port=0", "--device=cpu"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    const pid_t pid = testing::SpawnProcess(argv);
+    const auto status = testing::WaitProcess(pid, std::chrono::seconds(20));
+    if (!status) {
+      kill(pid, SIGKILL);
+      testing::WaitProcess(pid, std::chrono::seconds(20));
+      return -1;
+    }
+    return WIFEXITED(*status) ? WEXITSTATUS(*status) : -1;
+  }
+  static std::string Bearer(const char* token) { return absl::StrCat("Bearer ", token); }
+
+  std::mt19937_64 rng_{std::random_device{}()};
+  std::string dir_, tokens_;
+  std::unique_ptr<ServerProcess> server_;
+  std::shared_ptr<grpc::Channel> channel_;
+};
+
+// Every RPC x {no token, a token the server does not know, a malformed
+// header, a trainer of other jobs, the job's trainer, an admin}. A refused
+// call is UNAUTHENTICATED or PERMISSION_DENIED and leaves the job as it was:
+// same step, same master bits.
+TEST_F(AuthTest, EveryRpcAgainstEveryKindOfCaller) {
+  Caller admin = As(Bearer(kRoot));
+  const std::string job = "team-a/matrix";
+  ASSERT_TRUE(admin.CreateJob(job).ok());
+  const std::vector<float> init = RandomFloats(rng_, kNumel, -1, 1);
+  ASSERT_TRUE(admin.Init(job, init).ok());
+
+  struct Refused {
+    std::string name, header;
+    grpc::StatusCode code;
+  };
+  const std::vector<Refused> refused = {
+      {"no token", "", grpc::StatusCode::UNAUTHENTICATED},
+      {"unknown token", Bearer("not-a-token-the-server-knows"), grpc::StatusCode::UNAUTHENTICATED},
+      {"a prefix of a real token", Bearer(std::string(kAlice, 20).c_str()), grpc::StatusCode::UNAUTHENTICATED},
+      {"no Bearer scheme", kAlice, grpc::StatusCode::UNAUTHENTICATED},
+      {"trainer of other jobs", Bearer(kBob), grpc::StatusCode::PERMISSION_DENIED},
+  };
+  const std::vector<float> other = RandomFloats(rng_, kNumel, -1, 1);
+  const std::vector<uint16_t> grad = RandomBf16(rng_, kNumel, 1.0f);
+  for (const Refused& r : refused) {
+    SCOPED_TRACE(r.name);
+    Caller c = As(r.header);
+    const std::vector<std::pair<const char*, std::function<grpc::Status()>>> calls = {
+        {"CreateJob", [&] { return c.CreateJob(job); }},
+        {"CreateJob of a new job", [&] { return c.CreateJob("team-a/new-" + r.name); }},
+        {"Init", [&] { return c.Init(job, other); }},
+        {"Push", [&] { return c.Push(job, 1, grad); }},
+        {"Commit", [&] { return c.Commit(job, 1); }},
+        {"Describe", [&] { return c.Describe(job); }},
+        {"Read", [&] { return c.Read(job); }},
+        {"Checkpoint", [&] { return c.Checkpoint(job, 0); }},
+        {"DropJob", [&] { return c.Drop(job); }},
+    };
+    for (const auto& [rpc, call] : calls) {
+      const grpc::Status st = call();
+      EXPECT_EQ(st.error_code(), r.code) << rpc << ": " << st.error_message();
+    }
+    // Nothing changed: no job was made, and the job is at step 0 with its bits.
+    v1::DescribeResponse d;
+    ASSERT_TRUE(admin.Describe(job, &d).ok());
+    EXPECT_EQ(d.step(), 0u);
+    EXPECT_EQ(admin.Describe("team-a/new-" + r.name).error_code(), grpc::StatusCode::NOT_FOUND);
+    std::vector<float> master;
+    ASSERT_TRUE(admin.Read(job, &master).ok());
+    ASSERT_EQ(master.size(), init.size());
+    EXPECT_EQ(std::memcmp(master.data(), init.data(), init.size() * 4), 0);
+  }
+
+  // The job's trainer: every RPC but DropJob.
+  Caller alice = As(Bearer(kAlice));
+  EXPECT_TRUE(alice.CreateJob(job).ok());  // attaches
+  EXPECT_TRUE(alice.Init(job, other).ok());
+  EXPECT_TRUE(alice.Push(job, 1, grad).ok());
+  EXPECT_TRUE(alice.Commit(job, 1).ok());
+  EXPECT_TRUE(alice.Describe(job).ok());
+  EXPECT_TRUE(alice.Read(job).ok());
+  EXPECT_TRUE(alice.Checkpoint(job, 1).ok());
+  const grpc::Status drop = alice.Drop(job);
+  EXPECT_EQ(drop.error_code(), grpc::StatusCode::PERMISSION_DENIED) << drop.error_message();
+  EXPECT_THAT(drop.error_message(), HasSubstr("admin"));
+  EXPECT_TRUE(alice.CreateJob("team-a/second").ok());  // a new job under its prefix
+  const grpc::Status outside = alice.CreateJob("team-b/mine");
+  EXPECT_EQ(outside.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(outside.error_message(), HasSubstr("alice"));
+  EXPECT_THAT(outside.error_message(), ::testing::Not(HasSubstr(kAlice)));  // the token is never echoed
+
+  // The admin: everything, on any job.
+  EXPECT_TRUE(admin.Push(job, 2, grad).ok());
+  EXPECT_TRUE(admin.Commit(job, 2).ok());
+  EXPECT_TRUE(admin.Read(job).ok());
+  EXPECT_TRUE(admin.Checkpoint(job, 2).ok());
+  EXPECT_TRUE(admin.CreateJob("anything/at-all").ok());
+  EXPECT_TRUE(admin.Drop(job).ok());
+  EXPECT_EQ(admin.Describe(job).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// SIGHUP reloads the tokens file: a removed token stops working and an added
+// one starts, without a restart; a broken file keeps the old tokens.
+TEST_F(AuthTest, SighupReloadsTheTokensFile) {
+  ASSERT_TRUE(As(Bearer(kAlice)).CreateJob("team-a/reload").ok());
+  constexpr char kCarol[] = "carol-token-0123456789abcdef";
+  TokensFile(dir_, absl::StrCat("carol trainer ", kCarol, " team-a/\nroot admin ", kRoot, "\n"));
+  ASSERT_EQ(kill(server_->pid(), SIGHUP), 0);
+  // The reload happens on the server's main loop, within about a second.
+  grpc::Status alice, carol;
+  for (int i = 0; i < 50; ++i) {
+    alice = As(Bearer(kAlice)).Describe("team-a/reload");
+    carol = As(Bearer(kCarol)).Describe("team-a/reload");
+    if (alice.error_code() == grpc::StatusCode::UNAUTHENTICATED && carol.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(alice.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(carol.ok()) << carol.error_message();
+
+  TokensFile(dir_, "carol trainer short team-a/\n");  // a token under 16 characters
+  ASSERT_EQ(kill(server_->pid(), SIGHUP), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  EXPECT_TRUE(As(Bearer(kCarol)).Describe("team-a/reload").ok());
+  EXPECT_TRUE(As(Bearer(kRoot)).Describe("team-a/reload").ok());
+}
+
+// The server does not start on a tokens file it cannot use.
+TEST_F(AuthTest, AnUnusableTokensFileStopsTheServer) {
+  for (const std::string& text : {std::string("alice trainer short team-a/\n"),
+                                  absl::StrCat("alice trainer ", kAlice, "\n"),  // a trainer of no job
+                                  absl::StrCat("alice owner ", kAlice, " team-a/\n"),
+                                  absl::StrCat("a trainer ", kAlice, " x/\nb trainer ", kAlice, " y/\n")}) {
+    const std::string path = TokensFile(dir_, text);
+    EXPECT_EQ(ExitCode({"--tokens_file=" + path}), 1) << text;
+  }
+  EXPECT_EQ(ExitCode({"--tokens_file=" + dir_ + "/missing"}), 1);
+}
+
+// The table alone: roles, prefixes, the '*' prefix, and what errors say.
+TEST(TokenTableTest, RolesPrefixesAndErrors) {
+  auto table = TokenTable::Parse(absl::StrCat("alice trainer ", kAlice, " team-a/ team-c/\n",
+                                              "all trainer ", kBob, " *   # every job\n", "root admin ", kRoot, "\n"));
+  ASSERT_TRUE(table.ok()) << table.status();
+  auto alice = table->Authenticate(absl::StrCat("Bearer ", kAlice));
+  ASSERT_TRUE(alice.ok());
+  EXPECT_EQ(alice->name, "alice");
+  EXPECT_TRUE(alice->Allows(Action::kPush, "team-c/x").ok());
+  EXPECT_TRUE(absl::IsPermissionDenied(alice->Allows(Action::kPush, "team-b/x")));
+  EXPECT_TRUE(absl::IsPermissionDenied(alice->Allows(Action::kDrop, "team-a/x")));
+  auto all = table->Authenticate(absl::StrCat("Bearer ", kBob));
+  ASSERT_TRUE(all.ok());
+  EXPECT_TRUE(all->Allows(Action::kRead, "whatever").ok());
+  EXPECT_TRUE(absl::IsPermissionDenied(all->Allows(Action::kDrop, "whatever")));
+  auto root = table->Authenticate(absl::StrCat("Bearer ", kRoot));
+  ASSERT_TRUE(root.ok());
+  EXPECT_TRUE(root->Allows(Action::kDrop, "team-b/x").ok());
+  for (const std::string& bad : {std::string(""), std::string("Bearer "), absl::StrCat("Bearer ", kAlice, "x"),
+                                 absl::StrCat("bearer ", kAlice), std::string(kAlice)}) {
+    EXPECT_TRUE(absl::IsUnauthenticated(table->Authenticate(bad).status())) << bad;
+  }
+  auto short_token = TokenTable::Parse("alice trainer 0123456789 team-a/\n");
+  EXPECT_TRUE(absl::IsInvalidArgument(short_token.status()));
+  EXPECT_THAT(short_token.status().message(), HasSubstr("line 1"));
+  EXPECT_THAT(short_token.status().message(), ::testing::Not(HasSubstr("0123456789")));
+}
+
+}  // namespace
+}  // namespace shardopt
