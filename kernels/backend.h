@@ -134,6 +134,10 @@ class Backend {
   virtual std::string Describe() const = 0;
   // Fails with RESOURCE_EXHAUSTED, holding nothing, when the job does not fit.
   virtual absl::StatusOr<std::unique_ptr<JobState>> Allocate(const JobLayout& layout) = 0;
+  // The host memory a job of `layout` holds: what the server's memory
+  // budget charges for it (server/memory_budget.h). Device memory is the
+  // device's to refuse.
+  virtual uint64_t HostBytes(const JobLayout& layout) const = 0;
 };
 
 }  // namespace shardopt

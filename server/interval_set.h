@@ -17,6 +17,8 @@ class IntervalSet {
   std::optional<std::pair<uint64_t, uint64_t>> FirstGap(uint64_t begin, uint64_t end) const;
   bool Covers(uint64_t begin, uint64_t end) const { return !FirstGap(begin, end).has_value(); }
   void Clear() { ranges_.clear(); }
+  // Disjoint ranges held: what the set's memory grows with.
+  size_t size() const { return ranges_.size(); }
 
  private:
   std::map<uint64_t, uint64_t> ranges_;  // begin -> end, disjoint, not touching

@@ -23,12 +23,26 @@ bool CommitArgs::operator==(const CommitArgs& o) const {
                     [](double a, double b) { return SameBits(a, b); });
 }
 
-Job::Job(const v1::CreateJobRequest& s, uint64_t window, Wakeups* wakeups)
-    : spec(s), barrier_timeout(absl::Milliseconds(s.barrier_timeout_ms())), window_bytes(window), wakeups_(wakeups) {}
+Job::Job(const v1::CreateJobRequest& s, uint64_t window, Wakeups* wakeups, MemoryBudget* budget)
+    : spec(s), barrier_timeout(absl::Milliseconds(s.barrier_timeout_ms())), window_bytes(window), wakeups_(wakeups),
+      budget_(budget) {}
+
+namespace {
+
+// The job's bookkeeping besides its state: per tensor its spec, name index
+// and shard entry, and per rank the round's session numbers; a generous
+// bound, allocator overhead included.
+uint64_t BookkeepingBytes(const v1::CreateJobRequest& spec) {
+  uint64_t bytes = 4096 + uint64_t{spec.world_size()} * sizeof(uint64_t);
+  for (const v1::TensorSpec& t : spec.tensors()) bytes += 512 + 3 * t.name().size();
+  return bytes;
+}
+
+}  // namespace
 
 absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spec, Backend* backend,
-                                                 uint64_t window_bytes, Wakeups* wakeups) {
-  std::shared_ptr<Job> job(new Job(spec, window_bytes, wakeups));
+                                                 uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget) {
+  std::shared_ptr<Job> job(new Job(spec, window_bytes, wakeups, budget));
   job->self_ = job;
   for (const v1::Group& g : spec.groups()) {
     job->hypers.push_back({g.beta1(), g.beta2(), g.eps(), g.weight_decay(), g.lr_multiplier()});
@@ -47,6 +61,11 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spe
     const bool bf16 = spec.groups(spec.tensors(t).group()).precision() == v1::PRECISION_BF16;
     layout.shards.push_back({s.length(), bf16 ? Precision::kBf16 : Precision::kFp32});
   }
+  std::vector<uint64_t> lengths;
+  for (const OwnedShard& s : job->shards) lengths.push_back(s.length);
+  const uint64_t bytes = backend->HostBytes(layout) + window_bytes + RunningSum::FixedBytes(lengths, spec.world_size()) +
+                         BookkeepingBytes(spec);
+  SHARDOPT_ASSIGN_OR_RETURN(job->charge_, budget->Reserve(bytes, absl::StrCat("job ", Quote(spec.job()))));
   SHARDOPT_ASSIGN_OR_RETURN(auto state, backend->Allocate(layout));
   absl::MutexLock lock(&job->mu);
   job->state = std::move(state);
@@ -64,6 +83,7 @@ void Job::StartRound(std::chrono::steady_clock::time_point now) {
   for (const OwnedShard& s : shards) lengths.push_back(s.length);
   round.sum = std::make_unique<RunningSum>(std::move(lengths), world_size(), window_bytes);
   round.sessions.assign(world_size(), 0);
+  round.tracking = budget_->Empty();
   // At the deadline every waiter looks again; the first to see it passed
   // ends the round (push_session.cc), saying who is missing.
   wakeups_->At(round.deadline, [weak = self_, epoch = round.epoch] {
@@ -84,6 +104,15 @@ void Job::EndRound(std::string why) {
 
 void Job::ExpireIfLate(std::chrono::steady_clock::time_point now) {
   if (round.active && !round.sealed && now >= round.deadline) EndRound("its barrier deadline passed");
+}
+
+absl::Status Job::ChargeTracking() {
+  return round.tracking.Grow(round.sum->MaxGrowth(), absl::StrCat("the barrier tracking of job ", Quote(name())));
+}
+
+void Job::FitTracking() {
+  const uint64_t used = round.sum->growing_bytes();
+  if (round.tracking.bytes() > used) round.tracking.Shrink(round.tracking.bytes() - used);
 }
 
 void Job::Notify() {

@@ -18,6 +18,7 @@
 #include "kernels/backend.h"
 #include "kernels/step_scalars.h"
 #include "server/interval_set.h"
+#include "server/memory_budget.h"
 #include "server/wakeups.h"
 #include "server/running_sum.h"
 #include "shardopt/v1/optimizer.pb.h"
@@ -58,9 +59,11 @@ class Job {
  public:
   // A job of a normalized spec (job_spec.h), with its state allocated on
   // `backend` and no initial values yet. A round's early chunks wait in at
-  // most `window_bytes` (running_sum.h).
+  // most `window_bytes` (running_sum.h). Everything the job holds is
+  // charged to `budget` first (memory_budget.h): RESOURCE_EXHAUSTED, with
+  // nothing allocated, if it does not fit.
   static absl::StatusOr<std::shared_ptr<Job>> Create(const v1::CreateJobRequest& spec, Backend* backend,
-                                                     uint64_t window_bytes, Wakeups* wakeups);
+                                                     uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget);
 
   // Fixed at creation, read without the lock.
   const v1::CreateJobRequest spec;
@@ -103,6 +106,8 @@ class Job {
     std::vector<ShardGrads> contributions;
     std::chrono::steady_clock::time_point started, first_finished;
     StepPhases phases;  // filled as the round goes, and by its commit
+    // The budget's charge for the sum's growing bookkeeping (running_sum.h).
+    MemoryBudget::Charge tracking;
   };
   Round round ABSL_GUARDED_BY(mu);
   // The phases of the last step done, and of the step being applied.
@@ -127,6 +132,11 @@ class Job {
   // round is told (empty for a committed one).
   void EndRound(std::string why = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void ExpireIfLate(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Charges the most one Offer or Finish of the round's sum can add, before
+  // it runs; RESOURCE_EXHAUSTED if that does not fit. FitTracking then gives
+  // back what it did not use.
+  absl::Status ChargeTracking() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void FitTracking() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Wakes everything that waits on the job: the CondVar's waiters, and the
   // watchers, each run once on the wakeup thread. Every change of the round,
   // the step, `applying` or `dropped` calls it.
@@ -148,8 +158,10 @@ class Job {
   absl::Status CheckNotDropped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
  private:
-  Job(const v1::CreateJobRequest& spec, uint64_t window_bytes, Wakeups* wakeups);
+  Job(const v1::CreateJobRequest& spec, uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget);
   Wakeups* const wakeups_;
+  MemoryBudget* const budget_;
+  MemoryBudget::Charge charge_;  // all the job holds but its rounds' growth
   std::weak_ptr<Job> self_;  // for the round's deadline timer, which may outlive the job
   std::vector<std::function<void()>> watchers_ ABSL_GUARDED_BY(mu);
 };

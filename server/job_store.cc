@@ -14,7 +14,9 @@
 
 namespace shardopt {
 
-JobStore::JobStore(Backend* backend, JobStoreOptions options) : backend_(backend), options_(options) {
+JobStore::JobStore(Backend* backend, JobStoreOptions options)
+    : backend_(backend), options_(options),
+      budget_(options.memory_limit > 0 ? options.memory_limit : MemoryBudget::DefaultLimit()) {
   // A commit applies the update one streamed piece at a time; pieces must
   // start where a partial update may.
   const uint64_t a = kApplyAlignment;
@@ -69,7 +71,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   // at least one block of fp32, or a rank could never take a block's turn.
   const uint64_t window = std::max<uint64_t>(RunningSum::kBlock * 4,
                                              std::min(options_.window_bytes, uint64_t{spec.world_size()} << 22));
-  SHARDOPT_ASSIGN_OR_RETURN(auto created, Job::Create(spec, backend_, window, &wakeups_));
+  SHARDOPT_ASSIGN_OR_RETURN(auto created, Job::Create(spec, backend_, window, &wakeups_, &budget_));
   std::shared_ptr<Job> job = std::move(created);
 
   // Outside the store's lock: reading a checkpoint must not stall other jobs.
@@ -218,6 +220,8 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   // window for early chunks, at its cap.
   r.set_staging_bytes(use.staging_bytes + job.window_bytes);
   r.set_device(backend_->Describe());
+  r.set_memory_limit_bytes(budget_.limit());
+  r.set_memory_used_bytes(budget_.used());
   return r;
 }
 

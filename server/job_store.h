@@ -25,12 +25,16 @@
 #include "server/commit_stream.h"
 #include "server/job.h"
 #include "server/job_spec.h"
+#include "server/memory_budget.h"
 #include "server/push_session.h"
 #include "shardopt/v1/optimizer.pb.h"
 
 namespace shardopt {
 
 struct JobStoreOptions {
+  // The server's memory budget in bytes (memory_budget.h); 0: the default,
+  // the smaller of physical memory and the cgroup limit, less headroom.
+  uint64_t memory_limit = 0;
   absl::Duration default_barrier_timeout = absl::Seconds(60);
   // Elements per streamed ParamChunk / StateChunk: 1 MiB of bf16. Rounded up
   // to a multiple of kApplyAlignment.
@@ -109,6 +113,8 @@ class JobStore {
   absl::StatusOr<StepPhases> LastStepPhases(const std::string& job) const ABSL_LOCKS_EXCLUDED(mu_);
 
   std::string backend_name() const { return backend_->Describe(); }
+  // What jobs and streams charge their memory to.
+  MemoryBudget* budget() { return &budget_; }
   // The thread that resumes waiting pushes; the service's stream timers run
   // on it too.
   Wakeups* wakeups() { return &wakeups_; }
@@ -119,6 +125,8 @@ class JobStore {
 
   Backend* const backend_;
   JobStoreOptions options_;
+  // Declared before the jobs, whose charges it outlives.
+  MemoryBudget budget_;
   // Resumes waiting pushes. Declared before the jobs, so that it is
   // destroyed after them: a job posts to it until its last moment.
   Wakeups wakeups_;

@@ -20,6 +20,7 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "server/auth.h"
 #include "server/device.h"
+#include "server/memory_budget.h"
 #include "server/job_spec.h"
 #include "server/service.h"
 #include "rpc/grpc_edge.h"
@@ -44,6 +45,9 @@ ABSL_FLAG(int, idle_stream_timeout_ms, 120000,
 ABSL_FLAG(std::string, tokens_file, "",
           "bearer tokens, one per line: NAME trainer|admin TOKEN [JOB_PREFIX ...]; every call then needs one "
           "(docs/design.md, security). Reloaded on SIGHUP");
+ABSL_FLAG(std::string, memory_limit, "auto",
+          "host memory the server's jobs and streams may hold, e.g. 20Gi or 512M; auto: the smaller of physical "
+          "memory and the cgroup limit, less an eighth (at least 256 MiB) of headroom. Over it: RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint32_t, max_streams, 4096, "Push, Init, Commit and Read streams open at once; more are RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint32_t, max_streams_per_client, 1024,
           "streams open at once per client (its token's name, or its address without --tokens_file)");
@@ -120,6 +124,8 @@ int main(int argc, char** argv) {
                                       " lets anyone who reaches the port read, change or drop every job: give "
                                       "--tls_cert and --tls_key, listen on loopback, or pass --insecure"));
   }
+  const auto memory_limit = shardopt::MemoryBudget::ParseLimit(absl::GetFlag(FLAGS_memory_limit));
+  if (!memory_limit.ok()) shardopt::UsageError(absl::StrCat("--memory_limit: ", memory_limit.status().message()));
   shardopt::TuneAllocatorForStreaming();
 
   auto backend = shardopt::MakeBackend(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_threads));
@@ -136,6 +142,15 @@ int main(int argc, char** argv) {
   store_options.window_bytes = absl::GetFlag(FLAGS_staging_window_bytes);
   store_options.max_tensors_per_job = absl::GetFlag(FLAGS_max_tensors_per_job);
   store_options.max_world_size = absl::GetFlag(FLAGS_max_world_size);
+  store_options.memory_limit = *memory_limit;
+  {
+    std::string found;
+    const uint64_t default_limit = shardopt::MemoryBudget::DefaultLimit(&found);
+    std::cerr << "shardopt-server: memory budget " << *memory_limit << " bytes"
+              << (absl::GetFlag(FLAGS_memory_limit) == "auto" ? absl::StrCat(" (", found, ")")
+                                                              : absl::StrCat(" (the default would be ", default_limit, ")"))
+              << "\n";
+  }
   shardopt::JobStore store(backend->get(), store_options);
   std::unique_ptr<shardopt::Authenticator> auth;
   if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {

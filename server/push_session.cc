@@ -1,5 +1,6 @@
 #include "server/push_session.h"
 
+
 #include <optional>
 #include <utility>
 
@@ -182,9 +183,12 @@ absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
   RunningSum& sum = *job_->round.sum;
   const uint64_t before = sum.progress();
   const auto t0 = std::chrono::steady_clock::now();
-  SHARDOPT_ASSIGN_OR_RETURN(auto offered, sum.Offer(*job_->state, rank_, pending_shard_, local + pending_taken_,
-                                                    pending_dtype_, data.data() + pending_taken_ * esize,
-                                                    count - pending_taken_));
+  SHARDOPT_RETURN_IF_ERROR(job_->ChargeTracking());
+  absl::StatusOr<RunningSum::Offered> taken =
+      sum.Offer(*job_->state, rank_, pending_shard_, local + pending_taken_, pending_dtype_,
+                data.data() + pending_taken_ * esize, count - pending_taken_);
+  job_->FitTracking();
+  SHARDOPT_ASSIGN_OR_RETURN(auto offered, std::move(taken));
   job_->round.phases.reduce += Seconds(std::chrono::steady_clock::now() - t0);
   pending_taken_ += offered.taken;
   if (sum.progress() != before) job_->Notify();
@@ -281,7 +285,10 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
   }
   if (!sum.finished(rank_)) {
     const auto t0 = std::chrono::steady_clock::now();
-    SHARDOPT_RETURN_IF_ERROR(sum.Finish(*job_->state, rank_, std::move(no_grad)));
+    SHARDOPT_RETURN_IF_ERROR(job_->ChargeTracking());
+    const absl::Status finished = sum.Finish(*job_->state, rank_, std::move(no_grad));
+    job_->FitTracking();
+    SHARDOPT_RETURN_IF_ERROR(finished);
     const auto t1 = std::chrono::steady_clock::now();
     job_->round.phases.reduce += Seconds(t1 - t0);
     if (job_->round.finished_count == 0) job_->round.first_finished = t1;

@@ -11,7 +11,8 @@ namespace shardopt {
 ReadReactor::ReadReactor(const char* what, grpc::CallbackServerContext* context, Wakeups* wakeups,
                          StreamSettings settings)
     : context_(context), what_(what), wakeups_(wakeups),
-      idle_timeout_(absl::ToChronoNanoseconds(settings.idle_timeout)), slot_(std::move(settings.slot)) {}
+      idle_timeout_(absl::ToChronoNanoseconds(settings.idle_timeout)), slot_(std::move(settings.slot)),
+      budget_(settings.budget) {}
 
 void ReadReactor::Begin() {
   self_ = shared_from_this();
@@ -23,7 +24,16 @@ void ReadReactor::OnReadDone(bool ok) {
   std::lock_guard<std::recursive_mutex> lock(mu_);
   reading_ = false;
   if (finished_) return;
-  if (ok) return OnMessage(&message_);
+  if (ok) {
+    auto charge = budget_->Reserve(message_.Length(), absl::StrCat("a ", what_, " message"));
+    if (!charge.ok()) {
+      message_.Clear();
+      OnCut(true);
+      return End(ToGrpcStatus(charge.status()));
+    }
+    message_charge_ = *std::move(charge);
+    return OnMessage(&message_);
+  }
   if (context_->IsCancelled()) {
     OnCut(false);
     return End(grpc::Status(grpc::StatusCode::CANCELLED, absl::StrCat(what_, " cancelled")));
@@ -53,6 +63,7 @@ void ReadReactor::OnDone() {
 // The timers: at most one pending per distinct time, and one re-armed from
 // the latest read's start when it fires early.
 void ReadReactor::Read() {
+  message_charge_.Release();  // the last message is dealt with
   reading_ = true;
   read_started_ = Clock::now();
   Clock::time_point due = read_started_ + idle_timeout_;
@@ -97,6 +108,7 @@ void ReadReactor::TimerFired(Clock::time_point when) {
 void ReadReactor::End(const grpc::Status& status) {
   if (finished_) return;
   finished_ = true;
+  message_charge_.Release();
   Finish(status);
 }
 

@@ -18,6 +18,7 @@
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
+#include "server/memory_budget.h"
 #include "server/stream_limits.h"
 #include "server/wakeups.h"
 
@@ -25,8 +26,12 @@ namespace shardopt {
 
 // What every stream gets from the service.
 struct StreamSettings {
-  absl::Duration idle_timeout;                // a stream that sends nothing this long is cut
-  std::unique_ptr<StreamLimits::Slot> slot;   // held while the stream is open
+  absl::Duration idle_timeout;               // a stream that sends nothing this long is cut
+  std::unique_ptr<StreamLimits::Slot> slot;  // held while the stream is open
+  // Each message is charged from its arrival until the next read (or the
+  // stream's end): a message the budget has no room for ends the stream,
+  // RESOURCE_EXHAUSTED.
+  MemoryBudget* budget;
 };
 
 class ReadReactor : public grpc::ServerReadReactor<grpc::ByteBuffer>, public std::enable_shared_from_this<ReadReactor> {
@@ -78,6 +83,8 @@ class ReadReactor : public grpc::ServerReadReactor<grpc::ByteBuffer>, public std
   Wakeups* const wakeups_;
   const Clock::duration idle_timeout_;
   std::unique_ptr<StreamLimits::Slot> slot_;
+  MemoryBudget* const budget_;
+  MemoryBudget::Charge message_charge_;
   std::shared_ptr<ReadReactor> self_;
   grpc::ByteBuffer message_;
   bool reading_ = false;  // a read is outstanding: the client's turn

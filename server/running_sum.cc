@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "absl/cleanup/cleanup.h"
 #include "base/status_macros.h"
 
 namespace shardopt {
@@ -20,11 +21,32 @@ bool RunningSum::no_grad(uint32_t rank, uint32_t shard) const {
   return ranks_[rank].finished && ranks_[rank].no_grad[shard];
 }
 
-std::optional<std::pair<uint64_t, uint64_t>> RunningSum::FirstGap(uint32_t rank, uint32_t shard) const {
-  const RankState& r = ranks_[rank];
-  if (r.offered.empty()) return std::make_pair(uint64_t{0}, lengths_[shard]);
-  return r.offered[shard].FirstGap(0, lengths_[shard]);
+namespace {
+// What the bookkeeping's containers cost, allocator overhead included: a
+// std::map node of IntervalSet, and a slot of the rank's offered map (at
+// most half full, so twice the slot).
+constexpr uint64_t kNodeBytes = 64;
+constexpr uint64_t kEntryBytes = 2 * (sizeof(uint32_t) + sizeof(IntervalSet) + 8);
+}  // namespace
+
+const IntervalSet* RunningSum::OfferedOf(const RankState& rank, uint32_t shard) {
+  auto it = rank.offered.find(shard);
+  return it == rank.offered.end() ? nullptr : &it->second;
 }
+
+std::optional<std::pair<uint64_t, uint64_t>> RunningSum::FirstGap(uint32_t rank, uint32_t shard) const {
+  const IntervalSet* offered = OfferedOf(ranks_[rank], shard);
+  if (offered == nullptr) return std::make_pair(uint64_t{0}, lengths_[shard]);
+  return offered->FirstGap(0, lengths_[shard]);
+}
+
+uint64_t RunningSum::FixedBytes(const std::vector<uint64_t>& lengths, uint32_t world_size) {
+  uint64_t bytes = uint64_t{world_size} * sizeof(RankState);
+  for (uint64_t n : lengths) bytes += (n + kBlock - 1) / kBlock * sizeof(Block) + sizeof(std::vector<Block>);
+  return bytes;
+}
+
+uint64_t RunningSum::MaxGrowth() const { return kEntryBytes + kNodeBytes + (lengths_.size() + 7) / 8 + 64; }
 
 absl::Status RunningSum::Fold(JobState& state, uint32_t shard, Block& block, uint64_t offset, DType dtype,
                               const char* data, uint64_t count, RankState& rank) {
@@ -40,7 +62,15 @@ absl::StatusOr<RunningSum::Offered> RunningSum::Offer(JobState& state, uint32_t 
                                                       uint64_t offset, DType dtype, const char* data,
                                                       uint64_t count) {
   RankState& r = ranks_[rank];
-  if (r.offered.empty()) r.offered.resize(lengths_.size());
+  const auto emplaced = r.offered.try_emplace(shard);
+  const bool added = emplaced.second;
+  IntervalSet& offered = emplaced.first->second;
+  const size_t nodes_before = offered.size();
+  // An Offer adds one contiguous range: at most one entry and one node.
+  absl::Cleanup account = [&] {
+    growing_bytes_ += (added ? kEntryBytes : 0) + kNodeBytes * offered.size();
+    growing_bytes_ -= kNodeBytes * nodes_before;
+  };
   const uint64_t esize = DTypeSize(dtype);
   const uint64_t end = offset + count;
   for (uint64_t pos = offset; pos < end;) {
@@ -51,7 +81,7 @@ absl::StatusOr<RunningSum::Offered> RunningSum::Offer(JobState& state, uint32_t 
       // What of [pos, stop) this rank has not offered before.
       std::vector<std::pair<uint64_t, uint64_t>> gaps;
       for (uint64_t at = pos; at < stop;) {
-        auto gap = r.offered[shard].FirstGap(at, stop);
+        auto gap = offered.FirstGap(at, stop);
         if (!gap) break;
         gaps.push_back(*gap);
         at = gap->second;
@@ -60,18 +90,20 @@ absl::StatusOr<RunningSum::Offered> RunningSum::Offer(JobState& state, uint32_t 
         for (const auto& [g0, g1] : gaps) {
           SHARDOPT_RETURN_IF_ERROR(Fold(state, shard, b, g0, dtype, data + (g0 - offset) * esize, g1 - g0, r));
         }
-        r.offered[shard].Add(pos, stop);
+        offered.Add(pos, stop);
         SHARDOPT_RETURN_IF_ERROR(Advance(state, shard, k));
       } else {
+        // What the window holds counts its entries too: many tiny chunks
+        // must not hold much more than the cap.
         uint64_t bytes = 0;
-        for (const auto& [g0, g1] : gaps) bytes += (g1 - g0) * esize;
+        for (const auto& [g0, g1] : gaps) bytes += (g1 - g0) * esize + sizeof(Waiting);
         if (bytes > 0 && window_bytes_ + bytes > window_cap_) return Offered{pos - offset, true};
         for (const auto& [g0, g1] : gaps) {
           window_[Key(shard, k)].push_back(
               {rank, g0, dtype, std::string(data + (g0 - offset) * esize, (g1 - g0) * esize)});
         }
         window_bytes_ += bytes;
-        r.offered[shard].Add(pos, stop);
+        offered.Add(pos, stop);
         ++progress_;
       }
     }
@@ -98,12 +130,12 @@ absl::Status RunningSum::Advance(JobState& state, uint32_t shard, uint64_t k) {
       for (auto w = mine; w != waiting.end(); ++w) {
         SHARDOPT_RETURN_IF_ERROR(Fold(state, shard, b, w->offset, w->dtype, w->bytes.data(),
                                       w->bytes.size() / DTypeSize(w->dtype), r));
-        window_bytes_ -= w->bytes.size();
+        window_bytes_ -= w->bytes.size() + sizeof(Waiting);
       }
       waiting.erase(mine, waiting.end());
       if (waiting.empty()) window_.erase(it);
     }
-    if (r.offered.empty() || !r.offered[shard].Covers(begin, end)) break;
+    if (const IntervalSet* offered = OfferedOf(r, shard); offered == nullptr || !offered->Covers(begin, end)) break;
     b.any = true;
     ++b.next;
   }
@@ -114,6 +146,7 @@ absl::Status RunningSum::Finish(JobState& state, uint32_t rank, std::vector<bool
   RankState& r = ranks_[rank];
   r.finished = true;
   r.no_grad = std::move(no_grad);
+  growing_bytes_ += (r.no_grad.size() + 7) / 8 + 64;
   for (uint32_t s = 0; s < blocks_.size(); ++s) {
     for (uint64_t k = 0; k < blocks_[s].size(); ++k) {
       if (blocks_[s][k].next == rank) SHARDOPT_RETURN_IF_ERROR(Advance(state, s, k));
@@ -129,7 +162,7 @@ bool RunningSum::Withdraw(uint32_t rank) {
   for (auto it = window_.begin(); it != window_.end();) {
     std::vector<Waiting>& waiting = it->second;
     auto mine = std::stable_partition(waiting.begin(), waiting.end(), [&](const Waiting& w) { return w.rank != rank; });
-    for (auto w = mine; w != waiting.end(); ++w) window_bytes_ -= w->bytes.size();
+    for (auto w = mine; w != waiting.end(); ++w) window_bytes_ -= w->bytes.size() + sizeof(Waiting);
     waiting.erase(mine, waiting.end());
     if (waiting.empty()) {
       window_.erase(it++);
@@ -137,6 +170,7 @@ bool RunningSum::Withdraw(uint32_t rank) {
       ++it;
     }
   }
+  for (const auto& [shard, offered] : r.offered) growing_bytes_ -= kEntryBytes + kNodeBytes * offered.size();
   r.offered.clear();
   ++progress_;
   return true;
@@ -158,11 +192,5 @@ bool RunningSum::Contributed(uint32_t shard) const {
   return false;
 }
 
-uint64_t RunningSum::tracking_bytes() const {
-  uint64_t bytes = window_bytes_ + ranks_.size() * sizeof(RankState);
-  for (const auto& shard : blocks_) bytes += shard.size() * sizeof(Block);
-  for (const RankState& r : ranks_) bytes += r.offered.size() * sizeof(IntervalSet) + r.no_grad.size() / 8;
-  return bytes;
-}
 
 }  // namespace shardopt

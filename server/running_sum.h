@@ -66,9 +66,15 @@ class RunningSum {
   // Bumped by every fold and every change of the window: what a push that
   // waits for room waits on.
   uint64_t progress() const { return progress_; }
-  // What this round's bookkeeping holds besides the sum: per block, per rank
-  // that pushed, and the window.
-  uint64_t tracking_bytes() const;
+  // The bookkeeping's memory, for the server's budget (memory_budget.h).
+  // Fixed at creation: per rank and per block, whatever is pushed.
+  static uint64_t FixedBytes(const std::vector<uint64_t>& shard_lengths, uint32_t world_size);
+  // Grows as ranks push, by at most MaxGrowth() per Offer or Finish: each
+  // rank's offered ranges (of the shards it touched only, so a rank that
+  // pushes one element costs one entry whatever the number of tensors) and
+  // its no_grad flags once it finished.
+  uint64_t growing_bytes() const { return growing_bytes_; }
+  uint64_t MaxGrowth() const;
 
  private:
   struct Block {
@@ -78,7 +84,7 @@ class RunningSum {
   struct RankState {
     bool finished = false;
     bool folded = false;                // some of its elements are in the sum
-    std::vector<IntervalSet> offered;   // [shard], once the rank offers anything
+    absl::flat_hash_map<uint32_t, IntervalSet> offered;  // by shard, those it offered anything of
     std::vector<bool> no_grad;          // [shard], once it finished
   };
   struct Waiting {
@@ -94,6 +100,8 @@ class RunningSum {
                     uint64_t count, RankState& rank);
   // Moves the block's sum past every rank that is done with it.
   absl::Status Advance(JobState& state, uint32_t shard, uint64_t block);
+  // Of a rank's shard, what it offered: null if nothing.
+  static const IntervalSet* OfferedOf(const RankState& rank, uint32_t shard);
 
   const std::vector<uint64_t> lengths_;
   const uint32_t world_size_;
@@ -103,6 +111,7 @@ class RunningSum {
   absl::flat_hash_map<uint64_t, std::vector<Waiting>> window_;  // by Key(shard, block)
   uint64_t window_bytes_ = 0;
   uint64_t progress_ = 0;
+  uint64_t growing_bytes_ = 0;
 };
 
 }  // namespace shardopt

@@ -76,7 +76,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Init(grpc::Callback
   auto opened = OpenStream(*context, Action::kInit, "");
   if (!opened.ok()) return new RefusedRead(opened.status());
   return StartInitReactor(store_, context, response, std::move(opened->first),
-                          {options_.idle_stream_timeout, std::move(opened->second)});
+                          {options_.idle_stream_timeout, std::move(opened->second), store_->budget()});
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Push(grpc::CallbackServerContext* context,
@@ -84,7 +84,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Push(grpc::Callback
   auto opened = OpenStream(*context, Action::kPush, "");
   if (!opened.ok()) return new RefusedRead(opened.status());
   return StartPushReactor(store_, context, response, std::move(opened->first),
-                          {options_.idle_stream_timeout, std::move(opened->second)});
+                          {options_.idle_stream_timeout, std::move(opened->second), store_->budget()});
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* OptimizerService::Commit(grpc::CallbackServerContext* context,

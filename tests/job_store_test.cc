@@ -443,7 +443,7 @@ TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
       {"numel past 2^40", store_.CreateJob(JobRequest("huge", 1, {{"w", (uint64_t{1} << 62) + 1000}})).status(),
        absl::StatusCode::kInvalidArgument, "2^40"},
       {"more than the machine's memory", store_.CreateJob(JobRequest("big", 1, {{"w", uint64_t{1} << 40}})).status(),
-       absl::StatusCode::kResourceExhausted, "bytes of host memory"},
+       absl::StatusCode::kResourceExhausted, "this server's memory budget (--memory_limit"},
       {"different shapes", store_.CreateJob(JobRequest("bad", 2, {{"w", 3001}})).status(),
        absl::StatusCode::kAlreadyExists, "different configuration"},
       {"NaN initial value", [&] {

@@ -366,14 +366,19 @@ class CpuBackend final : public Backend {
     return absl::StrCat("cpu (", cpu::IsaName(isa_), ", ", pool_.size(), " threads)");
   }
 
-  absl::StatusOr<std::unique_ptr<JobState>> Allocate(const JobLayout& layout) override {
-    // Refused up front rather than left to overcommit: zeroing a job larger
-    // than the machine would get the whole server killed.
+  uint64_t HostBytes(const JobLayout& layout) const override {
     uint64_t bytes = 0;
     for (const ShardLayout& s : layout.shards) {
       const uint64_t state = s.precision == Precision::kFp32 ? 12 : 6;
       bytes += s.numel * (state + 2 + uint64_t{layout.world_size} * DTypeSize(layout.grad_dtype));
     }
+    return bytes;
+  }
+
+  absl::StatusOr<std::unique_ptr<JobState>> Allocate(const JobLayout& layout) override {
+    // Refused up front rather than left to overcommit: zeroing a job larger
+    // than the machine would get the whole server killed.
+    const uint64_t bytes = HostBytes(layout);
     const uint64_t physical = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
     if (bytes > physical) {
       return absl::ResourceExhaustedError(absl::StrCat("the job needs ", bytes, " bytes of host memory; this machine has ",

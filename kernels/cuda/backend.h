@@ -16,6 +16,9 @@ class CudaBackend final : public Backend {
 
   std::string Describe() const override { return device_->description(); }
   absl::StatusOr<std::unique_ptr<JobState>> Allocate(const JobLayout& layout) override;
+  // The state is device memory; the pinned staging slots are the device's,
+  // shared by every job.
+  uint64_t HostBytes(const JobLayout&) const override { return 0; }
 
   const Device& device() const { return *device_; }
 

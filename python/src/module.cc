@@ -330,7 +330,9 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("device", &shardopt::ServerState::device)
       .def_readonly("step", &shardopt::ServerState::step)
       .def_readonly("state_bytes", &shardopt::ServerState::state_bytes)
-      .def_readonly("staging_bytes", &shardopt::ServerState::staging_bytes);
+      .def_readonly("staging_bytes", &shardopt::ServerState::staging_bytes)
+      .def_readonly("memory_limit_bytes", &shardopt::ServerState::memory_limit_bytes)
+      .def_readonly("memory_used_bytes", &shardopt::ServerState::memory_used_bytes);
 
   m.def(
       "decide",

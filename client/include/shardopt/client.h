@@ -166,6 +166,10 @@ struct ServerState {
   uint64_t step = 0;
   uint64_t state_bytes = 0;
   uint64_t staging_bytes = 0;
+  // The server's memory budget (--memory_limit) and what all its jobs and
+  // streams hold against it.
+  uint64_t memory_limit_bytes = 0;
+  uint64_t memory_used_bytes = 0;
 };
 
 // Decide's rule, a pure function so that every rank and the tests agree.

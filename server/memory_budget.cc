@@ -1,0 +1,109 @@
+#include "server/memory_budget.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace shardopt {
+namespace {
+
+// A cgroup limit file's number; "max" and anything unreadable are none.
+std::optional<uint64_t> ReadLimit(const char* path) {
+  std::ifstream in(path);
+  std::string text;
+  if (!(in >> text)) return std::nullopt;
+  uint64_t v;
+  if (!absl::SimpleAtoi(text, &v)) return std::nullopt;
+  return v;
+}
+
+std::string Gib(uint64_t bytes) { return absl::StrCat(static_cast<double>(bytes) / (1 << 30), " GiB"); }
+
+}  // namespace
+
+uint64_t MemoryBudget::DefaultLimit(std::string* found) {
+  const uint64_t physical = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
+  uint64_t total = physical;
+  std::string source = absl::StrCat("physical memory ", Gib(physical));
+  // v1's "no limit" is a huge number, larger than the machine: min() skips it.
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    if (auto v = ReadLimit(path); v && *v < total) {
+      total = *v;
+      source = absl::StrCat("cgroup limit ", Gib(*v), " (", path, ")");
+    }
+  }
+  const uint64_t headroom = std::max<uint64_t>(uint64_t{256} << 20, total / 8);
+  const uint64_t limit = total > headroom ? total - headroom : total / 2;
+  if (found != nullptr) *found = absl::StrCat(source, " less ", Gib(total - limit), " headroom");
+  return limit;
+}
+
+absl::StatusOr<uint64_t> MemoryBudget::ParseLimit(absl::string_view text) {
+  if (text == "auto") return DefaultLimit();
+  static constexpr std::pair<const char*, uint64_t> kSuffixes[] = {
+      {"Ki", uint64_t{1} << 10}, {"Mi", uint64_t{1} << 20}, {"Gi", uint64_t{1} << 30}, {"Ti", uint64_t{1} << 40},
+      {"K", 1000}, {"M", 1000 * 1000}, {"G", 1000 * 1000 * 1000}, {"T", uint64_t{1000} * 1000 * 1000 * 1000}};
+  uint64_t unit = 1;
+  absl::string_view number = text;
+  for (const auto& [suffix, scale] : kSuffixes) {
+    if (absl::EndsWith(number, suffix)) {
+      number.remove_suffix(std::char_traits<char>::length(suffix));
+      unit = scale;
+      break;
+    }
+  }
+  uint64_t v;
+  if (!absl::SimpleAtoi(number, &v) || v == 0 || v > UINT64_MAX / unit) {
+    return absl::InvalidArgumentError(absl::StrCat("memory limit '", text,
+                                                   "' is not 'auto' or a positive byte count such as 20Gi or 512M"));
+  }
+  return v * unit;
+}
+
+absl::Status MemoryBudget::Take(uint64_t bytes, absl::string_view what) {
+  uint64_t used = used_.load(std::memory_order_relaxed);
+  do {
+    if (bytes > limit_ || used > limit_ - bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(what, " needs ", bytes, " bytes; this server's memory budget (--memory_limit=",
+                                                       limit_, ") has ", limit_ - std::min(used, limit_), " left"));
+    }
+  } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<MemoryBudget::Charge> MemoryBudget::Reserve(uint64_t bytes, absl::string_view what) {
+  if (absl::Status st = Take(bytes, what); !st.ok()) return st;
+  return Charge(this, bytes);
+}
+
+MemoryBudget::Charge& MemoryBudget::Charge::operator=(Charge&& other) noexcept {
+  if (this != &other) {
+    Release();
+    budget_ = other.budget_;
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+absl::Status MemoryBudget::Charge::Grow(uint64_t more, absl::string_view what) {
+  if (budget_ == nullptr || more == 0) return absl::OkStatus();
+  if (absl::Status st = budget_->Take(more, what); !st.ok()) return st;
+  bytes_ += more;
+  return absl::OkStatus();
+}
+
+void MemoryBudget::Charge::Shrink(uint64_t less) {
+  less = std::min(less, bytes_);
+  if (budget_ != nullptr && less > 0) budget_->Give(less);
+  bytes_ -= less;
+}
+
+}  // namespace shardopt

@@ -1,0 +1,261 @@
+// One client cannot take a server down: real server processes with small
+// limits, each attack of the security review against them, and each time the
+// server still up and another job still stepping.
+//   - the memory budget: a job too big for it, and jobs until it is full;
+//   - stream caps, per client and per server;
+//   - an Init stream that sends nothing, and a Push still open at its
+//     barrier deadline, both cut.
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "shardopt/client.h"
+#include "shardopt/v1/optimizer.grpc.pb.h"
+#include "tests/testing/reference.h"
+#include "tests/testing/server_process.h"
+
+namespace shardopt {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RandomBf16;
+using testing::RandomFloats;
+using testing::ServerProcess;
+
+// A process's peak resident set (VmHWM), in bytes.
+uint64_t PeakRss(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string key;
+  while (in >> key) {
+    if (key == "VmHWM:") {
+      uint64_t kib = 0;
+      in >> kib;
+      return kib << 10;
+    }
+  }
+  return 0;
+}
+
+JobOptions OneTensor(const std::string& name, uint64_t numel, uint32_t world = 1) {
+  JobOptions job;
+  job.name = name;
+  job.world_size = world;
+  job.groups = {GroupOptions{}};
+  job.tensors = {{"w", numel, 0}};
+  job.barrier_timeout_ms = 10000;
+  return job;
+}
+
+std::unique_ptr<Client> Connect(const std::string& address, const std::string& token = "", uint32_t rank = 0) {
+  ClientOptions o;
+  o.servers = {address};
+  o.rank = rank;
+  o.token = token;
+  o.max_attempts = 1;
+  o.rpc_timeout_ms = 20000;
+  return Client::Connect(o).value();
+}
+
+// A job of its own that steps: made at once, then one step per call.
+class Victim {
+ public:
+  Victim(const std::string& address, const std::string& name, const std::string& token = "")
+      : client_(Connect(address, token)), job_(OneTensor(name, 4096)) {
+    EXPECT_TRUE(client_->CreateOrAttach(job_).ok());
+    auto init = RandomFloats(rng_, 4096, -1, 1);
+    EXPECT_TRUE(client_->InitFp32("w", init.data()).ok());
+  }
+  absl::Status Step() {
+    auto g = RandomBf16(rng_, 4096, 1.0f);
+    std::vector<uint16_t> params(4096);
+    StepOptions options;
+    options.lr = 1e-3;
+    auto r = client_->Step({{"w", g.data()}}, options, {{"w", params.data()}});
+    return r.status();
+  }
+
+ private:
+  std::mt19937_64 rng_{std::random_device{}()};
+  std::unique_ptr<Client> client_;
+  JobOptions job_;
+};
+
+// Case 3 of the review: the memory check was per job, against physical
+// memory. A tensor of 1.2e9 elements passed it and the server was killed
+// zeroing it; 95 jobs of 256 MiB filled the machine. Now one budget for the
+// server is charged before anything is built.
+TEST(LimitsTest, TheMemoryBudgetRefusesWhatDoesNotFitAndTheServerStaysUp) {
+  constexpr uint64_t kLimit = uint64_t{384} << 20;
+  auto server = ServerProcess::Start({absl::StrCat("--memory_limit=", kLimit)});
+  ASSERT_NE(server, nullptr);
+  Victim victim(server->address(), "victim");
+  ASSERT_TRUE(victim.Step().ok());
+
+  auto attacker = Connect(server->address());
+  auto huge = attacker->CreateOrAttach(OneTensor("huge", uint64_t{1200} * 1000 * 1000));
+  ASSERT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  EXPECT_THAT(std::string(huge.status().message()), HasSubstr("needs"));
+  EXPECT_THAT(std::string(huge.status().message()), HasSubstr("--memory_limit"));
+  // 4M fp32 params: 72 MiB each, until the budget is full.
+  int made = 0;
+  for (; made < 20; ++made) {
+    auto c = Connect(server->address());
+    auto r = c->CreateOrAttach(OneTensor(absl::StrCat("fill", made), 4 << 20));
+    if (!r.ok()) {
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+      break;
+    }
+    std::vector<float> init(4 << 20, 0.5f);  // touched, so the pages are real
+    ASSERT_TRUE(c->InitFp32("w", init.data()).ok());
+    ASSERT_TRUE(victim.Step().ok());
+  }
+  EXPECT_GE(made, 2);
+  EXPECT_LT(made, 6);
+  ASSERT_TRUE(victim.Step().ok());
+  auto described = attacker->CreateOrAttach(OneTensor("fill0", 4 << 20));
+  ASSERT_TRUE(described.ok());
+  auto state = attacker->Describe();
+  ASSERT_TRUE(state.ok());
+  EXPECT_EQ((*state)[0].memory_limit_bytes, kLimit);
+  EXPECT_LE((*state)[0].memory_used_bytes, kLimit);
+  const uint64_t peak = PeakRss(server->pid());
+  std::printf("server peak RSS %.0f MiB against a budget of %.0f MiB (%d jobs of 72 MiB)\n", peak / 1048576.0,
+              kLimit / 1048576.0, made);
+  // What the budget does not charge (binary, threads, gRPC) is the headroom's.
+  EXPECT_LT(peak, kLimit + (uint64_t{96} << 20));
+  // A drop gives its charge back.
+  ASSERT_TRUE(attacker->Drop().ok());
+  EXPECT_TRUE(Connect(server->address())->CreateOrAttach(OneTensor("after-drop", 4 << 20)).ok());
+  ASSERT_TRUE(victim.Step().ok());
+}
+
+// Case 4: streams held open took every server thread. Now a client's
+// streams are capped, and so are the server's; another client still steps.
+TEST(LimitsTest, StreamCapsPerClientAndPerServer) {
+  char tmpl[] = "/tmp/shardopt-limits-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string a = "attacker-token-0123456789", b = "victim-token-0123456789";
+  std::ofstream(dir + "/tokens") << "attacker trainer " << a << " a/\nvictim trainer " << b << " v/\n";
+  auto server = ServerProcess::Start({"--tokens_file=" + dir + "/tokens", "--max_streams=6",
+                                      "--max_streams_per_client=3"});
+  ASSERT_NE(server, nullptr);
+  Victim victim(server->address(), "v/job", b);
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  auto attacker = Connect(server->address(), a);
+  ASSERT_TRUE(attacker->CreateOrAttach(OneTensor("a/job", 64, 2)).ok());
+
+  // The attacker's held-open pushes: three are taken, the fourth refused.
+  struct Held {
+    grpc::ClientContext ctx;
+    v1::PushResponse resp;
+    std::unique_ptr<grpc::ClientWriter<v1::GradChunk>> writer;
+  };
+  std::vector<std::unique_ptr<Held>> held;
+  auto open = [&](const std::string& token) {
+    auto h = std::make_unique<Held>();
+    h->ctx.AddMetadata("authorization", "Bearer " + token);
+    h->ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    h->writer = stub->Push(&h->ctx, &h->resp);
+    return h;
+  };
+  for (int i = 0; i < 3; ++i) held.push_back(open(a));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  auto fourth = open(a);
+  const grpc::Status refused = fourth->writer->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), HasSubstr("--max_streams_per_client"));
+  // The victim, another client, still steps (one push and one commit stream).
+  EXPECT_TRUE(victim.Step().ok());
+  // The server's cap: the victim holds three too, and then nobody gets one.
+  for (int i = 0; i < 3; ++i) held.push_back(open(b));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const absl::Status full = victim.Step();
+  EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
+  EXPECT_THAT(std::string(full.message()), HasSubstr("--max_streams"));
+  // Streams that end give their slots back.
+  for (auto& h : held) {
+    h->ctx.TryCancel();
+    h->writer->Finish().ok();  // CANCELLED
+  }
+  held.clear();
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_TRUE(victim.Step().ok());
+  std::filesystem::remove_all(dir);
+}
+
+// An Init stream that sends nothing is cut at the idle timeout, saying how
+// much it wrote; the job then takes the rest from another stream.
+TEST(LimitsTest, AnIdleInitStreamIsCut) {
+  auto server = ServerProcess::Start({"--idle_stream_timeout_ms=400"});
+  ASSERT_NE(server, nullptr);
+  auto client = Connect(server->address());
+  ASSERT_TRUE(client->CreateOrAttach(OneTensor("idle-init", 64)).ok());
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  v1::InitResponse resp;
+  auto writer = stub->Init(&ctx, &resp);
+  v1::InitChunk chunk;
+  chunk.set_job("idle-init");
+  chunk.set_tensor("w");
+  chunk.set_dtype(v1::FP32);
+  chunk.set_kind(v1::MASTER);
+  std::mt19937_64 rng(1);
+  const std::vector<float> init = RandomFloats(rng, 64, -1, 1);
+  chunk.set_data(init.data(), 32 * 4);
+  ASSERT_TRUE(writer->Write(chunk));
+  const auto started = std::chrono::steady_clock::now();
+  const grpc::Status st = writer->Finish();  // without WritesDone: the server waits, then cuts it
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("32 elements were written"));
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  EXPECT_TRUE(Victim(server->address(), "after-idle").Step().ok());
+}
+
+// A push still sending when its round's barrier deadline passes is cut with
+// the round, not left to its idle timeout: the server holds nothing of a
+// round that is over.
+TEST(LimitsTest, TheBarrierDeadlineCutsTheRoundsOpenStreams) {
+  auto server = ServerProcess::Start();
+  ASSERT_NE(server, nullptr);
+  JobOptions job = OneTensor("deadline", 4096, 2);
+  job.barrier_timeout_ms = 600;
+  auto client = Connect(server->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  std::mt19937_64 rng(2);
+  const std::vector<float> init = RandomFloats(rng, 4096, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::PushResponse resp;
+  auto writer = stub->Push(&ctx, &resp);
+  const std::vector<uint16_t> g = RandomBf16(rng, 2048, 1.0f);
+  v1::GradChunk chunk;
+  chunk.set_job("deadline");
+  chunk.set_step(1);
+  chunk.set_rank(1);
+  chunk.set_tensor("w");
+  chunk.set_dtype(v1::BF16);
+  chunk.set_data(g.data(), g.size() * 2);
+  const auto started = std::chrono::steady_clock::now();
+  ASSERT_TRUE(writer->Write(chunk));  // half of rank 1's push; the stream stays open
+  const grpc::Status st = writer->Finish();
+  const auto took = std::chrono::steady_clock::now() - started;
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+  EXPECT_THAT(st.error_message(), HasSubstr("barrier deadline"));
+  EXPECT_LT(took, std::chrono::seconds(5));  // the idle timeout is two minutes
+  EXPECT_TRUE(Victim(server->address(), "after-deadline").Step().ok());
+}
+
+}  // namespace
+}  // namespace shardopt

@@ -1,0 +1,161 @@
+// The server's one memory budget: its arithmetic and flag syntax; jobs
+// charged before they are built and given back when dropped; barrier
+// tracking that does not grow with world_size x tensors. Against the store
+// directly, where the process's own RSS is the server's.
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "server/memory_budget.h"
+#include "tests/testing/store_fixture.h"
+
+namespace shardopt {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::StoreTest;
+
+// This process's resident set, from /proc.
+uint64_t RssBytes() {
+  std::ifstream in("/proc/self/statm");
+  uint64_t pages = 0, resident = 0;
+  in >> pages >> resident;
+  return resident * 4096;
+}
+
+TEST(MemoryBudgetTest, ChargesGrowShrinkAndReturnWhenDestroyed) {
+  MemoryBudget budget(1000);
+  {
+    auto a = budget.Reserve(600, "job 'a'");
+    ASSERT_TRUE(a.ok());
+    EXPECT_EQ(budget.used(), 600u);
+    auto b = budget.Reserve(500, "job 'b'");
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_THAT(std::string(b.status().message()), HasSubstr("job 'b' needs 500 bytes"));
+    EXPECT_THAT(std::string(b.status().message()), HasSubstr("has 400 left"));
+    EXPECT_EQ(budget.used(), 600u);  // a refusal holds nothing
+    EXPECT_TRUE(a->Grow(400, "more").ok());
+    EXPECT_FALSE(a->Grow(1, "one more").ok());
+    EXPECT_EQ(a->bytes(), 1000u);
+    a->Shrink(300);
+    EXPECT_EQ(budget.used(), 700u);
+    MemoryBudget::Charge moved = *std::move(a);
+    EXPECT_EQ(budget.used(), 700u);
+  }
+  EXPECT_EQ(budget.used(), 0u);
+  EXPECT_EQ(budget.Reserve(1001, "x").status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+TEST(MemoryBudgetTest, ParsesKubernetesQuantitiesAndDefaultsBelowTheMachine) {
+  EXPECT_EQ(*MemoryBudget::ParseLimit("20Gi"), uint64_t{20} << 30);
+  EXPECT_EQ(*MemoryBudget::ParseLimit("512M"), uint64_t{512} * 1000 * 1000);
+  EXPECT_EQ(*MemoryBudget::ParseLimit("4096"), 4096u);
+  for (const char* bad : {"", "0", "-1", "12X", "Gi", "1.5Gi", "99999999999999999999"}) {
+    EXPECT_FALSE(MemoryBudget::ParseLimit(bad).ok()) << bad;
+  }
+  std::string found;
+  const uint64_t limit = MemoryBudget::DefaultLimit(&found);
+  const uint64_t physical = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
+  EXPECT_GT(limit, 0u);
+  EXPECT_LE(limit, physical - (uint64_t{256} << 20));
+  EXPECT_THAT(found, HasSubstr("headroom"));
+  EXPECT_EQ(*MemoryBudget::ParseLimit("auto"), limit);
+}
+
+class BudgetTest : public StoreTest {
+ protected:
+  static constexpr uint64_t kLimit = uint64_t{96} << 20;
+  BudgetTest() : StoreTest(Options()) {}
+  static JobStoreOptions Options() {
+    JobStoreOptions o;
+    o.memory_limit = kLimit;
+    o.window_bytes = 1 << 20;
+    return o;
+  }
+};
+
+// A job is charged before anything of it is built: one over the budget is
+// refused, naming what it needs and what is left, and holds nothing; jobs
+// fill the budget until the next is refused; a dropped job's charge comes
+// back, and the store's other jobs step throughout.
+TEST_F(BudgetTest, JobsAreChargedBeforeTheyAreBuiltAndGiveItBackWhenDropped) {
+  Create(JobRequest("victim", 1, {{"w", 4096}}));
+  const uint64_t base = store_.budget()->used();
+  const uint64_t rss = RssBytes();
+  auto huge = store_.CreateJob(JobRequest("huge", 1, {{"w", uint64_t{1200} * 1000 * 1000}}));
+  ASSERT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(huge.status().message()), HasSubstr("job 'huge' needs"));
+  EXPECT_THAT(std::string(huge.status().message()), HasSubstr("left"));
+  EXPECT_EQ(store_.budget()->used(), base);
+  EXPECT_LT(RssBytes(), rss + (uint64_t{64} << 20));  // nothing was zeroed
+  EXPECT_EQ(store_.Describe("huge").status().code(), absl::StatusCode::kNotFound);
+
+  // 1M fp32 params: 18 MiB of state and staging each.
+  int made = 0;
+  absl::Status refused;
+  for (; made < 10; ++made) {
+    auto r = store_.CreateJob(JobRequest(absl::StrCat("fill", made), 1, {{"w", 1 << 20}}));
+    if (!r.ok()) {
+      refused = r.status();
+      break;
+    }
+  }
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_GE(made, 3);
+  EXPECT_LE(store_.budget()->used(), kLimit);
+  const uint64_t full = store_.budget()->used();
+  // The victim still steps.
+  std::mt19937_64 rng(7);
+  const std::vector<uint16_t> g = testing::RandomBf16(rng, 4096, 1.0f);
+  EXPECT_TRUE(Push("victim", 1, 0, {{"w", g}}).ok());
+  EXPECT_TRUE(Commit("victim", 1, 1e-2, 1.0f).ok());
+
+  ASSERT_TRUE(store_.DropJob("fill0").ok());
+  EXPECT_LT(store_.budget()->used(), full);
+  EXPECT_TRUE(store_.CreateJob(JobRequest("again", 1, {{"w", 1 << 20}})).ok());
+}
+
+// The barrier's tracking of a round: a rank that pushes one element of one
+// tensor costs a few hundred bytes, whether the job has 20 tensors or 2000;
+// before, each pushing rank held an interval set per tensor (2000 x 48 B),
+// and 65536 ranks of a 2-byte push each took about 6 GB.
+TEST_F(BudgetTest, BarrierTrackingDoesNotGrowWithWorldSizeTimesTensors) {
+  constexpr uint32_t kWorld = 65536;
+  auto per_rank = [&](const std::string& job, int tensors, uint32_t ranks) {
+    std::vector<testing::TensorDef> defs;
+    for (int i = 0; i < tensors; ++i) defs.push_back({absl::StrCat("t", i), 1});
+    Create(JobRequest(job, kWorld, defs));
+    const uint64_t before = store_.budget()->used();
+    const uint64_t rss = RssBytes();
+    std::vector<std::unique_ptr<JobStore::PushSession>> sessions;
+    const uint16_t one = 0x3f80;  // 1.0
+    for (uint32_t r = 0; r < ranks; ++r) {
+      auto s = StartPush(job, 1, r);
+      EXPECT_TRUE(s.ok()) << s.status();
+      if (!s.ok()) break;
+      EXPECT_TRUE((*s)->Add(Chunk("t0", 0, &one, 1)).ok());
+      sessions.push_back(*std::move(s));
+    }
+    const double bytes = static_cast<double>(store_.budget()->used() - before) / ranks;
+    const double rss_per_rank = static_cast<double>(RssBytes() - std::min(RssBytes(), rss)) / ranks;
+    std::printf("%s: %d tensors, %u ranks pushed: %.0f B/rank charged, %.0f B/rank RSS\n", job.c_str(), tensors,
+                ranks, bytes, rss_per_rank);
+    sessions.clear();
+    EXPECT_TRUE(store_.DropJob(job).ok());
+    return std::make_pair(bytes, rss_per_rank);
+  };
+  const auto [narrow, narrow_rss] = per_rank("narrow", 20, 8192);
+  const auto [wide, wide_rss] = per_rank("wide", 2000, kWorld);
+  EXPECT_GT(narrow, 0);
+  EXPECT_LT(wide, 2 * narrow + 64);          // independent of the number of tensors
+  EXPECT_LT(wide_rss, 2 * 1024.0);           // was about 96 KB per rank
+  EXPECT_LE(store_.budget()->used(), kLimit);
+}
+
+}  // namespace
+}  // namespace shardopt
