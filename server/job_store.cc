@@ -55,6 +55,18 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                                      request.world_size(), "; this server takes at most ",
                                                      options_.max_world_size, " (--max_world_size)"));
   }
+  const auto too_long = [&](const std::string& name, const std::string& what) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " ", Quote(name.substr(0, 64)), "... is ", name.size(),
+                                                   " bytes; this server takes at most ", options_.max_name_bytes,
+                                                   " (--max_name_bytes)"));
+  };
+  if (request.job().size() > options_.max_name_bytes) return too_long(request.job(), "job name");
+  for (const v1::Group& g : request.groups()) {
+    if (g.name().size() > options_.max_name_bytes) return too_long(g.name(), "group name");
+  }
+  for (const v1::TensorSpec& t : request.tensors()) {
+    if (t.name().size() > options_.max_name_bytes) return too_long(t.name(), "tensor name");
+  }
   SHARDOPT_ASSIGN_OR_RETURN(auto spec, NormalizeJobSpec(request, options_.default_barrier_timeout));
   const uint64_t restore_step = spec.restore_step();
   spec.clear_restore_step();

@@ -46,6 +46,9 @@ struct JobStoreOptions {
   // the server bookkeeping, and Describe answers with every tensor.
   uint32_t max_tensors_per_job = 16384;
   uint32_t max_world_size = kMaxWorldSize;
+  // The longest job, group or tensor name taken, at most kMaxNameBytes:
+  // names are kept per tensor and come back in every Describe.
+  uint32_t max_name_bytes = kMaxNameBytes;
   // Where checkpoints go and come from (checkpoint/format.h); empty: none.
   std::string checkpoint_dir;
   // After a checkpoint completes, keep this many complete checkpoints of the

@@ -40,6 +40,8 @@ ABSL_FLAG(std::string, checkpoint_dir, "",
 ABSL_FLAG(uint32_t, max_tensors_per_job, 16384, "CreateJob of more tensors is RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint32_t, max_world_size, shardopt::kMaxWorldSize,
           "CreateJob of a larger world_size is RESOURCE_EXHAUSTED (at most 65536)");
+ABSL_FLAG(uint32_t, max_name_bytes, shardopt::kMaxNameBytes,
+          "CreateJob with a longer job, group or tensor name is INVALID_ARGUMENT (at most 200)");
 ABSL_FLAG(int, idle_stream_timeout_ms, 120000,
           "a Push or Init stream the server waits on this long for its next message is cancelled (DEADLINE_EXCEEDED)");
 ABSL_FLAG(std::string, tokens_file, "",
@@ -108,6 +110,9 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_max_message_bytes) <= 0) shardopt::UsageError("--max_message_bytes must be positive");
   if (absl::GetFlag(FLAGS_barrier_timeout_ms) <= 0) shardopt::UsageError("--barrier_timeout_ms must be positive");
   if (absl::GetFlag(FLAGS_idle_stream_timeout_ms) <= 0) shardopt::UsageError("--idle_stream_timeout_ms must be positive");
+  if (absl::GetFlag(FLAGS_max_name_bytes) < 1 || absl::GetFlag(FLAGS_max_name_bytes) > shardopt::kMaxNameBytes) {
+    shardopt::UsageError(absl::StrCat("--max_name_bytes must be in [1, ", shardopt::kMaxNameBytes, "]"));
+  }
   if (absl::GetFlag(FLAGS_max_tensors_per_job) < 1) shardopt::UsageError("--max_tensors_per_job must be at least 1");
   if (absl::GetFlag(FLAGS_max_world_size) < 1 || absl::GetFlag(FLAGS_max_world_size) > shardopt::kMaxWorldSize) {
     shardopt::UsageError(absl::StrCat("--max_world_size must be in [1, ", shardopt::kMaxWorldSize, "]"));
@@ -143,6 +148,7 @@ int main(int argc, char** argv) {
   store_options.max_tensors_per_job = absl::GetFlag(FLAGS_max_tensors_per_job);
   store_options.max_world_size = absl::GetFlag(FLAGS_max_world_size);
   store_options.memory_limit = *memory_limit;
+  store_options.max_name_bytes = absl::GetFlag(FLAGS_max_name_bytes);
   {
     std::string found;
     const uint64_t default_limit = shardopt::MemoryBudget::DefaultLimit(&found);

@@ -383,6 +383,7 @@ class CapsTest : public StoreTest {
     JobStoreOptions o;
     o.max_tensors_per_job = 3;
     o.max_world_size = 4;
+    o.max_name_bytes = 8;
     return o;
   }
 };
@@ -396,6 +397,12 @@ TEST_F(CapsTest, TensorsAndRanksOverTheServersCapsAreRefusedAndBuildNothing) {
   EXPECT_THAT(std::string(ranks.status().message()), HasSubstr("at most 4 (--max_world_size)"));
   EXPECT_EQ(store_.Describe("wide").status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(store_.Describe("many").status().code(), absl::StatusCode::kNotFound);
+  auto named = store_.CreateJob(JobRequest("named", 1, {{"a-long-name", 10}}));
+  EXPECT_EQ(named.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(named.status().message()), HasSubstr("at most 8 (--max_name_bytes)"));
+  EXPECT_EQ(store_.CreateJob(JobRequest("job-name-9", 1, {{"a", 10}})).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_.Describe("named").status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(store_.CreateJob(JobRequest("fits", 4, {{"a", 10}, {"b", 10}, {"c", 10}})).ok());
 }
 
