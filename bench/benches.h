@@ -36,4 +36,11 @@ struct CheckpointArgs {
 };
 absl::StatusOr<nlohmann::json> CheckpointBench(const CheckpointArgs& args);
 
+struct AbuseArgs {
+  std::string server_binary;  // shardopt-server
+  uint64_t seconds = 0;       // per attack, >= 1
+  uint64_t memory_limit = 0;  // the server's --memory_limit, bytes
+};
+absl::StatusOr<nlohmann::json> AbuseBench(const AbuseArgs& args);
+
 }  // namespace shardopt::bench

@@ -37,6 +37,10 @@ ABSL_FLAG(std::optional<std::string>, dir, std::nullopt,
           "checkpoint: a scratch directory, emptied first and removed after (default shardopt-checkpoint-bench "
           "in the temporary directory)");
 ABSL_FLAG(std::optional<Count>, reps, std::nullopt, "checkpoint: timed runs, the best one kept (default 3)");
+ABSL_FLAG(std::optional<Count>, seconds, std::nullopt, "abuse: seconds each attack runs (default 5)");
+ABSL_FLAG(std::optional<Count>, memory_limit, std::nullopt, "abuse: the server's --memory_limit in bytes (default 1G)");
+ABSL_FLAG(std::optional<std::string>, server_binary, std::nullopt,
+          "abuse: the shardopt-server to attack (default: the one built or installed next to shardopt-bench)");
 
 namespace {
 
@@ -49,6 +53,7 @@ constexpr char kUsage[] =
     "  shardopt-bench e2e [--params=N] [--tensors=N] [--steps=N] [--chunk_bytes=N] [--threads=N] [--servers=N]\n"
     "                     [--workers=N]\n"
     "  shardopt-bench checkpoint [--elements=N] [--dir=DIR] [--reps=N]\n"
+    "  shardopt-bench abuse [--seconds=N] [--memory_limit=N] [--server_binary=PATH]\n"
     "A count N is digits with an optional K, M or G (binary), or 2^k: 1000, 64M, 2^26.";
 
 uint64_t Get(const absl::Flag<std::optional<Count>>& flag, uint64_t fallback) {
@@ -71,6 +76,9 @@ void CheckFlagsOf(const std::string& command, const std::vector<std::string>& ta
       {"workers", absl::GetFlag(FLAGS_workers).has_value()},
       {"dir", absl::GetFlag(FLAGS_dir).has_value()},
       {"reps", absl::GetFlag(FLAGS_reps).has_value()},
+      {"seconds", absl::GetFlag(FLAGS_seconds).has_value()},
+      {"memory_limit", absl::GetFlag(FLAGS_memory_limit).has_value()},
+      {"server_binary", absl::GetFlag(FLAGS_server_binary).has_value()},
   };
   for (const auto& [name, was_given] : given) {
     if (was_given && std::find(takes.begin(), takes.end(), name) == takes.end()) {
@@ -131,6 +139,27 @@ absl::StatusOr<nlohmann::json> Checkpoint() {
   return bench::CheckpointBench(args);
 }
 
+// The server next to this binary: installed side by side, or in the build
+// tree's server/ beside bench/.
+std::string DefaultServerBinary() {
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe").parent_path();
+  for (const auto& candidate : {self / "shardopt-server", self / ".." / "server" / "shardopt-server"}) {
+    if (std::filesystem::exists(candidate)) return candidate.lexically_normal();
+  }
+  return "shardopt-server";
+}
+
+absl::StatusOr<nlohmann::json> Abuse() {
+  CheckFlagsOf("abuse", {"seconds", "memory_limit", "server_binary"});
+  bench::AbuseArgs args;
+  args.seconds = Get(FLAGS_seconds, 5);
+  args.memory_limit = Get(FLAGS_memory_limit, uint64_t{1} << 30);
+  args.server_binary = absl::GetFlag(FLAGS_server_binary).value_or(DefaultServerBinary());
+  if (args.seconds == 0) shardopt::UsageError("--seconds must be at least 1");
+  if (args.memory_limit < (uint64_t{64} << 20)) shardopt::UsageError("--memory_limit must be at least 64M");
+  return bench::AbuseBench(args);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -148,6 +177,8 @@ int main(int argc, char** argv) {
     result = E2e();
   } else if (command == "checkpoint") {
     result = Checkpoint();
+  } else if (command == "abuse") {
+    result = Abuse();
   } else {
     shardopt::UsageError(absl::StrCat("unknown subcommand '", command, "'\n", kUsage));
   }

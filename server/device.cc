@@ -10,7 +10,8 @@
 
 namespace shardopt {
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, int cpu_threads) {
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, int cpu_threads,
+                                                     bool auto_requires_gpu) {
   CpuBackendOptions cpu;
   cpu.threads = cpu_threads;
   if (device == "cpu") return MakeCpuBackend(cpu);
@@ -22,7 +23,14 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, 
         std::cerr << "shardopt-server: --device=auto chose cuda:0 (" << gpus << " usable GPUs)\n";
         return cuda;
       }
+      if (auto_requires_gpu) {
+        return absl::FailedPreconditionError(absl::StrCat("--device=auto with --auto_requires_gpu: cuda:0 failed (",
+                                                          cuda.status().message(), "); pass --device=cpu to run on the CPU"));
+      }
       std::cerr << "shardopt-server: --device=auto: cuda:0 failed (" << cuda.status().message() << "), using the CPU\n";
+    } else if (auto_requires_gpu) {
+      return absl::FailedPreconditionError(absl::StrCat("--device=auto with --auto_requires_gpu found no usable GPU (",
+                                                        GpuUnavailableReason(), "); pass --device=cpu to run on the CPU"));
     } else {
       std::cerr << "shardopt-server: --device=auto chose the CPU: " << GpuUnavailableReason() << "\n";
     }

@@ -9,6 +9,10 @@
 
 namespace shardopt {
 
-absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, int cpu_threads);
+// With `auto_requires_gpu` (what the GPU image passes), `auto` that finds no
+// usable GPU is FAILED_PRECONDITION instead of the CPU: a GPU pod that would
+// quietly run on its host's cores fails loudly. `cpu` still means the CPU.
+absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, int cpu_threads,
+                                                     bool auto_requires_gpu = false);
 
 }  // namespace shardopt

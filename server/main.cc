@@ -30,6 +30,8 @@ ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
 ABSL_FLAG(int, port, 50051, "port to listen on; 0 picks an ephemeral port");
 ABSL_FLAG(std::string, port_file, "", "if set, the chosen port is written here once listening");
 ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda | cuda:N; auto picks CUDA when a GPU is usable");
+ABSL_FLAG(bool, auto_requires_gpu, false,
+          "with --device=auto, exit 1 when no GPU is usable instead of running on the CPU (the GPU image sets it)");
 ABSL_FLAG(int, threads, 0, "CPU backend threads; 0: one per core");
 ABSL_FLAG(int, max_message_bytes, shardopt::kDefaultMaxMessageBytes, "largest gRPC message accepted");
 ABSL_FLAG(int, barrier_timeout_ms, 60000, "default barrier deadline for jobs that give none");
@@ -133,7 +135,8 @@ int main(int argc, char** argv) {
   if (!memory_limit.ok()) shardopt::UsageError(absl::StrCat("--memory_limit: ", memory_limit.status().message()));
   shardopt::TuneAllocatorForStreaming();
 
-  auto backend = shardopt::MakeBackend(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_threads));
+  auto backend = shardopt::MakeBackend(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_threads),
+                                       absl::GetFlag(FLAGS_auto_requires_gpu));
   if (!backend.ok()) {
     std::cerr << "shardopt-server: " << backend.status().message() << "\n";
     return 1;

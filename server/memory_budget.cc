@@ -6,9 +6,11 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <vector>
 #include <utility>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
@@ -27,6 +29,38 @@ std::optional<uint64_t> ReadLimit(const char* path) {
 
 std::string Gib(uint64_t bytes) { return absl::StrCat(static_cast<double>(bytes) / (1 << 30), " GiB"); }
 
+// The memory limits that apply to this process: its own cgroup's and every
+// ancestor's, for v2 (memory.max) and v1 (memory.limit_in_bytes). Inside a
+// container the cgroup namespace makes its own path "/".
+std::vector<std::string> LimitFiles() {
+  std::vector<std::string> files;
+  std::ifstream in("/proc/self/cgroup");
+  std::string line;
+  while (std::getline(in, line)) {
+    // "hierarchy-id:controllers:path"; v2's controllers are empty.
+    const size_t a = line.find(':'), b = line.find(':', a + 1);
+    if (a == std::string::npos || b == std::string::npos) continue;
+    const std::string controllers = line.substr(a + 1, b - a - 1);
+    std::string base, file;
+    if (controllers.empty()) {
+      base = "/sys/fs/cgroup";
+      file = "memory.max";
+    } else if (absl::StrContains(absl::StrCat(",", controllers, ","), ",memory,")) {
+      base = "/sys/fs/cgroup/memory";
+      file = "memory.limit_in_bytes";
+    } else {
+      continue;
+    }
+    std::string path = line.substr(b + 1);
+    for (;;) {
+      files.push_back(absl::StrCat(base, path == "/" ? "" : path, "/", file));
+      if (path.empty() || path == "/") break;
+      path = path.substr(0, path.rfind('/'));
+    }
+  }
+  return files;
+}
+
 }  // namespace
 
 uint64_t MemoryBudget::DefaultLimit(std::string* found) {
@@ -34,8 +68,8 @@ uint64_t MemoryBudget::DefaultLimit(std::string* found) {
   uint64_t total = physical;
   std::string source = absl::StrCat("physical memory ", Gib(physical));
   // v1's "no limit" is a huge number, larger than the machine: min() skips it.
-  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
-    if (auto v = ReadLimit(path); v && *v < total) {
+  for (const std::string& path : LimitFiles()) {
+    if (auto v = ReadLimit(path.c_str()); v && *v < total) {
       total = *v;
       source = absl::StrCat("cgroup limit ", Gib(*v), " (", path, ")");
     }

@@ -28,8 +28,9 @@ class MemoryBudget {
   MemoryBudget(const MemoryBudget&) = delete;
   MemoryBudget& operator=(const MemoryBudget&) = delete;
 
-  // The default limit: the smaller of physical memory and this process's
-  // cgroup limit (v2 memory.max, or v1 memory.limit_in_bytes), less a
+  // The default limit: the smaller of physical memory and the limits of this
+  // process's cgroup and its ancestors (v2 memory.max, or v1
+  // memory.limit_in_bytes, found through /proc/self/cgroup), less a
   // headroom of an eighth (at least 256 MiB) for what is not charged: the
   // binary, threads, gRPC's buffers, the allocator's slack. `found` says
   // where the figure came from.
