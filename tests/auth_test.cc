@@ -3,7 +3,6 @@
 // trainer, an admin), each refusal checked to change nothing; the tokens
 // file's checks; and a reload on SIGHUP.
 #include <signal.h>
-#include <sys/wait.h>
 
 #include <chrono>
 #include <cstdio>
@@ -177,19 +176,6 @@ class AuthTest : public ::testing::Test {
     std::filesystem::remove_all(dir_);
   }
   Caller As(const std::string& header) { return Caller(channel_, header); }
-  // The exit code of a server started with `args`, or -1 if it keeps running.
-  static int ExitCode(const std::vector<std::string>& args) {
-    std::vector<std::string> argv = {SHARDOPT_SERVER_BINARY, "--host=127.0.0.1", "--port=0", "--device=cpu"};
-    argv.insert(argv.end(), args.begin(), args.end());
-    const pid_t pid = testing::SpawnProcess(argv);
-    const auto status = testing::WaitProcess(pid, std::chrono::seconds(20));
-    if (!status) {
-      kill(pid, SIGKILL);
-      testing::WaitProcess(pid, std::chrono::seconds(20));
-      return -1;
-    }
-    return WIFEXITED(*status) ? WEXITSTATUS(*status) : -1;
-  }
   static std::string Bearer(const char* token) { return absl::StrCat("Bearer ", token); }
 
   std::mt19937_64 rng_{std::random_device{}()};
@@ -311,9 +297,9 @@ TEST_F(AuthTest, AnUnusableTokensFileStopsTheServer) {
                                   absl::StrCat("alice owner ", kAlice, " team-a/\n"),
                                   absl::StrCat("a trainer ", kAlice, " x/\nb trainer ", kAlice, " y/\n")}) {
     const std::string path = TokensFile(dir_, text);
-    EXPECT_EQ(ExitCode({"--tokens_file=" + path}), 1) << text;
+    EXPECT_EQ(testing::ServerExitCode({"--tokens_file=" + path}), 1) << text;
   }
-  EXPECT_EQ(ExitCode({"--tokens_file=" + dir_ + "/missing"}), 1);
+  EXPECT_EQ(testing::ServerExitCode({"--tokens_file=" + dir_ + "/missing"}), 1);
 }
 
 // The table alone: roles, prefixes, the '*' prefix, and what errors say.

@@ -17,6 +17,7 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "kernels/gpu.h"
 #include "shardopt/client.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tests/testing/reference.h"
@@ -255,6 +256,18 @@ TEST(LimitsTest, TheBarrierDeadlineCutsTheRoundsOpenStreams) {
   EXPECT_THAT(st.error_message(), HasSubstr("barrier deadline"));
   EXPECT_LT(took, std::chrono::seconds(5));  // the idle timeout is two minutes
   EXPECT_TRUE(Victim(server->address(), "after-deadline").Step().ok());
+}
+
+// The GPU image passes --auto_requires_gpu: there --device=auto without a
+// usable GPU stops the server (exit 1) rather than run it on the host's
+// cores; an explicit --device=cpu still runs.
+TEST(LimitsTest, AutoRequiresGpuFailsLoudlyWithoutOne) {
+  if (UsableGpuCount() > 0) {  // a GPU machine: auto takes it
+    EXPECT_NE(ServerProcess::Start({"--device=auto", "--auto_requires_gpu"}), nullptr);
+    return;
+  }
+  EXPECT_EQ(testing::ServerExitCode({"--device=auto", "--auto_requires_gpu"}), 1);
+  EXPECT_NE(ServerProcess::Start({"--device=cpu", "--auto_requires_gpu"}), nullptr);
 }
 
 }  // namespace

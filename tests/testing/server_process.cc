@@ -73,6 +73,19 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::vector<std::strin
   return nullptr;
 }
 
+int ServerExitCode(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {SHARDOPT_SERVER_BINARY, "--host=127.0.0.1", "--port=0", "--device=cpu"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  const pid_t pid = SpawnProcess(argv);
+  const auto status = WaitProcess(pid, std::chrono::seconds(20));
+  if (!status) {
+    kill(pid, SIGKILL);
+    WaitProcess(pid, std::chrono::seconds(20));
+    return -1;
+  }
+  return WIFEXITED(*status) ? WEXITSTATUS(*status) : -1;
+}
+
 std::string ServerProcess::address() const { return absl::StrCat("127.0.0.1:", port_); }
 
 int ServerProcess::Stop(int signal) {

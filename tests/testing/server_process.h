@@ -20,6 +20,11 @@ pid_t SpawnProcess(std::vector<std::string> argv);
 // The child's wait status once it has exited, or nullopt after `timeout`.
 std::optional<int> WaitProcess(pid_t pid, std::chrono::milliseconds timeout);
 
+// The exit code of shardopt-server run on loopback with --device=cpu and then
+// `args` (later flags win), or -1 if it is still running after 20 s (then
+// killed) or died of a signal: for flags that must stop it at start-up.
+int ServerExitCode(const std::vector<std::string>& args);
+
 class ServerProcess {
  public:
   // Starts the server with --device=cpu plus `args`, and waits until it listens.
