@@ -15,6 +15,8 @@ packages=(
   # OpenSSL::SSL, so configuring fails without it (libgrpc-dev pulls it in).
   libssl-dev
   nlohmann-json3-dev
+  libspdlog-dev  # the server's log (server/log.cc)
+  prometheus     # tests/ops/prometheus_test.py scrapes a server with the real one
   clang
   openssl  # tests/tls_test.cc makes its certificates with the openssl command
 )

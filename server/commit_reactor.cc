@@ -8,6 +8,7 @@
 #include "grpcpp/support/slice.h"
 #include "rpc/grpc_edge.h"
 #include "rpc/wire_format.h"
+#include "server/metrics.h"
 
 namespace shardopt {
 namespace {
@@ -71,6 +72,8 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (p.fp32) wire::AppendVarintField(&tail, v1::ParamChunk::kDtypeFieldNumber, v1::FP32);
     grpc::Slice slices[3] = {grpc::Slice(head), grpc::Slice(data, p.bytes, std::free), grpc::Slice(tail)};
     message_ = grpc::ByteBuffer(slices, 3);
+    metrics::Registry::Default().Increment("shardopt_sent_bytes_total", {{"method", "commit"}},
+                                           static_cast<double>(message_.Length()));
     StartWrite(&message_);
   }
 

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "server/metrics.h"
 
 namespace shardopt {
 namespace {
@@ -112,6 +113,13 @@ class CommitStream {
     job_.last_phases = job_.applying_phases;
     job_.last_phases.params = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     starts_apply_ = false;
+    metrics::Registry& m = metrics::Registry::Default();
+    const metrics::Labels job = {{"job", job_.name()}};
+    m.Increment("shardopt_commits_total", job);
+    if (args_.skip) m.Increment("shardopt_skipped_steps_total", job);
+    m.Observe("shardopt_push_wait_seconds", job, job_.last_phases.barrier);
+    m.Observe("shardopt_apply_seconds", job, job_.last_phases.apply);
+    m.Observe("shardopt_params_stream_seconds", job, job_.last_phases.params);
   }
   absl::Mutex& mu() const ABSL_LOCK_RETURNED(job_.mu) { return job_.mu; }
 

@@ -1,12 +1,12 @@
 #include "server/device.h"
 
-#include <iostream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/gpu.h"
+#include "server/log.h"
 
 namespace shardopt {
 
@@ -20,19 +20,19 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, 
     if (gpus > 0) {
       auto cuda = MakeCudaBackend(0);
       if (cuda.ok()) {
-        std::cerr << "shardopt-server: --device=auto chose cuda:0 (" << gpus << " usable GPUs)\n";
+        log::Info("device_chosen", {{"device", "cuda:0"}, {"usable_gpus", absl::StrCat(gpus)}});
         return cuda;
       }
       if (auto_requires_gpu) {
         return absl::FailedPreconditionError(absl::StrCat("--device=auto with --auto_requires_gpu: cuda:0 failed (",
                                                           cuda.status().message(), "); pass --device=cpu to run on the CPU"));
       }
-      std::cerr << "shardopt-server: --device=auto: cuda:0 failed (" << cuda.status().message() << "), using the CPU\n";
+      log::Warning("device_chosen", {{"device", "cpu"}, {"why", absl::StrCat("cuda:0 failed: ", cuda.status().message())}});
     } else if (auto_requires_gpu) {
       return absl::FailedPreconditionError(absl::StrCat("--device=auto with --auto_requires_gpu found no usable GPU (",
                                                         GpuUnavailableReason(), "); pass --device=cpu to run on the CPU"));
     } else {
-      std::cerr << "shardopt-server: --device=auto chose the CPU: " << GpuUnavailableReason() << "\n";
+      log::Info("device_chosen", {{"device", "cpu"}, {"why", GpuUnavailableReason()}});
     }
     return MakeCpuBackend(cpu);
   }

@@ -1,6 +1,7 @@
 #include "server/job_store.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -11,6 +12,7 @@
 #include "server/job_snapshot.h"
 #include "server/job_spec.h"
 #include "server/messages.h"
+#include "server/metrics.h"
 
 namespace shardopt {
 
@@ -72,7 +74,11 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   spec.clear_restore_step();
   {
     absl::MutexLock lock(&mu_);
-    if (auto it = jobs_.find(spec.job()); it != jobs_.end()) return Attach(*it->second, spec);
+    if (auto it = jobs_.find(spec.job()); it != jobs_.end()) {
+      auto attached = Attach(*it->second, spec);
+      if (attached.ok()) log::Info("job_attached", {{"job", spec.job()}, {"step", absl::StrCat(attached->step())}});
+      return attached;
+    }
   }
   if (restore_step > 0 && options_.checkpoint_dir.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("restore_step ", restore_step,
@@ -90,11 +96,20 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   bool restored = false;
   if (!options_.checkpoint_dir.empty()) {
     absl::MutexLock job_lock(&job->mu);
+    const auto t0 = std::chrono::steady_clock::now();
     const absl::Status loaded = Restore(options_.checkpoint_dir, restore_step, options_.checkpoint_log, *job);
     if (loaded.ok()) {
       restored = true;
-      options_.checkpoint_log(absl::StrCat("restored job '", spec.job(), "' at step ", job->step, " from ",
-                                           checkpoint::StepDirectory(options_.checkpoint_dir, spec.job(), job->step)));
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const uint64_t bytes = job->state->memory_use().state_bytes;
+      metrics::Registry::Default().Observe("shardopt_checkpoint_seconds", {{"direction", "restore"}}, seconds);
+      metrics::Registry::Default().Increment("shardopt_checkpoint_bytes_total", {{"direction", "restore"}},
+                                             static_cast<double>(bytes));
+      log::Info("job_restored", {{"job", spec.job()},
+                                 {"step", absl::StrCat(job->step)},
+                                 {"directory", checkpoint::StepDirectory(options_.checkpoint_dir, spec.job(), job->step)},
+                                 {"state_bytes", absl::StrCat(bytes)},
+                                 {"seconds", absl::StrCat(seconds)}});
     } else if (loaded.code() != absl::StatusCode::kNotFound || restore_step > 0) {
       return loaded;  // the job, partly written, is thrown away
     }
@@ -103,6 +118,12 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   absl::MutexLock lock(&mu_);
   if (auto it = jobs_.find(spec.job()); it != jobs_.end()) return Attach(*it->second, spec);
   jobs_.emplace(spec.job(), job);
+  if (!restored) {
+    log::Info("job_created", {{"job", spec.job()},
+                              {"world_size", absl::StrCat(spec.world_size())},
+                              {"tensors", absl::StrCat(spec.tensors_size())},
+                              {"shards_here", absl::StrCat(job->shards.size())}});
+  }
   v1::CreateJobResponse response;
   response.set_created(true);
   response.set_restored(restored);
@@ -130,7 +151,26 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
     writer = Snapshot(job, options_.checkpoint_dir);
   }
   if (!writer.ok()) return writer.status();
-  SHARDOPT_ASSIGN_OR_RETURN(auto written, (*writer)->Finish());
+  log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
+  const auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<checkpoint::WriteResult> finished = (*writer)->Finish();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!finished.ok()) {
+    log::Error("checkpoint_failed", {{"job", job.name()},
+                                     {"step", absl::StrCat(request.step())},
+                                     {"error", std::string(finished.status().message())}});
+    return finished.status();
+  }
+  const checkpoint::WriteResult& written = *finished;
+  metrics::Registry::Default().Observe("shardopt_checkpoint_seconds", {{"direction", "write"}}, seconds);
+  metrics::Registry::Default().Increment("shardopt_checkpoint_bytes_total", {{"direction", "write"}},
+                                         static_cast<double>(written.part_bytes));
+  log::Info("checkpoint_end", {{"job", job.name()},
+                               {"step", absl::StrCat(request.step())},
+                               {"directory", written.directory},
+                               {"bytes", absl::StrCat(written.part_bytes)},
+                               {"seconds", absl::StrCat(seconds)},
+                               {"complete", written.complete ? "true" : "false"}});
   if (written.complete && options_.checkpoint_keep > 0) {
     for (const std::string& dir : checkpoint::Prune(options_.checkpoint_dir, job.name(), options_.checkpoint_keep)) {
       options_.checkpoint_log(absl::StrCat("pruned checkpoint ", dir, " (--checkpoint_keep=", options_.checkpoint_keep, ")"));
@@ -146,6 +186,7 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
 
 std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobStore::DrainAndCheckpoint() {
   draining_ = true;
+  log::Info("drain", {{"detail", "commits that would apply a step are refused; every job is checkpointed"}});
   std::vector<std::pair<std::string, std::shared_ptr<Job>>> jobs;
   {
     absl::MutexLock lock(&mu_);
@@ -180,6 +221,8 @@ absl::Status JobStore::DropJob(const std::string& name) {
   absl::MutexLock lock(&job->mu);
   job->dropped = true;
   job->Notify();
+  metrics::Registry::Default().ForgetJob(name);
+  log::Info("job_dropped", {{"job", name}, {"step", absl::StrCat(job->step)}});
   return absl::OkStatus();
 }
 
@@ -291,6 +334,13 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
 absl::StatusOr<std::unique_ptr<PushSession>> JobStore::BeginPush(const v1::GradChunk& first) {
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(first.job()));
   return PushSession::Begin(std::move(found), first);
+}
+
+std::vector<std::string> JobStore::JobNames() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> names;
+  for (const auto& [name, job] : jobs_) names.push_back(name);
+  return names;
 }
 
 absl::StatusOr<StepPhases> JobStore::LastStepPhases(const std::string& name) const {

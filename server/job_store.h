@@ -10,7 +10,6 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
-#include <iostream>
 #include <memory>
 #include <string>
 #include <utility>
@@ -25,6 +24,7 @@
 #include "server/commit_stream.h"
 #include "server/job.h"
 #include "server/job_spec.h"
+#include "server/log.h"
 #include "server/memory_budget.h"
 #include "server/push_session.h"
 #include "shardopt/v1/optimizer.pb.h"
@@ -57,7 +57,7 @@ struct JobStoreOptions {
   // Told what restore found: which checkpoint it loaded, and why it passed
   // over newer, torn ones.
   std::function<void(const std::string&)> checkpoint_log = [](const std::string& line) {
-    std::cerr << "shardopt-server: " << line << std::endl;
+    log::Info("checkpoint_restore", {{"detail", line}});
   };
 };
 
@@ -111,6 +111,9 @@ class JobStore {
   // Streams a range of one tensor's state, every chunk of one whole step.
   absl::Status Read(const v1::ReadRequest& request, const std::function<bool(const v1::StateChunk&)>& emit) const
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The names of the jobs held now, for the metrics' gauges.
+  std::vector<std::string> JobNames() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Where the last step done went, on this server (job.h).
   absl::StatusOr<StepPhases> LastStepPhases(const std::string& job) const ABSL_LOCKS_EXCLUDED(mu_);

@@ -20,7 +20,10 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "server/auth.h"
 #include "server/device.h"
+#include "server/log.h"
 #include "server/memory_budget.h"
+#include "server/metrics.h"
+#include "server/metrics_http.h"
 #include "server/job_spec.h"
 #include "server/service.h"
 #include "rpc/grpc_edge.h"
@@ -52,6 +55,8 @@ ABSL_FLAG(std::string, tokens_file, "",
 ABSL_FLAG(std::string, memory_limit, "auto",
           "host memory the server's jobs and streams may hold, e.g. 20Gi or 512M; auto: the smaller of physical "
           "memory and the cgroup limit, less an eighth (at least 256 MiB) of headroom. Over it: RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, metrics_port, 0, "serve Prometheus metrics at http://HOST:PORT/metrics on this port; 0: none");
+ABSL_FLAG(std::string, log_format, "text", "text (timestamp level event key=value ...) or json (one object per line)");
 ABSL_FLAG(uint32_t, max_streams, 4096, "Push, Init, Commit and Read streams open at once; more are RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint32_t, max_streams_per_client, 1024,
           "streams open at once per client (its token's name, or its address without --tokens_file)");
@@ -90,7 +95,7 @@ std::string ReadPem(const std::string& flag, const std::string& path) {
   std::stringstream text;
   text << in.rdbuf();
   if (!in || text.str().empty()) {
-    std::cerr << "shardopt-server: --" << flag << "=" << path << " cannot be read\n";
+    std::cerr << "shardopt-server: --" << flag << "=" << path << " cannot be read\n";  // before the log starts
     std::exit(1);
   }
   return text.str();
@@ -134,14 +139,18 @@ int main(int argc, char** argv) {
   const auto memory_limit = shardopt::MemoryBudget::ParseLimit(absl::GetFlag(FLAGS_memory_limit));
   if (!memory_limit.ok()) shardopt::UsageError(absl::StrCat("--memory_limit: ", memory_limit.status().message()));
   shardopt::TuneAllocatorForStreaming();
+  if (absl::GetFlag(FLAGS_log_format) != "text" && absl::GetFlag(FLAGS_log_format) != "json") {
+    shardopt::UsageError("--log_format must be text or json");
+  }
+  namespace log = shardopt::log;
+  log::Init(absl::GetFlag(FLAGS_log_format) == "json" ? log::Format::kJson : log::Format::kText);
 
   auto backend = shardopt::MakeBackend(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_threads),
                                        absl::GetFlag(FLAGS_auto_requires_gpu));
   if (!backend.ok()) {
-    std::cerr << "shardopt-server: " << backend.status().message() << "\n";
+    log::Error("start_failed", {{"error", std::string(backend.status().message())}});
     return 1;
   }
-  std::cerr << "shardopt-server: device " << (*backend)->Describe() << "\n";
 
   shardopt::JobStoreOptions store_options;
   store_options.default_barrier_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_barrier_timeout_ms));
@@ -152,24 +161,15 @@ int main(int argc, char** argv) {
   store_options.max_world_size = absl::GetFlag(FLAGS_max_world_size);
   store_options.memory_limit = *memory_limit;
   store_options.max_name_bytes = absl::GetFlag(FLAGS_max_name_bytes);
-  {
-    std::string found;
-    const uint64_t default_limit = shardopt::MemoryBudget::DefaultLimit(&found);
-    std::cerr << "shardopt-server: memory budget " << *memory_limit << " bytes"
-              << (absl::GetFlag(FLAGS_memory_limit) == "auto" ? absl::StrCat(" (", found, ")")
-                                                              : absl::StrCat(" (the default would be ", default_limit, ")"))
-              << "\n";
-  }
   shardopt::JobStore store(backend->get(), store_options);
   std::unique_ptr<shardopt::Authenticator> auth;
   if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {
     auto loaded = shardopt::Authenticator::FromFile(path);
     if (!loaded.ok()) {
-      std::cerr << "shardopt-server: " << loaded.status().message() << "\n";
+      log::Error("start_failed", {{"error", std::string(loaded.status().message())}});
       return 1;
     }
     auth = *std::move(loaded);
-    std::cerr << "shardopt-server: " << auth->size() << " tokens from " << path << "\n";
   }
   shardopt::ServerOptions options;
   options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
@@ -184,13 +184,58 @@ int main(int argc, char** argv) {
   options.service.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
   auto running = shardopt::StartServer(&store, options);
   if (!running.ok()) {
-    std::cerr << "shardopt-server: " << running.status().message() << "\n";
+    log::Error("start_failed", {{"error", std::string(running.status().message())}});
     return 1;
   }
-  std::cerr << "shardopt-server: listening on " << absl::GetFlag(FLAGS_host) << ":" << (*running)->port
-            << (options.tls_cert_pem.empty() ? " (plaintext)"
-                                             : options.tls_client_ca_pem.empty() ? " (TLS)" : " (mutual TLS)")
-            << std::endl;
+  const std::string device = (*backend)->Describe();
+  shardopt::metrics::Registry::Default().SetGauges([&store, &running, device] {
+    std::vector<shardopt::metrics::Gauge> g;
+    g.push_back({"shardopt_build_info", {{"version", shardopt::Version()}, {"device", device}}, 1});
+    const std::vector<std::string> jobs = store.JobNames();
+    g.push_back({"shardopt_jobs", {}, static_cast<double>(jobs.size())});
+    g.push_back({"shardopt_open_streams", {}, static_cast<double>((*running)->service->open_streams())});
+    g.push_back({"shardopt_memory_budget_bytes", {}, static_cast<double>(store.budget()->limit())});
+    g.push_back({"shardopt_memory_used_bytes", {}, static_cast<double>(store.budget()->used())});
+    for (const std::string& job : jobs) {
+      shardopt::v1::DescribeRequest req;
+      req.set_job(job);
+      req.set_max_tensors(1);  // the sizes, not the tensors
+      auto d = store.Describe(req);
+      if (!d.ok()) continue;  // dropped meanwhile
+      g.push_back({"shardopt_job_state_bytes", {{"job", job}}, static_cast<double>(d->state_bytes())});
+      g.push_back({"shardopt_job_staging_bytes", {{"job", job}}, static_cast<double>(d->staging_bytes())});
+      g.push_back({"shardopt_job_step", {{"job", job}}, static_cast<double>(d->step())});
+    }
+    return g;
+  });
+  std::unique_ptr<shardopt::MetricsServer> metrics_server;
+  if (const int port = absl::GetFlag(FLAGS_metrics_port); port > 0) {
+    auto started = shardopt::MetricsServer::Start(absl::GetFlag(FLAGS_host), port,
+                                                  &shardopt::metrics::Registry::Default());
+    if (!started.ok()) {
+      log::Error("start_failed", {{"error", std::string(started.status().message())}});
+      return 1;
+    }
+    metrics_server = *std::move(started);
+  }
+  {
+    std::string found;
+    const uint64_t default_limit = shardopt::MemoryBudget::DefaultLimit(&found);
+    log::Info("started", {{"version", shardopt::Version()},
+                          {"address", absl::StrCat(absl::GetFlag(FLAGS_host), ":", (*running)->port)},
+                          {"transport", options.tls_cert_pem.empty()        ? "plaintext"
+                                        : options.tls_client_ca_pem.empty() ? "tls"
+                                                                            : "mutual-tls"},
+                          {"device", device},
+                          {"memory_limit_bytes", absl::StrCat(*memory_limit)},
+                          {"memory_limit_source", absl::GetFlag(FLAGS_memory_limit) == "auto"
+                                                      ? found
+                                                      : absl::StrCat("--memory_limit (auto would be ", default_limit, ")")},
+                          {"tokens", auth ? absl::StrCat(auth->size(), " from ", absl::GetFlag(FLAGS_tokens_file)) : "off"},
+                          {"metrics_port", metrics_server ? absl::StrCat(metrics_server->port()) : "off"},
+                          {"checkpoint_dir", store_options.checkpoint_dir},
+                          {"flags", absl::StrJoin(argv + 1, argv + argc, " ")}});
+  }
   if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
     const std::string tmp = path + ".tmp";  // renamed so a reader never sees a partial number
     std::ofstream(tmp) << (*running)->port << "\n";
@@ -214,20 +259,20 @@ int main(int argc, char** argv) {
     if (g_reload) {
       g_reload = 0;
       if (auth == nullptr) {
-        std::cerr << "shardopt-server: SIGHUP: no --tokens_file to reload" << std::endl;
+        log::Warning("tokens_reload", {{"result", "no --tokens_file to reload"}});
       } else if (const absl::Status st = auth->Reload(); !st.ok()) {
-        std::cerr << "shardopt-server: SIGHUP: keeping the old tokens: " << st.message() << std::endl;
+        log::Error("tokens_reload", {{"result", "kept the old tokens"}, {"error", std::string(st.message())}});
       } else {
-        std::cerr << "shardopt-server: SIGHUP: " << auth->size() << " tokens reloaded" << std::endl;
+        log::Info("tokens_reload", {{"tokens", absl::StrCat(auth->size())}});
       }
     }
     if (const absl::Status health = shardopt::CudaBackendHealth(**backend); serving && !health.ok()) {
-      std::cerr << "shardopt-server: device failed, NOT_SERVING: " << health.message() << std::endl;
+      log::Error("device_failed", {{"health", "NOT_SERVING"}, {"error", std::string(health.message())}});
       (*running)->server->GetHealthCheckService()->SetServingStatus(false);
       serving = false;
     }
   }
-  std::cerr << "shardopt-server: stopping" << std::endl;
+  log::Info("stopping", {{"signal", "SIGTERM or SIGINT"}});
   // A Kubernetes preStop: finish the commits in flight, refuse new ones, write
   // each job's part at its step. With several servers the checkpoint becomes
   // complete only if every server of the job writes the same step (all of
@@ -235,14 +280,7 @@ int main(int argc, char** argv) {
   if (!store_options.checkpoint_dir.empty()) {
     int failed = 0;
     for (const auto& [job, result] : store.DrainAndCheckpoint()) {
-      if (!result.ok()) {
-        std::cerr << "shardopt-server: checkpoint of job '" << job << "' failed: " << result.status() << std::endl;
-        ++failed;
-      } else {
-        std::cerr << "shardopt-server: checkpointed job '" << job << "' at step " << result->step() << " in "
-                  << result->directory() << (result->complete() ? " (complete)" : " (waiting for the other servers' parts)")
-                  << std::endl;
-      }
+      if (!result.ok()) ++failed;  // each logged by the store, as is each one written
     }
     if (failed > 0) {
       (*running)->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "rpc/grpc_edge.h"
+#include "server/metrics.h"
 #include "server/read_reactor.h"
 
 namespace shardopt {
@@ -36,6 +37,7 @@ class PushReactor final : public ReadReactor {
       }
       auto session = store_->BeginPush(chunk_);
       if (!session.ok()) return Stop(ToGrpcStatus(session.status()));
+      job_ = chunk_.job();
       session_ = *std::move(session);
     }
     Taken(session_->Offer(std::move(chunk_), Wake()));
@@ -94,6 +96,7 @@ class PushReactor final : public ReadReactor {
       return;
     }
     *response_ = SerializeMessage(**answer);
+    metrics::Registry::Default().Increment("shardopt_pushes_total", {{"job", job_}});
     Stop(grpc::Status::OK);
   }
 
@@ -110,6 +113,7 @@ class PushReactor final : public ReadReactor {
   JobStore* const store_;
   grpc::ByteBuffer* const response_;
   const Caller caller_;
+  std::string job_;  // the stream's, once its session began
   v1::GradChunk chunk_;
   std::unique_ptr<PushSession> session_;
   Waiting waiting_ = Waiting::kNothing;

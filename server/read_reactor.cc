@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "rpc/grpc_edge.h"
+#include "server/metrics.h"
 
 namespace shardopt {
 
@@ -32,6 +33,8 @@ void ReadReactor::OnReadDone(bool ok) {
       return End(ToGrpcStatus(charge.status()));
     }
     message_charge_ = *std::move(charge);
+    metrics::Registry::Default().Increment("shardopt_received_bytes_total", {{"method", what_}},
+                                           static_cast<double>(message_.Length()));
     return OnMessage(&message_);
   }
   if (context_->IsCancelled()) {

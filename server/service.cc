@@ -12,7 +12,9 @@
 #include "grpcpp/impl/server_builder_plugin.h"
 #include "base/status_macros.h"
 #include "rpc/grpc_edge.h"
+#include "server/call_observer.h"
 #include "server/commit_reactor.h"
+#include "server/metrics.h"
 #include "server/init_reactor.h"
 #include "server/push_reactor.h"
 
@@ -98,7 +100,11 @@ grpc::Status OptimizerService::Read(grpc::ServerContext* context, const v1::Read
                                     grpc::ServerWriter<v1::StateChunk>* writer) {
   auto opened = OpenStream(*context, Action::kRead, req->job());
   if (!opened.ok()) return ToGrpcStatus(opened.status());
-  return ToGrpcStatus(store_->Read(*req, [&](const v1::StateChunk& c) { return writer->Write(c); }));
+  return ToGrpcStatus(store_->Read(*req, [&](const v1::StateChunk& c) {
+    metrics::Registry::Default().Increment("shardopt_sent_bytes_total", {{"method", "read"}},
+                                           static_cast<double>(c.ByteSizeLong()));
+    return writer->Write(c);
+  }));
 }
 
 grpc::Status OptimizerService::Describe(grpc::ServerContext* context, const v1::DescribeRequest* req,
@@ -178,6 +184,9 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
   builder.AddListeningPort(options.address, Credentials(options), &running->port);
   TuneServerBuilder(&builder, options.max_message_bytes > 0 ? options.max_message_bytes : kDefaultMaxMessageBytes);
   builder.RegisterService(running->service.get());
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> observers;
+  observers.push_back(MakeCallObserverFactory());
+  builder.experimental().SetInterceptorCreators(std::move(observers));
   running->server = builder.BuildAndStart();
   if (!running->server || running->port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.address));

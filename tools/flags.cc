@@ -29,6 +29,8 @@ extern "C" void ABSL_INTERNAL_C_SYMBOL(AbslInternalReportFatalUsageError)(absl::
 
 namespace shardopt {
 
+std::string Version() { return SHARDOPT_VERSION; }
+
 std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage) {
   if (argc > 0) {
     const absl::string_view path = argv[0];
@@ -41,7 +43,7 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   const auto own = [](absl::string_view file) { return !absl::StrContains(file, "absl/"); };
   config.contains_help_flags = own;
   config.contains_helpshort_flags = own;
-  config.version_string = [] { return absl::StrCat("shardopt ", SHARDOPT_VERSION, "\n"); };
+  config.version_string = [] { return absl::StrCat("shardopt ", Version(), "\n"); };
   // Files as the source tree names them ("server/main.cc"), whether the
   // compiler got an absolute path or one relative to the build directory (as
   // ccache's CCACHE_BASEDIR rewrites it).

@@ -24,4 +24,7 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
 // find the usage on stderr, and exits 2.
 [[noreturn]] void UsageError(absl::string_view message);
 
+// "X.Y.Z", CMake's project(VERSION).
+std::string Version();
+
 }  // namespace shardopt

@@ -24,10 +24,11 @@ std::string ReadText(const std::string& path) {
   return text.str();
 }
 
-pid_t SpawnProcess(std::vector<std::string> argv) {
+pid_t SpawnProcess(std::vector<std::string> argv, const std::string& stderr_path) {
   const pid_t pid = fork();
   if (pid == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test killed mid-run must not leave its children behind
+    if (!stderr_path.empty() && freopen(stderr_path.c_str(), "w", stderr) == nullptr) _exit(126);
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(a.data());
     args.push_back(nullptr);
@@ -48,15 +49,26 @@ std::optional<int> WaitProcess(pid_t pid, std::chrono::milliseconds timeout) {
 }
 
 std::unique_ptr<ServerProcess> ServerProcess::Start(const std::vector<std::string>& args) {
+  return Launch(args, false);
+}
+
+std::unique_ptr<ServerProcess> ServerProcess::StartLogged(const std::vector<std::string>& args) {
+  return Launch(args, true);
+}
+
+std::string ServerProcess::log() const { return ReadText(log_path_); }
+
+std::unique_ptr<ServerProcess> ServerProcess::Launch(const std::vector<std::string>& args, bool logged) {
   auto proc = std::unique_ptr<ServerProcess>(new ServerProcess);
   char tmpl[] = "/tmp/shardopt-test-XXXXXX";
   proc->dir_ = mkdtemp(tmpl);
+  if (logged) proc->log_path_ = proc->dir_ + "/server.log";
   const std::string port_file = proc->dir_ + "/port";
   // Later flags win, so `args` may override the port.
   std::vector<std::string> argv_s = {SHARDOPT_SERVER_BINARY, "--host=127.0.0.1", "--port=0",
                                      "--port_file=" + port_file, "--device=cpu"};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
-  proc->pid_ = SpawnProcess(argv_s);
+  proc->pid_ = SpawnProcess(argv_s, proc->log_path_);
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
   while (std::chrono::steady_clock::now() < give_up) {
     std::ifstream in(port_file);

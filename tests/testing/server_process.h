@@ -16,7 +16,8 @@ namespace shardopt::testing {
 std::string ReadText(const std::string& path);
 
 // Forks and execs argv[0]; the child is killed when the calling thread exits.
-pid_t SpawnProcess(std::vector<std::string> argv);
+// Its stderr goes to `stderr_path` if given, else it is the caller's.
+pid_t SpawnProcess(std::vector<std::string> argv, const std::string& stderr_path = "");
 // The child's wait status once it has exited, or nullopt after `timeout`.
 std::optional<int> WaitProcess(pid_t pid, std::chrono::milliseconds timeout);
 
@@ -30,6 +31,10 @@ class ServerProcess {
   // Starts the server with --device=cpu plus `args`, and waits until it listens.
   // The server is killed when the calling thread exits.
   static std::unique_ptr<ServerProcess> Start(const std::vector<std::string>& args = {});
+  // The same, with the server's stderr (its log) kept for log().
+  static std::unique_ptr<ServerProcess> StartLogged(const std::vector<std::string>& args);
+  // What the server has logged so far (StartLogged only).
+  std::string log() const;
   ~ServerProcess();  // SIGKILL if still running
 
   std::string address() const;
@@ -42,6 +47,8 @@ class ServerProcess {
   pid_t pid_ = -1;
   int port_ = 0;
   std::string dir_;
+  std::string log_path_;
+  static std::unique_ptr<ServerProcess> Launch(const std::vector<std::string>& args, bool logged);
 };
 
 }  // namespace shardopt::testing

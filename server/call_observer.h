@@ -1,0 +1,16 @@
+// Sees every call's final status on its way out, whatever the RPC and
+// whichever API serves it (sync or callback): a refusal is counted in
+// shardopt_refusals_total{method, code} and logged at warning level with
+// its code and message (which names the job), rate-limited per method and
+// code so that a client cannot flood the log.
+#pragma once
+
+#include <memory>
+
+#include "grpcpp/support/server_interceptor.h"
+
+namespace shardopt {
+
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeCallObserverFactory();
+
+}  // namespace shardopt

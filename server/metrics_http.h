@@ -1,0 +1,36 @@
+// GET /metrics over plain HTTP/1.1 on its own port, for Prometheus to
+// scrape: one thread, one connection at a time, each answered and closed.
+// Anything but GET /metrics is 404; a request that does not arrive within
+// two seconds or 8 KiB is dropped.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "server/metrics.h"
+
+namespace shardopt {
+
+class MetricsServer {
+ public:
+  // Listens on host:port (port 0: an ephemeral one).
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& host, int port,
+                                                              const metrics::Registry* registry);
+  ~MetricsServer();
+  int port() const { return port_; }
+
+ private:
+  MetricsServer(int fd, int port, const metrics::Registry* registry);
+  void Serve();
+
+  const int fd_;
+  const int port_;
+  const metrics::Registry* const registry_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
+
+}  // namespace shardopt

@@ -1,0 +1,187 @@
+// The server's log as an operator reads it, from real server processes:
+// every line has a timestamp, a level and an event; the lines an operator
+// needs are there (start, job created and attached, a refusal with its code
+// and job, checkpoint begin and end with bytes and seconds, drain, restore,
+// drop); refusals a client repeats are rate-limited; no token ever appears.
+#include <signal.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "shardopt/client.h"
+#include "tests/testing/reference.h"
+#include "tests/testing/server_process.h"
+
+namespace shardopt {
+namespace {
+
+using testing::ServerProcess;
+
+constexpr char kToken[] = "secret-token-never-logged-0123";
+
+JobOptions OneTensor(const std::string& name) {
+  JobOptions job;
+  job.name = name;
+  job.world_size = 1;
+  job.groups = {GroupOptions{}};
+  job.tensors = {{"w", 4096, 0}};
+  return job;
+}
+
+std::unique_ptr<Client> Connect(const std::string& address, const std::string& token) {
+  ClientOptions o;
+  o.servers = {address};
+  o.token = token;
+  o.max_attempts = 1;
+  return Client::Connect(o).value();
+}
+
+std::vector<nlohmann::json> JsonLines(const std::string& log) {
+  std::vector<nlohmann::json> lines;
+  for (absl::string_view line : absl::StrSplit(log, '\n', absl::SkipEmpty())) {
+    auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    EXPECT_FALSE(j.is_discarded()) << "not JSON: " << line;
+    if (j.is_discarded()) continue;
+    EXPECT_TRUE(j.contains("ts") && j.contains("level") && j.contains("event")) << line;
+    lines.push_back(std::move(j));
+  }
+  return lines;
+}
+
+std::vector<nlohmann::json> Events(const std::vector<nlohmann::json>& lines, const std::string& event) {
+  std::vector<nlohmann::json> out;
+  for (const auto& j : lines) {
+    if (j.value("event", "") == event) out.push_back(j);
+  }
+  return out;
+}
+
+class LogsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/shardopt-logs-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    std::ofstream(dir_ + "/tokens") << "alice trainer " << kToken << " team/\n";
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::vector<std::string> Flags() const {
+    return {"--log_format=json", "--tokens_file=" + dir_ + "/tokens", "--checkpoint_dir=" + dir_ + "/ckpt"};
+  }
+  std::string dir_;
+  std::mt19937_64 rng_{std::random_device{}()};
+};
+
+TEST_F(LogsTest, TheLinesAnOperatorNeedsAreThereAndNoTokenIs) {
+  auto server = ServerProcess::StartLogged(Flags());
+  ASSERT_NE(server, nullptr);
+  {
+    auto client = Connect(server->address(), kToken);
+    ASSERT_TRUE(client->CreateOrAttach(OneTensor("team/job")).ok());
+    ASSERT_TRUE(Connect(server->address(), kToken)->CreateOrAttach(OneTensor("team/job")).ok());  // attaches
+    auto init = testing::RandomFloats(rng_, 4096, -1, 1);
+    ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+    ASSERT_TRUE(client->Checkpoint().ok());
+    // One step, so that the drain's checkpoint is a new one.
+    auto g = testing::RandomBf16(rng_, 4096, 1.0f);
+    std::vector<uint16_t> params(4096);
+    ASSERT_TRUE(client->Step({{"w", g.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
+    // Refusals: a wrong token, and another prefix.
+    EXPECT_FALSE(Connect(server->address(), "wrong-token-0123456789")->CreateOrAttach(OneTensor("team/x")).ok());
+    EXPECT_FALSE(client->CreateOrAttach(OneTensor("other/job")).ok());
+  }
+  ASSERT_TRUE(WIFEXITED(server->Stop(SIGTERM)));  // drains and checkpoints
+  const std::string log = server->log();
+  EXPECT_THAT(log, ::testing::Not(::testing::HasSubstr(kToken)));
+  EXPECT_THAT(log, ::testing::Not(::testing::HasSubstr("wrong-token")));
+  const auto lines = JsonLines(log);
+
+  const auto started = Events(lines, "started");
+  ASSERT_EQ(started.size(), 1u) << log;
+  for (const char* key : {"version", "address", "device", "memory_limit_bytes", "tokens", "flags"}) {
+    EXPECT_TRUE(started[0].contains(key)) << key;
+  }
+  EXPECT_EQ(started[0]["level"], "info");
+  const auto created = Events(lines, "job_created");
+  ASSERT_EQ(created.size(), 1u) << log;
+  EXPECT_EQ(created[0]["job"], "team/job");
+  ASSERT_EQ(Events(lines, "job_attached").size(), 1u) << log;
+  const auto refused = Events(lines, "refused");
+  ASSERT_GE(refused.size(), 2u) << log;
+  bool unauthenticated = false, denied = false;
+  for (const auto& r : refused) {
+    EXPECT_EQ(r["level"], "warning");
+    unauthenticated |= r["code"] == "UNAUTHENTICATED" && r["method"] == "CreateJob";
+    denied |= r["code"] == "PERMISSION_DENIED" && r["message"].get<std::string>().find("other/job") != std::string::npos;
+  }
+  EXPECT_TRUE(unauthenticated) << log;
+  EXPECT_TRUE(denied) << log;
+  // Two checkpoints: the client's, and the drain's at SIGTERM.
+  const auto ends = Events(lines, "checkpoint_end");
+  ASSERT_EQ(ends.size(), 2u) << log;
+  EXPECT_EQ(Events(lines, "checkpoint_begin").size(), 2u);
+  for (const auto& e : ends) {
+    EXPECT_EQ(e["job"], "team/job");
+    EXPECT_GT(std::stoull(e["bytes"].get<std::string>()), 4096u * 12);
+    EXPECT_GE(std::stod(e["seconds"].get<std::string>()), 0.0);
+  }
+  ASSERT_EQ(Events(lines, "drain").size(), 1u);
+  ASSERT_EQ(Events(lines, "stopping").size(), 1u);
+
+  // Restarted on the same directory: the restore is logged; then a drop.
+  auto again = ServerProcess::StartLogged(Flags());
+  ASSERT_NE(again, nullptr);
+  {
+    auto client = Connect(again->address(), kToken);
+    ASSERT_TRUE(client->CreateOrAttach(OneTensor("team/job")).ok());
+  }
+  again->Stop(SIGKILL);
+  const auto restored = Events(JsonLines(again->log()), "job_restored");
+  ASSERT_EQ(restored.size(), 1u) << again->log();
+  EXPECT_EQ(restored[0]["job"], "team/job");
+  EXPECT_TRUE(restored[0].contains("seconds") && restored[0].contains("state_bytes"));
+}
+
+// A client that repeats a refused call cannot flood the log: at most a few
+// lines a second per method and code, and the next line says how many were
+// held back. Text lines: timestamp, level, event, key=value.
+TEST_F(LogsTest, RepeatedRefusalsAreRateLimitedAndTextLinesHaveTheirShape) {
+  auto server = ServerProcess::StartLogged({"--log_format=text"});
+  ASSERT_NE(server, nullptr);
+  auto client = Connect(server->address(), "");
+  ASSERT_TRUE(client->CreateOrAttach(OneTensor("job")).ok());
+  JobOptions other = OneTensor("job");
+  other.tensors[0].numel = 8;  // the same name, another shape: ALREADY_EXISTS
+  auto conflicting = Connect(server->address(), "");
+  for (int i = 0; i < 200; ++i) EXPECT_FALSE(conflicting->CreateOrAttach(other).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  EXPECT_FALSE(conflicting->CreateOrAttach(other).ok());
+  server->Stop(SIGTERM);
+  const std::string log = server->log();
+  const std::regex shape(R"(^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (info|warning|error) +[a-z_]+( [a-z_]+=("([^"\\]|\\.)*"|\S+))*$)");
+  int refused = 0;
+  bool suppressed = false;
+  for (absl::string_view line : absl::StrSplit(log, '\n', absl::SkipEmpty())) {
+    EXPECT_TRUE(std::regex_match(std::string(line), shape)) << line;
+    if (line.find(" refused ") != absl::string_view::npos) {
+      ++refused;
+      suppressed |= line.find("suppressed=") != absl::string_view::npos;
+    }
+  }
+  EXPECT_GE(refused, 2);
+  EXPECT_LE(refused, 15) << log;  // of 201 refusals over about a second
+  EXPECT_TRUE(suppressed) << log;
+}
+
+}  // namespace
+}  // namespace shardopt
