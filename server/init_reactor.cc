@@ -57,9 +57,7 @@ class InitReactor final : public ReadReactor {
 grpc::ServerReadReactor<grpc::ByteBuffer>* StartInitReactor(JobStore* store, grpc::CallbackServerContext* context,
                                                             grpc::ByteBuffer* response, Caller caller,
                                                             StreamSettings settings) {
-  auto reactor = std::make_shared<InitReactor>(store, context, response, std::move(caller), std::move(settings));
-  reactor->Begin();
-  return reactor.get();
+  return StartReadReactor<InitReactor>(store, context, response, std::move(caller), std::move(settings));
 }
 
 }  // namespace shardopt

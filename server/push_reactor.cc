@@ -124,9 +124,7 @@ class PushReactor final : public ReadReactor {
 grpc::ServerReadReactor<grpc::ByteBuffer>* StartPushReactor(JobStore* store, grpc::CallbackServerContext* context,
                                                             grpc::ByteBuffer* response, Caller caller,
                                                             StreamSettings settings) {
-  auto reactor = std::make_shared<PushReactor>(store, context, response, std::move(caller), std::move(settings));
-  reactor->Begin();
-  return reactor.get();
+  return StartReadReactor<PushReactor>(store, context, response, std::move(caller), std::move(settings));
 }
 
 }  // namespace shardopt

@@ -94,4 +94,13 @@ class ReadReactor : public grpc::ServerReadReactor<grpc::ByteBuffer>, public std
   bool done_ = false;      // OnDone ran
 };
 
+// Makes a reactor of type R (a ReadReactor), which holds itself until its
+// OnDone, and starts its first read.
+template <typename R, typename... Args>
+grpc::ServerReadReactor<grpc::ByteBuffer>* StartReadReactor(Args&&... args) {
+  auto reactor = std::make_shared<R>(std::forward<Args>(args)...);
+  reactor->Begin();
+  return reactor.get();
+}
+
 }  // namespace shardopt

@@ -20,6 +20,7 @@
 #include "kernels/gpu.h"
 #include "shardopt/client.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
+#include "tests/testing/client_helpers.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/server_process.h"
 
@@ -30,6 +31,8 @@ using ::testing::HasSubstr;
 using testing::RandomBf16;
 using testing::RandomFloats;
 using testing::ServerProcess;
+using testing::ConnectOnce;
+using testing::OneTensorJob;
 
 // A process's peak resident set (VmHWM), in bytes.
 uint64_t PeakRss(pid_t pid) {
@@ -45,31 +48,11 @@ uint64_t PeakRss(pid_t pid) {
   return 0;
 }
 
-JobOptions OneTensor(const std::string& name, uint64_t numel, uint32_t world = 1) {
-  JobOptions job;
-  job.name = name;
-  job.world_size = world;
-  job.groups = {GroupOptions{}};
-  job.tensors = {{"w", numel, 0}};
-  job.barrier_timeout_ms = 10000;
-  return job;
-}
-
-std::unique_ptr<Client> Connect(const std::string& address, const std::string& token = "", uint32_t rank = 0) {
-  ClientOptions o;
-  o.servers = {address};
-  o.rank = rank;
-  o.token = token;
-  o.max_attempts = 1;
-  o.rpc_timeout_ms = 20000;
-  return Client::Connect(o).value();
-}
-
 // A job of its own that steps: made at once, then one step per call.
 class Victim {
  public:
   Victim(const std::string& address, const std::string& name, const std::string& token = "")
-      : client_(Connect(address, token)), job_(OneTensor(name, 4096)) {
+      : client_(ConnectOnce(address, token)), job_(OneTensorJob(name, 4096)) {
     EXPECT_TRUE(client_->CreateOrAttach(job_).ok());
     auto init = RandomFloats(rng_, 4096, -1, 1);
     EXPECT_TRUE(client_->InitFp32("w", init.data()).ok());
@@ -100,16 +83,16 @@ TEST(LimitsTest, TheMemoryBudgetRefusesWhatDoesNotFitAndTheServerStaysUp) {
   Victim victim(server->address(), "victim");
   ASSERT_TRUE(victim.Step().ok());
 
-  auto attacker = Connect(server->address());
-  auto huge = attacker->CreateOrAttach(OneTensor("huge", uint64_t{1200} * 1000 * 1000));
+  auto attacker = ConnectOnce(server->address());
+  auto huge = attacker->CreateOrAttach(OneTensorJob("huge", uint64_t{1200} * 1000 * 1000));
   ASSERT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
   EXPECT_THAT(std::string(huge.status().message()), HasSubstr("needs"));
   EXPECT_THAT(std::string(huge.status().message()), HasSubstr("--memory_limit"));
   // 4M fp32 params: 72 MiB each, until the budget is full.
   int made = 0;
   for (; made < 20; ++made) {
-    auto c = Connect(server->address());
-    auto r = c->CreateOrAttach(OneTensor(absl::StrCat("fill", made), 4 << 20));
+    auto c = ConnectOnce(server->address());
+    auto r = c->CreateOrAttach(OneTensorJob(absl::StrCat("fill", made), 4 << 20));
     if (!r.ok()) {
       EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
       break;
@@ -121,7 +104,7 @@ TEST(LimitsTest, TheMemoryBudgetRefusesWhatDoesNotFitAndTheServerStaysUp) {
   EXPECT_GE(made, 2);
   EXPECT_LT(made, 6);
   ASSERT_TRUE(victim.Step().ok());
-  auto described = attacker->CreateOrAttach(OneTensor("fill0", 4 << 20));
+  auto described = attacker->CreateOrAttach(OneTensorJob("fill0", 4 << 20));
   ASSERT_TRUE(described.ok());
   auto state = attacker->Describe();
   ASSERT_TRUE(state.ok());
@@ -134,7 +117,7 @@ TEST(LimitsTest, TheMemoryBudgetRefusesWhatDoesNotFitAndTheServerStaysUp) {
   EXPECT_LT(peak, kLimit + (uint64_t{96} << 20));
   // A drop gives its charge back.
   ASSERT_TRUE(attacker->Drop().ok());
-  EXPECT_TRUE(Connect(server->address())->CreateOrAttach(OneTensor("after-drop", 4 << 20)).ok());
+  EXPECT_TRUE(ConnectOnce(server->address())->CreateOrAttach(OneTensorJob("after-drop", 4 << 20)).ok());
   ASSERT_TRUE(victim.Step().ok());
 }
 
@@ -150,8 +133,8 @@ TEST(LimitsTest, StreamCapsPerClientAndPerServer) {
   ASSERT_NE(server, nullptr);
   Victim victim(server->address(), "v/job", b);
   auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
-  auto attacker = Connect(server->address(), a);
-  ASSERT_TRUE(attacker->CreateOrAttach(OneTensor("a/job", 64, 2)).ok());
+  auto attacker = ConnectOnce(server->address(), a);
+  ASSERT_TRUE(attacker->CreateOrAttach(OneTensorJob("a/job", 64, 2)).ok());
 
   // The attacker's held-open pushes: three are taken, the fourth refused.
   struct Held {
@@ -197,8 +180,8 @@ TEST(LimitsTest, StreamCapsPerClientAndPerServer) {
 TEST(LimitsTest, AnIdleInitStreamIsCut) {
   auto server = ServerProcess::Start({"--idle_stream_timeout_ms=400"});
   ASSERT_NE(server, nullptr);
-  auto client = Connect(server->address());
-  ASSERT_TRUE(client->CreateOrAttach(OneTensor("idle-init", 64)).ok());
+  auto client = ConnectOnce(server->address());
+  ASSERT_TRUE(client->CreateOrAttach(OneTensorJob("idle-init", 64)).ok());
   auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
@@ -228,9 +211,9 @@ TEST(LimitsTest, AnIdleInitStreamIsCut) {
 TEST(LimitsTest, TheBarrierDeadlineCutsTheRoundsOpenStreams) {
   auto server = ServerProcess::Start();
   ASSERT_NE(server, nullptr);
-  JobOptions job = OneTensor("deadline", 4096, 2);
+  JobOptions job = OneTensorJob("deadline", 4096, 2);
   job.barrier_timeout_ms = 600;
-  auto client = Connect(server->address());
+  auto client = ConnectOnce(server->address());
   ASSERT_TRUE(client->CreateOrAttach(job).ok());
   std::mt19937_64 rng(2);
   const std::vector<float> init = RandomFloats(rng, 4096, -1, 1);

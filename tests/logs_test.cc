@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "shardopt/client.h"
+#include "tests/testing/client_helpers.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/server_process.h"
 
@@ -28,24 +29,12 @@ namespace {
 
 using testing::ServerProcess;
 
-constexpr char kToken[] = "secret-token-never-logged-0123";
-
-JobOptions OneTensor(const std::string& name) {
-  JobOptions job;
-  job.name = name;
-  job.world_size = 1;
-  job.groups = {GroupOptions{}};
-  job.tensors = {{"w", 4096, 0}};
-  return job;
-}
-
+JobOptions OneTensor4k(const std::string& name) { return testing::OneTensorJob(name, 4096); }
 std::unique_ptr<Client> Connect(const std::string& address, const std::string& token) {
-  ClientOptions o;
-  o.servers = {address};
-  o.token = token;
-  o.max_attempts = 1;
-  return Client::Connect(o).value();
+  return testing::ConnectOnce(address, token);
 }
+
+constexpr char kToken[] = "secret-token-never-logged-0123";
 
 std::vector<nlohmann::json> JsonLines(const std::string& log) {
   std::vector<nlohmann::json> lines;
@@ -87,8 +76,8 @@ TEST_F(LogsTest, TheLinesAnOperatorNeedsAreThereAndNoTokenIs) {
   ASSERT_NE(server, nullptr);
   {
     auto client = Connect(server->address(), kToken);
-    ASSERT_TRUE(client->CreateOrAttach(OneTensor("team/job")).ok());
-    ASSERT_TRUE(Connect(server->address(), kToken)->CreateOrAttach(OneTensor("team/job")).ok());  // attaches
+    ASSERT_TRUE(client->CreateOrAttach(OneTensor4k("team/job")).ok());
+    ASSERT_TRUE(Connect(server->address(), kToken)->CreateOrAttach(OneTensor4k("team/job")).ok());  // attaches
     auto init = testing::RandomFloats(rng_, 4096, -1, 1);
     ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
     ASSERT_TRUE(client->Checkpoint().ok());
@@ -97,8 +86,8 @@ TEST_F(LogsTest, TheLinesAnOperatorNeedsAreThereAndNoTokenIs) {
     std::vector<uint16_t> params(4096);
     ASSERT_TRUE(client->Step({{"w", g.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
     // Refusals: a wrong token, and another prefix.
-    EXPECT_FALSE(Connect(server->address(), "wrong-token-0123456789")->CreateOrAttach(OneTensor("team/x")).ok());
-    EXPECT_FALSE(client->CreateOrAttach(OneTensor("other/job")).ok());
+    EXPECT_FALSE(Connect(server->address(), "wrong-token-0123456789")->CreateOrAttach(OneTensor4k("team/x")).ok());
+    EXPECT_FALSE(client->CreateOrAttach(OneTensor4k("other/job")).ok());
   }
   ASSERT_TRUE(WIFEXITED(server->Stop(SIGTERM)));  // drains and checkpoints
   const std::string log = server->log();
@@ -143,7 +132,7 @@ TEST_F(LogsTest, TheLinesAnOperatorNeedsAreThereAndNoTokenIs) {
   ASSERT_NE(again, nullptr);
   {
     auto client = Connect(again->address(), kToken);
-    ASSERT_TRUE(client->CreateOrAttach(OneTensor("team/job")).ok());
+    ASSERT_TRUE(client->CreateOrAttach(OneTensor4k("team/job")).ok());
   }
   again->Stop(SIGKILL);
   const auto restored = Events(JsonLines(again->log()), "job_restored");
@@ -159,8 +148,8 @@ TEST_F(LogsTest, RepeatedRefusalsAreRateLimitedAndTextLinesHaveTheirShape) {
   auto server = ServerProcess::StartLogged({"--log_format=text"});
   ASSERT_NE(server, nullptr);
   auto client = Connect(server->address(), "");
-  ASSERT_TRUE(client->CreateOrAttach(OneTensor("job")).ok());
-  JobOptions other = OneTensor("job");
+  ASSERT_TRUE(client->CreateOrAttach(OneTensor4k("job")).ok());
+  JobOptions other = OneTensor4k("job");
   other.tensors[0].numel = 8;  // the same name, another shape: ALREADY_EXISTS
   auto conflicting = Connect(server->address(), "");
   for (int i = 0; i < 200; ++i) EXPECT_FALSE(conflicting->CreateOrAttach(other).ok());

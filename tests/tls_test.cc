@@ -15,6 +15,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "shardopt/client.h"
+#include "tests/testing/client_helpers.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/server_process.h"
 
@@ -60,15 +61,6 @@ class Certificates {
   bool ok_ = false;
 };
 
-JobOptions OneTensorJob(const std::string& name) {
-  JobOptions job;
-  job.name = name;
-  job.world_size = 1;
-  job.groups = {GroupOptions{}};
-  job.tensors = {{"w", 1000, 0}};
-  return job;
-}
-
 // Connects with `options`' TLS settings and runs one whole step.
 absl::Status StepOnce(const std::string& address, ClientOptions options, const std::string& job_name) {
   options.servers = {address};
@@ -76,7 +68,7 @@ absl::Status StepOnce(const std::string& address, ClientOptions options, const s
   options.rpc_timeout_ms = 10000;
   auto client = Client::Connect(options);
   if (!client.ok()) return client.status();
-  const JobOptions job = OneTensorJob(job_name);
+  const JobOptions job = testing::OneTensorJob(job_name, 1000);
   if (auto st = (*client)->CreateOrAttach(job); !st.ok()) return st.status();
   std::mt19937_64 rng(3);
   auto init = testing::RandomFloats(rng, 1000, -1, 1);
