@@ -241,6 +241,45 @@ TEST(LimitsTest, TheBarrierDeadlineCutsTheRoundsOpenStreams) {
   EXPECT_TRUE(Victim(server->address(), "after-deadline").Step().ok());
 }
 
+// Case 5: Describe of a job of many tensors was one answer that could pass
+// the message limit. It pages: at most 4096 tensors an answer, and the
+// client reads every page.
+TEST(LimitsTest, DescribePagesAndTheClientReadsEveryPage) {
+  auto server = ServerProcess::Start();
+  ASSERT_NE(server, nullptr);
+  JobOptions job = OneTensorJob("wide", 1);
+  job.tensors.clear();
+  for (int i = 0; i < 5000; ++i) job.tensors.push_back({absl::StrCat("t", i), 1, 0});
+  auto client = ConnectOnce(server->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  auto steps = client->AdamSteps();  // through Describe, every page
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  EXPECT_EQ(steps->size(), 5000u);
+
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  auto page = [&](uint32_t offset, uint32_t max, v1::DescribeResponse* resp) {
+    grpc::ClientContext ctx;
+    v1::DescribeRequest req;
+    req.set_job("wide");
+    req.set_tensor_offset(offset);
+    req.set_max_tensors(max);
+    return stub->Describe(&ctx, req, resp);
+  };
+  v1::DescribeResponse first, rest, small, past;
+  ASSERT_TRUE(page(0, 0, &first).ok());
+  EXPECT_EQ(first.tensors_size(), 4096);
+  EXPECT_EQ(first.tensor_count(), 5000u);
+  ASSERT_TRUE(page(4096, 0, &rest).ok());
+  EXPECT_EQ(rest.tensors_size(), 904);
+  EXPECT_EQ(rest.tensor_offset(), 4096u);
+  EXPECT_EQ(rest.tensors(0).name(), "t4096");
+  ASSERT_TRUE(page(10, 3, &small).ok());
+  ASSERT_EQ(small.tensors_size(), 3);
+  EXPECT_EQ(small.tensors(0).name(), "t10");
+  EXPECT_EQ(page(6000, 0, &past).error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_TRUE(Victim(server->address(), "beside-wide").Step().ok());
+}
+
 // The GPU image passes --auto_requires_gpu: there --device=auto without a
 // usable GPU stops the server (exit 1) rather than run it on the host's
 // cores; an explicit --device=cpu still runs.
