@@ -55,6 +55,8 @@ ABSL_FLAG(std::string, tokens_file, "",
 ABSL_FLAG(std::string, memory_limit, "auto",
           "host memory the server's jobs and streams may hold, e.g. 20Gi or 512M; auto: the smaller of physical "
           "memory and the cgroup limit, less an eighth (at least 256 MiB) of headroom. Over it: RESOURCE_EXHAUSTED");
+ABSL_FLAG(int, health_port, 0,
+          "also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot speak TLS); 0: none");
 ABSL_FLAG(int, metrics_port, 0, "serve Prometheus metrics at http://HOST:PORT/metrics on this port; 0: none");
 ABSL_FLAG(std::string, log_format, "text", "text (timestamp level event key=value ...) or json (one object per line)");
 ABSL_FLAG(uint32_t, max_streams, 4096, "Push, Init, Commit and Read streams open at once; more are RESOURCE_EXHAUSTED");
@@ -178,6 +180,7 @@ int main(int argc, char** argv) {
   options.tls_key_pem = ReadPem("tls_key", absl::GetFlag(FLAGS_tls_key));
   options.tls_client_ca_pem = ReadPem("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca));
   options.reflection = absl::GetFlag(FLAGS_reflection);
+  options.health_port = absl::GetFlag(FLAGS_health_port);
   options.service.idle_stream_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_idle_stream_timeout_ms));
   options.service.auth = auth.get();
   options.service.max_streams = absl::GetFlag(FLAGS_max_streams);
@@ -233,6 +236,7 @@ int main(int argc, char** argv) {
                                                       : absl::StrCat("--memory_limit (auto would be ", default_limit, ")")},
                           {"tokens", auth ? absl::StrCat(auth->size(), " from ", absl::GetFlag(FLAGS_tokens_file)) : "off"},
                           {"metrics_port", metrics_server ? absl::StrCat(metrics_server->port()) : "off"},
+                          {"health_port", (*running)->health_port > 0 ? absl::StrCat((*running)->health_port) : "off"},
                           {"checkpoint_dir", store_options.checkpoint_dir},
                           {"flags", absl::StrJoin(argv + 1, argv + argc, " ")}});
   }
@@ -268,7 +272,7 @@ int main(int argc, char** argv) {
     }
     if (const absl::Status health = shardopt::CudaBackendHealth(**backend); serving && !health.ok()) {
       log::Error("device_failed", {{"health", "NOT_SERVING"}, {"error", std::string(health.message())}});
-      (*running)->server->GetHealthCheckService()->SetServingStatus(false);
+      (*running)->SetServing(false);
       serving = false;
     }
   }

@@ -7,6 +7,8 @@
 #include "absl/strings/str_cat.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/ext/health_check_service_server_builder_option.h"
+#include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/impl/server_builder_plugin.h"
@@ -134,7 +136,13 @@ grpc::Status OptimizerService::Checkpoint(grpc::ServerContext* context, const v1
 }
 
 RunningServer::~RunningServer() {
+  if (health_server) health_server->Shutdown();
   if (server) server->Shutdown();
+}
+
+void RunningServer::SetServing(bool is_serving) {
+  serving = is_serving;
+  server->GetHealthCheckService()->SetServingStatus(is_serving);
 }
 
 namespace {
@@ -160,6 +168,40 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
                                   [](const auto& p) { return p->name() == "proto_server_reflection"; }),
                    plugins->end());
   }
+};
+
+// The health port's one method, Check, whatever service it names: the
+// server's own status (HealthCheckResponse{status: SERVING} is 08 01,
+// NOT_SERVING 08 02). Anything else is UNIMPLEMENTED.
+class HealthOnly final : public grpc::CallbackGenericService {
+ public:
+  explicit HealthOnly(const std::atomic<bool>* serving) : serving_(serving) {}
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override {
+    return new Check(context->method() == "/grpc.health.v1.Health/Check", serving_);
+  }
+
+ private:
+  class Check final : public grpc::ServerGenericBidiReactor {
+   public:
+    Check(bool known, const std::atomic<bool>* serving) : serving_(serving) {
+      if (!known) {
+        Finish(grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "this port serves grpc.health.v1.Health/Check only"));
+        return;
+      }
+      StartRead(&request_);
+    }
+    void OnReadDone(bool) override {
+      grpc::Slice slice(std::string(serving_->load() ? "\x08\x01" : "\x08\x02", 2));
+      response_ = grpc::ByteBuffer(&slice, 1);
+      StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+    }
+    void OnDone() override { delete this; }
+
+   private:
+    const std::atomic<bool>* const serving_;
+    grpc::ByteBuffer request_, response_;
+  };
+  const std::atomic<bool>* const serving_;
 };
 
 }  // namespace
@@ -190,6 +232,24 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
   running->server = builder.BuildAndStart();
   if (!running->server || running->port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.address));
+  }
+  if (options.health_port > 0) {
+    // Its own server, so that the plaintext port has no other service on it.
+    const std::string host = options.address.substr(0, options.address.rfind(':'));
+    grpc::ServerBuilder health;
+    health.SetOption(std::make_unique<WithoutReflection>());
+    // Not the default health service: it would need a polled completion
+    // queue on a server with no other service.
+    health.SetOption(std::make_unique<grpc::HealthCheckServiceServerBuilderOption>(nullptr));
+    running->health_service = std::make_unique<HealthOnly>(&running->serving);
+    health.RegisterCallbackGenericService(running->health_service.get());
+    health.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    health.AddListeningPort(absl::StrCat(host, ":", options.health_port), grpc::InsecureServerCredentials(),
+                            &running->health_port);
+    running->health_server = health.BuildAndStart();
+    if (!running->health_server || running->health_port == 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", host, ":", options.health_port, " (--health_port)"));
+    }
   }
   return running;
 }

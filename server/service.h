@@ -1,6 +1,7 @@
 // The gRPC face of JobStore: decode, call the core, encode. No logic of its own.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
 
@@ -10,6 +11,7 @@
 #include "shardopt/v1/optimizer.grpc.pb.h"
 
 namespace grpc {
+class CallbackGenericService;
 class Server;
 }
 
@@ -81,6 +83,9 @@ struct ServerOptions {
   std::string tls_client_ca_pem;
   // gRPC server reflection, which lists the services to anyone who asks.
   bool reflection = false;
+  // A second, plaintext port that serves only grpc.health.v1, for probes
+  // that cannot speak TLS (Kubernetes' native gRPC probes); 0: none.
+  int health_port = 0;
   ServiceOptions service;
 };
 
@@ -89,7 +94,15 @@ struct ServerOptions {
 struct RunningServer {
   std::unique_ptr<OptimizerService> service;
   std::unique_ptr<grpc::Server> server;
+  // With health_port only: grpc.health.v1.Health/Check, answered by hand
+  // from `serving`, on a server of its own.
+  std::atomic<bool> serving{true};
+  std::unique_ptr<grpc::CallbackGenericService> health_service;
+  std::unique_ptr<grpc::Server> health_server;
   int port = 0;
+  int health_port = 0;
+  // What both servers' health services answer.
+  void SetServing(bool serving);
   ~RunningServer();
 };
 

@@ -595,10 +595,12 @@ TEST_F(ServiceTest, AnUnparseableStreamMessageIsInvalidArgumentAndChangesNothing
   ExpectTheNextStepIsItsPushAlone(*client, init, rng_);
 }
 
-TEST_F(ServiceTest, HealthIsServedAndReflectionOnlyWhenAsked) {
-  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+// One unary call through the generic stub: its status and the answer's bytes.
+std::pair<grpc::Status, std::string> GenericUnary(const std::string& address, const std::string& method,
+                                                  const std::string& request) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
   grpc::GenericStub generic(channel);
-  auto call = [&](const std::string& method, const std::string& request) {
+  {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     grpc::CompletionQueue cq;
@@ -617,9 +619,12 @@ TEST_F(ServiceTest, HealthIsServedAndReflectionOnlyWhenAsked) {
       for (auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
     }
     return std::make_pair(st, out);
-  };
+  }
+}
+
+TEST_F(ServiceTest, HealthIsServedAndReflectionOnlyWhenAsked) {
   // grpc.health.v1.HealthCheckResponse{status: SERVING} is the bytes 08 01.
-  auto [health_status, health] = call("/grpc.health.v1.Health/Check", "");
+  auto [health_status, health] = GenericUnary(server_->address(), "/grpc.health.v1.Health/Check", "");
   ASSERT_TRUE(health_status.ok()) << health_status.error_message();
   EXPECT_EQ(health, std::string("\x08\x01", 2));
 
@@ -663,6 +668,33 @@ TEST_F(ServiceTest, HealthIsServedAndReflectionOnlyWhenAsked) {
   auto reflecting = ServerProcess::Start({"--reflection"});
   ASSERT_NE(reflecting, nullptr);
   EXPECT_THAT(list_services(reflecting->address()), HasSubstr("shardopt.v1.Optimizer"));
+}
+
+// --health_port: a plaintext port with the health service alone, for probes
+// that cannot speak TLS (Kubernetes' gRPC probes); the optimizer's service
+// is not on it.
+TEST_F(ServiceTest, TheHealthPortServesHealthAlone) {
+  int port = 0;
+  {
+    // A port free now: bound, read, released.
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+    socklen_t len = sizeof a;
+    getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+    port = ntohs(a.sin_port);
+    close(fd);
+  }
+  auto server = ServerProcess::Start({absl::StrCat("--health_port=", port)});
+  ASSERT_NE(server, nullptr);
+  const std::string address = absl::StrCat("127.0.0.1:", port);
+  auto [health_status, health] = GenericUnary(address, "/grpc.health.v1.Health/Check", "");
+  ASSERT_TRUE(health_status.ok()) << health_status.error_message();
+  EXPECT_EQ(health, std::string("\x08\x01", 2));
+  auto [describe_status, unused] = GenericUnary(address, "/shardopt.v1.Optimizer/Describe", "");
+  EXPECT_EQ(describe_status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << describe_status.error_message();
 }
 
 }  // namespace
