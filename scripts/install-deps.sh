@@ -17,6 +17,7 @@ packages=(
   nlohmann-json3-dev
   libspdlog-dev  # the server's log (server/log.cc)
   prometheus     # tests/ops/prometheus_test.py scrapes a server with the real one
+  python3-yaml   # tests/deploy reads the rendered manifests
   clang
   openssl  # tests/tls_test.cc makes its certificates with the openssl command
 )
@@ -25,6 +26,14 @@ if [[ "${SHARDOPT_WITH_TORCH:-1}" == 1 ]]; then
   packages+=(python3 python3-dev python3-numpy python3-torch python3-pytest python3-matplotlib
              python3-pip python3-setuptools python3-wheel pybind11-dev)
 fi
+
+# tests/deploy: kubectl (for `kubectl kustomize`), and node with npm for the
+# schema check (kubernetes-models, from package-lock.json). Debian's
+# kubernetes-client, nodejs and npm, unless the machine has these commands
+# already (another vendor's node package and Debian's npm do not mix).
+command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client)
+command -v node >/dev/null 2>&1 || packages+=(nodejs)
+command -v npm >/dev/null 2>&1 || packages+=(npm)
 
 missing=()
 for p in "${packages[@]}"; do
