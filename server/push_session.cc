@@ -137,6 +137,13 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, const Wake& wake) {
   }
   // Resolved as they arrive, so a stream of names holds one bit per tensor
   // of the job however many it sends, and an unknown one is refused at once.
+  // A stream names at most as many as the job has tensors.
+  no_grad_names_ += chunk.no_grad_size();
+  if (no_grad_names_ > static_cast<uint64_t>(job_->spec.tensors_size())) {
+    return absl::InvalidArgumentError(absl::StrCat("the push stream names ", no_grad_names_,
+                                                   " no_grad tensors; job '", job_->name(), "' has ",
+                                                   job_->spec.tensors_size()));
+  }
   for (const std::string& t : chunk.no_grad()) {
     auto it = job_->tensor_index.find(t);  // fixed at creation: no lock needed
     if (it == job_->tensor_index.end()) {

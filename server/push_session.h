@@ -90,6 +90,7 @@ class PushSession {
   bool refused_ = false;  // Offer or TrySeal answered an error
   bool sealing_ = false;  // the rank finished in the sum: only the barrier is left
   std::vector<bool> no_grad_;  // [tensor], once the stream names any
+  uint64_t no_grad_names_ = 0;  // names sent, repeats included: at most the job's tensors
   // The chunk being folded while the window is full, and how much is done.
   std::optional<v1::GradChunk> pending_;
   uint64_t pending_taken_ = 0;

@@ -239,8 +239,9 @@ TEST_F(ContractTest, InitRefusesNegativeSecondMomentsAndParamsAndChangesNothing)
 }
 
 // no_grad names are resolved as they arrive: an unknown one is refused at
-// its chunk, not after the stream has sent all it likes, and repeating a
-// known one costs nothing (the session keeps one bit per tensor).
+// its chunk, not after the stream has sent all it likes; a stream names at
+// most as many as the job has tensors (INVALID_ARGUMENT past that); and a
+// repeat within that costs nothing (the session keeps one bit per tensor).
 TEST_F(ContractTest, NoGradNamesAreCheckedAsTheyArriveAndRepeatsCountOnce) {
   auto init = Create(JobRequest("nograd", 1, {{"a", 100}, {"b", 100}}));
   const std::string before = Snapshot("nograd");
@@ -248,14 +249,22 @@ TEST_F(ContractTest, NoGradNamesAreCheckedAsTheyArriveAndRepeatsCountOnce) {
     auto session = StartPush("nograd", 1, 0);
     ASSERT_TRUE(session.ok());
     v1::GradChunk names;
-    for (int i = 0; i < 60000; ++i) names.add_no_grad("b");
+    names.add_no_grad("b");
     ASSERT_TRUE((*session)->Add(names).ok());
     v1::GradChunk unknown;
-    unknown.add_no_grad("b");
     unknown.add_no_grad(std::string(100, 'x'));
     const absl::Status refused = (*session)->Add(unknown);
     EXPECT_EQ(refused.code(), absl::StatusCode::kNotFound);
     EXPECT_THAT(std::string(refused.message()), HasSubstr("which job 'nograd' lacks"));
+  }
+  {
+    auto session = StartPush("nograd", 1, 0);
+    ASSERT_TRUE(session.ok());
+    v1::GradChunk flood;
+    for (int i = 0; i < 60000; ++i) flood.add_no_grad("b");
+    const absl::Status refused = (*session)->Add(flood);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(refused.message()), HasSubstr("names 60000 no_grad tensors; job 'nograd' has 2"));
   }
   EXPECT_EQ(Snapshot("nograd"), before);
   // The repeats declared `b` once: a push of `a` alone with them seals.
@@ -263,7 +272,8 @@ TEST_F(ContractTest, NoGradNamesAreCheckedAsTheyArriveAndRepeatsCountOnce) {
   auto session = StartPush("nograd", 1, 0);
   ASSERT_TRUE(session.ok());
   v1::GradChunk names;
-  for (int i = 0; i < 1000; ++i) names.add_no_grad("b");
+  names.add_no_grad("b");
+  names.add_no_grad("b");  // a repeat, within the job's two tensors
   ASSERT_TRUE((*session)->Add(names).ok());
   ASSERT_TRUE((*session)->Add(Chunk("a", 0, ga.data(), 100)).ok());
   ASSERT_TRUE((*session)->Finish().ok());
