@@ -14,6 +14,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -49,6 +50,22 @@ uint64_t StatusField(pid_t pid, const std::string& key) {
     if (k == key && (in >> v)) return key == "Threads:" ? v : v << 10;
   }
   return 0;
+}
+
+// CPU seconds (user + system) a process has used, from /proc/PID/stat.
+double CpuSeconds(pid_t pid) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/stat"));
+  std::string line;
+  std::getline(in, line);
+  // The fields after the command name, which is in parentheses and may hold spaces.
+  std::istringstream rest(line.substr(line.rfind(')') + 2));
+  std::string field;
+  uint64_t utime = 0, stime = 0;
+  for (int i = 3; i <= 15 && (rest >> field); ++i) {
+    if (i == 14) utime = std::stoull(field);
+    if (i == 15) stime = std::stoull(field);
+  }
+  return static_cast<double>(utime + stime) / sysconf(_SC_CLK_TCK);
 }
 
 // A memory cgroup (v1 or v2) under this process's own, limited to `bytes`;
@@ -505,6 +522,7 @@ absl::StatusOr<nlohmann::json> AbuseBench(const AbuseArgs& args) {
     Attacker attacker(server.address());
     Answers answers;
     const uint64_t rss_before = StatusField(server.pid(), "VmRSS:");
+    const double cpu_before = CpuSeconds(server.pid()), self_before = CpuSeconds(getpid());
     std::atomic<bool> done{false};
     uint64_t peak_rss = 0, peak_threads = 0;
     std::thread sampler([&] {
@@ -534,6 +552,7 @@ absl::StatusOr<nlohmann::json> AbuseBench(const AbuseArgs& args) {
     stepper.join();
     sampler.join();
     const double median = Median(steps);
+    const double server_cpu = CpuSeconds(server.pid()) - cpu_before, bench_cpu = CpuSeconds(getpid()) - self_before;
     attacks.push_back({{"attack", name},
                        {"attacker_calls", answers.calls()},
                        {"answers", answers.Json()},
@@ -543,6 +562,10 @@ absl::StatusOr<nlohmann::json> AbuseBench(const AbuseArgs& args) {
                        {"budget_bytes", args.memory_limit},
                        {"rss_within_budget", peak_rss <= args.memory_limit},
                        {"peak_threads", peak_threads},
+                       // Where the 2 cores went: the server's share, and the
+                       // bench's own (attacker and victim clients).
+                       {"server_cpu_seconds", server_cpu},
+                       {"bench_cpu_seconds", bench_cpu},
                        {"victim_steps", steps.size()},
                        {"victim_failed_steps", failed_steps},
                        {"victim_median_step_seconds", median},

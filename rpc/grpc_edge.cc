@@ -1,5 +1,8 @@
 #include "rpc/grpc_edge.h"
 
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/wire_format_lite.h"
+
 #include <malloc.h>
 
 #include <string>
@@ -68,6 +71,19 @@ absl::Status ParseMessage(grpc::ByteBuffer* buffer, google::protobuf::Message* m
     return absl::InvalidArgumentError(absl::StrCat("a ", what, " message does not parse; the stream is refused"));
   }
   return absl::OkStatus();
+}
+
+std::optional<uint64_t> CountField(const grpc::ByteBuffer& buffer, int field) {
+  grpc::ByteBuffer copy = buffer;  // shares the slices
+  grpc::ProtoBufferReader reader(&copy);
+  if (!reader.status().ok()) return std::nullopt;
+  google::protobuf::io::CodedInputStream in(&reader);
+  uint64_t count = 0;
+  for (uint32_t tag = in.ReadTag(); tag != 0; tag = in.ReadTag()) {
+    if (google::protobuf::internal::WireFormatLite::GetTagFieldNumber(tag) == field) ++count;
+    if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) return std::nullopt;
+  }
+  return in.ConsumedEntireMessage() ? std::optional<uint64_t>(count) : std::nullopt;
 }
 
 grpc::ByteBuffer SerializeMessage(const google::protobuf::Message& message) {

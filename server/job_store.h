@@ -119,6 +119,7 @@ class JobStore {
   absl::StatusOr<StepPhases> LastStepPhases(const std::string& job) const ABSL_LOCKS_EXCLUDED(mu_);
 
   std::string backend_name() const { return backend_->Describe(); }
+  uint32_t max_tensors_per_job() const { return options_.max_tensors_per_job; }
   // What jobs and streams charge their memory to.
   MemoryBudget* budget() { return &budget_; }
   // The thread that resumes waiting pushes; the service's stream timers run

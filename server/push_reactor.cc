@@ -26,6 +26,16 @@ class PushReactor final : public ReadReactor {
   enum class Waiting { kNothing, kWindow, kBarrier };
 
   void OnMessage(grpc::ByteBuffer* message) override {
+    // A message naming more no_grad tensors than the stream may send is
+    // refused before it is parsed: for such a message the parse is most of
+    // the cost, and the answer would be the same.
+    const uint64_t allowed = session_ ? session_->no_grad_names_left() : store_->max_tensors_per_job();
+    if (auto names = CountField(*message, v1::GradChunk::kNoGradFieldNumber); names && *names > allowed) {
+      if (session_) session_->Refuse();
+      return Stop(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                               absl::StrCat("a push message names ", *names, " no_grad tensors; this stream may name ",
+                                            allowed, " more at most")));
+    }
     if (absl::Status parsed = ParseMessage(message, &chunk_, "GradChunk"); !parsed.ok()) {
       if (session_) session_->Refuse();
       return Stop(ToGrpcStatus(parsed));

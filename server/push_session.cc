@@ -209,6 +209,11 @@ absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
   return false;
 }
 
+uint64_t PushSession::no_grad_names_left() const {
+  const uint64_t tensors = job_->spec.tensors_size();  // fixed at creation
+  return no_grad_names_ >= tensors ? 0 : tensors - no_grad_names_;
+}
+
 std::optional<std::chrono::steady_clock::time_point> PushSession::RoundDeadline() const {
   absl::MutexLock lock(&job_->mu);
   if (!started_ || job_->round.epoch != epoch_) return std::nullopt;

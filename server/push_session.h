@@ -55,6 +55,9 @@ class PushSession {
   // deadline is cut with it.
   absl::Status CheckRound();
 
+  // How many no_grad names the stream may still send.
+  uint64_t no_grad_names_left() const;
+
   // The stream was refused outside the session (a message that does not
   // parse): its chunks leave the round as a refused push's do.
   void Refuse() { refused_ = true; }

@@ -280,6 +280,32 @@ TEST(LimitsTest, DescribePagesAndTheClientReadsEveryPage) {
   EXPECT_TRUE(Victim(server->address(), "beside-wide").Step().ok());
 }
 
+// Case 1: a push that names more no_grad tensors than a stream may is refused
+// before its message is parsed (counted by skipping over the fields), so a
+// flood of names costs the server little; the job still steps.
+TEST(LimitsTest, APushNamingTooManyNoGradTensorsIsRefusedBeforeItIsParsed) {
+  auto server = ServerProcess::Start({"--max_tensors_per_job=100"});
+  ASSERT_NE(server, nullptr);
+  Victim victim(server->address(), "nograd-flood");
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  for (int names : {101, 60000}) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    v1::PushResponse resp;
+    auto writer = stub->Push(&ctx, &resp);
+    v1::GradChunk chunk;
+    chunk.set_job("nograd-flood");
+    chunk.set_step(1);
+    for (int i = 0; i < names; ++i) chunk.add_no_grad(std::string(100, 'x'));
+    writer->Write(chunk);
+    writer->WritesDone();
+    const grpc::Status st = writer->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_THAT(st.error_message(), HasSubstr(absl::StrCat("names ", names, " no_grad tensors")));
+  }
+  EXPECT_TRUE(victim.Step().ok());
+}
+
 // The GPU image passes --auto_requires_gpu: there --device=auto without a
 // usable GPU stops the server (exit 1) rather than run it on the host's
 // cores; an explicit --device=cpu still runs.
