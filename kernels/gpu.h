@@ -25,6 +25,14 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device);
 // into the backend and its jobs fails with that status.
 absl::Status CudaBackendHealth(const Backend& backend);
 
+// A CUDA backend's device memory now (cudaMemGetInfo), for the server's
+// metrics; NOT_FOUND for any other backend.
+struct DeviceMemory {
+  uint64_t free = 0;
+  uint64_t total = 0;
+};
+absl::StatusOr<DeviceMemory> CudaDeviceMemory(const Backend& backend);
+
 // The fused update (one rank, bf16 gradients, FP32 state) against
 // device-to-device copy bandwidth, both timed with CUDA events in one run.
 struct GpuKernelBench {

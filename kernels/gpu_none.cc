@@ -8,6 +8,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int) {
   return absl::FailedPreconditionError("this build has no CUDA backend; rebuild with -DSHARDOPT_CUDA=ON");
 }
 absl::Status CudaBackendHealth(const Backend&) { return absl::OkStatus(); }
+absl::StatusOr<DeviceMemory> CudaDeviceMemory(const Backend&) {
+  return absl::NotFoundError("this build has no CUDA backend");
+}
 absl::StatusOr<GpuKernelBench> BenchCudaKernel(uint64_t, int, int) {
   return absl::FailedPreconditionError("this build has no CUDA backend; rebuild with -DSHARDOPT_CUDA=ON");
 }

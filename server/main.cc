@@ -191,7 +191,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   const std::string device = (*backend)->Describe();
-  shardopt::metrics::Registry::Default().SetGauges([&store, &running, device] {
+  shardopt::metrics::Registry::Default().SetGauges([&store, &running, &backend, device] {
     std::vector<shardopt::metrics::Gauge> g;
     g.push_back({"shardopt_build_info", {{"version", shardopt::Version()}, {"device", device}}, 1});
     const std::vector<std::string> jobs = store.JobNames();
@@ -199,6 +199,10 @@ int main(int argc, char** argv) {
     g.push_back({"shardopt_open_streams", {}, static_cast<double>((*running)->service->open_streams())});
     g.push_back({"shardopt_memory_budget_bytes", {}, static_cast<double>(store.budget()->limit())});
     g.push_back({"shardopt_memory_used_bytes", {}, static_cast<double>(store.budget()->used())});
+    if (auto memory = shardopt::CudaDeviceMemory(**backend); memory.ok()) {
+      g.push_back({"shardopt_device_memory_bytes", {{"state", "free"}}, static_cast<double>(memory->free)});
+      g.push_back({"shardopt_device_memory_bytes", {{"state", "total"}}, static_cast<double>(memory->total)});
+    }
     for (const std::string& job : jobs) {
       shardopt::v1::DescribeRequest req;
       req.set_job(job);

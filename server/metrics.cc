@@ -32,6 +32,7 @@ const std::vector<Family>& Families() {
       {"shardopt_job_state_bytes", Type::kGauge, "A job's master, m and v on this server.", {}},
       {"shardopt_job_staging_bytes", Type::kGauge, "A job's running sum, params out and window cap on this server.", {}},
       {"shardopt_job_step", Type::kGauge, "A job's last step done.", {}},
+      {"shardopt_device_memory_bytes", Type::kGauge, "CUDA device memory, by state=free|total (CUDA backend only).", {}},
       {"shardopt_received_bytes_total", Type::kCounter, "Bytes of Push and Init messages received, by method.", {}},
       {"shardopt_sent_bytes_total", Type::kCounter, "Bytes of Commit params and Read state sent, by method.", {}},
       {"shardopt_pushes_total", Type::kCounter, "Push streams answered OK, by job.", {}},

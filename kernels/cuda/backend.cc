@@ -33,6 +33,13 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
   return std::make_unique<cuda::CudaBackend>(std::move(opened));
 }
 
+absl::StatusOr<DeviceMemory> CudaDeviceMemory(const Backend& backend) {
+  const auto* cuda_backend = dynamic_cast<const cuda::CudaBackend*>(&backend);
+  if (cuda_backend == nullptr) return absl::NotFoundError("not a CUDA backend");
+  SHARDOPT_ASSIGN_OR_RETURN(auto info, cuda::MemoryInfo(cuda_backend->device().index()));
+  return DeviceMemory{info.first, info.second};
+}
+
 absl::Status CudaBackendHealth(const Backend& backend) {
   const auto* cuda_backend = dynamic_cast<const cuda::CudaBackend*>(&backend);
   return cuda_backend == nullptr ? absl::OkStatus() : cuda_backend->device().health();

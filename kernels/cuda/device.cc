@@ -19,6 +19,17 @@ std::string ErrorText(const char* what, cudaError_t error) {
 
 }  // namespace
 
+absl::StatusOr<std::pair<uint64_t, uint64_t>> MemoryInfo(int device) {
+  size_t free = 0, total = 0;
+  cudaError_t e = cudaSetDevice(device);
+  if (e == cudaSuccess) e = cudaMemGetInfo(&free, &total);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InternalError(absl::StrCat("cudaMemGetInfo: ", cudaGetErrorString(e)));
+  }
+  return std::make_pair(uint64_t{free}, uint64_t{total});
+}
+
 absl::StatusOr<int> VisibleDeviceCount() {
   int count = 0;
   if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) {

@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -28,6 +29,9 @@ struct DeviceArray {
 // The CUDA runtime's device count. Its error (no driver, no device) is
 // returned as UNAVAILABLE with the runtime's text.
 absl::StatusOr<int> VisibleDeviceCount();
+// cudaMemGetInfo of `device`: free and total bytes. An error is cleared, so
+// that no later launch check sees it.
+absl::StatusOr<std::pair<uint64_t, uint64_t>> MemoryInfo(int device);
 
 class Device {
  public:

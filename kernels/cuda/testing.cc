@@ -17,14 +17,8 @@ absl::Status FillParamsOut(JobState& job, uint32_t shard, uint8_t byte) {
 }
 
 absl::StatusOr<uint64_t> FreeDeviceBytes(int device) {
-  size_t free = 0, total = 0;
-  cudaError_t e = cudaSetDevice(device);
-  if (e == cudaSuccess) e = cudaMemGetInfo(&free, &total);
-  if (e != cudaSuccess) {
-    cudaGetLastError();  // so that no later launch check sees it
-    return absl::InternalError(absl::StrCat("cudaMemGetInfo: ", cudaGetErrorString(e)));
-  }
-  return free;
+  SHARDOPT_ASSIGN_OR_RETURN(auto info, cuda::MemoryInfo(device));
+  return info.first;
 }
 
 absl::Status BreakDevice(Backend& backend) {

@@ -39,6 +39,11 @@ TEST(CudaAvailabilityTest, ADeviceMeansABackend) {
   ASSERT_TRUE(backend.ok()) << backend.status();
   EXPECT_EQ((*backend)->Describe().rfind("cuda:0 (", 0), 0u) << (*backend)->Describe();
   EXPECT_TRUE(CudaBackendHealth(**backend).ok());
+  // What the server's shardopt_device_memory_bytes reports.
+  auto memory = CudaDeviceMemory(**backend);
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  EXPECT_GT(memory->free, 0u);
+  EXPECT_LE(memory->free, memory->total);
 }
 
 TEST(CudaAvailabilityTest, DevicesOutOfRangeFailCleanly) {
@@ -51,6 +56,8 @@ TEST(CudaAvailabilityTest, DevicesOutOfRangeFailCleanly) {
 
 TEST(CudaAvailabilityTest, HealthOfANonCudaBackendIsOk) {
   EXPECT_TRUE(CudaBackendHealth(*MakeCpuBackend()).ok());
+  // and it has no device memory to report.
+  EXPECT_EQ(CudaDeviceMemory(*MakeCpuBackend()).status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace
