@@ -18,7 +18,15 @@ ReadReactor::ReadReactor(const char* what, grpc::CallbackServerContext* context,
 void ReadReactor::Begin() {
   self_ = shared_from_this();
   std::lock_guard<std::recursive_mutex> lock(mu_);
-  Read();
+  // A client in the tarpit (stream_limits.h) waits before its first read.
+  const Clock::duration penalty = slot_ ? slot_->Penalty() : Clock::duration::zero();
+  if (penalty <= Clock::duration::zero()) return Read();
+  wakeups_->At(Clock::now() + penalty, [weak = std::weak_ptr<ReadReactor>(shared_from_this())] {
+    if (auto self = weak.lock()) {
+      std::lock_guard<std::recursive_mutex> lock(self->mu_);
+      if (!self->finished_ && !self->done_) self->Read();
+    }
+  });
 }
 
 void ReadReactor::OnReadDone(bool ok) {
@@ -111,6 +119,15 @@ void ReadReactor::TimerFired(Clock::time_point when) {
 void ReadReactor::End(const grpc::Status& status) {
   if (finished_) return;
   finished_ = true;
+  switch (status.error_code()) {
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::NOT_FOUND:
+    case grpc::StatusCode::PERMISSION_DENIED:
+      if (slot_) slot_->Strike();  // bad input: counts toward the tarpit
+      break;
+    default:
+      break;
+  }
   message_charge_.Release();
   Finish(status);
 }

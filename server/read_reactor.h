@@ -5,6 +5,8 @@
 // for the idle timeout, or that is still sending when a deadline of its own
 // (a Push's barrier round) passes. Reads are raw, parsed by the subclass,
 // so an unparseable message is an error of the call, never its quiet end.
+// A stream refused for bad input is a strike against its client; a client
+// in the tarpit has its streams' first read held back (stream_limits.h).
 #pragma once
 
 #include <chrono>

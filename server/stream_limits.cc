@@ -29,6 +29,26 @@ void StreamLimits::Close(const std::string& client) {
   if (auto it = per_client_.find(client); it != per_client_.end() && --it->second == 0) per_client_.erase(it);
 }
 
+void StreamLimits::Strike(const std::string& client) {
+  const auto now = std::chrono::steady_clock::now();
+  absl::MutexLock lock(&mu_);
+  if (strikes_.size() > 10000) strikes_.clear();  // names a client invents must not grow without end
+  Strikes& s = strikes_[client];
+  if (now - s.second >= std::chrono::seconds(1)) {
+    s.second = now;
+    s.count = 0;
+  }
+  if (++s.count > kStrikesPerSecond) s.until = now + std::chrono::seconds(1);
+}
+
+std::chrono::steady_clock::duration StreamLimits::Penalty(const std::string& client) const {
+  const auto now = std::chrono::steady_clock::now();
+  absl::MutexLock lock(&mu_);
+  auto it = strikes_.find(client);
+  if (it == strikes_.end() || it->second.until <= now) return std::chrono::steady_clock::duration::zero();
+  return it->second.until - now;
+}
+
 uint32_t StreamLimits::open() const {
   absl::MutexLock lock(&mu_);
   return open_;

@@ -306,6 +306,48 @@ TEST(LimitsTest, APushNamingTooManyNoGradTensorsIsRefusedBeforeItIsParsed) {
   EXPECT_TRUE(victim.Step().ok());
 }
 
+// The tarpit: a client refused for bad input more than 20 times in a second
+// has its next streams' first read held back for a second, so a flood waits
+// on flow control instead of being read and refused; another client is not
+// slowed, and the first client is out again after a second.
+TEST(LimitsTest, AClientThatKeepsSendingBadInputIsHeldBack) {
+  char tmpl[] = "/tmp/shardopt-tarpit-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const std::string bad = "flooding-token-0123456789", good = "victim-token-0123456789";
+  std::ofstream(dir + "/tokens") << "flood trainer " << bad << " *\nvictim trainer " << good << " *\n";
+  auto server = ServerProcess::Start({"--tokens_file=" + dir + "/tokens"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  // One Init stream of one unknown job, timed from its start to its answer.
+  auto refused_init = [&](const std::string& token) {
+    grpc::ClientContext ctx;
+    ctx.AddMetadata("authorization", "Bearer " + token);
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+    v1::InitResponse resp;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto writer = stub->Init(&ctx, &resp);
+    v1::InitChunk chunk;
+    chunk.set_job("no-such-job");
+    writer->Write(chunk);
+    writer->WritesDone();
+    const grpc::Status st = writer->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << st.error_message();
+    return std::chrono::steady_clock::now() - t0;
+  };
+  // Quick refusals until the tarpit: the 22nd, past 20 in a second, waits.
+  int held_at = 0;
+  for (int i = 1; i <= 30 && held_at == 0; ++i) {
+    if (refused_init(bad) > std::chrono::milliseconds(500)) held_at = i;
+  }
+  EXPECT_GE(held_at, 21);
+  EXPECT_LE(held_at, 23);
+  EXPECT_LT(refused_init(good), std::chrono::milliseconds(300));  // another client is not
+  std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  EXPECT_LT(refused_init(bad), std::chrono::milliseconds(300));   // out again
+  EXPECT_TRUE(Victim(server->address(), "beside-the-flood", good).Step().ok());
+  std::filesystem::remove_all(dir);
+}
+
 // The GPU image passes --auto_requires_gpu: there --device=auto without a
 // usable GPU stops the server (exit 1) rather than run it on the host's
 // cores; an explicit --device=cpu still runs.
