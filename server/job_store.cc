@@ -360,7 +360,7 @@ absl::StatusOr<std::unique_ptr<ParamStream>> JobStore::OpenCommit(const v1::Comm
   return ParamStream::Open(std::move(found), request, {options_.stream_chunk_elements, draining_.load()});
 }
 
-absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool(const v1::StateChunk&)>& emit) const {
+absl::StatusOr<std::unique_ptr<JobStore::StateStream>> JobStore::OpenRead(const v1::ReadRequest& req) const {
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(req.job()));
   Job& job = *found;
   StateKind kind;
@@ -392,26 +392,45 @@ absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool
                                                 Range(s.offset, s.offset + s.length), "; nothing to read"));
     }
   }
-  const uint64_t base = job.shards[shard].offset;
-  const uint64_t per_chunk = options_.stream_chunk_elements * 2 / DTypeSize(dtype);  // ~1 MiB
+  auto stream = std::make_unique<StateStream>();
+  stream->job_ = std::move(found);
+  stream->shard_ = shard;
+  stream->kind_ = kind;
+  stream->dtype_ = dtype;
+  stream->base_ = stream->job_->shards[shard].offset;
+  stream->next_ = req.offset();
+  stream->end_ = req.offset() + length;
+  stream->per_chunk_ = options_.stream_chunk_elements * 2 / DTypeSize(dtype);  // ~1 MiB
+  stream->tensor_ = req.tensor();
+  return stream;
+}
+
+absl::StatusOr<bool> JobStore::StateStream::Next(v1::StateChunk* chunk) {
+  if (next_ >= end_) return false;
+  const uint64_t n = std::min(per_chunk_, end_ - next_);
+  chunk->set_tensor(tensor_);
+  chunk->set_dtype(ToProto(dtype_));
+  chunk->set_offset(next_);
+  chunk->mutable_data()->resize(n * DTypeSize(dtype_));
+  Job& job = *job_;
+  absl::MutexLock lock(&job.mu);
+  job.AwaitWholeStep();  // never between two pieces of an update
+  SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
+  if (!job.failed.ok()) return job.failed;
+  SHARDOPT_RETURN_IF_ERROR(job.state->ReadState(shard_, kind_, next_ - base_, n, dtype_, chunk->mutable_data()->data()));
+  chunk->set_step(job.step);
+  next_ += n;
+  return true;
+}
+
+absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool(const v1::StateChunk&)>& emit) const {
+  SHARDOPT_ASSIGN_OR_RETURN(auto stream, OpenRead(req));
   v1::StateChunk chunk;
-  chunk.set_tensor(req.tensor());
-  chunk.set_dtype(ToProto(dtype));
-  for (uint64_t off = req.offset(); off < req.offset() + length; off += per_chunk) {
-    const uint64_t n = std::min(per_chunk, req.offset() + length - off);
-    chunk.set_offset(off);
-    chunk.mutable_data()->resize(n * DTypeSize(dtype));
-    {
-      absl::MutexLock lock(&job.mu);
-      job.AwaitWholeStep();  // never between two pieces of an update
-      SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
-      if (!job.failed.ok()) return job.failed;
-      SHARDOPT_RETURN_IF_ERROR(job.state->ReadState(shard, kind, off - base, n, dtype, chunk.mutable_data()->data()));
-      chunk.set_step(job.step);
-    }
+  for (;;) {
+    SHARDOPT_ASSIGN_OR_RETURN(bool more, stream->Next(&chunk));
+    if (!more) return absl::OkStatus();
     if (!emit(chunk)) return absl::CancelledError("the caller stopped reading");
   }
-  return absl::OkStatus();
 }
 
 }  // namespace shardopt

@@ -108,7 +108,25 @@ class JobStore {
       ABSL_LOCKS_EXCLUDED(mu_);
   // The same commit, pulled piece by piece (server/commit_stream.h).
   absl::StatusOr<std::unique_ptr<ParamStream>> OpenCommit(const v1::CommitRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
-  // Streams a range of one tensor's state, every chunk of one whole step.
+  // A range of one tensor's state, chunk by chunk, every chunk of one whole
+  // step: pulled one at a time, so that a caller slow to take them holds no
+  // thread (the service's Read reactor).
+  class StateStream {
+   public:
+    // The next chunk into `chunk`; false once the range is done.
+    absl::StatusOr<bool> Next(v1::StateChunk* chunk);
+
+   private:
+    friend class JobStore;
+    std::shared_ptr<Job> job_;
+    uint32_t shard_ = 0;
+    StateKind kind_ = StateKind::kMaster;
+    DType dtype_ = DType::kFp32;
+    uint64_t base_ = 0, next_ = 0, end_ = 0, per_chunk_ = 0;
+    std::string tensor_;
+  };
+  absl::StatusOr<std::unique_ptr<StateStream>> OpenRead(const v1::ReadRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The same range pushed to `emit`, stopping early if it returns false.
   absl::Status Read(const v1::ReadRequest& request, const std::function<bool(const v1::StateChunk&)>& emit) const
       ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -19,6 +19,7 @@
 #include "server/metrics.h"
 #include "server/init_reactor.h"
 #include "server/push_reactor.h"
+#include "server/state_reactor.h"
 
 namespace shardopt {
 
@@ -30,9 +31,10 @@ class RefusedRead final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   explicit RefusedRead(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
   void OnDone() override { delete this; }
 };
-class RefusedWrite final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
+template <typename Message>
+class RefusedWrite final : public grpc::ServerWriteReactor<Message> {
  public:
-  explicit RefusedWrite(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
+  explicit RefusedWrite(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
   void OnDone() override { delete this; }
 };
 
@@ -94,19 +96,15 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Push(grpc::Callback
 grpc::ServerWriteReactor<grpc::ByteBuffer>* OptimizerService::Commit(grpc::CallbackServerContext* context,
                                                                      const grpc::ByteBuffer* request) {
   auto opened = OpenStream(*context, Action::kCommit, "");
-  if (!opened.ok()) return new RefusedWrite(opened.status());
+  if (!opened.ok()) return new RefusedWrite<grpc::ByteBuffer>(opened.status());
   return StartCommitReactor(store_, request, opened->first, std::move(opened->second));
 }
 
-grpc::Status OptimizerService::Read(grpc::ServerContext* context, const v1::ReadRequest* req,
-                                    grpc::ServerWriter<v1::StateChunk>* writer) {
+grpc::ServerWriteReactor<v1::StateChunk>* OptimizerService::Read(grpc::CallbackServerContext* context,
+                                                                 const v1::ReadRequest* req) {
   auto opened = OpenStream(*context, Action::kRead, req->job());
-  if (!opened.ok()) return ToGrpcStatus(opened.status());
-  return ToGrpcStatus(store_->Read(*req, [&](const v1::StateChunk& c) {
-    metrics::Registry::Default().Increment("shardopt_sent_bytes_total", {{"method", "read"}},
-                                           static_cast<double>(c.ByteSizeLong()));
-    return writer->Write(c);
-  }));
+  if (!opened.ok()) return new RefusedWrite<v1::StateChunk>(opened.status());
+  return StartStateReactor(store_, req, opened->first, std::move(opened->second));
 }
 
 grpc::Status OptimizerService::Describe(grpc::ServerContext* context, const v1::DescribeRequest* req,

@@ -17,13 +17,13 @@ class Server;
 
 namespace shardopt {
 
-// The streaming RPCs that carry a step's bulk are served on gRPC's callback
-// API with raw messages: a push that waits (for room in the running sum's
+// The streaming RPCs are served on gRPC's callback API (Push, Init and
+// Commit with raw messages; Read typed, state_reactor.h): a push that waits (for room in the running sum's
 // window, or at the barrier) holds no thread, so any number of ranks can
 // wait on a server with a fixed set of threads (push_reactor.h); a commit's
 // params are copied once on their way out (commit_reactor.h); and a message
 // of Push or Init that does not parse is INVALID_ARGUMENT (init_reactor.h).
-// The unary RPCs and Read stay synchronous.
+// No stream holds a thread while it waits; the unary RPCs stay synchronous.
 //
 // Every RPC but health checks first authenticates its caller (auth.h) and
 // checks that it may do this to the job; every stream holds one of the
@@ -39,8 +39,8 @@ struct ServiceOptions {
 };
 
 class OptimizerService final
-    : public v1::Optimizer::WithRawCallbackMethod_Init<
-          v1::Optimizer::WithRawCallbackMethod_Push<v1::Optimizer::WithRawCallbackMethod_Commit<v1::Optimizer::Service>>> {
+    : public v1::Optimizer::WithCallbackMethod_Read<v1::Optimizer::WithRawCallbackMethod_Init<
+          v1::Optimizer::WithRawCallbackMethod_Push<v1::Optimizer::WithRawCallbackMethod_Commit<v1::Optimizer::Service>>>> {
  public:
   OptimizerService(JobStore* store, const ServiceOptions& options)
       : store_(store), options_(options), streams_(options.max_streams, options.max_streams_per_client) {}
@@ -49,7 +49,7 @@ class OptimizerService final
   grpc::ServerReadReactor<grpc::ByteBuffer>* Init(grpc::CallbackServerContext*, grpc::ByteBuffer*) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* Push(grpc::CallbackServerContext*, grpc::ByteBuffer*) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Commit(grpc::CallbackServerContext*, const grpc::ByteBuffer*) override;
-  grpc::Status Read(grpc::ServerContext*, const v1::ReadRequest*, grpc::ServerWriter<v1::StateChunk>*) override;
+  grpc::ServerWriteReactor<v1::StateChunk>* Read(grpc::CallbackServerContext*, const v1::ReadRequest*) override;
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse*) override;
   grpc::Status DropJob(grpc::ServerContext*, const v1::DropJobRequest*, v1::DropJobResponse*) override;
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*) override;

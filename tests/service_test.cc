@@ -492,6 +492,45 @@ TEST_F(ServiceTest, InitStreamsHeldOpenHoldNoServerThread) {
   }
 }
 
+// Read streams whose caller does not take the chunks hold no thread either:
+// Read is served on the callback API, the next chunk read from the job only
+// once the last is written, so flow control holds it.
+TEST_F(ServiceTest, ReadStreamsNotConsumedHoldNoServerThread) {
+  constexpr int kStreams = 100;
+  const JobOptions held = MakeJob("read-held", 1, {{"w", 8 << 20}});  // 32 MiB of master: many chunks
+  auto client = Connect(server_->address());
+  ASSERT_TRUE(client->CreateOrAttach(held).ok());
+  std::vector<float> init(8 << 20, 0.5f);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  const size_t idle = ThreadCount(server_->pid());
+  auto stub = RawStub(server_->address());
+  std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
+  std::vector<std::unique_ptr<grpc::ClientReader<v1::StateChunk>>> readers;
+  v1::ReadRequest req;
+  req.set_job("read-held");
+  req.set_tensor("w");
+  req.set_kind(v1::MASTER);
+  for (int i = 0; i < kStreams; ++i) {
+    contexts.push_back(std::make_unique<grpc::ClientContext>());
+    contexts.back()->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    readers.push_back(stub->Read(contexts.back().get(), req));  // and never read
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const size_t open = ThreadCount(server_->pid());
+  std::printf("server threads: %zu idle, %zu with %d Read streams not consumed\n", idle, open, kStreams);
+  EXPECT_LT(open, idle + 16) << "Read streams hold server threads";
+  // One of them, read to its end, has every byte.
+  v1::StateChunk chunk;
+  uint64_t bytes = 0;
+  while (readers[0]->Read(&chunk)) bytes += chunk.data().size();
+  EXPECT_TRUE(readers[0]->Finish().ok());
+  EXPECT_EQ(bytes, uint64_t{8 << 20} * 4);
+  for (size_t i = 1; i < readers.size(); ++i) {
+    contexts[i]->TryCancel();
+    readers[i]->Finish().IgnoreError();
+  }
+}
+
 // A push stream that sends nothing for --idle_stream_timeout_ms is cancelled
 // and counts for nothing; a push waiting at the barrier longer than that is
 // the server's wait, not the stream's, and is answered.
