@@ -5,6 +5,11 @@
 //   - stream caps, per client and per server;
 //   - an Init stream that sends nothing, and a Push still open at its
 //     barrier deadline, both cut.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -46,6 +51,47 @@ uint64_t PeakRss(pid_t pid) {
     }
   }
   return 0;
+}
+
+// A port free now: bound, read, released.
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+// The server's shardopt_open_streams, from GET /metrics on 127.0.0.1:port.
+int OpenStreams(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = htons(port);
+  std::string text;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
+    const std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+    send(fd, request.data(), request.size(), 0);
+    char buf[4096];
+    for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) text.append(buf, n);
+  }
+  close(fd);
+  const size_t at = text.find("\nshardopt_open_streams ");
+  return at == std::string::npos ? -1 : std::atoi(text.c_str() + at + 23);
+}
+
+// Waits (10 s at most) until the server has `n` streams open.
+bool AwaitOpenStreams(int metrics_port, int n) {
+  for (int i = 0; i < 200; ++i) {
+    if (OpenStreams(metrics_port) == n) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
 }
 
 // A job of its own that steps: made at once, then one step per call.
@@ -128,8 +174,9 @@ TEST(LimitsTest, StreamCapsPerClientAndPerServer) {
   const std::string dir = mkdtemp(tmpl);
   const std::string a = "attacker-token-0123456789", b = "victim-token-0123456789";
   std::ofstream(dir + "/tokens") << "attacker trainer " << a << " a/\nvictim trainer " << b << " v/\n";
+  const int metrics = FreePort();
   auto server = ServerProcess::Start({"--tokens_file=" + dir + "/tokens", "--max_streams=6",
-                                      "--max_streams_per_client=3"});
+                                      "--max_streams_per_client=3", absl::StrCat("--metrics_port=", metrics)});
   ASSERT_NE(server, nullptr);
   Victim victim(server->address(), "v/job", b);
   auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
@@ -151,7 +198,7 @@ TEST(LimitsTest, StreamCapsPerClientAndPerServer) {
     return h;
   };
   for (int i = 0; i < 3; ++i) held.push_back(open(a));
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_TRUE(AwaitOpenStreams(metrics, 3));
   auto fourth = open(a);
   const grpc::Status refused = fourth->writer->Finish();
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << refused.error_message();
@@ -160,7 +207,7 @@ TEST(LimitsTest, StreamCapsPerClientAndPerServer) {
   EXPECT_TRUE(victim.Step().ok());
   // The server's cap: the victim holds three too, and then nobody gets one.
   for (int i = 0; i < 3; ++i) held.push_back(open(b));
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_TRUE(AwaitOpenStreams(metrics, 6));
   const absl::Status full = victim.Step();
   EXPECT_EQ(full.code(), absl::StatusCode::kResourceExhausted) << full;
   EXPECT_THAT(std::string(full.message()), HasSubstr("--max_streams"));
@@ -170,7 +217,7 @@ TEST(LimitsTest, StreamCapsPerClientAndPerServer) {
     h->writer->Finish().ok();  // CANCELLED
   }
   held.clear();
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_TRUE(AwaitOpenStreams(metrics, 0));
   EXPECT_TRUE(victim.Step().ok());
   std::filesystem::remove_all(dir);
 }
