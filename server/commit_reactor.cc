@@ -72,8 +72,9 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (p.fp32) wire::AppendVarintField(&tail, v1::ParamChunk::kDtypeFieldNumber, v1::FP32);
     grpc::Slice slices[3] = {grpc::Slice(head), grpc::Slice(data, p.bytes, std::free), grpc::Slice(tail)};
     message_ = grpc::ByteBuffer(slices, 3);
-    metrics::Registry::Default().Increment("shardopt_sent_bytes_total", {{"method", "commit"}},
-                                           static_cast<double>(message_.Length()));
+    static metrics::Counter* const sent =
+        metrics::Registry::Default().Series("shardopt_sent_bytes_total", {{"method", "commit"}});
+    sent->Add(static_cast<double>(message_.Length()));
     StartWrite(&message_);
   }
 

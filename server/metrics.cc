@@ -97,10 +97,12 @@ Registry& Registry::Default() {
   return *registry;
 }
 
-void Registry::Increment(absl::string_view name, const Labels& labels, double by) {
+Counter* Registry::Series(absl::string_view name, const Labels& labels) {
   absl::MutexLock lock(&mu_);
-  counters_[std::string(name)][RenderLabels(labels)] += by;
+  return &counters_[std::string(name)][RenderLabels(labels)];  // map nodes do not move
 }
+
+void Registry::Increment(absl::string_view name, const Labels& labels, double by) { Series(name, labels)->Add(by); }
 
 void Registry::Observe(absl::string_view name, const Labels& labels, double value) {
   const Family* f = Find(name);
@@ -142,7 +144,7 @@ double Registry::CounterValue(absl::string_view name, const Labels& labels) cons
   auto f = counters_.find(std::string(name));
   if (f == counters_.end()) return 0;
   auto s = f->second.find(RenderLabels(labels));
-  return s == f->second.end() ? 0 : s->second;
+  return s == f->second.end() ? 0 : s->second.value();
 }
 
 std::string Registry::Render() const {
@@ -164,7 +166,7 @@ std::string Registry::Render() const {
       }
     } else if (f.type == Type::kCounter) {
       if (auto it = counters_.find(f.name); it != counters_.end()) {
-        for (const auto& [labels, v] : it->second) absl::StrAppend(&out, f.name, labels, " ", Number(v), "\n");
+        for (const auto& [labels, c] : it->second) absl::StrAppend(&out, f.name, labels, " ", Number(c.value()), "\n");
       }
     } else if (auto it = histograms_.find(f.name); it != histograms_.end()) {
       for (const auto& [labels, h] : it->second) {

@@ -9,6 +9,7 @@
 // name recorded here is one documented there (and in the README).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -31,9 +32,29 @@ struct Gauge {
   double value = 0;
 };
 
+// One counter series, to add to without a lock or a lookup: what a stream
+// records per message holds one (Registry::Series).
+class Counter {
+ public:
+  void Add(double by) {
+    double v = value_.load(std::memory_order_relaxed);
+    while (!value_.compare_exchange_weak(v, v + by, std::memory_order_relaxed)) {
+    }
+  }
+  double value() const { return value_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<double> value_{0};
+};
+
 class Registry {
  public:
   static Registry& Default();
+
+  // The counter series of `name` and `labels`, created at 0 if new. It lives
+  // as long as the registry: never ask for a series labelled with a job,
+  // which ForgetJob removes.
+  Counter* Series(absl::string_view name, const Labels& labels) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Adds to a counter (a family of type counter in the table).
   void Increment(absl::string_view name, const Labels& labels, double by = 1) ABSL_LOCKS_EXCLUDED(mu_);
@@ -59,7 +80,7 @@ class Registry {
   };
   mutable absl::Mutex mu_;
   // By family, then by the rendered label set.
-  std::map<std::string, std::map<std::string, double>> counters_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::map<std::string, Counter>> counters_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::map<std::string, Histogram>> histograms_ ABSL_GUARDED_BY(mu_);
   std::function<std::vector<Gauge>()> gauges_ ABSL_GUARDED_BY(mu_);
 };

@@ -13,7 +13,8 @@ ReadReactor::ReadReactor(const char* what, grpc::CallbackServerContext* context,
                          StreamSettings settings)
     : context_(context), what_(what), wakeups_(wakeups),
       idle_timeout_(absl::ToChronoNanoseconds(settings.idle_timeout)), slot_(std::move(settings.slot)),
-      budget_(settings.budget) {}
+      budget_(settings.budget),
+      received_(metrics::Registry::Default().Series("shardopt_received_bytes_total", {{"method", what}})) {}
 
 void ReadReactor::Begin() {
   self_ = shared_from_this();
@@ -41,8 +42,7 @@ void ReadReactor::OnReadDone(bool ok) {
       return End(ToGrpcStatus(charge.status()));
     }
     message_charge_ = *std::move(charge);
-    metrics::Registry::Default().Increment("shardopt_received_bytes_total", {{"method", what_}},
-                                           static_cast<double>(message_.Length()));
+    received_->Add(static_cast<double>(message_.Length()));
     return OnMessage(&message_);
   }
   if (context_->IsCancelled()) {

@@ -21,6 +21,7 @@
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
 #include "server/memory_budget.h"
+#include "server/metrics.h"
 #include "server/stream_limits.h"
 #include "server/wakeups.h"
 
@@ -86,6 +87,7 @@ class ReadReactor : public grpc::ServerReadReactor<grpc::ByteBuffer>, public std
   const Clock::duration idle_timeout_;
   std::unique_ptr<StreamLimits::Slot> slot_;
   MemoryBudget* const budget_;
+  metrics::Counter* const received_;  // bytes of this method's messages
   MemoryBudget::Charge message_charge_;
   std::shared_ptr<ReadReactor> self_;
   grpc::ByteBuffer message_;
