@@ -1,5 +1,5 @@
-// shardopt-bench abuse: the security review's attacks, each for a bounded
-// time, against one real server process with a memory budget (in a memory
+// shardopt-bench abuse: the security review's attacks (abuse_attacks.h),
+// each for a bounded time, against one real server process with a memory budget (in a memory
 // cgroup of its own where the machine lets us make one), while a victim job
 // of another client steps. Reports, per attack, the server's peak RSS
 // against its budget, its peak thread count, the victim's median step time
@@ -14,20 +14,16 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
-#include <functional>
-#include <map>
 #include <memory>
-#include <mutex>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "bench/abuse_attacks.h"
 #include "bench/benches.h"
 #include "bench/common.h"
-#include "client/wire.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "shardopt/client.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
@@ -35,9 +31,8 @@
 namespace shardopt::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using Clock = AbuseClock;
 
-constexpr char kAttackerToken[] = "attacker-token-0123456789abcdef";
 constexpr char kVictimToken[] = "victim-token-0123456789abcdef";
 constexpr char kAdminToken[] = "admin-token-0123456789abcdef";
 
@@ -209,279 +204,6 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// What the attacker was answered, by gRPC code name.
-class Answers {
- public:
-  void Add(const grpc::Status& st) {
-    std::lock_guard<std::mutex> lock(mu_);
-    ++counts_[st.ok() ? "OK" : CodeName(st.error_code())];
-    ++calls_;
-  }
-  nlohmann::json Json() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    nlohmann::json j = nlohmann::json::object();
-    for (const auto& [code, n] : counts_) j[code] = n;
-    return j;
-  }
-  uint64_t calls() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return calls_;
-  }
-
- private:
-  static std::string CodeName(grpc::StatusCode c) {
-    switch (c) {
-      case grpc::StatusCode::INVALID_ARGUMENT: return "INVALID_ARGUMENT";
-      case grpc::StatusCode::DEADLINE_EXCEEDED: return "DEADLINE_EXCEEDED";
-      case grpc::StatusCode::NOT_FOUND: return "NOT_FOUND";
-      case grpc::StatusCode::PERMISSION_DENIED: return "PERMISSION_DENIED";
-      case grpc::StatusCode::RESOURCE_EXHAUSTED: return "RESOURCE_EXHAUSTED";
-      case grpc::StatusCode::FAILED_PRECONDITION: return "FAILED_PRECONDITION";
-      case grpc::StatusCode::UNAVAILABLE: return "UNAVAILABLE";
-      case grpc::StatusCode::CANCELLED: return "CANCELLED";
-      case grpc::StatusCode::UNAUTHENTICATED: return "UNAUTHENTICATED";
-      default: return absl::StrCat("code ", static_cast<int>(c));
-    }
-  }
-  mutable std::mutex mu_;
-  std::map<std::string, uint64_t> counts_;
-  uint64_t calls_ = 0;
-};
-
-// The attacker's raw calls, each with its token and a deadline.
-class Attacker {
- public:
-  explicit Attacker(const std::string& address)
-      : channel_(grpc::CreateChannel(address, grpc::InsecureChannelCredentials())),
-        stub_(v1::Optimizer::NewStub(channel_)) {}
-  std::unique_ptr<grpc::ClientContext> Context(int seconds = 10) const {
-    auto ctx = std::make_unique<grpc::ClientContext>();
-    ctx->AddMetadata("authorization", absl::StrCat("Bearer ", kAttackerToken));
-    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
-    return ctx;
-  }
-  v1::Optimizer::Stub& stub() { return *stub_; }
-  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
-
- private:
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<v1::Optimizer::Stub> stub_;
-};
-
-v1::CreateJobRequest CreateRequest(const std::string& name, uint32_t world, uint64_t tensors, uint64_t numel) {
-  v1::CreateJobRequest r;
-  r.set_job(name);
-  r.set_world_size(world);
-  v1::Group* g = r.add_groups();
-  g->set_beta1(0.9);
-  g->set_beta2(0.999);
-  g->set_eps(1e-8f);
-  for (uint64_t i = 0; i < tensors; ++i) {
-    v1::TensorSpec* t = r.add_tensors();
-    t->set_name(absl::StrCat("t", i));
-    t->set_numel(numel);
-  }
-  return r;
-}
-
-// Runs `attack` on `threads` threads until `until`, each calling it in a loop.
-void Loop(int threads, Clock::time_point until, const std::function<void(int)>& attack) {
-  std::vector<std::thread> pool;
-  for (int t = 0; t < threads; ++t) {
-    pool.emplace_back([&, t] {
-      while (Clock::now() < until) attack(t);
-    });
-  }
-  for (auto& th : pool) th.join();
-}
-
-// Gives job `name` (one tensor "t0" of `numel`) its initial values, so that
-// pushes to it get past their first checks.
-void InitJob(Attacker& a, const std::string& name, uint64_t numel) {
-  auto ctx = a.Context();
-  v1::InitResponse resp;
-  auto w = a.stub().Init(ctx.get(), &resp);
-  v1::InitChunk c;
-  c.set_job(name);
-  c.set_tensor("t0");
-  c.set_dtype(v1::FP32);
-  c.set_kind(v1::MASTER);
-  const std::vector<float> values(numel, 1.0f);
-  c.set_data(values.data(), values.size() * 4);
-  w->Write(c);
-  w->WritesDone();
-  w->Finish();
-}
-
-// The six attacks of the review. Each runs until `until`.
-void NoGradFlood(Attacker& a, Answers& answers, Clock::time_point until) {
-  // A push stream whose chunks name 60,000 tensors the job lacks, 100
-  // characters each (6 MB a message): each is refused at its first name.
-  v1::CreateJobResponse created;
-  answers.Add(a.stub().CreateJob(a.Context().get(), CreateRequest("attacker/nograd", 1, 1, 8), &created));
-  InitJob(a, "attacker/nograd", 8);
-  v1::GradChunk names;
-  names.set_job("attacker/nograd");
-  names.set_step(1);
-  for (int i = 0; i < 60000; ++i) names.add_no_grad(absl::StrCat(i, std::string(94, 'x')).substr(0, 100));
-  Loop(1, until, [&](int) {
-    auto ctx = a.Context(30);
-    v1::PushResponse resp;
-    auto w = a.stub().Push(ctx.get(), &resp);
-    for (int m = 0; m < 20 && w->Write(names); ++m) {
-    }
-    w->WritesDone();
-    answers.Add(w->Finish());
-  });
-}
-
-void BarrierTracking(Attacker& a, Answers& answers, Clock::time_point until) {
-  // world_size 65536, 2000 one-element tensors; ranks push one element each
-  // and wait at the barrier, listing the rest as no_grad.
-  v1::CreateJobResponse created;
-  answers.Add(a.stub().CreateJob(a.Context().get(), CreateRequest("attacker/wide", 65536, 2000, 1), &created));
-  for (int i = 0; i < 2000; ++i) {
-    auto ctx = a.Context();
-    v1::InitResponse resp;
-    auto w = a.stub().Init(ctx.get(), &resp);
-    v1::InitChunk c;
-    c.set_job("attacker/wide");
-    c.set_tensor(absl::StrCat("t", i));
-    c.set_dtype(v1::FP32);
-    c.set_kind(v1::MASTER);
-    const float one = 1;
-    c.set_data(&one, 4);
-    w->Write(c);
-    w->WritesDone();
-    w->Finish();
-  }
-  // Each rank finishes its push and then goes away: a finished rank stays in
-  // the round until its barrier deadline, with its tracking.
-  std::atomic<uint32_t> next_rank{0};
-  Loop(16, until, [&](int) {
-    const uint32_t rank = next_rank++ % 65536;
-    auto ctx = a.Context(1);
-    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(100));
-    v1::PushResponse resp;
-    auto w = a.stub().Push(ctx.get(), &resp);
-    v1::GradChunk c;
-    c.set_job("attacker/wide");
-    c.set_step(1);
-    c.set_rank(rank);
-    c.set_tensor("t0");
-    c.set_dtype(v1::BF16);
-    const uint16_t g = 0x3f80;
-    c.set_data(&g, 2);
-    for (int i = 1; i < 2000; ++i) c.add_no_grad(absl::StrCat("t", i));
-    w->Write(c);
-    w->WritesDone();
-    answers.Add(w->Finish());
-  });
-}
-
-void MemoryFill(Attacker& a, Answers& answers, Clock::time_point until, std::vector<std::string>* made) {
-  // One tensor of 1.2e9 elements, then jobs of 16M params until refused.
-  v1::CreateJobResponse created;
-  answers.Add(a.stub().CreateJob(a.Context().get(), CreateRequest("attacker/huge", 1, 1, 1200000000), &created));
-  for (int i = 0; Clock::now() < until; ++i) {
-    const std::string name = absl::StrCat("attacker/fill", i);
-    const grpc::Status st = a.stub().CreateJob(a.Context().get(), CreateRequest(name, 1, 1, 16 << 20), &created);
-    answers.Add(st);
-    if (!st.ok()) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      continue;
-    }
-    made->push_back(name);
-    // Touch the master so its pages are real.
-    auto ctx = a.Context(60);
-    v1::InitResponse resp;
-    auto w = a.stub().Init(ctx.get(), &resp);
-    std::vector<float> values(1 << 20, 0.5f);
-    v1::InitChunk c;
-    c.set_job(name);
-    c.set_tensor("t0");
-    c.set_dtype(v1::FP32);
-    c.set_kind(v1::MASTER);
-    for (uint64_t off = 0; off < (16 << 20) && Clock::now() < until; off += 1 << 20) {
-      c.set_offset(off);
-      c.set_data(values.data(), values.size() * 4);
-      if (!w->Write(c)) break;
-    }
-    w->WritesDone();
-    answers.Add(w->Finish());
-  }
-}
-
-void HeldStreams(Attacker& a, Answers& answers, Clock::time_point until) {
-  // Push and Init streams opened and never finished, as many as it can.
-  struct Held {
-    std::unique_ptr<grpc::ClientContext> ctx;
-    v1::PushResponse push;
-    v1::InitResponse init;
-    std::unique_ptr<grpc::ClientWriter<v1::GradChunk>> pusher;
-    std::unique_ptr<grpc::ClientWriter<v1::InitChunk>> initer;
-  };
-  std::vector<std::unique_ptr<Held>> held;
-  for (int i = 0; i < 1500 && Clock::now() < until; ++i) {
-    auto h = std::make_unique<Held>();
-    h->ctx = a.Context();
-    h->ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::minutes(1));
-    if (i % 2 == 0) {
-      h->pusher = a.stub().Push(h->ctx.get(), &h->push);
-    } else {
-      h->initer = a.stub().Init(h->ctx.get(), &h->init);
-    }
-    held.push_back(std::move(h));
-  }
-  std::this_thread::sleep_until(until);
-  // The streams past the caps were refused at once; the ones held are
-  // cancelled half a second later. Newest first: those are the refused.
-  std::thread cancel([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(500));
-    for (auto& h : held) h->ctx->TryCancel();
-  });
-  for (auto it = held.rbegin(); it != held.rend(); ++it) {
-    answers.Add((*it)->pusher ? (*it)->pusher->Finish() : (*it)->initer->Finish());
-  }
-  cancel.join();
-}
-
-void Amplification(Attacker& a, Answers& answers, Clock::time_point until) {
-  // CreateJob of 600K one-element tensors (6.5 MB): refused by the cap.
-  const v1::CreateJobRequest wide = CreateRequest("attacker/amplify", 1, 600000, 1);
-  Loop(1, until, [&](int) {
-    v1::CreateJobResponse created;
-    answers.Add(a.stub().CreateJob(a.Context(30).get(), wide, &created));
-  });
-}
-
-void TruncatedStreams(Attacker& a, Answers& answers, Clock::time_point until) {
-  // Init streams with an unparseable message after a good one: raw bytes,
-  // so that no serializer tidies them up.
-  grpc::GenericStub generic(a.channel());
-  v1::CreateJobResponse created;
-  answers.Add(a.stub().CreateJob(a.Context().get(), CreateRequest("attacker/cut", 1, 1, 8), &created));
-  v1::InitChunk c;
-  c.set_job("attacker/cut");
-  c.set_tensor("t0");
-  c.set_dtype(v1::FP32);
-  c.set_kind(v1::MASTER);
-  const float four[4] = {1, 2, 3, 4};
-  c.set_data(four, sizeof four);
-  const std::string good = c.SerializeAsString();
-  const std::string garbage("\x0a\xff\xff\xff\xff\x0f", 6);  // a length past the message's end
-  Loop(1, until, [&](int) {
-    auto ctx = a.Context();
-    wire::Stream stream(&generic, ctx.get(), "/shardopt.v1.Optimizer/Init");
-    for (const std::string* m : {&good, &garbage}) {
-      grpc::Slice slice(*m);
-      stream.Write(grpc::ByteBuffer(&slice, 1));
-    }
-    stream.WritesDone();
-    answers.Add(stream.Finish());
-  });
-}
-
 }  // namespace
 
 absl::StatusOr<nlohmann::json> AbuseBench(const AbuseArgs& args) {
@@ -509,16 +231,7 @@ absl::StatusOr<nlohmann::json> AbuseBench(const AbuseArgs& args) {
   const double quiet_median = Median(quiet);
 
   nlohmann::json attacks = nlohmann::json::array();
-  std::vector<std::string> filled;
-  const std::vector<std::pair<std::string, std::function<void(Attacker&, Answers&, Clock::time_point)>>> plan = {
-      {"no_grad_flood", NoGradFlood},
-      {"barrier_tracking", BarrierTracking},
-      {"memory_fill", [&](Attacker& a, Answers& n, Clock::time_point u) { MemoryFill(a, n, u, &filled); }},
-      {"held_streams", HeldStreams},
-      {"amplification", Amplification},
-      {"truncated_streams", TruncatedStreams},
-  };
-  for (const auto& [name, attack] : plan) {
+  for (const Attack& attack : Attacks()) {
     Attacker attacker(server.address());
     Answers answers;
     const uint64_t rss_before = StatusField(server.pid(), "VmRSS:");
@@ -546,14 +259,14 @@ absl::StatusOr<nlohmann::json> AbuseBench(const AbuseArgs& args) {
       }
     });
     const auto until = Clock::now() + std::chrono::seconds(args.seconds);
-    attack(attacker, answers, until);
+    attack.run(attacker, answers, until);
     std::this_thread::sleep_until(until);
     done = true;
     stepper.join();
     sampler.join();
     const double median = Median(steps);
     const double server_cpu = CpuSeconds(server.pid()) - cpu_before, bench_cpu = CpuSeconds(getpid()) - self_before;
-    attacks.push_back({{"attack", name},
+    attacks.push_back({{"attack", attack.name},
                        {"attacker_calls", answers.calls()},
                        {"answers", answers.Json()},
                        {"server_alive", server.alive()},
@@ -574,11 +287,7 @@ absl::StatusOr<nlohmann::json> AbuseBench(const AbuseArgs& args) {
     if (!server.alive()) break;
     // Leave the next attack a server as the last one found it.
     auto admin = v1::Optimizer::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
-    for (const std::string& job : {std::string("attacker/nograd"), std::string("attacker/wide"),
-                                   std::string("attacker/cut")}) {
-      filled.push_back(job);
-    }
-    for (const std::string& job : filled) {
+    for (const std::string& job : attacker.jobs()) {
       grpc::ClientContext ctx;
       ctx.AddMetadata("authorization", absl::StrCat("Bearer ", kAdminToken));
       v1::DropJobRequest req;
@@ -586,7 +295,6 @@ absl::StatusOr<nlohmann::json> AbuseBench(const AbuseArgs& args) {
       v1::DropJobResponse resp;
       admin->DropJob(&ctx, req, &resp);
     }
-    filled.clear();
   }
   std::filesystem::remove_all(scratch);
   return nlohmann::json{{"bench", "abuse"},
