@@ -53,19 +53,6 @@ uint64_t PeakRss(pid_t pid) {
   return 0;
 }
 
-// A port free now: bound, read, released.
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
-
 // The server's shardopt_open_streams, from GET /metrics on 127.0.0.1:port.
 int OpenStreams(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -174,7 +161,7 @@ TEST(LimitsTest, StreamCapsPerClientAndPerServer) {
   const std::string dir = mkdtemp(tmpl);
   const std::string a = "attacker-token-0123456789", b = "victim-token-0123456789";
   std::ofstream(dir + "/tokens") << "attacker trainer " << a << " a/\nvictim trainer " << b << " v/\n";
-  const int metrics = FreePort();
+  const int metrics = testing::FreeLoopbackPort();
   auto server = ServerProcess::Start({"--tokens_file=" + dir + "/tokens", "--max_streams=6",
                                       "--max_streams_per_client=3", absl::StrCat("--metrics_port=", metrics)});
   ASSERT_NE(server, nullptr);

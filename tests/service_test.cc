@@ -406,21 +406,8 @@ TEST_F(ServiceTest, VerifyStateFailsWhenStateIsNotHeldAtTheAskedPrecision) {
   EXPECT_EQ(fp32_client->VerifyState().code(), absl::StatusCode::kFailedPrecondition);  // never attached
 }
 
-// A port nobody listens on yet.
-int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
-  socklen_t len = sizeof addr;
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  close(fd);
-  return ntohs(addr.sin_port);
-}
-
 TEST(ClientRetries, UnavailableIsRetriedUntilTheServerComes) {
-  const int port = FreePort();
+  const int port = testing::FreeLoopbackPort();
   const std::string address = "127.0.0.1:" + std::to_string(port);
   ClientOptions once;
   once.servers = {address};
@@ -713,19 +700,7 @@ TEST_F(ServiceTest, HealthIsServedAndReflectionOnlyWhenAsked) {
 // that cannot speak TLS (Kubernetes' gRPC probes); the optimizer's service
 // is not on it.
 TEST_F(ServiceTest, TheHealthPortServesHealthAlone) {
-  int port = 0;
-  {
-    // A port free now: bound, read, released.
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in a{};
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
-    socklen_t len = sizeof a;
-    getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-    port = ntohs(a.sin_port);
-    close(fd);
-  }
+  const int port = testing::FreeLoopbackPort();
   auto server = ServerProcess::Start({absl::StrCat("--health_port=", port)});
   ASSERT_NE(server, nullptr);
   const std::string address = absl::StrCat("127.0.0.1:", port);

@@ -12,6 +12,10 @@
 
 namespace shardopt::testing {
 
+// A loopback port nobody listens on now (bound, read and released), for a
+// server flag that takes a fixed port.
+int FreeLoopbackPort();
+
 // A file's whole text (a process's log, a certificate); empty if unreadable.
 std::string ReadText(const std::string& path);
 
