@@ -138,7 +138,8 @@ int main(int argc, char** argv) {
                                       " lets anyone who reaches the port read, change or drop every job: give "
                                       "--tls_cert and --tls_key, listen on loopback, or pass --insecure"));
   }
-  const auto memory_limit = shardopt::MemoryBudget::ParseLimit(absl::GetFlag(FLAGS_memory_limit));
+  std::string memory_limit_source;
+  const auto memory_limit = shardopt::MemoryBudget::ParseLimit(absl::GetFlag(FLAGS_memory_limit), &memory_limit_source);
   if (!memory_limit.ok()) shardopt::UsageError(absl::StrCat("--memory_limit: ", memory_limit.status().message()));
   shardopt::TuneAllocatorForStreaming();
   if (absl::GetFlag(FLAGS_log_format) != "text" && absl::GetFlag(FLAGS_log_format) != "json") {
@@ -226,8 +227,6 @@ int main(int argc, char** argv) {
     metrics_server = *std::move(started);
   }
   {
-    std::string found;
-    const uint64_t default_limit = shardopt::MemoryBudget::DefaultLimit(&found);
     log::Info("started", {{"version", shardopt::Version()},
                           {"address", absl::StrCat(absl::GetFlag(FLAGS_host), ":", (*running)->port)},
                           {"transport", options.tls_cert_pem.empty()        ? "plaintext"
@@ -235,9 +234,7 @@ int main(int argc, char** argv) {
                                                                             : "mutual-tls"},
                           {"device", device},
                           {"memory_limit_bytes", absl::StrCat(*memory_limit)},
-                          {"memory_limit_source", absl::GetFlag(FLAGS_memory_limit) == "auto"
-                                                      ? found
-                                                      : absl::StrCat("--memory_limit (auto would be ", default_limit, ")")},
+                          {"memory_limit_source", memory_limit_source},
                           {"tokens", auth ? absl::StrCat(auth->size(), " from ", absl::GetFlag(FLAGS_tokens_file)) : "off"},
                           {"metrics_port", metrics_server ? absl::StrCat(metrics_server->port()) : "off"},
                           {"health_port", (*running)->health_port > 0 ? absl::StrCat((*running)->health_port) : "off"},

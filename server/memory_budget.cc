@@ -80,8 +80,9 @@ uint64_t MemoryBudget::DefaultLimit(std::string* found) {
   return limit;
 }
 
-absl::StatusOr<uint64_t> MemoryBudget::ParseLimit(absl::string_view text) {
-  if (text == "auto") return DefaultLimit();
+absl::StatusOr<uint64_t> MemoryBudget::ParseLimit(absl::string_view text, std::string* found) {
+  if (text == "auto") return DefaultLimit(found);
+  if (found != nullptr) *found = "--memory_limit";
   static constexpr std::pair<const char*, uint64_t> kSuffixes[] = {
       {"Ki", uint64_t{1} << 10}, {"Mi", uint64_t{1} << 20}, {"Gi", uint64_t{1} << 30}, {"Ti", uint64_t{1} << 40},
       {"K", 1000}, {"M", 1000 * 1000}, {"G", 1000 * 1000 * 1000}, {"T", uint64_t{1000} * 1000 * 1000 * 1000}};

@@ -36,8 +36,9 @@ class MemoryBudget {
   // where the figure came from.
   static uint64_t DefaultLimit(std::string* found = nullptr);
   // "auto", or bytes with an optional suffix: K M G T (powers of 1000) or
-  // Ki Mi Gi Ti (powers of 1024), as in Kubernetes.
-  static absl::StatusOr<uint64_t> ParseLimit(absl::string_view text);
+  // Ki Mi Gi Ti (powers of 1024), as in Kubernetes. `found` says where the
+  // figure came from, as DefaultLimit's does.
+  static absl::StatusOr<uint64_t> ParseLimit(absl::string_view text, std::string* found = nullptr);
 
   // Bytes held against the budget; returned when destroyed.
   class Charge {

@@ -390,7 +390,10 @@ TEST(LimitsTest, AutoRequiresGpuFailsLoudlyWithoutOne) {
     EXPECT_NE(ServerProcess::Start({"--device=auto", "--auto_requires_gpu"}), nullptr);
     return;
   }
-  EXPECT_EQ(testing::ServerExitCode({"--device=auto", "--auto_requires_gpu"}), 1);
+  std::string log;
+  EXPECT_EQ(testing::ServerExitCode({"--device=auto", "--auto_requires_gpu"}, &log), 1);
+  EXPECT_THAT(log, HasSubstr("found no usable GPU"));
+  EXPECT_THAT(log, HasSubstr("pass --device=cpu"));
   EXPECT_NE(ServerProcess::Start({"--device=cpu", "--auto_requires_gpu"}), nullptr);
 }
 

@@ -100,16 +100,25 @@ std::unique_ptr<ServerProcess> ServerProcess::Launch(const std::vector<std::stri
   return nullptr;
 }
 
-int ServerExitCode(const std::vector<std::string>& args) {
+int ServerExitCode(const std::vector<std::string>& args, std::string* log) {
   std::vector<std::string> argv = {SHARDOPT_SERVER_BINARY, "--host=127.0.0.1", "--port=0", "--device=cpu"};
   argv.insert(argv.end(), args.begin(), args.end());
-  const pid_t pid = SpawnProcess(argv);
+  char tmpl[] = "/tmp/shardopt-exit-XXXXXX";
+  const std::string log_path = log == nullptr ? "" : std::string(mkdtemp(tmpl)) + "/stderr";
+  const auto read_log = [&] {
+    if (log == nullptr) return;
+    *log = ReadText(log_path);
+    std::filesystem::remove_all(std::filesystem::path(log_path).parent_path());
+  };
+  const pid_t pid = SpawnProcess(argv, log_path);
   const auto status = WaitProcess(pid, std::chrono::seconds(20));
   if (!status) {
     kill(pid, SIGKILL);
     WaitProcess(pid, std::chrono::seconds(20));
+    read_log();
     return -1;
   }
+  read_log();
   return WIFEXITED(*status) ? WEXITSTATUS(*status) : -1;
 }
 

@@ -28,7 +28,8 @@ std::optional<int> WaitProcess(pid_t pid, std::chrono::milliseconds timeout);
 // The exit code of shardopt-server run on loopback with --device=cpu and then
 // `args` (later flags win), or -1 if it is still running after 20 s (then
 // killed) or died of a signal: for flags that must stop it at start-up.
-int ServerExitCode(const std::vector<std::string>& args);
+// With `log`, what it wrote to stderr.
+int ServerExitCode(const std::vector<std::string>& args, std::string* log = nullptr);
 
 class ServerProcess {
  public:
