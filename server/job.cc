@@ -25,7 +25,7 @@ bool CommitArgs::operator==(const CommitArgs& o) const {
 
 Job::Job(const v1::CreateJobRequest& s, uint64_t window, Wakeups* wakeups, MemoryBudget* budget)
     : spec(s), barrier_timeout(absl::Milliseconds(s.barrier_timeout_ms())), window_bytes(window), wakeups_(wakeups),
-      budget_(budget) {}
+      budget_(budget), tracking_what_(absl::StrCat("the barrier tracking of job ", Quote(s.job()))) {}
 
 namespace {
 
@@ -107,7 +107,7 @@ void Job::ExpireIfLate(std::chrono::steady_clock::time_point now) {
 }
 
 absl::Status Job::ChargeTracking() {
-  return round.tracking.Grow(round.sum->MaxGrowth(), absl::StrCat("the barrier tracking of job ", Quote(name())));
+  return round.tracking.Grow(round.sum->MaxGrowth(), tracking_what_);
 }
 
 void Job::FitTracking() {

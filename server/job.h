@@ -161,6 +161,7 @@ class Job {
   Job(const v1::CreateJobRequest& spec, uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget);
   Wakeups* const wakeups_;
   MemoryBudget* const budget_;
+  const std::string tracking_what_;  // what a refused tracking charge names, made once
   MemoryBudget::Charge charge_;  // all the job holds but its rounds' growth
   std::weak_ptr<Job> self_;  // for the round's deadline timer, which may outlive the job
   std::vector<std::function<void()>> watchers_ ABSL_GUARDED_BY(mu);

@@ -13,7 +13,7 @@ ReadReactor::ReadReactor(const char* what, grpc::CallbackServerContext* context,
                          StreamSettings settings)
     : context_(context), what_(what), wakeups_(wakeups),
       idle_timeout_(absl::ToChronoNanoseconds(settings.idle_timeout)), slot_(std::move(settings.slot)),
-      budget_(settings.budget),
+      budget_(settings.budget), charge_what_(absl::StrCat("a ", what, " message")),
       received_(metrics::Registry::Default().Series("shardopt_received_bytes_total", {{"method", what}})) {}
 
 void ReadReactor::Begin() {
@@ -35,7 +35,7 @@ void ReadReactor::OnReadDone(bool ok) {
   reading_ = false;
   if (finished_) return;
   if (ok) {
-    auto charge = budget_->Reserve(message_.Length(), absl::StrCat("a ", what_, " message"));
+    auto charge = budget_->Reserve(message_.Length(), charge_what_);
     if (!charge.ok()) {
       message_.Clear();
       OnCut(true);

@@ -87,6 +87,7 @@ class ReadReactor : public grpc::ServerReadReactor<grpc::ByteBuffer>, public std
   const Clock::duration idle_timeout_;
   std::unique_ptr<StreamLimits::Slot> slot_;
   MemoryBudget* const budget_;
+  const std::string charge_what_;  // what a refused charge names, made once, not per message
   metrics::Counter* const received_;  // bytes of this method's messages
   MemoryBudget::Charge message_charge_;
   std::shared_ptr<ReadReactor> self_;
