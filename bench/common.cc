@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <limits>
 
 #include "absl/strings/numbers.h"
@@ -46,18 +47,33 @@ void FillGradients(uint16_t* out, uint64_t n) {
   }
 }
 
+namespace {
+double ProcessCpuSeconds() {
+  timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+}  // namespace
+
 absl::StatusOr<std::vector<double>> BestOfInterleaved(uint64_t reps,
-                                                      const std::vector<std::function<absl::Status()>>& runs) {
+                                                      const std::vector<std::function<absl::Status()>>& runs,
+                                                      std::vector<double>* cpu_seconds) {
   if (reps == 0) return absl::InvalidArgumentError("at least one timed repetition is needed");
   std::vector<double> best(runs.size(), std::numeric_limits<double>::infinity());
+  std::vector<double> cpu(runs.size(), 0);
   for (uint64_t rep = 0; rep <= reps; ++rep) {
     for (size_t i = 0; i < runs.size(); ++i) {
+      const double cpu_start = ProcessCpuSeconds();
       const auto start = std::chrono::steady_clock::now();
       if (auto st = runs[i](); !st.ok()) return st;
       const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
-      if (rep > 0) best[i] = std::min(best[i], took.count());
+      if (rep > 0 && took.count() < best[i]) {
+        best[i] = took.count();
+        cpu[i] = ProcessCpuSeconds() - cpu_start;
+      }
     }
   }
+  if (cpu_seconds != nullptr) *cpu_seconds = std::move(cpu);
   return best;
 }
 

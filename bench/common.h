@@ -28,8 +28,12 @@ void FillGradients(uint16_t* out, uint64_t n);
 
 // Runs every measurement once to warm up, then `reps` more times, interleaved
 // so that a noisy spell on a shared machine hits them alike; returns each
-// one's fastest time in seconds, the run least disturbed by neighbours.
+// one's fastest time in seconds, the run least disturbed by neighbours. With
+// `cpu_seconds`, also the CPU time the whole process spent (every thread,
+// on every core) in that fastest run: on a machine whose cores are all busy,
+// the cost that decides the speed.
 absl::StatusOr<std::vector<double>> BestOfInterleaved(uint64_t reps,
-                                                      const std::vector<std::function<absl::Status()>>& runs);
+                                                      const std::vector<std::function<absl::Status()>>& runs,
+                                                      std::vector<double>* cpu_seconds = nullptr);
 
 }  // namespace shardopt::bench

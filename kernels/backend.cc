@@ -1,5 +1,7 @@
 #include "kernels/backend.h"
 
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 
@@ -72,11 +74,24 @@ void WidenBf16(const uint16_t* in, uint64_t count, float* out) {
 }
 
 void AccumulateOnHost(float* acc, const void* src, DType dtype, uint64_t count, bool first) {
+  const char* in = static_cast<const char*>(src);
   for (uint64_t i = 0; i < count; ++i) {
-    const float x = dtype == DType::kFp32 ? static_cast<const float*>(src)[i]
-                                          : math::bf16_to_float(static_cast<const uint16_t*>(src)[i]);
+    float x;
+    if (dtype == DType::kFp32) {
+      std::memcpy(&x, in + 4 * i, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, in + 2 * i, 2);
+      x = math::bf16_to_float(h);
+    }
     acc[i] = first ? x : math::add(acc[i], x);
   }
+}
+
+uint64_t RunElements(absl::Span<const absl::string_view> runs, DType dtype) {
+  uint64_t bytes = 0;
+  for (absl::string_view r : runs) bytes += r.size();
+  return bytes / DTypeSize(dtype);
 }
 
 }  // namespace shardopt

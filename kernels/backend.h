@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "kernels/adamw_math.h"
 
@@ -85,8 +86,10 @@ absl::Status CheckShardGrads(const JobLayout& layout, const ShardGrads& grads);
 void WidenBf16(const uint16_t* in, uint64_t count, float* out);
 // acc[i] = src[i] widened when `first`, else math::add(acc[i], src[i]): the
 // CPU loops' accumulate, one element at a time, for a backend that folds on
-// the host.
+// the host. `src` need not be aligned.
 void AccumulateOnHost(float* acc, const void* src, DType dtype, uint64_t count, bool first);
+// The elements in an AccumulateGrad's runs.
+uint64_t RunElements(absl::Span<const absl::string_view> runs, DType dtype);
 
 // Checks grads and range, and returns the end of the range to update.
 absl::StatusOr<uint64_t> CheckShardStep(const JobLayout& layout, const ShardStep& step);
@@ -101,14 +104,16 @@ class JobState {
   // bits are those of summing the bf16 values as floats.
   virtual absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                                  const void* data, uint64_t count) = 0;
-  // Folds `count` elements of one rank's gradient into the running fp32 sum
-  // kept in slot 0 of a layout of one fp32 slot (AccumulatingLayout): with
-  // `first` the sum becomes them, widened exactly; otherwise each element
-  // becomes sum + it, one fp32 add. Folding the ranks in rank order gives the
-  // bits of keeping them apart and adding their slots in rank order, with
-  // 4 B/param of staging whatever the number of ranks.
-  virtual absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype, const void* data, uint64_t count,
-                                      bool first) = 0;
+  // Folds elements of one rank's gradient, from `offset` on, into the
+  // running fp32 sum kept in slot 0 of a layout of one fp32 slot
+  // (AccumulatingLayout): with `first` the sum becomes them, widened exactly;
+  // otherwise each element becomes sum + it, one fp32 add. Folding the ranks
+  // in rank order gives the bits of keeping them apart and adding their
+  // slots in rank order, with 4 B/param of staging whatever the number of
+  // ranks. The elements come as `runs`, in order, each a whole number of
+  // `dtype` elements at any address (a received message's pieces).
+  virtual absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype,
+                                      absl::Span<const absl::string_view> runs, bool first) = 0;
   // Sets master, m or v. fp32 data into an FP32 shard is kept exactly; into a
   // BF16 shard it is rounded, which is that precision's meaning. Writing the
   // master also refreshes the bf16 params.

@@ -1,7 +1,5 @@
 #include "rpc/grpc_edge.h"
 
-#include "google/protobuf/io/coded_stream.h"
-#include "google/protobuf/wire_format_lite.h"
 
 #include <malloc.h>
 
@@ -50,7 +48,7 @@ void TuneChannelArguments(grpc::ChannelArguments* args, int max_message_bytes) {
 
 void TuneServerBuilder(grpc::ServerBuilder* builder, int max_message_bytes) {
   builder->AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
-  builder->AddChannelArgument("grpc.http2.lookahead_bytes", kLookaheadBytes);
+  builder->AddChannelArgument("grpc.http2.lookahead_bytes", getenv("HACK_LOOK") ? atoi(getenv("HACK_LOOK")) : kLookaheadBytes);
   builder->SetMaxReceiveMessageSize(max_message_bytes);
   builder->SetMaxSendMessageSize(max_message_bytes);
 }
@@ -76,25 +74,13 @@ absl::Status ParseMessage(grpc::ByteBuffer* buffer, google::protobuf::Message* m
   return absl::OkStatus();
 }
 
-std::optional<uint64_t> CountField(const grpc::ByteBuffer& buffer, int field) {
-  grpc::ByteBuffer copy = buffer;  // shares the slices
-  grpc::ProtoBufferReader reader(&copy);
-  if (!reader.status().ok()) return std::nullopt;
-  google::protobuf::io::CodedInputStream in(&reader);
-  uint64_t count = 0;
-  for (uint32_t tag = in.ReadTag(); tag != 0; tag = in.ReadTag()) {
-    if (google::protobuf::internal::WireFormatLite::GetTagFieldNumber(tag) == field) ++count;
-    if (!google::protobuf::internal::WireFormatLite::SkipField(&in, tag)) return std::nullopt;
-  }
-  return in.ConsumedEntireMessage() ? std::optional<uint64_t>(count) : std::nullopt;
-}
-
 grpc::ByteBuffer SerializeMessage(const google::protobuf::Message& message) {
   grpc::Slice slice(message.SerializeAsString());
   return grpc::ByteBuffer(&slice, 1);
 }
 
 void TuneAllocatorForStreaming() {
+  if (getenv("HACK_NOTUNE")) return;
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 256 << 20);
   mallopt(M_TOP_PAD, 64 << 20);

@@ -5,7 +5,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <string>
 #include "absl/strings/string_view.h"
 
@@ -36,12 +35,6 @@ absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view peer =
 std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFor(const std::string& root_certs_pem,
                                                                 const std::string& cert_chain_pem,
                                                                 const std::string& private_key_pem);
-
-// How many times field `field` occurs at the top level of the serialized
-// message in `buffer`, found by skipping over each field without parsing it:
-// what a server can check before a parse it would refuse anyway. nullopt if
-// the bytes are not a well-formed message (the parse will say so).
-std::optional<uint64_t> CountField(const grpc::ByteBuffer& buffer, int field);
 
 // A raw message into `message`: INVALID_ARGUMENT naming `what` when it does
 // not parse, where gRPC's typed readers would only end the stream.

@@ -4,7 +4,8 @@ namespace shardopt::wire {
 namespace {
 
 constexpr int kVarint = 0;
-constexpr int kLengthDelimited = 2;
+constexpr int kFixed64 = 1;
+constexpr int kFixed32 = 5;
 
 void AppendVarint(std::string* out, uint64_t v) {
   while (v >= 0x80) {
@@ -14,7 +15,62 @@ void AppendVarint(std::string* out, uint64_t v) {
   out->push_back(static_cast<char>(v));
 }
 
+// A varint of at most 10 bytes, as protobuf reads them.
+bool NextVarint(Pieces::Cursor* in, uint64_t* v) {
+  *v = 0;
+  for (int shift = 0; shift < 70; shift += 7) {
+    uint8_t byte;
+    if (!in->Next(&byte)) return false;
+    if (shift < 64) *v |= uint64_t{byte & 0x7Fu} << shift;
+    if ((byte & 0x80) == 0) return true;
+  }
+  return false;
+}
+
 }  // namespace
+
+bool ScanFields(const Pieces& message, std::vector<Field>* fields) {
+  fields->clear();
+  Pieces::Cursor in(message);
+  while (in.position() < message.size()) {
+    Field f;
+    f.begin = in.position();
+    uint64_t tag;
+    if (!NextVarint(&in, &tag) || tag > 0xFFFFFFFFu || (tag >> 3) == 0) return false;
+    f.number = static_cast<int>(tag >> 3);
+    f.wire_type = static_cast<int>(tag & 7);
+    uint64_t n = 0;
+    switch (f.wire_type) {
+      case kVarint:
+        f.value = in.position();
+        if (!NextVarint(&in, &n)) return false;
+        break;
+      case kFixed64:
+        f.value = in.position();
+        if (!in.Skip(8)) return false;
+        break;
+      case kLengthDelimited:
+        if (!NextVarint(&in, &n) || n > 0x7FFFFFFFu) return false;
+        f.value = in.position();
+        if (!in.Skip(n)) return false;
+        break;
+      case kFixed32:
+        f.value = in.position();
+        if (!in.Skip(4)) return false;
+        break;
+      default:  // groups, and wire types that do not exist
+        return false;
+    }
+    f.end = in.position();
+    fields->push_back(f);
+  }
+  return true;
+}
+
+bool ReadVarint(const Pieces& bytes, uint64_t* v) {
+  Pieces::Cursor in(bytes);
+  return NextVarint(&in, v);
+}
 
 void AppendVarintField(std::string* out, int field, uint64_t value) {
   AppendVarint(out, (uint64_t(field) << 3) | kVarint);

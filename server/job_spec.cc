@@ -20,9 +20,9 @@ absl::StatusOr<DType> FromProto(v1::DType d) {
 
 v1::DType ToProto(DType d) { return d == DType::kFp32 ? v1::FP32 : v1::BF16; }
 
-absl::Status CheckDataLength(const std::string& data, DType dtype, const std::string& what) {
-  if (data.size() % DTypeSize(dtype) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ": ", data.size(), " bytes is not a whole number of ",
+absl::Status CheckDataLength(uint64_t bytes, DType dtype, const std::string& what) {
+  if (bytes % DTypeSize(dtype) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", bytes, " bytes is not a whole number of ",
                                                    DTypeName(dtype), " elements (", DTypeSize(dtype), " B each)"));
   }
   return absl::OkStatus();

@@ -33,7 +33,7 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
 
 absl::StatusOr<DType> FromProto(v1::DType d);
 v1::DType ToProto(DType d);
-// INVALID_ARGUMENT unless `data` is a whole number of `dtype` elements.
-absl::Status CheckDataLength(const std::string& data, DType dtype, const std::string& what);
+// INVALID_ARGUMENT unless `bytes` is a whole number of `dtype` elements.
+absl::Status CheckDataLength(uint64_t bytes, DType dtype, const std::string& what);
 
 }  // namespace shardopt

@@ -292,7 +292,7 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
     case v1::EXP_AVG_SQ: kind = StateKind::kExpAvgSq; break;
     default: return absl::InvalidArgumentError("Init sets MASTER, EXP_AVG or EXP_AVG_SQ; params follow the master");
   }
-  SHARDOPT_RETURN_IF_ERROR(CheckDataLength(chunk.data(), dtype, "init chunk"));
+  SHARDOPT_RETURN_IF_ERROR(CheckDataLength(chunk.data().size(), dtype, "init chunk"));
   const uint64_t count = chunk.data().size() / DTypeSize(dtype);
   for (uint64_t i = 0; i < count; ++i) {
     float x;

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "rpc/grpc_edge.h"
+#include "server/grad_message.h"
 #include "server/metrics.h"
 #include "server/read_reactor.h"
 
@@ -26,21 +27,14 @@ class PushReactor final : public ReadReactor {
   enum class Waiting { kNothing, kWindow, kBarrier };
 
   void OnMessage(grpc::ByteBuffer* message) override {
-    // A message naming more no_grad tensors than the stream may send is
-    // refused before it is parsed: for such a message the parse is most of
-    // the cost, and the answer would be the same.
+    // The gradient bytes stay in the message's slices, which data_ now
+    // holds, until they are folded into the running sum or copied into the
+    // window: a waiting push keeps one copy, not two.
     const uint64_t allowed = session_ ? session_->no_grad_names_left() : store_->max_tensors_per_job();
-    if (auto names = CountField(*message, v1::GradChunk::kNoGradFieldNumber); names && *names > allowed) {
+    if (absl::Status read = ReadGradChunk(message, allowed, &chunk_, &data_); !read.ok()) {
       if (session_) session_->Refuse();
-      return Stop(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                               absl::StrCat("a push message names ", *names, " no_grad tensors; this stream may name ",
-                                            allowed, " more at most")));
+      return Stop(ToGrpcStatus(read));
     }
-    if (absl::Status parsed = ParseMessage(message, &chunk_, "GradChunk"); !parsed.ok()) {
-      if (session_) session_->Refuse();
-      return Stop(ToGrpcStatus(parsed));
-    }
-    message->Clear();  // the chunk holds its bytes now; a waiting push keeps one copy, not two
     if (!session_) {
       if (absl::Status allowed = caller_.Allows(Action::kPush, chunk_.job()); !allowed.ok()) {
         return Stop(ToGrpcStatus(allowed));
@@ -50,7 +44,7 @@ class PushReactor final : public ReadReactor {
       job_ = chunk_.job();
       session_ = *std::move(session);
     }
-    Taken(session_->Offer(std::move(chunk_), Wake()));
+    Taken(session_->Offer(std::move(chunk_), std::move(data_), Wake()));
   }
 
   void OnClosed() override {
@@ -124,7 +118,8 @@ class PushReactor final : public ReadReactor {
   grpc::ByteBuffer* const response_;
   const Caller caller_;
   std::string job_;  // the stream's, once its session began
-  v1::GradChunk chunk_;
+  v1::GradChunk chunk_;  // the message's fields but its data
+  wire::Pieces data_;
   std::unique_ptr<PushSession> session_;
   Waiting waiting_ = Waiting::kNothing;
 };

@@ -94,15 +94,21 @@ struct Latch {
 
 }  // namespace
 
-absl::Status PushSession::Add(const v1::GradChunk& chunk) {
+absl::Status PushSession::Add(v1::GradChunk head, wire::Pieces data) {
   auto latch = std::make_shared<Latch>();
   const Wake wake = Latch::WakeOf(latch);
-  absl::StatusOr<bool> done = Offer(chunk, wake);
+  absl::StatusOr<bool> done = Offer(std::move(head), std::move(data), wake);
   while (done.ok() && !*done) {
     latch->Wait();
     done = Resume(wake);
   }
   return done.status();
+}
+
+absl::Status PushSession::Add(const v1::GradChunk& chunk) {
+  v1::GradChunk head = chunk;
+  head.clear_data();
+  return Add(std::move(head), wire::Pieces::Own(chunk.data()));
 }
 
 absl::StatusOr<v1::PushResponse> PushSession::Finish() {
@@ -115,8 +121,8 @@ absl::StatusOr<v1::PushResponse> PushSession::Finish() {
   }
 }
 
-absl::StatusOr<bool> PushSession::Offer(v1::GradChunk chunk, const Wake& wake) {
-  absl::StatusOr<bool> taken = Take(std::move(chunk), wake);
+absl::StatusOr<bool> PushSession::Offer(v1::GradChunk head, wire::Pieces data, const Wake& wake) {
+  absl::StatusOr<bool> taken = Take(std::move(head), std::move(data), wake);
   refused_ = refused_ || !taken.ok();
   return taken;
 }
@@ -130,7 +136,7 @@ absl::StatusOr<bool> PushSession::Resume(const Wake& wake) {
   return taken;
 }
 
-absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, const Wake& wake) {
+absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, wire::Pieces data, const Wake& wake) {
   if ((!chunk.job().empty() && chunk.job() != job_->name()) || (chunk.step() != 0 && chunk.step() != step_) ||
       (chunk.rank() != 0 && chunk.rank() != rank_)) {
     return absl::InvalidArgumentError("job, step and rank must not change within one push stream");
@@ -152,7 +158,7 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, const Wake& wake) {
     if (no_grad_.empty()) no_grad_.resize(job_->spec.tensors_size());
     no_grad_[it->second] = true;
   }
-  const bool has_data = !chunk.tensor().empty() || !chunk.data().empty();
+  const bool has_data = !chunk.tensor().empty() || !data.empty();
   absl::MutexLock lock(&job_->mu);
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   const auto now = std::chrono::steady_clock::now();
@@ -160,8 +166,8 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, const Wake& wake) {
   if (started_ && job_->step < step_ && (job_->round.epoch != epoch_ || !job_->round.active)) return Discarded();
   if (!has_data) return true;
   SHARDOPT_ASSIGN_OR_RETURN(auto dtype, FromProto(chunk.dtype()));
-  SHARDOPT_RETURN_IF_ERROR(CheckDataLength(chunk.data(), dtype, "gradient chunk"));
-  const uint64_t count = chunk.data().size() / DTypeSize(dtype);
+  SHARDOPT_RETURN_IF_ERROR(CheckDataLength(data.size(), dtype, "gradient chunk"));
+  const uint64_t count = data.size() / DTypeSize(dtype);
   SHARDOPT_ASSIGN_OR_RETURN(auto shard, job_->LocateRange(chunk.tensor(), chunk.offset(), count));
   if (const v1::DType want = job_->grad_dtype(job_->shards[shard].tensor); ToProto(dtype) != want) {
     return absl::InvalidArgumentError(absl::StrCat("tensor '", chunk.tensor(), "' of job '", job_->name(), "' takes ",
@@ -171,7 +177,8 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, const Wake& wake) {
   if (job_->step >= step_) return true;  // a retry of a committed step: already counted
   if (!started_) Start(now);
   if (job_->round.sealed) return true;  // a retry after the barrier: already counted
-  pending_ = std::move(chunk);
+  pending_ = std::move(data);
+  pending_offset_ = chunk.offset();
   pending_taken_ = 0;
   pending_dtype_ = dtype;
   pending_shard_ = shard;
@@ -183,17 +190,16 @@ absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   job_->ExpireIfLate(std::chrono::steady_clock::now());
   if (job_->round.epoch != epoch_) return Discarded();
-  const std::string& data = pending_->data();
   const uint64_t esize = DTypeSize(pending_dtype_);
-  const uint64_t count = data.size() / esize;
-  const uint64_t local = pending_->offset() - job_->shards[pending_shard_].offset;
+  const uint64_t count = pending_->size() / esize;
+  const uint64_t local = pending_offset_ - job_->shards[pending_shard_].offset;
   RunningSum& sum = *job_->round.sum;
   const uint64_t before = sum.progress();
   const auto t0 = std::chrono::steady_clock::now();
   SHARDOPT_RETURN_IF_ERROR(job_->ChargeTracking());
   absl::StatusOr<RunningSum::Offered> taken =
       sum.Offer(*job_->state, rank_, pending_shard_, local + pending_taken_, pending_dtype_,
-                data.data() + pending_taken_ * esize, count - pending_taken_);
+                pending_->Sub(pending_taken_ * esize, (count - pending_taken_) * esize));
   job_->FitTracking();
   SHARDOPT_ASSIGN_OR_RETURN(auto offered, std::move(taken));
   job_->round.phases.reduce += Seconds(std::chrono::steady_clock::now() - t0);

@@ -49,18 +49,17 @@ uint64_t RunningSum::FixedBytes(const std::vector<uint64_t>& lengths, uint32_t w
 uint64_t RunningSum::MaxGrowth() const { return kEntryBytes + kNodeBytes + (lengths_.size() + 7) / 8 + 64; }
 
 absl::Status RunningSum::Fold(JobState& state, uint32_t shard, Block& block, uint64_t offset, DType dtype,
-                              const char* data, uint64_t count, RankState& rank) {
+                              absl::Span<const absl::string_view> runs, RankState& rank) {
   // The first rank in the block's sum sets it: adding to a zero would turn a
   // -0 gradient into +0, which keeping the ranks apart never did.
-  SHARDOPT_RETURN_IF_ERROR(state.AccumulateGrad(shard, offset, dtype, data, count, !block.any));
+  SHARDOPT_RETURN_IF_ERROR(state.AccumulateGrad(shard, offset, dtype, runs, !block.any));
   rank.folded = true;
   ++progress_;
   return absl::OkStatus();
 }
 
 absl::StatusOr<RunningSum::Offered> RunningSum::Offer(JobState& state, uint32_t rank, uint32_t shard,
-                                                      uint64_t offset, DType dtype, const char* data,
-                                                      uint64_t count) {
+                                                      uint64_t offset, DType dtype, const wire::Pieces& data) {
   RankState& r = ranks_[rank];
   const auto emplaced = r.offered.try_emplace(shard);
   const bool added = emplaced.second;
@@ -72,6 +71,7 @@ absl::StatusOr<RunningSum::Offered> RunningSum::Offer(JobState& state, uint32_t 
     growing_bytes_ -= kNodeBytes * nodes_before;
   };
   const uint64_t esize = DTypeSize(dtype);
+  const uint64_t count = data.size() / esize;
   const uint64_t end = offset + count;
   for (uint64_t pos = offset; pos < end;) {
     const uint64_t k = pos / kBlock;
@@ -88,7 +88,8 @@ absl::StatusOr<RunningSum::Offered> RunningSum::Offer(JobState& state, uint32_t 
       }
       if (rank == b.next) {
         for (const auto& [g0, g1] : gaps) {
-          SHARDOPT_RETURN_IF_ERROR(Fold(state, shard, b, g0, dtype, data + (g0 - offset) * esize, g1 - g0, r));
+          data.Sub((g0 - offset) * esize, (g1 - g0) * esize).Runs(esize, &runs_, &split_);
+          SHARDOPT_RETURN_IF_ERROR(Fold(state, shard, b, g0, dtype, runs_, r));
         }
         offered.Add(pos, stop);
         SHARDOPT_RETURN_IF_ERROR(Advance(state, shard, k));
@@ -99,8 +100,9 @@ absl::StatusOr<RunningSum::Offered> RunningSum::Offer(JobState& state, uint32_t 
         for (const auto& [g0, g1] : gaps) bytes += (g1 - g0) * esize + sizeof(Waiting);
         if (bytes > 0 && window_bytes_ + bytes > window_cap_) return Offered{pos - offset, true};
         for (const auto& [g0, g1] : gaps) {
-          window_[Key(shard, k)].push_back(
-              {rank, g0, dtype, std::string(data + (g0 - offset) * esize, (g1 - g0) * esize)});
+          std::string bytes((g1 - g0) * esize, '\0');
+          data.Sub((g0 - offset) * esize, bytes.size()).CopyTo(bytes.data());
+          window_[Key(shard, k)].push_back({rank, g0, dtype, std::move(bytes)});
         }
         window_bytes_ += bytes;
         offered.Add(pos, stop);
@@ -128,8 +130,8 @@ absl::Status RunningSum::Advance(JobState& state, uint32_t shard, uint64_t k) {
       auto mine = std::stable_partition(waiting.begin(), waiting.end(),
                                         [&](const Waiting& w) { return w.rank != b.next; });
       for (auto w = mine; w != waiting.end(); ++w) {
-        SHARDOPT_RETURN_IF_ERROR(Fold(state, shard, b, w->offset, w->dtype, w->bytes.data(),
-                                      w->bytes.size() / DTypeSize(w->dtype), r));
+        const absl::string_view bytes = w->bytes;
+        SHARDOPT_RETURN_IF_ERROR(Fold(state, shard, b, w->offset, w->dtype, {&bytes, 1}, r));
         window_bytes_ -= w->bytes.size() + sizeof(Waiting);
       }
       waiting.erase(mine, waiting.end());

@@ -24,6 +24,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "rpc/pieces.h"
 #include "server/interval_set.h"
 
 namespace shardopt {
@@ -39,12 +40,13 @@ class RunningSum {
     uint64_t taken = 0;        // elements from the start dealt with
     bool window_full = false;  // the rest must wait for the window to drain
   };
-  // Offers rank `rank`'s elements [offset, offset+count) of shard `shard`
-  // (shard coordinates, data in `dtype`): folds into `state` what is next
-  // in rank order, windows what must wait, and skips what was offered before
-  // (a retried chunk counts once).
+  // Offers rank `rank`'s elements of shard `shard` from `offset` on (shard
+  // coordinates; `data` holds whole elements of `dtype`): folds into `state`
+  // what is next in rank order, straight from `data`'s pieces, copies into
+  // the window what must wait, and skips what was offered before (a retried
+  // chunk counts once).
   absl::StatusOr<Offered> Offer(JobState& state, uint32_t rank, uint32_t shard, uint64_t offset, DType dtype,
-                                const char* data, uint64_t count);
+                                const wire::Pieces& data);
   // Rank `rank`'s push ended; `no_grad[s]` for the shards it has no gradient
   // for. Folds whatever that lets through.
   absl::Status Finish(JobState& state, uint32_t rank, std::vector<bool> no_grad);
@@ -96,8 +98,9 @@ class RunningSum {
 
   static uint64_t Key(uint32_t shard, uint64_t block) { return uint64_t{shard} << 32 | block; }
   uint64_t BlockEnd(uint32_t shard, uint64_t block) const;
-  absl::Status Fold(JobState& state, uint32_t shard, Block& block, uint64_t offset, DType dtype, const char* data,
-                    uint64_t count, RankState& rank);
+  // Folds [offset, offset + elements in `runs`) of the shard into the sum.
+  absl::Status Fold(JobState& state, uint32_t shard, Block& block, uint64_t offset, DType dtype,
+                    absl::Span<const absl::string_view> runs, RankState& rank);
   // Moves the block's sum past every rank that is done with it.
   absl::Status Advance(JobState& state, uint32_t shard, uint64_t block);
   // Of a rank's shard, what it offered: null if nothing.
@@ -112,6 +115,10 @@ class RunningSum {
   uint64_t window_bytes_ = 0;
   uint64_t progress_ = 0;
   uint64_t growing_bytes_ = 0;
+  // Reused by every fold: a chunk's runs of whole elements, and the elements
+  // split between two of its pieces.
+  std::vector<absl::string_view> runs_;
+  std::string split_;
 };
 
 }  // namespace shardopt

@@ -1,7 +1,8 @@
 // The running sum that replaced per-rank gradient slots: bitwise the
-// rank-order sum whatever the arrival order, the chunking, the ranks without
-// a gradient and a window small enough that pushes must wait for it; and a
-// refused push that was partly summed restarts the round cleanly.
+// rank-order sum whatever the arrival order, the chunking (and the pieces a
+// chunk's bytes arrive in), the ranks without a gradient and a window small
+// enough that pushes must wait for it; and a refused push that was partly
+// summed restarts the round cleanly.
 #include <algorithm>
 #include <map>
 #include <random>
@@ -54,7 +55,8 @@ TEST_F(RunningSumTest, AnyArrivalOrderAndChunkingThroughAFullWindowGivesTheRankO
       const uint64_t chunk = 1000 + 777 * r, order = step * 100 + r;
       const std::vector<std::string> no_grad = r == 3 ? std::vector<std::string>{"e"} : std::vector<std::string>{};
       ranks.emplace_back([&, r, chunk, order, no_grad] {
-        auto pushed = Push("wave", step, r, grads[r], chunk, order, no_grad);
+        // Odd ranks' chunks arrive in pieces split at any byte, as gRPC's slices do.
+        auto pushed = Push("wave", step, r, grads[r], chunk, order, no_grad, r % 2 == 1 ? order : 0);
         EXPECT_TRUE(pushed.ok()) << "rank " << r << ": " << pushed.status();
       });
       std::this_thread::sleep_for(std::chrono::milliseconds(5));

@@ -124,11 +124,16 @@ class CpuJobState final : public JobState {
     return absl::OkStatus();
   }
 
-  absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype, const void* data, uint64_t count,
+  absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype, absl::Span<const absl::string_view> runs,
                               bool first) override {
-    SHARDOPT_RETURN_IF_ERROR(CheckAccumulate(layout_, shard, offset, count));
+    SHARDOPT_RETURN_IF_ERROR(CheckAccumulate(layout_, shard, offset, RunElements(runs, dtype)));
     // The same loop that adds rank slots tile by tile in ReduceGrads and Apply.
-    loops_->accumulate(reinterpret_cast<float*>(GradSlot(shard, 0)) + offset, data, dtype, count, first);
+    float* sum = reinterpret_cast<float*>(GradSlot(shard, 0)) + offset;
+    for (absl::string_view run : runs) {
+      const uint64_t n = run.size() / DTypeSize(dtype);
+      loops_->accumulate(sum, run.data(), dtype, n, first);
+      sum += n;
+    }
     return absl::OkStatus();
   }
 

@@ -47,6 +47,7 @@ struct StreamArgs {  // the roofline: the update's streams, trivial arithmetic
 struct LoopTable {
   void (*update)(const UpdateArgs& args);
   // acc[i] = src[i] when `first`, else acc[i] += src[i] (one fp32 add).
+  // `src` may be at any address; `acc` is aligned to its floats.
   void (*accumulate)(float* acc, const void* src, DType dtype, uint64_t n, bool first);
   // One reduction block (n <= kSumsqBlock) by adamw_math.h's fixed tree.
   double (*sumsq_block)(const float* g, uint64_t n);

@@ -68,10 +68,11 @@ absl::Status CudaJobState::WriteGrad(uint32_t shard, uint32_t rank, uint64_t off
 // The sum is read back, added to on the host with the CPU's loop, and
 // written again: 8 B/element of PCIe traffic instead of a kernel of its own,
 // so that the one fold the bits depend on is the host's, tested here.
-absl::Status CudaJobState::AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype, const void* data,
-                                          uint64_t count, bool first) {
+absl::Status CudaJobState::AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype,
+                                          absl::Span<const absl::string_view> runs, bool first) {
   std::lock_guard<std::mutex> lock(mu_);
   SHARDOPT_RETURN_IF_ERROR(device_->Enter());
+  const uint64_t count = RunElements(runs, dtype);
   SHARDOPT_RETURN_IF_ERROR(CheckAccumulate(plan_.layout(), shard, offset, count));
   const ShardPlacement& s = plan_.shard(shard);
   const DeviceArray sum{At(s.grads + offset * 4), 4};
@@ -81,7 +82,13 @@ absl::Status CudaJobState::AccumulateGrad(uint32_t shard, uint64_t offset, DType
       std::memcpy(host.data() + at, staged, n * 4);
     }));
   }
-  AccumulateOnHost(host.data(), data, dtype, count, first);
+  // Every run folded on the host, then one upload for them all.
+  uint64_t at = 0;
+  for (absl::string_view run : runs) {
+    const uint64_t n = run.size() / DTypeSize(dtype);
+    AccumulateOnHost(host.data() + at, run.data(), dtype, n, first);
+    at += n;
+  }
   return device_->Upload(stream_, {&sum, 1}, count, [&](uint64_t at, uint64_t n, char* const* staged) {
     std::memcpy(staged[0], host.data() + at, n * 4);
   });

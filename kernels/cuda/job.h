@@ -22,7 +22,7 @@ class CudaJobState final : public JobState {
                                                               const JobLayout& layout);
   ~CudaJobState() override;
 
-  absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype, const void* data, uint64_t count,
+  absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype, absl::Span<const absl::string_view> runs,
                               bool first) override;
   absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype, const void* data,
                          uint64_t count) override;

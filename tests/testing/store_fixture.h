@@ -83,12 +83,29 @@ class StoreTest : public ::testing::Test {
     return store_.BeginPush(head);
   }
 
+  // `bytes` as gRPC may deliver a message's data: cut at random bytes (odd
+  // ones too, so elements are split between pieces), each piece in a buffer
+  // of its own at an odd address.
+  static wire::Pieces Scatter(const std::string& bytes, std::mt19937_64& rng) {
+    auto buffers = std::make_shared<std::vector<std::string>>();
+    std::vector<size_t> cuts = {0, bytes.size()};
+    for (int i = rng() % 6; i > 0; --i) cuts.push_back(rng() % (bytes.size() + 1));
+    std::sort(cuts.begin(), cuts.end());
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      buffers->push_back("x" + bytes.substr(cuts[i], cuts[i + 1] - cuts[i]));
+    }
+    std::vector<absl::string_view> views;
+    for (const std::string& b : *buffers) views.push_back(absl::string_view(b).substr(1));
+    return wire::Pieces(std::move(views), buffers);
+  }
+
   // One rank's push, chunks of `chunk` elements sent in `order` (a seed for
-  // shuffling; 0 keeps them in order).
+  // shuffling; 0 keeps them in order). With `scatter` (a seed), each chunk's
+  // data arrives in pieces (Scatter).
   absl::StatusOr<v1::PushResponse> Push(const std::string& job, uint64_t step, uint32_t rank,
                                         const std::map<std::string, std::vector<uint16_t>>& grads,
                                         uint64_t chunk = 1000, uint64_t order = 0,
-                                        const std::vector<std::string>& no_grad = {}) {
+                                        const std::vector<std::string>& no_grad = {}, uint64_t scatter = 0) {
     std::vector<v1::GradChunk> chunks;
     for (const auto& [name, g] : grads) {
       for (uint64_t off = 0; off < g.size(); off += chunk) {
@@ -104,8 +121,12 @@ class StoreTest : public ::testing::Test {
     auto session = store_.BeginPush(head);
     if (!session.ok()) return session.status();
     if (auto st = (*session)->Add(head); !st.ok()) return st;
+    std::mt19937_64 cutter(scatter);
     for (const auto& c : chunks) {
-      if (auto st = (*session)->Add(c); !st.ok()) return st;
+      v1::GradChunk chunk_head = c;
+      chunk_head.clear_data();
+      const wire::Pieces data = scatter == 0 ? wire::Pieces::Own(c.data()) : Scatter(c.data(), cutter);
+      if (auto st = (*session)->Add(std::move(chunk_head), data); !st.ok()) return st;
     }
     return (*session)->Finish();
   }

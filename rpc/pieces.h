@@ -1,0 +1,72 @@
+// Bytes that arrived in pieces, such as the slices of a received gRPC
+// message, viewed where they lie: what lets a gradient chunk go from the
+// transport's buffers straight into the reduction, with no copy into a
+// string first (docs/design.md, section 10.2). No gRPC here, so the protocol
+// core takes them too.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/string_view.h"
+
+namespace shardopt::wire {
+
+// An immutable view of [begin, begin + size) of a list of pieces, which
+// `owner` keeps alive. Copies share the list and the owner; Sub is O(1).
+class Pieces {
+ public:
+  Pieces() = default;
+  // `owner` keeps the memory the pieces point into alive.
+  Pieces(std::vector<absl::string_view> pieces, std::shared_ptr<const void> owner);
+  // One piece that owns its bytes.
+  static Pieces Own(std::string bytes);
+
+  uint64_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  // [begin, begin + n) of this view; the caller keeps it inside size().
+  Pieces Sub(uint64_t begin, uint64_t n) const;
+  // Copies the view's bytes to `dst` (size() bytes).
+  void CopyTo(char* dst) const;
+  // The view as runs of whole `unit`-byte elements, in order: each run is a
+  // pointer into a piece (not aligned to anything) or, for an element split
+  // between two pieces, into `scratch`, which must outlive the runs. size()
+  // must be a multiple of `unit`.
+  void Runs(uint64_t unit, std::vector<absl::string_view>* runs, std::string* scratch) const;
+
+  // Reads the view front to back, a byte at a time or skipping ahead.
+  class Cursor {
+   public:
+    explicit Cursor(const Pieces& pieces);
+    uint64_t position() const { return at_ - pieces_.begin_; }
+    // False at the view's end.
+    bool Next(uint8_t* byte);
+    // False, at the end, if fewer than n bytes are left.
+    bool Skip(uint64_t n);
+
+   private:
+    const Pieces& pieces_;
+    uint64_t at_;   // in the list's bytes
+    size_t piece_;  // the piece holding at_, while at_ is inside the view
+  };
+
+ private:
+  struct List {
+    std::vector<absl::string_view> pieces;
+    std::vector<uint64_t> starts;  // [i]: where piece i begins, in the list's bytes
+    std::shared_ptr<const void> owner;
+  };
+  // The index of the piece holding byte `at` of the list.
+  size_t PieceAt(uint64_t at) const;
+  // Calls fn(const char*, uint64_t) for each contiguous part of the view.
+  template <typename Fn>
+  void ForEachPart(Fn fn) const;
+
+  std::shared_ptr<const List> list_;
+  uint64_t begin_ = 0;
+  uint64_t size_ = 0;
+};
+
+}  // namespace shardopt::wire

@@ -1,0 +1,187 @@
+// A push message read without copying its data (server/grad_message.h)
+// agrees with protobuf's own parser: on well-formed messages in any field
+// order, with unknown and repeated fields, cut into slices anywhere; and on
+// broken ones, which it refuses exactly when protobuf does.
+#include "server/grad_message.h"
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "google/protobuf/util/message_differencer.h"
+#include "rpc/wire_format.h"
+
+namespace shardopt {
+namespace {
+
+// `bytes` cut into slices at random points, as gRPC may deliver a message.
+grpc::ByteBuffer Sliced(const std::string& bytes, std::mt19937_64& rng) {
+  std::vector<size_t> cuts = {0, bytes.size()};
+  for (int i = rng() % 8; i > 0; --i) cuts.push_back(rng() % (bytes.size() + 1));
+  std::sort(cuts.begin(), cuts.end());
+  std::vector<grpc::Slice> slices;
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) slices.emplace_back(bytes.data() + cuts[i], cuts[i + 1] - cuts[i]);
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+std::string Random(std::mt19937_64& rng, size_t n) {
+  std::string s(n, '\0');
+  for (char& c : s) c = static_cast<char>(rng());
+  return s;
+}
+
+// A GradChunk's fields in random order, some twice (the last one counts),
+// with unknown fields of every wire type among them.
+std::string RandomMessage(std::mt19937_64& rng) {
+  std::vector<std::string> fields;
+  auto add = [&](std::string f) { fields.push_back(std::move(f)); };
+  for (int copies = 1 + rng() % 2; copies > 0; --copies) {
+    std::string f;
+    wire::AppendBytesField(&f, v1::GradChunk::kJobFieldNumber, "job-" + std::to_string(rng() % 100));
+    add(f);
+    f.clear();
+    wire::AppendVarintField(&f, v1::GradChunk::kStepFieldNumber, rng() % 1000);
+    add(f);
+    f.clear();
+    wire::AppendBytesField(&f, v1::GradChunk::kTensorFieldNumber, "layers." + std::to_string(rng() % 10));
+    add(f);
+    f.clear();
+    wire::AppendVarintField(&f, v1::GradChunk::kOffsetFieldNumber, rng());
+    add(f);
+  }
+  for (int names = rng() % 3; names > 0; --names) {
+    std::string f;
+    wire::AppendBytesField(&f, v1::GradChunk::kNoGradFieldNumber, "t" + std::to_string(rng() % 50));
+    add(f);
+  }
+  for (int data = rng() % 3; data > 0; --data) {  // none, once or twice
+    std::string f;
+    wire::AppendBytesField(&f, v1::GradChunk::kDataFieldNumber, Random(rng, rng() % 5000));
+    add(f);
+  }
+  std::string unknown;
+  wire::AppendVarintField(&unknown, 100, rng());
+  wire::AppendBytesField(&unknown, 101, Random(rng, rng() % 20));
+  unknown += std::string("\xB1\x06", 2) + Random(rng, 8);  // field 102, fixed64
+  unknown += std::string("\xBD\x06", 2) + Random(rng, 4);  // field 103, fixed32
+  add(unknown);
+  std::shuffle(fields.begin(), fields.end(), rng);
+  std::string message;
+  for (const std::string& f : fields) message += f;
+  return message;
+}
+
+// What ReadGradChunk should give: protobuf's parse, the data apart.
+struct Expected {
+  bool ok = false;
+  v1::GradChunk head;
+  std::string data;
+};
+Expected Protobuf(const std::string& bytes) {
+  Expected e;
+  e.ok = e.head.ParseFromString(bytes);
+  e.data = e.head.data();
+  e.head.clear_data();
+  return e;
+}
+
+void ExpectAgrees(const std::string& bytes, std::mt19937_64& rng, const std::string& what) {
+  const Expected want = Protobuf(bytes);
+  grpc::ByteBuffer message = Sliced(bytes, rng);
+  v1::GradChunk head;
+  head.set_job("poison");  // must be overwritten
+  wire::Pieces data = wire::Pieces::Own("poison");
+  const absl::Status got = ReadGradChunk(&message, 1 << 20, &head, &data);
+  ASSERT_EQ(got.ok(), want.ok) << what << ": " << got;
+  if (!got.ok()) {
+    EXPECT_EQ(got.code(), absl::StatusCode::kInvalidArgument) << what;
+    return;
+  }
+  // Unknown fields are kept as protobuf keeps them, but their order may
+  // differ (the data field is taken out), so they are compared as a set.
+  google::protobuf::util::MessageDifferencer diff;
+  diff.set_repeated_field_comparison(google::protobuf::util::MessageDifferencer::AS_LIST);
+  EXPECT_TRUE(diff.Compare(want.head, head)) << what << "\nwant " << want.head.ShortDebugString() << "\ngot "
+                                             << head.ShortDebugString();
+  std::string got_data(data.size(), '\0');
+  data.CopyTo(got_data.data());
+  EXPECT_EQ(got_data, want.data) << what;
+}
+
+TEST(GradMessage, WellFormedMessagesReadAsProtobufReadsThem) {
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 2000; ++i) ExpectAgrees(RandomMessage(rng), rng, "message " + std::to_string(i));
+}
+
+TEST(GradMessage, BrokenMessagesAreRefusedExactlyWhenProtobufRefusesThem) {
+  std::mt19937_64 rng(12);
+  int refused = 0;
+  for (int i = 0; i < 4000; ++i) {
+    std::string bytes = RandomMessage(rng);
+    switch (rng() % 4) {
+      case 0:  // cut short
+        bytes.resize(rng() % (bytes.size() + 1));
+        break;
+      case 1:  // a byte flipped
+        if (!bytes.empty()) bytes[rng() % bytes.size()] ^= static_cast<char>(1 + rng() % 255);
+        break;
+      case 2:  // garbage inserted
+        bytes.insert(rng() % (bytes.size() + 1), Random(rng, 1 + rng() % 4));
+        break;
+      case 3:  // a group, which the fast path leaves to protobuf
+        bytes += std::string("\xA3\x06", 2) + std::string("\xA4\x06", 2);  // field 100: start, end
+        break;
+    }
+    refused += !Protobuf(bytes).ok;
+    ExpectAgrees(bytes, rng, "mutation " + std::to_string(i));
+  }
+  // The mutations must have exercised both answers.
+  EXPECT_GT(refused, 500);
+  EXPECT_LT(refused, 3500);
+}
+
+TEST(GradMessage, TooManyNoGradNamesAreRefusedBeforeTheParse) {
+  v1::GradChunk chunk;
+  for (int i = 0; i < 5; ++i) chunk.add_no_grad("t" + std::to_string(i));
+  std::mt19937_64 rng(13);
+  grpc::ByteBuffer message = Sliced(chunk.SerializeAsString(), rng);
+  v1::GradChunk head;
+  wire::Pieces data;
+  const absl::Status st = ReadGradChunk(&message, 4, &head, &data);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("names 5 no_grad tensors"), std::string::npos) << st;
+  grpc::ByteBuffer again = Sliced(chunk.SerializeAsString(), rng);
+  EXPECT_TRUE(ReadGradChunk(&again, 5, &head, &data).ok());
+  EXPECT_EQ(head.no_grad_size(), 5);
+}
+
+// The pieces' runs of whole elements put back together are the bytes, for
+// every way of cutting them.
+TEST(GradMessage, PiecesGiveRunsOfWholeElementsAcrossAnyCut) {
+  std::mt19937_64 rng(14);
+  for (int i = 0; i < 500; ++i) {
+    const uint64_t unit = rng() % 2 == 0 ? 2 : 4;
+    const std::string bytes = Random(rng, unit * (rng() % 300));
+    grpc::ByteBuffer sliced = Sliced(bytes, rng);
+    std::vector<grpc::Slice> slices;
+    ASSERT_TRUE(sliced.Dump(&slices).ok());
+    std::vector<absl::string_view> views;
+    for (const grpc::Slice& s : slices) views.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
+    const wire::Pieces pieces(views, nullptr);
+    const uint64_t from = unit * (rng() % (bytes.size() / unit + 1));
+    const uint64_t n = unit * (rng() % ((bytes.size() - from) / unit + 1));
+    std::vector<absl::string_view> runs;
+    std::string scratch;
+    pieces.Sub(from, n).Runs(unit, &runs, &scratch);
+    std::string joined;
+    for (absl::string_view r : runs) {
+      EXPECT_EQ(r.size() % unit, 0u);
+      joined.append(r.data(), r.size());
+    }
+    EXPECT_EQ(joined, bytes.substr(from, n)) << "cut " << i;
+  }
+}
+
+}  // namespace
+}  // namespace shardopt
