@@ -114,6 +114,13 @@ class JobState {
   // `dtype` elements at any address (a received message's pieces).
   virtual absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype,
                                       absl::Span<const absl::string_view> runs, bool first) = 0;
+  // The running sum's elements [offset, offset + count) of `shard` are final
+  // for this step: every rank has folded them or has no gradient for them.
+  // `offset` is a multiple of kApplyAlignment. A backend may take their sum
+  // of squares now, while they are fresh in its caches, for ReduceGrads to
+  // use instead of reading the whole sum again at the barrier; the result is
+  // the same fixed tree's.
+  virtual void GradBlockDone(uint32_t /*shard*/, uint64_t /*offset*/, uint64_t /*count*/) {}
   // Sets master, m or v. fp32 data into an FP32 shard is kept exactly; into a
   // BF16 shard it is rounded, which is that precision's meaning. Writing the
   // master also refreshes the bf16 params.

@@ -118,6 +118,7 @@ absl::StatusOr<RunningSum::Offered> RunningSum::Offer(JobState& state, uint32_t 
 absl::Status RunningSum::Advance(JobState& state, uint32_t shard, uint64_t k) {
   Block& b = blocks_[shard][k];
   const uint64_t begin = k * kBlock, end = BlockEnd(shard, k);
+  const uint32_t was = b.next;
   while (b.next < world_size_) {
     RankState& r = ranks_[b.next];
     if (r.finished && r.no_grad[shard]) {
@@ -141,6 +142,9 @@ absl::Status RunningSum::Advance(JobState& state, uint32_t shard, uint64_t k) {
     b.any = true;
     ++b.next;
   }
+  // The block's sum just became final: the backend may take its sum of
+  // squares now, while it is hot, instead of at the barrier.
+  if (was < world_size_ && b.next == world_size_ && b.any) state.GradBlockDone(shard, begin, end - begin);
   return absl::OkStatus();
 }
 

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <random>
 
 #include "gtest/gtest.h"
@@ -113,11 +114,13 @@ std::vector<ShardStep> WholeShardZero(const math::AdamWScalars& scalars) {
   return {step};
 }
 
-Job MakeJob(const CpuBackendOptions& opts, std::vector<uint64_t> numels, Precision precision, uint32_t world) {
+Job MakeJob(const CpuBackendOptions& opts, std::vector<uint64_t> numels, Precision precision, uint32_t world,
+            DType grad_dtype = DType::kBf16) {
   Job job;
   job.backend = MakeCpuBackend(opts);
   JobLayout layout;
   layout.world_size = world;
+  layout.grad_dtype = grad_dtype;
   for (uint64_t n : numels) layout.shards.push_back({n, precision});
   job.state = job.backend->Allocate(layout).value();
   return job;
@@ -246,29 +249,13 @@ TEST(CpuBackend, UpdatingAShardInPiecesEqualsOneCall) {
   EXPECT_EQ(pieces.state->Apply(steps).code(), absl::StatusCode::kOutOfRange);
 }
 
-// The fixed tree of adamw_math.h written out the slow way.
-double TreeSumsq(const std::vector<float>& g) {
-  double total = 0;
-  for (size_t b = 0; b < g.size(); b += math::kSumsqBlock) {
-    std::vector<double> lanes(math::kSumsqLanes, 0.0);
-    for (size_t i = b; i < std::min(g.size(), b + math::kSumsqBlock); ++i) {
-      lanes[(i - b) % math::kSumsqLanes] += static_cast<double>(g[i]) * g[i];
-    }
-    for (int stride = math::kSumsqLanes / 2; stride > 0; stride /= 2) {
-      for (int l = 0; l < stride; ++l) lanes[l] += lanes[l + stride];
-    }
-    total += lanes[0];
-  }
-  return total;
-}
-
 TEST(CpuBackend, SumOfSquaresIsTheFixedTreeForEveryThreadCount) {
   constexpr uint64_t kN = 5 * 16 * 4096 + 1234;  // several of the pool's 16-block items, and a ragged tail
   std::mt19937_64 rng(5);
   const auto r0 = RandomBf16(rng, kN, 3.0f), r1 = RandomBf16(rng, kN, 3.0f);
   std::vector<float> agg(kN);
   for (uint64_t i = 0; i < kN; ++i) agg[i] = math::bf16_to_float(r0[i]) + math::bf16_to_float(r1[i]);
-  const double expected = TreeSumsq(agg);
+  const double expected = testing::TreeSumsq(agg);
   for (cpu::Isa isa : cpu::SupportedIsas()) {
     for (int threads : {1, 2, 5}) {
       Job job = MakeJob({threads, isa}, {kN}, Precision::kFp32, 2);
@@ -283,7 +270,87 @@ TEST(CpuBackend, SumOfSquaresIsTheFixedTreeForEveryThreadCount) {
       auto only1 = job.state->ReduceGrads({{0, {1}}});
       std::vector<float> g1(kN);
       for (uint64_t i = 0; i < kN; ++i) g1[i] = math::bf16_to_float(r1[i]);
-      EXPECT_EQ(only1->sum_squares, TreeSumsq(g1));
+      EXPECT_EQ(only1->sum_squares, testing::TreeSumsq(g1));
+    }
+  }
+}
+
+// A running sum (one fp32 slot, folded rank by rank from runs at any
+// address, each tile's sum of squares taken early or not) gives the bits of
+// per-rank slots added in rank order: the sum of squares, and the update.
+// The CPU keeps a tile of one bf16 rank as bf16 until a second rank comes.
+TEST(CpuBackend, RunningSumGivesTheBitsOfRankSlotsInEveryForm) {
+  const std::vector<uint64_t> numels = {3 * kApplyAlignment + 1000, 2 * 4096 + 17};
+  const std::vector<DType> dtypes = {DType::kBf16, DType::kFp32};  // an FP32-param tensor's gradients
+  std::mt19937_64 rng(21);
+  for (cpu::Isa isa : cpu::SupportedIsas()) {
+    for (uint32_t world : {1u, 2u, 3u}) {
+      Job sum = MakeJob({2, isa}, numels, Precision::kFp32, 1, DType::kFp32);
+      Job slots = MakeJob({1, isa}, numels, Precision::kFp32, world, DType::kFp32);
+      std::vector<ShardGrads> summed, ranked;
+      for (uint32_t si = 0; si < numels.size(); ++si) {
+        const auto init = RandomFloats(rng, numels[si], -1, 1);
+        for (Job* j : {&sum, &slots}) {
+          ASSERT_TRUE(j->state->WriteState(si, StateKind::kMaster, 0, DType::kFp32, init.data(), numels[si]).ok());
+        }
+        for (uint32_t r = 0; r < world; ++r) {
+          // The rank's gradient, bf16 values whatever the dtype, so the
+          // fp32 ones are exact in both forms.
+          const auto g = RandomBf16(rng, numels[si], 2.0f);
+          std::string bytes;
+          for (uint16_t h : g) {
+            if (dtypes[si] == DType::kBf16) {
+              bytes.append(reinterpret_cast<const char*>(&h), 2);
+            } else {
+              const float f = math::bf16_to_float(h);
+              bytes.append(reinterpret_cast<const char*>(&f), 4);
+            }
+          }
+          ASSERT_TRUE(slots.state->WriteGrad(si, r, 0, dtypes[si], bytes.data(), numels[si]).ok());
+          // Folded in calls of random lengths, each from runs at odd addresses.
+          const uint64_t esize = DTypeSize(dtypes[si]);
+          for (uint64_t at = 0; at < numels[si];) {
+            const uint64_t n = std::min<uint64_t>(numels[si] - at, 1 + rng() % 9000);
+            std::vector<std::string> held;
+            std::vector<absl::string_view> runs;
+            for (uint64_t done = 0; done < n;) {
+              const uint64_t part = std::min<uint64_t>(n - done, 1 + rng() % 3000);
+              held.push_back("x" + bytes.substr((at + done) * esize, part * esize));
+              done += part;
+            }
+            for (const std::string& h : held) runs.push_back(absl::string_view(h).substr(1));
+            ASSERT_TRUE(sum.state->AccumulateGrad(si, at, dtypes[si], runs, r == 0).ok());
+            at += n;
+          }
+        }
+        // Some blocks' sums of squares taken when they became final, some not.
+        for (uint64_t at = 0; at < numels[si]; at += kApplyAlignment) {
+          if (rng() % 2 == 0) sum.state->GradBlockDone(si, at, std::min(kApplyAlignment, numels[si] - at));
+        }
+        summed.push_back({si, {0}});
+        std::vector<uint32_t> all(world);
+        std::iota(all.begin(), all.end(), 0u);
+        ranked.push_back({si, all});
+      }
+      auto want = slots.state->ReduceGrads(ranked);
+      auto got = sum.state->ReduceGrads(summed);
+      ASSERT_TRUE(want.ok() && got.ok());
+      EXPECT_EQ(got->sum_squares, want->sum_squares) << cpu::IsaName(isa) << " W=" << world;
+      const math::AdamWScalars scalars = ComputeAdamWScalars(testing::kDefaultHyper, 1e-3, 0.5f, 1);
+      std::vector<ShardStep> sum_steps, slot_steps;
+      for (uint32_t si = 0; si < numels.size(); ++si) {
+        sum_steps.push_back({summed[si], scalars});
+        slot_steps.push_back({ranked[si], scalars});
+      }
+      ASSERT_TRUE(sum.state->Apply(sum_steps).ok());
+      ASSERT_TRUE(slots.state->Apply(slot_steps).ok());
+      for (uint32_t si = 0; si < numels.size(); ++si) {
+        for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+          EXPECT_EQ(ReadFloats(*sum.state, si, kind, numels[si]), ReadFloats(*slots.state, si, kind, numels[si]))
+              << cpu::IsaName(isa) << " W=" << world << " shard " << si << " " << StateKindName(kind);
+        }
+        EXPECT_EQ(ReadParams(*sum.state, si, numels[si]), ReadParams(*slots.state, si, numels[si]));
+      }
     }
   }
 }

@@ -51,6 +51,7 @@ TEST_F(RunningSumTest, AnyArrivalOrderAndChunkingThroughAFullWindowGivesTheRankO
     grads[3].erase("e");
     // Ranks start in reverse order, each with its own chunk size and order.
     std::vector<std::thread> ranks;
+    std::vector<double> sums(kWorld, -1);
     for (int r = kWorld - 1; r >= 0; --r) {
       const uint64_t chunk = 1000 + 777 * r, order = step * 100 + r;
       const std::vector<std::string> no_grad = r == 3 ? std::vector<std::string>{"e"} : std::vector<std::string>{};
@@ -58,10 +59,28 @@ TEST_F(RunningSumTest, AnyArrivalOrderAndChunkingThroughAFullWindowGivesTheRankO
         // Odd ranks' chunks arrive in pieces split at any byte, as gRPC's slices do.
         auto pushed = Push("wave", step, r, grads[r], chunk, order, no_grad, r % 2 == 1 ? order : 0);
         EXPECT_TRUE(pushed.ok()) << "rank " << r << ": " << pushed.status();
+        if (pushed.ok()) sums[r] = pushed->sum_squares();
       });
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     for (auto& t : ranks) t.join();
+    // The server's sum of squares: the fixed tree over its shards in order,
+    // of the rank-order sum.
+    double want = 0;
+    for (const auto& t : tensors) {
+      std::vector<float> agg(t.numel);
+      for (uint64_t i = 0; i < t.numel; ++i) {
+        bool any = false;
+        for (uint32_t r = 0; r < kWorld; ++r) {
+          if (!grads[r].count(t.name)) continue;
+          const float g = math::bf16_to_float(grads[r][t.name][i]);
+          agg[i] = any ? agg[i] + g : g;
+          any = true;
+        }
+      }
+      want = testing::TreeSumsq(agg, want);
+    }
+    for (uint32_t r = 0; r < kWorld; ++r) EXPECT_EQ(sums[r], want) << "rank " << r << " step " << step;
     ASSERT_TRUE(Commit("wave", step, 1e-3, 1.0f / kWorld).ok());
     for (const auto& t : tensors) {
       std::vector<const uint16_t*> in_order;

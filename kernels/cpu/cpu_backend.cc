@@ -78,12 +78,28 @@ class AlignedBuffer {
   bool mapped_ = false;
 };
 
+// Whether a layout is a running sum's (one fp32 slot, AccumulatingLayout),
+// the one layout whose tiles may hold a lone rank's bf16 values.
+bool IsRunningSum(const JobLayout& layout) {
+  return layout.world_size == 1 && layout.grad_dtype == DType::kFp32;
+}
+
 struct CpuShard {
   ShardLayout layout;
   uint64_t state_elem_bytes = 0;  // 4 for FP32, 2 for BF16
   AlignedBuffer p, m, v;
   AlignedBuffer param_out;  // bf16 params as of the last update or write
   AlignedBuffer grads;      // world_size slots of numel gradient elements
+  // A running sum's tiles (cpu::kTile elements each), when the layout is one:
+  // - bf16[t]: the tile holds one rank's bf16 gradient as it came, 2 B an
+  //   element in the first half of the tile's fp32 room. Widening is exact,
+  //   so readers widen as they read, and the first fold is a copy of half
+  //   the bytes. A second rank's fold widens the tile in place first.
+  // - sumsq[t], once summed[t]: the tile's sum of squares, taken by
+  //   GradBlockDone while the tile was hot, for ReduceGrads.
+  std::vector<uint8_t> bf16;
+  std::vector<uint8_t> summed;
+  std::vector<double> sumsq;
 };
 
 class CpuJobState final : public JobState {
@@ -107,6 +123,12 @@ class CpuJobState final : public JobState {
       SHARDOPT_RETURN_IF_ERROR(alloc(state, &s.v));
       SHARDOPT_RETURN_IF_ERROR(alloc(sl.numel * 2, &s.param_out));
       SHARDOPT_RETURN_IF_ERROR(alloc(sl.numel * layout_.world_size * DTypeSize(layout_.grad_dtype), &s.grads));
+      if (IsRunningSum(layout_)) {
+        const uint64_t tiles = (sl.numel + cpu::kTile - 1) / cpu::kTile;
+        s.bf16.assign(tiles, 0);
+        s.summed.assign(tiles, 0);
+        s.sumsq.assign(tiles, 0);
+      }
       shards_.push_back(std::move(s));
     }
     return absl::OkStatus();
@@ -115,6 +137,7 @@ class CpuJobState final : public JobState {
   absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                          const void* data, uint64_t count) override {
     SHARDOPT_RETURN_IF_ERROR(CheckGradWrite(layout_, shard, rank, offset, dtype, count));
+    ForgetTiles(shards_[shard], offset, count);  // fp32 values now, in fp32 places
     char* dst = GradSlot(shard, rank) + offset * DTypeSize(layout_.grad_dtype);
     if (dtype == layout_.grad_dtype) {
       std::memcpy(dst, data, count * DTypeSize(dtype));
@@ -127,14 +150,32 @@ class CpuJobState final : public JobState {
   absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype, absl::Span<const absl::string_view> runs,
                               bool first) override {
     SHARDOPT_RETURN_IF_ERROR(CheckAccumulate(layout_, shard, offset, RunElements(runs, dtype)));
-    // The same loop that adds rank slots tile by tile in ReduceGrads and Apply.
-    float* sum = reinterpret_cast<float*>(GradSlot(shard, 0)) + offset;
+    CpuShard& s = shards_[shard];
+    uint64_t at = offset;
     for (absl::string_view run : runs) {
-      const uint64_t n = run.size() / DTypeSize(dtype);
-      loops_->accumulate(sum, run.data(), dtype, n, first);
-      sum += n;
+      const char* src = run.data();
+      for (uint64_t n = run.size() / DTypeSize(dtype); n > 0;) {
+        const uint64_t tile = at / cpu::kTile;
+        const uint64_t take = std::min(n, (tile + 1) * cpu::kTile - at);
+        FoldIntoTile(s, tile, at, dtype, src, take, first);
+        src += take * DTypeSize(dtype);
+        at += take;
+        n -= take;
+      }
     }
     return absl::OkStatus();
+  }
+
+  void GradBlockDone(uint32_t shard, uint64_t offset, uint64_t count) override {
+    CpuShard& s = shards_[shard];
+    if (s.summed.empty()) return;
+    alignas(64) float widened[cpu::kTile];
+    for (uint64_t at = offset; at < offset + count; at += cpu::kTile) {
+      const uint64_t tile = at / cpu::kTile;
+      const uint64_t n = std::min(cpu::kTile, s.layout.numel - at);
+      s.sumsq[tile] = loops_->sumsq_block(SumTile(s, tile, widened), n);
+      s.summed[tile] = 1;
+    }
   }
 
   absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype,
@@ -218,8 +259,14 @@ class CpuJobState final : public JobState {
       for (uint64_t b = item * blocks_per_item; b < end; ++b) {
         const size_t si = std::upper_bound(first_block.begin(), first_block.end(), b) - first_block.begin() - 1;
         const ShardGrads& sg = shards[si];
+        const CpuShard& s = shards_[sg.shard];
         const uint64_t offset = (b - first_block[si]) * cpu::kTile;
-        const uint64_t n = std::min(cpu::kTile, shards_[sg.shard].layout.numel - offset);
+        const uint64_t n = std::min(cpu::kTile, s.layout.numel - offset);
+        if (IsRunningSum(layout_)) {  // one slot, read where it lies
+          const uint64_t t = offset / cpu::kTile;
+          partials[b] = s.summed[t] ? s.sumsq[t] : loops_->sumsq_block(SumTile(s, t, tile), n);
+          continue;
+        }
         AggregateTile(sg, offset, n, tile);
         partials[b] = loops_->sumsq_block(tile, n);
       }
@@ -292,6 +339,52 @@ class CpuJobState final : public JobState {
     return kind == StateKind::kMaster ? s.p : kind == StateKind::kExpAvg ? s.m : s.v;
   }
 
+  // A running sum's tile `t` in its bf16 form: the first half of its room.
+  static char* Bf16Tile(const CpuShard& s, uint64_t t) { return s.grads.data() + t * cpu::kTile * 4; }
+
+  // A running sum's tile `t` as fp32: where it lies, or widened into
+  // `scratch` when it holds bf16 values.
+  const float* SumTile(const CpuShard& s, uint64_t t, float* scratch) const {
+    const uint64_t n = std::min(cpu::kTile, s.layout.numel - t * cpu::kTile);
+    if (s.bf16[t]) {
+      loops_->accumulate(scratch, Bf16Tile(s, t), DType::kBf16, n, true);
+      return scratch;
+    }
+    return reinterpret_cast<const float*>(s.grads.data()) + t * cpu::kTile;
+  }
+
+  // Folds n elements from `at` (all in tile `tile`) into a running sum.
+  void FoldIntoTile(CpuShard& s, uint64_t tile, uint64_t at, DType dtype, const char* src, uint64_t n, bool first) {
+    s.summed[tile] = 0;
+    if (first && dtype == DType::kBf16) {
+      // A tile's first rank fills it whole before any other rank folds into
+      // it (running_sum.h), with one dtype: its tile stays bf16 until then.
+      s.bf16[tile] = 1;
+      std::memcpy(Bf16Tile(s, tile) + (at - tile * cpu::kTile) * 2, src, n * 2);
+      return;
+    }
+    if (s.bf16[tile]) {
+      if (!first) {  // a second rank: the first one's values widened, in place
+        const uint64_t len = std::min(cpu::kTile, s.layout.numel - tile * cpu::kTile);
+        alignas(64) uint16_t held[cpu::kTile];
+        std::memcpy(held, Bf16Tile(s, tile), len * 2);
+        loops_->accumulate(reinterpret_cast<float*>(Bf16Tile(s, tile)), held, DType::kBf16, len, true);
+      }
+      s.bf16[tile] = 0;
+    }
+    loops_->accumulate(reinterpret_cast<float*>(s.grads.data()) + at, src, dtype, n, first);
+  }
+
+  // Tiles written otherwise than by a fold hold fp32 values, and no sum of
+  // squares taken before.
+  static void ForgetTiles(CpuShard& s, uint64_t offset, uint64_t count) {
+    if (s.bf16.empty() || count == 0) return;
+    for (uint64_t t = offset / cpu::kTile; t <= (offset + count - 1) / cpu::kTile; ++t) {
+      s.bf16[t] = 0;
+      s.summed[t] = 0;
+    }
+  }
+
   // The fp32 sum of the contributing ranks' gradients, in rank order.
   void AggregateTile(const ShardGrads& sg, uint64_t offset, uint64_t n, float* tile) const {
     const uint64_t esize = DTypeSize(layout_.grad_dtype);
@@ -339,7 +432,10 @@ class CpuJobState final : public JobState {
     const uint64_t se = s.state_elem_bytes;
     alignas(64) float tile[cpu::kTile];
     cpu::UpdateArgs a;
-    if (step.grads.ranks.size() == 1) {  // no sum needed: read the slot itself
+    if (!s.bf16.empty() && s.bf16[off / cpu::kTile]) {  // a running sum's tile of one rank's bf16 values
+      a.grad = Bf16Tile(s, off / cpu::kTile);
+      a.grad_dtype = DType::kBf16;
+    } else if (step.grads.ranks.size() == 1) {  // no sum needed: read the slot itself
       a.grad = GradSlot(step.grads.shard, step.grads.ranks[0]) + off * DTypeSize(layout_.grad_dtype);
       a.grad_dtype = layout_.grad_dtype;
     } else {
@@ -376,6 +472,8 @@ class CpuBackend final : public Backend {
     for (const ShardLayout& s : layout.shards) {
       const uint64_t state = s.precision == Precision::kFp32 ? 12 : 6;
       bytes += s.numel * (state + 2 + uint64_t{layout.world_size} * DTypeSize(layout.grad_dtype));
+      // A running sum's per-tile flags and sums of squares.
+      if (IsRunningSum(layout)) bytes += (s.numel + cpu::kTile - 1) / cpu::kTile * (2 + sizeof(double));
     }
     return bytes;
   }

@@ -1,5 +1,6 @@
 #include "tests/testing/reference.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace shardopt::testing {
@@ -24,6 +25,20 @@ std::vector<uint16_t> RandomBf16(std::mt19937_64& rng, size_t n, float scale) {
     } while ((x & 0x7FFF) == 0);
   }
   return out;
+}
+
+double TreeSumsq(const std::vector<float>& g, double total) {
+  for (size_t b = 0; b < g.size(); b += math::kSumsqBlock) {
+    std::vector<double> lanes(math::kSumsqLanes, 0.0);
+    for (size_t i = b; i < std::min(g.size(), b + math::kSumsqBlock); ++i) {
+      lanes[(i - b) % math::kSumsqLanes] += static_cast<double>(g[i]) * g[i];
+    }
+    for (int stride = math::kSumsqLanes / 2; stride > 0; stride /= 2) {
+      for (int l = 0; l < stride; ++l) lanes[l] += lanes[l + stride];
+    }
+    total += lanes[0];
+  }
+  return total;
 }
 
 std::vector<uint16_t> ToBf16(const std::vector<float>& x) {

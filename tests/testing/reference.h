@@ -17,6 +17,10 @@ inline constexpr AdamWHyper kDefaultHyper{0.9, 0.999, 1e-8f, 0.01, 1.0};
 std::vector<float> RandomFloats(std::mt19937_64& rng, size_t n, float lo, float hi);
 std::vector<uint16_t> RandomBf16(std::mt19937_64& rng, size_t n, float scale);
 std::vector<uint16_t> ToBf16(const std::vector<float>& x);
+// The fixed-tree sum of squares of adamw_math.h, written out the slow way:
+// each block's result added to `total` in order (so the shards of one
+// server chain, each starting from the last one's total).
+double TreeSumsq(const std::vector<float>& g, double total = 0);
 
 // One tensor's optimizer state, updated one element at a time.
 struct ReferenceTensor {
