@@ -75,6 +75,12 @@ struct MemoryUse {
   uint64_t staging_bytes = 0;  // per-rank gradient slots and the bf16 params out
 };
 
+// Host bytes, in pieces, that stay valid and unchanged while `owner` lives.
+struct HeldBytes {
+  std::vector<absl::string_view> pieces;
+  std::shared_ptr<const void> owner;
+};
+
 // The argument checks every JobState makes, so that backends refuse alike.
 absl::Status CheckShardRange(const JobLayout& layout, uint32_t shard, uint64_t offset, uint64_t count);
 absl::Status CheckGradWrite(const JobLayout& layout, uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
@@ -129,6 +135,13 @@ class JobState {
   // Reads any state as fp32 (exact for both precisions) or the params as bf16.
   virtual absl::Status ReadState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
                                  DType dtype, void* out) const = 0;
+  // ReadState's bytes held where they lie rather than copied, where the
+  // backend can (the CPU's bf16 params), so that a commit sends them as
+  // they are; they stay unchanged while the result's owner lives, whatever
+  // the job does meanwhile. Otherwise they are read into a buffer the
+  // result owns.
+  virtual absl::StatusOr<HeldBytes> HoldState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
+                                              DType dtype) const;
   // Sum of squares and the nonfinite flag of the aggregated gradient, by the
   // fixed tree of adamw_math.h, over the shards in the order given.
   virtual absl::StatusOr<GradStats> ReduceGrads(absl::Span<const ShardGrads> shards) const = 0;

@@ -1,8 +1,8 @@
 #include "server/commit_reactor.h"
 
-#include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/slice.h"
@@ -49,15 +49,11 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   void OnDone() override { delete this; }
 
  private:
-  // The params go out in a buffer of their own, freed by gRPC once sent.
+  // The params go out as slices over the memory they lie in, each keeping
+  // the piece's hold until gRPC has sent it (ParamStream::Piece::data).
   void WriteNext() {
-    char* data = nullptr;
-    auto piece = stream_->Next([&](const ParamStream::Piece& p) {
-      data = static_cast<char*>(std::malloc(std::max<uint64_t>(p.bytes, 1)));
-      return data;
-    });
+    auto piece = stream_->Next();
     if (!piece.ok() || !*piece) {
-      std::free(data);
       Finish(piece.ok() ? grpc::Status::OK : ToGrpcStatus(piece.status()));
       return;
     }
@@ -66,17 +62,27 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     std::string head, tail;
     wire::AppendBytesField(&head, v1::ParamChunk::kTensorFieldNumber, *p.tensor);
     wire::AppendVarintField(&head, v1::ParamChunk::kOffsetFieldNumber, p.offset);
-    wire::AppendBytesHeader(&head, v1::ParamChunk::kDataFieldNumber, p.bytes);
+    wire::AppendBytesHeader(&head, v1::ParamChunk::kDataFieldNumber, p.bytes());
     wire::AppendVarintField(&tail, v1::ParamChunk::kStepFieldNumber, p.step);
     // BF16 is sent as unspecified, as servers sent it before param_dtype existed.
     if (p.fp32) wire::AppendVarintField(&tail, v1::ParamChunk::kDtypeFieldNumber, v1::FP32);
-    grpc::Slice slices[3] = {grpc::Slice(head), grpc::Slice(data, p.bytes, std::free), grpc::Slice(tail)};
-    message_ = grpc::ByteBuffer(slices, 3);
+    std::vector<grpc::Slice> slices;
+    slices.reserve(p.data.pieces.size() + 2);
+    slices.emplace_back(head);
+    for (absl::string_view bytes : p.data.pieces) {
+      // Each slice owns a reference to the hold, dropped when gRPC is done with it.
+      slices.emplace_back(const_cast<char*>(bytes.data()), bytes.size(), &ReleaseHold,
+                          new std::shared_ptr<const void>(p.data.owner));
+    }
+    slices.emplace_back(tail);
+    message_ = grpc::ByteBuffer(slices.data(), slices.size());
     static metrics::Counter* const sent =
         metrics::Registry::Default().Series("shardopt_sent_bytes_total", {{"method", "commit"}});
     sent->Add(static_cast<double>(message_.Length()));
     StartWrite(&message_);
   }
+
+  static void ReleaseHold(void* hold) { delete static_cast<std::shared_ptr<const void>*>(hold); }
 
   std::unique_ptr<StreamLimits::Slot> slot_;
   std::unique_ptr<ParamStream> stream_;

@@ -123,10 +123,9 @@ class CommitStream {
   }
   absl::Mutex& mu() const ABSL_LOCK_RETURNED(job_.mu) { return job_.mu; }
 
-  // Applies piece k if it is the next one to apply, then reads its params
-  // to where `place` says. ABORTED when the next step has overtaken it.
-  absl::StatusOr<ParamStream::Piece> Read(uint64_t k, absl::FunctionRef<char*(const ParamStream::Piece&)> place)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
+  // Applies piece k if it is the next one to apply, then holds its params.
+  // ABORTED when the next step has overtaken it.
+  absl::StatusOr<ParamStream::Piece> Read(uint64_t k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
     SHARDOPT_RETURN_IF_ERROR(job_.CheckNotDropped());
     if (!job_.failed.ok()) return job_.failed;
     if (ApplyingStep() && job_.apply_progress == k) {
@@ -141,15 +140,14 @@ class CommitStream {
     const uint32_t tensor = job_.shards[p.shard].tensor;
     // FP32 params are the master itself; bf16 ones its rounding.
     const bool fp32 = job_.fp32_params(tensor);
-    const ParamStream::Piece head{t_, &job_.spec.tensors(tensor).name(), job_.shards[p.shard].offset + p.offset, fp32,
-                                  p.length * (fp32 ? 4 : 2)};
-    absl::Status read = job_.state->ReadState(p.shard, fp32 ? StateKind::kMaster : StateKind::kParamBf16, p.offset,
-                                              p.length, fp32 ? DType::kFp32 : DType::kBf16, place(head));
-    if (!read.ok()) {
+    absl::StatusOr<HeldBytes> held = job_.state->HoldState(
+        p.shard, fp32 ? StateKind::kMaster : StateKind::kParamBf16, p.offset, p.length, fp32 ? DType::kFp32 : DType::kBf16);
+    if (!held.ok()) {
       SHARDOPT_RETURN_IF_ERROR(Finish());
-      return read;
+      return held.status();
     }
-    return head;
+    return ParamStream::Piece{t_, &job_.spec.tensors(tensor).name(), job_.shards[p.shard].offset + p.offset, fp32,
+                              *std::move(held)};
   }
 
   // Applies what is left of step t, for a commit whose caller went away.
@@ -237,14 +235,20 @@ ParamStream::~ParamStream() {
   if (walk_ && next_ < walk_->stream.pieces()) Abandon().IgnoreError();
 }
 
-absl::StatusOr<std::optional<ParamStream::Piece>> ParamStream::Next(absl::FunctionRef<char*(const Piece&)> place) {
+uint64_t ParamStream::Piece::bytes() const {
+  uint64_t n = 0;
+  for (absl::string_view p : data.pieces) n += p.size();
+  return n;
+}
+
+absl::StatusOr<std::optional<ParamStream::Piece>> ParamStream::Next() {
   absl::MutexLock lock(&walk_->stream.mu());
   if (next_ == walk_->stream.pieces()) {
     walk_->stream.RecordPhases(started_);
     return std::nullopt;
   }
   // Never a piece again after an error: the stream is over.
-  absl::StatusOr<Piece> piece = walk_->stream.Read(next_, place);
+  absl::StatusOr<Piece> piece = walk_->stream.Read(next_);
   next_ = piece.ok() ? next_ + 1 : walk_->stream.pieces();
   if (!piece.ok()) return piece.status();
   return *piece;
@@ -261,19 +265,18 @@ absl::Status CommitAndStream(std::shared_ptr<Job> job, const v1::CommitRequest& 
   SHARDOPT_ASSIGN_OR_RETURN(auto stream, ParamStream::Open(std::move(job), req, options));
   v1::ParamChunk chunk;
   for (;;) {
-    SHARDOPT_ASSIGN_OR_RETURN(auto piece, stream->Next([&](const ParamStream::Piece& p) {
-      chunk.set_step(p.step);
-      chunk.set_tensor(*p.tensor);
-      chunk.set_offset(p.offset);
-      if (p.fp32) {
-        chunk.set_dtype(v1::FP32);
-      } else {
-        chunk.clear_dtype();  // BF16, as servers sent it before param_dtype existed
-      }
-      chunk.mutable_data()->resize(p.bytes);
-      return chunk.mutable_data()->data();
-    }));
+    SHARDOPT_ASSIGN_OR_RETURN(auto piece, stream->Next());
     if (!piece) return absl::OkStatus();
+    chunk.set_step(piece->step);
+    chunk.set_tensor(*piece->tensor);
+    chunk.set_offset(piece->offset);
+    if (piece->fp32) {
+      chunk.set_dtype(v1::FP32);
+    } else {
+      chunk.clear_dtype();  // BF16, as servers sent it before param_dtype existed
+    }
+    chunk.clear_data();
+    for (absl::string_view p : piece->data.pieces) chunk.mutable_data()->append(p.data(), p.size());
     if (!emit(chunk)) {
       SHARDOPT_RETURN_IF_ERROR(stream->Abandon());
       return absl::CancelledError("the caller stopped reading the params");

@@ -13,7 +13,6 @@
 #include <optional>
 #include <string>
 
-#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 
 #include "absl/status/status.h"
@@ -27,19 +26,21 @@ struct CommitOptions {
 };
 
 // One commit's params, pulled piece by piece: each Next applies its piece
-// if it is the next one to apply, then writes the piece's params where the
-// caller says, so that a transport can read them straight into its own
-// buffers. The gRPC service's callback reactor drives it; CommitAndStream is
-// the blocking loop over it. Takes the job's lock inside each call.
+// if it is the next one to apply, then holds the piece's params where they
+// lie (JobState::HoldState: the CPU's bf16 params are not copied), so that
+// a transport sends them as they are. The gRPC service's callback reactor
+// drives it; CommitAndStream is the blocking loop over it. Takes the job's
+// lock inside each call.
 class ParamStream {
  public:
-  // One piece's params: what a ParamChunk carries besides the bytes.
+  // One piece's params: what a ParamChunk carries, its bytes held.
   struct Piece {
     uint64_t step;
     const std::string* tensor;  // the job's, alive as long as the job
     uint64_t offset;            // in the tensor, elements
     bool fp32;                  // FP32 params (the master itself), else bf16
-    uint64_t bytes;
+    HeldBytes data;             // unchanged while held, whatever the job does
+    uint64_t bytes() const;
   };
 
   // Checks the commit and starts applying its step if this is the step's
@@ -50,9 +51,9 @@ class ParamStream {
   // applied, so it never stays half applied.
   ~ParamStream();
 
-  // The next piece, its params written to `place(piece)` (piece.bytes long);
-  // nullopt after the last. After an error there is no next piece.
-  absl::StatusOr<std::optional<Piece>> Next(absl::FunctionRef<char*(const Piece&)> place);
+  // The next piece; nullopt after the last. After an error there is no
+  // next piece.
+  absl::StatusOr<std::optional<Piece>> Next();
   // The caller stops reading: applies what is left of the step.
   absl::Status Abandon();
 

@@ -249,6 +249,53 @@ TEST(CpuBackend, UpdatingAShardInPiecesEqualsOneCall) {
   EXPECT_EQ(pieces.state->Apply(steps).code(), absl::StatusCode::kOutOfRange);
 }
 
+// Params a commit holds (HoldState, sent as they lie) stay as they were
+// while an update or a write of the master changes the job's, and the job's
+// are the same bits as a job's that nobody held.
+TEST(CpuBackend, HeldParamsStayUnchangedWhileTheJobMovesOn) {
+  constexpr uint64_t kN = 3 * kApplyAlignment + 777;
+  std::mt19937_64 rng(19);
+  const auto init = RandomFloats(rng, kN, -1, 1);
+  const auto g = RandomBf16(rng, kN, 1.0f);
+  Job held = MakeJob({}, {kN}, Precision::kFp32, 1), free = MakeJob({}, {kN}, Precision::kFp32, 1);
+  for (Job* j : {&held, &free}) {
+    ASSERT_TRUE(j->state->WriteState(0, StateKind::kMaster, 0, DType::kFp32, init.data(), kN).ok());
+    ASSERT_TRUE(j->state->WriteGrad(0, 0, 0, DType::kBf16, g.data(), kN).ok());
+  }
+  const std::vector<uint16_t> before = ReadParams(*held.state, 0, kN);
+  auto joined = [](const HeldBytes& h) {
+    std::string out;
+    for (absl::string_view p : h.pieces) out.append(p.data(), p.size());
+    return out;
+  };
+  // Unaligned ranges across regions, and a region held twice.
+  auto a = held.state->HoldState(0, StateKind::kParamBf16, 100, 2 * kApplyAlignment, DType::kBf16);
+  auto b = held.state->HoldState(0, StateKind::kParamBf16, kApplyAlignment + 5, kN - kApplyAlignment - 5, DType::kBf16);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::string a_bytes(reinterpret_cast<const char*>(before.data() + 100), 2 * kApplyAlignment * 2);
+  const std::string b_bytes(reinterpret_cast<const char*>(before.data() + kApplyAlignment + 5),
+                            (kN - kApplyAlignment - 5) * 2);
+  ASSERT_EQ(joined(*a), a_bytes);
+  const auto scalars = ComputeAdamWScalars(testing::kDefaultHyper, 1e-3, 1.0f, 1);
+  for (Job* j : {&held, &free}) ASSERT_TRUE(j->state->Apply(WholeShardZero(scalars)).ok());
+  EXPECT_EQ(joined(*a), a_bytes);
+  EXPECT_EQ(joined(*b), b_bytes);
+  EXPECT_NE(ReadParams(*held.state, 0, kN), before);
+  EXPECT_EQ(ReadParams(*held.state, 0, kN), ReadParams(*free.state, 0, kN));
+  // A write of part of the master while held: the rest of its regions is kept.
+  const auto part = RandomFloats(rng, 1000, -1, 1);
+  for (Job* j : {&held, &free}) {
+    ASSERT_TRUE(j->state->WriteState(0, StateKind::kMaster, kApplyAlignment + 3, DType::kFp32, part.data(), 1000).ok());
+  }
+  EXPECT_EQ(joined(*b), b_bytes);
+  EXPECT_EQ(ReadParams(*held.state, 0, kN), ReadParams(*free.state, 0, kN));
+  a->owner.reset();
+  b->owner.reset();  // let go: the next update writes in place
+  for (Job* j : {&held, &free}) ASSERT_TRUE(j->state->Apply(WholeShardZero(scalars)).ok());
+  EXPECT_EQ(ReadParams(*held.state, 0, kN), ReadParams(*free.state, 0, kN));
+  EXPECT_EQ(ReadFloats(*held.state, 0, StateKind::kMaster, kN), ReadFloats(*free.state, 0, StateKind::kMaster, kN));
+}
+
 TEST(CpuBackend, SumOfSquaresIsTheFixedTreeForEveryThreadCount) {
   constexpr uint64_t kN = 5 * 16 * 4096 + 1234;  // several of the pool's 16-block items, and a ragged tail
   std::mt19937_64 rng(5);

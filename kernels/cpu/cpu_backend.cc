@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "kernels/cpu/param_regions.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace shardopt {
@@ -88,7 +89,7 @@ struct CpuShard {
   ShardLayout layout;
   uint64_t state_elem_bytes = 0;  // 4 for FP32, 2 for BF16
   AlignedBuffer p, m, v;
-  AlignedBuffer param_out;  // bf16 params as of the last update or write
+  cpu::ParamRegions params;  // bf16 params as of the last update or write
   AlignedBuffer grads;      // world_size slots of numel gradient elements
   // A running sum's tiles (cpu::kTile elements each), when the layout is one:
   // - bf16[t]: the tile holds one rank's bf16 gradient as it came, 2 B an
@@ -121,7 +122,7 @@ class CpuJobState final : public JobState {
       SHARDOPT_RETURN_IF_ERROR(alloc(state, &s.p));
       SHARDOPT_RETURN_IF_ERROR(alloc(state, &s.m));
       SHARDOPT_RETURN_IF_ERROR(alloc(state, &s.v));
-      SHARDOPT_RETURN_IF_ERROR(alloc(sl.numel * 2, &s.param_out));
+      SHARDOPT_ASSIGN_OR_RETURN(s.params, cpu::ParamRegions::Make(sl.numel));
       SHARDOPT_RETURN_IF_ERROR(alloc(sl.numel * layout_.world_size * DTypeSize(layout_.grad_dtype), &s.grads));
       if (IsRunningSum(layout_)) {
         const uint64_t tiles = (sl.numel + cpu::kTile - 1) / cpu::kTile;
@@ -186,6 +187,7 @@ class CpuJobState final : public JobState {
     }
     CpuShard& s = shards_[shard];
     char* dst = StateBuffer(s, kind).data() + offset * s.state_elem_bytes;
+    if (kind == StateKind::kMaster) SHARDOPT_RETURN_IF_ERROR(s.params.PrepareWrite(offset, count));
     if (dtype == DType::kFp32 && s.layout.precision == Precision::kFp32) {
       // fp32 into fp32 (a restore's bulk): a copy, and the params from it.
       std::memcpy(dst, data, count * 4);
@@ -193,8 +195,7 @@ class CpuJobState final : public JobState {
         // From the copy, which is aligned: `data` need not be (a restore's
         // pieces start wherever the part's frame ends).
         const float* master = reinterpret_cast<const float*>(dst);
-        uint16_t* params = reinterpret_cast<uint16_t*>(s.param_out.data()) + offset;
-        for (uint64_t i = 0; i < count; ++i) params[i] = math::float_to_bf16(master[i]);
+        for (uint64_t i = 0; i < count; ++i) *s.params.At(offset + i) = math::float_to_bf16(master[i]);
       }
       return absl::OkStatus();
     }
@@ -215,7 +216,7 @@ class CpuJobState final : public JobState {
         reinterpret_cast<uint16_t*>(dst)[i] = math::float_to_bf16(x);
       }
       if (kind == StateKind::kMaster) {
-        reinterpret_cast<uint16_t*>(s.param_out.data())[offset + i] = math::float_to_bf16(x);
+        *s.params.At(offset + i) = math::float_to_bf16(x);
       }
     }
     return absl::OkStatus();
@@ -227,7 +228,7 @@ class CpuJobState final : public JobState {
     const CpuShard& s = shards_[shard];
     if (kind == StateKind::kParamBf16) {
       if (dtype != DType::kBf16) return absl::InvalidArgumentError("params are read as bf16");
-      std::memcpy(out, s.param_out.data() + offset * 2, count * 2);
+      s.params.Read(offset, count, static_cast<uint16_t*>(out));
       return absl::OkStatus();
     }
     if (dtype != DType::kFp32) return absl::InvalidArgumentError("master, m and v are read as fp32");
@@ -240,6 +241,15 @@ class CpuJobState final : public JobState {
       }
     }
     return absl::OkStatus();
+  }
+
+  absl::StatusOr<HeldBytes> HoldState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
+                                      DType dtype) const override {
+    if (kind != StateKind::kParamBf16 || dtype != DType::kBf16) {
+      return JobState::HoldState(shard, kind, offset, count, dtype);
+    }
+    SHARDOPT_RETURN_IF_ERROR(CheckRange(shard, offset, count));
+    return shards_[shard].params.Hold(offset, count);
   }
 
   absl::StatusOr<GradStats> ReduceGrads(absl::Span<const ShardGrads> shards) const override {
@@ -279,6 +289,7 @@ class CpuJobState final : public JobState {
 
   absl::Status Apply(absl::Span<const ShardStep> steps) override {
     SHARDOPT_ASSIGN_OR_RETURN(auto ends, CheckSteps(steps));
+    SHARDOPT_RETURN_IF_ERROR(PrepareParams(steps, ends));
     ForEachTile(steps, ends, [&](const ShardStep& step, uint64_t off, uint64_t len) { ApplyTile(step, off, len); });
     return absl::OkStatus();
   }
@@ -291,6 +302,7 @@ class CpuJobState final : public JobState {
         return absl::InvalidArgumentError("the roofline streams FP32 shards with one rank's gradient");
       }
     }
+    SHARDOPT_RETURN_IF_ERROR(PrepareParams(steps, ends));
     ForEachTile(steps, ends, [&](const ShardStep& step, uint64_t off, uint64_t len) {
       CpuShard& s = shards_[step.grads.shard];
       cpu::StreamArgs a;
@@ -298,7 +310,7 @@ class CpuJobState final : public JobState {
       a.p = reinterpret_cast<float*>(s.p.data()) + off;
       a.m = reinterpret_cast<float*>(s.m.data()) + off;
       a.v = reinterpret_cast<float*>(s.v.data()) + off;
-      a.param_out = reinterpret_cast<uint16_t*>(s.param_out.data()) + off;
+      a.param_out = s.params.At(off);
       a.n = len;
       loops_->stream(a);
     });
@@ -313,7 +325,7 @@ class CpuJobState final : public JobState {
     MemoryUse use;
     for (const CpuShard& s : shards_) {
       use.state_bytes += s.p.bytes() + s.m.bytes() + s.v.bytes();
-      use.staging_bytes += s.param_out.bytes() + s.grads.bytes();
+      use.staging_bytes += s.params.bytes() + s.grads.bytes();
     }
     return use;
   }
@@ -393,6 +405,16 @@ class CpuJobState final : public JobState {
     }
   }
 
+  // Makes the params the steps write writable (param_regions.h), before
+  // the threads write them.
+  absl::Status PrepareParams(absl::Span<const ShardStep> steps, const std::vector<uint64_t>& ends) {
+    for (size_t i = 0; i < steps.size(); ++i) {
+      SHARDOPT_RETURN_IF_ERROR(
+          shards_[steps[i].grads.shard].params.PrepareWrite(steps[i].offset, ends[i] - steps[i].offset));
+    }
+    return absl::OkStatus();
+  }
+
   // The end of each step's range, after checking it.
   absl::StatusOr<std::vector<uint64_t>> CheckSteps(absl::Span<const ShardStep> steps) const {
     std::vector<uint64_t> ends;
@@ -447,7 +469,7 @@ class CpuJobState final : public JobState {
     a.m = s.m.data() + off * se;
     a.v = s.v.data() + off * se;
     a.precision = s.layout.precision;
-    a.param_out = reinterpret_cast<uint16_t*>(s.param_out.data()) + off;
+    a.param_out = s.params.At(off);
     a.n = len;
     a.scalars = step.scalars;
     loops_->update(a);

@@ -1,0 +1,59 @@
+// A CPU shard's bf16 params, which a commit sends as they lie in memory
+// (docs/design.md, section 10.2) rather than copying them into a message.
+// They are kept in regions of kApplyAlignment elements, each shared with the
+// commit streams that hold it (Hold), so that a region still being sent is
+// never written: a write finds it shared and goes to a fresh copy of it
+// (copy on write). Pieces of one step's commit never share a region, and a
+// step starts applying only after every rank has received the last step's
+// params, so in a normal run no copy is ever made; it is what keeps a slow
+// sender's bytes intact.
+//
+// Not thread-safe: its job's lock guards it, except that holds may be
+// released from any thread. Writers call PrepareWrite for a range (alone),
+// then may write its elements from many threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+
+namespace shardopt::cpu {
+
+class ParamRegions {
+ public:
+  static constexpr uint64_t kRegion = kApplyAlignment;
+
+  ParamRegions() = default;
+  ParamRegions(ParamRegions&&) = default;
+  ParamRegions& operator=(ParamRegions&&) = default;
+  ParamRegions(const ParamRegions&) = delete;  // a copy would hold every region
+  ParamRegions& operator=(const ParamRegions&) = delete;
+  // `numel` params, zero.
+  static absl::StatusOr<ParamRegions> Make(uint64_t numel);
+
+  // Makes [offset, offset + count) writable: every region in it that is held
+  // is replaced by a copy of its own.
+  absl::Status PrepareWrite(uint64_t offset, uint64_t count);
+  // Element `offset`, for writing up to the end of its region, after
+  // PrepareWrite covered it.
+  uint16_t* At(uint64_t offset) { return regions_[offset / kRegion].get() + offset % kRegion; }
+  const uint16_t* At(uint64_t offset) const { return regions_[offset / kRegion].get() + offset % kRegion; }
+  // Copies [offset, offset + count) to `out`.
+  void Read(uint64_t offset, uint64_t count, uint16_t* out) const;
+  // [offset, offset + count) as it lies, held unchanged while the result's
+  // owner lives.
+  HeldBytes Hold(uint64_t offset, uint64_t count) const;
+  uint64_t bytes() const { return numel_ * 2; }
+
+ private:
+  static absl::StatusOr<std::shared_ptr<uint16_t>> NewRegion();
+  uint64_t RegionLength(uint64_t r) const { return std::min(kRegion, numel_ - r * kRegion); }
+
+  uint64_t numel_ = 0;
+  std::vector<std::shared_ptr<uint16_t>> regions_;
+};
+
+}  // namespace shardopt::cpu
