@@ -86,7 +86,7 @@ absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args) {
   auto tcp_echo = TcpEcho::Start();
   if (!tcp_echo.ok()) return tcp_echo.status();
   const char* src = reinterpret_cast<const char*>(grads.data());
-  std::vector<char> grpc_dst(bytes), tcp_dst(bytes);
+  std::vector<char> grpc_dst(bytes), tcp_dst(bytes), relay_dst(bytes);
 
   StepOptions step_options;
   uint64_t phased_step = 0;
@@ -142,15 +142,18 @@ absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args) {
                   },
                   [&] { return (*grpc_echo)->Run(src, grpc_dst.data(), bytes, args.chunk_bytes); },
                   [&] { return (*tcp_echo)->Run(src, tcp_dst.data(), bytes, args.chunk_bytes); },
+                  [&] { return (*grpc_echo)->Relay(src, relay_dst.data(), bytes, args.chunk_bytes); },
               },
       &cpu);
   if (!best.ok()) return best.status();
-  if (std::memcmp(grpc_dst.data(), src, bytes) != 0 || std::memcmp(tcp_dst.data(), src, bytes) != 0) {
+  if (std::memcmp(grpc_dst.data(), src, bytes) != 0 || std::memcmp(tcp_dst.data(), src, bytes) != 0 ||
+      std::memcmp(relay_dst.data(), src, bytes) != 0) {
     return absl::DataLossError("an echo returned different bytes");
   }
   const double step_seconds = (*best)[0];
   const double echo_seconds = (*best)[3];
   const double tcp_seconds = (*best)[4];
+  const double relay_seconds = (*best)[5];
   const double n = static_cast<double>(args.params);
   // The step's ceiling on one machine whose cores both move the bytes and
   // run the update: the echo of the same bytes, then the kernel over the
@@ -159,6 +162,10 @@ absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args) {
   if (!kernel.ok()) return kernel.status();
   const double kernel_seconds = (*kernel)["update_seconds"].get<double>();
   const double ceiling = echo_seconds * static_cast<double>(args.workers) + kernel_seconds;
+  // A step cannot overlap its two directions as the echo does: no param
+  // goes out before every gradient is in. The relay moves the same bytes in
+  // that order, so this ceiling is one the protocol can reach.
+  const double sequential_ceiling = relay_seconds * static_cast<double>(args.workers) + kernel_seconds;
   // Server 0's phases of the last step (a phased one when W = 1).
   auto phases = stores.front()->LastStepPhases(job.name);
   if (!phases.ok()) return phases.status();
@@ -181,7 +188,8 @@ absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args) {
        {{"step", cpu[0]},
         {"push", clients.size() > 1 ? nlohmann::json() : nlohmann::json(cpu[1])},
         {"commit", clients.size() > 1 ? nlohmann::json() : nlohmann::json(cpu[2])},
-        {"echo", cpu[3]}}},
+        {"echo", cpu[3]},
+        {"relay", cpu[5]}}},
       // Every worker's gradient up and params down, over all links.
       {"wire_bytes_per_step", bytes * 2 * args.workers},
       {"wire_bytes_per_second", static_cast<double>(bytes * 2 * args.workers) / step_seconds},
@@ -196,6 +204,9 @@ absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args) {
       {"kernel_seconds", kernel_seconds},
       {"serial_ceiling_seconds", ceiling},
       {"fraction_of_serial_ceiling", ceiling / step_seconds},
+      {"relay_seconds", relay_seconds},
+      {"sequential_ceiling_seconds", sequential_ceiling},
+      {"fraction_of_sequential_ceiling", sequential_ceiling / step_seconds},
       {"server_phases_seconds",
        {{"push", phases->push},
         {"reduce_in_push", phases->reduce},

@@ -24,13 +24,15 @@ namespace shardopt::bench {
 namespace {
 
 constexpr char kEchoMethod[] = "/shardopt.bench.Echo/Echo";
+constexpr char kRelayMethod[] = "/shardopt.bench.Echo/Relay";
 
-// Writes back each message as it arrives while the next one is read. Only
-// one write may be in flight, so messages that arrive meanwhile wait in a
+// Writes back each message as it arrives while the next one is read (Echo),
+// or only once the client has sent them all (Relay: a step's shape, all in
+// and then all out). Only one write may be in flight, so messages wait in a
 // queue, which holds references to the received slices, not copies.
 class EchoReactor final : public grpc::ServerGenericBidiReactor {
  public:
-  EchoReactor() { StartRead(&in_); }
+  explicit EchoReactor(bool relay) : relay_(relay) { StartRead(&in_); }
 
   void OnReadDone(bool ok) override {
     grpc::ByteBuffer* to_write = nullptr;
@@ -38,17 +40,16 @@ class EchoReactor final : public grpc::ServerGenericBidiReactor {
     {
       std::lock_guard<std::mutex> lock(mu_);
       stop = reads_done_ = !ok || failed_;
-      if (!stop) {
-        pending_.push_back(std::move(in_));
-        if (!writing_) {
-          writing_ = true;
-          to_write = &pending_.front();  // a deque keeps references across push_back
-        }
+      if (!stop) pending_.push_back(std::move(in_));
+      const bool may_write = stop ? relay_ && !failed_ : !relay_;
+      if (may_write && !writing_ && !pending_.empty()) {
+        writing_ = true;
+        to_write = &pending_.front();  // a deque keeps references across push_back
       }
     }
+    if (to_write != nullptr) StartWrite(to_write);
     if (stop) return MaybeFinish();
     StartRead(&in_);
-    if (to_write != nullptr) StartWrite(to_write);
   }
 
   void OnWriteDone(bool ok) override {
@@ -81,6 +82,7 @@ class EchoReactor final : public grpc::ServerGenericBidiReactor {
     Finish(failed ? grpc::Status(grpc::StatusCode::CANCELLED, "echo write failed") : grpc::Status::OK);
   }
 
+  const bool relay_;
   std::mutex mu_;
   grpc::ByteBuffer in_;
   std::deque<grpc::ByteBuffer> pending_;
@@ -91,8 +93,8 @@ class EchoReactor final : public grpc::ServerGenericBidiReactor {
 };
 
 class EchoService final : public grpc::CallbackGenericService {
-  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext*) override {
-    return new EchoReactor;
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* context) override {
+    return new EchoReactor(context->method() == kRelayMethod);
   }
 };
 
@@ -104,8 +106,8 @@ class EchoCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::By
   EchoCall(const char* src, char* dst, uint64_t bytes, uint64_t chunk_bytes)
       : src_(src), dst_(dst), bytes_(bytes), chunk_bytes_(chunk_bytes) {}
 
-  absl::Status Run(grpc::GenericStub* stub) {
-    stub->PrepareBidiStreamingCall(&ctx_, kEchoMethod, grpc::StubOptions(), this);
+  absl::Status Run(grpc::GenericStub* stub, const char* method) {
+    stub->PrepareBidiStreamingCall(&ctx_, method, grpc::StubOptions(), this);
     StartRead(&in_);
     WriteNext();
     StartCall();
@@ -217,7 +219,12 @@ GrpcEcho::~GrpcEcho() {
 
 absl::Status GrpcEcho::Run(const char* src, char* dst, uint64_t bytes, uint64_t chunk_bytes) {
   EchoCall call(src, dst, bytes, chunk_bytes);
-  return call.Run(stub_.get());
+  return call.Run(stub_.get(), kEchoMethod);
+}
+
+absl::Status GrpcEcho::Relay(const char* src, char* dst, uint64_t bytes, uint64_t chunk_bytes) {
+  EchoCall call(src, dst, bytes, chunk_bytes);
+  return call.Run(stub_.get(), kRelayMethod);
 }
 
 absl::StatusOr<std::unique_ptr<TcpEcho>> TcpEcho::Start() {

@@ -1,7 +1,8 @@
-// The two ceilings that docs/design.md (section 10.2) states end-to-end
+// The ceilings that docs/design.md (section 10.2) states end-to-end
 // throughput against: a bare gRPC streaming echo, tuned as the design
 // measured best, and a plain TCP echo. Both send `bytes` from `src` and land
-// the echo in `dst`, with both directions in flight at once.
+// the echo in `dst`, with both directions in flight at once; the gRPC
+// relay sends them one way and then the other.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,10 @@ class GrpcEcho {
   static absl::StatusOr<std::unique_ptr<GrpcEcho>> Start();
   ~GrpcEcho();
   absl::Status Run(const char* src, char* dst, uint64_t bytes, uint64_t chunk_bytes);
+  // The same bytes all the way to the server first, and only then back: a
+  // step's shape (every gradient in before any param goes out), so the two
+  // directions never overlap.
+  absl::Status Relay(const char* src, char* dst, uint64_t bytes, uint64_t chunk_bytes);
 
  private:
   GrpcEcho() = default;
