@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "bench/benches.h"
 #include "bench/common.h"
 #include "bench/echo.h"
@@ -28,6 +29,7 @@ constexpr uint64_t kBytesPerParam = 2;  // bf16 gradients up, bf16 params down
 
 absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args) {
   TuneAllocatorForStreaming();  // the process holds the echoes too, not only the client
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);  // as the server does (server/main.cc)
 
   // S servers and W worker clients, all in this process: one step is every
   // worker pushing the whole model (split over the servers) and reading it

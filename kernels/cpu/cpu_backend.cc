@@ -170,11 +170,9 @@ class CpuJobState final : public JobState {
   void GradBlockDone(uint32_t shard, uint64_t offset, uint64_t count) override {
     CpuShard& s = shards_[shard];
     if (s.summed.empty()) return;
-    alignas(64) float widened[cpu::kTile];
     for (uint64_t at = offset; at < offset + count; at += cpu::kTile) {
       const uint64_t tile = at / cpu::kTile;
-      const uint64_t n = std::min(cpu::kTile, s.layout.numel - at);
-      s.sumsq[tile] = loops_->sumsq_block(SumTile(s, tile, widened), n);
+      s.sumsq[tile] = TileSumsq(s, tile);
       s.summed[tile] = 1;
     }
   }
@@ -274,7 +272,7 @@ class CpuJobState final : public JobState {
         const uint64_t n = std::min(cpu::kTile, s.layout.numel - offset);
         if (IsRunningSum(layout_)) {  // one slot, read where it lies
           const uint64_t t = offset / cpu::kTile;
-          partials[b] = s.summed[t] ? s.sumsq[t] : loops_->sumsq_block(SumTile(s, t, tile), n);
+          partials[b] = s.summed[t] ? s.sumsq[t] : TileSumsq(s, t);
           continue;
         }
         AggregateTile(sg, offset, n, tile);
@@ -354,15 +352,11 @@ class CpuJobState final : public JobState {
   // A running sum's tile `t` in its bf16 form: the first half of its room.
   static char* Bf16Tile(const CpuShard& s, uint64_t t) { return s.grads.data() + t * cpu::kTile * 4; }
 
-  // A running sum's tile `t` as fp32: where it lies, or widened into
-  // `scratch` when it holds bf16 values.
-  const float* SumTile(const CpuShard& s, uint64_t t, float* scratch) const {
+  // The sum of squares of a running sum's tile `t`, in whichever form it is.
+  double TileSumsq(const CpuShard& s, uint64_t t) const {
     const uint64_t n = std::min(cpu::kTile, s.layout.numel - t * cpu::kTile);
-    if (s.bf16[t]) {
-      loops_->accumulate(scratch, Bf16Tile(s, t), DType::kBf16, n, true);
-      return scratch;
-    }
-    return reinterpret_cast<const float*>(s.grads.data()) + t * cpu::kTile;
+    if (s.bf16[t]) return loops_->sumsq_block_bf16(reinterpret_cast<const uint16_t*>(Bf16Tile(s, t)), n);
+    return loops_->sumsq_block(reinterpret_cast<const float*>(s.grads.data()) + t * cpu::kTile, n);
   }
 
   // Folds n elements from `at` (all in tile `tile`) into a running sum.

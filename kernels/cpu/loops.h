@@ -51,6 +51,8 @@ struct LoopTable {
   void (*accumulate)(float* acc, const void* src, DType dtype, uint64_t n, bool first);
   // One reduction block (n <= kSumsqBlock) by adamw_math.h's fixed tree.
   double (*sumsq_block)(const float* g, uint64_t n);
+  // The same of bf16 values, widened as they are read.
+  double (*sumsq_block_bf16)(const uint16_t* g, uint64_t n);
   void (*stream)(const StreamArgs& args);
 };
 

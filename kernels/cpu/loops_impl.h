@@ -100,17 +100,22 @@ void Accumulate(float* acc, const void* src, DType dtype, uint64_t n, bool first
   }
 }
 
-double SumsqBlock(const float* __restrict g, uint64_t n) {
+template <typename T>
+double SumsqBlockOf(const T* __restrict g, uint64_t n) {
   double lanes[math::kSumsqLanes] = {};
   for (uint64_t base = 0; base < n; base += math::kSumsqLanes) {
     const uint64_t width = n - base < math::kSumsqLanes ? n - base : math::kSumsqLanes;
-    for (uint64_t l = 0; l < width; ++l) lanes[l] += math::square(g[base + l]);
+    for (uint64_t l = 0; l < width; ++l) lanes[l] += math::square(Load(g[base + l]));
   }
   for (int stride = math::kSumsqLanes / 2; stride > 0; stride /= 2) {
     for (int l = 0; l < stride; ++l) lanes[l] += lanes[l + stride];
   }
   return lanes[0];
 }
+
+double SumsqBlock(const float* g, uint64_t n) { return SumsqBlockOf(g, n); }
+// Widening is exact, so the bf16 values' squares are the widened ones'.
+double SumsqBlockBf16(const uint16_t* g, uint64_t n) { return SumsqBlockOf(g, n); }
 
 void Stream(const StreamArgs& a) {
   const uint16_t* __restrict grad = a.grad;
@@ -131,6 +136,6 @@ void Stream(const StreamArgs& a) {
 }  // namespace
 
 extern const LoopTable kLoops;
-const LoopTable kLoops = {&Update, &Accumulate, &SumsqBlock, &Stream};
+const LoopTable kLoops = {&Update, &Accumulate, &SumsqBlock, &SumsqBlockBf16, &Stream};
 
 }  // namespace shardopt::cpu::SHARDOPT_LOOPS_NAMESPACE
