@@ -5,8 +5,6 @@
 // cores.
 #include <algorithm>
 #include <cstring>
-#include <cstdio>
-#include <cstdlib>
 #include <thread>
 #include <vector>
 
@@ -108,20 +106,6 @@ absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args) {
     }
     return absl::OkStatus();
   };
-  if (const char* only = getenv("SHARDOPT_ONLY")) {
-    for (int i = 0; i < 23; ++i) {
-      if (i == 3) { if (FILE* f = fopen("/tmp/perfctl", "w")) { fputs("enable\n", f); fclose(f); } }
-      phased_step = client->step() + 1;
-      auto push = client->Push(phased_step, grad_views);
-      if (!push.ok()) return push.status();
-      decision = Decide(*push, job.world_size, step_options);
-      if (only[0] == '1') { if (FILE* f = fopen("/tmp/perfctl", "w")) { fputs("disable\n", f); fclose(f); } }
-      auto c = client->Commit(phased_step, step_options.lr, decision.gscale, decision.skip, param_views);
-      if (only[0] == '1') { if (FILE* f = fopen("/tmp/perfctl", "w")) { fputs("enable\n", f); fclose(f); } }
-      if (!c.ok()) return c;
-    }
-    return nlohmann::json{};
-  }
   std::vector<double> cpu;
   auto best = BestOfInterleaved(
       args.steps, {

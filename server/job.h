@@ -110,6 +110,14 @@ class Job {
     MemoryBudget::Charge tracking;
   };
   Round round ABSL_GUARDED_BY(mu);
+  // Gradient bytes the job's push streams hold outside the window: a read
+  // in flight (at its expected size) or a chunk the window had no room for
+  // (what of it is not yet placed). A push stream reads its next chunk only
+  // while these and the window leave room for it under the window's cap,
+  // unless its rank is the lowest still pushing (PushSession::MayRead). So
+  // what a job's pushes hold stays near the cap whatever the number of
+  // ranks, and gRPC's flow control holds the rest back in the senders.
+  uint64_t held_bytes ABSL_GUARDED_BY(mu) = 0;
   // The phases of the last step done, and of the step being applied.
   StepPhases last_phases ABSL_GUARDED_BY(mu);
   StepPhases applying_phases ABSL_GUARDED_BY(mu);

@@ -24,7 +24,7 @@ class PushReactor final : public ReadReactor {
         store_(store), response_(response), caller_(std::move(caller)) {}
 
  private:
-  enum class Waiting { kNothing, kWindow, kBarrier };
+  enum class Waiting { kNothing, kWindow, kRead, kBarrier };
 
   void OnMessage(grpc::ByteBuffer* message) override {
     // The gradient bytes stay in the message's slices, which data_ now
@@ -77,6 +77,9 @@ class PushReactor final : public ReadReactor {
     if (waiting_ == Waiting::kWindow) {
       waiting_ = Waiting::kNothing;
       Taken(session_->Resume(Wake()));
+    } else if (waiting_ == Waiting::kRead) {
+      waiting_ = Waiting::kNothing;
+      ReadWhenAllowed();
     } else if (waiting_ == Waiting::kBarrier) {
       waiting_ = Waiting::kNothing;
       Seal();
@@ -87,6 +90,19 @@ class PushReactor final : public ReadReactor {
     if (!taken.ok()) return Stop(ToGrpcStatus(taken.status()));
     if (!*taken) {
       waiting_ = Waiting::kWindow;
+      return;
+    }
+    ReadWhenAllowed();
+  }
+
+  // The next message is read only when the job's pushes hold little enough
+  // (PushSession::MayRead); until then gRPC's flow control holds it back in
+  // the sender.
+  void ReadWhenAllowed() {
+    auto may = session_->MayRead(Wake());
+    if (!may.ok()) return Stop(ToGrpcStatus(may.status()));
+    if (!*may) {
+      waiting_ = Waiting::kRead;
       return;
     }
     Read();

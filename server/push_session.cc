@@ -56,8 +56,9 @@ void PushSession::Start(std::chrono::steady_clock::time_point now) {
 // retry sends the same gradient, which counts once), and a refused one ends
 // the round, whose pushes are then retried from the start.
 PushSession::~PushSession() {
-  if (!started_ || answered_) return;
   absl::MutexLock lock(&job_->mu);
+  Hold(0);
+  if (!started_ || answered_) return;
   Job::Round& round = job_->round;
   if (!round.active || round.epoch != epoch_ || round.sealed || round.sum->finished(rank_) ||
       round.sessions[rank_] != session_) {
@@ -159,7 +160,9 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, wire::Pieces data, c
     no_grad_[it->second] = true;
   }
   const bool has_data = !chunk.tensor().empty() || !data.empty();
+  if (!data.empty()) last_chunk_ = data.size();
   absl::MutexLock lock(&job_->mu);
+  Hold(0);  // the read it was held for is done: the chunk is counted below if it waits
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   const auto now = std::chrono::steady_clock::now();
   job_->ExpireIfLate(now);
@@ -207,10 +210,45 @@ absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
   if (sum.progress() != before) job_->Notify();
   if (!offered.window_full) {
     pending_.reset();
+    Hold(0);
     return true;
   }
+  Hold((count - pending_taken_) * esize);
   // The window is full: this stream is not read until it drains, so gRPC's
   // flow control holds the sender back.
+  job_->Watch(wake);
+  return false;
+}
+
+void PushSession::Hold(uint64_t bytes) {
+  job_->held_bytes = job_->held_bytes - held_ + bytes;
+  const bool let_go = bytes < held_;
+  held_ = bytes;
+  if (let_go) job_->Notify();
+}
+
+absl::StatusOr<bool> PushSession::MayRead(const Wake& wake) {
+  // A stream's chunks are about 1 MiB unless it has shown otherwise.
+  constexpr uint64_t kExpectedChunk = uint64_t{1} << 20;
+  const uint64_t expected = last_chunk_ > 0 ? last_chunk_ : kExpectedChunk;
+  absl::MutexLock lock(&job_->mu);
+  SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
+  job_->ExpireIfLate(std::chrono::steady_clock::now());
+  if (started_ && job_->step < step_ && (job_->round.epoch != epoch_ || !job_->round.active)) {
+    refused_ = true;
+    return Discarded();
+  }
+  // Chunks that are not summed cost nothing held: a retry of a step already
+  // sealed or committed.
+  const bool active = job_->round.active;
+  const bool counted = job_->step < step_ && !(active && job_->round.sealed);
+  // Before the round starts nobody has finished, so rank 0 is the lowest.
+  const uint32_t lowest = active ? job_->round.sum->lowest_unfinished() : 0;
+  const uint64_t windowed = active ? job_->round.sum->window_bytes() : 0;
+  if (!counted || rank_ == lowest || job_->held_bytes - held_ + windowed + expected <= job_->window_bytes) {
+    Hold(counted ? expected : 0);
+    return true;
+  }
   job_->Watch(wake);
   return false;
 }

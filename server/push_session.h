@@ -58,6 +58,12 @@ class PushSession {
   // deadline is cut with it.
   absl::Status CheckRound();
 
+  // Whether the stream may read its next message now (Job::held_bytes):
+  // true, counting the message's expected size as held until it arrives;
+  // false, and `wake` runs when it is worth asking again. An error if the
+  // round the stream joined has ended without it (its answer).
+  absl::StatusOr<bool> MayRead(const Wake& wake);
+
   // How many no_grad names the stream may still send.
   uint64_t no_grad_names_left() const;
 
@@ -81,6 +87,9 @@ class PushSession {
   absl::StatusOr<bool> Take(v1::GradChunk head, wire::Pieces data, const Wake& wake);
   // Folds what it can of the pending chunk; false when the rest must wait.
   absl::StatusOr<bool> Fold(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
+  // This session's part of the job's held_bytes becomes `bytes`; letting go
+  // of some wakes the streams that wait to read.
+  void Hold(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
 
   // The answer to a push whose round ended without it.
   absl::Status Discarded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
@@ -102,6 +111,8 @@ class PushSession {
   std::optional<wire::Pieces> pending_;
   uint64_t pending_offset_ = 0;  // the chunk's, in the tensor
   uint64_t pending_taken_ = 0;
+  uint64_t held_ = 0;           // this session's part of job_->held_bytes
+  uint64_t last_chunk_ = 0;     // the last chunk's bytes: the next read's expected size
   DType pending_dtype_ = DType::kBf16;
   uint32_t pending_shard_ = 0;
 

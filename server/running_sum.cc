@@ -152,6 +152,7 @@ absl::Status RunningSum::Finish(JobState& state, uint32_t rank, std::vector<bool
   RankState& r = ranks_[rank];
   r.finished = true;
   r.no_grad = std::move(no_grad);
+  while (lowest_unfinished_ < world_size_ && ranks_[lowest_unfinished_].finished) ++lowest_unfinished_;
   growing_bytes_ += (r.no_grad.size() + 7) / 8 + 64;
   for (uint32_t s = 0; s < blocks_.size(); ++s) {
     for (uint64_t k = 0; k < blocks_[s].size(); ++k) {

@@ -56,6 +56,9 @@ class RunningSum {
   bool Withdraw(uint32_t rank);
 
   bool finished(uint32_t rank) const { return ranks_[rank].finished; }
+  // The lowest rank that has not finished: it is next in every block it has
+  // not covered, so its chunks always fold at once and never need the window.
+  uint32_t lowest_unfinished() const { return lowest_unfinished_; }
   bool folded(uint32_t rank) const { return ranks_[rank].folded; }
   bool no_grad(uint32_t rank, uint32_t shard) const;
   // The first range of the shard the rank has not offered, if any.
@@ -113,6 +116,7 @@ class RunningSum {
   std::vector<RankState> ranks_;
   absl::flat_hash_map<uint64_t, std::vector<Waiting>> window_;  // by Key(shard, block)
   uint64_t window_bytes_ = 0;
+  uint32_t lowest_unfinished_ = 0;
   uint64_t progress_ = 0;
   uint64_t growing_bytes_ = 0;
   // Reused by every fold: a chunk's runs of whole elements, and the elements

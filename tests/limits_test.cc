@@ -74,10 +74,13 @@ int OpenStreams(int port) {
 
 // Waits (10 s at most) until the server has `n` streams open.
 bool AwaitOpenStreams(int metrics_port, int n) {
+  int seen = -1;
   for (int i = 0; i < 200; ++i) {
-    if (OpenStreams(metrics_port) == n) return true;
+    seen = OpenStreams(metrics_port);
+    if (seen == n) return true;
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
+  ADD_FAILURE() << "the server has " << seen << " streams open after 10 s, not " << n;
   return false;
 }
 

@@ -31,6 +31,8 @@ ABSL_FLAG(int, stall_after_pushing_server, -1,
 ABSL_FLAG(int, step_attempts, 20, "attempts per step while the barrier times out");
 ABSL_FLAG(uint32_t, size, 1, "scale::MakeJob's multiplier of the tensors' lengths");
 ABSL_FLAG(std::string, out, "", "output path prefix");
+ABSL_FLAG(bool, init, true, "at step 0, write the initial values (every rank writes the same); false: another did");
+ABSL_FLAG(bool, read_masters, true, "at the end, read the masters back into the output");
 
 namespace shardopt::scale {
 namespace {
@@ -71,7 +73,7 @@ int Run() {
   }
   if (!start.ok()) return Fail(log, start.status(), "attach");
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
-  if (*start == 0) {
+  if (*start == 0 && absl::GetFlag(FLAGS_init)) {
     // Every rank writes the same values, so no rank waits for another's.
     for (uint32_t t = 0; t < job.tensors.size(); ++t) {
       const auto init = InitialValues(seed, t, job.tensors[t].numel);
@@ -128,6 +130,7 @@ int Run() {
   }
 
   for (const TensorOptions& t : job.tensors) {
+    if (!absl::GetFlag(FLAGS_read_masters)) break;
     std::vector<float> master(t.numel);
     if (auto st = (*client)->Read(t.name, StateToRead::kMaster, 0, t.numel, master.data()); !st.ok()) {
       return Fail(log, st, "read");
