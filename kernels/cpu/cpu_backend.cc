@@ -193,7 +193,10 @@ class CpuJobState final : public JobState {
         // From the copy, which is aligned: `data` need not be (a restore's
         // pieces start wherever the part's frame ends).
         const float* master = reinterpret_cast<const float*>(dst);
-        for (uint64_t i = 0; i < count; ++i) *s.params.At(offset + i) = math::float_to_bf16(master[i]);
+        s.params.ForEachRun(offset, count, [&](uint16_t* params, uint64_t first, uint64_t n) {
+          const float* from = master + (first - offset);
+          for (uint64_t i = 0; i < n; ++i) params[i] = math::float_to_bf16(from[i]);
+        });
       }
       return absl::OkStatus();
     }

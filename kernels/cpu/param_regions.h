@@ -13,6 +13,7 @@
 // then may write its elements from many threads.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -41,6 +42,17 @@ class ParamRegions {
   // PrepareWrite covered it.
   uint16_t* At(uint64_t offset) { return regions_[offset / kRegion].get() + offset % kRegion; }
   const uint16_t* At(uint64_t offset) const { return regions_[offset / kRegion].get() + offset % kRegion; }
+  // Calls fn(params, first, n) for each run of [offset, offset + count) that
+  // lies in one region: `params` holds elements first .. first + n - 1.
+  // After PrepareWrite covered the range, the runs may be written.
+  template <typename Fn>
+  void ForEachRun(uint64_t offset, uint64_t count, Fn fn) {
+    for (uint64_t at = offset; at < offset + count;) {
+      const uint64_t n = std::min(offset + count, (at / kRegion + 1) * kRegion) - at;
+      fn(At(at), at, n);
+      at += n;
+    }
+  }
   // Copies [offset, offset + count) to `out`.
   void Read(uint64_t offset, uint64_t count, uint16_t* out) const;
   // [offset, offset + count) as it lies, held unchanged while the result's
