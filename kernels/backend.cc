@@ -1,6 +1,5 @@
 #include "kernels/backend.h"
 
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -74,16 +73,8 @@ void WidenBf16(const uint16_t* in, uint64_t count, float* out) {
 }
 
 void AccumulateOnHost(float* acc, const void* src, DType dtype, uint64_t count, bool first) {
-  const char* in = static_cast<const char*>(src);
   for (uint64_t i = 0; i < count; ++i) {
-    float x;
-    if (dtype == DType::kFp32) {
-      std::memcpy(&x, in + 4 * i, 4);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, in + 2 * i, 2);
-      x = math::bf16_to_float(h);
-    }
+    const float x = LoadAsFloat(static_cast<const char*>(src), i, dtype);
     acc[i] = first ? x : math::add(acc[i], x);
   }
 }

@@ -88,6 +88,18 @@ absl::Status CheckGradWrite(const JobLayout& layout, uint32_t shard, uint32_t ra
 // Checks that the layout keeps one fp32 slot and the range lies in the shard.
 absl::Status CheckAccumulate(const JobLayout& layout, uint32_t shard, uint64_t offset, uint64_t count);
 absl::Status CheckShardGrads(const JobLayout& layout, const ShardGrads& grads);
+// Element i of `data` (fp32 or bf16, at any address) as a float, widened
+// exactly.
+inline float LoadAsFloat(const char* data, uint64_t i, DType dtype) {
+  if (dtype == DType::kFp32) {
+    float x;
+    __builtin_memcpy(&x, data + 4 * i, 4);
+    return x;
+  }
+  uint16_t h;
+  __builtin_memcpy(&h, data + 2 * i, 2);
+  return math::bf16_to_float(h);
+}
 // bf16 to float, exactly: how a bf16 gradient enters fp32 gradient slots.
 void WidenBf16(const uint16_t* in, uint64_t count, float* out);
 // acc[i] = src[i] widened when `first`, else math::add(acc[i], src[i]): the

@@ -232,12 +232,7 @@ absl::StatusOr<bool> PushSession::MayRead(const Wake& wake) {
   constexpr uint64_t kExpectedChunk = uint64_t{1} << 20;
   const uint64_t expected = last_chunk_ > 0 ? last_chunk_ : kExpectedChunk;
   absl::MutexLock lock(&job_->mu);
-  SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
-  job_->ExpireIfLate(std::chrono::steady_clock::now());
-  if (started_ && job_->step < step_ && (job_->round.epoch != epoch_ || !job_->round.active)) {
-    refused_ = true;
-    return Discarded();
-  }
+  SHARDOPT_RETURN_IF_ERROR(CheckRoundLocked());
   // Chunks that are not summed cost nothing held: a retry of a step already
   // sealed or committed.
   const bool active = job_->round.active;
@@ -266,6 +261,10 @@ std::optional<std::chrono::steady_clock::time_point> PushSession::RoundDeadline(
 
 absl::Status PushSession::CheckRound() {
   absl::MutexLock lock(&job_->mu);
+  return CheckRoundLocked();
+}
+
+absl::Status PushSession::CheckRoundLocked() {
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   job_->ExpireIfLate(std::chrono::steady_clock::now());
   if (started_ && job_->step < step_ && (job_->round.epoch != epoch_ || !job_->round.active)) {

@@ -93,6 +93,8 @@ class PushSession {
 
   // The answer to a push whose round ended without it.
   absl::Status Discarded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
+  // CheckRound under the job's lock.
+  absl::Status CheckRoundLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // The answer to the push of a sealed step: the job's kept sums.
   v1::PushResponse Answer() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
 

@@ -200,17 +200,8 @@ class CpuJobState final : public JobState {
       }
       return absl::OkStatus();
     }
-    const char* in = static_cast<const char*>(data);
     for (uint64_t i = 0; i < count; ++i) {
-      // Loaded through memcpy: `data` need not be aligned to its element.
-      float x;
-      if (dtype == DType::kFp32) {
-        std::memcpy(&x, in + 4 * i, 4);
-      } else {
-        uint16_t h;
-        std::memcpy(&h, in + 2 * i, 2);
-        x = math::bf16_to_float(h);
-      }
+      const float x = LoadAsFloat(static_cast<const char*>(data), i, dtype);  // `data` need not be aligned
       if (s.layout.precision == Precision::kFp32) {
         reinterpret_cast<float*>(dst)[i] = x;
       } else {
