@@ -1,6 +1,5 @@
 #include "kernels/backend.h"
 
-
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 
