@@ -78,13 +78,14 @@ void AccumulateOnHost(float* acc, const void* src, DType dtype, uint64_t count, 
   }
 }
 
-absl::StatusOr<HeldBytes> JobState::HoldState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
+absl::StatusOr<Pieces> JobState::HoldState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
                                               DType dtype) const {
   // Uninitialized: ReadState writes every byte.
   std::shared_ptr<char> buffer(new char[std::max<uint64_t>(count * DTypeSize(dtype), 1)],
                                std::default_delete<char[]>());
   SHARDOPT_RETURN_IF_ERROR(ReadState(shard, kind, offset, count, dtype, buffer.get()));
-  return HeldBytes{{absl::string_view(buffer.get(), count * DTypeSize(dtype))}, buffer};
+  const absl::string_view bytes(buffer.get(), count * DTypeSize(dtype));  // before `buffer` is moved
+  return Pieces({bytes}, std::move(buffer));
 }
 
 uint64_t RunElements(absl::Span<const absl::string_view> runs, DType dtype) {

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "base/pieces.h"
 #include "kernels/adamw_math.h"
 
 namespace shardopt {
@@ -73,12 +74,6 @@ struct ShardStep {
 struct MemoryUse {
   uint64_t state_bytes = 0;    // master, m and v
   uint64_t staging_bytes = 0;  // per-rank gradient slots and the bf16 params out
-};
-
-// Host bytes, in pieces, that stay valid and unchanged while `owner` lives.
-struct HeldBytes {
-  std::vector<absl::string_view> pieces;
-  std::shared_ptr<const void> owner;
 };
 
 // The argument checks every JobState makes, so that backends refuse alike.
@@ -149,10 +144,9 @@ class JobState {
                                  DType dtype, void* out) const = 0;
   // ReadState's bytes held where they lie rather than copied, where the
   // backend can (the CPU's bf16 params), so that a commit sends them as
-  // they are; they stay unchanged while the result's owner lives, whatever
-  // the job does meanwhile. Otherwise they are read into a buffer the
-  // result owns.
-  virtual absl::StatusOr<HeldBytes> HoldState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
+  // they are; they stay unchanged while the result lives, whatever the job
+  // does meanwhile. Otherwise they are read into a buffer the result owns.
+  virtual absl::StatusOr<Pieces> HoldState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
                                               DType dtype) const;
   // Sum of squares and the nonfinite flag of the aggregated gradient, by the
   // fixed tree of adamw_math.h, over the shards in the order given.

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
-#include "rpc/pieces.h"
+#include "base/pieces.h"
 
 namespace shardopt::wire {
 

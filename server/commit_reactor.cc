@@ -62,18 +62,16 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     std::string head, tail;
     wire::AppendBytesField(&head, v1::ParamChunk::kTensorFieldNumber, *p.tensor);
     wire::AppendVarintField(&head, v1::ParamChunk::kOffsetFieldNumber, p.offset);
-    wire::AppendBytesHeader(&head, v1::ParamChunk::kDataFieldNumber, p.bytes());
+    wire::AppendBytesHeader(&head, v1::ParamChunk::kDataFieldNumber, p.data.size());
     wire::AppendVarintField(&tail, v1::ParamChunk::kStepFieldNumber, p.step);
     // BF16 is sent as unspecified, as servers sent it before param_dtype existed.
     if (p.fp32) wire::AppendVarintField(&tail, v1::ParamChunk::kDtypeFieldNumber, v1::FP32);
     std::vector<grpc::Slice> slices;
-    slices.reserve(p.data.pieces.size() + 2);
     slices.emplace_back(head);
-    for (absl::string_view bytes : p.data.pieces) {
+    p.data.ForEachPart([&](const char* bytes, uint64_t n) {
       // Each slice owns a reference to the hold, dropped when gRPC is done with it.
-      slices.emplace_back(const_cast<char*>(bytes.data()), bytes.size(), &ReleaseHold,
-                          new std::shared_ptr<const void>(p.data.owner));
-    }
+      slices.emplace_back(const_cast<char*>(bytes), n, &ReleaseHold, new std::shared_ptr<const void>(p.data.owner()));
+    });
     slices.emplace_back(tail);
     message_ = grpc::ByteBuffer(slices.data(), slices.size());
     static metrics::Counter* const sent =

@@ -140,7 +140,7 @@ class CommitStream {
     const uint32_t tensor = job_.shards[p.shard].tensor;
     // FP32 params are the master itself; bf16 ones its rounding.
     const bool fp32 = job_.fp32_params(tensor);
-    absl::StatusOr<HeldBytes> held = job_.state->HoldState(
+    absl::StatusOr<Pieces> held = job_.state->HoldState(
         p.shard, fp32 ? StateKind::kMaster : StateKind::kParamBf16, p.offset, p.length, fp32 ? DType::kFp32 : DType::kBf16);
     if (!held.ok()) {
       SHARDOPT_RETURN_IF_ERROR(Finish());
@@ -235,12 +235,6 @@ ParamStream::~ParamStream() {
   if (walk_ && next_ < walk_->stream.pieces()) Abandon().IgnoreError();
 }
 
-uint64_t ParamStream::Piece::bytes() const {
-  uint64_t n = 0;
-  for (absl::string_view p : data.pieces) n += p.size();
-  return n;
-}
-
 absl::StatusOr<std::optional<ParamStream::Piece>> ParamStream::Next() {
   absl::MutexLock lock(&walk_->stream.mu());
   if (next_ == walk_->stream.pieces()) {
@@ -275,8 +269,8 @@ absl::Status CommitAndStream(std::shared_ptr<Job> job, const v1::CommitRequest& 
     } else {
       chunk.clear_dtype();  // BF16, as servers sent it before param_dtype existed
     }
-    chunk.clear_data();
-    for (absl::string_view p : piece->data.pieces) chunk.mutable_data()->append(p.data(), p.size());
+    chunk.mutable_data()->resize(piece->data.size());
+    piece->data.CopyTo(chunk.mutable_data()->data());
     if (!emit(chunk)) {
       SHARDOPT_RETURN_IF_ERROR(stream->Abandon());
       return absl::CancelledError("the caller stopped reading the params");

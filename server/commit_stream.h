@@ -39,8 +39,7 @@ class ParamStream {
     const std::string* tensor;  // the job's, alive as long as the job
     uint64_t offset;            // in the tensor, elements
     bool fp32;                  // FP32 params (the master itself), else bf16
-    HeldBytes data;             // unchanged while held, whatever the job does
-    uint64_t bytes() const;
+    Pieces data;                // unchanged while held, whatever the job does
   };
 
   // Checks the commit and starts applying its step if this is the step's

@@ -22,13 +22,13 @@ absl::Status DoesNotParse() {
 
 }  // namespace
 
-absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::GradChunk* head, wire::Pieces* data) {
+absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::GradChunk* head, Pieces* data) {
   auto slices = std::make_shared<std::vector<grpc::Slice>>();
   if (!message->Dump(slices.get()).ok()) return DoesNotParse();
   message->Clear();
   std::vector<absl::string_view> views;
   for (const grpc::Slice& s : *slices) views.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
-  const wire::Pieces bytes(std::move(views), slices);
+  const Pieces bytes(std::move(views), slices);
 
   std::vector<wire::Field> fields;
   if (!wire::ScanFields(bytes, &fields)) {
@@ -38,7 +38,7 @@ absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::
     bytes.CopyTo(joined.data());
     if (!head->ParseFromString(joined)) return DoesNotParse();
     if (static_cast<uint64_t>(head->no_grad_size()) > max_no_grad) return TooManyNoGrad(head->no_grad_size(), max_no_grad);
-    *data = wire::Pieces::Own(std::move(*head->mutable_data()));
+    *data = Pieces::Own(std::move(*head->mutable_data()));
     head->clear_data();
     return absl::OkStatus();
   }
@@ -66,7 +66,7 @@ absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::
   if (data_field != nullptr) {
     *data = bytes.Sub(data_field->value, data_field->end - data_field->value);
   } else {
-    *data = wire::Pieces::Own(std::move(*head->mutable_data()));
+    *data = Pieces::Own(std::move(*head->mutable_data()));
     head->clear_data();
   }
   return absl::OkStatus();

@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "grpcpp/support/byte_buffer.h"
-#include "rpc/pieces.h"
+#include "base/pieces.h"
 #include "shardopt/v1/optimizer.pb.h"
 
 namespace shardopt {
@@ -18,6 +18,6 @@ namespace shardopt {
 // `max_no_grad` no_grad tensors (found before anything is parsed: for such a
 // message the parse would be most of the cost). `head` gets every field but
 // `data`. Takes the message's slices: `message` is left empty.
-absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::GradChunk* head, wire::Pieces* data);
+absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::GradChunk* head, Pieces* data);
 
 }  // namespace shardopt

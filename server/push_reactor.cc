@@ -135,7 +135,7 @@ class PushReactor final : public ReadReactor {
   const Caller caller_;
   std::string job_;  // the stream's, once its session began
   v1::GradChunk chunk_;  // the message's fields but its data
-  wire::Pieces data_;
+  Pieces data_;
   std::unique_ptr<PushSession> session_;
   Waiting waiting_ = Waiting::kNothing;
 };

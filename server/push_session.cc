@@ -95,7 +95,7 @@ struct Latch {
 
 }  // namespace
 
-absl::Status PushSession::Add(v1::GradChunk head, wire::Pieces data) {
+absl::Status PushSession::Add(v1::GradChunk head, Pieces data) {
   auto latch = std::make_shared<Latch>();
   const Wake wake = Latch::WakeOf(latch);
   absl::StatusOr<bool> done = Offer(std::move(head), std::move(data), wake);
@@ -109,7 +109,7 @@ absl::Status PushSession::Add(v1::GradChunk head, wire::Pieces data) {
 absl::Status PushSession::Add(const v1::GradChunk& chunk) {
   v1::GradChunk head = chunk;
   head.clear_data();
-  return Add(std::move(head), wire::Pieces::Own(chunk.data()));
+  return Add(std::move(head), Pieces::Own(chunk.data()));
 }
 
 absl::StatusOr<v1::PushResponse> PushSession::Finish() {
@@ -122,7 +122,7 @@ absl::StatusOr<v1::PushResponse> PushSession::Finish() {
   }
 }
 
-absl::StatusOr<bool> PushSession::Offer(v1::GradChunk head, wire::Pieces data, const Wake& wake) {
+absl::StatusOr<bool> PushSession::Offer(v1::GradChunk head, Pieces data, const Wake& wake) {
   absl::StatusOr<bool> taken = Take(std::move(head), std::move(data), wake);
   refused_ = refused_ || !taken.ok();
   return taken;
@@ -137,7 +137,7 @@ absl::StatusOr<bool> PushSession::Resume(const Wake& wake) {
   return taken;
 }
 
-absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, wire::Pieces data, const Wake& wake) {
+absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, Pieces data, const Wake& wake) {
   if ((!chunk.job().empty() && chunk.job() != job_->name()) || (chunk.step() != 0 && chunk.step() != step_) ||
       (chunk.rank() != 0 && chunk.rank() != rank_)) {
     return absl::InvalidArgumentError("job, step and rank must not change within one push stream");

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "rpc/pieces.h"
+#include "base/pieces.h"
 #include "server/job.h"
 
 namespace shardopt {
@@ -44,7 +44,7 @@ class PushSession {
   // is all dealt with; false while part of it waits for room in the window
   // (then call Resume after `wake`). An error refuses the chunk; the stream
   // must then end.
-  absl::StatusOr<bool> Offer(v1::GradChunk head, wire::Pieces data, const Wake& wake);
+  absl::StatusOr<bool> Offer(v1::GradChunk head, Pieces data, const Wake& wake);
   absl::StatusOr<bool> Resume(const Wake& wake);
   // Ends the rank's push and answers once the round is sealed; nullopt while
   // it waits at the barrier (then call TrySeal again after `wake`).
@@ -72,7 +72,7 @@ class PushSession {
   void Refuse() { refused_ = true; }
 
   // The blocking forms of Offer and TrySeal.
-  absl::Status Add(v1::GradChunk head, wire::Pieces data);
+  absl::Status Add(v1::GradChunk head, Pieces data);
   absl::Status Add(const v1::GradChunk& chunk);  // its data in one piece
   absl::StatusOr<v1::PushResponse> Finish();
 
@@ -84,7 +84,7 @@ class PushSession {
   // declaration, its finish in the sum), then whether the round is sealed.
   absl::StatusOr<std::optional<v1::PushResponse>> Seal(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   absl::StatusOr<std::optional<v1::PushResponse>> AwaitSeal(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
-  absl::StatusOr<bool> Take(v1::GradChunk head, wire::Pieces data, const Wake& wake);
+  absl::StatusOr<bool> Take(v1::GradChunk head, Pieces data, const Wake& wake);
   // Folds what it can of the pending chunk; false when the rest must wait.
   absl::StatusOr<bool> Fold(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // This session's part of the job's held_bytes becomes `bytes`; letting go
@@ -110,7 +110,7 @@ class PushSession {
   std::vector<bool> no_grad_;  // [tensor], once the stream names any
   uint64_t no_grad_names_ = 0;  // names sent, repeats included: at most the job's tensors
   // The chunk being folded while the window is full, and how much is done.
-  std::optional<wire::Pieces> pending_;
+  std::optional<Pieces> pending_;
   uint64_t pending_offset_ = 0;  // the chunk's, in the tensor
   uint64_t pending_taken_ = 0;
   uint64_t held_ = 0;           // this session's part of job_->held_bytes

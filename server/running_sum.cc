@@ -59,7 +59,7 @@ absl::Status RunningSum::Fold(JobState& state, uint32_t shard, Block& block, uin
 }
 
 absl::StatusOr<RunningSum::Offered> RunningSum::Offer(JobState& state, uint32_t rank, uint32_t shard,
-                                                      uint64_t offset, DType dtype, const wire::Pieces& data) {
+                                                      uint64_t offset, DType dtype, const Pieces& data) {
   RankState& r = ranks_[rank];
   const auto emplaced = r.offered.try_emplace(shard);
   const bool added = emplaced.second;

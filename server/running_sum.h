@@ -24,7 +24,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
-#include "rpc/pieces.h"
+#include "base/pieces.h"
 #include "server/interval_set.h"
 
 namespace shardopt {
@@ -46,7 +46,7 @@ class RunningSum {
   // the window what must wait, and skips what was offered before (a retried
   // chunk counts once).
   absl::StatusOr<Offered> Offer(JobState& state, uint32_t rank, uint32_t shard, uint64_t offset, DType dtype,
-                                const wire::Pieces& data);
+                                const Pieces& data);
   // Rank `rank`'s push ended; `no_grad[s]` for the shards it has no gradient
   // for. Folds whatever that lets through.
   absl::Status Finish(JobState& state, uint32_t rank, std::vector<bool> no_grad);

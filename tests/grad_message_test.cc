@@ -91,7 +91,7 @@ void ExpectAgrees(const std::string& bytes, std::mt19937_64& rng, const std::str
   grpc::ByteBuffer message = Sliced(bytes, rng);
   v1::GradChunk head;
   head.set_job("poison");  // must be overwritten
-  wire::Pieces data = wire::Pieces::Own("poison");
+  Pieces data = Pieces::Own("poison");
   const absl::Status got = ReadGradChunk(&message, 1 << 20, &head, &data);
   ASSERT_EQ(got.ok(), want.ok) << what << ": " << got;
   if (!got.ok()) {
@@ -147,7 +147,7 @@ TEST(GradMessage, TooManyNoGradNamesAreRefusedBeforeTheParse) {
   std::mt19937_64 rng(13);
   grpc::ByteBuffer message = Sliced(chunk.SerializeAsString(), rng);
   v1::GradChunk head;
-  wire::Pieces data;
+  Pieces data;
   const absl::Status st = ReadGradChunk(&message, 4, &head, &data);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("names 5 no_grad tensors"), std::string::npos) << st;
@@ -168,7 +168,7 @@ TEST(GradMessage, PiecesGiveRunsOfWholeElementsAcrossAnyCut) {
     ASSERT_TRUE(sliced.Dump(&slices).ok());
     std::vector<absl::string_view> views;
     for (const grpc::Slice& s : slices) views.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
-    const wire::Pieces pieces(views, nullptr);
+    const Pieces pieces(views, nullptr);
     const uint64_t from = unit * (rng() % (bytes.size() / unit + 1));
     const uint64_t n = unit * (rng() % ((bytes.size() - from) / unit + 1));
     std::vector<absl::string_view> runs;

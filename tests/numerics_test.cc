@@ -263,9 +263,9 @@ TEST(CpuBackend, HeldParamsStayUnchangedWhileTheJobMovesOn) {
     ASSERT_TRUE(j->state->WriteGrad(0, 0, 0, DType::kBf16, g.data(), kN).ok());
   }
   const std::vector<uint16_t> before = ReadParams(*held.state, 0, kN);
-  auto joined = [](const HeldBytes& h) {
-    std::string out;
-    for (absl::string_view p : h.pieces) out.append(p.data(), p.size());
+  auto joined = [](const Pieces& h) {
+    std::string out(h.size(), '\0');
+    h.CopyTo(out.data());
     return out;
   };
   // Unaligned ranges across regions, and a region held twice.
@@ -276,6 +276,12 @@ TEST(CpuBackend, HeldParamsStayUnchangedWhileTheJobMovesOn) {
   const std::string b_bytes(reinterpret_cast<const char*>(before.data() + kApplyAlignment + 5),
                             (kN - kApplyAlignment - 5) * 2);
   ASSERT_EQ(joined(*a), a_bytes);
+  // What is not held in place is read into a buffer the result owns: the
+  // master, as an FP32-param tensor's commit sends it.
+  auto master = held.state->HoldState(0, StateKind::kMaster, 5, kN - 5, DType::kFp32);
+  ASSERT_TRUE(master.ok());
+  const std::vector<float> master_before = ReadFloats(*held.state, 0, StateKind::kMaster, kN);
+  EXPECT_EQ(joined(*master), std::string(reinterpret_cast<const char*>(master_before.data() + 5), (kN - 5) * 4));
   const auto scalars = ComputeAdamWScalars(testing::kDefaultHyper, 1e-3, 1.0f, 1);
   for (Job* j : {&held, &free}) ASSERT_TRUE(j->state->Apply(WholeShardZero(scalars)).ok());
   EXPECT_EQ(joined(*a), a_bytes);
@@ -289,8 +295,8 @@ TEST(CpuBackend, HeldParamsStayUnchangedWhileTheJobMovesOn) {
   }
   EXPECT_EQ(joined(*b), b_bytes);
   EXPECT_EQ(ReadParams(*held.state, 0, kN), ReadParams(*free.state, 0, kN));
-  a->owner.reset();
-  b->owner.reset();  // let go: the next update writes in place
+  *a = Pieces();
+  *b = Pieces();  // let go: the next update writes in place
   for (Job* j : {&held, &free}) ASSERT_TRUE(j->state->Apply(WholeShardZero(scalars)).ok());
   EXPECT_EQ(ReadParams(*held.state, 0, kN), ReadParams(*free.state, 0, kN));
   EXPECT_EQ(ReadFloats(*held.state, 0, StateKind::kMaster, kN), ReadFloats(*free.state, 0, StateKind::kMaster, kN));

@@ -235,7 +235,7 @@ class CpuJobState final : public JobState {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<HeldBytes> HoldState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
+  absl::StatusOr<Pieces> HoldState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
                                       DType dtype) const override {
     if (kind != StateKind::kParamBf16 || dtype != DType::kBf16) {
       return JobState::HoldState(shard, kind, offset, count, dtype);

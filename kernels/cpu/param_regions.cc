@@ -51,17 +51,16 @@ void ParamRegions::Read(uint64_t offset, uint64_t count, uint16_t* out) const {
   }
 }
 
-HeldBytes ParamRegions::Hold(uint64_t offset, uint64_t count) const {
+Pieces ParamRegions::Hold(uint64_t offset, uint64_t count) const {
   auto held = std::make_shared<std::vector<std::shared_ptr<uint16_t>>>();
-  HeldBytes out;
+  std::vector<absl::string_view> pieces;
   for (uint64_t at = offset; at < offset + count;) {
     const uint64_t n = std::min(offset + count, (at / kRegion + 1) * kRegion) - at;
     held->push_back(regions_[at / kRegion]);
-    out.pieces.emplace_back(reinterpret_cast<const char*>(At(at)), n * 2);
+    pieces.emplace_back(reinterpret_cast<const char*>(At(at)), n * 2);
     at += n;
   }
-  out.owner = std::move(held);
-  return out;
+  return Pieces(std::move(pieces), std::move(held));
 }
 
 }  // namespace shardopt::cpu

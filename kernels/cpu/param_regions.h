@@ -57,7 +57,7 @@ class ParamRegions {
   void Read(uint64_t offset, uint64_t count, uint16_t* out) const;
   // [offset, offset + count) as it lies, held unchanged while the result's
   // owner lives.
-  HeldBytes Hold(uint64_t offset, uint64_t count) const;
+  Pieces Hold(uint64_t offset, uint64_t count) const;
   uint64_t bytes() const { return numel_ * 2; }
 
  private:

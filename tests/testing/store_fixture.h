@@ -86,7 +86,7 @@ class StoreTest : public ::testing::Test {
   // `bytes` as gRPC may deliver a message's data: cut at random bytes (odd
   // ones too, so elements are split between pieces), each piece in a buffer
   // of its own at an odd address.
-  static wire::Pieces Scatter(const std::string& bytes, std::mt19937_64& rng) {
+  static Pieces Scatter(const std::string& bytes, std::mt19937_64& rng) {
     auto buffers = std::make_shared<std::vector<std::string>>();
     std::vector<size_t> cuts = {0, bytes.size()};
     for (int i = rng() % 6; i > 0; --i) cuts.push_back(rng() % (bytes.size() + 1));
@@ -96,7 +96,7 @@ class StoreTest : public ::testing::Test {
     }
     std::vector<absl::string_view> views;
     for (const std::string& b : *buffers) views.push_back(absl::string_view(b).substr(1));
-    return wire::Pieces(std::move(views), buffers);
+    return Pieces(std::move(views), buffers);
   }
 
   // One rank's push, chunks of `chunk` elements sent in `order` (a seed for
@@ -125,7 +125,7 @@ class StoreTest : public ::testing::Test {
     for (const auto& c : chunks) {
       v1::GradChunk chunk_head = c;
       chunk_head.clear_data();
-      const wire::Pieces data = scatter == 0 ? wire::Pieces::Own(c.data()) : Scatter(c.data(), cutter);
+      const Pieces data = scatter == 0 ? Pieces::Own(c.data()) : Scatter(c.data(), cutter);
       if (auto st = (*session)->Add(std::move(chunk_head), data); !st.ok()) return st;
     }
     return (*session)->Finish();

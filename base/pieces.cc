@@ -1,10 +1,10 @@
-#include "rpc/pieces.h"
+#include "base/pieces.h"
 
 #include <algorithm>
 #include <cstring>
 #include <utility>
 
-namespace shardopt::wire {
+namespace shardopt {
 
 Pieces::Pieces(std::vector<absl::string_view> pieces, std::shared_ptr<const void> owner) {
   auto list = std::make_shared<List>();
@@ -25,6 +25,11 @@ Pieces Pieces::Own(std::string bytes) {
   return Pieces({absl::string_view(*owned)}, owned);
 }
 
+const std::shared_ptr<const void>& Pieces::owner() const {
+  static const std::shared_ptr<const void> kNone;
+  return list_ ? list_->owner : kNone;
+}
+
 Pieces Pieces::Sub(uint64_t begin, uint64_t n) const {
   Pieces sub = *this;
   sub.begin_ = begin_ + begin;
@@ -35,20 +40,6 @@ Pieces Pieces::Sub(uint64_t begin, uint64_t n) const {
 size_t Pieces::PieceAt(uint64_t at) const {
   const std::vector<uint64_t>& starts = list_->starts;
   return static_cast<size_t>(std::upper_bound(starts.begin(), starts.end(), at) - starts.begin()) - 1;
-}
-
-template <typename Fn>
-void Pieces::ForEachPart(Fn fn) const {
-  if (size_ == 0) return;
-  uint64_t at = begin_;
-  const uint64_t end = begin_ + size_;
-  for (size_t i = PieceAt(at); at < end; ++i) {
-    const absl::string_view p = list_->pieces[i];
-    const uint64_t skip = at - list_->starts[i];
-    const uint64_t n = std::min<uint64_t>(p.size() - skip, end - at);
-    fn(p.data() + skip, n);
-    at += n;
-  }
 }
 
 void Pieces::CopyTo(char* dst) const {
@@ -110,4 +101,4 @@ bool Pieces::Cursor::Skip(uint64_t n) {
   return true;
 }
 
-}  // namespace shardopt::wire
+}  // namespace shardopt

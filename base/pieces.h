@@ -1,10 +1,11 @@
-// Bytes that arrived in pieces, such as the slices of a received gRPC
-// message, viewed where they lie: what lets a gradient chunk go from the
-// transport's buffers straight into the reduction, with no copy into a
-// string first (docs/design.md, section 10.2). No gRPC here, so the protocol
-// core takes them too.
+// Bytes in pieces, viewed where they lie and kept alive by an owner: the
+// slices of a received gRPC message, so that a gradient chunk goes from the
+// transport's buffers straight into the reduction, and a backend's params,
+// so that a commit sends them without copying them (docs/design.md, section
+// 10.2). No gRPC here: the kernels, the protocol core and both edges use it.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -12,7 +13,7 @@
 
 #include "absl/strings/string_view.h"
 
-namespace shardopt::wire {
+namespace shardopt {
 
 // An immutable view of [begin, begin + size) of a list of pieces, which
 // `owner` keeps alive. Copies share the list and the owner; Sub is O(1).
@@ -30,6 +31,11 @@ class Pieces {
   Pieces Sub(uint64_t begin, uint64_t n) const;
   // Copies the view's bytes to `dst` (size() bytes).
   void CopyTo(char* dst) const;
+  // Calls fn(const char*, uint64_t) for each contiguous part of the view.
+  template <typename Fn>
+  void ForEachPart(Fn fn) const;
+  // What keeps the bytes alive.
+  const std::shared_ptr<const void>& owner() const;
   // The view as runs of whole `unit`-byte elements, in order: each run is a
   // pointer into a piece (not aligned to anything) or, for an element split
   // between two pieces, into `scratch`, which must outlive the runs. size()
@@ -60,13 +66,24 @@ class Pieces {
   };
   // The index of the piece holding byte `at` of the list.
   size_t PieceAt(uint64_t at) const;
-  // Calls fn(const char*, uint64_t) for each contiguous part of the view.
-  template <typename Fn>
-  void ForEachPart(Fn fn) const;
 
   std::shared_ptr<const List> list_;
   uint64_t begin_ = 0;
   uint64_t size_ = 0;
 };
 
-}  // namespace shardopt::wire
+template <typename Fn>
+void Pieces::ForEachPart(Fn fn) const {
+  if (size_ == 0) return;
+  uint64_t at = begin_;
+  const uint64_t end = begin_ + size_;
+  for (size_t i = PieceAt(at); at < end; ++i) {
+    const absl::string_view p = list_->pieces[i];
+    const uint64_t skip = at - list_->starts[i];
+    const uint64_t n = std::min<uint64_t>(p.size() - skip, end - at);
+    fn(p.data() + skip, n);
+    at += n;
+  }
+}
+
+}  // namespace shardopt
