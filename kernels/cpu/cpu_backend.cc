@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <optional>
 #include <sys/mman.h>
 
 #include <cstring>
@@ -12,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "kernels/cpu/param_regions.h"
+#include "kernels/cpu/sum_tiles.h"
 #include "kernels/cpu/thread_pool.h"
 
 namespace shardopt {
@@ -80,7 +82,7 @@ class AlignedBuffer {
 };
 
 // Whether a layout is a running sum's (one fp32 slot, AccumulatingLayout),
-// the one layout whose tiles may hold a lone rank's bf16 values.
+// whose slot the CPU keeps as SumTiles.
 bool IsRunningSum(const JobLayout& layout) {
   return layout.world_size == 1 && layout.grad_dtype == DType::kFp32;
 }
@@ -90,17 +92,8 @@ struct CpuShard {
   uint64_t state_elem_bytes = 0;  // 4 for FP32, 2 for BF16
   AlignedBuffer p, m, v;
   cpu::ParamRegions params;  // bf16 params as of the last update or write
-  AlignedBuffer grads;      // world_size slots of numel gradient elements
-  // A running sum's tiles (cpu::kTile elements each), when the layout is one:
-  // - bf16[t]: the tile holds one rank's bf16 gradient as it came, 2 B an
-  //   element in the first half of the tile's fp32 room. Widening is exact,
-  //   so readers widen as they read, and the first fold is a copy of half
-  //   the bytes. A second rank's fold widens the tile in place first.
-  // - sumsq[t], once summed[t]: the tile's sum of squares, taken by
-  //   GradBlockDone while the tile was hot, for ReduceGrads.
-  std::vector<uint8_t> bf16;
-  std::vector<uint8_t> summed;
-  std::vector<double> sumsq;
+  AlignedBuffer grads;       // world_size slots of numel gradient elements
+  std::optional<cpu::SumTiles> sum;  // over `grads`, when the layout is a running sum's
 };
 
 class CpuJobState final : public JobState {
@@ -124,13 +117,9 @@ class CpuJobState final : public JobState {
       SHARDOPT_RETURN_IF_ERROR(alloc(state, &s.v));
       SHARDOPT_ASSIGN_OR_RETURN(s.params, cpu::ParamRegions::Make(sl.numel));
       SHARDOPT_RETURN_IF_ERROR(alloc(sl.numel * layout_.world_size * DTypeSize(layout_.grad_dtype), &s.grads));
-      if (IsRunningSum(layout_)) {
-        const uint64_t tiles = (sl.numel + cpu::kTile - 1) / cpu::kTile;
-        s.bf16.assign(tiles, 0);
-        s.summed.assign(tiles, 0);
-        s.sumsq.assign(tiles, 0);
-      }
       shards_.push_back(std::move(s));
+      CpuShard& added = shards_.back();  // the slot's address is the mapping's, unmoved
+      if (IsRunningSum(layout_)) added.sum.emplace(sl.numel, added.grads.data(), loops_);
     }
     return absl::OkStatus();
   }
@@ -138,7 +127,7 @@ class CpuJobState final : public JobState {
   absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype,
                          const void* data, uint64_t count) override {
     SHARDOPT_RETURN_IF_ERROR(CheckGradWrite(layout_, shard, rank, offset, dtype, count));
-    ForgetTiles(shards_[shard], offset, count);  // fp32 values now, in fp32 places
+    if (CpuShard& s = shards_[shard]; s.sum) s.sum->Forget(offset, count);  // fp32 values now, in place
     char* dst = GradSlot(shard, rank) + offset * DTypeSize(layout_.grad_dtype);
     if (dtype == layout_.grad_dtype) {
       std::memcpy(dst, data, count * DTypeSize(dtype));
@@ -151,30 +140,12 @@ class CpuJobState final : public JobState {
   absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype, absl::Span<const absl::string_view> runs,
                               bool first) override {
     SHARDOPT_RETURN_IF_ERROR(CheckAccumulate(layout_, shard, offset, RunElements(runs, dtype)));
-    CpuShard& s = shards_[shard];
-    uint64_t at = offset;
-    for (absl::string_view run : runs) {
-      const char* src = run.data();
-      for (uint64_t n = run.size() / DTypeSize(dtype); n > 0;) {
-        const uint64_t tile = at / cpu::kTile;
-        const uint64_t take = std::min(n, (tile + 1) * cpu::kTile - at);
-        FoldIntoTile(s, tile, at, dtype, src, take, first);
-        src += take * DTypeSize(dtype);
-        at += take;
-        n -= take;
-      }
-    }
+    shards_[shard].sum->Fold(offset, dtype, runs, first);
     return absl::OkStatus();
   }
 
   void GradBlockDone(uint32_t shard, uint64_t offset, uint64_t count) override {
-    CpuShard& s = shards_[shard];
-    if (s.summed.empty()) return;
-    for (uint64_t at = offset; at < offset + count; at += cpu::kTile) {
-      const uint64_t tile = at / cpu::kTile;
-      s.sumsq[tile] = TileSumsq(s, tile);
-      s.summed[tile] = 1;
-    }
+    if (CpuShard& s = shards_[shard]; s.sum) s.sum->Done(offset, count);
   }
 
   absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype,
@@ -207,9 +178,13 @@ class CpuJobState final : public JobState {
       } else {
         reinterpret_cast<uint16_t*>(dst)[i] = math::float_to_bf16(x);
       }
-      if (kind == StateKind::kMaster) {
-        *s.params.At(offset + i) = math::float_to_bf16(x);
-      }
+    }
+    if (kind == StateKind::kMaster) {
+      s.params.ForEachRun(offset, count, [&](uint16_t* params, uint64_t first, uint64_t n) {
+        for (uint64_t i = 0; i < n; ++i) {
+          params[i] = math::float_to_bf16(LoadAsFloat(static_cast<const char*>(data), first - offset + i, dtype));
+        }
+      });
     }
     return absl::OkStatus();
   }
@@ -264,9 +239,8 @@ class CpuJobState final : public JobState {
         const CpuShard& s = shards_[sg.shard];
         const uint64_t offset = (b - first_block[si]) * cpu::kTile;
         const uint64_t n = std::min(cpu::kTile, s.layout.numel - offset);
-        if (IsRunningSum(layout_)) {  // one slot, read where it lies
-          const uint64_t t = offset / cpu::kTile;
-          partials[b] = s.summed[t] ? s.sumsq[t] : TileSumsq(s, t);
+        if (s.sum) {  // one slot, read where it lies
+          partials[b] = s.sum->Sumsq(offset / cpu::kTile);
           continue;
         }
         AggregateTile(sg, offset, n, tile);
@@ -343,48 +317,6 @@ class CpuJobState final : public JobState {
     return kind == StateKind::kMaster ? s.p : kind == StateKind::kExpAvg ? s.m : s.v;
   }
 
-  // A running sum's tile `t` in its bf16 form: the first half of its room.
-  static char* Bf16Tile(const CpuShard& s, uint64_t t) { return s.grads.data() + t * cpu::kTile * 4; }
-
-  // The sum of squares of a running sum's tile `t`, in whichever form it is.
-  double TileSumsq(const CpuShard& s, uint64_t t) const {
-    const uint64_t n = std::min(cpu::kTile, s.layout.numel - t * cpu::kTile);
-    if (s.bf16[t]) return loops_->sumsq_block_bf16(reinterpret_cast<const uint16_t*>(Bf16Tile(s, t)), n);
-    return loops_->sumsq_block(reinterpret_cast<const float*>(s.grads.data()) + t * cpu::kTile, n);
-  }
-
-  // Folds n elements from `at` (all in tile `tile`) into a running sum.
-  void FoldIntoTile(CpuShard& s, uint64_t tile, uint64_t at, DType dtype, const char* src, uint64_t n, bool first) {
-    s.summed[tile] = 0;
-    if (first && dtype == DType::kBf16) {
-      // A tile's first rank fills it whole before any other rank folds into
-      // it (running_sum.h), with one dtype: its tile stays bf16 until then.
-      s.bf16[tile] = 1;
-      std::memcpy(Bf16Tile(s, tile) + (at - tile * cpu::kTile) * 2, src, n * 2);
-      return;
-    }
-    if (s.bf16[tile]) {
-      if (!first) {  // a second rank: the first one's values widened, in place
-        const uint64_t len = std::min(cpu::kTile, s.layout.numel - tile * cpu::kTile);
-        alignas(64) uint16_t held[cpu::kTile];
-        std::memcpy(held, Bf16Tile(s, tile), len * 2);
-        loops_->accumulate(reinterpret_cast<float*>(Bf16Tile(s, tile)), held, DType::kBf16, len, true);
-      }
-      s.bf16[tile] = 0;
-    }
-    loops_->accumulate(reinterpret_cast<float*>(s.grads.data()) + at, src, dtype, n, first);
-  }
-
-  // Tiles written otherwise than by a fold hold fp32 values, and no sum of
-  // squares taken before.
-  static void ForgetTiles(CpuShard& s, uint64_t offset, uint64_t count) {
-    if (s.bf16.empty() || count == 0) return;
-    for (uint64_t t = offset / cpu::kTile; t <= (offset + count - 1) / cpu::kTile; ++t) {
-      s.bf16[t] = 0;
-      s.summed[t] = 0;
-    }
-  }
-
   // The fp32 sum of the contributing ranks' gradients, in rank order.
   void AggregateTile(const ShardGrads& sg, uint64_t offset, uint64_t n, float* tile) const {
     const uint64_t esize = DTypeSize(layout_.grad_dtype);
@@ -442,9 +374,8 @@ class CpuJobState final : public JobState {
     const uint64_t se = s.state_elem_bytes;
     alignas(64) float tile[cpu::kTile];
     cpu::UpdateArgs a;
-    if (!s.bf16.empty() && s.bf16[off / cpu::kTile]) {  // a running sum's tile of one rank's bf16 values
-      a.grad = Bf16Tile(s, off / cpu::kTile);
-      a.grad_dtype = DType::kBf16;
+    if (s.sum) {  // a running sum's tile, in whichever form it is
+      a.grad = s.sum->Grad(off / cpu::kTile, &a.grad_dtype);
     } else if (step.grads.ranks.size() == 1) {  // no sum needed: read the slot itself
       a.grad = GradSlot(step.grads.shard, step.grads.ranks[0]) + off * DTypeSize(layout_.grad_dtype);
       a.grad_dtype = layout_.grad_dtype;
@@ -483,7 +414,7 @@ class CpuBackend final : public Backend {
       const uint64_t state = s.precision == Precision::kFp32 ? 12 : 6;
       bytes += s.numel * (state + 2 + uint64_t{layout.world_size} * DTypeSize(layout.grad_dtype));
       // A running sum's per-tile flags and sums of squares.
-      if (IsRunningSum(layout)) bytes += (s.numel + cpu::kTile - 1) / cpu::kTile * (2 + sizeof(double));
+      if (IsRunningSum(layout)) bytes += cpu::SumTiles::BookkeepingBytes(s.numel);
     }
     return bytes;
   }
