@@ -57,7 +57,7 @@ void PushSession::Start(std::chrono::steady_clock::time_point now) {
 // the round, whose pushes are then retried from the start.
 PushSession::~PushSession() {
   absl::MutexLock lock(&job_->mu);
-  Hold(0);
+  if (Hold(0)) job_->Notify();
   if (!started_ || answered_) return;
   Job::Round& round = job_->round;
   if (!round.active || round.epoch != epoch_ || round.sealed || round.sum->finished(rank_) ||
@@ -159,10 +159,17 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, Pieces data, const W
     if (no_grad_.empty()) no_grad_.resize(job_->spec.tensors_size());
     no_grad_[it->second] = true;
   }
-  const bool has_data = !chunk.tensor().empty() || !data.empty();
   if (!data.empty()) last_chunk_ = data.size();
   absl::MutexLock lock(&job_->mu);
-  Hold(0);  // the read it was held for is done: the chunk is counted below if it waits
+  absl::StatusOr<bool> taken = TakeLocked(chunk, std::move(data), wake);
+  // The read this message was held for is done; what of it waits for the
+  // window is held instead (Fold).
+  if (!pending_ && Hold(0)) job_->Notify();
+  return taken;
+}
+
+absl::StatusOr<bool> PushSession::TakeLocked(const v1::GradChunk& chunk, Pieces data, const Wake& wake) {
+  const bool has_data = !chunk.tensor().empty() || !data.empty();
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   const auto now = std::chrono::steady_clock::now();
   job_->ExpireIfLate(now);
@@ -207,24 +214,23 @@ absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
   SHARDOPT_ASSIGN_OR_RETURN(auto offered, std::move(taken));
   job_->round.phases.reduce += Seconds(std::chrono::steady_clock::now() - t0);
   pending_taken_ += offered.taken;
-  if (sum.progress() != before) job_->Notify();
-  if (!offered.window_full) {
-    pending_.reset();
-    Hold(0);
-    return true;
-  }
-  Hold((count - pending_taken_) * esize);
+  if (!offered.window_full) pending_.reset();
+  // Held now: what of the chunk waits for the window. One wake for both
+  // changes.
+  const bool let_go = Hold(pending_ ? (count - pending_taken_) * esize : 0);
+  if (sum.progress() != before || let_go) job_->Notify();
+  if (!pending_) return true;
   // The window is full: this stream is not read until it drains, so gRPC's
   // flow control holds the sender back.
   job_->Watch(wake);
   return false;
 }
 
-void PushSession::Hold(uint64_t bytes) {
+bool PushSession::Hold(uint64_t bytes) {
   job_->held_bytes = job_->held_bytes - held_ + bytes;
   const bool let_go = bytes < held_;
   held_ = bytes;
-  if (let_go) job_->Notify();
+  return let_go;
 }
 
 absl::StatusOr<bool> PushSession::MayRead(const Wake& wake) {
@@ -241,7 +247,7 @@ absl::StatusOr<bool> PushSession::MayRead(const Wake& wake) {
   const uint32_t lowest = active ? job_->round.sum->lowest_unfinished() : 0;
   const uint64_t windowed = active ? job_->round.sum->window_bytes() : 0;
   if (!counted || rank_ == lowest || job_->held_bytes - held_ + windowed + expected <= job_->window_bytes) {
-    Hold(counted ? expected : 0);
+    if (Hold(counted ? expected : 0)) job_->Notify();
     return true;
   }
   job_->Watch(wake);
@@ -284,6 +290,8 @@ absl::Status PushSession::Discarded() const {
 absl::StatusOr<std::optional<v1::PushResponse>> PushSession::TrySeal(const Wake& wake) {
   absl::StatusOr<std::optional<v1::PushResponse>> answer = [&] {
     absl::MutexLock lock(&job_->mu);
+    // The stream's last read found its end: it holds nothing more.
+    if (Hold(0)) job_->Notify();
     return sealing_ ? AwaitSeal(wake) : Seal(wake);
   }();
   if (answer.ok() && *answer) answered_ = true;

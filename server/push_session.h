@@ -85,11 +85,14 @@ class PushSession {
   absl::StatusOr<std::optional<v1::PushResponse>> Seal(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   absl::StatusOr<std::optional<v1::PushResponse>> AwaitSeal(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   absl::StatusOr<bool> Take(v1::GradChunk head, Pieces data, const Wake& wake);
+  absl::StatusOr<bool> TakeLocked(const v1::GradChunk& head, Pieces data, const Wake& wake)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // Folds what it can of the pending chunk; false when the rest must wait.
   absl::StatusOr<bool> Fold(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
-  // This session's part of the job's held_bytes becomes `bytes`; letting go
-  // of some wakes the streams that wait to read.
-  void Hold(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
+  // This session's part of the job's held_bytes becomes `bytes`. True if it
+  // let go of some: the caller then notifies the job, so that streams that
+  // wait to read look again.
+  bool Hold(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
 
   // The answer to a push whose round ended without it.
   absl::Status Discarded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);

@@ -4,6 +4,7 @@
 // enough that pushes must wait for it; and a refused push that was partly
 // summed restarts the round cleanly.
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <random>
 #include <string>
@@ -96,6 +97,52 @@ TEST_F(RunningSumTest, AnyArrivalOrderAndChunkingThroughAFullWindowGivesTheRankO
   // 4 B/param of sum and 2 B/param of params out (padded per shard), and the
   // window's cap: nothing that grows with the ranks.
   EXPECT_LE(described->staging_bytes(), (70001 + 333 + 40000 + 3 * 64) * 6 + 4 * RunningSum::kBlock * 4);
+}
+
+// A push stream reads its next message only while what the job's pushes
+// hold fits the window (PushSession::MayRead), except the lowest rank still
+// pushing, whose chunks always fold: it reads regardless, and when it
+// finishes the next rank may, and is woken to ask again.
+TEST_F(RunningSumTest, OnlyTheLowestRankStillPushingReadsPastAFullWindow) {
+  constexpr uint64_t kN = 3 * RunningSum::kBlock;
+  auto init = Create(JobRequest("gate", 3, {{"w", kN}}));
+  std::vector<std::vector<uint16_t>> g;
+  for (int r = 0; r < 3; ++r) g.push_back(RandomBf16(rng_, kN, 1.0f));
+  std::vector<std::unique_ptr<JobStore::PushSession>> s;
+  for (uint32_t r = 0; r < 3; ++r) {
+    auto session = StartPush("gate", 1, r);
+    ASSERT_TRUE(session.ok());
+    s.push_back(*std::move(session));
+  }
+  std::atomic<int> woken[3] = {0, 0, 0};
+  auto wake = [&](int r) { return [&woken, r] { ++woken[r]; }; };
+  // A read is expected at 1 MiB until a stream has sent a chunk: past the
+  // smallest window (64 KiB). A small chunk of rank 2 waits in the window,
+  // and a read of that size fits beside it.
+  EXPECT_FALSE(*s[2]->MayRead(wake(2)));
+  ASSERT_TRUE(s[2]->Add(Chunk("w", 0, g[2].data(), 1000)).ok());
+  EXPECT_TRUE(*s[2]->MayRead(wake(2)));
+  // Rank 0, the lowest, reads whatever is held; then its read is held too,
+  // and nobody else's fits.
+  EXPECT_TRUE(*s[0]->MayRead(wake(0)));
+  EXPECT_FALSE(*s[1]->MayRead(wake(1)));
+  EXPECT_FALSE(*s[2]->MayRead(wake(2)));
+  // Rank 0 pushes all and finishes; rank 1, now the lowest, is woken and reads.
+  ASSERT_TRUE(s[0]->Add(Chunk("w", 0, g[0].data(), kN)).ok());
+  auto sealed0 = s[0]->TrySeal([] {});
+  ASSERT_TRUE(sealed0.ok() && !*sealed0);  // waiting for the others
+  for (int i = 0; i < 500 && woken[1] == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_GT(woken[1], 0);
+  EXPECT_TRUE(*s[1]->MayRead(wake(1)));
+  ASSERT_TRUE(s[1]->Add(Chunk("w", 0, g[1].data(), kN)).ok());
+  ASSERT_TRUE(s[2]->Add(Chunk("w", 1000, g[2].data() + 1000, kN - 1000)).ok());
+  std::thread rank1([&] { EXPECT_TRUE(s[1]->Finish().ok()); });
+  EXPECT_TRUE(s[2]->Finish().ok());
+  rank1.join();
+  ASSERT_TRUE(Commit("gate", 1, 1e-3, 1.0f / 3).ok());
+  ReferenceTensor ref(kHyper, init["w"], false);
+  ref.Step({g[0].data(), g[1].data(), g[2].data()}, 1e-3, 1.0f / 3);
+  EXPECT_EQ(ReadFloats("gate", "w", v1::MASTER), ref.p);
 }
 
 TEST_F(RunningSumTest, ARefusedPushThatWasPartlySummedRestartsTheRound) {
