@@ -99,6 +99,9 @@ absl::StatusOr<RunningSum::Offered> RunningSum::Offer(JobState& state, uint32_t 
         uint64_t bytes = 0;
         for (const auto& [g0, g1] : gaps) bytes += (g1 - g0) * esize + sizeof(Waiting);
         if (bytes > 0 && window_bytes_ + bytes > window_cap_) return Offered{pos - offset, true};
+        // Copied rather than held as the message's slices: a slice pins the
+        // whole read buffer of gRPC's it lies in, so holding them would let
+        // the window hold more than it counts.
         for (const auto& [g0, g1] : gaps) {
           std::string bytes((g1 - g0) * esize, '\0');
           data.Sub((g0 - offset) * esize, bytes.size()).CopyTo(bytes.data());
