@@ -105,14 +105,24 @@ struct Client::Impl {
   }
 
   absl::Status InitTensor(const std::string& tensor, const void* values, v1::DType dtype,
-                          v1::StateKind kind = v1::MASTER, uint64_t adam_step = 0) {
+                          v1::StateKind kind = v1::MASTER, uint64_t adam_step = 0, InitShare share = {}) {
     SHARDOPT_RETURN_IF_ERROR(CheckAttached());
     SHARDOPT_RETURN_IF_ERROR(FindTensor(tensor).status());
+    if (share.count == 0 || share.index >= share.count) {
+      return absl::InvalidArgumentError(absl::StrCat("init share ", share.index, " of ", share.count,
+                                                     " is out of range: 0 <= index < count"));
+    }
     const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
     const uint64_t per_chunk = std::max<uint64_t>(1, options.chunk_bytes / esize);
     return ForEachServer([&](uint32_t s) -> absl::Status {
-      for (const ShardPlacement& p : shards_of[s]) {
-        if (p.tensor != tensor) continue;
+      for (const ShardPlacement& placed : shards_of[s]) {
+        if (placed.tensor != tensor) continue;
+        // This caller's slice of the server's part: every server gets its
+        // bytes from every caller at once, and the slices tile the part.
+        ShardPlacement p = placed;
+        p.offset = placed.offset + placed.length * share.index / share.count;
+        p.length = placed.offset + placed.length * (share.index + 1) / share.count - p.offset;
+        if (p.length == 0) return absl::OkStatus();
         return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
           v1::InitResponse resp;
           auto writer = stubs[s]->Init(ctx, &resp);
@@ -208,11 +218,40 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   return step;
 }
 
-absl::Status Client::InitFp32(const std::string& tensor, const float* values) {
-  return impl_->InitTensor(tensor, values, v1::FP32);
+absl::Status Client::InitFp32(const std::string& tensor, const float* values, InitShare share) {
+  return impl_->InitTensor(tensor, values, v1::FP32, v1::MASTER, 0, share);
 }
-absl::Status Client::InitBf16(const std::string& tensor, const uint16_t* values) {
-  return impl_->InitTensor(tensor, values, v1::BF16);
+absl::Status Client::InitBf16(const std::string& tensor, const uint16_t* values, InitShare share) {
+  return impl_->InitTensor(tensor, values, v1::BF16, v1::MASTER, 0, share);
+}
+
+absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
+  Impl& im = *impl_;
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0));
+  for (;;) {
+    std::vector<uint32_t> missing(im.servers(), 0);  // each server's thread writes its own entry
+    SHARDOPT_RETURN_IF_ERROR(im.ForEachServer([&](uint32_t s) {
+      v1::DescribeResponse r;
+      SHARDOPT_RETURN_IF_ERROR(im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+        v1::DescribeRequest req;
+        req.set_job(im.job.name);
+        req.set_max_tensors(1);  // only the job-wide fields are wanted
+        return im.stubs[s]->Describe(ctx, req, &r);
+      }));
+      missing[s] = r.uninitialized_tensors();
+      return absl::OkStatus();
+    }));
+    const auto waiting = std::find_if(missing.begin(), missing.end(), [](uint32_t n) { return n > 0; });
+    if (waiting == missing.end()) return absl::OkStatus();
+    if (std::chrono::steady_clock::now() >= give_up) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          im.address(static_cast<uint32_t>(waiting - missing.begin())), ": ", *waiting, " of its parts of job '",
+          im.job.name, "' still lack initial values after ", timeout_ms,
+          " ms; is every rank that writes a share of them running?"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,

@@ -54,7 +54,7 @@ v1::StateKind ToProto(StateToRead what) {
 
 ServerState FromProto(const std::string& address, const v1::DescribeResponse& r) {
   return {address, r.device(), r.step(), r.state_bytes(), r.staging_bytes(), r.memory_limit_bytes(),
-          r.memory_used_bytes()};
+          r.memory_used_bytes(), r.uninitialized_tensors()};
 }
 
 }  // namespace shardopt

@@ -124,7 +124,9 @@ class RemoteAdamW(torch.optim.Optimizer):
             and resumed from the servers' state (its settings must match).
         rank, world_size: data parallelism without DDP: every rank pushes its
             gradients, the servers average them, every rank gets the same
-            params back.
+            params back. A new job's ranks must start from the same params:
+            each sends its 1/world_size share of them, and the constructor
+            waits (up to ``barrier_timeout``) until every rank's share is in.
         lr, betas, eps, weight_decay: torch.optim.AdamW's defaults for groups
             that do not set their own.
         max_grad_norm: global-norm clipping over the averaged gradient (0:
@@ -136,7 +138,8 @@ class RemoteAdamW(torch.optim.Optimizer):
             step; use max_grad_norm instead of clipping them yourself).
         rpc_timeout, max_attempts: each server call's deadline in seconds, and
             attempts for UNAVAILABLE and DEADLINE_EXCEEDED.
-        barrier_timeout: seconds the servers wait for every rank's gradients.
+        barrier_timeout: seconds the servers wait for every rank's gradients,
+            and a new job's ranks wait for each other's initial values.
         checkpoint_every: rank 0 asks for a checkpoint every this many steps
             (servers need --checkpoint_dir); 0: only on ``checkpoint()``.
         restore_step: for servers with --checkpoint_dir that do not hold the
@@ -185,11 +188,14 @@ class RemoteAdamW(torch.optim.Optimizer):
         self.resumed_step = self._client.create_or_attach(job, world_size, job_groups, job_tensors, False,
                                                           int(barrier_timeout * 1000), restore_step)
         if self.resumed_step == 0:
-            # Every rank starts from the same params (as DDP requires too) and
-            # sends them: the servers take no rank's push before step 1's
-            # initial values, and the ranks do not wait for each other here.
+            # Every rank starts from the same params (as DDP requires too)
+            # and sends its share of them, so that the servers take the
+            # model's bytes once however many ranks there are; the servers
+            # take no push before step 1's initial values are all in, so each
+            # rank waits here for the others' shares.
             for t in self._tensors:
-                self._init_master(t, t.param)
+                self._init_master(t, t.param, share=(rank, world_size))
+            self._client.wait_for_initial_values(int(barrier_timeout * 1000))
         else:
             self._pull_params()
         self._client.verify_state()
@@ -405,13 +411,14 @@ class RemoteAdamW(torch.optim.Optimizer):
         for device in {t.device for t in self._tensors if t.device.type == "cuda"}:
             torch.cuda.current_stream(device).synchronize()
 
-    def _init_master(self, t, values):
-        """The servers' master of t from `values` (fp32 exactly, or bf16)."""
+    def _init_master(self, t, values, share=(0, 1)):
+        """The servers' master of t from `values` (fp32 exactly, or bf16):
+        all of it, or this rank's share (index, count) of it."""
         host = values.detach().to("cpu").contiguous()
         if host.dtype == torch.float32:
-            self._client.init_fp32(t.name, host.data_ptr())
+            self._client.init_fp32(t.name, host.data_ptr(), *share)
         elif host.dtype == torch.bfloat16:
-            self._client.init_bf16(t.name, host.data_ptr())
+            self._client.init_bf16(t.name, host.data_ptr(), *share)
         else:
             raise UnsupportedDtype(f"initial values of {t.name!r} are {host.dtype}; fp32 or bf16 needed")
 

@@ -172,15 +172,20 @@ class PyClient {
     return Value(client_->CreateOrAttach(job));
   }
 
-  void InitFp32(const std::string& tensor, uintptr_t values) {
+  void InitFp32(const std::string& tensor, uintptr_t values, uint32_t share_index, uint32_t share_count) {
     Idle();
     py::gil_scoped_release nogil;
-    Check(client_->InitFp32(tensor, reinterpret_cast<const float*>(values)));
+    Check(client_->InitFp32(tensor, reinterpret_cast<const float*>(values), {share_index, share_count}));
   }
-  void InitBf16(const std::string& tensor, uintptr_t values) {
+  void InitBf16(const std::string& tensor, uintptr_t values, uint32_t share_index, uint32_t share_count) {
     Idle();
     py::gil_scoped_release nogil;
-    Check(client_->InitBf16(tensor, reinterpret_cast<const uint16_t*>(values)));
+    Check(client_->InitBf16(tensor, reinterpret_cast<const uint16_t*>(values), {share_index, share_count}));
+  }
+  void WaitForInitialValues(int64_t timeout_ms) {
+    Idle();
+    py::gil_scoped_release nogil;
+    Check(client_->WaitForInitialValues(timeout_ms));
   }
   void InitAdamState(const std::string& tensor, uintptr_t exp_avg, uintptr_t exp_avg_sq, uint64_t adam_step) {
     Idle();
@@ -332,7 +337,8 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("state_bytes", &shardopt::ServerState::state_bytes)
       .def_readonly("staging_bytes", &shardopt::ServerState::staging_bytes)
       .def_readonly("memory_limit_bytes", &shardopt::ServerState::memory_limit_bytes)
-      .def_readonly("memory_used_bytes", &shardopt::ServerState::memory_used_bytes);
+      .def_readonly("memory_used_bytes", &shardopt::ServerState::memory_used_bytes)
+      .def_readonly("uninitialized_tensors", &shardopt::ServerState::uninitialized_tensors);
 
   m.def(
       "decide",
@@ -353,8 +359,11 @@ PYBIND11_MODULE(_C, m) {
            py::arg("tls_cert_chain") = "", py::arg("tls_private_key") = "", py::arg("token") = "")
       .def("create_or_attach", &PyClient::CreateOrAttach, py::arg("name"), py::arg("world_size"), py::arg("groups"),
            py::arg("tensors"), py::arg("fp32_grads"), py::arg("barrier_timeout_ms"), py::arg("restore_step"))
-      .def("init_fp32", &PyClient::InitFp32)
-      .def("init_bf16", &PyClient::InitBf16)
+      .def("init_fp32", &PyClient::InitFp32, py::arg("tensor"), py::arg("values"), py::arg("share_index") = 0,
+           py::arg("share_count") = 1)
+      .def("init_bf16", &PyClient::InitBf16, py::arg("tensor"), py::arg("values"), py::arg("share_index") = 0,
+           py::arg("share_count") = 1)
+      .def("wait_for_initial_values", &PyClient::WaitForInitialValues)
       .def("init_adam_state", &PyClient::InitAdamState)
       .def("step", &PyClient::Step, py::arg("grads"), py::arg("params"), py::arg("lr"), py::arg("group_lr"),
            py::arg("max_grad_norm"), py::arg("loss_scale"))

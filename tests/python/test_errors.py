@@ -67,9 +67,9 @@ def test_unsupported_dtype(servers, job, dtype):
 
 
 def test_mismatched_world_size(servers, job):
-    first = RemoteAdamW(make_model().named_parameters(), servers=servers, job=job, rank=0, world_size=2)
+    first = RemoteAdamW(make_model().named_parameters(), servers=servers, job=job)
     with pytest.raises(shardopt.AlreadyExists) as err:
-        RemoteAdamW(make_model().named_parameters(), servers=servers, job=job, rank=0, world_size=1)
+        RemoteAdamW(make_model().named_parameters(), servers=servers, job=job, rank=0, world_size=2)
     assert err.value.code == "ALREADY_EXISTS"
     assert any(s in err.value.message for s in servers)
     first.drop()

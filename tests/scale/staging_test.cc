@@ -4,9 +4,9 @@
 // reference. staging_bytes is the server's stated bound (sum + params + the
 // window's cap), checked flat; the server's peak RSS over the steps is
 // checked to grow by at most 2 MiB a rank (it is not flat: gRPC's buffers).
-// One process writes the initial values first, as a launcher can: when
-// every rank writes them (the workers' default), the server takes each
-// rank's copy, which this test does not measure (README, "Gradient staging").
+// One process writes all the initial values first, so that the peak taken
+// over the steps holds the steps alone (the workers' default, each rank
+// writing its share, is measured in the README, "Gradient staging").
 #include <signal.h>
 #include <sys/wait.h>
 
@@ -79,7 +79,7 @@ Measured TrainWith(uint32_t world) {
     return SpawnProcess({SHARDOPT_WORKER_BINARY, "--servers=" + server->address(), absl::StrCat("--rank=", rank),
                          absl::StrCat("--world_size=", world), absl::StrCat("--steps=", steps),
                          absl::StrCat("--size=", kSize), "--barrier_timeout_ms=30000", "--step_attempts=8",
-                         absl::StrCat("--init=", init), "--read_masters=false", "--out=" + out + (init ? "-init" : "")});
+                         absl::StrCat("--init=", init), "--init_all=true", "--read_masters=false", "--out=" + out + (init ? "-init" : "")});
   };
   auto status = WaitProcess(worker(0, 0, true), 60s);
   EXPECT_TRUE(status && WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "the initial values were not written";
@@ -100,7 +100,9 @@ Measured TrainWith(uint32_t world) {
   for (uint32_t r = 0; r < world; ++r) {
     auto output = ReadOutput(OutputPath(out, r), 0);
     EXPECT_TRUE(output.ok()) << output.status();
-    if (output.ok()) EXPECT_EQ(output->gscales, std::vector<float>(kSteps, 1.0f / world)) << "rank " << r;
+    if (output.ok()) {
+      EXPECT_EQ(output->gscales, std::vector<float>(kSteps, 1.0f / world)) << "rank " << r;
+    }
   }
   // The masters, read once, against the rank-order reference.
   const JobOptions job = MakeJob("scale", world, 30000, kSize);

@@ -31,7 +31,10 @@ ABSL_FLAG(int, stall_after_pushing_server, -1,
 ABSL_FLAG(int, step_attempts, 20, "attempts per step while the barrier times out");
 ABSL_FLAG(uint32_t, size, 1, "scale::MakeJob's multiplier of the tensors' lengths");
 ABSL_FLAG(std::string, out, "", "output path prefix");
-ABSL_FLAG(bool, init, true, "at step 0, write the initial values (every rank writes the same); false: another did");
+ABSL_FLAG(bool, init, true,
+          "at step 0, write this rank's share of the initial values and wait for the other ranks'; false: another "
+          "process wrote them");
+ABSL_FLAG(bool, init_all, false, "with --init: write all of the initial values, not only this rank's share");
 ABSL_FLAG(bool, read_masters, true, "at the end, read the masters back into the output");
 
 namespace shardopt::scale {
@@ -74,11 +77,14 @@ int Run() {
   if (!start.ok()) return Fail(log, start.status(), "attach");
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
   if (*start == 0 && absl::GetFlag(FLAGS_init)) {
-    // Every rank writes the same values, so no rank waits for another's.
+    // Every rank holds the same values and sends its share of them.
+    InitShare share{rank, job.world_size};
+    if (absl::GetFlag(FLAGS_init_all)) share = {};
     for (uint32_t t = 0; t < job.tensors.size(); ++t) {
       const auto init = InitialValues(seed, t, job.tensors[t].numel);
-      if (auto st = (*client)->InitFp32(job.tensors[t].name, init.data()); !st.ok()) return Fail(log, st, "init");
+      if (auto st = (*client)->InitFp32(job.tensors[t].name, init.data(), share); !st.ok()) return Fail(log, st, "init");
     }
+    if (auto st = (*client)->WaitForInitialValues(60000); !st.ok()) return Fail(log, st, "initial values");
   }
   log << "rank " << rank << " attached at step " << *start << std::endl;
 

@@ -170,6 +170,17 @@ struct ServerState {
   // streams hold against it.
   uint64_t memory_limit_bytes = 0;
   uint64_t memory_used_bytes = 0;
+  // Tensor parts here that still lack initial values (0: ready to step).
+  uint32_t uninitialized_tensors = 0;
+};
+
+// A part of the initial values, for callers that all hold the same ones (a
+// job's ranks, as DDP requires): caller `index` of `count` writes the
+// index-th of `count` even slices of each server's part of a tensor, so the
+// servers take the model's bytes once, whatever the number of ranks.
+struct InitShare {
+  uint32_t index = 0;
+  uint32_t count = 1;
 };
 
 // Decide's rule, a pure function so that every rank and the tests agree.
@@ -205,8 +216,15 @@ class Client {
   // Creates the job on every server, or attaches to it; returns its step.
   absl::StatusOr<uint64_t> CreateOrAttach(const JobOptions& job);
   // Initial values of a whole tensor, before step 1. fp32 is kept exactly.
-  absl::Status InitFp32(const std::string& tensor, const float* values);
-  absl::Status InitBf16(const std::string& tensor, const uint16_t* values);
+  // `values` is always the whole tensor; with a share, only this caller's
+  // slices of it are sent, and the other callers send the rest.
+  absl::Status InitFp32(const std::string& tensor, const float* values, InitShare share = {});
+  absl::Status InitBf16(const std::string& tensor, const uint16_t* values, InitShare share = {});
+  // Waits until every server holding part of the job has initial values for
+  // all of it (the other callers' shares are in), asking each server about
+  // every 20 ms; DEADLINE_EXCEEDED after `timeout_ms`, naming a server and
+  // how many of its tensor parts still lack values.
+  absl::Status WaitForInitialValues(int64_t timeout_ms);
   // Adam's moments and step count of a whole tensor, before step 1: resuming
   // from an optimizer's state dict. fp32, kept exactly in FP32 groups.
   absl::Status InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,

@@ -1,0 +1,139 @@
+// Initial values shared out over a job's ranks (Client::InitFp32/InitBf16
+// with an InitShare, WaitForInitialValues), against real server processes:
+// each rank's share is a slice of every server's part, the shares tile the
+// tensors exactly, and the job takes no push until the last share is in.
+#include <cmath>
+#include <random>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/adamw_math.h"
+#include "shardopt/client.h"
+#include "tests/testing/reference.h"
+#include "tests/testing/server_process.h"
+
+namespace shardopt {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::RandomBf16;
+using testing::RandomFloats;
+using testing::ServerProcess;
+
+constexpr uint32_t kWorld = 4;
+
+// Three tensors over two servers: one split between them, one smaller than
+// the number of ranks (some shares of it are empty), one bf16.
+JobOptions ShareJob() {
+  JobOptions job;
+  job.name = "shares";
+  job.world_size = kWorld;
+  job.groups = {GroupOptions{}};
+  job.tensors = {{"a", 10007, 0}, {"b", 3, 0}, {"c", 50001, 0}};
+  job.barrier_timeout_ms = 10000;
+  return job;
+}
+
+class InitShareTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    for (int s = 0; s < 2; ++s) {
+      servers_.push_back(ServerProcess::Start({"--threads=1"}));
+      ASSERT_NE(servers_.back(), nullptr);
+    }
+    for (uint32_t r = 0; r < kWorld; ++r) {
+      ClientOptions o;
+      o.servers = {servers_[0]->address(), servers_[1]->address()};
+      o.rank = r;
+      o.max_attempts = 1;
+      clients_.push_back(Client::Connect(o).value());
+      ASSERT_TRUE(clients_.back()->CreateOrAttach(job_).ok());
+    }
+  }
+
+  uint32_t Uninitialized() {
+    auto described = clients_[0]->Describe();
+    EXPECT_TRUE(described.ok()) << described.status();
+    uint32_t n = 0;
+    if (described.ok()) {
+      for (const ServerState& s : *described) n += s.uninitialized_tensors;
+    }
+    return n;
+  }
+
+  // Rank r's share of every tensor: a and c as fp32, b as bf16.
+  absl::Status WriteShare(uint32_t r, InitShare share) {
+    if (auto st = clients_[r]->InitFp32("a", a_.data(), share); !st.ok()) return st;
+    if (auto st = clients_[r]->InitBf16("b", b_.data(), share); !st.ok()) return st;
+    return clients_[r]->InitFp32("c", c_.data(), share);
+  }
+
+  std::vector<float> ReadMaster(const std::string& tensor, uint64_t numel) {
+    std::vector<float> m(numel, std::nanf(""));  // poisoned
+    EXPECT_TRUE(clients_[0]->Read(tensor, StateToRead::kMaster, 0, numel, m.data()).ok());
+    return m;
+  }
+
+  const JobOptions job_ = ShareJob();
+  std::mt19937_64 rng_{std::random_device{}()};
+  const std::vector<float> a_ = RandomFloats(rng_, 10007, -2, 2);
+  const std::vector<uint16_t> b_ = RandomBf16(rng_, 3, 1.0f);
+  const std::vector<float> c_ = RandomFloats(rng_, 50001, -2, 2);
+  std::vector<std::unique_ptr<ServerProcess>> servers_;
+  std::vector<std::unique_ptr<Client>> clients_;
+};
+
+TEST_F(InitShareTest, SharesTileTheTensorsBitwiseAndTheJobWaitsForTheLastOne) {
+  // "a", "b" on server 0; "c" on both (placement: 4096-aligned halves of the
+  // flat space), so four parts in all lack values at first.
+  EXPECT_EQ(Uninitialized(), 4u);
+  for (uint32_t r : {0u, 1u, 3u}) ASSERT_TRUE(WriteShare(r, {r, kWorld}).ok()) << "rank " << r;
+  EXPECT_GT(Uninitialized(), 0u);
+
+  // Without rank 2's share: the wait times out naming a server, and a push
+  // is refused and changes nothing.
+  const auto waited = clients_[0]->WaitForInitialValues(100);
+  EXPECT_TRUE(absl::IsDeadlineExceeded(waited)) << waited;
+  EXPECT_THAT(std::string(waited.message()), HasSubstr("still lack initial values"));
+  std::vector<std::vector<uint16_t>> grads;
+  for (const TensorOptions& t : job_.tensors) grads.push_back(RandomBf16(rng_, t.numel, 1.0f));
+  const std::vector<GradView> views = {{"a", grads[0].data()}, {"b", grads[1].data()}, {"c", grads[2].data()}};
+  const auto refused = clients_[0]->Push(1, views);
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused.status())) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("no initial value"));
+
+  ASSERT_TRUE(WriteShare(2, {2, kWorld}).ok());
+  for (auto& c : clients_) ASSERT_TRUE(c->WaitForInitialValues(5000).ok());
+  EXPECT_EQ(Uninitialized(), 0u);
+  EXPECT_EQ(ReadMaster("a", a_.size()), a_);
+  std::vector<float> b;
+  for (uint16_t h : b_) b.push_back(math::bf16_to_float(h));
+  EXPECT_EQ(ReadMaster("b", b_.size()), b);
+  EXPECT_EQ(ReadMaster("c", c_.size()), c_);
+
+  // And the job steps: every rank's push of step 1 is taken.
+  std::vector<std::thread> ranks;
+  std::vector<absl::Status> pushed(kWorld);
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    ranks.emplace_back([&, r] { pushed[r] = clients_[r]->Push(1, views).status(); });
+  }
+  for (auto& t : ranks) t.join();
+  for (uint32_t r = 0; r < kWorld; ++r) EXPECT_TRUE(pushed[r].ok()) << "rank " << r << ": " << pushed[r];
+}
+
+TEST_F(InitShareTest, AShareOutOfRangeIsInvalidArgumentAndWritesNothing) {
+  for (InitShare bad : {InitShare{4, 4}, InitShare{0, 0}, InitShare{7, 3}}) {
+    const auto st = WriteShare(0, bad);
+    EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("out of range"));
+  }
+  EXPECT_EQ(Uninitialized(), 4u);
+  // One rank writing everything (share 0 of 1, the default) still works.
+  ASSERT_TRUE(WriteShare(0, {}).ok());
+  EXPECT_TRUE(clients_[1]->WaitForInitialValues(1000).ok());
+  EXPECT_EQ(ReadMaster("c", c_.size()), c_);
+}
+
+}  // namespace
+}  // namespace shardopt
