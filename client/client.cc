@@ -229,9 +229,16 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0));
-  for (;;) {
-    std::vector<uint32_t> missing(im.servers(), 0);  // each server's thread writes its own entry
-    SHARDOPT_RETURN_IF_ERROR(im.ForEachServer([&](uint32_t s) {
+  // A server whose parts all have values keeps them (they are taken only at
+  // step 0, and never taken away), so only the others are asked again; and
+  // ever less often, since every rank of the job asks every server.
+  std::vector<uint32_t> pending;
+  for (uint32_t s = 0; s < im.servers(); ++s) {
+    if (!im.shards_of[s].empty()) pending.push_back(s);
+  }
+  std::vector<uint32_t> missing(im.servers(), 0);  // each server's thread writes its own entry
+  for (auto pause = std::chrono::milliseconds(10);; pause = std::min(2 * pause, std::chrono::milliseconds(500))) {
+    SHARDOPT_RETURN_IF_ERROR(fanout::ForEach(pending, [&](uint32_t s) {
       v1::DescribeResponse r;
       SHARDOPT_RETURN_IF_ERROR(im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
         v1::DescribeRequest req;
@@ -242,15 +249,16 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
       missing[s] = r.uninitialized_tensors();
       return absl::OkStatus();
     }));
-    const auto waiting = std::find_if(missing.begin(), missing.end(), [](uint32_t n) { return n > 0; });
-    if (waiting == missing.end()) return absl::OkStatus();
+    pending.erase(std::remove_if(pending.begin(), pending.end(), [&](uint32_t s) { return missing[s] == 0; }),
+                  pending.end());
+    if (pending.empty()) return absl::OkStatus();
     if (std::chrono::steady_clock::now() >= give_up) {
       return absl::DeadlineExceededError(absl::StrCat(
-          im.address(static_cast<uint32_t>(waiting - missing.begin())), ": ", *waiting, " of its parts of job '",
-          im.job.name, "' still lack initial values after ", timeout_ms,
-          " ms; is every rank that writes a share of them running?"));
+          im.address(pending.front()), ": ", missing[pending.front()], " of its parts of job '", im.job.name,
+          "' still lack initial values after ", timeout_ms, " ms; is every rank that writes a share of them running?"));
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::this_thread::sleep_for(std::min(pause, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                    give_up - std::chrono::steady_clock::now())));
   }
 }
 

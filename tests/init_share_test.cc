@@ -89,7 +89,9 @@ TEST_F(InitShareTest, SharesTileTheTensorsBitwiseAndTheJobWaitsForTheLastOne) {
   // flat space), so four parts in all lack values at first.
   EXPECT_EQ(Uninitialized(), 4u);
   for (uint32_t r : {0u, 1u, 3u}) ASSERT_TRUE(WriteShare(r, {r, kWorld}).ok()) << "rank " << r;
-  EXPECT_GT(Uninitialized(), 0u);
+  // Rank 2's share of every part is non-empty (b's is its element 1), so
+  // every part still lacks some values.
+  EXPECT_EQ(Uninitialized(), 4u);
 
   // Without rank 2's share: the wait times out naming a server, and a push
   // is refused and changes nothing.
@@ -123,12 +125,15 @@ TEST_F(InitShareTest, SharesTileTheTensorsBitwiseAndTheJobWaitsForTheLastOne) {
 }
 
 TEST_F(InitShareTest, AShareOutOfRangeIsInvalidArgumentAndWritesNothing) {
+  const std::vector<float> a_before = ReadMaster("a", a_.size()), c_before = ReadMaster("c", c_.size());
   for (InitShare bad : {InitShare{4, 4}, InitShare{0, 0}, InitShare{7, 3}}) {
     const auto st = WriteShare(0, bad);
     EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
     EXPECT_THAT(std::string(st.message()), HasSubstr("out of range"));
   }
   EXPECT_EQ(Uninitialized(), 4u);
+  EXPECT_EQ(ReadMaster("a", a_.size()), a_before);
+  EXPECT_EQ(ReadMaster("c", c_.size()), c_before);
   // One rank writing everything (share 0 of 1, the default) still works.
   ASSERT_TRUE(WriteShare(0, {}).ok());
   EXPECT_TRUE(clients_[1]->WaitForInitialValues(1000).ok());

@@ -221,9 +221,10 @@ class Client {
   absl::Status InitFp32(const std::string& tensor, const float* values, InitShare share = {});
   absl::Status InitBf16(const std::string& tensor, const uint16_t* values, InitShare share = {});
   // Waits until every server holding part of the job has initial values for
-  // all of it (the other callers' shares are in), asking each server about
-  // every 20 ms; DEADLINE_EXCEEDED after `timeout_ms`, naming a server and
-  // how many of its tensor parts still lack values.
+  // all of it (the other callers' shares are in), asking the servers not
+  // yet ready again after 10 ms, then ever less often, up to every 500 ms;
+  // DEADLINE_EXCEEDED after `timeout_ms`, naming a server and how many of
+  // its tensor parts still lack values.
   absl::Status WaitForInitialValues(int64_t timeout_ms);
   // Adam's moments and step count of a whole tensor, before step 1: resuming
   // from an optimizer's state dict. fp32, kept exactly in FP32 groups.
