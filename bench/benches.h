@@ -22,7 +22,7 @@ struct E2eArgs {
   uint64_t params = 0;   // >= tensors
   uint64_t tensors = 0;  // >= 1
   uint64_t steps = 0;    // >= 1
-  uint64_t chunk_bytes = 0;  // holds one param at least
+  uint64_t chunk_bytes = 0;  // the client's; 0: its default, else 2 at least
   uint64_t threads = 0;  // each server's CPU threads; 0: one per core
   uint64_t servers = 0;  // 1 to 64
   uint64_t workers = 0;  // 1 to 64

@@ -30,7 +30,8 @@ ABSL_FLAG(std::optional<Count>, iterations, std::nullopt, "kernel: timed runs, t
 ABSL_FLAG(std::optional<Count>, params, std::nullopt, "e2e: the model's params (default 64M)");
 ABSL_FLAG(std::optional<Count>, tensors, std::nullopt, "e2e: tensors the params are split into (default 1)");
 ABSL_FLAG(std::optional<Count>, steps, std::nullopt, "e2e: timed steps, the best one kept (default 5)");
-ABSL_FLAG(std::optional<Count>, chunk_bytes, std::nullopt, "e2e: bytes per gRPC message (default 1M)");
+ABSL_FLAG(std::optional<Count>, chunk_bytes, std::nullopt,
+          "e2e: the client's bytes per gradient message (default: the client's, 256K)");
 ABSL_FLAG(std::optional<Count>, servers, std::nullopt, "e2e: servers, 1 to 64 (default 1)");
 ABSL_FLAG(std::optional<Count>, workers, std::nullopt, "e2e: worker clients, 1 to 64 (default 1)");
 ABSL_FLAG(std::optional<std::string>, dir, std::nullopt,
@@ -115,7 +116,7 @@ absl::StatusOr<nlohmann::json> E2e() {
   args.params = Get(FLAGS_params, uint64_t{64} << 20);
   args.tensors = Get(FLAGS_tensors, 1);
   args.steps = Get(FLAGS_steps, 5);
-  args.chunk_bytes = Get(FLAGS_chunk_bytes, 1 << 20);
+  args.chunk_bytes = Get(FLAGS_chunk_bytes, 0);
   args.threads = Get(FLAGS_threads, 0);
   args.servers = Get(FLAGS_servers, 1);
   args.workers = Get(FLAGS_workers, 1);
@@ -124,7 +125,7 @@ absl::StatusOr<nlohmann::json> E2e() {
   }
   if (args.tensors == 0 || args.params < args.tensors) shardopt::UsageError("need 1 <= --tensors <= --params");
   if (args.steps == 0) shardopt::UsageError("--steps must be at least 1");
-  if (args.chunk_bytes < 2) shardopt::UsageError("--chunk_bytes must hold one param, 2 bytes");
+  if (args.chunk_bytes == 1) shardopt::UsageError("--chunk_bytes must hold one param, 2 bytes");
   return bench::E2eBench(args);
 }
 

@@ -234,8 +234,9 @@ bool PushSession::Hold(uint64_t bytes) {
 }
 
 absl::StatusOr<bool> PushSession::MayRead(const Wake& wake) {
-  // A stream's chunks are about 1 MiB unless it has shown otherwise.
-  constexpr uint64_t kExpectedChunk = uint64_t{1} << 20;
+  // A stream's chunks are the client's default (256 KiB) until it has shown
+  // otherwise.
+  constexpr uint64_t kExpectedChunk = uint64_t{256} << 10;
   const uint64_t expected = last_chunk_ > 0 ? last_chunk_ : kExpectedChunk;
   absl::MutexLock lock(&job_->mu);
   SHARDOPT_RETURN_IF_ERROR(CheckRoundLocked());

@@ -156,7 +156,7 @@ class RemoteAdamW(torch.optim.Optimizer):
     def __init__(self, params, servers, job, rank=0, world_size=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm=0.0, state_precision="fp32", overlap=False, num_servers=None,
                  rpc_timeout=60.0, max_attempts=5, barrier_timeout=60.0, checkpoint_every=0, restore_step=0,
-                 chunk_bytes=1 << 20, tls_ca=None, tls_cert=None, tls_key=None, token=None):
+                 chunk_bytes=256 << 10, tls_ca=None, tls_cert=None, tls_key=None, token=None):
         if state_precision not in _STATE_PRECISIONS:
             raise ValueError(f"state_precision must be one of {_STATE_PRECISIONS}, not {state_precision!r}")
         if not 0 <= rank < world_size:
