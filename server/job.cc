@@ -119,9 +119,28 @@ void Job::Notify() {
   changed.SignalAll();
   for (auto& wake : watchers_) wakeups_->Post(std::move(wake));
   watchers_.clear();
+  for (auto& [rank, wake] : progress_watchers_) wakeups_->Post(std::move(wake));
+  progress_watchers_.clear();
 }
 
 void Job::Watch(std::function<void()> wake) { watchers_.push_back(std::move(wake)); }
+
+void Job::WatchProgress(uint32_t rank, std::function<void()> wake) {
+  progress_watchers_.emplace(rank, std::move(wake));
+}
+
+void Job::NotifyProgress() {
+  // About what one fold or one let-go frees: a chunk's room or so.
+  constexpr int kProgressWakes = 2;
+  const uint32_t lowest = round.active ? round.sum->lowest_unfinished() : 0;
+  auto [first, last] = progress_watchers_.equal_range(lowest);
+  for (auto it = first; it != last; ++it) wakeups_->Post(std::move(it->second));
+  progress_watchers_.erase(first, last);
+  for (int i = 0; i < kProgressWakes && !progress_watchers_.empty(); ++i) {
+    wakeups_->Post(std::move(progress_watchers_.begin()->second));
+    progress_watchers_.erase(progress_watchers_.begin());
+  }
+}
 
 void Job::AwaitWholeStep() {
   while (applying && !dropped) changed.Wait(&mu);

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -154,6 +155,17 @@ class Job {
   // change is missed. A round's deadline is a Notify too: StartRound sets one
   // timer for it, whatever the number of waiters.
   void Watch(std::function<void()> wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // A push of `rank` waiting for the window: for room to read its next
+  // chunk, or to put one in (PushSession::MayRead, Fold). Woken by Notify,
+  // and by NotifyProgress, which wakes only a few of them.
+  void WatchProgress(uint32_t rank, std::function<void()> wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // The round's sum moved on, or a push let go of what it held: the pushes
+  // of the lowest unfinished rank, which never wait for the window, and the
+  // kProgressWakes lowest-ranked others, whose chunks fold soonest. Waking
+  // every waiting push instead made each of a round's O(W x chunks) changes
+  // cost O(W); one that finds no room watches again, and the lowest rank
+  // always goes on, so no push waits for good.
+  void NotifyProgress() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Waits until no step is half applied, so that what follows sees whole steps.
   void AwaitWholeStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
@@ -173,6 +185,7 @@ class Job {
   MemoryBudget::Charge charge_;  // all the job holds but its rounds' growth
   std::weak_ptr<Job> self_;  // for the round's deadline timer, which may outlive the job
   std::vector<std::function<void()>> watchers_ ABSL_GUARDED_BY(mu);
+  std::multimap<uint32_t, std::function<void()>> progress_watchers_ ABSL_GUARDED_BY(mu);  // by rank
 };
 
 }  // namespace shardopt

@@ -57,7 +57,7 @@ void PushSession::Start(std::chrono::steady_clock::time_point now) {
 // the round, whose pushes are then retried from the start.
 PushSession::~PushSession() {
   absl::MutexLock lock(&job_->mu);
-  if (Hold(0)) job_->Notify();
+  if (Hold(0)) job_->NotifyProgress();
   if (!started_ || answered_) return;
   Job::Round& round = job_->round;
   if (!round.active || round.epoch != epoch_ || round.sealed || round.sum->finished(rank_) ||
@@ -164,7 +164,7 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, Pieces data, const W
   absl::StatusOr<bool> taken = TakeLocked(chunk, std::move(data), wake);
   // The read this message was held for is done; what of it waits for the
   // window is held instead (Fold).
-  if (!pending_ && Hold(0)) job_->Notify();
+  if (!pending_ && Hold(0)) job_->NotifyProgress();
   return taken;
 }
 
@@ -218,11 +218,11 @@ absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
   // Held now: what of the chunk waits for the window. One wake for both
   // changes.
   const bool let_go = Hold(pending_ ? (count - pending_taken_) * esize : 0);
-  if (sum.progress() != before || let_go) job_->Notify();
+  if (sum.progress() != before || let_go) job_->NotifyProgress();
   if (!pending_) return true;
   // The window is full: this stream is not read until it drains, so gRPC's
   // flow control holds the sender back.
-  job_->Watch(wake);
+  job_->WatchProgress(rank_, wake);
   return false;
 }
 
@@ -248,10 +248,10 @@ absl::StatusOr<bool> PushSession::MayRead(const Wake& wake) {
   const uint32_t lowest = active ? job_->round.sum->lowest_unfinished() : 0;
   const uint64_t windowed = active ? job_->round.sum->window_bytes() : 0;
   if (!counted || rank_ == lowest || job_->held_bytes - held_ + windowed + expected <= job_->window_bytes) {
-    if (Hold(counted ? expected : 0)) job_->Notify();
+    if (Hold(counted ? expected : 0)) job_->NotifyProgress();
     return true;
   }
-  job_->Watch(wake);
+  job_->WatchProgress(rank_, wake);
   return false;
 }
 
@@ -292,7 +292,7 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::TrySeal(const Wake&
   absl::StatusOr<std::optional<v1::PushResponse>> answer = [&] {
     absl::MutexLock lock(&job_->mu);
     // The stream's last read found its end: it holds nothing more.
-    if (Hold(0)) job_->Notify();
+    if (Hold(0)) job_->NotifyProgress();
     return sealing_ ? AwaitSeal(wake) : Seal(wake);
   }();
   if (answer.ok() && *answer) answered_ = true;
@@ -357,7 +357,9 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
     job_->round.phases.reduce += Seconds(t1 - t0);
     if (job_->round.finished_count == 0) job_->round.first_finished = t1;
     ++job_->round.finished_count;
-    job_->Notify();
+    // The lowest unfinished rank may now be another; the barrier's waiters
+    // are woken when it is sealed, below.
+    job_->NotifyProgress();
   }
 
   if (job_->round.finished_count == job_->world_size()) {
