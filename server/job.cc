@@ -132,14 +132,28 @@ void Job::WatchProgress(uint32_t rank, std::function<void()> wake) {
 void Job::NotifyProgress() {
   // About what one fold or one let-go frees: a chunk's room or so.
   constexpr int kProgressWakes = 2;
-  const uint32_t lowest = round.active ? round.sum->lowest_unfinished() : 0;
-  auto [first, last] = progress_watchers_.equal_range(lowest);
-  for (auto it = first; it != last; ++it) wakeups_->Post(std::move(it->second));
-  progress_watchers_.erase(first, last);
+  uint32_t lowest = 0;
+  if (round.active) {
+    lowest = round.sum->lowest_unfinished();
+    for (uint32_t rank : round.sum->TakeNewlyNext()) WakeRank(rank);
+  }
+  // Streams of finished ranks (a retry, or one already cut) need no room;
+  // they do not take the places of the others.
+  while (!progress_watchers_.empty() && progress_watchers_.begin()->first < lowest) {
+    wakeups_->Post(std::move(progress_watchers_.begin()->second));
+    progress_watchers_.erase(progress_watchers_.begin());
+  }
+  WakeRank(lowest);
   for (int i = 0; i < kProgressWakes && !progress_watchers_.empty(); ++i) {
     wakeups_->Post(std::move(progress_watchers_.begin()->second));
     progress_watchers_.erase(progress_watchers_.begin());
   }
+}
+
+void Job::WakeRank(uint32_t rank) {
+  auto [first, last] = progress_watchers_.equal_range(rank);
+  for (auto it = first; it != last; ++it) wakeups_->Post(std::move(it->second));
+  progress_watchers_.erase(first, last);
 }
 
 void Job::AwaitWholeStep() {

@@ -160,11 +160,12 @@ class Job {
   // and by NotifyProgress, which wakes only a few of them.
   void WatchProgress(uint32_t rank, std::function<void()> wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // The round's sum moved on, or a push let go of what it held: the pushes
-  // of the lowest unfinished rank, which never wait for the window, and the
-  // kProgressWakes lowest-ranked others, whose chunks fold soonest. Waking
-  // every waiting push instead made each of a round's O(W x chunks) changes
-  // cost O(W); one that finds no room watches again, and the lowest rank
-  // always goes on, so no push waits for good.
+  // of the lowest unfinished rank, which never wait for the window, of the
+  // ranks that became some block's next (RunningSum::TakeNewlyNext), whose
+  // waiting chunk may fold now, and the kProgressWakes lowest-ranked others,
+  // for the room let go. Waking every waiting push instead made each of a
+  // round's O(W x chunks) changes cost O(W); one that finds no room watches
+  // again, and the lowest rank always goes on, so no push waits for good.
   void NotifyProgress() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Waits until no step is half applied, so that what follows sees whole steps.
   void AwaitWholeStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
@@ -179,6 +180,7 @@ class Job {
 
  private:
   Job(const v1::CreateJobRequest& spec, uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget);
+  void WakeRank(uint32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);  // its progress watchers
   Wakeups* const wakeups_;
   MemoryBudget* const budget_;
   const std::string tracking_what_;  // what a refused tracking charge names, made once

@@ -11,6 +11,7 @@ RunningSum::RunningSum(std::vector<uint64_t> shard_lengths, uint32_t world_size,
     : lengths_(std::move(shard_lengths)), world_size_(world_size), window_cap_(window_cap_bytes),
       ranks_(world_size) {
   for (uint64_t n : lengths_) blocks_.emplace_back((n + kBlock - 1) / kBlock);
+  newly_next_.reserve(world_size);
 }
 
 uint64_t RunningSum::BlockEnd(uint32_t shard, uint64_t block) const {
@@ -41,7 +42,7 @@ std::optional<std::pair<uint64_t, uint64_t>> RunningSum::FirstGap(uint32_t rank,
 }
 
 uint64_t RunningSum::FixedBytes(const std::vector<uint64_t>& lengths, uint32_t world_size) {
-  uint64_t bytes = uint64_t{world_size} * sizeof(RankState);
+  uint64_t bytes = uint64_t{world_size} * (sizeof(RankState) + sizeof(uint32_t));
   for (uint64_t n : lengths) bytes += (n + kBlock - 1) / kBlock * sizeof(Block) + sizeof(std::vector<Block>);
   return bytes;
 }
@@ -148,7 +149,19 @@ absl::Status RunningSum::Advance(JobState& state, uint32_t shard, uint64_t k) {
   // The block's sum just became final: the backend may take its sum of
   // squares now, while it is hot, instead of at the barrier.
   if (was < world_size_ && b.next == world_size_ && b.any) state.GradBlockDone(shard, begin, end - begin);
+  if (b.next != was && b.next < world_size_ && !ranks_[b.next].newly_next) {
+    ranks_[b.next].newly_next = true;
+    newly_next_.push_back(b.next);
+  }
   return absl::OkStatus();
+}
+
+std::vector<uint32_t> RunningSum::TakeNewlyNext() {
+  std::vector<uint32_t> taken;
+  taken.reserve(world_size_);  // the next call's list, so that pushing to it never allocates
+  taken.swap(newly_next_);
+  for (uint32_t r : taken) ranks_[r].newly_next = false;
+  return taken;
 }
 
 absl::Status RunningSum::Finish(JobState& state, uint32_t rank, std::vector<bool> no_grad) {

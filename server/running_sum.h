@@ -71,6 +71,10 @@ class RunningSum {
   // Bumped by every fold and every change of the window: what a push that
   // waits for room waits on.
   uint64_t progress() const { return progress_; }
+  // The ranks that became some block's next rank since the last call, once
+  // each: a chunk of theirs that waited for room in the window can now fold
+  // without it.
+  std::vector<uint32_t> TakeNewlyNext();
   // The bookkeeping's memory, for the server's budget (memory_budget.h).
   // Fixed at creation: per rank and per block, whatever is pushed.
   static uint64_t FixedBytes(const std::vector<uint64_t>& shard_lengths, uint32_t world_size);
@@ -89,6 +93,7 @@ class RunningSum {
   struct RankState {
     bool finished = false;
     bool folded = false;                // some of its elements are in the sum
+    bool newly_next = false;            // listed in newly_next_
     absl::flat_hash_map<uint32_t, IntervalSet> offered;  // by shard, those it offered anything of
     std::vector<bool> no_grad;          // [shard], once it finished
   };
@@ -119,6 +124,7 @@ class RunningSum {
   uint32_t lowest_unfinished_ = 0;
   uint64_t progress_ = 0;
   uint64_t growing_bytes_ = 0;
+  std::vector<uint32_t> newly_next_;  // at most world_size_, reserved
   // Reused by every fold: a chunk's runs of whole elements, and the elements
   // split between two of its pieces.
   std::vector<absl::string_view> runs_;
