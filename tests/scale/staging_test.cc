@@ -39,7 +39,7 @@ constexpr uint64_t kSteps = 3;
 // wait on it.
 constexpr uint32_t kSize = 50;
 // The server's memory may grow by this much per rank while they step:
-// gRPC's own per-connection buffers, measured at 0.7 MB a rank on 2 cores
+// gRPC's own per-connection buffers, measured at 0.5 MB a rank on 2 cores
 // (README, "Gradient staging"). They keep about one message per
 // connection: with 1 MiB chunks it was 1.4 MB, and before the pushes' reads
 // were held to the window, 2.5 MB.
@@ -148,7 +148,7 @@ TEST(Staging, BitwiseAtEveryWorldSizeWithStagingFlatAndServerMemoryWithinOneMiBA
   // What the server holds while the ranks step grows by no more than a
   // connection's worth per rank: the pushes hold at most the window and one
   // chunk between them, and a push the server does not read may have sent
-  // 256 KiB ahead, where before each could send 64 MiB ahead (its whole
+  // 64 KiB ahead, where before each could send 64 MiB ahead (its whole
   // 4.5 MB here) into gRPC's buffers.
   const uint64_t base = runs[0].second.steps_peak_rss;
   for (const auto& [world, run] : runs) {
