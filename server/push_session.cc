@@ -352,7 +352,13 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
     SHARDOPT_RETURN_IF_ERROR(job_->ChargeTracking());
     const absl::Status finished = sum.Finish(*job_->state, rank_, std::move(no_grad));
     job_->FitTracking();
-    SHARDOPT_RETURN_IF_ERROR(finished);
+    if (!finished.ok()) {
+      // The rank counts as finished, but some blocks may not have moved past
+      // it: the round can never be whole. Ended now, its pushes hear it at
+      // once instead of at the barrier's deadline.
+      job_->EndRound(absl::StrCat("rank ", rank_, "'s finish could not be summed (", finished.message(), ")"));
+      return finished;
+    }
     const auto t1 = std::chrono::steady_clock::now();
     job_->round.phases.reduce += Seconds(t1 - t0);
     if (job_->round.finished_count == 0) job_->round.first_finished = t1;

@@ -25,8 +25,10 @@ struct TensorDef {
 
 class StoreTest : public ::testing::Test {
  protected:
-  explicit StoreTest(JobStoreOptions options = {})
-      : backend_(MakeCpuBackend({2, cpu::BestIsa()})), store_(backend_.get(), std::move(options)) {}
+  // `backend`: the CPU's when null.
+  explicit StoreTest(JobStoreOptions options = {}, std::unique_ptr<Backend> backend = nullptr)
+      : backend_(backend ? std::move(backend) : MakeCpuBackend({2, cpu::BestIsa()})),
+        store_(backend_.get(), std::move(options)) {}
 
   v1::CreateJobRequest JobRequest(const std::string& job, uint32_t world, const std::vector<TensorDef>& tensors,
                                   v1::Precision precision = v1::PRECISION_FP32, uint32_t barrier_ms = 10000) {
