@@ -135,16 +135,14 @@ void Job::NotifyProgress() {
   uint32_t lowest = 0;
   if (round.active) {
     lowest = round.sum->lowest_unfinished();
-    for (uint32_t rank : round.sum->TakeNewlyNext()) WakeRank(rank);
-  }
-  // Streams of finished ranks (a retry, or one already cut) need no room;
-  // they do not take the places of the others.
-  while (!progress_watchers_.empty() && progress_watchers_.begin()->first < lowest) {
-    wakeups_->Post(std::move(progress_watchers_.begin()->second));
-    progress_watchers_.erase(progress_watchers_.begin());
+    round.sum->DrainNewlyNext([this](uint32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { WakeRank(rank); });
   }
   WakeRank(lowest);
-  for (int i = 0; i < kProgressWakes && !progress_watchers_.empty(); ++i) {
+  // Then in rank order: the streams of finished ranks (a retry, or one
+  // already cut), which need no room and do not take the others' places,
+  // and kProgressWakes more.
+  for (int others = 0; !progress_watchers_.empty() &&
+                       (progress_watchers_.begin()->first < lowest || others++ < kProgressWakes);) {
     wakeups_->Post(std::move(progress_watchers_.begin()->second));
     progress_watchers_.erase(progress_watchers_.begin());
   }

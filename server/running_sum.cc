@@ -156,12 +156,12 @@ absl::Status RunningSum::Advance(JobState& state, uint32_t shard, uint64_t k) {
   return absl::OkStatus();
 }
 
-std::vector<uint32_t> RunningSum::TakeNewlyNext() {
-  std::vector<uint32_t> taken;
-  taken.reserve(world_size_);  // the next call's list, so that pushing to it never allocates
-  taken.swap(newly_next_);
-  for (uint32_t r : taken) ranks_[r].newly_next = false;
-  return taken;
+void RunningSum::DrainNewlyNext(const std::function<void(uint32_t rank)>& fn) {
+  for (uint32_t r : newly_next_) {
+    ranks_[r].newly_next = false;
+    fn(r);
+  }
+  newly_next_.clear();  // keeps its capacity, reserved for every rank
 }
 
 absl::Status RunningSum::Finish(JobState& state, uint32_t rank, std::vector<bool> no_grad) {

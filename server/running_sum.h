@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -71,10 +72,10 @@ class RunningSum {
   // Bumped by every fold and every change of the window: what a push that
   // waits for room waits on.
   uint64_t progress() const { return progress_; }
-  // The ranks that became some block's next rank since the last call, once
-  // each: a chunk of theirs that waited for room in the window can now fold
-  // without it.
-  std::vector<uint32_t> TakeNewlyNext();
+  // Calls `fn` once for each rank that became some block's next rank since
+  // the last call: a chunk of theirs that waited for room in the window can
+  // now fold without it. Called after every fold, so it allocates nothing.
+  void DrainNewlyNext(const std::function<void(uint32_t rank)>& fn);
   // The bookkeeping's memory, for the server's budget (memory_budget.h).
   // Fixed at creation: per rank and per block, whatever is pushed.
   static uint64_t FixedBytes(const std::vector<uint64_t>& shard_lengths, uint32_t world_size);

@@ -6,7 +6,6 @@
 // all W waiters each time made the server's wakeups grow as W squared.
 #include <chrono>
 #include <memory>
-#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -15,32 +14,26 @@
 #include "absl/synchronization/notification.h"
 #include "base/pieces.h"
 #include "gtest/gtest.h"
-#include "kernels/cpu/cpu_backend.h"
 #include "server/job.h"
 #include "server/job_spec.h"
 #include "server/memory_budget.h"
 #include "server/wakeups.h"
+#include "tests/testing/store_fixture.h"
 
 namespace shardopt {
 namespace {
 
+using testing::RandomBf16;
+using testing::StoreTest;
+
 constexpr uint32_t kWorld = 8;
 constexpr uint64_t kNumel = 1000;  // one block
 
-class JobWakeupsTest : public ::testing::Test {
+// A Job of its own, on the fixture's backend, not in the fixture's store.
+class JobWakeupsTest : public StoreTest {
  protected:
   void SetUp() override {
-    v1::CreateJobRequest request;
-    request.set_job("wakeups");
-    request.set_world_size(kWorld);
-    v1::Group* g = request.add_groups();
-    g->set_beta1(0.9);
-    g->set_beta2(0.999);
-    g->set_eps(1e-8f);
-    v1::TensorSpec* t = request.add_tensors();
-    t->set_name("w");
-    t->set_numel(kNumel);
-    auto spec = NormalizeJobSpec(request, absl::Seconds(10));
+    auto spec = NormalizeJobSpec(JobRequest("wakeups", kWorld, {{"w", kNumel}}), absl::Seconds(10));
     ASSERT_TRUE(spec.ok()) << spec.status();
     auto job = Job::Create(*spec, backend_.get(), 1 << 20, &wakeups_, &budget_);
     ASSERT_TRUE(job.ok()) << job.status();
@@ -68,7 +61,14 @@ class JobWakeupsTest : public ::testing::Test {
     return woken_;
   }
 
-  std::unique_ptr<Backend> backend_ = MakeCpuBackend({});
+  // The ranks that became the block's next since the last call.
+  std::vector<uint32_t> NewlyNext() {
+    std::vector<uint32_t> ranks;
+    absl::MutexLock lock(&job_->mu);
+    job_->round.sum->DrainNewlyNext([&](uint32_t rank) { ranks.push_back(rank); });
+    return ranks;
+  }
+
   MemoryBudget budget_{uint64_t{1} << 30};
   Wakeups wakeups_;
   std::shared_ptr<Job> job_;
@@ -100,11 +100,10 @@ TEST_F(JobWakeupsTest, ProgressWakesTheLowestRankAndTwoMoreNotEveryWaiter) {
 }
 
 TEST_F(JobWakeupsTest, ARankThatBecomesTheBlocksNextIsWokenWhateverItsPlace) {
-  std::mt19937 rng(7);
   auto offer = [&](uint32_t rank) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    std::string bf16(kNumel * 2, '\0');
-    for (char& c : bf16) c = static_cast<char>(rng() & 0x3f);  // small finite values
-    auto offered = job_->round.sum->Offer(*job_->state, rank, 0, 0, DType::kBf16, Pieces::Own(std::move(bf16)));
+    const std::vector<uint16_t> grad = RandomBf16(rng_, kNumel, 1.0f);
+    auto offered = job_->round.sum->Offer(*job_->state, rank, 0, 0, DType::kBf16,
+                                          Pieces::Own(std::string(reinterpret_cast<const char*>(grad.data()), kNumel * 2)));
     ASSERT_TRUE(offered.ok()) << offered.status();
     EXPECT_EQ(offered->taken, kNumel);
   };
@@ -114,11 +113,14 @@ TEST_F(JobWakeupsTest, ARankThatBecomesTheBlocksNextIsWokenWhateverItsPlace) {
     // Ranks 3 and 4 wait in the window; nothing moved yet.
     offer(3);
     offer(4);
-    EXPECT_TRUE(job_->round.sum->TakeNewlyNext().empty());
+  }
+  EXPECT_TRUE(NewlyNext().empty());
+  {
+    absl::MutexLock lock(&job_->mu);
     offer(0);
     offer(1);
-    EXPECT_EQ(job_->round.sum->TakeNewlyNext(), (std::vector<uint32_t>{1, 2}));
   }
+  EXPECT_EQ(NewlyNext(), (std::vector<uint32_t>{1, 2}));
   // Rank 5 waits (for room, say) behind lower-ranked waiters (of other
   // blocks, say), as does 7.
   WatchAll({1, 2, 5, 7});
@@ -130,8 +132,26 @@ TEST_F(JobWakeupsTest, ARankThatBecomesTheBlocksNextIsWokenWhateverItsPlace) {
   // 5 became the block's next; 1 and 2 are the two lowest others; 0, the
   // lowest unfinished rank, has no stream waiting.
   EXPECT_EQ(Woken(), (std::multiset<uint32_t>{1, 2, 5}));
-  absl::MutexLock lock(&job_->mu);
-  EXPECT_TRUE(job_->round.sum->TakeNewlyNext().empty()) << "each is woken once";
+  EXPECT_TRUE(NewlyNext().empty()) << "each is woken once";
+}
+
+TEST_F(JobWakeupsTest, StreamsOfFinishedRanksDoNotTakeTheTwoPlaces) {
+  {
+    absl::MutexLock lock(&job_->mu);
+    job_->StartRound(std::chrono::steady_clock::now());
+    // Ranks 0 and 1 finish without a gradient: rank 2 is the lowest now.
+    for (uint32_t r : {0u, 1u}) ASSERT_TRUE(job_->round.sum->Finish(*job_->state, r, {true}).ok());
+    ASSERT_EQ(job_->round.sum->lowest_unfinished(), 2u);
+  }
+  NewlyNext();  // what those finishes moved, woken with them in the server
+  // Leftover streams of 0 and 1 (a retry, one already cut), and three
+  // waiters above the lowest.
+  WatchAll({0, 1, 4, 5, 6});
+  {
+    absl::MutexLock lock(&job_->mu);
+    job_->NotifyProgress();
+  }
+  EXPECT_EQ(Woken(), (std::multiset<uint32_t>{0, 1, 4, 5}));
 }
 
 TEST_F(JobWakeupsTest, ProgressWithoutTheLowestRankWaitingWakesTwo) {
