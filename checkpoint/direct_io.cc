@@ -136,23 +136,22 @@ absl::Status SequentialWriter::Close() {
 }
 
 absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t length,
-                            const std::function<absl::Status(const char* data, size_t n)>& sink) {
+                            const std::function<absl::Status(const char* data, size_t n)>& sink,
+                            const Place& place) {
   // Reads go through the page cache with the kernel's readahead: on the
   // virtual disks measured here O_DIRECT at one request in flight read at
-  // half the speed of readahead (0.9 against 1.9 GB/s, docs/design.md).
+  // half the speed of readahead (0.9 against 1.9 GB/s, docs/design.md), and
+  // buffered reads need no alignment, so they can land anywhere `place` says.
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd >= 0) posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   if (fd < 0) {
     return errno == ENOENT ? absl::NotFoundError(ErrnoText("cannot open", path))
                            : absl::DataLossError(ErrnoText("cannot open", path));
   }
-  // Aligned file ranges of kDirectChunkBytes from below `offset`; the
-  // reader thread fills one buffer while the sink takes the other.
-  const uint64_t begin = RoundDown(offset), end = offset + length;
   struct Piece {
-    AlignedBytes buffer;
-    uint64_t file_offset = 0;
-    size_t got = 0;
+    AlignedBytes buffer;  // null when the piece was read to where `place` said
+    const char* data = nullptr;
+    size_t want = 0, got = 0;
     absl::Status status;
   };
   std::mutex mu;
@@ -162,27 +161,32 @@ absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t l
   bool stop = false;
   spare.push_back(AllocateAligned(kDirectChunkBytes));
   spare.push_back(AllocateAligned(kDirectChunkBytes));
+  // The reader thread reads one piece while the sink takes the one before.
   std::thread reader([&] {
-    for (uint64_t at = begin; at < end;) {
+    for (uint64_t at = 0; at < length;) {
       Piece piece;
-      {
+      piece.want = static_cast<size_t>(std::min<uint64_t>(kDirectChunkBytes, length - at));
+      const Destination d = place ? place(at, piece.want) : Destination{};
+      char* to = d.to;
+      if (d.n > 0) piece.want = std::min(piece.want, d.n);
+      if (to == nullptr) {
         std::unique_lock<std::mutex> lock(mu);
         changed.wait(lock, [&] { return !spare.empty() || stop; });
         if (stop) return;
         piece.buffer = std::move(spare.back());
         spare.pop_back();
+        to = piece.buffer.get();
       }
-      piece.file_offset = at;
-      const size_t want = static_cast<size_t>(std::min<uint64_t>(kDirectChunkBytes, RoundUp(end - at)));
-      while (piece.got < want) {
-        const ssize_t n = pread(fd, piece.buffer.get() + piece.got, want - piece.got, static_cast<off_t>(at + piece.got));
+      piece.data = to;
+      while (piece.got < piece.want) {
+        const ssize_t n = pread(fd, to + piece.got, piece.want - piece.got, static_cast<off_t>(offset + at + piece.got));
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) piece.status = absl::DataLossError(ErrnoText("cannot read", path));
         if (n <= 0) break;
         piece.got += static_cast<size_t>(n);
       }
-      const bool last = !piece.status.ok() || piece.got < want;
-      at += want;
+      const bool last = piece.got < piece.want;
+      at += piece.want;
       std::unique_lock<std::mutex> lock(mu);
       changed.wait(lock, [&] { return !ready.has_value() || stop; });
       if (stop) return;
@@ -192,7 +196,7 @@ absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t l
     }
   });
   absl::Status status;
-  for (uint64_t delivered = offset; delivered < end && status.ok();) {
+  for (uint64_t delivered = 0; delivered < length && status.ok();) {
     Piece piece;
     {
       std::unique_lock<std::mutex> lock(mu);
@@ -201,23 +205,17 @@ absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t l
       ready.reset();
       changed.notify_all();
     }
-    const uint64_t piece_end = piece.file_offset + piece.got;
     status = piece.status;
-    if (status.ok() && piece_end <= delivered) {
-      status = absl::DataLossError(absl::StrCat(path, " is truncated: it ends before byte ", end));
+    if (status.ok() && piece.got < piece.want) {
+      status = absl::DataLossError(absl::StrCat(path, " is truncated: it ends before byte ", offset + length));
     }
-    if (status.ok()) {
-      const uint64_t upto = std::min(piece_end, end);
-      status = sink(piece.buffer.get() + (delivered - piece.file_offset), static_cast<size_t>(upto - delivered));
-      delivered = upto;
-      // A piece shorter than asked for was the file's end.
-      if (status.ok() && delivered < end && piece.got < kDirectChunkBytes) {
-        status = absl::DataLossError(absl::StrCat(path, " is truncated: it ends before byte ", end));
-      }
+    if (status.ok()) status = sink(piece.data, piece.got);
+    delivered += piece.got;
+    if (piece.buffer != nullptr) {
+      std::lock_guard<std::mutex> lock(mu);
+      spare.push_back(std::move(piece.buffer));
+      changed.notify_all();
     }
-    std::lock_guard<std::mutex> lock(mu);
-    spare.push_back(std::move(piece.buffer));
-    changed.notify_all();
   }
   {
     std::lock_guard<std::mutex> lock(mu);

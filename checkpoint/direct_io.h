@@ -67,11 +67,25 @@ class SequentialWriter {
   std::thread thread_;
 };
 
+// Where the reader may put the range's bytes [at, at + n) itself, asked
+// before it reads them: `to` non-null sends the next `n` bytes (at most the
+// n asked for, at least 1) straight there, and the sink then gets them
+// there; null sends them through the reader's own buffer. A restore reads
+// the state's arrays this way, without a copy of its own.
+struct Destination {
+  char* to = nullptr;
+  size_t n = 0;
+};
+using Place = std::function<Destination(uint64_t at, size_t n)>;
+
 // Reads [offset, offset+length) of `path` in order, handing `sink` pieces
 // of at most kDirectChunkBytes, contiguous and in order; the next piece is
-// read while the sink works on this one. DATA_LOSS if the file is shorter;
-// the sink's error stops the read and is returned.
+// read while the sink works on this one. DATA_LOSS if the file is shorter,
+// and the sink never gets a short piece; the sink's error stops the read
+// and is returned. Without `place`, every piece comes through the reader's
+// buffers.
 absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t length,
-                            const std::function<absl::Status(const char* data, size_t n)>& sink);
+                            const std::function<absl::Status(const char* data, size_t n)>& sink,
+                            const Place& place = nullptr);
 
 }  // namespace shardopt::checkpoint

@@ -68,43 +68,38 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(const Job& job,
 
 namespace {
 
-// Writes a part's data, as it streams in, into the job's state: each piece
-// is cut at the arrays' boundaries, and an element split between two pieces
-// waits in `carry_` for its other bytes.
+// Writes a part's data, as it streams in, into the job's state. Place cuts
+// the stream at the arrays' boundaries, so every piece holds whole elements
+// of one array, and reads the fp32 arrays that the host holds as fp32
+// straight into the state: those pieces arrive where they belong.
 class StateSink {
  public:
   StateSink(const v1::PartManifest& m, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu)
       : m_(m), job_(job), sections_(checkpoint::SectionOffsets(m)) {}
 
+  // Called on the reader's thread, ahead of Take: it reads only what does
+  // not change while the part streams in.
+  checkpoint::Destination Place(uint64_t offset, size_t n) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    const auto at = Locate(offset);
+    if (!at.ok()) return {nullptr, n};  // Take reports it
+    char* state = at->dtype == DType::kFp32
+                      ? job_.state->HostFp32State(static_cast<uint32_t>(at->shard), KindOf(at->array))
+                      : nullptr;
+    return {state == nullptr ? nullptr : state + at->in_array, std::min<uint64_t>(n, at->array_bytes - at->in_array)};
+  }
+
+  // A piece may span arrays (an assembled part comes whole), but never
+  // splits an element.
   absl::Status Take(uint64_t offset, const char* p, size_t n) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     while (n > 0) {
-      while (shard_ + 1 < sections_.size() && offset >= sections_[shard_ + 1]) ++shard_;
-      if (shard_ + 1 >= sections_.size()) return absl::DataLossError("a checkpoint part has more data than its manifest");
-      const int s = static_cast<int>(shard_);
-      const uint64_t array_bytes = checkpoint::ArrayBytes(m_, s);
-      const uint64_t in_section = offset - sections_[shard_];
-      const auto array = static_cast<checkpoint::Array>(in_section / array_bytes);
-      const uint64_t in_array = in_section % array_bytes;
-      const DType dtype = m_.shards(s).dtype() == v1::BF16 ? DType::kBf16 : DType::kFp32;
-      const uint64_t esize = DTypeSize(dtype);
-      const uint64_t take = std::min<uint64_t>(n, array_bytes - in_array);
-      const char* from = p;
-      uint64_t first = in_array / esize, count = 0, used = 0;
-      if (!carry_.empty() || in_array % esize != 0) {  // finish the split element
-        const size_t need = std::min<size_t>(esize - carry_.size(), take);
-        carry_.append(p, need);
-        used = need;
-        if (carry_.size() == esize) {
-          SHARDOPT_RETURN_IF_ERROR(Write(s, array, (in_array + need) / esize - 1, dtype, carry_.data(), 1));
-          carry_.clear();
-        }
-        from = p + used;
-        first = (in_array + used) / esize;
+      SHARDOPT_ASSIGN_OR_RETURN(const Location at, Locate(offset));
+      const uint64_t esize = DTypeSize(at.dtype);
+      const uint64_t take = std::min<uint64_t>(n, at.array_bytes - at.in_array);
+      if (at.in_array % esize != 0 || take % esize != 0) {
+        return absl::InternalError("a restore's piece splits an element");
       }
-      count = (take - used) / esize;
-      if (count > 0) SHARDOPT_RETURN_IF_ERROR(Write(s, array, first, dtype, from, count));
-      used += count * esize;
-      carry_.append(p + used, take - used);  // the start of an element that the next piece ends
+      SHARDOPT_RETURN_IF_ERROR(job_.state->WriteState(static_cast<uint32_t>(at.shard), KindOf(at.array),
+                                                      at.in_array / esize, at.dtype, p, take / esize));
       offset += take;
       p += take;
       n -= take;
@@ -113,16 +108,30 @@ class StateSink {
   }
 
  private:
-  absl::Status Write(int s, checkpoint::Array a, uint64_t first, DType dtype, const char* data, uint64_t count)
-      ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    return job_.state->WriteState(static_cast<uint32_t>(s), KindOf(a), first, dtype, data, count);
+  struct Location {
+    int shard;
+    checkpoint::Array array;
+    uint64_t array_bytes, in_array;
+    DType dtype;
+  };
+  absl::StatusOr<Location> Locate(uint64_t offset) const {
+    const auto next = std::upper_bound(sections_.begin(), sections_.end(), offset);
+    if (next == sections_.begin() || next == sections_.end()) {
+      return absl::DataLossError("a checkpoint part has more data than its manifest");
+    }
+    Location at;
+    at.shard = static_cast<int>(next - sections_.begin() - 1);
+    at.array_bytes = checkpoint::ArrayBytes(m_, at.shard);
+    const uint64_t in_section = offset - sections_[at.shard];
+    at.array = static_cast<checkpoint::Array>(in_section / at.array_bytes);
+    at.in_array = in_section % at.array_bytes;
+    at.dtype = m_.shards(at.shard).dtype() == v1::BF16 ? DType::kBf16 : DType::kFp32;
+    return at;
   }
 
   const v1::PartManifest& m_;
   Job& job_;
   const std::vector<uint64_t> sections_;
-  size_t shard_ = 0;
-  std::string carry_;
 };
 
 }  // namespace
@@ -138,7 +147,8 @@ absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::L
                     sink.emplace(layout, job);
                     return absl::OkStatus();
                   },
-                  [&](uint64_t offset, const char* bytes, size_t n) { return sink->Take(offset, bytes, n); }));
+                  [&](uint64_t offset, const char* bytes, size_t n) { return sink->Take(offset, bytes, n); },
+                  [&](uint64_t offset, size_t n) { return sink->Place(offset, n); }));
   for (size_t si = 0; si < job.shards.size(); ++si) {
     job.adam_steps[si] = m.shards(static_cast<int>(si)).adam_step();
     job.init_cover[si].Add(0, job.shards[si].length);

@@ -12,6 +12,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/store_fixture.h"
+#include "tests/testing/wrapped_cpu_backend.h"
 
 namespace shardopt {
 namespace {
@@ -20,69 +21,27 @@ using ::testing::HasSubstr;
 using testing::RandomBf16;
 using testing::StoreTest;
 
-// The CPU's job state, whose AccumulateGrad fails while `fail` is set.
-class FailingJobState final : public JobState {
- public:
-  FailingJobState(std::unique_ptr<JobState> cpu, const std::atomic<bool>* fail) : cpu_(std::move(cpu)), fail_(fail) {}
+// Set while the CPU's AccumulateGrad is to fail. Set before the backend
+// that reads it exists: a static, not a member.
+std::atomic<bool> fail_accumulate{false};
 
-  absl::Status WriteGrad(uint32_t shard, uint32_t rank, uint64_t offset, DType dtype, const void* data,
-                         uint64_t count) override {
-    return cpu_->WriteGrad(shard, rank, offset, dtype, data, count);
-  }
+class FailingJobState final : public testing::ForwardingJobState {
+ public:
+  using ForwardingJobState::ForwardingJobState;
   absl::Status AccumulateGrad(uint32_t shard, uint64_t offset, DType dtype, absl::Span<const absl::string_view> runs,
                               bool first) override {
-    if (fail_->load()) return absl::InternalError("injected: the device failed");
-    return cpu_->AccumulateGrad(shard, offset, dtype, runs, first);
+    if (fail_accumulate.load()) return absl::InternalError("injected: the device failed");
+    return ForwardingJobState::AccumulateGrad(shard, offset, dtype, runs, first);
   }
-  void GradBlockDone(uint32_t shard, uint64_t offset, uint64_t count) override {
-    cpu_->GradBlockDone(shard, offset, count);
-  }
-  absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype, const void* data,
-                          uint64_t count) override {
-    return cpu_->WriteState(shard, kind, offset, dtype, data, count);
-  }
-  absl::Status ReadState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count, DType dtype,
-                         void* out) const override {
-    return cpu_->ReadState(shard, kind, offset, count, dtype, out);
-  }
-  absl::StatusOr<Pieces> HoldState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
-                                   DType dtype) const override {
-    return cpu_->HoldState(shard, kind, offset, count, dtype);
-  }
-  absl::StatusOr<GradStats> ReduceGrads(absl::Span<const ShardGrads> shards) const override {
-    return cpu_->ReduceGrads(shards);
-  }
-  absl::Status Apply(absl::Span<const ShardStep> steps) override { return cpu_->Apply(steps); }
-  MemoryUse memory_use() const override { return cpu_->memory_use(); }
-  Precision held_precision(uint32_t shard) const override { return cpu_->held_precision(shard); }
-
- private:
-  const std::unique_ptr<JobState> cpu_;
-  const std::atomic<bool>* const fail_;
 };
-
-class FailingBackend final : public Backend {
- public:
-  explicit FailingBackend(const std::atomic<bool>* fail) : fail_(fail) {}
-  std::string Describe() const override { return "cpu that fails on demand"; }
-  absl::StatusOr<std::unique_ptr<JobState>> Allocate(const JobLayout& layout) override {
-    auto cpu = cpu_->Allocate(layout);
-    if (!cpu.ok()) return cpu.status();
-    return std::unique_ptr<JobState>(std::make_unique<FailingJobState>(*std::move(cpu), fail_));
-  }
-  uint64_t HostBytes(const JobLayout& layout) const override { return cpu_->HostBytes(layout); }
-
- private:
-  const std::unique_ptr<Backend> cpu_ = MakeCpuBackend({});
-  const std::atomic<bool>* const fail_;
-};
-
-// Set before the backend that reads it exists: a static, not a member.
-std::atomic<bool> fail_accumulate{false};
 
 class BackendFailureTest : public StoreTest {
  protected:
-  BackendFailureTest() : StoreTest({}, std::make_unique<FailingBackend>(&fail_accumulate)) {
+  BackendFailureTest()
+      : StoreTest({}, std::make_unique<testing::WrappedCpuBackend>(
+                          "cpu that fails on demand", [](std::unique_ptr<JobState> cpu) -> std::unique_ptr<JobState> {
+                            return std::make_unique<FailingJobState>(std::move(cpu));
+                          })) {
     fail_accumulate = false;
   }
   ~BackendFailureTest() override { fail_accumulate = false; }

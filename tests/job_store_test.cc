@@ -20,6 +20,7 @@
 #include "server/job_store.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/store_fixture.h"
+#include "tests/testing/wrapped_cpu_backend.h"
 
 namespace shardopt {
 namespace {
@@ -615,19 +616,32 @@ TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
   EXPECT_EQ(restored->step(), 4u);
 }
 
-// A restore streams the part file in 8 MiB pieces straight into the state;
-// the pieces' boundaries fall inside elements wherever the frame's length
-// puts them. Jobs whose names differ in length move the frame by 1..4 bytes,
-// so fp32 and bf16 elements are split across pieces in some of them, and
-// every one restores bitwise.
-TEST_F(CheckpointKeepTest, StreamedRestoreIsBitwiseWhereverPiecesSplitElements) {
-  auto backend = MakeCpuBackend({});
-  for (const std::string name : {"big", "big1", "big12", "big123"}) {
-    v1::CreateJobRequest r = JobRequest(name, 1, {{"a", 1100001}});
+// The CPU's job state as a device's: it holds no fp32 state that a restore
+// could read straight into.
+class NoHostStateJobState final : public testing::ForwardingJobState {
+ public:
+  using ForwardingJobState::ForwardingJobState;
+  char* HostFp32State(uint32_t, StateKind) override { return nullptr; }
+};
+
+// A restore streams the part file in pieces of at most 8 MiB, cut at the
+// arrays' boundaries: fp32 arrays are read straight into the CPU's state,
+// bf16 ones (and every array of a backend without host state) through the
+// reader's buffers. Arrays longer than a piece, of odd element counts,
+// after frames of different lengths (the job's name), all restore bitwise
+// both ways.
+TEST_F(CheckpointKeepTest, StreamedRestoreIsBitwiseForArraysReadInPlaceAndThroughBuffers) {
+  auto cpu = MakeCpuBackend({});
+  // Described as the CPU is: Describe, compared below, names the device.
+  testing::WrappedCpuBackend without_host_state(cpu->Describe(), [](std::unique_ptr<JobState> s) {
+    return std::unique_ptr<JobState>(std::make_unique<NoHostStateJobState>(std::move(s)));
+  });
+  for (const std::string name : {"big", "big123"}) {
+    v1::CreateJobRequest r = JobRequest(name, 1, {{"a", 2500001}});
     v1::Group* bf16 = r.add_groups();
     *bf16 = r.groups(0);
     bf16->set_precision(v1::PRECISION_BF16);
-    for (auto [tensor, numel, group] : {std::tuple{"b", 700001, 1}, std::tuple{"c", 300003, 0}}) {
+    for (auto [tensor, numel, group] : {std::tuple{"b", 4500001, 1}, std::tuple{"c", 300003, 0}}) {
       v1::TensorSpec* t = r.add_tensors();
       t->set_name(tensor);
       t->set_numel(numel);
@@ -647,11 +661,14 @@ TEST_F(CheckpointKeepTest, StreamedRestoreIsBitwiseWhereverPiecesSplitElements) 
     ASSERT_GT(written->part_bytes(), 2 * checkpoint::kDirectChunkBytes);
     const std::string before = Snapshot(name);
 
-    JobStore fresh(backend.get(), Options0(dir_));
-    auto restored = fresh.CreateJob(r);
-    ASSERT_TRUE(restored.ok()) << restored.status();
-    ASSERT_TRUE(restored->restored());
-    EXPECT_EQ(Snapshot(fresh, name), before) << "job " << name;
+    for (bool host_state : {true, false}) {
+      JobStore fresh(host_state ? cpu.get() : &without_host_state, Options0(dir_));
+      auto restored = fresh.CreateJob(r);
+      ASSERT_TRUE(restored.ok()) << restored.status();
+      ASSERT_TRUE(restored->restored());
+      // Not EXPECT_EQ: gtest would diff 60 MB strings.
+      EXPECT_TRUE(Snapshot(fresh, name) == before) << "job " << name << " host state " << host_state;
+    }
   }
 }
 

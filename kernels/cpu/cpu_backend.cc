@@ -159,7 +159,8 @@ class CpuJobState final : public JobState {
     if (kind == StateKind::kMaster) SHARDOPT_RETURN_IF_ERROR(s.params.PrepareWrite(offset, count));
     if (dtype == DType::kFp32 && s.layout.precision == Precision::kFp32) {
       // fp32 into fp32 (a restore's bulk): a copy, and the params from it.
-      std::memcpy(dst, data, count * 4);
+      // A restore that read the bytes straight into place has no copy to make.
+      if (dst != data) std::memcpy(dst, data, count * 4);
       if (kind == StateKind::kMaster) {
         // From the copy, which is aligned: `data` need not be (a restore's
         // pieces start wherever the part's frame ends).
@@ -281,6 +282,12 @@ class CpuJobState final : public JobState {
       loops_->stream(a);
     });
     return absl::OkStatus();
+  }
+
+  char* HostFp32State(uint32_t shard, StateKind kind) override {
+    if (shard >= shards_.size() || kind == StateKind::kParamBf16) return nullptr;
+    const CpuShard& s = shards_[shard];
+    return s.state_elem_bytes == 4 ? StateBuffer(s, kind).data() : nullptr;
   }
 
   Precision held_precision(uint32_t shard) const override {

@@ -1,0 +1,122 @@
+// ReadSequential: the bytes of a range arrive whole and in order, those
+// that `place` claims at the address it gave, and a short file is DATA_LOSS
+// before the sink sees a short piece.
+#include "checkpoint/direct_io.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace shardopt::checkpoint {
+namespace {
+
+class DirectIoTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = std::filesystem::temp_directory_path() / ("shardopt-direct-io-" + std::to_string(getpid()));
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  // A file of `n` random bytes, written with SequentialWriter.
+  std::string WriteRandom(const std::string& name, size_t n) {
+    bytes_.resize(n);
+    std::mt19937_64 rng(n);
+    for (char& c : bytes_) c = static_cast<char>(rng());
+    const std::string path = (dir_ / name).string();
+    auto writer = SequentialWriter::Create(path);
+    EXPECT_TRUE(writer.ok()) << writer.status();
+    (*writer)->Append(bytes_.data(), bytes_.size());
+    EXPECT_TRUE((*writer)->Close().ok());
+    return path;
+  }
+
+  std::filesystem::path dir_;
+  std::string bytes_;
+};
+
+TEST_F(DirectIoTest, PlacedRangesArriveWhereTheyWerePlacedAndTheRestThroughBuffers) {
+  // Three pieces' worth and a ragged end, read from an odd offset.
+  const size_t file_bytes = 3 * kDirectChunkBytes + 12345, offset = 777, length = file_bytes - offset - 5;
+  const std::string path = WriteRandom("f", file_bytes);
+  // Every other 3 MB stretch of the range is placed into `target`.
+  constexpr size_t kStretch = 3 << 20;
+  std::vector<char> target(length, '\x5a');  // poisoned: a byte not read stays 0x5a
+  size_t placed = 0, buffered = 0, delivered = 0;
+  bool in_order = true, where_placed = true;
+  auto place = [&](uint64_t at, size_t n) -> Destination {
+    const size_t stretch_end = (at / kStretch + 1) * kStretch;
+    const size_t take = std::min<size_t>(n, stretch_end - at);
+    if ((at / kStretch) % 2 == 0) return {target.data() + at, take};
+    return {nullptr, take};
+  };
+  std::string got;
+  auto st = ReadSequential(path, offset, length, [&](const char* data, size_t n) {
+    const bool is_placed = (delivered / kStretch) % 2 == 0;
+    if (is_placed) {
+      where_placed = where_placed && data == target.data() + delivered;
+      placed += n;
+    } else {
+      where_placed = where_placed && (data < target.data() || data >= target.data() + target.size());
+      buffered += n;
+    }
+    in_order = in_order && n <= kDirectChunkBytes && (delivered % kStretch) + n <= kStretch;
+    got.append(data, n);
+    delivered += n;
+    return absl::OkStatus();
+  }, place);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_TRUE(in_order);
+  EXPECT_TRUE(where_placed);
+  EXPECT_GT(placed, 0u);
+  EXPECT_GT(buffered, 0u);
+  ASSERT_EQ(got.size(), length);
+  EXPECT_TRUE(got == bytes_.substr(offset, length));
+  for (size_t at = 0; at < length; at += kStretch) {
+    if ((at / kStretch) % 2 != 0) continue;
+    const size_t n = std::min(kStretch, length - at);
+    EXPECT_EQ(std::memcmp(target.data() + at, bytes_.data() + offset + at, n), 0) << "stretch at " << at;
+  }
+}
+
+TEST_F(DirectIoTest, AShortFileIsDataLossAndTheSinkNeverSeesAShortPiece) {
+  const size_t file_bytes = kDirectChunkBytes + 1001;
+  const std::string path = WriteRandom("short", file_bytes);
+  std::vector<char> target(2 * kDirectChunkBytes);
+  for (bool placed : {false, true}) {
+    size_t delivered = 0;
+    bool whole_pieces = true;
+    auto st = ReadSequential(
+        path, 0, 2 * kDirectChunkBytes,
+        [&](const char*, size_t n) {
+          whole_pieces = whole_pieces && n == kDirectChunkBytes;
+          delivered += n;
+          return absl::OkStatus();
+        },
+        placed ? Place([&](uint64_t at, size_t n) { return Destination{target.data() + at, n}; }) : Place());
+    EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+    EXPECT_NE(st.message().find("truncated"), std::string::npos) << st;
+    EXPECT_TRUE(whole_pieces) << "placed " << placed;
+    EXPECT_EQ(delivered, kDirectChunkBytes) << "placed " << placed;
+  }
+}
+
+TEST_F(DirectIoTest, TheSinksErrorStopsTheReadAndIsReturned) {
+  const std::string path = WriteRandom("g", 3 * kDirectChunkBytes);
+  int calls = 0;
+  auto st = ReadSequential(path, 0, 3 * kDirectChunkBytes, [&](const char*, size_t) {
+    ++calls;
+    return absl::CancelledError("enough");
+  });
+  EXPECT_EQ(st.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(calls, 1);
+}
+
+}  // namespace
+}  // namespace shardopt::checkpoint
