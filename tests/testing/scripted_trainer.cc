@@ -107,7 +107,12 @@ std::vector<std::unique_ptr<ServerProcess>> StartServers(int n, const std::strin
     std::vector<std::string> args = {"--threads=1"};
     if (!checkpoint_dir.empty()) args.push_back("--checkpoint_dir=" + checkpoint_dir);
     out.push_back(ServerProcess::Start(args));
-    EXPECT_NE(out.back(), nullptr);
+    // Every caller goes on to use the server: stop here, saying why, rather
+    // than at a null pointer further on.
+    if (out.back() == nullptr) {
+      ADD_FAILURE() << "shardopt-server " << i << " of " << n << " did not start (the failure above says why)";
+      std::abort();
+    }
   }
   return out;
 }
