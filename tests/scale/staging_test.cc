@@ -4,6 +4,8 @@
 // reference. staging_bytes is the server's stated bound (sum + params + the
 // window's cap), checked flat; the server's peak RSS over the steps is
 // checked to grow by at most 768 KiB a rank (it is not flat: gRPC's buffers).
+// A second test shows that what RSS gains with W is per connection: it is
+// no larger for a model five times the size.
 // One process writes all the initial values first, so that the peak taken
 // over the steps holds the steps alone (the workers' default, each rank
 // writing its share, is measured in the README, "Gradient staging").
@@ -70,7 +72,7 @@ struct Measured {
   uint64_t steps_peak_rss = 0;   // the server's peak while the W ranks step
 };
 
-Measured TrainWith(uint32_t world) {
+Measured TrainWith(uint32_t world, uint32_t size = kSize) {
   auto server = ServerProcess::Start({"--threads=1", absl::StrCat("--staging_window_bytes=", kWindowBytes)});
   EXPECT_NE(server, nullptr);
   if (server == nullptr) return {};
@@ -80,7 +82,7 @@ Measured TrainWith(uint32_t world) {
   auto worker = [&](uint32_t rank, uint64_t steps, bool init) {
     return SpawnProcess({SHARDOPT_WORKER_BINARY, "--servers=" + server->address(), absl::StrCat("--rank=", rank),
                          absl::StrCat("--world_size=", world), absl::StrCat("--steps=", steps),
-                         absl::StrCat("--size=", kSize), "--barrier_timeout_ms=30000", "--step_attempts=8",
+                         absl::StrCat("--size=", size), "--barrier_timeout_ms=30000", "--step_attempts=8",
                          absl::StrCat("--init=", init), "--init_all=true", "--read_masters=false", "--out=" + out + (init ? "-init" : "")});
   };
   auto status = WaitProcess(worker(0, 0, true), 60s);
@@ -107,7 +109,7 @@ Measured TrainWith(uint32_t world) {
     }
   }
   // The masters, read once, against the rank-order reference.
-  const JobOptions job = MakeJob("scale", world, 30000, kSize);
+  const JobOptions job = MakeJob("scale", world, 30000, size);
   const std::vector<float> expected = ReferenceMasters(job, 1, std::vector<float>(kSteps, 1.0f / world));
   ClientOptions options;
   options.servers = {server->address()};
@@ -154,6 +156,23 @@ TEST(Staging, BitwiseAtEveryWorldSizeWithStagingFlatAndServerMemoryWithin768KiBA
   for (const auto& [world, run] : runs) {
     EXPECT_LE(run.steps_peak_rss, base + kNoiseBytes + uint64_t{world} * kPerRankBytes) << "W=" << world;
   }
+}
+
+// What the server's memory gains from W = 1 to W = 64 is per connection, not
+// per param: a model five times larger (2.25M params against 0.45M) adds
+// no more. Staging that grew with W × params (the design before the running
+// sum) would add 64 × 1.8M × 2 B = 230 MB more at the larger size.
+TEST(Staging, WhatTheServerGainsWithRanksDoesNotGrowWithTheModel) {
+  constexpr uint32_t kSmall = 10;
+  std::vector<int64_t> gained;
+  for (uint32_t size : {kSmall, kSize}) {
+    const Measured one = TrainWith(1, size), many = TrainWith(64, size);
+    gained.push_back(static_cast<int64_t>(many.steps_peak_rss) - static_cast<int64_t>(one.steps_peak_rss));
+    std::printf("size %u: peak RSS %llu at W = 1, %llu at W = 64\n", size,
+                static_cast<unsigned long long>(one.steps_peak_rss), static_cast<unsigned long long>(many.steps_peak_rss));
+  }
+  EXPECT_LE(gained[1], gained[0] + static_cast<int64_t>(kNoiseBytes))
+      << "W = 64 gained " << gained[1] << " bytes at 2.25M params against " << gained[0] << " at 0.45M";
 }
 
 }  // namespace
