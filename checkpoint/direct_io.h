@@ -79,8 +79,10 @@ struct Destination {
 using Place = std::function<Destination(uint64_t at, size_t n)>;
 
 // Reads [offset, offset+length) of `path` in order, handing `sink` pieces
-// of at most kDirectChunkBytes, contiguous and in order; the next piece is
-// read while the sink works on this one. DATA_LOSS if the file is shorter,
+// of at most kDirectChunkBytes, contiguous and in order, each ending where
+// `place` said or at a multiple of kDirectChunkBytes; the reader goes on
+// while the sink works (one piece waiting for it, and, when placed, one
+// more being read). DATA_LOSS if the file is shorter,
 // and the sink never gets a short piece; the sink's error stops the read
 // and is returned. Without `place`, every piece comes through the reader's
 // buffers.

@@ -624,16 +624,37 @@ class NoHostStateJobState final : public testing::ForwardingJobState {
   char* HostFp32State(uint32_t, StateKind) override { return nullptr; }
 };
 
+// The CPU's job state, counting the WriteState calls whose bytes a restore
+// read straight into place.
+class CountingInPlaceJobState final : public testing::ForwardingJobState {
+ public:
+  CountingInPlaceJobState(std::unique_ptr<JobState> cpu, int* in_place)
+      : ForwardingJobState(std::move(cpu)), in_place_(in_place) {}
+  absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype, const void* data,
+                          uint64_t count) override {
+    const char* state = HostFp32State(shard, kind);
+    if (state != nullptr && data == state + offset * 4) ++*in_place_;
+    return ForwardingJobState::WriteState(shard, kind, offset, dtype, data, count);
+  }
+
+ private:
+  int* const in_place_;
+};
+
 // A restore streams the part file in pieces of at most 8 MiB, cut at the
 // arrays' boundaries: fp32 arrays are read straight into the CPU's state,
 // bf16 ones (and every array of a backend without host state) through the
 // reader's buffers. Arrays longer than a piece, of odd element counts,
 // after frames of different lengths (the job's name), all restore bitwise
-// both ways.
+// both ways (master, m, v and the params derived from the master).
 TEST_F(CheckpointKeepTest, StreamedRestoreIsBitwiseForArraysReadInPlaceAndThroughBuffers) {
-  auto cpu = MakeCpuBackend({});
-  // Described as the CPU is: Describe, compared below, names the device.
-  testing::WrappedCpuBackend without_host_state(cpu->Describe(), [](std::unique_ptr<JobState> s) {
+  int in_place = 0;
+  // Both described as the CPU is: Describe, compared below, names the device.
+  const std::string cpu_name = MakeCpuBackend({})->Describe();
+  testing::WrappedCpuBackend counting(cpu_name, [&in_place](std::unique_ptr<JobState> s) {
+    return std::unique_ptr<JobState>(std::make_unique<CountingInPlaceJobState>(std::move(s), &in_place));
+  });
+  testing::WrappedCpuBackend without_host_state(cpu_name, [](std::unique_ptr<JobState> s) {
     return std::unique_ptr<JobState>(std::make_unique<NoHostStateJobState>(std::move(s)));
   });
   for (const std::string name : {"big", "big123"}) {
@@ -662,12 +683,17 @@ TEST_F(CheckpointKeepTest, StreamedRestoreIsBitwiseForArraysReadInPlaceAndThroug
     const std::string before = Snapshot(name);
 
     for (bool host_state : {true, false}) {
-      JobStore fresh(host_state ? cpu.get() : &without_host_state, Options0(dir_));
+      in_place = 0;
+      JobStore fresh(host_state ? &counting : &without_host_state, Options0(dir_));
       auto restored = fresh.CreateJob(r);
       ASSERT_TRUE(restored.ok()) << restored.status();
       ASSERT_TRUE(restored->restored());
       // Not EXPECT_EQ: gtest would diff 60 MB strings.
       EXPECT_TRUE(Snapshot(fresh, name) == before) << "job " << name << " host state " << host_state;
+      // a's and c's master, m and v; a's arrays are two pieces each.
+      if (host_state) {
+        EXPECT_EQ(in_place, 9) << "job " << name;
+      }
     }
   }
 }

@@ -172,6 +172,21 @@ class StoreTest : public ::testing::Test {
     return out;
   }
 
+  // The tensor's bf16 params, as Read(PARAM_BF16) sends them.
+  static std::string ReadParamBytes(const JobStore& store, const std::string& job, const std::string& tensor) {
+    v1::ReadRequest r;
+    r.set_job(job);
+    r.set_tensor(tensor);
+    r.set_kind(v1::PARAM_BF16);
+    std::string out;
+    EXPECT_TRUE(store.Read(r, [&](const v1::StateChunk& c) {
+                  out.resize(std::max<size_t>(out.size(), (c.offset() * 2) + c.data().size()));
+                  out.replace(c.offset() * 2, c.data().size(), c.data());
+                  return true;
+                }).ok());
+    return out;
+  }
+
   // Everything a refusal must leave alone.
   std::string Snapshot(const std::string& job) { return Snapshot(store_, job); }
   static std::string Snapshot(const JobStore& store, const std::string& job) {
@@ -186,6 +201,7 @@ class StoreTest : public ::testing::Test {
         auto v = ReadFloats(store, job, t.name(), k);
         s.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
       }
+      s += ReadParamBytes(store, job, t.name());
     }
     return s;
   }
