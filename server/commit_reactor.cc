@@ -1,6 +1,8 @@
 #include "server/commit_reactor.h"
 
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,30 +36,66 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       return;
     }
     stream_ = *std::move(stream);
-    WriteNext();
+    std::unique_lock<std::recursive_mutex> lock(mu_);
+    Pump(lock);
   }
 
   void OnWriteDone(bool ok) override {
-    if (!ok) {  // the caller went away: the step is still completed
-      stream_->Abandon().IgnoreError();
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the caller stopped reading the params"));
-      return;
-    }
-    WriteNext();
+    std::unique_lock<std::recursive_mutex> lock(mu_);
+    in_flight_ = false;
+    if (!ok) cancelled_ = true;  // the caller went away: the step is still completed
+    if (applying_) return;       // the thread applying the next piece goes on from there
+    Pump(lock);
   }
 
   void OnDone() override { delete this; }
 
  private:
+  // Called with no write in flight and no piece being applied. Writes the
+  // piece applied ahead (the first is applied here), then applies the next
+  // while that one goes out: the update of piece k+1 overlaps the sending of
+  // piece k. Whichever of the two ends last goes on.
+  void Pump(std::unique_lock<std::recursive_mutex>& lock) {
+    std::optional<grpc::Status> done;
+    while (!done) {
+      if (cancelled_) {
+        ahead_.reset();
+        stream_->Abandon().IgnoreError();
+        done = grpc::Status(grpc::StatusCode::CANCELLED, "the caller stopped reading the params");
+        break;
+      }
+      if (!ahead_) {
+        ApplyAhead(lock);
+        continue;
+      }
+      auto piece = std::move(*ahead_);
+      ahead_.reset();
+      if (!piece.ok() || !*piece) {
+        done = piece.ok() ? grpc::Status::OK : ToGrpcStatus(piece.status());
+        break;
+      }
+      in_flight_ = true;
+      applying_ = true;  // before the write: its OnWriteDone leaves the going on to this thread
+      Write(**piece);
+      ApplyAhead(lock);
+      if (in_flight_) return;  // OnWriteDone goes on
+    }
+    lock.unlock();
+    Finish(*done);  // the last use of this reactor here: OnDone may delete it at once
+  }
+
+  void ApplyAhead(std::unique_lock<std::recursive_mutex>& lock) {
+    applying_ = true;
+    lock.unlock();
+    auto next = stream_->Next();
+    lock.lock();
+    applying_ = false;
+    ahead_ = std::move(next);
+  }
+
   // The params go out as slices over the memory they lie in, each keeping
   // the piece's hold until gRPC has sent it (ParamStream::Piece::data).
-  void WriteNext() {
-    auto piece = stream_->Next();
-    if (!piece.ok() || !*piece) {
-      Finish(piece.ok() ? grpc::Status::OK : ToGrpcStatus(piece.status()));
-      return;
-    }
-    const ParamStream::Piece& p = **piece;
+  void Write(const ParamStream::Piece& p) {
     // Field order as protobuf writes it: tensor, offset, data, step, dtype.
     std::string head, tail;
     wire::AppendBytesField(&head, v1::ParamChunk::kTensorFieldNumber, *p.tensor);
@@ -85,6 +123,11 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   std::unique_ptr<StreamLimits::Slot> slot_;
   std::unique_ptr<ParamStream> stream_;
   grpc::ByteBuffer message_;
+  std::recursive_mutex mu_;
+  std::optional<absl::StatusOr<std::optional<ParamStream::Piece>>> ahead_;  // these under mu_
+  bool in_flight_ = false;
+  bool applying_ = false;
+  bool cancelled_ = false;
 };
 
 }  // namespace

@@ -202,6 +202,57 @@ TEST_F(ServiceTest, RetriedPushesAndCommitsOverGrpcCountOnce) {
   }());
 }
 
+// A commit whose caller goes away after k of its pieces (the server applies
+// a piece ahead of the one it sends) still applies the whole step, once:
+// the retried commit returns the reference's params, and master, m and v
+// are the reference's, at k = 0 (cancelled before reading), 1 and 3.
+TEST_F(ServiceTest, ACommitCancelledMidStreamStillAppliesItsWholeStepOnce) {
+  constexpr uint64_t kNumel = 3'000'001;  // several of the server's 1 MiB pieces
+  const JobOptions job = MakeJob("cut", 1, {{"w", kNumel}});
+  auto server = ServerProcess::StartLogged({"--threads=2"});
+  ASSERT_NE(server, nullptr);
+  auto client = Connect(server->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  auto init = RandomFloats(rng_, kNumel, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  ReferenceTensor ref(kHyper, init, false);
+  // A reader that lets the server only 64 KiB ahead, so that its cancel
+  // finds the server's stream mid-way, not already sent.
+  grpc::ChannelArguments args;
+  TuneChannelArguments(&args);
+  args.SetInt("grpc.http2.lookahead_bytes", 64 << 10);
+  auto stub = v1::Optimizer::NewStub(grpc::CreateCustomChannel(server->address(), grpc::InsecureChannelCredentials(), args));
+  uint64_t step = 0;
+  for (int read_before_cancel : {0, 1, 3}) {
+    ++step;
+    auto g = RandomBf16(rng_, kNumel, 1.0f);
+    ASSERT_TRUE(client->Push(step, {{"w", g.data()}}).ok());
+    {
+      grpc::ClientContext ctx;
+      v1::CommitRequest r;
+      r.set_job("cut");
+      r.set_step(step);
+      r.set_lr(1e-3);
+      r.set_gscale(1.0f);
+      auto reader = stub->Commit(&ctx, r);
+      v1::ParamChunk pc;
+      for (int i = 0; i < read_before_cancel; ++i) ASSERT_TRUE(reader->Read(&pc)) << "piece " << i;
+      ctx.TryCancel();
+      EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::CANCELLED) << "after " << read_before_cancel;
+    }
+    ref.Step({g.data()}, 1e-3, 1.0f);
+    std::vector<uint16_t> params(kNumel, 0xFFFF);  // poisoned
+    ASSERT_TRUE(client->Commit(step, 1e-3, 1.0f, false, {{"w", params.data()}}).ok());
+    EXPECT_TRUE(params == ref.Params()) << "after " << read_before_cancel << " pieces read";
+    std::vector<float> expected(ref.p);
+    expected.insert(expected.end(), ref.m.begin(), ref.m.end());
+    expected.insert(expected.end(), ref.v.begin(), ref.v.end());
+    EXPECT_TRUE(ReadAll(*client, job) == expected) << "after " << read_before_cancel << " pieces read";
+  }
+  // The server saw the callers go away mid-stream (not after it had sent all).
+  EXPECT_THAT(server->log(), HasSubstr("the caller stopped reading the params"));
+}
+
 TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
   const JobOptions job = MakeJob("bad", 2, {{"w", 3000}});
   auto client = Connect(server_->address());
