@@ -1,10 +1,10 @@
 // The Commit RPC on gRPC's callback API, with raw messages: each params
-// piece is read from the job's state straight into a buffer that goes out
-// as a slice, with the ParamChunk's other fields hand-encoded around it
-// (rpc/wire_format.h), so the params are copied once on their way out
-// instead of into a message and again by its serialization. The next piece
-// is applied and read only once the last one is written, which is what
-// gRPC's flow control asks of a writer.
+// piece goes out as slices over the memory it lies in (ParamStream::Piece),
+// with the ParamChunk's other fields hand-encoded around it
+// (rpc/wire_format.h), so the params are not copied on their way out. The
+// next piece is applied while gRPC sends the one before, and written once
+// that write is done: one write outstanding, as gRPC's flow control asks of
+// a writer, and at most one piece applied ahead.
 #pragma once
 
 #include "grpcpp/support/byte_buffer.h"
