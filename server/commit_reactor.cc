@@ -37,6 +37,7 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     }
     stream_ = *std::move(stream);
     std::unique_lock<std::recursive_mutex> lock(mu_);
+    ApplyAhead(lock);  // the first piece
     Pump(lock);
   }
 
@@ -51,25 +52,20 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   void OnDone() override { delete this; }
 
  private:
-  // Called with no write in flight and no piece being applied. Writes the
-  // piece applied ahead (the first is applied here), then applies the next
-  // while that one goes out: the update of piece k+1 overlaps the sending of
-  // piece k. Whichever of the two ends last goes on.
+  // Called with no write in flight and no piece being applied, the next
+  // piece in ahead_. Writes it, then applies the next while it goes out: the
+  // update of piece k+1 overlaps the sending of piece k. Whichever of the two
+  // ends last goes on.
   void Pump(std::unique_lock<std::recursive_mutex>& lock) {
     std::optional<grpc::Status> done;
     while (!done) {
       if (cancelled_) {
-        ahead_.reset();
+        ahead_ = std::nullopt;  // lets go of its hold
         stream_->Abandon().IgnoreError();
         done = grpc::Status(grpc::StatusCode::CANCELLED, "the caller stopped reading the params");
         break;
       }
-      if (!ahead_) {
-        ApplyAhead(lock);
-        continue;
-      }
-      auto piece = std::move(*ahead_);
-      ahead_.reset();
+      auto piece = std::move(ahead_);
       if (!piece.ok() || !*piece) {
         done = piece.ok() ? grpc::Status::OK : ToGrpcStatus(piece.status());
         break;
@@ -124,7 +120,7 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   std::unique_ptr<ParamStream> stream_;
   grpc::ByteBuffer message_;
   std::recursive_mutex mu_;
-  std::optional<absl::StatusOr<std::optional<ParamStream::Piece>>> ahead_;  // these under mu_
+  absl::StatusOr<std::optional<ParamStream::Piece>> ahead_;  // the next piece (nullopt: none); these under mu_
   bool in_flight_ = false;
   bool applying_ = false;
   bool cancelled_ = false;
