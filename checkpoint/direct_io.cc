@@ -161,7 +161,8 @@ absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t l
   bool stop = false;
   spare.push_back(AllocateAligned(kDirectChunkBytes));
   spare.push_back(AllocateAligned(kDirectChunkBytes));
-  // The reader thread reads one piece while the sink takes the one before.
+  // The reader thread runs ahead of the sink: one piece waits in `ready`,
+  // and a placed one, needing no spare buffer, may be read meanwhile.
   std::thread reader([&] {
     for (uint64_t at = 0; at < length;) {
       Piece piece;

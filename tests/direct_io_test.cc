@@ -51,7 +51,7 @@ TEST_F(DirectIoTest, PlacedRangesArriveWhereTheyWerePlacedAndTheRestThroughBuffe
   constexpr size_t kStretch = 3 << 20;
   std::vector<char> target(length, '\x5a');  // poisoned: a byte not read stays 0x5a
   size_t placed = 0, buffered = 0, delivered = 0;
-  bool in_order = true, where_placed = true;
+  bool cut_where_placed = true, where_placed = true;
   auto place = [&](uint64_t at, size_t n) -> Destination {
     const size_t stretch_end = (at / kStretch + 1) * kStretch;
     const size_t take = std::min<size_t>(n, stretch_end - at);
@@ -68,13 +68,13 @@ TEST_F(DirectIoTest, PlacedRangesArriveWhereTheyWerePlacedAndTheRestThroughBuffe
       where_placed = where_placed && (data < target.data() || data >= target.data() + target.size());
       buffered += n;
     }
-    in_order = in_order && n <= kDirectChunkBytes && (delivered % kStretch) + n <= kStretch;
+    cut_where_placed = cut_where_placed && n <= kDirectChunkBytes && (delivered % kStretch) + n <= kStretch;
     got.append(data, n);
     delivered += n;
     return absl::OkStatus();
   }, place);
   ASSERT_TRUE(st.ok()) << st;
-  EXPECT_TRUE(in_order);
+  EXPECT_TRUE(cut_where_placed);
   EXPECT_TRUE(where_placed);
   EXPECT_GT(placed, 0u);
   EXPECT_GT(buffered, 0u);
