@@ -61,9 +61,12 @@ std::unique_ptr<Client> Connect(const std::string& address, uint32_t rank = 0) {
   return Client::Connect(o).value();
 }
 
-std::unique_ptr<v1::Optimizer::Stub> RawStub(const std::string& address) {
+// `lookahead_bytes`: how far the server may send ahead of what this client
+// reads (0: the client's own setting).
+std::unique_ptr<v1::Optimizer::Stub> RawStub(const std::string& address, int lookahead_bytes = 0) {
   grpc::ChannelArguments args;
   TuneChannelArguments(&args);
+  if (lookahead_bytes > 0) args.SetInt("grpc.http2.lookahead_bytes", lookahead_bytes);
   return v1::Optimizer::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
 }
 
@@ -220,10 +223,7 @@ TEST_F(ServiceTest, ACommitCancelledMidStreamStillAppliesItsWholeStepOnce) {
   ReferenceTensor ref(kHyper, init, false);
   // A reader that lets the server only 64 KiB ahead, so that its cancel
   // finds the server's stream mid-way, not already sent.
-  grpc::ChannelArguments args;
-  TuneChannelArguments(&args);
-  args.SetInt("grpc.http2.lookahead_bytes", 64 << 10);
-  auto stub = v1::Optimizer::NewStub(grpc::CreateCustomChannel(server->address(), grpc::InsecureChannelCredentials(), args));
+  auto stub = RawStub(server->address(), 64 << 10);
   uint64_t step = 0;
   for (int read_before_cancel : {0, 1, 3}) {
     ++step;

@@ -158,30 +158,23 @@ class StoreTest : public ::testing::Test {
   }
   static std::vector<float> ReadFloats(const JobStore& store, const std::string& job, const std::string& tensor,
                                        v1::StateKind kind) {
+    const std::string bytes = ReadBytes(store, job, tensor, kind);
+    std::vector<float> out(bytes.size() / 4);
+    std::memcpy(out.data(), bytes.data(), out.size() * 4);
+    return out;
+  }
+  // A tensor's state of `kind` as Read sends it: fp32, or bf16 for the params.
+  static std::string ReadBytes(const JobStore& store, const std::string& job, const std::string& tensor,
+                               v1::StateKind kind) {
+    const size_t esize = kind == v1::PARAM_BF16 ? 2 : 4;
     v1::ReadRequest r;
     r.set_job(job);
     r.set_tensor(tensor);
     r.set_kind(kind);
-    std::vector<float> out;
-    EXPECT_TRUE(store.Read(r, [&](const v1::StateChunk& c) {
-                  const size_t n = c.data().size() / 4;
-                  out.resize(c.offset() + n);
-                  std::memcpy(out.data() + c.offset(), c.data().data(), n * 4);
-                  return true;
-                }).ok());
-    return out;
-  }
-
-  // The tensor's bf16 params, as Read(PARAM_BF16) sends them.
-  static std::string ReadParamBytes(const JobStore& store, const std::string& job, const std::string& tensor) {
-    v1::ReadRequest r;
-    r.set_job(job);
-    r.set_tensor(tensor);
-    r.set_kind(v1::PARAM_BF16);
     std::string out;
     EXPECT_TRUE(store.Read(r, [&](const v1::StateChunk& c) {
-                  out.resize(std::max<size_t>(out.size(), (c.offset() * 2) + c.data().size()));
-                  out.replace(c.offset() * 2, c.data().size(), c.data());
+                  out.resize(std::max<size_t>(out.size(), c.offset() * esize + c.data().size()));
+                  out.replace(c.offset() * esize, c.data().size(), c.data());
                   return true;
                 }).ok());
     return out;
@@ -197,11 +190,9 @@ class StoreTest : public ::testing::Test {
     d->clear_memory_used_bytes();
     std::string s = d->SerializeAsString();
     for (const auto& t : d->tensors()) {
-      for (v1::StateKind k : {v1::MASTER, v1::EXP_AVG, v1::EXP_AVG_SQ}) {
-        auto v = ReadFloats(store, job, t.name(), k);
-        s.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+      for (v1::StateKind k : {v1::MASTER, v1::EXP_AVG, v1::EXP_AVG_SQ, v1::PARAM_BF16}) {
+        s += ReadBytes(store, job, t.name(), k);
       }
-      s += ReadParamBytes(store, job, t.name());
     }
     return s;
   }
