@@ -6,6 +6,7 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <utility>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -328,43 +329,67 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
       return position[im.tensor_index[a->tensor]] < position[im.tensor_index[b->tensor]];
     });
     return im.Call(s, im.job.barrier_timeout_ms + im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-      // Chunks go out as slices over the caller's buffer: no copy here.
-      wire::Stream stream(im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Push");
-      bool open = stream.Write(wire::HeadAndBorrowedBytes(head.SerializeAsString(), nullptr, 0));
+      // Chunks go out as slices over the caller's buffer: no copy here. The
+      // messages are made on gRPC's threads; grad, which may block, is
+      // called on this one (StreamCall's `wait`), at most once per tensor.
+      using Ready = wire::StreamCall::Ready;
+      bool head_sent = false;
+      size_t next_send = 0;          // in `sends`: the next tensor to start
+      std::optional<const char*> base;  // sends[next_send]'s gradient, once grad gave it
+      const ShardPlacement* p = nullptr;  // the tensor being sent
+      const char* data = nullptr;
+      uint64_t off = 0, end = 0, esize = 2;
+      v1::DType dtype = v1::BF16;
       v1::GradChunk late;  // tensors whose gradient turned out to be absent
-      for (const ShardPlacement* p : sends) {
-        const uint32_t t = im.tensor_index[p->tensor];
-        const char* base = open ? static_cast<const char*>(grad(position[t])) : nullptr;
-        if (base == nullptr) {
-          late.add_no_grad(p->tensor);
-          continue;
+      bool late_sent = false;
+      auto next = [&](grpc::ByteBuffer* out) -> Ready {
+        if (!head_sent) {
+          head_sent = true;
+          *out = wire::HeadAndBorrowedBytes(head.SerializeAsString(), nullptr, 0);
+          return Ready::kMessage;
         }
-        const v1::DType dtype = im.grad_dtype(t);
-        const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
-        const uint64_t per_chunk = std::max<uint64_t>(1, im.options.chunk_bytes / esize);
-        for (uint64_t off = p->offset; open && off < p->offset + p->length; off += per_chunk) {
-          const uint64_t n = std::min(per_chunk, p->offset + p->length - off);
-          open = stream.Write(wire::HeadAndBorrowedBytes(wire::GradChunkHead(p->tensor, off, dtype, n * esize),
-                                                         base + off * esize, n * esize));
+        while (off == end && next_send < sends.size()) {
+          if (!base) return Ready::kLater;
+          const ShardPlacement* q = sends[next_send++];
+          data = *std::exchange(base, std::nullopt);
+          if (data == nullptr) {
+            late.add_no_grad(q->tensor);
+            continue;
+          }
+          p = q;
+          dtype = im.grad_dtype(im.tensor_index[p->tensor]);
+          esize = dtype == v1::FP32 ? 4 : 2;
+          off = p->offset;
+          end = p->offset + p->length;
         }
-      }
-      if (open && late.no_grad_size() > 0) {
-        open = stream.Write(wire::HeadAndBorrowedBytes(late.SerializeAsString(), nullptr, 0));
-      }
-      grpc::ByteBuffer answer;
-      if (open && stream.WritesDone() && stream.Read(&answer)) {
+        if (off < end) {
+          const uint64_t per_chunk = std::max<uint64_t>(1, im.options.chunk_bytes / esize);
+          const uint64_t n = std::min(per_chunk, end - off);
+          *out = wire::HeadAndBorrowedBytes(wire::GradChunkHead(p->tensor, off, dtype, n * esize),
+                                            data + off * esize, n * esize);
+          off += n;
+          return Ready::kMessage;
+        }
+        if (!late_sent && late.no_grad_size() > 0) {
+          late_sent = true;
+          *out = wire::HeadAndBorrowedBytes(late.SerializeAsString(), nullptr, 0);
+          return Ready::kMessage;
+        }
+        return Ready::kEnd;
+      };
+      auto wait = [&] { base = static_cast<const char*>(grad(position[im.tensor_index[sends[next_send]->tensor]])); };
+      auto received = [&](grpc::ByteBuffer* answer) -> grpc::Status {
         std::vector<grpc::Slice> slices;
         std::string bytes;
-        if (answer.Dump(&slices).ok()) {
+        if (answer->Dump(&slices).ok()) {
           for (const grpc::Slice& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
         }
         if (!responses[s].ParseFromString(bytes)) {
-          ctx->TryCancel();
-          stream.Finish();
           return grpc::Status(grpc::StatusCode::INTERNAL, "malformed push response");
         }
-      }
-      return stream.Finish();
+        return grpc::Status::OK;
+      };
+      return wire::StreamCall::Run(im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Push", next, wait, received);
     });
   }, /*pushing=*/true);
   if (!st.ok()) return st;
@@ -399,17 +424,21 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       // Each chunk's data is copied once, from the received slices into the
       // caller's params.
-      wire::Stream stream(im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit");
       uint64_t received = 0;
       std::vector<char> discard;  // params of tensors the caller did not ask for
-      grpc::ByteBuffer message;
-      bool open = stream.Write(wire::HeadAndBorrowedBytes(req.SerializeAsString(), nullptr, 0)) && stream.WritesDone();
-      while (open && stream.Read(&message)) {
+      bool request_sent = false;
+      auto next = [&](grpc::ByteBuffer* out) {
+        if (request_sent) return wire::StreamCall::Ready::kEnd;
+        request_sent = true;
+        *out = wire::HeadAndBorrowedBytes(req.SerializeAsString(), nullptr, 0);
+        return wire::StreamCall::Ready::kMessage;
+      };
+      auto take = [&](grpc::ByteBuffer* message) -> grpc::Status {
         wire::ParamChunkHead head;
         uint64_t esize = 2;  // of the chunk's tensor's params
         bool fp32 = false;
         const bool good = wire::ReadParamChunk(
-            &message,
+            message,
             [&](const wire::ParamChunkHead& h) -> char* {
               auto it = im.tensor_index.find(h.tensor);
               if (it == im.tensor_index.end()) return nullptr;
@@ -428,14 +457,13 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
         const uint64_t dtype = head.dtype == v1::DTYPE_UNSPECIFIED ? uint64_t{v1::BF16} : head.dtype;
         const bool dtype_matches = dtype == (fp32 ? v1::FP32 : v1::BF16);
         if (!good || head.step != step || !dtype_matches) {
-          ctx->TryCancel();
-          stream.Finish();
           return grpc::Status(grpc::StatusCode::INTERNAL,
                               "server sent params outside the job's tensors, of another step or in another dtype");
         }
         received += head.data_bytes / esize;
-      }
-      grpc::Status gs = stream.Finish();
+        return grpc::Status::OK;
+      };
+      grpc::Status gs = wire::StreamCall::Run(im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit", next, [] {}, take);
       if (gs.ok() && received != expected) {
         return grpc::Status(grpc::StatusCode::DATA_LOSS,
                             absl::StrCat("commit returned ", received, " params, expected ", expected));

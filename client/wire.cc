@@ -15,6 +15,74 @@ grpc::ByteBuffer HeadAndBorrowedBytes(const std::string& head, const void* bytes
   return grpc::ByteBuffer(slices, length > 0 ? 2 : 1);
 }
 
+grpc::Status StreamCall::Run(grpc::GenericStub* stub, grpc::ClientContext* context, const std::string& method,
+                             Next next, Wait wait, Received received) {
+  StreamCall call(context, next, wait, received);
+  stub->PrepareBidiStreamingCall(context, method, grpc::StubOptions(), &call);
+  call.StartRead(&call.in_);
+  call.AddHold();  // the caller's turn to write
+  call.StartCall();
+  call.WriteFromCaller();
+  std::unique_lock<std::mutex> lock(call.mu_);
+  for (;;) {
+    call.cv_.wait(lock, [&] { return call.later_ || call.done_; });
+    if (call.done_) break;
+    call.later_ = false;
+    lock.unlock();
+    call.WriteFromCaller();
+    lock.lock();
+  }
+  return call.refused_.ok() ? call.status_ : call.refused_;
+}
+
+void StreamCall::WriteFromCaller() {
+  for (;;) {
+    switch (next_(&out_)) {
+      case Ready::kMessage:
+        StartWrite(&out_);
+        return RemoveHold();
+      case Ready::kEnd:
+        StartWritesDone();
+        return RemoveHold();
+      case Ready::kLater:
+        wait_();
+        break;
+    }
+  }
+}
+
+void StreamCall::OnWriteDone(bool ok) {
+  if (!ok) return;  // the call has ended, and OnDone says how
+  switch (next_(&out_)) {
+    case Ready::kMessage:
+      return StartWrite(&out_);
+    case Ready::kEnd:
+      return StartWritesDone();
+    case Ready::kLater: {
+      AddHold();  // released once the caller has started the write
+      std::lock_guard<std::mutex> lock(mu_);
+      later_ = true;
+      cv_.notify_all();
+    }
+  }
+}
+
+void StreamCall::OnReadDone(bool ok) {
+  if (!ok) return;
+  if (grpc::Status st = received_(&in_); !st.ok()) {
+    refused_ = st;
+    return context_->TryCancel();
+  }
+  StartRead(&in_);
+}
+
+void StreamCall::OnDone(const grpc::Status& status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  status_ = status;
+  done_ = true;
+  cv_.notify_all();
+}
+
 Stream::Stream(grpc::GenericStub* stub, grpc::ClientContext* context, const std::string& method)
     : call_(stub->PrepareCall(context, method, &queue_)) {
   call_->StartCall(this);

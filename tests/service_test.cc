@@ -8,7 +8,11 @@
 #include <cmath>
 #include <filesystem>
 #include <cstring>
+#include <condition_variable>
+#include <map>
+#include <mutex>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -16,6 +20,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "base/status_macros.h"
 #include "kernels/adamw_math.h"
 #include "shardopt/client.h"
 #include "client/wire.h"
@@ -95,6 +100,27 @@ void ExpectTheNextStepIsItsPushAlone(Client& client, const std::vector<float>& i
   ReferenceTensor ref(kHyper, init, false);
   ref.Step({good.data()}, so.lr, r->decision.gscale);
   EXPECT_EQ(params, ref.Params());
+}
+
+// A client of its own creates job `name` (one tensor of 100 elements, fresh
+// random values) and steps it once: what tests run beside something that
+// must not stall the server or the process. The params are checked against
+// the reference when the step succeeds.
+absl::Status StepASideJob(const std::string& address, const std::string& name, std::mt19937_64& rng) {
+  auto side = Connect(address);
+  SHARDOPT_RETURN_IF_ERROR(side->CreateOrAttach(MakeJob(name, 1, {{"w", 100}})).status());
+  auto init = RandomFloats(rng, 100, -1, 1);
+  SHARDOPT_RETURN_IF_ERROR(side->InitFp32("w", init.data()));
+  auto g = RandomBf16(rng, 100, 1.0f);
+  std::vector<uint16_t> p(100);
+  StepOptions so;
+  so.lr = 1e-3;
+  auto stepped = side->Step({{"w", g.data()}}, so, {{"w", p.data()}});
+  if (!stepped.ok()) return stepped.status();
+  ReferenceTensor ref(kHyper, init, false);
+  ref.Step({g.data()}, so.lr, stepped->decision.gscale);
+  EXPECT_EQ(p, ref.Params()) << "job " << name;
+  return absl::OkStatus();
 }
 
 class ServiceTest : public ::testing::Test {
@@ -203,6 +229,128 @@ TEST_F(ServiceTest, RetriedPushesAndCommitsOverGrpcCountOnce) {
     e.insert(e.end(), ref.v.begin(), ref.v.end());
     return e;
   }());
+}
+
+// PushInOrder's grad may block until backward produces the gradient: the
+// push waits for it, calls it once per tensor in the given order, from one
+// thread of the client's that is not the caller's, and a null gradient
+// declares the tensor without one. Small chunks put several messages of each
+// tensor on the wire between the waits.
+TEST_F(ServiceTest, PushInOrderWaitsForEachGradientOnItsOwnThread) {
+  const JobOptions job = MakeJob("in-order", 1, {{"a", 5000}, {"b", 3000}, {"c", 7000}});
+  ClientOptions o;
+  o.servers = {server_->address()};
+  o.chunk_bytes = 2048;
+  auto client = Client::Connect(o).value();
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  std::map<std::string, std::vector<float>> init;
+  for (const auto& t : job.tensors) {
+    init[t.name] = RandomFloats(rng_, t.numel, -1, 1);
+    ASSERT_TRUE(client->InitFp32(t.name, init[t.name].data()).ok());
+  }
+  auto gb = RandomBf16(rng_, 3000, 1.0f), gc = RandomBf16(rng_, 7000, 1.0f);
+  const std::vector<std::string> order = {"c", "a", "b"};
+  const std::vector<const void*> grads = {gc.data(), nullptr, gb.data()};
+
+  std::mutex mu;
+  std::condition_variable changed;
+  size_t released = 0;  // grad(i) answers once i < released
+  std::vector<size_t> asked;
+  std::set<std::thread::id> askers;
+  auto grad = [&](size_t i) -> const void* {
+    std::unique_lock<std::mutex> lock(mu);
+    asked.push_back(i);
+    askers.insert(std::this_thread::get_id());
+    changed.notify_all();
+    changed.wait(lock, [&] { return released > i; });
+    return grads[i];
+  };
+  std::atomic<bool> done{false};
+  absl::StatusOr<PushResult> pushed;
+  std::thread pusher([&] {
+    pushed = client->PushInOrder(1, order, grad);
+    done = true;
+  });
+  const std::thread::id caller = pusher.get_id();
+  for (size_t i = 0; i < order.size(); ++i) {
+    std::unique_lock<std::mutex> lock(mu);
+    changed.wait(lock, [&] { return asked.size() > i; });
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    EXPECT_FALSE(done) << "the push ended while grad(" << i << ") had not answered";
+    lock.lock();
+    released = i + 1;
+    changed.notify_all();
+  }
+  pusher.join();
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  EXPECT_EQ(asked, (std::vector<size_t>{0, 1, 2}));
+  ASSERT_EQ(askers.size(), 1u);
+  EXPECT_NE(*askers.begin(), caller);
+
+  std::vector<uint16_t> pa(5000, 0xFFFF), pb(3000, 0xFFFF), pc(7000, 0xFFFF);
+  ASSERT_TRUE(client->Commit(1, 1e-3, 1.0f, false, {{"a", pa.data()}, {"b", pb.data()}, {"c", pc.data()}}).ok());
+  ReferenceTensor ra(kHyper, init["a"], false), rb(kHyper, init["b"], false), rc(kHyper, init["c"], false);
+  rb.Step({gb.data()}, 1e-3, 1.0f);
+  rc.Step({gc.data()}, 1e-3, 1.0f);
+  EXPECT_EQ(pa, ra.Params());  // no gradient: not updated
+  EXPECT_EQ(pb, rb.Params());
+  EXPECT_EQ(pc, rc.Params());
+}
+
+// A gradient that backward has not produced yet holds none of gRPC's
+// threads: while both servers' streams of one client wait for it, another
+// client in the same process steps. (Called on a gRPC callback thread, the
+// two waits would hold both of the process's callback threads on 2 cores,
+// and the other step could not go on until they returned.)
+TEST_F(ServiceTest, AGradientNotYetProducedHoldsNoGrpcThread) {
+  auto second = ServerProcess::Start({"--threads=2"});
+  ASSERT_NE(second, nullptr);
+  ClientOptions o;
+  o.servers = {server_->address(), second->address()};
+  auto waiting = Client::Connect(o).value();
+  const JobOptions job = MakeJob("waits", 1, {{"w", 16384}});
+  ASSERT_TRUE(waiting->CreateOrAttach(job).ok());
+  auto init = RandomFloats(rng_, 16384, -1, 1);
+  ASSERT_TRUE(waiting->InitFp32("w", init.data()).ok());
+  auto g = RandomBf16(rng_, 16384, 1.0f);
+
+  std::mutex mu;
+  std::condition_variable changed;
+  int asked = 0;
+  bool released = false;
+  std::thread pusher([&] {
+    auto pushed = waiting->PushInOrder(1, {"w"}, [&](size_t) -> const void* {
+      std::unique_lock<std::mutex> lock(mu);
+      ++asked;
+      changed.notify_all();
+      changed.wait(lock, [&] { return released; });
+      return g.data();
+    });
+    EXPECT_TRUE(pushed.ok()) << pushed.status();
+  });
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(changed.wait_for(lock, std::chrono::seconds(10), [&] { return asked == 2; }));  // one per server
+  }
+  // If the side step hangs, the waits are released after 5 s regardless,
+  // and the test fails on the order of events, not by hanging.
+  std::thread release([&] {
+    std::unique_lock<std::mutex> lock(mu);
+    changed.wait_for(lock, std::chrono::seconds(5), [&] { return released; });
+    released = true;
+    changed.notify_all();
+  });
+  const absl::Status stepped = StepASideJob(server_->address(), "side", rng_);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_FALSE(released) << "the other client's step waited for the gradient";
+    released = true;
+    changed.notify_all();
+  }
+  release.join();
+  pusher.join();
+  EXPECT_TRUE(stepped.ok()) << stepped;
 }
 
 // A commit whose caller goes away after k of its pieces (the server applies
@@ -534,16 +682,7 @@ TEST_F(ServiceTest, InitStreamsHeldOpenHoldNoServerThread) {
     ASSERT_TRUE(streams.back()->Write(grpc::ByteBuffer(&slice, 1))) << "stream " << i;
   }
   const size_t open = ThreadCount(server_->pid());
-  const JobOptions other = MakeJob("other", 1, {{"w", 100}});
-  auto side = Connect(server_->address());
-  ASSERT_TRUE(side->CreateOrAttach(other).ok());
-  auto side_init = RandomFloats(rng_, 100, -1, 1);
-  ASSERT_TRUE(side->InitFp32("w", side_init.data()).ok());
-  auto g = RandomBf16(rng_, 100, 1.0f);
-  std::vector<uint16_t> p(100);
-  StepOptions so;
-  so.lr = 1e-3;
-  EXPECT_TRUE(side->Step({{"w", g.data()}}, so, {{"w", p.data()}}).ok());
+  EXPECT_TRUE(StepASideJob(server_->address(), "other", rng_).ok());
   std::printf("server threads: %zu idle, %zu with %d Init streams open\n", idle, open, kStreams);
   EXPECT_LT(open, idle + 16) << "open Init streams hold server threads";
   for (auto& stream : streams) {
