@@ -44,6 +44,22 @@ class PushReactor final : public ReadReactor {
       job_ = chunk_.job();
       session_ = *std::move(session);
     }
+    // The lowest rank's chunks fold at once, so its next message is read
+    // while this one folds: gRPC receives it meanwhile instead of after.
+    // This message's fields, data and charge are kept here until it is
+    // folded: the next message may land in the members first.
+    if (session_->ReadAhead()) {
+      v1::GradChunk chunk = std::move(chunk_);
+      Pieces data = std::move(data_);
+      const MemoryBudget::Charge charge = TakeMessageCharge();
+      Read();
+      absl::StatusOr<bool> taken = session_->Offer(std::move(chunk), std::move(data), Wake());
+      if (!taken.ok()) return Stop(ToGrpcStatus(taken.status()));
+      if (!*taken) {
+        return Stop(grpc::Status(grpc::StatusCode::INTERNAL, "the lowest rank's chunk waited for the window"));
+      }
+      return;
+    }
     Taken(session_->Offer(std::move(chunk_), std::move(data_), Wake()));
   }
 

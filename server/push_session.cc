@@ -163,8 +163,9 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, Pieces data, const W
   absl::MutexLock lock(&job_->mu);
   absl::StatusOr<bool> taken = TakeLocked(chunk, std::move(data), wake);
   // The read this message was held for is done; what of it waits for the
-  // window is held instead (Fold).
-  if (!pending_ && Hold(0)) job_->NotifyProgress();
+  // window is held instead (Fold), and a read started ahead is held still.
+  if (!pending_ && Hold(ReadInFlight())) job_->NotifyProgress();
+  read_ahead_ = false;
   return taken;
 }
 
@@ -217,7 +218,7 @@ absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
   if (!offered.window_full) pending_.reset();
   // Held now: what of the chunk waits for the window. One wake for both
   // changes.
-  const bool let_go = Hold(pending_ ? (count - pending_taken_) * esize : 0);
+  const bool let_go = Hold(ReadInFlight() + (pending_ ? (count - pending_taken_) * esize : 0));
   if (sum.progress() != before || let_go) job_->NotifyProgress();
   if (!pending_) return true;
   // The window is full: this stream is not read until it drains, so gRPC's
@@ -233,11 +234,24 @@ bool PushSession::Hold(uint64_t bytes) {
   return let_go;
 }
 
-absl::StatusOr<bool> PushSession::MayRead(const Wake& wake) {
+uint64_t PushSession::ExpectedRead() const {
   // A stream's chunks are the client's default (256 KiB) until it has shown
   // otherwise.
   constexpr uint64_t kExpectedChunk = uint64_t{256} << 10;
-  const uint64_t expected = last_chunk_ > 0 ? last_chunk_ : kExpectedChunk;
+  return last_chunk_ > 0 ? last_chunk_ : kExpectedChunk;
+}
+
+bool PushSession::ReadAhead() {
+  absl::MutexLock lock(&job_->mu);
+  // Only a counted chunk of the lowest rank: the others may wait for the
+  // window, and a wait with a read in flight would hold two chunks.
+  read_ahead_ = started_ && !pending_ && job_->step < step_ && job_->round.active && job_->round.epoch == epoch_ &&
+                !job_->round.sealed && rank_ == job_->round.sum->lowest_unfinished();
+  return read_ahead_;
+}
+
+absl::StatusOr<bool> PushSession::MayRead(const Wake& wake) {
+  const uint64_t expected = ExpectedRead();
   absl::MutexLock lock(&job_->mu);
   SHARDOPT_RETURN_IF_ERROR(CheckRoundLocked());
   // Chunks that are not summed cost nothing held: a retry of a step already

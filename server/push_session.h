@@ -64,6 +64,13 @@ class PushSession {
   // round the stream joined has ended without it (its answer).
   absl::StatusOr<bool> MayRead(const Wake& wake);
 
+  // Whether the stream may start reading its next message before offering
+  // the one it has: only while its rank is the lowest unfinished one of the
+  // round, whose chunks fold at once and never wait for the window
+  // (running_sum.h). If so, that read counts as held from now on, as
+  // MayRead's would, and the Offer that follows never waits.
+  bool ReadAhead();
+
   // How many no_grad names the stream may still send.
   uint64_t no_grad_names_left() const;
 
@@ -93,6 +100,11 @@ class PushSession {
   // let go of some: the caller then notifies the job, so that streams that
   // wait to read look again.
   bool Hold(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
+  // The size the stream's next read is expected to have: its last chunk's.
+  uint64_t ExpectedRead() const;
+  // What the stream holds for a read in flight: one started ahead (ReadAhead)
+  // while the chunk before it is taken.
+  uint64_t ReadInFlight() const { return read_ahead_ ? ExpectedRead() : 0; }
 
   // The answer to a push whose round ended without it.
   absl::Status Discarded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
@@ -118,6 +130,7 @@ class PushSession {
   uint64_t pending_taken_ = 0;
   uint64_t held_ = 0;           // this session's part of job_->held_bytes
   uint64_t last_chunk_ = 0;     // the last chunk's bytes: the next read's expected size
+  bool read_ahead_ = false;     // the next read started before this chunk was taken
   DType pending_dtype_ = DType::kBf16;
   uint32_t pending_shard_ = 0;
 

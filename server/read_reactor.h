@@ -67,6 +67,9 @@ class ReadReactor : public grpc::ServerReadReactor<grpc::ByteBuffer>, public std
   virtual absl::Status AtCutOff() { return absl::OkStatus(); }
 
   void Read();
+  // The last message's charge, for a subclass that reads the next message
+  // before it is done with this one (Read releases what it still holds).
+  MemoryBudget::Charge TakeMessageCharge() { return std::move(message_charge_); }
   void End(const grpc::Status& status);
   bool finished() const { return finished_; }
   template <typename T>

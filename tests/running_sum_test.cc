@@ -145,6 +145,44 @@ TEST_F(RunningSumTest, OnlyTheLowestRankStillPushingReadsPastAFullWindow) {
   EXPECT_EQ(ReadFloats("gate", "w", v1::MASTER), ref.p);
 }
 
+// The lowest rank still pushing may read its next message while it folds
+// the last (PushSession::ReadAhead), since its chunks never wait for the
+// window; nobody else may. That read is held as MayRead's would be, so the
+// others' reads still fit the window with it counted.
+TEST_F(RunningSumTest, OnlyTheLowestRankReadsAheadAndItsReadIsHeld) {
+  constexpr uint64_t kN = 3 * RunningSum::kBlock;
+  constexpr uint64_t kChunk = 12000;  // 24000 B: two chunks and a read fit the 64 KiB window, three do not
+  auto init = Create(JobRequest("ahead", 2, {{"w", kN}}));
+  const auto g0 = RandomBf16(rng_, kN, 1.0f), g1 = RandomBf16(rng_, kN, 1.0f);
+  auto s0 = StartPush("ahead", 1, 0), s1 = StartPush("ahead", 1, 1);
+  ASSERT_TRUE(s0.ok() && s1.ok());
+  auto& r0 = **s0;
+  auto& r1 = **s1;
+  EXPECT_FALSE(r0.ReadAhead());  // not in the round before its first chunk
+  ASSERT_TRUE(r0.Add(Chunk("w", 0, g0.data(), kChunk)).ok());
+  // Rank 1's chunk lies in a block rank 0 is not yet done with: it waits in the window.
+  constexpr uint64_t kLate = 2 * RunningSum::kBlock;
+  ASSERT_TRUE(r1.Add(Chunk("w", kLate, g1.data() + kLate, kChunk)).ok());
+  EXPECT_FALSE(r1.ReadAhead());
+  EXPECT_TRUE(*r1.MayRead([] {}));  // its chunk and one read of that size fit
+  EXPECT_TRUE(r0.ReadAhead());
+  ASSERT_TRUE(r0.Add(Chunk("w", kChunk, g0.data() + kChunk, kChunk)).ok());
+  // Rank 0's read ahead is held now: rank 1's next read no longer fits.
+  EXPECT_FALSE(*r1.MayRead([] {}));
+  // Rank 0's next chunk arrives without another read ahead: it holds nothing.
+  ASSERT_TRUE(r0.Add(Chunk("w", 2 * kChunk, g0.data() + 2 * kChunk, kN - 2 * kChunk)).ok());
+  EXPECT_TRUE(*r1.MayRead([] {}));
+  ASSERT_TRUE(r1.Add(Chunk("w", 0, g1.data(), kLate)).ok());
+  ASSERT_TRUE(r1.Add(Chunk("w", kLate + kChunk, g1.data() + kLate + kChunk, kN - kLate - kChunk)).ok());
+  std::thread rank0([&] { EXPECT_TRUE(r0.Finish().ok()); });
+  EXPECT_TRUE(r1.Finish().ok());
+  rank0.join();
+  ASSERT_TRUE(Commit("ahead", 1, 1e-3, 0.5f).ok());
+  ReferenceTensor ref(kHyper, init["w"], false);
+  ref.Step({g0.data(), g1.data()}, 1e-3, 0.5f);
+  EXPECT_EQ(ReadFloats("ahead", "w", v1::MASTER), ref.p);
+}
+
 TEST_F(RunningSumTest, ARefusedPushThatWasPartlySummedRestartsTheRound) {
   auto init = Create(JobRequest("restart", 2, {{"w", 50000}}));
   const auto g0 = RandomBf16(rng_, 50000, 1.0f), g1 = RandomBf16(rng_, 50000, 1.0f);
