@@ -15,6 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "client/fanout.h"
 #include "client/proto_convert.h"
+#include "client/push_messages.h"
 #include "client/wire.h"
 #include "rpc/grpc_edge.h"
 #include "shardopt/safetensors.h"
@@ -313,71 +314,25 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
   auto st = im.ForEachServer([&](uint32_t s) {
     // This server's shards in the caller's order; the shards of tensors
     // left out are declared without a gradient up front.
-    std::vector<const ShardPlacement*> sends;
+    std::vector<PushMessages::Send> sends;
     v1::GradChunk head;
     head.set_job(im.job.name);
     head.set_step(step);
     head.set_rank(im.options.rank);
     for (const ShardPlacement& p : im.shards_of[s]) {
-      if (position[im.tensor_index[p.tensor]] < 0) {
+      const uint32_t t = im.tensor_index[p.tensor];
+      if (position[t] < 0) {
         head.add_no_grad(p.tensor);
       } else {
-        sends.push_back(&p);
+        sends.push_back({p.tensor, p.offset, p.length, im.grad_dtype(t), static_cast<size_t>(position[t])});
       }
     }
-    std::stable_sort(sends.begin(), sends.end(), [&](const ShardPlacement* a, const ShardPlacement* b) {
-      return position[im.tensor_index[a->tensor]] < position[im.tensor_index[b->tensor]];
+    std::stable_sort(sends.begin(), sends.end(), [](const PushMessages::Send& a, const PushMessages::Send& b) {
+      return a.grad_index < b.grad_index;
     });
     return im.Call(s, im.job.barrier_timeout_ms + im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-      // Chunks go out as slices over the caller's buffer: no copy here. The
-      // messages are made on gRPC's threads; grad, which may block, is
-      // called on this one (StreamCall's `wait`), at most once per tensor.
-      using Ready = wire::StreamCall::Ready;
-      bool head_sent = false;
-      size_t next_send = 0;          // in `sends`: the next tensor to start
-      std::optional<const char*> base;  // sends[next_send]'s gradient, once grad gave it
-      const ShardPlacement* p = nullptr;  // the tensor being sent
-      const char* data = nullptr;
-      uint64_t off = 0, end = 0, esize = 2;
-      v1::DType dtype = v1::BF16;
-      v1::GradChunk late;  // tensors whose gradient turned out to be absent
-      bool late_sent = false;
-      auto next = [&](grpc::ByteBuffer* out) -> Ready {
-        if (!head_sent) {
-          head_sent = true;
-          *out = wire::HeadAndBorrowedBytes(head.SerializeAsString(), nullptr, 0);
-          return Ready::kMessage;
-        }
-        while (off == end && next_send < sends.size()) {
-          if (!base) return Ready::kLater;
-          const ShardPlacement* q = sends[next_send++];
-          data = *std::exchange(base, std::nullopt);
-          if (data == nullptr) {
-            late.add_no_grad(q->tensor);
-            continue;
-          }
-          p = q;
-          dtype = im.grad_dtype(im.tensor_index[p->tensor]);
-          esize = dtype == v1::FP32 ? 4 : 2;
-          off = p->offset;
-          end = p->offset + p->length;
-        }
-        if (off < end) {
-          const uint64_t per_chunk = std::max<uint64_t>(1, im.options.chunk_bytes / esize);
-          const uint64_t n = std::min(per_chunk, end - off);
-          *out = wire::HeadAndBorrowedBytes(wire::GradChunkHead(p->tensor, off, dtype, n * esize),
-                                            data + off * esize, n * esize);
-          off += n;
-          return Ready::kMessage;
-        }
-        if (!late_sent && late.no_grad_size() > 0) {
-          late_sent = true;
-          *out = wire::HeadAndBorrowedBytes(late.SerializeAsString(), nullptr, 0);
-          return Ready::kMessage;
-        }
-        return Ready::kEnd;
-      };
-      auto wait = [&] { base = static_cast<const char*>(grad(position[im.tensor_index[sends[next_send]->tensor]])); };
+      // Made afresh for each attempt: a retried stream sends it all again.
+      PushMessages messages(head, sends, im.options.chunk_bytes, grad);
       auto received = [&](grpc::ByteBuffer* answer) -> grpc::Status {
         std::vector<grpc::Slice> slices;
         std::string bytes;
@@ -389,7 +344,9 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
         }
         return grpc::Status::OK;
       };
-      return wire::StreamCall::Run(im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Push", next, wait, received);
+      return wire::StreamCall::Run(
+          im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Push",
+          [&](grpc::ByteBuffer* out) { return messages.Next(out); }, [&] { messages.Wait(); }, received);
     });
   }, /*pushing=*/true);
   if (!st.ok()) return st;

@@ -231,12 +231,13 @@ TEST_F(ServiceTest, RetriedPushesAndCommitsOverGrpcCountOnce) {
   }());
 }
 
-// PushInOrder's grad may block until backward produces the gradient: the
-// push waits for it, calls it once per tensor in the given order, from one
-// thread of the client's that is not the caller's, and a null gradient
-// declares the tensor without one. Small chunks put several messages of each
-// tensor on the wire between the waits.
-TEST_F(ServiceTest, PushInOrderWaitsForEachGradientOnItsOwnThread) {
+// PushInOrder's grad may block until backward produces the gradient: over a
+// real server the push waits for it, calls it once per tensor in the given
+// order, from one thread of the client's that is not the caller's (that it
+// is none of gRPC's is AGradientNotYetProducedHoldsNoGrpcThread's test), and
+// a null gradient declares the tensor without one. Small chunks put several
+// messages of each tensor on the wire between the waits.
+TEST_F(ServiceTest, PushInOrderWaitsForEachGradientInOrderAndAsksOnce) {
   const JobOptions job = MakeJob("in-order", 1, {{"a", 5000}, {"b", 3000}, {"c", 7000}});
   ClientOptions o;
   o.servers = {server_->address()};

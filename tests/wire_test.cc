@@ -1,7 +1,10 @@
 // The client's hand-built bulk messages against protobuf's own encoding.
 #include "client/wire.h"
 
+#include "client/push_messages.h"
+
 #include <random>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "shardopt/v1/optimizer.pb.h"
@@ -91,6 +94,73 @@ TEST(Wire, MalformedOrRefusedParamChunksAreReported) {
   EXPECT_FALSE(ReadParamChunk(&bad_type, accept, &head));
   grpc::ByteBuffer no_data = Sliced(std::string("\x20\x05", 2), {});  // step only
   EXPECT_FALSE(ReadParamChunk(&no_data, accept, &head));
+}
+
+// One server's push stream, message by message: the head, then for each
+// tensor in order a wait for its gradient (asked for once) and its chunks as
+// slices over the gradient at their offsets, an absent gradient named last.
+TEST(Wire, PushMessagesAskForEachGradientOnceAndNameTheAbsentLast) {
+  std::mt19937 rng(5);
+  std::vector<uint16_t> a(5000), c(300);
+  std::vector<float> b(1000);
+  for (auto& x : a) x = static_cast<uint16_t>(rng());
+  for (auto& x : b) x = static_cast<float>(rng());
+  for (auto& x : c) x = static_cast<uint16_t>(rng());
+  v1::GradChunk head;
+  head.set_job("j");
+  head.set_step(7);
+  head.add_no_grad("declared");
+  // a's range [1000, 4000) and b's [0, 1000) are this server's; c has no gradient.
+  std::vector<PushMessages::Send> sends = {{"a", 1000, 3000, v1::BF16, 2}, {"c", 0, 300, v1::BF16, 0},
+                                           {"b", 0, 1000, v1::FP32, 1}};
+  std::vector<size_t> asked;
+  const std::function<const void*(size_t)> grad = [&](size_t i) -> const void* {
+    asked.push_back(i);
+    return i == 2 ? static_cast<const void*>(a.data()) : i == 1 ? static_cast<const void*>(b.data()) : nullptr;
+  };
+  PushMessages messages(head, sends, 2048, grad);
+  using Ready = StreamCall::Ready;
+  std::vector<v1::GradChunk> sent;
+  std::vector<size_t> waits_before;  // messages sent before each wait
+  for (int guard = 0; guard < 100; ++guard) {
+    grpc::ByteBuffer out;
+    const Ready r = messages.Next(&out);
+    if (r == Ready::kEnd) break;
+    if (r == Ready::kLater) {
+      waits_before.push_back(sent.size());
+      messages.Wait();
+      continue;
+    }
+    v1::GradChunk m;
+    ASSERT_TRUE(m.ParseFromString(Flatten(out)));
+    sent.push_back(m);
+  }
+  EXPECT_EQ(asked, (std::vector<size_t>{2, 0, 1}));
+  // a: 3000 bf16 in chunks of 1024; c: none; b: 1000 fp32 in chunks of 512.
+  EXPECT_EQ(waits_before, (std::vector<size_t>{1, 4, 4}));
+  ASSERT_EQ(sent.size(), 1u + 3 + 2 + 1);
+  EXPECT_EQ(sent[0].job(), "j");
+  EXPECT_EQ(sent[0].step(), 7u);
+  EXPECT_EQ(std::vector<std::string>(sent[0].no_grad().begin(), sent[0].no_grad().end()),
+            std::vector<std::string>{"declared"});
+  uint64_t a_at = 1000;
+  for (int i = 1; i <= 3; ++i) {
+    const uint64_t n = std::min<uint64_t>(1024, 4000 - a_at);
+    EXPECT_EQ(sent[i].tensor(), "a");
+    EXPECT_EQ(sent[i].offset(), a_at);
+    EXPECT_EQ(sent[i].data(), std::string(reinterpret_cast<const char*>(a.data() + a_at), n * 2));
+    a_at += n;
+  }
+  for (int i = 4; i <= 5; ++i) {
+    const uint64_t at = (i - 4) * 512;
+    EXPECT_EQ(sent[i].tensor(), "b");
+    EXPECT_EQ(sent[i].dtype(), v1::FP32);
+    EXPECT_EQ(sent[i].offset(), at);
+    const uint64_t n = std::min<uint64_t>(512, 1000 - at);
+    EXPECT_EQ(sent[i].data(), std::string(reinterpret_cast<const char*>(b.data() + at), n * 4));
+  }
+  EXPECT_EQ(std::vector<std::string>(sent[6].no_grad().begin(), sent[6].no_grad().end()), std::vector<std::string>{"c"});
+  EXPECT_TRUE(sent[6].data().empty());
 }
 
 }  // namespace

@@ -1,0 +1,57 @@
+// The messages of one server's push stream, in order: the head (job, step,
+// rank and the tensors declared without a gradient up front), each tensor's
+// chunks as slices over the caller's gradient (no copy), and, if some
+// gradient turned out to be absent, a last message naming those tensors.
+// It drives a wire::StreamCall: Next makes the messages on gRPC's thread
+// without blocking, and when the next tensor's gradient is not known yet it
+// answers kLater; Wait then asks for it on the caller's thread, where the
+// caller's callback may block until backward produces it. Each gradient is
+// asked for once per stream.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "client/wire.h"
+#include "shardopt/v1/optimizer.pb.h"
+
+namespace shardopt {
+
+class PushMessages {
+ public:
+  // One tensor's range on this server, in the order it is sent.
+  struct Send {
+    std::string tensor;
+    uint64_t offset = 0;  // in the tensor, elements
+    uint64_t length = 0;
+    v1::DType dtype = v1::BF16;  // of its gradient
+    size_t grad_index = 0;       // what `grad` is asked with
+  };
+  // `grad(i)` gives Send::grad_index i's gradient (the whole tensor's), or
+  // null when it has none this step; the gradient must outlive the stream.
+  PushMessages(v1::GradChunk head, std::vector<Send> sends, uint64_t chunk_bytes,
+               const std::function<const void*(size_t)>& grad)
+      : head_(std::move(head)), sends_(std::move(sends)), chunk_bytes_(chunk_bytes), grad_(grad) {}
+
+  wire::StreamCall::Ready Next(grpc::ByteBuffer* out);
+  void Wait();
+
+ private:
+  const v1::GradChunk head_;
+  const std::vector<Send> sends_;
+  const uint64_t chunk_bytes_;
+  const std::function<const void*(size_t)>& grad_;
+  bool head_sent_ = false;
+  size_t next_send_ = 0;             // in sends_: the next tensor to start
+  std::optional<const char*> asked_;  // sends_[next_send_]'s gradient, once Wait asked for it
+  const Send* sending_ = nullptr;    // the tensor whose chunks go out now
+  const char* data_ = nullptr;       // its gradient
+  uint64_t off_ = 0, end_ = 0;       // what of it is left to send
+  v1::GradChunk absent_;             // tensors whose gradient turned out to be absent
+  bool absent_sent_ = false;
+};
+
+}  // namespace shardopt
