@@ -27,40 +27,34 @@ class PushReactor final : public ReadReactor {
   enum class Waiting { kNothing, kWindow, kRead, kBarrier };
 
   void OnMessage(grpc::ByteBuffer* message) override {
-    // The gradient bytes stay in the message's slices, which data_ now
+    // The gradient bytes stay in the message's slices, which `data` now
     // holds, until they are folded into the running sum or copied into the
     // window: a waiting push keeps one copy, not two.
+    v1::GradChunk chunk;  // the message's fields but its data
+    Pieces data;
     const uint64_t allowed = session_ ? session_->no_grad_names_left() : store_->max_tensors_per_job();
-    if (absl::Status read = ReadGradChunk(message, allowed, &chunk_, &data_); !read.ok()) {
+    if (absl::Status read = ReadGradChunk(message, allowed, &chunk, &data); !read.ok()) {
       if (session_) session_->Refuse();
       return Stop(ToGrpcStatus(read));
     }
     if (!session_) {
-      if (absl::Status allowed = caller_.Allows(Action::kPush, chunk_.job()); !allowed.ok()) {
+      if (absl::Status allowed = caller_.Allows(Action::kPush, chunk.job()); !allowed.ok()) {
         return Stop(ToGrpcStatus(allowed));
       }
-      auto session = store_->BeginPush(chunk_);
+      auto session = store_->BeginPush(chunk);
       if (!session.ok()) return Stop(ToGrpcStatus(session.status()));
-      job_ = chunk_.job();
+      job_ = chunk.job();
       session_ = *std::move(session);
     }
+    if (!session_->ReadAhead()) return Taken(session_->Offer(std::move(chunk), std::move(data), Wake()));
     // The lowest rank's chunks fold at once, so its next message is read
     // while this one folds: gRPC receives it meanwhile instead of after.
-    // This message's fields, data and charge are kept here until it is
-    // folded: the next message may land in the members first.
-    if (session_->ReadAhead()) {
-      v1::GradChunk chunk = std::move(chunk_);
-      Pieces data = std::move(data_);
-      const MemoryBudget::Charge charge = TakeMessageCharge();
-      Read();
-      absl::StatusOr<bool> taken = session_->Offer(std::move(chunk), std::move(data), Wake());
-      if (!taken.ok()) return Stop(ToGrpcStatus(taken.status()));
-      if (!*taken) {
-        return Stop(grpc::Status(grpc::StatusCode::INTERNAL, "the lowest rank's chunk waited for the window"));
-      }
-      return;
-    }
-    Taken(session_->Offer(std::move(chunk_), std::move(data_), Wake()));
+    // This message's charge is kept until it is folded.
+    const MemoryBudget::Charge charge = TakeMessageCharge();
+    Read();
+    absl::StatusOr<bool> taken = session_->Offer(std::move(chunk), std::move(data), Wake());
+    if (!taken.ok()) return Stop(ToGrpcStatus(taken.status()));
+    if (!*taken) return Stop(grpc::Status(grpc::StatusCode::INTERNAL, "the lowest rank's chunk waited for the window"));
   }
 
   void OnClosed() override {
@@ -150,8 +144,6 @@ class PushReactor final : public ReadReactor {
   grpc::ByteBuffer* const response_;
   const Caller caller_;
   std::string job_;  // the stream's, once its session began
-  v1::GradChunk chunk_;  // the message's fields but its data
-  Pieces data_;
   std::unique_ptr<PushSession> session_;
   Waiting waiting_ = Waiting::kNothing;
 };
