@@ -31,7 +31,7 @@ ABSL_FLAG(std::optional<Count>, params, std::nullopt, "e2e: the model's params (
 ABSL_FLAG(std::optional<Count>, tensors, std::nullopt, "e2e: tensors the params are split into (default 1)");
 ABSL_FLAG(std::optional<Count>, steps, std::nullopt, "e2e: timed steps, the best one kept (default 5)");
 ABSL_FLAG(std::optional<Count>, chunk_bytes, std::nullopt,
-          "e2e: the client's bytes per gradient message (default: the client's, 256K)");
+          "e2e: the client's bytes per gradient message (default: the client's choice, 4M for one worker)");
 ABSL_FLAG(std::optional<Count>, servers, std::nullopt, "e2e: servers, 1 to 64 (default 1)");
 ABSL_FLAG(std::optional<Count>, workers, std::nullopt, "e2e: worker clients, 1 to 64 (default 1)");
 ABSL_FLAG(std::optional<std::string>, dir, std::nullopt,

@@ -17,6 +17,7 @@
 #include "client/proto_convert.h"
 #include "client/push_messages.h"
 #include "client/wire.h"
+#include "rpc/chunk_size.h"
 #include "rpc/grpc_edge.h"
 #include "shardopt/safetensors.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
@@ -34,6 +35,7 @@ struct Client::Impl {
   JobOptions job;
   bool attached = false;
   uint64_t step = 0;
+  uint64_t chunk_bytes = 0;  // per streamed message, once attached (rpc/chunk_size.h)
   absl::flat_hash_map<std::string, uint32_t> tensor_index;
   std::vector<std::vector<ShardPlacement>> shards_of;  // [server] in tensor order
   std::vector<bool> pushes_to;                         // [server]: in push_servers
@@ -115,7 +117,7 @@ struct Client::Impl {
                                                      " is out of range: 0 <= index < count"));
     }
     const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
-    const uint64_t per_chunk = std::max<uint64_t>(1, options.chunk_bytes / esize);
+    const uint64_t per_chunk = std::max<uint64_t>(1, chunk_bytes / esize);
     return ForEachServer([&](uint32_t s) -> absl::Status {
       for (const ShardPlacement& placed : shards_of[s]) {
         if (placed.tensor != tensor) continue;
@@ -176,6 +178,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
 }
 
 uint64_t Client::step() const { return impl_->step; }
+uint64_t Client::chunk_bytes() const { return impl_->chunk_bytes; }
 
 absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   Impl& im = *impl_;
@@ -188,13 +191,14 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   im.shards_of.assign(im.servers(), {});
   for (ShardPlacement& p : PlaceTensors(job.tensors, im.servers())) im.shards_of[p.server].push_back(std::move(p));
 
-  std::vector<uint64_t> steps(im.servers(), 0);
+  std::vector<uint64_t> steps(im.servers(), 0), max_message(im.servers(), 0);
   auto st = im.ForEachServer([&](uint32_t s) {
     const v1::CreateJobRequest req = ToCreateJobRequest(job, im.shards_of[s]);
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       v1::CreateJobResponse resp;
       grpc::Status gs = im.stubs[s]->CreateJob(ctx, req, &resp);
       steps[s] = resp.step();
+      max_message[s] = resp.max_message_bytes();
       return gs;
     });
   });
@@ -216,6 +220,8 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
                                                       "); restore every server from one checkpoint, or drop the job"));
   }
   im.step = step;
+  im.chunk_bytes = ChunkBytesFor(im.options.chunk_bytes, job.world_size,
+                                 *std::min_element(max_message.begin(), max_message.end()));
   im.attached = true;
   return step;
 }
@@ -332,7 +338,7 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
     });
     return im.Call(s, im.job.barrier_timeout_ms + im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       // Made afresh for each attempt: a retried stream sends it all again.
-      PushMessages messages(head, sends, im.options.chunk_bytes, grad);
+      PushMessages messages(head, sends, im.chunk_bytes, grad);
       auto received = [&](grpc::ByteBuffer* answer) -> grpc::Status {
         std::vector<grpc::Slice> slices;
         std::string bytes;

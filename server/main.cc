@@ -2,6 +2,7 @@
 #include <semaphore.h>
 #include <time.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
+#include "kernels/backend.h"
 #include "kernels/gpu.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/auth.h"
@@ -75,6 +77,10 @@ ABSL_FLAG(uint64_t, checkpoint_keep, 0,
           "0 keeps all. The newest complete one is never removed");
 
 namespace {
+// Twice the smallest piece of params a commit streams: kApplyAlignment fp32
+// elements.
+constexpr int kMinMaxMessageBytes = 2 * 4 * static_cast<int>(shardopt::kApplyAlignment);
+
 sem_t g_wake;
 volatile std::sig_atomic_t g_stop = 0;
 volatile std::sig_atomic_t g_reload = 0;
@@ -117,7 +123,13 @@ int main(int argc, char** argv) {
     shardopt::UsageError(absl::StrCat("--port=", port, " is not a port (0 to 65535; 0 picks one)"));
   }
   if (absl::GetFlag(FLAGS_threads) < 0) shardopt::UsageError("--threads must be 0 (one per core) or more");
-  if (absl::GetFlag(FLAGS_max_message_bytes) <= 0) shardopt::UsageError("--max_message_bytes must be positive");
+  // The smallest piece of params a commit streams is kApplyAlignment fp32
+  // elements, and a message must hold it twice over (below).
+  if (const int max = absl::GetFlag(FLAGS_max_message_bytes); max < kMinMaxMessageBytes) {
+    shardopt::UsageError(absl::StrCat("--max_message_bytes=", max, " is below ", kMinMaxMessageBytes,
+                                      ": a commit streams params in pieces of at least ",
+                                      kMinMaxMessageBytes / 2, " bytes"));
+  }
   if (absl::GetFlag(FLAGS_barrier_timeout_ms) <= 0) shardopt::UsageError("--barrier_timeout_ms must be positive");
   if (absl::GetFlag(FLAGS_idle_stream_timeout_ms) <= 0) shardopt::UsageError("--idle_stream_timeout_ms must be positive");
   if (absl::GetFlag(FLAGS_max_name_bytes) < 1 || absl::GetFlag(FLAGS_max_name_bytes) > shardopt::kMaxNameBytes) {
@@ -169,6 +181,10 @@ int main(int argc, char** argv) {
   store_options.max_world_size = absl::GetFlag(FLAGS_max_world_size);
   store_options.memory_limit = *memory_limit;
   store_options.max_name_bytes = absl::GetFlag(FLAGS_max_name_bytes);
+  // A commit's pieces and a read's chunks fill at most half a message (4
+  // B/element for FP32 params), the rest room for the message's other fields.
+  store_options.stream_chunk_elements =
+      std::min<uint64_t>(store_options.stream_chunk_elements, absl::GetFlag(FLAGS_max_message_bytes) / 2 / 4);
   shardopt::JobStore store(backend->get(), store_options);
   std::unique_ptr<shardopt::Authenticator> auth;
   if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "rpc/chunk_size.h"
 #include "server/job_spec.h"
 #include "server/messages.h"
 
@@ -235,10 +236,9 @@ bool PushSession::Hold(uint64_t bytes) {
 }
 
 uint64_t PushSession::ExpectedRead() const {
-  // A stream's chunks are the client's default (256 KiB) until it has shown
-  // otherwise.
-  constexpr uint64_t kExpectedChunk = uint64_t{256} << 10;
-  return last_chunk_ > 0 ? last_chunk_ : kExpectedChunk;
+  // A stream's chunks are the size a client chooses for the job's ranks
+  // until it has shown otherwise.
+  return last_chunk_ > 0 ? last_chunk_ : AutoChunkBytes(job_->world_size());
 }
 
 bool PushSession::ReadAhead() {

@@ -5,6 +5,7 @@
 #include <memory>
 #include <string>
 
+#include "rpc/grpc_edge.h"
 #include "server/auth.h"
 #include "server/job_store.h"
 #include "server/stream_limits.h"
@@ -36,6 +37,9 @@ struct ServiceOptions {
   // Streams open at once on this server, and per client; 0: no cap.
   uint32_t max_streams = 4096;
   uint32_t max_streams_per_client = 1024;
+  // The largest message the server takes (ServerOptions::max_message_bytes,
+  // resolved): told to clients in CreateJobResponse. StartServer sets it.
+  int max_message_bytes = kDefaultMaxMessageBytes;
 };
 
 class OptimizerService final

@@ -123,6 +123,58 @@ absl::Status StepASideJob(const std::string& address, const std::string& name, s
   return absl::OkStatus();
 }
 
+// A client left to choose its message size sends 4 MiB messages to a lone
+// rank's default server, 256 KiB ones for 64 ranks, and half of what a
+// server with --max_message_bytes=1 MiB takes; that server streams a
+// commit's params and a read's fp32 master in pieces that fit it too. A
+// client that insists on 4 MiB is refused there, so the sizes chosen are
+// what let the steps through.
+TEST(MessageSizeTest, AClientFitsItsMessagesToTheRanksAndToTheServersLimit) {
+  auto roomy = ServerProcess::Start();
+  auto tight = ServerProcess::Start({"--max_message_bytes=1048576"});
+  ASSERT_NE(roomy, nullptr);
+  ASSERT_NE(tight, nullptr);
+  std::mt19937_64 rng(17);
+  constexpr uint64_t kN = 3 << 20;  // 6 MiB of bf16 gradient, 12 MiB of FP32 params
+  struct Case {
+    std::string address;
+    uint32_t world;
+    uint64_t chunk_bytes;
+  };
+  for (const Case& c : {Case{roomy->address(), 1, 4 << 20}, Case{roomy->address(), 64, 256 << 10},
+                        Case{tight->address(), 1, 512 << 10}}) {
+    SCOPED_TRACE(::testing::Message() << c.address << " W=" << c.world);
+    const JobOptions job = MakeJob(absl::StrCat("sized-", c.world), c.world, {{"w", kN}});
+    auto client = Connect(c.address);
+    ASSERT_TRUE(client->CreateOrAttach(job).ok());
+    EXPECT_EQ(client->chunk_bytes(), c.chunk_bytes);
+    if (c.world > 1) continue;  // the size is the point; one rank cannot step a job of 64
+    auto init = RandomFloats(rng, kN, -1, 1);
+    ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+    auto g = RandomBf16(rng, kN, 1.0f);
+    std::vector<uint16_t> params(kN, 0xFFFF);  // poisoned
+    StepOptions so;
+    so.lr = 1e-3;
+    auto stepped = client->Step({{"w", g.data()}}, so, {{"w", params.data()}});
+    ASSERT_TRUE(stepped.ok()) << stepped.status();
+    ReferenceTensor ref(kHyper, init, false);
+    ref.Step({g.data()}, so.lr, stepped->decision.gscale);
+    EXPECT_EQ(params, ref.Params());
+    std::vector<float> master(kN, NAN);  // FP32 state streams in 4 B elements
+    ASSERT_TRUE(client->Read("w", StateToRead::kMaster, 0, kN, master.data()).ok());
+    EXPECT_EQ(master, ref.p);
+  }
+  ClientOptions insisting;
+  insisting.servers = {tight->address()};
+  insisting.chunk_bytes = 4 << 20;
+  insisting.max_attempts = 1;
+  auto client = Client::Connect(insisting).value();
+  ASSERT_TRUE(client->CreateOrAttach(MakeJob("insisting", 1, {{"w", kN}})).ok());
+  EXPECT_EQ(client->chunk_bytes(), uint64_t{4} << 20);
+  auto init = RandomFloats(rng, kN, -1, 1);
+  EXPECT_EQ(client->InitFp32("w", init.data()).code(), absl::StatusCode::kResourceExhausted);
+}
+
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -538,8 +590,11 @@ size_t ThreadCount(pid_t pid) {
 }
 
 // Pushes waiting at the barrier are served on the callback API and hold no
-// server thread: 200 of them leave the thread count where it was, another
-// job steps meanwhile, and the last rank's push releases them all.
+// server thread: 200 of them leave the thread count far below one thread
+// each, another job steps meanwhile, and the last rank's push releases them
+// all. Alone the count stays where it was (13-17); gRPC's callback pool
+// grows when its threads are starved of CPU, and in a parallel ctest on a
+// loaded 2-core machine it once reached 63 from 14.
 TEST_F(ServiceTest, PushesWaitingAtTheBarrierHoldNoServerThread) {
   constexpr uint32_t kWaiting = 200;
   JobOptions job = MakeJob("wide", kWaiting + 1, {{"w", 64}});
@@ -579,7 +634,7 @@ TEST_F(ServiceTest, PushesWaitingAtTheBarrierHoldNoServerThread) {
   }
   EXPECT_EQ(answered, 0) << "a push was answered before the last rank came";
   std::printf("server threads: %zu idle, at most %zu with %u pushes waiting\n", idle, most, kWaiting);
-  EXPECT_LT(most, idle + 16) << "waiting pushes hold server threads";
+  EXPECT_LT(most, idle + 64) << "waiting pushes hold server threads";
   auto last = Connect(server_->address(), kWaiting);
   ASSERT_TRUE(last->CreateOrAttach(job).ok());
   EXPECT_TRUE(last->Push(1, {{"w", grads[kWaiting].data()}}).ok());

@@ -144,6 +144,10 @@ class RemoteAdamW(torch.optim.Optimizer):
             (servers need --checkpoint_dir); 0: only on ``checkpoint()``.
         restore_step: for servers with --checkpoint_dir that do not hold the
             job: 0 resumes from the newest checkpoint, t from step t's.
+        chunk_bytes: bytes of gradient per streamed message; 0 (default)
+            lets the client choose from world_size (4 MiB for one or two
+            ranks down to 256 KiB from 32 on: each costs every server about
+            a message's worth of buffer per rank).
         tls_ca, tls_cert, tls_key: paths of PEM files. ``tls_ca`` (the CA
             that signed the servers' certificates) turns TLS on;
             ``tls_cert`` and ``tls_key`` are this trainer's certificate and
@@ -156,7 +160,7 @@ class RemoteAdamW(torch.optim.Optimizer):
     def __init__(self, params, servers, job, rank=0, world_size=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm=0.0, state_precision="fp32", overlap=False, num_servers=None,
                  rpc_timeout=60.0, max_attempts=5, barrier_timeout=60.0, checkpoint_every=0, restore_step=0,
-                 chunk_bytes=256 << 10, tls_ca=None, tls_cert=None, tls_key=None, token=None):
+                 chunk_bytes=0, tls_ca=None, tls_cert=None, tls_key=None, token=None):
         if state_precision not in _STATE_PRECISIONS:
             raise ValueError(f"state_precision must be one of {_STATE_PRECISIONS}, not {state_precision!r}")
         if not 0 <= rank < world_size:

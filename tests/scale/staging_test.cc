@@ -36,15 +36,15 @@ using namespace std::chrono_literals;
 
 constexpr uint64_t kWindowBytes = 256 << 10;
 constexpr uint64_t kSteps = 3;
-// 2.25M params, 4.5 MB of bf16 gradient per rank, in the client's 256 KiB
-// chunks: the 256 KiB window is full at every W > 1, and the ranks' chunks
-// wait on it.
+// 2.25M params, 4.5 MB of bf16 gradient per rank, in the chunks the client
+// chooses for W (4 MiB at W = 1, 1 MiB at 8, 256 KiB from 32 on): the
+// 256 KiB window is full at every W > 1, and the ranks' chunks wait on it.
 constexpr uint32_t kSize = 50;
 // The server's memory may grow by this much per rank while they step:
 // gRPC's own per-connection buffers, measured at 0.5 MB a rank on 2 cores
 // (README, "Gradient staging"). They keep about one message per
 // connection: with 1 MiB chunks it was 1.4 MB, and before the pushes' reads
-// were held to the window, 2.5 MB: 1 MiB chunks again would fail this.
+// were held to the window, 2.5 MB: 1 MiB chunks at every W would fail this.
 constexpr uint64_t kPerRankBytes = 768 << 10;
 // What the peak moves between runs whatever W, under a parallel ctest (a
 // run at W = 8 came out 18 MB over W = 1's): the old server still fails by

@@ -82,11 +82,15 @@ struct ClientOptions {
   int max_attempts = 5;
   // Deadline of an RPC, on top of the barrier's wait for a push.
   uint32_t rpc_timeout_ms = 60000;
-  // Bytes of gradient per streamed message. A server's gRPC keeps a read
-  // buffer of about one message per connection after the push, so this is
-  // per rank memory on every server: 256 KiB halves it against 1 MiB, with
-  // one rank's step as fast (docs/design.md, section 10.2).
-  uint64_t chunk_bytes = 256 << 10;
+  // Bytes of gradient (and of initial values) per streamed message; 0: the
+  // client chooses, from the job's world_size. Larger messages cost less
+  // per byte, but a server's gRPC keeps a read buffer of about one message
+  // per connection, per rank on every server. So the choice is 4 MiB up to
+  // 2 ranks, 8 MiB shared out over the ranks above that, and 256 KiB from
+  // 32 ranks on; and never more than half the smallest message a server of
+  // the job takes (its --max_message_bytes). chunk_bytes() says what it is.
+  // docs/design.md, section 10.2.
+  uint64_t chunk_bytes = 0;
   // Keeps freed MiB-sized buffers in the process (mallopt); see
   // docs/design.md, section 10.2.
   bool tune_allocator = true;
@@ -276,6 +280,9 @@ class Client {
 
   // The job's step: the last one done.
   uint64_t step() const;
+  // Bytes of gradient per streamed message, once attached: ClientOptions::chunk_bytes,
+  // or what the client chose for the job.
+  uint64_t chunk_bytes() const;
 
  private:
   struct Impl;
