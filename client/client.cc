@@ -271,9 +271,9 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
 }
 
 absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
-                                   uint64_t adam_step) {
-  SHARDOPT_RETURN_IF_ERROR(impl_->InitTensor(tensor, exp_avg, v1::FP32, v1::EXP_AVG, adam_step));
-  return impl_->InitTensor(tensor, exp_avg_sq, v1::FP32, v1::EXP_AVG_SQ, adam_step);
+                                   uint64_t adam_step, InitShare share) {
+  SHARDOPT_RETURN_IF_ERROR(impl_->InitTensor(tensor, exp_avg, v1::FP32, v1::EXP_AVG, adam_step, share));
+  return impl_->InitTensor(tensor, exp_avg_sq, v1::FP32, v1::EXP_AVG_SQ, adam_step, share);
 }
 
 absl::Status Client::InitFromSafetensors(const std::string& path) {

@@ -176,7 +176,8 @@ class RemoteAdamW(torch.optim.Optimizer):
                                            "RemoteAdamW takes torch.bfloat16 and torch.float32 params")
                 self._tensors.append(_Tensor(names.get(id(p), f"param.{len(self._tensors)}"), p, gi))
         self._hyper = [self._group_hyper(g) for g in self.param_groups]
-        self.world_size, self.max_grad_norm, self.overlap = world_size, float(max_grad_norm), overlap
+        self.rank, self.world_size = rank, world_size
+        self.max_grad_norm, self.overlap = float(max_grad_norm), overlap
         self.last_decision = None  # of the last step(): grad_norm, clip_factor, skip
 
         pem = [_read_pem(path) for path in (tls_ca, tls_cert, tls_key)]
@@ -280,7 +281,14 @@ class RemoteAdamW(torch.optim.Optimizer):
         running job already has the servers' state; see resumed_step). The
         params are set from the master (for a torch.optim.AdamW state dict,
         which has none, the master is the params' current values, so load the
-        model's state_dict first)."""
+        model's state_dict first).
+
+        Every rank calls it with the same state dict, as under DDP. Where
+        torch.distributed joins the same ranks (same rank and world_size),
+        each rank sends only its 1/world_size share of the state and they
+        meet at torch.distributed.barrier() before any steps, so the servers
+        take the state once, not once per rank. Otherwise every rank sends
+        all of it."""
         self._check_params()
         if self._client.step_count != 0:
             raise FailedPrecondition(f"the job is at step {self._client.step_count}: the servers already hold its "
@@ -299,6 +307,7 @@ class RemoteAdamW(torch.optim.Optimizer):
                 raise InvalidArgument(f"group {gi}: the state dict's (beta1, beta2, eps, weight_decay) {theirs} "
                                       f"differ from the job's {hyper}; construct RemoteAdamW with the same ones")
         state = state_dict["state"]
+        share = self._load_share()
         tensors = iter(self._tensors)
         for saved in saved_groups:
             for index in saved["params"]:
@@ -306,10 +315,10 @@ class RemoteAdamW(torch.optim.Optimizer):
                 entry = state.get(index, {})
                 master = entry.get("master")
                 if master is None:  # the model's values are the master, as for a new job
-                    self._init_master(t, t.param)
+                    self._init_master(t, t.param, share)
                 else:
                     master = self._checked(master, t, "master")
-                    self._init_master(t, master)
+                    self._init_master(t, master, share)
                     with torch.no_grad():  # bf16: rounded to nearest even, as the servers round
                         t.param.copy_(master.view(t.shape))
                 if "step" in entry:
@@ -319,7 +328,9 @@ class RemoteAdamW(torch.optim.Optimizer):
                     exp_avg_sq = self._checked(entry["exp_avg_sq"], t, "exp_avg_sq")
                     step = entry["step"]
                     self._client.init_adam_state(t.name, exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-                                                 int(step.item() if isinstance(step, torch.Tensor) else step))
+                                                 int(step.item() if isinstance(step, torch.Tensor) else step), *share)
+        if share[1] > 1:  # every rank's share is in before any rank steps
+            torch.distributed.barrier()
         for g, saved in zip(self.param_groups, saved_groups):
             g.update({key: value for key, value in saved.items() if key != "params"})
 
@@ -414,6 +425,16 @@ class RemoteAdamW(torch.optim.Optimizer):
     def _sync_staging(self):
         for device in {t.device for t in self._tensors if t.device.type == "cuda"}:
             torch.cuda.current_stream(device).synchronize()
+
+    def _load_share(self):
+        """This rank's share (index, count) of what load_state_dict sends:
+        all of it unless torch.distributed can tell the ranks when every
+        share is in."""
+        dist = torch.distributed
+        if (self.world_size > 1 and dist.is_available() and dist.is_initialized()
+                and dist.get_world_size() == self.world_size and dist.get_rank() == self.rank):
+            return (self.rank, self.world_size)
+        return (0, 1)
 
     def _init_master(self, t, values, share=(0, 1)):
         """The servers' master of t from `values` (fp32 exactly, or bf16):

@@ -187,11 +187,12 @@ class PyClient {
     py::gil_scoped_release nogil;
     Check(client_->WaitForInitialValues(timeout_ms));
   }
-  void InitAdamState(const std::string& tensor, uintptr_t exp_avg, uintptr_t exp_avg_sq, uint64_t adam_step) {
+  void InitAdamState(const std::string& tensor, uintptr_t exp_avg, uintptr_t exp_avg_sq, uint64_t adam_step,
+                     uint32_t share_index, uint32_t share_count) {
     Idle();
     py::gil_scoped_release nogil;
     Check(client_->InitAdamState(tensor, reinterpret_cast<const float*>(exp_avg),
-                                 reinterpret_cast<const float*>(exp_avg_sq), adam_step));
+                                 reinterpret_cast<const float*>(exp_avg_sq), adam_step, {share_index, share_count}));
   }
 
   shardopt::StepResult Step(const Views& grads, const Views& params, double lr, std::vector<double> group_lr,
@@ -364,7 +365,8 @@ PYBIND11_MODULE(_C, m) {
       .def("init_bf16", &PyClient::InitBf16, py::arg("tensor"), py::arg("values"), py::arg("share_index") = 0,
            py::arg("share_count") = 1)
       .def("wait_for_initial_values", &PyClient::WaitForInitialValues)
-      .def("init_adam_state", &PyClient::InitAdamState)
+      .def("init_adam_state", &PyClient::InitAdamState, py::arg("tensor"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+           py::arg("adam_step"), py::arg("share_index") = 0, py::arg("share_count") = 1)
       .def("step", &PyClient::Step, py::arg("grads"), py::arg("params"), py::arg("lr"), py::arg("group_lr"),
            py::arg("max_grad_norm"), py::arg("loss_scale"))
       .def("timed_steps", &PyClient::TimedSteps)

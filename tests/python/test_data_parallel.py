@@ -1,18 +1,52 @@
 """Data parallelism without DDP: two trainer processes, each on half of every
-batch, against one process with the summed gradient."""
+batch, against one process with the summed gradient; and two that resume from
+a state dict under torch.distributed, sending it once between them."""
 import os
+import re
+import socket
 import subprocess
 import sys
+import urllib.request
 
 import torch
 
 from shardopt.torch import RemoteAdamW
 from models import BATCH, batch, make_model, param_groups, same_bits
+from servers import ServerProcess
 from workers import digest
 
 torch.set_num_threads(1)
 HERE = os.path.dirname(__file__)
 STEPS = 30
+
+
+def train_summed_halves(model, opt, first):
+    """Steps first ... first+STEPS-1 in one process, world_size 1: the two
+    halves' gradients summed in fp32 by accumulating backward passes (as the
+    servers sum the ranks' in rank order), then halved (exact), as the
+    servers average over 2 ranks. The params' digest after each step."""
+    digests = []
+    half = BATCH // 2
+    for step in range(first, first + STEPS):
+        tokens, targets = batch(step)
+        opt.zero_grad()
+        for r in range(2):
+            model(tokens[r * half:(r + 1) * half], targets[r * half:(r + 1) * half]).backward()
+        for p in model.parameters():
+            p.grad.mul_(0.5)
+        opt.step()
+        digests.append(digest(model))
+    return digests
+
+
+def assert_ranks_match(outs, digests, model):
+    """Both ranks' params equal each other after every step, and the one
+    process's (its digests after each step, and `model` at the end)."""
+    results = [torch.load(out) for out in outs]
+    assert results[0]["digests"] == results[1]["digests"], "the ranks' params differ after some step"
+    assert results[0]["digests"] == digests
+    for name, p in model.state_dict().items():
+        assert same_bits(results[0]["model"][name], p), name
 
 
 def test_two_ranks_equal_one_process_with_the_summed_gradient(servers, job, tmp_path):
@@ -26,26 +60,68 @@ def test_two_ranks_equal_one_process_with_the_summed_gradient(servers, job, tmp_
         for p in ranks:
             p.kill()
 
-    # One process, world_size 1: the two halves' gradients summed in fp32 by
-    # accumulating backward passes (as the servers sum the ranks' in rank
-    # order), then halved (exact), as the servers average over 2 ranks.
     model = make_model()
     opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3)
-    digests = []
-    half = BATCH // 2
+    digests = train_summed_halves(model, opt, 1)
+    opt.drop()
+    assert_ranks_match(outs, digests, model)
+
+
+def received_init_bytes(metrics_port):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    found = re.search(r'^shardopt_received_bytes_total\{[^}]*method="init"[^}]*\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ranks_joined_by_torch_distributed_load_a_state_dict_once_between_them(server_binary, servers, job,
+                                                                                tmp_path):
+    """Two ranks under torch.distributed (gloo) resume from a saved state dict:
+    each sends half of it, they meet at a barrier, and they train on as one
+    process with the summed gradient does, bitwise. The server takes the
+    model's values and the state once (16 B a param: the fp32 params at
+    construction, then master, m and v), not once per rank (28 B a param)."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-first", lr=1e-3)
     for step in range(1, STEPS + 1):
         tokens, targets = batch(step)
         opt.zero_grad()
-        for r in range(2):
-            model(tokens[r * half:(r + 1) * half], targets[r * half:(r + 1) * half]).backward()
-        for p in model.parameters():
-            p.grad.mul_(0.5)
+        model(tokens, targets).backward()
         opt.step()
-        digests.append(digest(model))
+    checkpoint = tmp_path / "checkpoint.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint)
     opt.drop()
 
-    results = [torch.load(out) for out in outs]
-    assert results[0]["digests"] == results[1]["digests"], "the ranks' params differ after some step"
-    assert results[0]["digests"] == digests
-    for name, p in model.state_dict().items():
-        assert same_bits(results[0]["model"][name], p), name
+    metrics_port = free_port()
+    server = ServerProcess(server_binary, tmp_path, f"--metrics_port={metrics_port}")
+    try:
+        before = received_init_bytes(metrics_port)
+        outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
+        ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "workers.py"), "resume_dp", "--servers",
+                                   server.address, "--job", f"{job}-dp", "--rank", str(r), "--world_size", "2",
+                                   "--store", str(tmp_path / "store"), "--checkpoint", str(checkpoint), "--first",
+                                   str(STEPS + 1), "--steps", str(STEPS), "--out", str(outs[r])]) for r in range(2)]
+        try:
+            assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+        finally:
+            for p in ranks:
+                p.kill()
+        received = received_init_bytes(metrics_port) - before
+    finally:
+        server.stop()
+    params = sum(p.numel() for p in model.parameters())
+    assert 16 * params <= received < 17 * params, f"{received / params:.2f} B a param"
+
+    saved = torch.load(checkpoint)
+    ref = make_model(seed=99)
+    ref.load_state_dict(saved["model"])
+    opt = RemoteAdamW(param_groups(ref), servers=servers, job=f"{job}-ref", lr=1e-3)
+    opt.load_state_dict(saved["optimizer"])
+    digests = train_summed_halves(ref, opt, STEPS + 1)
+    opt.drop()
+    assert_ranks_match(outs, digests, ref)

@@ -1,8 +1,12 @@
 """Trainer processes the tests start: `resume` (a new process continuing
-from a saved state dict) and `dp` (one rank of a data-parallel job).
+from a saved state dict), `dp` (one rank of a data-parallel job) and
+`resume_dp` (one rank of a data-parallel job joined by torch.distributed,
+continuing from a saved state dict).
 
     workers.py resume --servers A,B --job J --checkpoint F --first T --steps N --out OUT
     workers.py dp --servers A,B --job J --rank R --world_size W --steps N --out OUT
+    workers.py resume_dp --servers A,B --job J --rank R --world_size W --store S --checkpoint F --first T
+        --steps N --out OUT
 """
 import argparse
 import hashlib
@@ -47,9 +51,28 @@ def dp(args):
     model = make_model()
     opt = RemoteAdamW(param_groups(model), servers=args.servers.split(","), job=args.job, lr=1e-3, rank=args.rank,
                       world_size=args.world_size, barrier_timeout=10)
+    train_share(model, opt, args)
+
+
+def resume_dp(args):
+    """As dp, from a saved state dict, with torch.distributed (gloo) joining
+    the ranks: each rank sends its share of the optimizer's state."""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
+                                         world_size=args.world_size)
+    saved = torch.load(args.checkpoint)
+    model = make_model(seed=99)  # other initial values: all come from the checkpoint
+    model.load_state_dict(saved["model"])
+    opt = RemoteAdamW(param_groups(model), servers=args.servers.split(","), job=args.job, lr=1e-3, rank=args.rank,
+                      world_size=args.world_size, barrier_timeout=20)
+    opt.load_state_dict(saved["optimizer"])
+    train_share(model, opt, args)
+    torch.distributed.destroy_process_group()
+
+
+def train_share(model, opt, args):
     share = BATCH // args.world_size
     digests = []
-    for step in range(1, args.steps + 1):
+    for step in range(args.first, args.first + args.steps):
         tokens, targets = batch(step)
         rows = slice(args.rank * share, (args.rank + 1) * share)
         opt.zero_grad()
@@ -61,7 +84,7 @@ def dp(args):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["resume", "dp"])
+    parser.add_argument("mode", choices=["resume", "dp", "resume_dp"])
     parser.add_argument("--servers", required=True)
     parser.add_argument("--job", required=True)
     parser.add_argument("--checkpoint")
@@ -69,9 +92,10 @@ def main():
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world_size", type=int, default=1)
+    parser.add_argument("--store", help="resume_dp: torch.distributed's file store")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    {"resume": resume, "dp": dp}[args.mode](args)
+    {"resume": resume, "dp": dp, "resume_dp": resume_dp}[args.mode](args)
 
 
 if __name__ == "__main__":

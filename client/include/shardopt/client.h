@@ -233,9 +233,12 @@ class Client {
   // its tensor parts still lack values.
   absl::Status WaitForInitialValues(int64_t timeout_ms);
   // Adam's moments and step count of a whole tensor, before step 1: resuming
-  // from an optimizer's state dict. fp32, kept exactly in FP32 groups.
+  // from an optimizer's state dict. fp32, kept exactly in FP32 groups. With a
+  // share, only this caller's slices are sent, as for InitFp32; the callers
+  // must then make sure among themselves that every share is in before any
+  // of them steps (the servers cannot tell a part's moments are missing).
   absl::Status InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
-                             uint64_t adam_step);
+                             uint64_t adam_step, InitShare share = {});
   // Initial values of every tensor of the job from a safetensors file (F32
   // kept exactly, or BF16), matched by name; entries the job lacks are
   // ignored. Checks the whole file against the job before sending anything.
