@@ -3,7 +3,7 @@
 // the server expects them of a stream that has not yet shown its own size.
 //
 // Larger messages cost less per byte: one rank's push of 64M bf16 params on
-// 2 cores took 0.033-0.041 s in 4 MiB messages, 0.044-0.049 s in 1 MiB and
+// 2 cores took 0.033-0.042 s in 4 MiB messages, 0.044-0.049 s in 1 MiB and
 // 0.058-0.063 s in 256 KiB (interleaved runs of shardopt-bench e2e). But a
 // server's gRPC keeps about a message's worth of read buffer per connection
 // (README, "Gradient staging": 1.4 MB a rank at 1 MiB, 0.5 MB at 256 KiB),
