@@ -220,8 +220,11 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
                                                       "); restore every server from one checkpoint, or drop the job"));
   }
   im.step = step;
-  im.chunk_bytes = ChunkBytesFor(im.options.chunk_bytes, job.world_size,
-                                 *std::min_element(max_message.begin(), max_message.end()));
+  std::vector<uint64_t> sent_to;  // the limits of the servers this job's messages go to
+  for (uint32_t s = 0; s < im.servers(); ++s) {
+    if (!im.shards_of[s].empty()) sent_to.push_back(max_message[s]);
+  }
+  im.chunk_bytes = ChunkBytesFor(im.options.chunk_bytes, job.world_size, sent_to);
   im.attached = true;
   return step;
 }

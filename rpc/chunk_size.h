@@ -13,8 +13,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace shardopt {
+
+// The largest message a server takes and sends unless told otherwise
+// (--max_message_bytes): twice the largest automatic chunk, so that a 4 MiB
+// chunk has room for the message's other fields.
+inline constexpr int kDefaultMaxMessageBytes = 8 << 20;
 
 inline constexpr uint64_t kMinAutoChunkBytes = uint64_t{256} << 10;
 inline constexpr uint64_t kMaxAutoChunkBytes = uint64_t{4} << 20;
@@ -26,15 +32,16 @@ inline uint64_t AutoChunkBytes(uint32_t world_size) {
 }
 
 // What a client sends: `requested` if nonzero (the caller's choice, kept as
-// given), else the automatic size, at most half the smallest message the
-// job's servers take (the rest is room for the message's other fields). A
-// server that does not say what it takes (`smallest_server_max` 0: one
-// older than CreateJobResponse.max_message_bytes) gets the smallest
-// automatic size, which every server has always taken.
-inline uint64_t ChunkBytesFor(uint64_t requested, uint32_t world_size, uint64_t smallest_server_max) {
+// given), else the automatic size, at most half the smallest message that
+// the servers it sends to take (`server_max`, from CreateJobResponse; the
+// rest is room for the message's other fields). A server that does not say
+// (0: one older than CreateJobResponse.max_message_bytes) holds it to 256
+// KiB, the old default.
+inline uint64_t ChunkBytesFor(uint64_t requested, uint32_t world_size, const std::vector<uint64_t>& server_max) {
   if (requested > 0) return requested;
-  if (smallest_server_max == 0) return kMinAutoChunkBytes;
-  return std::max<uint64_t>(1, std::min(AutoChunkBytes(world_size), smallest_server_max / 2));
+  uint64_t bytes = AutoChunkBytes(world_size);
+  for (uint64_t max : server_max) bytes = std::min(bytes, max == 0 ? kMinAutoChunkBytes : max / 2);
+  return std::max<uint64_t>(1, bytes);
 }
 
 }  // namespace shardopt

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/status.h"
+#include "rpc/chunk_size.h"
 
 namespace grpc {
 class ByteBuffer;
@@ -42,8 +43,6 @@ absl::Status ParseMessage(grpc::ByteBuffer* buffer, google::protobuf::Message* m
 // A message into a raw buffer, for a raw handler's answer.
 grpc::ByteBuffer SerializeMessage(const google::protobuf::Message& message);
 
-// Large enough for 4 MiB chunks with room for the message's other fields.
-inline constexpr int kDefaultMaxMessageBytes = 8 << 20;
 
 // HTTP/2 BDP probing off and a large lookahead: with probing on, the
 // flow-control window swings and loopback throughput halves.

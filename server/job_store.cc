@@ -20,9 +20,11 @@ JobStore::JobStore(Backend* backend, JobStoreOptions options)
     : backend_(backend), options_(options),
       budget_(options.memory_limit > 0 ? options.memory_limit : MemoryBudget::DefaultLimit()) {
   // A commit applies the update one streamed piece at a time; pieces must
-  // start where a partial update may.
+  // start where a partial update may. The rest of a message is room for its
+  // other fields (4 B/element: FP32 params, or a read of the fp32 state).
   const uint64_t a = kApplyAlignment;
-  options_.stream_chunk_elements = std::max(a, (options_.stream_chunk_elements + a - 1) / a * a);
+  const uint64_t fits = options_.max_message_bytes / 2 / 4;
+  options_.stream_chunk_elements = std::max(a, std::min(options_.stream_chunk_elements, fits) / a * a);
 }
 
 JobStore::~JobStore() = default;

@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
+#include "rpc/chunk_size.h"
 #include "server/commit_stream.h"
 #include "server/job.h"
 #include "server/job_spec.h"
@@ -36,9 +37,12 @@ struct JobStoreOptions {
   // the smaller of physical memory and the cgroup limit, less headroom.
   uint64_t memory_limit = 0;
   absl::Duration default_barrier_timeout = absl::Seconds(60);
-  // Elements per streamed ParamChunk / StateChunk: 1 MiB of bf16. Rounded up
-  // to a multiple of kApplyAlignment.
+  // Elements per streamed ParamChunk / StateChunk: 1 MiB of bf16. Lowered so
+  // that a piece of FP32 params fills at most half of `max_message_bytes`,
+  // rounded down to a multiple of kApplyAlignment, and at least that.
   uint64_t stream_chunk_elements = 512 * 1024;
+  // The largest message the server sends (--max_message_bytes).
+  uint64_t max_message_bytes = kDefaultMaxMessageBytes;
   // The most bytes of early gradient chunks a job's round holds
   // (server/running_sum.h); a job of W ranks holds at most W x 4 MiB of it.
   uint64_t window_bytes = uint64_t{64} << 20;

@@ -181,10 +181,7 @@ int main(int argc, char** argv) {
   store_options.max_world_size = absl::GetFlag(FLAGS_max_world_size);
   store_options.memory_limit = *memory_limit;
   store_options.max_name_bytes = absl::GetFlag(FLAGS_max_name_bytes);
-  // A commit's pieces and a read's chunks fill at most half a message (4
-  // B/element for FP32 params), the rest room for the message's other fields.
-  store_options.stream_chunk_elements =
-      std::min<uint64_t>(store_options.stream_chunk_elements, absl::GetFlag(FLAGS_max_message_bytes) / 2 / 4);
+  store_options.max_message_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_message_bytes));
   shardopt::JobStore store(backend->get(), store_options);
   std::unique_ptr<shardopt::Authenticator> auth;
   if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {

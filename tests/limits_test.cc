@@ -196,6 +196,9 @@ TEST(LimitsTest, StreamCapsPerClientAndPerServer) {
   // The victim, another client, still steps (one push and one commit stream).
   EXPECT_TRUE(victim.Step().ok());
   // The server's cap: the victim holds three too, and then nobody gets one.
+  // Its step's streams give their slots back when the server is done with
+  // them, which may be just after the client has its answer.
+  ASSERT_TRUE(AwaitOpenStreams(metrics, 3));
   for (int i = 0; i < 3; ++i) held.push_back(open(b));
   ASSERT_TRUE(AwaitOpenStreams(metrics, 6));
   const absl::Status full = victim.Step();

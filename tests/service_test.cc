@@ -164,6 +164,28 @@ TEST(MessageSizeTest, AClientFitsItsMessagesToTheRanksAndToTheServersLimit) {
     ASSERT_TRUE(client->Read("w", StateToRead::kMaster, 0, kN, master.data()).ok());
     EXPECT_EQ(master, ref.p);
   }
+  // Just above the smallest limit a server takes, the pieces of FP32 params
+  // still fit: rounded down to whole units of work (a piece of 16385
+  // elements rounded up to 32768 would be 128 KiB of params, over the limit).
+  auto tightest = ServerProcess::Start({"--max_message_bytes=131080"});
+  ASSERT_NE(tightest, nullptr);
+  {
+    JobOptions job = MakeJob("fp32-params", 1, {{"w", 100000}});
+    job.tensors[0].param_type = ParamType::kFp32;
+    auto client = Connect(tightest->address());
+    ASSERT_TRUE(client->CreateOrAttach(job).ok());
+    EXPECT_EQ(client->chunk_bytes(), uint64_t{131080 / 2});
+    auto init = RandomFloats(rng, 100000, -1, 1), g = RandomFloats(rng, 100000, -1, 1);
+    ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+    std::vector<float> params(100000, NAN);  // poisoned
+    StepOptions so;
+    so.lr = 1e-3;
+    auto stepped = client->Step({{"w", g.data()}}, so, {{"w", params.data()}});
+    ASSERT_TRUE(stepped.ok()) << stepped.status();
+    ReferenceTensor ref(kHyper, init, false);
+    ref.StepAggregated(g, so.lr, stepped->decision.gscale);
+    EXPECT_EQ(params, ref.p);
+  }
   ClientOptions insisting;
   insisting.servers = {tight->address()};
   insisting.chunk_bytes = 4 << 20;

@@ -165,21 +165,25 @@ TEST(Wire, PushMessagesAskForEachGradientOnceAndNameTheAbsentLast) {
 }
 
 // 4 MiB for one or two ranks, 8 MiB shared out over more, 256 KiB from 32
-// ranks on; at most half the smallest message a server takes; the smallest
-// size for a server that does not say; a size the caller chose, as given.
+// ranks on; at most half the smallest message a server takes; at most 256
+// KiB for a server that does not say, beside one that does or alone; a size
+// the caller chose, as given.
 TEST(Wire, AClientLeftToChooseSizesItsMessagesByTheRanksAndTheServers) {
-  constexpr uint64_t kServerMax = 8 << 20;
-  EXPECT_EQ(ChunkBytesFor(0, 1, kServerMax), uint64_t{4} << 20);
-  EXPECT_EQ(ChunkBytesFor(0, 2, kServerMax), uint64_t{4} << 20);
-  EXPECT_EQ(ChunkBytesFor(0, 4, kServerMax), uint64_t{2} << 20);
-  EXPECT_EQ(ChunkBytesFor(0, 8, kServerMax), uint64_t{1} << 20);
-  EXPECT_EQ(ChunkBytesFor(0, 16, kServerMax), uint64_t{512} << 10);
-  EXPECT_EQ(ChunkBytesFor(0, 32, kServerMax), uint64_t{256} << 10);
-  EXPECT_EQ(ChunkBytesFor(0, 1024, kServerMax), uint64_t{256} << 10);
-  EXPECT_EQ(ChunkBytesFor(0, 1, 1 << 20), uint64_t{512} << 10);
-  EXPECT_EQ(ChunkBytesFor(0, 64, 256 << 10), uint64_t{128} << 10);
-  EXPECT_EQ(ChunkBytesFor(0, 1, 0), uint64_t{256} << 10);
-  EXPECT_EQ(ChunkBytesFor(3 << 20, 64, 1 << 20), uint64_t{3} << 20);
+  const std::vector<uint64_t> roomy = {8 << 20, 8 << 20};
+  EXPECT_EQ(ChunkBytesFor(0, 1, roomy), uint64_t{4} << 20);
+  EXPECT_EQ(ChunkBytesFor(0, 2, roomy), uint64_t{4} << 20);
+  EXPECT_EQ(ChunkBytesFor(0, 4, roomy), uint64_t{2} << 20);
+  EXPECT_EQ(ChunkBytesFor(0, 8, roomy), uint64_t{1} << 20);
+  EXPECT_EQ(ChunkBytesFor(0, 16, roomy), uint64_t{512} << 10);
+  EXPECT_EQ(ChunkBytesFor(0, 32, roomy), uint64_t{256} << 10);
+  EXPECT_EQ(ChunkBytesFor(0, 1024, roomy), uint64_t{256} << 10);
+  EXPECT_EQ(ChunkBytesFor(0, 1, {8 << 20, 1 << 20}), uint64_t{512} << 10);
+  EXPECT_EQ(ChunkBytesFor(0, 64, {256 << 10}), uint64_t{128} << 10);
+  EXPECT_EQ(ChunkBytesFor(0, 1, {0}), uint64_t{256} << 10);
+  EXPECT_EQ(ChunkBytesFor(0, 1, {8 << 20, 0}), uint64_t{256} << 10);
+  EXPECT_EQ(ChunkBytesFor(0, 1, {0, 128 << 10}), uint64_t{64} << 10);
+  EXPECT_EQ(ChunkBytesFor(0, 1, {}), uint64_t{4} << 20);
+  EXPECT_EQ(ChunkBytesFor(3 << 20, 64, {1 << 20}), uint64_t{3} << 20);
 }
 
 }  // namespace

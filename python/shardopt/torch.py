@@ -274,21 +274,24 @@ class RemoteAdamW(torch.optim.Optimizer):
             groups.append(saved)
         return {"state": state, "param_groups": groups}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict, shared=False):
         """Loads a state dict of this class or of torch.optim.AdamW into the
         servers, exactly: fp32 state stays fp32 whatever the params' dtype.
         Only for a job that has not stepped yet (a trainer that attached to a
         running job already has the servers' state; see resumed_step). The
         params are set from the master (for a torch.optim.AdamW state dict,
         which has none, the master is the params' current values, so load the
-        model's state_dict first).
+        model's state_dict first). Everything is checked before anything is
+        sent.
 
-        Every rank calls it with the same state dict, as under DDP. Where
-        torch.distributed joins the same ranks (same rank and world_size),
-        each rank sends only its 1/world_size share of the state and they
-        meet at torch.distributed.barrier() before any steps, so the servers
-        take the state once, not once per rank. Otherwise every rank sends
-        all of it."""
+        By default every caller sends all of the state, so it is right
+        whichever ranks call it. shared=True is for every rank of world_size
+        calling it with the same state dict, joined by torch.distributed (as
+        under DDP): each sends only its 1/world_size share, so the servers
+        take the state once instead of once per rank, and it returns once
+        every share is in (torch.distributed.barrier()). The ranks first
+        check together that torch.distributed's ranks are theirs, and raise
+        ValueError alike if not."""
         self._check_params()
         if self._client.step_count != 0:
             raise FailedPrecondition(f"the job is at step {self._client.step_count}: the servers already hold its "
@@ -306,31 +309,35 @@ class RemoteAdamW(torch.optim.Optimizer):
             if theirs != hyper:
                 raise InvalidArgument(f"group {gi}: the state dict's (beta1, beta2, eps, weight_decay) {theirs} "
                                       f"differ from the job's {hyper}; construct RemoteAdamW with the same ones")
-        state = state_dict["state"]
-        share = self._load_share()
+        # Each tensor's master (None: the params' values) and, if saved, its
+        # moments and Adam step, checked and in fp32; kept until sent, since
+        # the client reads them by address.
+        loads = []
         tensors = iter(self._tensors)
         for saved in saved_groups:
             for index in saved["params"]:
                 t = next(tensors)
-                entry = state.get(index, {})
+                entry = state_dict["state"].get(index, {})
                 master = entry.get("master")
-                if master is None:  # the model's values are the master, as for a new job
-                    self._init_master(t, t.param, share)
-                else:
-                    master = self._checked(master, t, "master")
-                    self._init_master(t, master, share)
-                    with torch.no_grad():  # bf16: rounded to nearest even, as the servers round
-                        t.param.copy_(master.view(t.shape))
+                master = None if master is None else self._checked(master, t, "master")
+                moments = None
                 if "step" in entry:
-                    # Named, so that the (possibly widened) copies outlive the
-                    # call that reads their addresses.
-                    exp_avg = self._checked(entry["exp_avg"], t, "exp_avg")
-                    exp_avg_sq = self._checked(entry["exp_avg_sq"], t, "exp_avg_sq")
                     step = entry["step"]
-                    self._client.init_adam_state(t.name, exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-                                                 int(step.item() if isinstance(step, torch.Tensor) else step), *share)
-        if share[1] > 1:  # every rank's share is in before any rank steps
-            torch.distributed.barrier()
+                    moments = (self._checked(entry["exp_avg"], t, "exp_avg"),
+                               self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"),
+                               int(step.item() if isinstance(step, torch.Tensor) else step))
+                loads.append((t, master, moments))
+        share = self._load_share() if shared else (0, 1)
+        for t, master, moments in loads:
+            self._init_master(t, t.param if master is None else master, share)
+            if master is not None:
+                with torch.no_grad():  # bf16: rounded to nearest even, as the servers round
+                    t.param.copy_(master.view(t.shape))
+            if moments is not None:
+                exp_avg, exp_avg_sq, step = moments
+                self._client.init_adam_state(t.name, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), step, *share)
+        if shared:
+            torch.distributed.barrier()  # every share is in
         for g, saved in zip(self.param_groups, saved_groups):
             g.update({key: value for key, value in saved.items() if key != "params"})
 
@@ -427,14 +434,21 @@ class RemoteAdamW(torch.optim.Optimizer):
             torch.cuda.current_stream(device).synchronize()
 
     def _load_share(self):
-        """This rank's share (index, count) of what load_state_dict sends:
-        all of it unless torch.distributed can tell the ranks when every
-        share is in."""
+        """This rank's share (index, count) of a shared load_state_dict, once
+        every rank has seen that torch.distributed's ranks are RemoteAdamW's:
+        raises ValueError on every rank if not."""
         dist = torch.distributed
-        if (self.world_size > 1 and dist.is_available() and dist.is_initialized()
-                and dist.get_world_size() == self.world_size and dist.get_rank() == self.rank):
-            return (self.rank, self.world_size)
-        return (0, 1)
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("load_state_dict(shared=True) needs torch.distributed initialized on every rank")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(f"load_state_dict(shared=True): torch.distributed has {dist.get_world_size()} ranks, "
+                             f"the job {self.world_size}")
+        ranks = [None] * self.world_size
+        dist.all_gather_object(ranks, self.rank)
+        if ranks != list(range(self.world_size)):
+            raise ValueError(f"load_state_dict(shared=True): RemoteAdamW's ranks by torch.distributed rank are "
+                             f"{ranks}, not 0 ... {self.world_size - 1}")
+        return (self.rank, self.world_size)
 
     def _init_master(self, t, values, share=(0, 1)):
         """The servers' master of t from `values` (fp32 exactly, or bf16):

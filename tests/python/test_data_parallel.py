@@ -81,9 +81,10 @@ def free_port():
 
 def test_ranks_joined_by_torch_distributed_load_a_state_dict_once_between_them(server_binary, servers, job,
                                                                                 tmp_path):
-    """Two ranks under torch.distributed (gloo) resume from a saved state dict:
-    each sends half of it, they meet at a barrier, and they train on as one
-    process with the summed gradient does, bitwise. The server takes the
+    """Two ranks under torch.distributed (gloo) resume from a saved state dict
+    with load_state_dict(shared=True): each sends half of it, they meet at a
+    barrier, and they train on as one process with the summed gradient does,
+    bitwise. The server takes the
     model's values and the state once (16 B a param: the fp32 params at
     construction, then master, m and v), not once per rank (28 B a param)."""
     model = make_model()

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from shardopt.torch import RemoteAdamW
@@ -70,6 +71,28 @@ def test_load_state_dict_does_not_cast_to_param_dtype(servers, job):
     fresh.load_state_dict(model.state_dict())
     opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
     opt.load_state_dict(saved)
+    loaded = opt.state_dict()
+    for k, state in saved["state"].items():
+        for key, value in state.items():
+            assert same_bits(loaded["state"][k][key], value), (k, key)
+    opt.drop()
+
+
+def test_a_shared_load_needs_torch_distributed_and_sends_nothing_without_it(servers, job):
+    """load_state_dict(shared=True) in a process without torch.distributed
+    raises ValueError before sending anything: the new job has still no Adam
+    state, where the state dict would have given every param some."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3)
+    train(model, opt, 2)
+    saved = opt.state_dict()
+    opt.drop()
+    assert len(saved["state"]) == len(list(model.parameters()))
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-b", lr=1e-3)
+    with pytest.raises(ValueError, match="torch.distributed"):
+        opt.load_state_dict(saved, shared=True)
+    assert opt.state_dict()["state"] == {}
+    opt.load_state_dict(saved)  # not shared: every caller sends all of it
     loaded = opt.state_dict()
     for k, state in saved["state"].items():
         for key, value in state.items():

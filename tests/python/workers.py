@@ -56,7 +56,8 @@ def dp(args):
 
 def resume_dp(args):
     """As dp, from a saved state dict, with torch.distributed (gloo) joining
-    the ranks: each rank sends its share of the optimizer's state."""
+    the ranks: each rank sends its share of the optimizer's state
+    (load_state_dict(shared=True))."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
                                          world_size=args.world_size)
     saved = torch.load(args.checkpoint)
@@ -64,7 +65,7 @@ def resume_dp(args):
     model.load_state_dict(saved["model"])
     opt = RemoteAdamW(param_groups(model), servers=args.servers.split(","), job=args.job, lr=1e-3, rank=args.rank,
                       world_size=args.world_size, barrier_timeout=20)
-    opt.load_state_dict(saved["optimizer"])
+    opt.load_state_dict(saved["optimizer"], shared=True)
     train_share(model, opt, args)
     torch.distributed.destroy_process_group()
 

@@ -36,6 +36,7 @@ ABSL_FLAG(bool, init, true,
           "process wrote them");
 ABSL_FLAG(bool, init_all, false, "with --init: write all of the initial values, not only this rank's share");
 ABSL_FLAG(bool, read_masters, true, "at the end, read the masters back into the output");
+ABSL_FLAG(uint64_t, chunk_bytes, 0, "ClientOptions::chunk_bytes; 0: the client's choice");
 
 namespace shardopt::scale {
 namespace {
@@ -55,6 +56,7 @@ int Run() {
   // The step loop below does the retrying, so that each failed attempt is seen.
   options.max_attempts = 1;
   options.rpc_timeout_ms = 10000;
+  options.chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   if (!absl::GetFlag(FLAGS_server_pattern).empty()) {
     auto servers = ExpandServerPattern(absl::GetFlag(FLAGS_server_pattern), absl::GetFlag(FLAGS_server_count));
     if (!servers.ok()) return Fail(log, servers.status(), "servers");

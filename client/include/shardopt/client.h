@@ -234,9 +234,9 @@ class Client {
   absl::Status WaitForInitialValues(int64_t timeout_ms);
   // Adam's moments and step count of a whole tensor, before step 1: resuming
   // from an optimizer's state dict. fp32, kept exactly in FP32 groups. With a
-  // share, only this caller's slices are sent, as for InitFp32; the callers
-  // must then make sure among themselves that every share is in before any
-  // of them steps (the servers cannot tell a part's moments are missing).
+  // share, only this caller's slices are sent, as for InitFp32. Nothing
+  // counts the moments' shares: step 1 waits for every rank's push, so for
+  // every rank's Init calls, but a read before then may find some missing.
   absl::Status InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
                              uint64_t adam_step, InitShare share = {});
   // Initial values of every tensor of the job from a safetensors file (F32
