@@ -41,7 +41,9 @@ struct JobStoreOptions {
   // that a piece of FP32 params fills at most half of `max_message_bytes`,
   // rounded down to a multiple of kApplyAlignment, and at least that.
   uint64_t stream_chunk_elements = 512 * 1024;
-  // The largest message the server sends (--max_message_bytes).
+  // The largest message the server takes and sends (--max_message_bytes), at
+  // least JobStore::kMinMessageBytes: the gRPC server's limit, told to
+  // clients in CreateJobResponse.
   uint64_t max_message_bytes = kDefaultMaxMessageBytes;
   // The most bytes of early gradient chunks a job's round holds
   // (server/running_sum.h); a job of W ranks holds at most W x 4 MiB of it.
@@ -140,6 +142,10 @@ class JobStore {
   // Where the last step done went, on this server (job.h).
   absl::StatusOr<StepPhases> LastStepPhases(const std::string& job) const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A message holds the smallest piece of params a commit streams
+  // (kApplyAlignment fp32 elements) twice over.
+  static constexpr uint64_t kMinMessageBytes = 2 * 4 * kApplyAlignment;
+  uint64_t max_message_bytes() const { return options_.max_message_bytes; }
   std::string backend_name() const { return backend_->Describe(); }
   uint32_t max_tensors_per_job() const { return options_.max_tensors_per_job; }
   // What jobs and streams charge their memory to.

@@ -2,7 +2,6 @@
 #include <semaphore.h>
 #include <time.h>
 
-#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <cstdio>
@@ -18,7 +17,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "grpcpp/grpcpp.h"
-#include "kernels/backend.h"
 #include "kernels/gpu.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/auth.h"
@@ -77,10 +75,6 @@ ABSL_FLAG(uint64_t, checkpoint_keep, 0,
           "0 keeps all. The newest complete one is never removed");
 
 namespace {
-// Twice the smallest piece of params a commit streams: kApplyAlignment fp32
-// elements.
-constexpr int kMinMaxMessageBytes = 2 * 4 * static_cast<int>(shardopt::kApplyAlignment);
-
 sem_t g_wake;
 volatile std::sig_atomic_t g_stop = 0;
 volatile std::sig_atomic_t g_reload = 0;
@@ -123,12 +117,11 @@ int main(int argc, char** argv) {
     shardopt::UsageError(absl::StrCat("--port=", port, " is not a port (0 to 65535; 0 picks one)"));
   }
   if (absl::GetFlag(FLAGS_threads) < 0) shardopt::UsageError("--threads must be 0 (one per core) or more");
-  // The smallest piece of params a commit streams is kApplyAlignment fp32
-  // elements, and a message must hold it twice over (below).
-  if (const int max = absl::GetFlag(FLAGS_max_message_bytes); max < kMinMaxMessageBytes) {
-    shardopt::UsageError(absl::StrCat("--max_message_bytes=", max, " is below ", kMinMaxMessageBytes,
+  if (const int64_t max = absl::GetFlag(FLAGS_max_message_bytes);
+      max < static_cast<int64_t>(shardopt::JobStore::kMinMessageBytes)) {
+    shardopt::UsageError(absl::StrCat("--max_message_bytes=", max, " is below ", shardopt::JobStore::kMinMessageBytes,
                                       ": a commit streams params in pieces of at least ",
-                                      kMinMaxMessageBytes / 2, " bytes"));
+                                      shardopt::JobStore::kMinMessageBytes / 2, " bytes"));
   }
   if (absl::GetFlag(FLAGS_barrier_timeout_ms) <= 0) shardopt::UsageError("--barrier_timeout_ms must be positive");
   if (absl::GetFlag(FLAGS_idle_stream_timeout_ms) <= 0) shardopt::UsageError("--idle_stream_timeout_ms must be positive");
@@ -194,7 +187,6 @@ int main(int argc, char** argv) {
   }
   shardopt::ServerOptions options;
   options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
-  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.tls_cert_pem = ReadPem("tls_cert", absl::GetFlag(FLAGS_tls_cert));
   options.tls_key_pem = ReadPem("tls_key", absl::GetFlag(FLAGS_tls_key));
   options.tls_client_ca_pem = ReadPem("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca));

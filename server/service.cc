@@ -75,7 +75,7 @@ grpc::Status OptimizerService::CreateJob(grpc::ServerContext* context, const v1:
   auto r = store_->CreateJob(*req);
   if (r.ok()) {
     *resp = *std::move(r);
-    resp->set_max_message_bytes(static_cast<uint64_t>(options_.max_message_bytes));
+    resp->set_max_message_bytes(store_->max_message_bytes());
   }
   return ToGrpcStatus(r.status());
 }
@@ -217,10 +217,7 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
   grpc::EnableDefaultHealthCheckService(true);
   if (options.reflection) grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   auto running = std::make_unique<RunningServer>();
-  const int max_message_bytes = options.max_message_bytes > 0 ? options.max_message_bytes : kDefaultMaxMessageBytes;
-  ServiceOptions service = options.service;
-  service.max_message_bytes = max_message_bytes;
-  running->service = std::make_unique<OptimizerService>(store, service);
+  running->service = std::make_unique<OptimizerService>(store, options.service);
   grpc::ServerBuilder builder;
   if (!options.reflection) builder.SetOption(std::make_unique<WithoutReflection>());
   // gRPC's default SO_REUSEPORT lets a second server bind a port already in
@@ -228,7 +225,7 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
   // one (grpc/grpc#10755): clients then reach either. A port is one server's.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(options.address, Credentials(options), &running->port);
-  TuneServerBuilder(&builder, max_message_bytes);
+  TuneServerBuilder(&builder, static_cast<int>(store->max_message_bytes()));
   builder.RegisterService(running->service.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> observers;
   observers.push_back(MakeCallObserverFactory());

@@ -5,7 +5,6 @@
 #include <memory>
 #include <string>
 
-#include "rpc/grpc_edge.h"
 #include "server/auth.h"
 #include "server/job_store.h"
 #include "server/stream_limits.h"
@@ -37,9 +36,6 @@ struct ServiceOptions {
   // Streams open at once on this server, and per client; 0: no cap.
   uint32_t max_streams = 4096;
   uint32_t max_streams_per_client = 1024;
-  // The largest message the server takes (ServerOptions::max_message_bytes,
-  // resolved): told to clients in CreateJobResponse. StartServer sets it.
-  int max_message_bytes = kDefaultMaxMessageBytes;
 };
 
 class OptimizerService final
@@ -78,7 +74,6 @@ class OptimizerService final
 
 struct ServerOptions {
   std::string address = "0.0.0.0:0";  // port 0: an ephemeral port
-  int max_message_bytes = 0;          // 0: kDefaultMaxMessageBytes
   // TLS: the server's certificate chain and private key (PEM); both empty
   // for plaintext. With `tls_client_ca` (PEM) set too, every client must
   // present a certificate that it signed (mutual TLS).
