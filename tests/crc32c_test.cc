@@ -36,7 +36,7 @@ TEST(Crc32c, StandardCheckValues) {
   EXPECT_EQ(Crc32c(b.data(), b.size()), 0x46DD794Eu);
 }
 
-TEST(Crc32c, EqualsTheDefinitionAtEveryLengthAlignmentAndSplit) {
+TEST(Crc32c, EqualsTheDefinitionAtManyLengthsEveryAlignmentWholeOrSplit) {
   const uint64_t seed = std::random_device{}();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937_64 rng(seed);
