@@ -1,6 +1,7 @@
 #include "checkpoint/direct_io.h"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -36,8 +37,14 @@ int OpenMaybeDirect(const std::string& path, int flags) {
 }  // namespace
 
 AlignedBytes AllocateAligned(size_t bytes) {
+  // A buffer of whole huge pages, where the kernel grants them, is mapped
+  // in a few faults instead of one per 4 KiB page: a checkpoint's copies
+  // into fresh buffers then run at memory speed, not at the page fault's.
+  constexpr size_t kHugePage = size_t{2} << 20;
+  const bool huge = bytes >= kHugePage && bytes % kHugePage == 0;
   void* p = nullptr;
-  if (posix_memalign(&p, kDirectAlignment, bytes) != 0) std::abort();
+  if (posix_memalign(&p, huge ? kHugePage : kDirectAlignment, bytes) != 0) std::abort();
+  if (huge) madvise(p, bytes, MADV_HUGEPAGE);
   return AlignedBytes(static_cast<char*>(p));
 }
 
@@ -64,12 +71,12 @@ void SequentialWriter::Append(const void* data, size_t n) {
   const char* p = static_cast<const char*>(data);
   bytes_ += n;
   while (n > 0) {
-    const size_t take = std::min(n, kDirectChunkBytes - used_);
+    const size_t take = std::min(n, fill_ - used_);
     std::memcpy(current_.get() + used_, p, take);
     used_ += take;
     p += take;
     n -= take;
-    if (used_ == kDirectChunkBytes) Submit();
+    if (used_ == fill_) Submit();
   }
 }
 
@@ -89,6 +96,7 @@ void SequentialWriter::Submit() {
   }
   current_ = next ? std::move(next) : AllocateAligned(kDirectChunkBytes);
   used_ = 0;
+  fill_ = std::min(2 * fill_, kDirectChunkBytes);
 }
 
 void SequentialWriter::Run() {

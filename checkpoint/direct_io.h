@@ -26,6 +26,8 @@ namespace shardopt::checkpoint {
 inline constexpr size_t kDirectAlignment = 4096;
 // Bytes per write or read call: large enough that the disk streams.
 inline constexpr size_t kDirectChunkBytes = size_t{8} << 20;
+// A writer's first write; a multiple of kDirectAlignment.
+inline constexpr size_t kFirstWriteBytes = size_t{1} << 20;
 
 struct AlignedFree {
   void operator()(char* p) const { std::free(p); }
@@ -57,6 +59,10 @@ class SequentialWriter {
   uint64_t bytes_ = 0;
   AlignedBytes current_;
   size_t used_ = 0;
+  // Bytes the current buffer takes before it is written: the first writes
+  // are small, so that the disk starts after a MiB of copies rather than
+  // 8, then they double up to kDirectChunkBytes.
+  size_t fill_ = kFirstWriteBytes;
 
   absl::Mutex mu_;
   std::deque<std::pair<AlignedBytes, size_t>> queue_ ABSL_GUARDED_BY(mu_);
