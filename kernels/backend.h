@@ -140,9 +140,9 @@ class JobState {
   virtual absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype,
                                   const void* data, uint64_t count) = 0;
   // Where the host holds master, m or v of `shard` as fp32, numel elements,
-  // for a restore to read a checkpoint's array straight into rather than
-  // through a buffer and a copy; null where it is held otherwise (on a
-  // device, or in bf16). Bytes put there are the state's only once
+  // for a restore to read a checkpoint's array straight into, and a snapshot
+  // to write it from, rather than through a buffer and a copy; null where it
+  // is held otherwise (on a device, or in bf16). Bytes put there are the state's only once
   // WriteState is called for them with that very address as `data`: it
   // derives what depends on them (the params from the master).
   virtual char* HostFp32State(uint32_t /*shard*/, StateKind /*kind*/) { return nullptr; }
