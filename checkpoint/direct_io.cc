@@ -146,10 +146,10 @@ absl::Status SequentialWriter::Close() {
 absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t length,
                             const std::function<absl::Status(const char* data, size_t n)>& sink,
                             const Place& place) {
-  // Reads go through the page cache with the kernel's readahead: on the
-  // virtual disks measured here O_DIRECT at one request in flight read at
-  // half the speed of readahead (0.9 against 1.9 GB/s, docs/design.md), and
-  // buffered reads need no alignment, so they can land anywhere `place` says.
+  // Reads go through the page cache with the kernel's readahead, which
+  // needs no alignment, so they can land anywhere `place` says. O_DIRECT
+  // would need the file's offsets and the memory to share an alignment,
+  // which a part's arrays, after a frame of any length, do not.
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd >= 0) posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   if (fd < 0) {

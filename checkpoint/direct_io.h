@@ -2,8 +2,9 @@
 // the disk busy while the caller fills or drains the next buffer. Writes use
 // O_DIRECT (no copy through the page cache, no cache to evict) from aligned
 // buffers; a file system that refuses it gets the same writes buffered.
-// Reads go through the kernel's readahead, which read twice as fast as
-// O_DIRECT with one request in flight on the disks measured (README).
+// Reads go through the kernel's readahead, which can land them anywhere:
+// a restore reads the state's arrays straight into place (README,
+// "Measured": O_DIRECT through a buffer and a copy was no faster).
 #pragma once
 
 #include <cstddef>
