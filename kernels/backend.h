@@ -142,9 +142,9 @@ class JobState {
   // Where the host holds master, m or v of `shard` as fp32, numel elements,
   // for a restore to read a checkpoint's array straight into, and a snapshot
   // to write it from, rather than through a buffer and a copy; null where it
-  // is held otherwise (on a device, or in bf16). Bytes put there are the state's only once
-  // WriteState is called for them with that very address as `data`: it
-  // derives what depends on them (the params from the master).
+  // is held otherwise (on a device, or in bf16). Bytes put there are the
+  // state's only once WriteState is called for them with that very address
+  // as `data`: it derives what depends on them (the params from the master).
   virtual char* HostFp32State(uint32_t /*shard*/, StateKind /*kind*/) { return nullptr; }
   // Reads any state as fp32 (exact for both precisions) or the params as bf16.
   virtual absl::Status ReadState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
