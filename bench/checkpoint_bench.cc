@@ -2,8 +2,9 @@
 // restored through JobStore, next to the disk's own sequential write and read
 // bandwidth measured in the same run on the same directory, each both through
 // the page cache and with O_DIRECT, in 8 MiB calls from a huge-page buffer
-// (checkpoint::AllocateAligned; with 4 KiB pages, pinning them halved the
-// disk's O_DIRECT figures); the fractions are against the faster.
+// (checkpoint::AllocateAligned; with 4 KiB pages, pinning them cost the
+// disk's O_DIRECT figures a third to a half here); the fractions are
+// against the faster.
 // Every write is fsynced, and every read starts with the file's pages
 // dropped from the page cache (posix_fadvise DONTNEED after the fsync), so
 // the reads are the disk's and not memory's. A third read, with O_DIRECT into
