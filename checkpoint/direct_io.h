@@ -27,8 +27,6 @@ namespace shardopt::checkpoint {
 inline constexpr size_t kDirectAlignment = 4096;
 // Bytes per write or read call: large enough that the disk streams.
 inline constexpr size_t kDirectChunkBytes = size_t{8} << 20;
-// A writer's first write; a multiple of kDirectAlignment.
-inline constexpr size_t kFirstWriteBytes = size_t{1} << 20;
 
 struct AlignedFree {
   void operator()(char* p) const { std::free(p); }
@@ -51,6 +49,9 @@ class SequentialWriter {
   absl::Status Close();
 
  private:
+  // The first write; a multiple of kDirectAlignment.
+  static constexpr size_t kFirstWriteBytes = size_t{1} << 20;
+
   SequentialWriter(int fd, std::string path);
   void Run();
   void Submit();
