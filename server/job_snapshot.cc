@@ -53,10 +53,10 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(const Job& job,
   std::string bytes;
   for (size_t si = 0; si < job.shards.size(); ++si) {
     for (checkpoint::Array a : checkpoint::kArrays) {
-      // An array the host holds as fp32 is appended from where it lies; the
-      // rest is read out as fp32 (exact for both precisions) and encoded.
-      const char* host = dtypes[si] == v1::FP32 ? job.state->HostFp32State(static_cast<uint32_t>(si), KindOf(a))
-                                                : nullptr;
+      // An array the host holds as fp32 (so its section is FP32) is appended
+      // from where it lies; the rest is read out as fp32 (exact for both
+      // precisions) and encoded.
+      const char* host = job.state->HostFp32State(static_cast<uint32_t>(si), KindOf(a));
       for (uint64_t at = 0; at < job.shards[si].length; at += kSlice) {
         const uint64_t n = std::min(kSlice, job.shards[si].length - at);
         if (host != nullptr) {
