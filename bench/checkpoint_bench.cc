@@ -79,7 +79,9 @@ absl::Status ReadDisk(const std::string& path, char* buffer, size_t buffer_bytes
 // The disk's own sequential read with O_DIRECT into fresh memory, mapped
 // as the CPU backend maps a job's state (huge pages where granted) and
 // unmapped after, as a restore gets and a timed restore frees its job's:
-// what any restore into a new job costs on this machine.
+// what any restore into a new job costs on this machine. A mapping of its
+// own, not checkpoint::AllocateAligned: malloc may hand back memory it
+// already faulted in.
 absl::Status ReadDiskIntoFreshMemory(const std::string& path, uint64_t bytes) {
   const size_t mapped = (bytes + checkpoint::kDirectChunkBytes - 1) / checkpoint::kDirectChunkBytes *
                         checkpoint::kDirectChunkBytes;
