@@ -50,14 +50,16 @@ AlignedBytes AllocateAligned(size_t bytes) {
   return AlignedBytes(static_cast<char*>(p));
 }
 
-absl::StatusOr<std::unique_ptr<SequentialWriter>> SequentialWriter::Create(const std::string& path) {
+absl::StatusOr<std::unique_ptr<SequentialWriter>> SequentialWriter::Create(const std::string& path,
+                                                                           WriteAt write_at) {
   const int fd = OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_EXCL);
   if (fd < 0) return absl::InternalError(ErrnoText("cannot create", path));
-  return std::unique_ptr<SequentialWriter>(new SequentialWriter(fd, path));
+  return std::unique_ptr<SequentialWriter>(
+      new SequentialWriter(fd, path, write_at ? std::move(write_at) : WriteAt(&::pwrite)));
 }
 
-SequentialWriter::SequentialWriter(int fd, std::string path)
-    : fd_(fd), path_(std::move(path)), current_(AllocateAligned(kDirectChunkBytes)),
+SequentialWriter::SequentialWriter(int fd, std::string path, WriteAt write_at)
+    : fd_(fd), path_(std::move(path)), write_at_(std::move(write_at)), current_(AllocateAligned(kDirectChunkBytes)),
       thread_([this] { Run(); }) {}
 
 SequentialWriter::~SequentialWriter() {
@@ -90,6 +92,11 @@ void SequentialWriter::Submit() {
   AlignedBytes next;
   {
     absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](SequentialWriter* w) ABSL_EXCLUSIVE_LOCKS_REQUIRED(w->mu_) {
+          return w->queue_.size() < kQueuedBuffers || !w->error_.ok();
+        },
+        this));
     queue_.emplace_back(std::move(current_), length);
     if (!spare_.empty()) {
       next = std::move(spare_.back());
@@ -115,7 +122,7 @@ void SequentialWriter::Run() {
     mu_.Unlock();
     absl::Status status;
     for (size_t done = 0; done < length && status.ok();) {
-      const ssize_t n = pwrite(fd_, buffer.get() + done, length - done, static_cast<off_t>(at + done));
+      const ssize_t n = write_at_(fd_, buffer.get() + done, length - done, static_cast<off_t>(at + done));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) status = absl::InternalError(ErrnoText("cannot write", path_));
       done += n > 0 ? static_cast<size_t>(n) : 0;

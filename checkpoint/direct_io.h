@@ -7,6 +7,8 @@
 // "Measured": O_DIRECT through a buffer and a copy was no faster).
 #pragma once
 
+#include <sys/types.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -36,13 +38,22 @@ AlignedBytes AllocateAligned(size_t bytes);
 
 // Writes one new file sequentially: Append copies into aligned buffers, and
 // the writer thread writes each full one while the caller fills the next.
-// Append never blocks on the disk (the buffers queue up), so a caller that
-// holds a lock while appending holds it only for the copies. Close writes
-// the rest, cuts the file to its exact size and fsyncs it.
+// At most kQueuedBuffers full buffers wait for the disk: Append then waits
+// for one to be written, so a writer holds a few buffers whatever the
+// file's size (do not append under a lock that the disk's pace would hold
+// up). Close writes the rest, cuts the file to its exact size and fsyncs it.
 class SequentialWriter {
  public:
+  // Enough to keep the disk busy while the caller fills the next buffer;
+  // with the one being filled and the one being written, a writer holds at
+  // most (kQueuedBuffers + 2) x kDirectChunkBytes.
+  static constexpr size_t kQueuedBuffers = 2;
+
+  // What writes a buffer at an offset of the file: pwrite, unless a test
+  // holds the disk up through it.
+  using WriteAt = std::function<ssize_t(int fd, const void* data, size_t n, off_t at)>;
   // Creates `path` (O_EXCL: it must not exist).
-  static absl::StatusOr<std::unique_ptr<SequentialWriter>> Create(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<SequentialWriter>> Create(const std::string& path, WriteAt write_at = nullptr);
   ~SequentialWriter();  // stops the thread; a file not closed is left for the caller to remove
 
   void Append(const void* data, size_t n);
@@ -52,12 +63,13 @@ class SequentialWriter {
   // The first write; a multiple of kDirectAlignment.
   static constexpr size_t kFirstWriteBytes = size_t{1} << 20;
 
-  SequentialWriter(int fd, std::string path);
+  SequentialWriter(int fd, std::string path, WriteAt write_at);
   void Run();
   void Submit();
 
   const int fd_;
   const std::string path_;
+  const WriteAt write_at_;
   uint64_t bytes_ = 0;
   AlignedBytes current_;
   size_t used_ = 0;

@@ -56,6 +56,8 @@ class CommitStream {
   // Checks the step against the job's, and starts applying it if this is
   // the step's first commit.
   absl::Status Open() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
+    // A step starts applying only once no checkpoint streams the state.
+    if (t_ == job_.step + 1 && !job_.applying) job_.AwaitNoSnapshot();
     SHARDOPT_RETURN_IF_ERROR(job_.CheckNotDropped());
     if (!job_.failed.ok()) return job_.failed;
     if (t_ > job_.step + 1) {

@@ -158,6 +158,10 @@ void Job::AwaitWholeStep() {
   while (applying && !dropped) changed.Wait(&mu);
 }
 
+void Job::AwaitNoSnapshot() {
+  while (snapshots > 0 && !dropped) changed.Wait(&mu);
+}
+
 std::string Job::MissingSummary() const {
   if (!round.active) return absl::StrCat("no rank has pushed step ", step + 1);
   std::vector<uint32_t> missing;

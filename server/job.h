@@ -83,7 +83,7 @@ class Job {
   v1::DType grad_dtype(uint32_t tensor) const { return fp32_params(tensor) ? v1::FP32 : spec.grad_dtype(); }
 
   mutable absl::Mutex mu;
-  // Signalled whenever the round, the step or `applying` changes, or the job is dropped.
+  // Signalled whenever the round, the step, `applying` or `snapshots` changes, or the job is dropped.
   absl::CondVar changed;
 
   std::unique_ptr<JobState> state ABSL_PT_GUARDED_BY(mu);
@@ -131,6 +131,9 @@ class Job {
   bool applying ABSL_GUARDED_BY(mu) = false;     // step + 1 is being applied, piece by piece
   CommitArgs apply_args ABSL_GUARDED_BY(mu);     // of step + 1, while applying
   uint64_t apply_progress ABSL_GUARDED_BY(mu) = 0;  // pieces of step + 1 applied so far
+  // Checkpoints streaming the state out (job_snapshot.h) without the lock:
+  // while any does, nothing writes the state (AwaitNoSnapshot).
+  uint32_t snapshots ABSL_GUARDED_BY(mu) = 0;
   // Set if an apply failed halfway: the state is no step's state.
   absl::Status failed ABSL_GUARDED_BY(mu);
   // Why the last round ended without a commit, for the pushes it discarded.
@@ -148,7 +151,7 @@ class Job {
   void FitTracking() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Wakes everything that waits on the job: the CondVar's waiters, and the
   // watchers, each run once on the wakeup thread. Every change of the round,
-  // the step, `applying` or `dropped` calls it.
+  // the step, `applying`, `snapshots` or `dropped` calls it.
   void Notify() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Runs `wake` (once, on the wakeup thread) at the next Notify. Registered
   // under the same lock as the check that found nothing to do yet, so no
@@ -169,6 +172,9 @@ class Job {
   void NotifyProgress() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Waits until no step is half applied, so that what follows sees whole steps.
   void AwaitWholeStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Waits until no checkpoint streams the state, before writing it (or until
+  // the job is dropped).
+  void AwaitNoSnapshot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   // Which ranks are missing from the round, and the first range one lacks.
   std::string MissingSummary() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);

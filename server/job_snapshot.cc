@@ -22,54 +22,88 @@ StateKind KindOf(checkpoint::Array a) {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(const Job& job, const std::string& root) {
-  if (job.uninitialized_shards > 0) {
-    return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' has shards without initial values; ",
-                                                      "nothing to checkpoint before Init completes"));
-  }
-  v1::PartManifest m;
-  *m.mutable_spec() = job.spec;
-  m.set_step(job.step);
-  v1::AppliedCommit* applied = m.mutable_applied();
-  applied->set_step(job.step);
-  applied->set_lr(job.applied.lr);
-  applied->set_gscale(job.applied.gscale);
-  applied->set_skip(job.applied.skip);
-  for (double lr : job.applied.group_lr) applied->add_group_lr(lr);
-  m.set_sealed_step(job.sealed_step);
-  m.set_sealed_sum_squares(job.sealed_stats.sum_squares);
-  m.set_sealed_nonfinite(job.sealed_stats.nonfinite);
-  for (size_t si = 0; si < job.shards.size(); ++si) {
-    v1::ShardSection* section = m.add_shards();
-    section->set_adam_step(job.adam_steps[si]);
-    section->set_dtype(job.state->held_precision(static_cast<uint32_t>(si)) == Precision::kBf16 ? v1::BF16 : v1::FP32);
-  }
-  std::vector<v1::DType> dtypes;
-  for (const v1::ShardSection& section : m.shards()) dtypes.push_back(section.dtype());
-  SHARDOPT_ASSIGN_OR_RETURN(auto writer, checkpoint::PartWriter::Open(root, std::move(m)));
-  // In slices, so that the copy stays in cache on its way to the writer.
+namespace {
+
+// Streams the state into the writer, in slices so that each copy stays in
+// cache on its way to the disk. Each slice is located, or read out, under
+// the lock; the append, which may wait for the disk, is made without it.
+// An array the host holds as fp32 (so its section is FP32) is appended from
+// where it lies, which nothing writes while the job counts this snapshot;
+// the rest is read out as fp32 (exact for both precisions) and encoded.
+absl::Status StreamState(Job& job, const std::vector<v1::DType>& dtypes, checkpoint::PartWriter& writer) {
   constexpr uint64_t kSlice = 1 << 18;
   std::vector<float> values(kSlice);
   std::string bytes;
   for (size_t si = 0; si < job.shards.size(); ++si) {
     for (checkpoint::Array a : checkpoint::kArrays) {
-      // An array the host holds as fp32 (so its section is FP32) is appended
-      // from where it lies; the rest is read out as fp32 (exact for both
-      // precisions) and encoded.
-      const char* host = job.state->HostFp32State(static_cast<uint32_t>(si), KindOf(a));
       for (uint64_t at = 0; at < job.shards[si].length; at += kSlice) {
         const uint64_t n = std::min(kSlice, job.shards[si].length - at);
-        if (host != nullptr) {
-          writer->Append(host + at * 4, n * 4);
-          continue;
+        std::string_view slice;
+        {
+          absl::MutexLock lock(&job.mu);
+          SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
+          if (const char* host = job.state->HostFp32State(static_cast<uint32_t>(si), KindOf(a))) {
+            slice = std::string_view(host + at * 4, n * 4);
+          } else {
+            SHARDOPT_RETURN_IF_ERROR(
+                job.state->ReadState(static_cast<uint32_t>(si), KindOf(a), at, n, DType::kFp32, values.data()));
+            slice = checkpoint::EncodeArray(values.data(), n, dtypes[si], &bytes);
+          }
         }
-        SHARDOPT_RETURN_IF_ERROR(
-            job.state->ReadState(static_cast<uint32_t>(si), KindOf(a), at, n, DType::kFp32, values.data()));
-        const std::string_view encoded = checkpoint::EncodeArray(values.data(), n, dtypes[si], &bytes);
-        writer->Append(encoded.data(), encoded.size());
+        writer.Append(slice.data(), slice.size());
       }
     }
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step) {
+  std::unique_ptr<checkpoint::PartWriter> writer;
+  std::vector<v1::DType> dtypes;
+  {
+    absl::MutexLock lock(&job.mu);
+    job.AwaitWholeStep();
+    SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
+    if (!job.failed.ok()) return job.failed;
+    if (step != job.step) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("job '", job.name(), "' is at step ", job.step, "; cannot checkpoint step ", step));
+    }
+    if (job.uninitialized_shards > 0) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' has shards without initial values; ",
+                                                        "nothing to checkpoint before Init completes"));
+    }
+    v1::PartManifest m;
+    *m.mutable_spec() = job.spec;
+    m.set_step(job.step);
+    v1::AppliedCommit* applied = m.mutable_applied();
+    applied->set_step(job.step);
+    applied->set_lr(job.applied.lr);
+    applied->set_gscale(job.applied.gscale);
+    applied->set_skip(job.applied.skip);
+    for (double lr : job.applied.group_lr) applied->add_group_lr(lr);
+    m.set_sealed_step(job.sealed_step);
+    m.set_sealed_sum_squares(job.sealed_stats.sum_squares);
+    m.set_sealed_nonfinite(job.sealed_stats.nonfinite);
+    for (size_t si = 0; si < job.shards.size(); ++si) {
+      v1::ShardSection* section = m.add_shards();
+      section->set_adam_step(job.adam_steps[si]);
+      section->set_dtype(job.state->held_precision(static_cast<uint32_t>(si)) == Precision::kBf16 ? v1::BF16
+                                                                                                  : v1::FP32);
+      dtypes.push_back(section->dtype());
+    }
+    SHARDOPT_ASSIGN_OR_RETURN(writer, checkpoint::PartWriter::Open(root, std::move(m)));
+    ++job.snapshots;
+  }
+  const absl::Status streamed = StreamState(job, dtypes, *writer);
+  {
+    absl::MutexLock lock(&job.mu);
+    --job.snapshots;
+    job.Notify();
+  }
+  if (!streamed.ok()) return streamed;
   return writer;
 }
 

@@ -11,13 +11,18 @@
 
 namespace shardopt {
 
-// This server's part of a checkpoint under `root`: the state at the last
-// step done, copied into the part's writer, whose thread is writing it out
-// meanwhile. The caller holds the lock only for the copies, and finishes the
-// writer after letting go of it. Never while a step is being applied piece
-// by piece.
-absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(const Job& job, const std::string& root)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+// This server's part of a checkpoint of step `step` under `root`, streamed
+// from the state into the part's writer, whose thread writes it out
+// meanwhile; the caller finishes the writer. Waits for a step being applied
+// piece by piece to finish, so the part is at a step boundary. While it
+// streams, nothing writes the state: the next step's apply and Init wait
+// (Job::AwaitNoSnapshot). The job's lock is taken only slice by slice, so
+// pushes go on meanwhile, and the writer holds a few buffers, not a copy of
+// the state. FAILED_PRECONDITION if the job is not at `step` or lacks
+// initial values; NOT_FOUND if it is dropped meanwhile (the part, not
+// finished, leaves no file).
+absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step)
+    ABSL_LOCKS_EXCLUDED(job.mu);
 
 // The inverse of Snapshot, on a fresh job: the state of checkpoint `step`
 // (0: the newest complete one) streamed from disk into the job's state.

@@ -140,22 +140,10 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
   Job& job = *found;
-  absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> writer;
-  {
-    absl::MutexLock lock(&job.mu);
-    job.AwaitWholeStep();
-    SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
-    if (!job.failed.ok()) return job.failed;
-    if (request.step() != job.step) {
-      return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
-                                                        "; cannot checkpoint step ", request.step()));
-    }
-    writer = Snapshot(job, options_.checkpoint_dir);
-  }
-  if (!writer.ok()) return writer.status();
+  SHARDOPT_ASSIGN_OR_RETURN(auto writer, Snapshot(job, options_.checkpoint_dir, request.step()));
   log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
   const auto t0 = std::chrono::steady_clock::now();
-  absl::StatusOr<checkpoint::WriteResult> finished = (*writer)->Finish();
+  absl::StatusOr<checkpoint::WriteResult> finished = writer->Finish();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!finished.ok()) {
     log::Error("checkpoint_failed", {{"job", job.name()},
@@ -316,6 +304,7 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
     }
   }
   absl::MutexLock lock(&job.mu);
+  job.AwaitNoSnapshot();  // a checkpoint streaming step 0 keeps the values it began with
   SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
   if (job.step != 0 || job.applying) {
     return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,

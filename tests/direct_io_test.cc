@@ -1,13 +1,17 @@
 // ReadSequential: the bytes of a range arrive whole and in order, those
 // that `place` claims at the address it gave, and a short file is DATA_LOSS
-// before the sink sees a short piece.
+// before the sink sees a short piece. SequentialWriter: a held-up disk
+// holds the appender up, not its memory.
 #include "checkpoint/direct_io.h"
 
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -130,6 +134,52 @@ TEST_F(DirectIoTest, TheSinksErrorStopsTheReadAndIsReturned) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     EXPECT_TRUE(target == returned) << "the reader wrote after the call returned; placed " << placed;
   }
+}
+
+// With the disk held up, Append stops once kQueuedBuffers full buffers wait
+// behind the one being written, so a writer holds a few buffers whatever
+// it is given; once the disk moves, everything arrives, in order. (The
+// first writes are 1, 2 and 4 MiB, then 8: held up writing the first, the
+// writer queues the next two and stops the appender in the fourth, 14 MiB
+// in.)
+TEST_F(DirectIoTest, AppendWaitsWhileTheDiskIsHeldUp) {
+  std::mutex mu;
+  std::condition_variable moved;
+  bool held = true;
+  const std::string path = (dir_ / "held").string();
+  auto writer = SequentialWriter::Create(path, [&](int fd, const void* data, size_t n, off_t at) {
+    std::unique_lock<std::mutex> lock(mu);
+    moved.wait(lock, [&] { return !held; });
+    return pwrite(fd, data, n, at);
+  });
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  constexpr size_t kBytes = size_t{64} << 20, kPiece = size_t{1} << 20;
+  static_assert((SequentialWriter::kQueuedBuffers + 2) * kDirectChunkBytes <= kBytes / 2, "a few buffers");
+  bytes_.resize(kBytes);
+  std::mt19937_64 rng(5);
+  for (char& c : bytes_) c = static_cast<char>(rng());
+  std::atomic<size_t> appended{0};
+  std::thread appender([&] {
+    for (size_t at = 0; at < kBytes; at += kPiece) {
+      (*writer)->Append(bytes_.data() + at, kPiece);
+      appended += kPiece;
+    }
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // ample for 64 MiB of copies
+  EXPECT_LE(appended.load(), SequentialWriter::kQueuedBuffers * kDirectChunkBytes);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    held = false;
+  }
+  moved.notify_all();
+  appender.join();
+  ASSERT_TRUE((*writer)->Close().ok());
+  std::string read;
+  ASSERT_TRUE(ReadSequential(path, 0, kBytes, [&](const char* p, size_t n) {
+                read.append(p, n);
+                return absl::OkStatus();
+              }).ok());
+  EXPECT_TRUE(read == bytes_);  // not EXPECT_EQ: gtest would diff 64 MB strings
 }
 
 }  // namespace

@@ -19,6 +19,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "server/job_store.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/checkpoint_dir_fixture.h"
 #include "tests/testing/store_fixture.h"
 #include "tests/testing/wrapped_cpu_backend.h"
 
@@ -26,6 +27,7 @@ namespace shardopt {
 namespace {
 
 using ::testing::HasSubstr;
+using testing::CheckpointDirTest;
 using testing::RandomBf16;
 using testing::RandomFloats;
 using testing::ReferenceTensor;
@@ -519,34 +521,6 @@ TEST_F(StoreTest, DescribeReportsStateBytesAndHeldPrecision) {
   EXPECT_EQ(d16->groups(0).state_dtype(), v1::BF16);
   EXPECT_THAT(d16->device(), HasSubstr("cpu"));
 }
-
-// A store whose checkpoints go to a fresh temporary directory, keeping
-// `kKeep` per job (0: all), its log lines kept for the test to read.
-template <uint64_t kKeep>
-class CheckpointDirTest : public StoreTest {
- protected:
-  CheckpointDirTest() : StoreTest(Options()) {}
-  ~CheckpointDirTest() override { std::filesystem::remove_all(dir_); }
-  static JobStoreOptions Options() {
-    char tmpl[] = "/tmp/shardopt-checkpoints-XXXXXX";
-    dir_ = mkdtemp(tmpl);
-    log_.clear();
-    JobStoreOptions o;
-    o.checkpoint_dir = dir_;
-    o.checkpoint_keep = kKeep;
-    o.checkpoint_log = [](const std::string& line) { log_.push_back(line); };
-    return o;
-  }
-  // Another store's options on the same directory, that keeps every checkpoint.
-  static JobStoreOptions Options0(const std::string& dir) {
-    JobStoreOptions o;
-    o.checkpoint_dir = dir;
-    o.checkpoint_log = [](const std::string&) {};
-    return o;
-  }
-  static inline std::string dir_;
-  static inline std::vector<std::string> log_;
-};
 
 // SIGTERM's path: what was applied is checkpointed, what comes after is refused.
 using DrainTest = CheckpointDirTest<0>;

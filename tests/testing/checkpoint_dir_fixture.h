@@ -1,0 +1,46 @@
+// A store whose checkpoints go to a fresh temporary directory: the fixture
+// of the tests that write checkpoints and restore them.
+#pragma once
+
+#include <stdlib.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "server/job_store.h"
+#include "tests/testing/store_fixture.h"
+
+namespace shardopt::testing {
+
+// Keeps `kKeep` checkpoints per job (0: all), its log lines kept for the
+// test to read. `backend`: the CPU's when null.
+template <uint64_t kKeep>
+class CheckpointDirTest : public StoreTest {
+ protected:
+  explicit CheckpointDirTest(std::unique_ptr<Backend> backend = nullptr) : StoreTest(Options(), std::move(backend)) {}
+  ~CheckpointDirTest() override { std::filesystem::remove_all(dir_); }
+  static JobStoreOptions Options() {
+    char tmpl[] = "/tmp/shardopt-checkpoints-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    log_.clear();
+    JobStoreOptions o;
+    o.checkpoint_dir = dir_;
+    o.checkpoint_keep = kKeep;
+    o.checkpoint_log = [](const std::string& line) { log_.push_back(line); };
+    return o;
+  }
+  // Another store's options on the same directory, that keeps every checkpoint.
+  static JobStoreOptions Options0(const std::string& dir) {
+    JobStoreOptions o;
+    o.checkpoint_dir = dir;
+    o.checkpoint_log = [](const std::string&) {};
+    return o;
+  }
+  static inline std::string dir_;
+  static inline std::vector<std::string> log_;
+};
+
+}  // namespace shardopt::testing
