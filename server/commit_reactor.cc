@@ -19,26 +19,17 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   CommitReactor(JobStore* store, const grpc::ByteBuffer* request, const Caller& caller,
                 std::unique_ptr<StreamLimits::Slot> slot)
-      : slot_(std::move(slot)) {
-    v1::CommitRequest parsed;
+      : store_(store), slot_(std::move(slot)) {
     grpc::ByteBuffer copy = *request;  // shares the slices: ParseMessage reads it through
-    if (absl::Status st = ParseMessage(&copy, &parsed, "CommitRequest"); !st.ok()) {
+    if (absl::Status st = ParseMessage(&copy, &request_, "CommitRequest"); !st.ok()) {
       Finish(ToGrpcStatus(st));
       return;
     }
-    if (absl::Status allowed = caller.Allows(Action::kCommit, parsed.job()); !allowed.ok()) {
+    if (absl::Status allowed = caller.Allows(Action::kCommit, request_.job()); !allowed.ok()) {
       Finish(ToGrpcStatus(allowed));
       return;
     }
-    auto stream = store->OpenCommit(parsed);
-    if (!stream.ok()) {
-      Finish(ToGrpcStatus(stream.status()));
-      return;
-    }
-    stream_ = *std::move(stream);
-    std::unique_lock<std::recursive_mutex> lock(mu_);
-    ApplyAhead(lock);  // the first piece
-    Pump(lock);
+    Open();
   }
 
   void OnWriteDone(bool ok) override {
@@ -52,6 +43,23 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   void OnDone() override { delete this; }
 
  private:
+  // While a checkpoint streams the state, a commit that would start applying
+  // waits without a thread: the store runs this again, on its wakeup thread,
+  // when it is time. Nothing else happens to the reactor meanwhile, and it
+  // lives until Finish.
+  void Open() {
+    auto stream = store_->OpenCommit(request_, [this] { Open(); });
+    if (!stream.ok()) {
+      Finish(ToGrpcStatus(stream.status()));
+      return;
+    }
+    if (*stream == nullptr) return;
+    stream_ = *std::move(stream);
+    std::unique_lock<std::recursive_mutex> lock(mu_);
+    ApplyAhead(lock);  // the first piece
+    Pump(lock);
+  }
+
   // Called with no write in flight and no piece being applied, the next
   // piece in ahead_. Writes it, then applies the next while it goes out: the
   // update of piece k+1 overlaps the sending of piece k. Whichever of the two
@@ -116,7 +124,9 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   static void ReleaseHold(void* hold) { delete static_cast<std::shared_ptr<const void>*>(hold); }
 
+  JobStore* const store_;
   std::unique_ptr<StreamLimits::Slot> slot_;
+  v1::CommitRequest request_;
   std::unique_ptr<ParamStream> stream_;
   grpc::ByteBuffer message_;
   std::recursive_mutex mu_;

@@ -54,10 +54,11 @@ class CommitStream {
   }
 
   // Checks the step against the job's, and starts applying it if this is
-  // the step's first commit.
-  absl::Status Open() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
+  // the step's first commit. False: a checkpoint streams the state, and
+  // `wake` runs when it is time to ask again (Job::StateWritable).
+  absl::StatusOr<bool> Open(const std::function<void()>& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_.mu) {
     // A step starts applying only once no checkpoint streams the state.
-    if (t_ == job_.step + 1 && !job_.applying) job_.AwaitNoSnapshot();
+    if (t_ == job_.step + 1 && !job_.applying && !job_.StateWritable(wake)) return false;
     SHARDOPT_RETURN_IF_ERROR(job_.CheckNotDropped());
     if (!job_.failed.ok()) return job_.failed;
     if (t_ > job_.step + 1) {
@@ -104,7 +105,7 @@ class CommitStream {
                                                job_.adam_steps[sg.shard] + 1));
       }
     }
-    return absl::OkStatus();
+    return true;
   }
 
   size_t pieces() const { return pieces_.size(); }
@@ -221,13 +222,18 @@ struct ParamStream::Walk {
 
 absl::StatusOr<std::unique_ptr<ParamStream>> ParamStream::Open(std::shared_ptr<Job> job,
                                                                const v1::CommitRequest& request,
-                                                               const CommitOptions& options) {
+                                                               const CommitOptions& options,
+                                                               const std::function<void()>& wake) {
   SHARDOPT_ASSIGN_OR_RETURN(auto args, CheckArgs(*job, request));
   std::unique_ptr<ParamStream> out(new ParamStream());
   out->walk_ = std::make_unique<Walk>(std::move(job), request.step(), args, options);
   {
     absl::MutexLock lock(&out->walk_->stream.mu());
-    SHARDOPT_RETURN_IF_ERROR(out->walk_->stream.Open());
+    SHARDOPT_ASSIGN_OR_RETURN(const bool opened, out->walk_->stream.Open(wake));
+    if (!opened) {
+      out->next_ = out->walk_->stream.pieces();  // nothing to abandon: it never began
+      return nullptr;
+    }
   }
   out->started_ = std::chrono::steady_clock::now();
   return out;
@@ -258,7 +264,7 @@ absl::Status ParamStream::Abandon() {
 
 absl::Status CommitAndStream(std::shared_ptr<Job> job, const v1::CommitRequest& req, const CommitOptions& options,
                              const std::function<bool(const v1::ParamChunk&)>& emit) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto stream, ParamStream::Open(std::move(job), req, options));
+  SHARDOPT_ASSIGN_OR_RETURN(auto stream, ParamStream::Open(std::move(job), req, options, nullptr));
   v1::ParamChunk chunk;
   for (;;) {
     SHARDOPT_ASSIGN_OR_RETURN(auto piece, stream->Next());

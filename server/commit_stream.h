@@ -43,9 +43,13 @@ class ParamStream {
   };
 
   // Checks the commit and starts applying its step if this is the step's
-  // first commit.
+  // first commit. While a checkpoint streams the state, a commit that would
+  // start applying waits for it (Job::StateWritable): with a null `wake`
+  // here; otherwise Open returns null at once and runs `wake` when it is
+  // time to call it again.
   static absl::StatusOr<std::unique_ptr<ParamStream>> Open(std::shared_ptr<Job> job, const v1::CommitRequest& request,
-                                                           const CommitOptions& options);
+                                                           const CommitOptions& options,
+                                                           const std::function<void()>& wake);
   // A stream not read to the end is abandoned: the rest of the step is
   // applied, so it never stays half applied.
   ~ParamStream();

@@ -27,10 +27,24 @@ class InitReactor final : public ReadReactor {
     if (chunk_.job().empty()) chunk_.set_job(job_);
     job_ = chunk_.job();
     if (absl::Status allowed = caller_.Allows(Action::kInit, job_); !allowed.ok()) return End(ToGrpcStatus(allowed));
-    auto written = store_->Init(chunk_);
+    Write();
+  }
+
+  // While a checkpoint streams the state, the chunk waits without a thread
+  // (JobStore::TryInit) and is written when the store wakes the stream.
+  void Write() {
+    auto written = store_->TryInit(chunk_, [weak = WeakSelf<InitReactor>()] {
+      if (auto self = weak.lock()) self->Woken();
+    });
     if (!written.ok()) return End(ToGrpcStatus(written.status()));
-    elements_ += *written;
+    if (!*written) return;
+    elements_ += **written;
     Read();
+  }
+
+  void Woken() {
+    std::lock_guard<std::recursive_mutex> lock(mu_);
+    if (!finished()) Write();
   }
 
   void OnClosed() override {

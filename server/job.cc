@@ -158,8 +158,14 @@ void Job::AwaitWholeStep() {
   while (applying && !dropped) changed.Wait(&mu);
 }
 
-void Job::AwaitNoSnapshot() {
-  while (snapshots > 0 && !dropped) changed.Wait(&mu);
+bool Job::StateWritable(const std::function<void()>& wake) {
+  if (!wake) {
+    while (snapshots > 0 && !dropped) changed.Wait(&mu);
+    return true;
+  }
+  if (snapshots == 0 || dropped) return true;
+  Watch(wake);
+  return false;
 }
 
 std::string Job::MissingSummary() const {

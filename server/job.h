@@ -132,7 +132,7 @@ class Job {
   CommitArgs apply_args ABSL_GUARDED_BY(mu);     // of step + 1, while applying
   uint64_t apply_progress ABSL_GUARDED_BY(mu) = 0;  // pieces of step + 1 applied so far
   // Checkpoints streaming the state out (job_snapshot.h) without the lock:
-  // while any does, nothing writes the state (AwaitNoSnapshot).
+  // while any does, nothing writes the state (StateWritable).
   uint32_t snapshots ABSL_GUARDED_BY(mu) = 0;
   // Set if an apply failed halfway: the state is no step's state.
   absl::Status failed ABSL_GUARDED_BY(mu);
@@ -172,9 +172,12 @@ class Job {
   void NotifyProgress() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Waits until no step is half applied, so that what follows sees whole steps.
   void AwaitWholeStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Waits until no checkpoint streams the state, before writing it (or until
-  // the job is dropped).
-  void AwaitNoSnapshot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Whether the state may be written: once no checkpoint streams it (or the
+  // job is dropped). A null `wake` waits for that, and the answer is true.
+  // Otherwise the answer comes at once, and on false `wake` runs (once, on
+  // the wakeup thread) at the job's next change, to ask again: a gRPC
+  // reactor waits so without holding a thread.
+  bool StateWritable(const std::function<void()>& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   // Which ranks are missing from the round, and the first range one lacks.
   std::string MissingSummary() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);

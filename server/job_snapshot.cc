@@ -59,7 +59,8 @@ absl::Status StreamState(Job& job, const std::vector<v1::DType>& dtypes, checkpo
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step) {
+absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step,
+                                                                 const std::function<void()>& began) {
   std::unique_ptr<checkpoint::PartWriter> writer;
   std::vector<v1::DType> dtypes;
   {
@@ -97,6 +98,7 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
     SHARDOPT_ASSIGN_OR_RETURN(writer, checkpoint::PartWriter::Open(root, std::move(m)));
     ++job.snapshots;
   }
+  began();
   const absl::Status streamed = StreamState(job, dtypes, *writer);
   {
     absl::MutexLock lock(&job.mu);

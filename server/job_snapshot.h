@@ -2,6 +2,7 @@
 // owns the bytes' layout), and back.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -19,9 +20,11 @@ namespace shardopt {
 // (Job::AwaitNoSnapshot). The job's lock is taken only slice by slice, so
 // pushes go on meanwhile, and the writer holds a few buffers, not a copy of
 // the state. FAILED_PRECONDITION if the job is not at `step` or lacks
-// initial values; NOT_FOUND if it is dropped meanwhile (the part, not
-// finished, leaves no file).
-absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step)
+// initial values (and then `began` is not called: it runs once the
+// snapshot is checked, before it streams); NOT_FOUND if the job is dropped
+// meanwhile (the part, not finished, leaves no file).
+absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step,
+                                                                 const std::function<void()>& began)
     ABSL_LOCKS_EXCLUDED(job.mu);
 
 // The inverse of Snapshot, on a fresh job: the state of checkpoint `step`

@@ -140,9 +140,12 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
   Job& job = *found;
-  SHARDOPT_ASSIGN_OR_RETURN(auto writer, Snapshot(job, options_.checkpoint_dir, request.step()));
-  log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
-  const auto t0 = std::chrono::steady_clock::now();
+  // Timed from the snapshot's start: it streams most of the part.
+  std::chrono::steady_clock::time_point t0;
+  SHARDOPT_ASSIGN_OR_RETURN(auto writer, Snapshot(job, options_.checkpoint_dir, request.step(), [&] {
+                              log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
+                              t0 = std::chrono::steady_clock::now();
+                            }));
   absl::StatusOr<checkpoint::WriteResult> finished = writer->Finish();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!finished.ok()) {
@@ -272,6 +275,12 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
 }
 
 absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
+  SHARDOPT_ASSIGN_OR_RETURN(const std::optional<uint64_t> written, TryInit(chunk, nullptr));
+  return *written;  // a null wake waits: never nullopt
+}
+
+absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& chunk,
+                                                          const std::function<void()>& wake) {
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(chunk.job()));
   Job& job = *found;
   SHARDOPT_ASSIGN_OR_RETURN(auto dtype, FromProto(chunk.dtype()));
@@ -304,7 +313,7 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
     }
   }
   absl::MutexLock lock(&job.mu);
-  job.AwaitNoSnapshot();  // a checkpoint streaming step 0 keeps the values it began with
+  if (!job.StateWritable(wake)) return std::nullopt;  // a checkpoint streaming step 0 keeps the values it began with
   SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
   if (job.step != 0 || job.applying) {
     return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
@@ -347,9 +356,10 @@ absl::Status JobStore::Commit(const v1::CommitRequest& request,
   return CommitAndStream(std::move(found), request, {options_.stream_chunk_elements, draining_.load()}, emit);
 }
 
-absl::StatusOr<std::unique_ptr<ParamStream>> JobStore::OpenCommit(const v1::CommitRequest& request) {
+absl::StatusOr<std::unique_ptr<ParamStream>> JobStore::OpenCommit(const v1::CommitRequest& request,
+                                                                   const std::function<void()>& wake) {
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
-  return ParamStream::Open(std::move(found), request, {options_.stream_chunk_elements, draining_.load()});
+  return ParamStream::Open(std::move(found), request, {options_.stream_chunk_elements, draining_.load()}, wake);
 }
 
 absl::StatusOr<std::unique_ptr<JobStore::StateStream>> JobStore::OpenRead(const v1::ReadRequest& req) const {

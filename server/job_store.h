@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -100,8 +101,13 @@ class JobStore {
 
   // Writes one chunk of initial values (the master, or Adam's moments).
   // All-or-nothing: a chunk with a bad range or value changes nothing.
-  // Returns the number of elements written.
+  // Returns the number of elements written. While a checkpoint streams the
+  // job's state, it waits for it.
   absl::StatusOr<uint64_t> Init(const v1::InitChunk& chunk) ABSL_LOCKS_EXCLUDED(mu_);
+  // Init that never waits: nullopt while a checkpoint streams the state,
+  // and then `wake` runs when it is time to try again (Job::StateWritable).
+  absl::StatusOr<std::optional<uint64_t>> TryInit(const v1::InitChunk& chunk, const std::function<void()>& wake)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // One rank's push of one step: the stream's first message opens a session
   // (server/push_session.h).
@@ -112,8 +118,12 @@ class JobStore {
   // any lock held (server/commit_stream.h).
   absl::Status Commit(const v1::CommitRequest& request, const std::function<bool(const v1::ParamChunk&)>& emit)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // The same commit, pulled piece by piece (server/commit_stream.h).
-  absl::StatusOr<std::unique_ptr<ParamStream>> OpenCommit(const v1::CommitRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+  // The same commit, pulled piece by piece (server/commit_stream.h). With a
+  // `wake`, it never waits for a checkpoint streaming the state: it returns
+  // null, and `wake` runs when it is time to call it again.
+  absl::StatusOr<std::unique_ptr<ParamStream>> OpenCommit(const v1::CommitRequest& request,
+                                                          const std::function<void()>& wake = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // A range of one tensor's state, chunk by chunk, every chunk of one whole
   // step: pulled one at a time, so that a caller slow to take them holds no
   // thread (the service's Read reactor).

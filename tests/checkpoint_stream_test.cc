@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "server/job_store.h"
@@ -30,9 +31,10 @@ using testing::RandomFloats;
 
 // What the wrapped CPU state saw: the snapshot's slices, counted as it
 // locates them (HostFp32State), and any write of the state made between
-// its first slice and its last. After the second slice each one sleeps a
-// little, under the job's lock, so that the stream lasts long enough for a
-// writer started then to come in if it could.
+// its first slice and its last. After the second slice each one sleeps,
+// under the job's lock, so that the stream lasts long enough (22 slices of
+// 10 ms) for a writer started then to come in if it could, and for a
+// caller that must not wait to be turned back while it streams.
 struct StreamProbe {
   int total = 0;  // slices in one snapshot of the job
   std::atomic<int> slices{0};
@@ -47,7 +49,7 @@ class ProbedJobState final : public testing::ForwardingJobState {
   char* HostFp32State(uint32_t shard, StateKind kind) override {
     const int n = ++probe_->slices;
     if (n == 2) probe_->second_slice.Notify();
-    if (n >= 2) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    if (n >= 2) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     return ForwardingJobState::HostFp32State(shard, kind);
   }
   absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype, const void* data,
@@ -141,6 +143,59 @@ TEST_F(StreamHoldsOffWritersTest, InitWaitsForTheStream) {
     auto written = store_.Init(c);
     ASSERT_TRUE(written.ok()) << written.status();
   });
+  EXPECT_EQ(ReadFloats("j", "w", v1::MASTER), other);
+}
+
+// A gRPC reactor's forms wait without a thread: while the stream runs,
+// OpenCommit with a wake and TryInit return at once with nothing done, and
+// the stream's end runs the wake; asked again then, they go through.
+TEST_F(StreamHoldsOffWritersTest, ACommitWithAWakeIsTurnedBackAndWokenWhenTheStreamEnds) {
+  Create(request_);
+  std::mt19937_64 rng(4);
+  ASSERT_TRUE(Push("j", 1, 0, {{"w", RandomBf16(rng, kNumel, 0.5f)}}).ok());
+  ASSERT_TRUE(Commit("j", 1, 1e-2).ok());
+  ASSERT_TRUE(Push("j", 2, 0, {{"w", RandomBf16(rng, kNumel, 0.5f)}}).ok());
+  v1::CommitRequest commit;
+  commit.set_job("j");
+  commit.set_step(2);
+  commit.set_lr(1e-2);
+  commit.set_gscale(1.0f);
+  absl::Notification woken;
+  CheckpointWhile(1, [&] {
+    auto turned_back = store_.OpenCommit(commit, [&] { woken.Notify(); });
+    ASSERT_TRUE(turned_back.ok()) << turned_back.status();
+    EXPECT_EQ(*turned_back, nullptr);
+  });
+  ASSERT_TRUE(woken.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  auto opened = store_.OpenCommit(commit, [] {});
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  ASSERT_NE(*opened, nullptr);
+  for (;;) {
+    auto piece = (*opened)->Next();
+    ASSERT_TRUE(piece.ok()) << piece.status();
+    if (!*piece) break;
+  }
+  EXPECT_EQ(store_.Describe("j")->step(), 2u);
+}
+
+TEST_F(StreamHoldsOffWritersTest, TryInitIsTurnedBackAndWokenWhenTheStreamEnds) {
+  Create(request_);
+  const std::vector<float> other = RandomFloats(rng_, kNumel, -1, 1);
+  v1::InitChunk c;
+  c.set_job("j");
+  c.set_tensor("w");
+  c.set_dtype(v1::FP32);
+  c.set_data(other.data(), kNumel * 4);
+  absl::Notification woken;
+  CheckpointWhile(0, [&] {
+    auto turned_back = store_.TryInit(c, [&] { woken.Notify(); });
+    ASSERT_TRUE(turned_back.ok()) << turned_back.status();
+    EXPECT_FALSE(turned_back->has_value());
+  });
+  ASSERT_TRUE(woken.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  auto written = store_.TryInit(c, [] {});
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_EQ(written->value_or(0), kNumel);
   EXPECT_EQ(ReadFloats("j", "w", v1::MASTER), other);
 }
 
