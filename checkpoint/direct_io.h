@@ -48,6 +48,7 @@ class SequentialWriter {
   // with the one being filled and the one being written, a writer holds at
   // most (kQueuedBuffers + 2) x kDirectChunkBytes.
   static constexpr size_t kQueuedBuffers = 2;
+  static constexpr size_t kMostBytes = (kQueuedBuffers + 2) * kDirectChunkBytes;
 
   // What writes a buffer at an offset of the file: pwrite, unless a test
   // holds the disk up through it.
@@ -105,7 +106,8 @@ using Place = std::function<Destination(uint64_t at, size_t n)>;
 // more being read). DATA_LOSS if the file is shorter,
 // and the sink never gets a short piece; the sink's error stops the read
 // and is returned. Without `place`, every piece comes through the reader's
-// buffers.
+// buffers, of which it holds kReadBufferBytes.
+inline constexpr size_t kReadBufferBytes = 2 * kDirectChunkBytes;
 absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t length,
                             const std::function<absl::Status(const char* data, size_t n)>& sink,
                             const Place& place = nullptr);

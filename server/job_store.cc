@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "checkpoint/direct_io.h"
 #include "checkpoint/format.h"
 #include "server/commit_stream.h"
 #include "server/job_snapshot.h"
@@ -97,6 +98,9 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   // Outside the store's lock: reading a checkpoint must not stall other jobs.
   bool restored = false;
   if (!options_.checkpoint_dir.empty()) {
+    SHARDOPT_ASSIGN_OR_RETURN(
+        const MemoryBudget::Charge buffers,
+        budget_.Reserve(checkpoint::kReadBufferBytes, absl::StrCat("restoring job ", Quote(spec.job()))));
     absl::MutexLock job_lock(&job->mu);
     const auto t0 = std::chrono::steady_clock::now();
     const absl::Status loaded = Restore(options_.checkpoint_dir, restore_step, options_.checkpoint_log, *job);
@@ -140,6 +144,11 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
   Job& job = *found;
+  // The writer's buffers are charged while it runs, as every allocation a
+  // client's request makes is (memory_budget.h).
+  SHARDOPT_ASSIGN_OR_RETURN(
+      const MemoryBudget::Charge buffers,
+      budget_.Reserve(checkpoint::SequentialWriter::kMostBytes, absl::StrCat("a checkpoint of job ", Quote(job.name()))));
   // Timed from the snapshot's start: it streams most of the part.
   std::chrono::steady_clock::time_point t0;
   SHARDOPT_ASSIGN_OR_RETURN(auto writer, Snapshot(job, options_.checkpoint_dir, request.step(), [&] {

@@ -8,9 +8,11 @@
 //   - each round's barrier tracking as it grows, per rank that pushes
 //     (push_session.cc);
 //   - each stream message from its arrival until it is dealt with
-//     (read_reactor.cc).
-// Charges are RAII: a dropped job, an ended round and a finished message
-// give theirs back.
+//     (read_reactor.cc);
+//   - a checkpoint's writer buffers while it writes, and a restore's reader
+//     buffers (JobStore).
+// Charges are RAII: a dropped job, an ended round, a finished message and a
+// finished checkpoint give theirs back.
 #pragma once
 
 #include <atomic>

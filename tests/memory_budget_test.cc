@@ -1,8 +1,12 @@
 // The server's one memory budget: its arithmetic and flag syntax; jobs
 // charged before they are built and given back when dropped; barrier
-// tracking that does not grow with world_size x tensors. Against the store
+// tracking that does not grow with world_size x tensors; a checkpoint's
+// buffers. Against the store
 // directly, where the process's own RSS is the server's.
+#include <stdlib.h>
+
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -11,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "checkpoint/direct_io.h"
 #include "server/memory_budget.h"
 #include "tests/testing/store_fixture.h"
 
@@ -155,6 +160,52 @@ TEST_F(BudgetTest, BarrierTrackingDoesNotGrowWithWorldSizeTimesTensors) {
   EXPECT_LT(wide, 2 * narrow + 64);          // independent of the number of tensors
   EXPECT_LT(wide_rss, 2 * 1024.0);           // was about 96 KB per rank
   EXPECT_LE(store_.budget()->used(), kLimit);
+}
+
+// A checkpoint's writer holds at most SequentialWriter::kMostBytes of
+// buffers, charged while it runs: a server without room for them refuses
+// the checkpoint, naming it, and writes nothing; with room it writes, and
+// the charge comes back.
+class CheckpointBudgetTest : public StoreTest {
+ protected:
+  CheckpointBudgetTest() : StoreTest(Options()) {}
+  ~CheckpointBudgetTest() override { std::filesystem::remove_all(dir_); }
+  static JobStoreOptions Options() {
+    char tmpl[] = "/tmp/shardopt-budget-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    JobStoreOptions o;
+    o.memory_limit = uint64_t{64} << 20;
+    o.window_bytes = 1 << 20;
+    o.checkpoint_dir = dir_;
+    return o;
+  }
+  absl::StatusOr<v1::CheckpointResponse> CheckpointStep0() {
+    v1::CheckpointRequest r;
+    r.set_job("j");
+    r.set_step(0);
+    return store_.Checkpoint(r);
+  }
+  static inline std::string dir_;
+};
+
+TEST_F(CheckpointBudgetTest, ACheckpointsBuffersAreChargedWhileItWrites) {
+  Create(JobRequest("j", 1, {{"w", 1 << 20}}));  // 18 MiB of state and staging
+  ASSERT_TRUE(store_.CreateJob(JobRequest("filler", 1, {{"w", 1 << 20}})).ok());
+  const uint64_t used = store_.budget()->used();
+  ASSERT_LT(store_.budget()->limit() - used, checkpoint::SequentialWriter::kMostBytes);
+  auto refused = CheckpointStep0();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("a checkpoint of job 'j' needs"));
+  EXPECT_TRUE(std::filesystem::is_empty(dir_));
+  EXPECT_EQ(store_.budget()->used(), used);
+
+  ASSERT_TRUE(store_.DropJob("filler").ok());
+  const uint64_t alone = store_.budget()->used();
+  ASSERT_GE(store_.budget()->limit() - alone, checkpoint::SequentialWriter::kMostBytes);
+  auto written = CheckpointStep0();
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_TRUE(written->complete());
+  EXPECT_EQ(store_.budget()->used(), alone);
 }
 
 }  // namespace
