@@ -229,9 +229,12 @@ absl::StatusOr<std::unique_ptr<ParamStream>> ParamStream::Open(std::shared_ptr<J
   out->walk_ = std::make_unique<Walk>(std::move(job), request.step(), args, options);
   {
     absl::MutexLock lock(&out->walk_->stream.mu());
-    SHARDOPT_ASSIGN_OR_RETURN(const bool opened, out->walk_->stream.Open(wake));
-    if (!opened) {
-      out->next_ = out->walk_->stream.pieces();  // nothing to abandon: it never began
+    const absl::StatusOr<bool> opened = out->walk_->stream.Open(wake);
+    if (!opened.ok() || !*opened) {
+      // Not opened, so nothing to abandon: a step being applied is its
+      // opener's to finish, and this stream has none of its scalars.
+      out->next_ = out->walk_->stream.pieces();
+      if (!opened.ok()) return opened.status();
       return nullptr;
     }
   }

@@ -145,6 +145,54 @@ TEST_F(StoreTest, CommitIsIdempotentAndRefusesDifferentArguments) {
   EXPECT_EQ(Snapshot("idem"), before);
 }
 
+// A commit refused while another commit of the same step is applying it
+// piece by piece (the ranks disagree) applies nothing: the step is left to
+// the commit that began it, whose stream completes it. (The refused one
+// once tried to finish the step itself, with none of its scalars.)
+class PiecewiseStoreTest : public StoreTest {
+ protected:
+  PiecewiseStoreTest() : StoreTest(Options()) {}
+  static JobStoreOptions Options() {
+    JobStoreOptions o;
+    o.stream_chunk_elements = kApplyAlignment;  // several pieces per tensor
+    return o;
+  }
+};
+
+TEST_F(PiecewiseStoreTest, ACommitRefusedWhileTheStepIsMidApplyLeavesItToItsCommitter) {
+  auto init = Create(JobRequest("mid", 1, {{"w", 4 * kApplyAlignment + 3}}));
+  const auto g = RandomBf16(rng_, 4 * kApplyAlignment + 3, 1.0f);
+  ASSERT_TRUE(Push("mid", 1, 0, {{"w", g}}).ok());
+  v1::CommitRequest request;
+  request.set_job("mid");
+  request.set_step(1);
+  request.set_lr(1e-2);
+  request.set_gscale(1.0f);
+  auto first = store_.OpenCommit(request);
+  ASSERT_TRUE(first.ok()) << first.status();
+  auto piece = (*first)->Next();
+  ASSERT_TRUE(piece.ok() && piece->has_value()) << piece.status();
+
+  v1::CommitRequest other = request;
+  other.set_lr(2e-2);
+  auto refused = store_.OpenCommit(other);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kAborted) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("ranks disagree"));
+
+  for (int pieces = 1;; ++pieces) {
+    piece = (*first)->Next();
+    ASSERT_TRUE(piece.ok()) << piece.status();
+    if (!piece->has_value()) {
+      EXPECT_EQ(pieces, 5);
+      break;
+    }
+  }
+  ReferenceTensor ref(kHyper, init["w"], false);
+  ref.Step({g.data()}, 1e-2, 1.0f);
+  EXPECT_EQ(ReadFloats("mid", "w", v1::MASTER), ref.p);
+  EXPECT_EQ(store_.Describe("mid")->step(), 1u);
+}
+
 // Commits apply the update piece by piece while streaming; several ranks'
 // commits, and a committer that goes away, still get one whole step.
 TEST(PipelinedCommit, PiecesRanksAndADepartingCommitterGiveOneWholeStep) {
