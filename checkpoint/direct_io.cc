@@ -97,6 +97,12 @@ void SequentialWriter::Submit() {
           return w->queue_.size() < kQueuedBuffers || !w->error_.ok();
         },
         this));
+    // After a failed write the file is lost: the rest is dropped, not
+    // queued, and Close reports the error.
+    if (!error_.ok()) {
+      used_ = 0;
+      return;
+    }
     queue_.emplace_back(std::move(current_), length);
     if (!spare_.empty()) {
       next = std::move(spare_.back());
@@ -119,9 +125,10 @@ void SequentialWriter::Run() {
     queue_.pop_front();
     const uint64_t at = written_;
     written_ += length;
+    const bool failed = !error_.ok();  // then what was queued before is dropped
     mu_.Unlock();
     absl::Status status;
-    for (size_t done = 0; done < length && status.ok();) {
+    for (size_t done = 0; done < length && status.ok() && !failed;) {
       const ssize_t n = write_at_(fd_, buffer.get() + done, length - done, static_cast<off_t>(at + done));
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) status = absl::InternalError(ErrnoText("cannot write", path_));

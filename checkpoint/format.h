@@ -81,14 +81,17 @@ struct WriteResult {
 // Writes one part into its step's directory as its data is appended, then
 // writes COMMIT if the parts there now cover every tensor. The file goes out
 // with O_DIRECT in large aligned writes on a thread of its own, its crc32c
-// computed as the data comes; Append never waits for the disk, so a caller
-// holding a lock while it appends holds it only for the copies. Finish
-// refuses parts that overlap or disagree on the job's configuration, naming
-// the files.
+// computed as the data comes; Append waits for the disk once a few buffers
+// are queued (SequentialWriter), so do not append under a lock that others
+// need. Finish refuses parts that overlap or disagree on the job's
+// configuration, naming the files.
 class PartWriter {
  public:
   static absl::StatusOr<std::unique_ptr<PartWriter>> Open(const std::string& root, v1::PartManifest manifest);
   ~PartWriter();  // a part not finished leaves no file
+  // False when the step's checkpoint is complete already: Append then drops
+  // the data, and there is no need to produce it.
+  bool wants_data() const { return file_ != nullptr; }
   // The data, in the layout's order (SectionOffsets).
   void Append(const void* data, size_t n);
   absl::StatusOr<WriteResult> Finish();

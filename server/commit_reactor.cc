@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "grpcpp/alarm.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/slice.h"
 #include "rpc/grpc_edge.h"
@@ -44,11 +45,16 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
  private:
   // While a checkpoint streams the state, a commit that would start applying
-  // waits without a thread: the store runs this again, on its wakeup thread,
-  // when it is time. Nothing else happens to the reactor meanwhile, and it
-  // lives until Finish.
+  // waits without a thread. The store's wake comes on its wakeup thread,
+  // which must not apply a step; it only sets an alarm that is due at once,
+  // whose callback, on one of gRPC's threads, opens the commit again.
+  // Nothing else happens to the reactor meanwhile, and it lives until
+  // Finish.
   void Open() {
-    auto stream = store_->OpenCommit(request_, [this] { Open(); });
+    auto stream = store_->OpenCommit(request_, [this] {
+      hops_.push_back(std::make_unique<grpc::Alarm>());
+      hops_.back()->Set(gpr_now(GPR_CLOCK_MONOTONIC), [this](bool) { Open(); });
+    });
     if (!stream.ok()) {
       Finish(ToGrpcStatus(stream.status()));
       return;
@@ -127,6 +133,9 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   JobStore* const store_;
   std::unique_ptr<StreamLimits::Slot> slot_;
   v1::CommitRequest request_;
+  // One per wait, each set once; all have fired before Finish. (A wait
+  // comes again only if another checkpoint begins before the commit opens.)
+  std::vector<std::unique_ptr<grpc::Alarm>> hops_;
   std::unique_ptr<ParamStream> stream_;
   grpc::ByteBuffer message_;
   std::recursive_mutex mu_;

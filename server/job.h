@@ -83,7 +83,7 @@ class Job {
   v1::DType grad_dtype(uint32_t tensor) const { return fp32_params(tensor) ? v1::FP32 : spec.grad_dtype(); }
 
   mutable absl::Mutex mu;
-  // Signalled whenever the round, the step, `applying` or `snapshots` changes, or the job is dropped.
+  // Signalled whenever the round, the step or `applying` changes, a snapshot ends, or the job is dropped.
   absl::CondVar changed;
 
   std::unique_ptr<JobState> state ABSL_PT_GUARDED_BY(mu);
@@ -151,7 +151,7 @@ class Job {
   void FitTracking() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Wakes everything that waits on the job: the CondVar's waiters, and the
   // watchers, each run once on the wakeup thread. Every change of the round,
-  // the step, `applying`, `snapshots` or `dropped` calls it.
+  // the step, `applying` or `dropped`, and every snapshot's end, calls it.
   void Notify() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Runs `wake` (once, on the wakeup thread) at the next Notify. Registered
   // under the same lock as the check that found nothing to do yet, so no

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 
@@ -61,7 +62,7 @@ absl::Status StreamState(Job& job, const std::vector<v1::DType>& dtypes, checkpo
 
 absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step,
                                                                  const std::function<void()>& began) {
-  std::unique_ptr<checkpoint::PartWriter> writer;
+  v1::PartManifest m;
   std::vector<v1::DType> dtypes;
   {
     absl::MutexLock lock(&job.mu);
@@ -76,7 +77,6 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
       return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' has shards without initial values; ",
                                                         "nothing to checkpoint before Init completes"));
     }
-    v1::PartManifest m;
     *m.mutable_spec() = job.spec;
     m.set_step(job.step);
     v1::AppliedCommit* applied = m.mutable_applied();
@@ -95,17 +95,18 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
                                                                                                   : v1::FP32);
       dtypes.push_back(section->dtype());
     }
-    SHARDOPT_ASSIGN_OR_RETURN(writer, checkpoint::PartWriter::Open(root, std::move(m)));
     ++job.snapshots;
   }
-  began();
-  const absl::Status streamed = StreamState(job, dtypes, *writer);
-  {
+  // From here until the state has streamed out, nothing writes it; the
+  // file system's work and the stream are done without the job's lock.
+  absl::Cleanup uncount = [&job] {
     absl::MutexLock lock(&job.mu);
     --job.snapshots;
     job.Notify();
-  }
-  if (!streamed.ok()) return streamed;
+  };
+  began();
+  SHARDOPT_ASSIGN_OR_RETURN(auto writer, checkpoint::PartWriter::Open(root, std::move(m)));
+  if (writer->wants_data()) SHARDOPT_RETURN_IF_ERROR(StreamState(job, dtypes, *writer));
   return writer;
 }
 

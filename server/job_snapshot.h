@@ -15,14 +15,14 @@ namespace shardopt {
 // This server's part of a checkpoint of step `step` under `root`, streamed
 // from the state into the part's writer, whose thread writes it out
 // meanwhile; the caller finishes the writer. Waits for a step being applied
-// piece by piece to finish, so the part is at a step boundary. While it
-// streams, nothing writes the state: the next step's apply and Init wait
-// (Job::AwaitNoSnapshot). The job's lock is taken only slice by slice, so
-// pushes go on meanwhile, and the writer holds a few buffers, not a copy of
-// the state. FAILED_PRECONDITION if the job is not at `step` or lacks
-// initial values (and then `began` is not called: it runs once the
-// snapshot is checked, before it streams); NOT_FOUND if the job is dropped
-// meanwhile (the part, not finished, leaves no file).
+// piece by piece to finish, so the part is at a step boundary, then calls
+// `began`. From then until it returns, nothing writes the state: the next
+// step's apply and Init wait (Job::StateWritable). The job's lock is taken
+// only to check the job and for each slice, so pushes go on meanwhile, and
+// the writer holds a few buffers, not a copy of the state. Nothing streams
+// if the step's checkpoint is complete already. FAILED_PRECONDITION (and no
+// `began`) if the job is not at `step` or lacks initial values; NOT_FOUND
+// if it is dropped while streaming (the part, not finished, leaves no file).
 absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step,
                                                                  const std::function<void()>& began)
     ABSL_LOCKS_EXCLUDED(job.mu);

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -149,14 +150,18 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
   SHARDOPT_ASSIGN_OR_RETURN(
       const MemoryBudget::Charge buffers,
       budget_.Reserve(checkpoint::SequentialWriter::kMostBytes, absl::StrCat("a checkpoint of job ", Quote(job.name()))));
-  // Timed from the snapshot's start: it streams most of the part.
-  std::chrono::steady_clock::time_point t0;
-  SHARDOPT_ASSIGN_OR_RETURN(auto writer, Snapshot(job, options_.checkpoint_dir, request.step(), [&] {
-                              log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
-                              t0 = std::chrono::steady_clock::now();
-                            }));
-  absl::StatusOr<checkpoint::WriteResult> finished = writer->Finish();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // Timed from the snapshot's start: it streams most of the part. A
+  // checkpoint that began ends in checkpoint_end or checkpoint_failed; one
+  // refused before (wrong step) only in the service's refusal line.
+  std::optional<std::chrono::steady_clock::time_point> t0;
+  absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> writer =
+      Snapshot(job, options_.checkpoint_dir, request.step(), [&] {
+        log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
+        t0 = std::chrono::steady_clock::now();
+      });
+  if (!writer.ok() && !t0) return writer.status();
+  absl::StatusOr<checkpoint::WriteResult> finished = writer.ok() ? (*writer)->Finish() : writer.status();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - *t0).count();
   if (!finished.ok()) {
     log::Error("checkpoint_failed", {{"job", job.name()},
                                      {"step", absl::StrCat(request.step())},

@@ -199,5 +199,20 @@ TEST_F(StreamHoldsOffWritersTest, TryInitIsTurnedBackAndWokenWhenTheStreamEnds) 
   EXPECT_EQ(ReadFloats("j", "w", v1::MASTER), other);
 }
 
+// A step whose checkpoint is complete already (COMMIT is there) has nothing
+// to write, so its state is not streamed again, and holds nothing off.
+TEST_F(StreamHoldsOffWritersTest, ACompleteStepIsNotStreamedAgain) {
+  Create(request_);
+  v1::CheckpointRequest request;
+  request.set_job("j");
+  request.set_step(0);
+  ASSERT_TRUE(store_.Checkpoint(request).ok());
+  ASSERT_EQ(probe_.slices.load(), probe_.total);
+  auto again = store_.Checkpoint(request);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->complete());
+  EXPECT_EQ(probe_.slices.load(), probe_.total);
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -180,6 +181,37 @@ TEST_F(DirectIoTest, AppendWaitsWhileTheDiskIsHeldUp) {
                 return absl::OkStatus();
               }).ok());
   EXPECT_TRUE(read == bytes_);  // not EXPECT_EQ: gtest would diff 64 MB strings
+}
+
+// A failed write loses the file: the writer writes nothing more, drops what
+// it is given instead of queueing it (so it never waits, and holds no
+// more), and Close reports the error.
+TEST_F(DirectIoTest, AfterAFailedWriteNothingMoreIsWrittenAndCloseFails) {
+  constexpr size_t kPiece = size_t{1} << 20;
+  std::atomic<int> writes{0};
+  std::atomic<size_t> appended{0};
+  // The first write fails once the 2 and 4 MiB buffers queue behind it
+  // (7 MiB appended: the ramp of AppendWaitsWhileTheDiskIsHeldUp).
+  auto writer = SequentialWriter::Create((dir_ / "failing").string(), [&](int, const void*, size_t, off_t) {
+    ++writes;
+    const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (appended < 7 * kPiece && std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    errno = EIO;
+    return ssize_t{-1};
+  });
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  const std::string piece(kPiece, 'x');
+  for (int i = 0; i < 64; ++i) {
+    (*writer)->Append(piece.data(), piece.size());
+    appended += kPiece;
+  }
+  const absl::Status closed = (*writer)->Close();
+  EXPECT_EQ(closed.code(), absl::StatusCode::kInternal) << closed;
+  EXPECT_NE(closed.message().find("cannot write"), std::string::npos) << closed;
+  // The first write fails; those queued behind it before it failed are dropped.
+  EXPECT_EQ(writes.load(), 1);
 }
 
 }  // namespace
