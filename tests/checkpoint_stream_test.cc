@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <random>
@@ -212,6 +213,25 @@ TEST_F(StreamHoldsOffWritersTest, ACompleteStepIsNotStreamedAgain) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_TRUE(again->complete());
   EXPECT_EQ(probe_.slices.load(), probe_.total);
+}
+
+// A job dropped while its checkpoint streams ends the checkpoint, NOT_FOUND,
+// and the unfinished part leaves no file.
+TEST_F(StreamHoldsOffWritersTest, AJobDroppedMidStreamEndsItsCheckpointAndLeavesNoFile) {
+  Create(request_);
+  v1::CheckpointRequest request;
+  request.set_job("j");
+  request.set_step(0);
+  absl::StatusOr<v1::CheckpointResponse> written;
+  std::thread checkpoint([&] { written = store_.Checkpoint(request); });
+  probe_.second_slice.WaitForNotification();
+  ASSERT_TRUE(store_.DropJob("j").ok());
+  checkpoint.join();
+  EXPECT_EQ(written.status().code(), absl::StatusCode::kNotFound) << written.status();
+  EXPECT_LT(probe_.slices.load(), probe_.total);
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir_)) {
+    EXPECT_FALSE(e.is_regular_file()) << e.path();
+  }
 }
 
 }  // namespace
