@@ -183,9 +183,8 @@ absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t l
   std::optional<Piece> ready;  // these three under mu
   std::vector<AlignedBytes> spare;
   bool stop = false;
-  for (size_t held = 0; held < kReadBufferBytes; held += kDirectChunkBytes) {
-    spare.push_back(AllocateAligned(kDirectChunkBytes));
-  }
+  spare.push_back(AllocateAligned(kDirectChunkBytes));
+  spare.push_back(AllocateAligned(kDirectChunkBytes));
   // The reader thread runs ahead of the sink: one piece waits in `ready`,
   // and a placed one, needing no spare buffer, may be read meanwhile.
   std::thread reader([&] {

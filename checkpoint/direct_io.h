@@ -106,8 +106,7 @@ using Place = std::function<Destination(uint64_t at, size_t n)>;
 // more being read). DATA_LOSS if the file is shorter,
 // and the sink never gets a short piece; the sink's error stops the read
 // and is returned. Without `place`, every piece comes through the reader's
-// buffers, of which it holds kReadBufferBytes.
-inline constexpr size_t kReadBufferBytes = 2 * kDirectChunkBytes;
+// buffers, of which it holds two.
 absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t length,
                             const std::function<absl::Status(const char* data, size_t n)>& sink,
                             const Place& place = nullptr);

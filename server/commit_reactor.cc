@@ -53,6 +53,7 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   void Open() {
     auto stream = store_->OpenCommit(request_, [this] {
       hops_.push_back(std::make_unique<grpc::Alarm>());
+      // Nothing cancels it, so it always fires; the commit opens either way.
       hops_.back()->Set(gpr_now(GPR_CLOCK_MONOTONIC), [this](bool) { Open(); });
     });
     if (!stream.ok()) {
@@ -133,8 +134,9 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   JobStore* const store_;
   std::unique_ptr<StreamLimits::Slot> slot_;
   v1::CommitRequest request_;
-  // One per wait, each set once; all have fired before Finish. (A wait
-  // comes again only if another checkpoint begins before the commit opens.)
+  // One per wake, each set once; all have fired before Finish. (A commit is
+  // woken at any change of its job, so it may be turned back and wait more
+  // than once while a checkpoint streams.)
   std::vector<std::unique_ptr<grpc::Alarm>> hops_;
   std::unique_ptr<ParamStream> stream_;
   grpc::ByteBuffer message_;

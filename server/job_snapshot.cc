@@ -31,7 +31,8 @@ namespace {
 // An array the host holds as fp32 (so its section is FP32) is appended from
 // where it lies, which nothing writes while the job counts this snapshot;
 // the rest is read out as fp32 (exact for both precisions) and encoded.
-absl::Status StreamState(Job& job, const std::vector<v1::DType>& dtypes, checkpoint::PartWriter& writer) {
+absl::Status StreamState(Job& job, const std::vector<v1::DType>& dtypes, checkpoint::PartWriter& writer,
+                         const std::function<void()>& after_slice) {
   constexpr uint64_t kSlice = 1 << 18;
   std::vector<float> values(kSlice);
   std::string bytes;
@@ -52,6 +53,7 @@ absl::Status StreamState(Job& job, const std::vector<v1::DType>& dtypes, checkpo
           }
         }
         writer.Append(slice.data(), slice.size());
+        if (after_slice) after_slice();
       }
     }
   }
@@ -61,7 +63,8 @@ absl::Status StreamState(Job& job, const std::vector<v1::DType>& dtypes, checkpo
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step,
-                                                                 const std::function<void()>& began) {
+                                                                 const std::function<void()>& began,
+                                                                 const std::function<void()>& after_slice) {
   v1::PartManifest m;
   std::vector<v1::DType> dtypes;
   {
@@ -98,15 +101,18 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
     ++job.snapshots;
   }
   // From here until the state has streamed out, nothing writes it; the
-  // file system's work and the stream are done without the job's lock.
+  // file system's work and the stream are done without the job's lock. On
+  // an error the count goes before the writer, whose thread may still be
+  // writing what it queued.
+  std::unique_ptr<checkpoint::PartWriter> writer;
   absl::Cleanup uncount = [&job] {
     absl::MutexLock lock(&job.mu);
     --job.snapshots;
     job.Notify();
   };
   began();
-  SHARDOPT_ASSIGN_OR_RETURN(auto writer, checkpoint::PartWriter::Open(root, std::move(m)));
-  if (writer->wants_data()) SHARDOPT_RETURN_IF_ERROR(StreamState(job, dtypes, *writer));
+  SHARDOPT_ASSIGN_OR_RETURN(writer, checkpoint::PartWriter::Open(root, std::move(m)));
+  if (writer->wants_data()) SHARDOPT_RETURN_IF_ERROR(StreamState(job, dtypes, *writer, after_slice));
   return writer;
 }
 

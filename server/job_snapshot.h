@@ -23,8 +23,10 @@ namespace shardopt {
 // if the step's checkpoint is complete already. FAILED_PRECONDITION (and no
 // `began`) if the job is not at `step` or lacks initial values; NOT_FOUND
 // if it is dropped while streaming (the part, not finished, leaves no file).
+// `after_slice`, if set, runs after each slice, without the lock.
 absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step,
-                                                                 const std::function<void()>& began)
+                                                                 const std::function<void()>& began,
+                                                                 const std::function<void()>& after_slice = nullptr)
     ABSL_LOCKS_EXCLUDED(job.mu);
 
 // The inverse of Snapshot, on a fresh job: the state of checkpoint `step`

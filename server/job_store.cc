@@ -99,9 +99,6 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   // Outside the store's lock: reading a checkpoint must not stall other jobs.
   bool restored = false;
   if (!options_.checkpoint_dir.empty()) {
-    SHARDOPT_ASSIGN_OR_RETURN(
-        const MemoryBudget::Charge buffers,
-        budget_.Reserve(checkpoint::kReadBufferBytes, absl::StrCat("restoring job ", Quote(spec.job()))));
     absl::MutexLock job_lock(&job->mu);
     const auto t0 = std::chrono::steady_clock::now();
     const absl::Status loaded = Restore(options_.checkpoint_dir, restore_step, options_.checkpoint_log, *job);
@@ -140,6 +137,10 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
 }
 
 absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::CheckpointRequest& request) {
+  return WriteCheckpoint(request, /*charged=*/true);
+}
+
+absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::CheckpointRequest& request, bool charged) {
   if (options_.checkpoint_dir.empty()) {
     return absl::FailedPreconditionError("this server has no --checkpoint_dir");
   }
@@ -147,9 +148,11 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
   Job& job = *found;
   // The writer's buffers are charged while it runs, as every allocation a
   // client's request makes is (memory_budget.h).
-  SHARDOPT_ASSIGN_OR_RETURN(
-      const MemoryBudget::Charge buffers,
-      budget_.Reserve(checkpoint::SequentialWriter::kMostBytes, absl::StrCat("a checkpoint of job ", Quote(job.name()))));
+  MemoryBudget::Charge buffers;
+  if (charged) {
+    SHARDOPT_ASSIGN_OR_RETURN(buffers, budget_.Reserve(checkpoint::SequentialWriter::kMostBytes,
+                                                       absl::StrCat("a checkpoint of job ", Quote(job.name()))));
+  }
   // Timed from the snapshot's start: it streams most of the part. A
   // checkpoint that began ends in checkpoint_end or checkpoint_failed; one
   // refused before (wrong step) only in the service's refusal line.
@@ -158,10 +161,13 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
       Snapshot(job, options_.checkpoint_dir, request.step(), [&] {
         log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
         t0 = std::chrono::steady_clock::now();
-      });
+      },
+      options_.after_snapshot_slice);
   if (!writer.ok() && !t0) return writer.status();
   absl::StatusOr<checkpoint::WriteResult> finished = writer.ok() ? (*writer)->Finish() : writer.status();
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - *t0).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0.value_or(std::chrono::steady_clock::now()))
+          .count();
   if (!finished.ok()) {
     log::Error("checkpoint_failed", {{"job", job.name()},
                                      {"step", absl::StrCat(request.step())},
@@ -211,7 +217,9 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
     v1::CheckpointRequest request;
     request.set_job(name);
     request.set_step(step);
-    results.emplace_back(name, Checkpoint(request));
+    // One at a time, their buffers uncharged: a full budget must not cost
+    // the state at SIGTERM, and one checkpoint's buffers fit the headroom.
+    results.emplace_back(name, WriteCheckpoint(request, /*charged=*/false));
   }
   return results;
 }

@@ -66,6 +66,9 @@ struct JobStoreOptions {
   std::function<void(const std::string&)> checkpoint_log = [](const std::string& line) {
     log::Info("checkpoint_restore", {{"detail", line}});
   };
+  // A seam for tests: runs after each slice a checkpoint streams, without
+  // the job's lock (job_snapshot.h), so a test can act while it streams.
+  std::function<void()> after_snapshot_slice;
 };
 
 class JobStore {
@@ -80,7 +83,8 @@ class JobStore {
   // placement: each shard is read from whichever parts cover it.
   absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
   // Writes this server's part of the job's checkpoint of request.step(),
-  // from a snapshot taken at a step boundary.
+  // from a snapshot taken at a step boundary. Its writer's buffers are
+  // charged to the budget while it writes.
   absl::StatusOr<v1::CheckpointResponse> Checkpoint(const v1::CheckpointRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
   // For SIGTERM: from now on commits that would apply a step fail with
   // UNAVAILABLE; commits already applying finish first. Then every job is
@@ -167,6 +171,9 @@ class JobStore {
  private:
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::CreateJobResponse> Attach(const Job& job, const v1::CreateJobRequest& spec) const;
+  // Checkpoint, charging its buffers or not (the drain's: see DrainAndCheckpoint).
+  absl::StatusOr<v1::CheckpointResponse> WriteCheckpoint(const v1::CheckpointRequest& request, bool charged)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   Backend* const backend_;
   JobStoreOptions options_;

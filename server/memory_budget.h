@@ -9,8 +9,8 @@
 //     (push_session.cc);
 //   - each stream message from its arrival until it is dealt with
 //     (read_reactor.cc);
-//   - a checkpoint's writer buffers while it writes, and a restore's reader
-//     buffers (JobStore).
+//   - a checkpoint's writer buffers while it writes (JobStore; not the
+//     SIGTERM drain's, which must not fail for want of them).
 // Charges are RAII: a dropped job, an ended round, a finished message and a
 // finished checkpoint give theirs back.
 #pragma once

@@ -32,15 +32,16 @@ using testing::RandomFloats;
 
 // What the wrapped CPU state saw: the snapshot's slices, counted as it
 // locates them (HostFp32State), and any write of the state made between
-// its first slice and its last. After the second slice each one sleeps,
-// under the job's lock, so that the stream lasts long enough (22 slices of
-// 10 ms) for a writer started then to come in if it could, and for a
-// caller that must not wait to be turned back while it streams.
+// its first slice and its last. The store's seam (after_snapshot_slice)
+// pauses the stream after its second slice, without the job's lock, until
+// the test lets it go on: whatever the test does then, it does while the
+// state streams.
 struct StreamProbe {
   int total = 0;  // slices in one snapshot of the job
   std::atomic<int> slices{0};
   std::atomic<int> writes_mid_stream{0};
-  absl::Notification second_slice;
+  absl::Notification paused;
+  absl::Notification resume;
 };
 
 class ProbedJobState final : public testing::ForwardingJobState {
@@ -48,9 +49,7 @@ class ProbedJobState final : public testing::ForwardingJobState {
   ProbedJobState(std::unique_ptr<JobState> cpu, StreamProbe* probe)
       : ForwardingJobState(std::move(cpu)), probe_(probe) {}
   char* HostFp32State(uint32_t shard, StateKind kind) override {
-    const int n = ++probe_->slices;
-    if (n == 2) probe_->second_slice.Notify();
-    if (n >= 2) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    ++probe_->slices;
     return ForwardingJobState::HostFp32State(shard, kind);
   }
   absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype, const void* data,
@@ -78,24 +77,51 @@ class StreamHoldsOffWritersTest : public CheckpointDirTest<0> {
 
   StreamHoldsOffWritersTest()
       : CheckpointDirTest<0>(std::make_unique<testing::WrappedCpuBackend>(
-            MakeCpuBackend({})->Describe(), [this](std::unique_ptr<JobState> s) {
-              return std::unique_ptr<JobState>(std::make_unique<ProbedJobState>(std::move(s), &probe_));
-            })) {
+                                 MakeCpuBackend({})->Describe(),
+                                 [this](std::unique_ptr<JobState> s) {
+                                   return std::unique_ptr<JobState>(
+                                       std::make_unique<ProbedJobState>(std::move(s), &probe_));
+                                 }),
+                             [this] {
+                               if (++after_slices_ != 2) return;
+                               probe_.paused.Notify();
+                               probe_.resume.WaitForNotification();
+                             }) {
     probe_.total = 3 * static_cast<int>(kNumel >> 18);
   }
 
-  // Checkpoints step `step` on a thread of its own, runs `writer` once the
-  // stream is under way, and checks that the part holds the state as it
-  // was before `writer`, bitwise, and that nothing wrote the state midway.
-  void CheckpointWhile(uint64_t step, const std::function<void()>& writer) {
+  // Checkpoints step `step` on a thread of its own and, with its stream
+  // paused after the second slice, runs `act` on a thread of its own. An
+  // `act` that must wait for the stream (`waits`) must still be running
+  // 200 ms into the pause (after `started`, which must not wait), and goes
+  // on when the stream does; one that must not wait must end within 30 s,
+  // and the stream then goes on either way, so that no test hangs. Then
+  // checks that the part holds the state as it was before, bitwise, and
+  // that nothing wrote it midway.
+  void CheckpointWhile(uint64_t step, const std::function<void()>& act, bool waits,
+                       absl::Notification* started = nullptr) {
     const std::string before = Snapshot("j");
     v1::CheckpointRequest request;
     request.set_job("j");
     request.set_step(step);
     absl::StatusOr<v1::CheckpointResponse> written;
     std::thread checkpoint([&] { written = store_.Checkpoint(request); });
-    probe_.second_slice.WaitForNotification();
-    writer();
+    probe_.paused.WaitForNotification();
+    absl::Notification done;
+    std::thread actor([&] {
+      act();
+      done.Notify();
+    });
+    if (waits) {
+      if (started != nullptr) {
+        EXPECT_TRUE(started->WaitForNotificationWithTimeout(absl::Seconds(30))) << "it waited for the stream";
+      }
+      EXPECT_FALSE(done.WaitForNotificationWithTimeout(absl::Milliseconds(200))) << "it did not wait for the stream";
+    } else {
+      EXPECT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(30))) << "it waited for the stream";
+    }
+    probe_.resume.Notify();
+    actor.join();
     checkpoint.join();
     ASSERT_TRUE(written.ok()) << written.status();
     EXPECT_EQ(probe_.slices.load(), probe_.total);
@@ -111,6 +137,7 @@ class StreamHoldsOffWritersTest : public CheckpointDirTest<0> {
   }
 
   StreamProbe probe_;
+  std::atomic<int> after_slices_{0};
   v1::CreateJobRequest request_ = JobRequest("j", 1, {{"w", kNumel}});
 };
 
@@ -122,11 +149,16 @@ TEST_F(StreamHoldsOffWritersTest, TheNextStepsApplyWaitsForTheStream) {
   ASSERT_TRUE(Push("j", 1, 0, {{"w", RandomBf16(rng, kNumel, 0.5f)}}).ok());
   ASSERT_TRUE(Commit("j", 1, 1e-2).ok());
   const auto grad = RandomBf16(rng, kNumel, 0.5f);
-  CheckpointWhile(1, [&] {
-    ASSERT_TRUE(Push("j", 2, 0, {{"w", grad}}, 1 << 16).ok());
-    auto committed = Commit("j", 2, 1e-2);
-    ASSERT_TRUE(committed.ok()) << committed.status();
-  });
+  absl::Notification pushed;
+  CheckpointWhile(
+      1,
+      [&] {
+        EXPECT_TRUE(Push("j", 2, 0, {{"w", grad}}, 1 << 16).ok());
+        pushed.Notify();
+        auto committed = Commit("j", 2, 1e-2);
+        EXPECT_TRUE(committed.ok()) << committed.status();
+      },
+      /*waits=*/true, &pushed);
   EXPECT_EQ(store_.Describe("j")->step(), 2u);
 }
 
@@ -135,15 +167,18 @@ TEST_F(StreamHoldsOffWritersTest, TheNextStepsApplyWaitsForTheStream) {
 TEST_F(StreamHoldsOffWritersTest, InitWaitsForTheStream) {
   Create(request_);
   const std::vector<float> other = RandomFloats(rng_, kNumel, -1, 1);
-  CheckpointWhile(0, [&] {
-    v1::InitChunk c;
-    c.set_job("j");
-    c.set_tensor("w");
-    c.set_dtype(v1::FP32);
-    c.set_data(other.data(), kNumel * 4);
-    auto written = store_.Init(c);
-    ASSERT_TRUE(written.ok()) << written.status();
-  });
+  CheckpointWhile(
+      0,
+      [&] {
+        v1::InitChunk c;
+        c.set_job("j");
+        c.set_tensor("w");
+        c.set_dtype(v1::FP32);
+        c.set_data(other.data(), kNumel * 4);
+        auto written = store_.Init(c);
+        EXPECT_TRUE(written.ok()) << written.status();
+      },
+      /*waits=*/true);
   EXPECT_EQ(ReadFloats("j", "w", v1::MASTER), other);
 }
 
@@ -162,11 +197,14 @@ TEST_F(StreamHoldsOffWritersTest, ACommitWithAWakeIsTurnedBackAndWokenWhenTheStr
   commit.set_lr(1e-2);
   commit.set_gscale(1.0f);
   absl::Notification woken;
-  CheckpointWhile(1, [&] {
-    auto turned_back = store_.OpenCommit(commit, [&] { woken.Notify(); });
-    ASSERT_TRUE(turned_back.ok()) << turned_back.status();
-    EXPECT_EQ(*turned_back, nullptr);
-  });
+  CheckpointWhile(
+      1,
+      [&] {
+        auto turned_back = store_.OpenCommit(commit, [&] { woken.Notify(); });
+        ASSERT_TRUE(turned_back.ok()) << turned_back.status();
+        EXPECT_EQ(*turned_back, nullptr);
+      },
+      /*waits=*/false);
   ASSERT_TRUE(woken.WaitForNotificationWithTimeout(absl::Seconds(10)));
   auto opened = store_.OpenCommit(commit, [] {});
   ASSERT_TRUE(opened.ok()) << opened.status();
@@ -188,11 +226,14 @@ TEST_F(StreamHoldsOffWritersTest, TryInitIsTurnedBackAndWokenWhenTheStreamEnds) 
   c.set_dtype(v1::FP32);
   c.set_data(other.data(), kNumel * 4);
   absl::Notification woken;
-  CheckpointWhile(0, [&] {
-    auto turned_back = store_.TryInit(c, [&] { woken.Notify(); });
-    ASSERT_TRUE(turned_back.ok()) << turned_back.status();
-    EXPECT_FALSE(turned_back->has_value());
-  });
+  CheckpointWhile(
+      0,
+      [&] {
+        auto turned_back = store_.TryInit(c, [&] { woken.Notify(); });
+        ASSERT_TRUE(turned_back.ok()) << turned_back.status();
+        EXPECT_FALSE(turned_back->has_value());
+      },
+      /*waits=*/false);
   ASSERT_TRUE(woken.WaitForNotificationWithTimeout(absl::Seconds(10)));
   auto written = store_.TryInit(c, [] {});
   ASSERT_TRUE(written.ok()) << written.status();
@@ -203,6 +244,7 @@ TEST_F(StreamHoldsOffWritersTest, TryInitIsTurnedBackAndWokenWhenTheStreamEnds) 
 // A step whose checkpoint is complete already (COMMIT is there) has nothing
 // to write, so its state is not streamed again, and holds nothing off.
 TEST_F(StreamHoldsOffWritersTest, ACompleteStepIsNotStreamedAgain) {
+  probe_.resume.Notify();  // no pause
   Create(request_);
   v1::CheckpointRequest request;
   request.set_job("j");
@@ -224,8 +266,9 @@ TEST_F(StreamHoldsOffWritersTest, AJobDroppedMidStreamEndsItsCheckpointAndLeaves
   request.set_step(0);
   absl::StatusOr<v1::CheckpointResponse> written;
   std::thread checkpoint([&] { written = store_.Checkpoint(request); });
-  probe_.second_slice.WaitForNotification();
-  ASSERT_TRUE(store_.DropJob("j").ok());
+  probe_.paused.WaitForNotification();
+  EXPECT_TRUE(store_.DropJob("j").ok());
+  probe_.resume.Notify();
   checkpoint.join();
   EXPECT_EQ(written.status().code(), absl::StatusCode::kNotFound) << written.status();
   EXPECT_LT(probe_.slices.load(), probe_.total);

@@ -208,5 +208,17 @@ TEST_F(CheckpointBudgetTest, ACheckpointsBuffersAreChargedWhileItWrites) {
   EXPECT_EQ(store_.budget()->used(), alone);
 }
 
+// SIGTERM's checkpoints are not refused for want of budget: their buffers,
+// one checkpoint at a time, are the headroom's.
+TEST_F(CheckpointBudgetTest, TheDrainCheckpointsEvenWithTheBudgetFull) {
+  Create(JobRequest("j", 1, {{"w", 1 << 20}}));
+  ASSERT_TRUE(store_.CreateJob(JobRequest("filler", 1, {{"w", 1 << 20}})).ok());
+  ASSERT_LT(store_.budget()->limit() - store_.budget()->used(), checkpoint::SequentialWriter::kMostBytes);
+  auto drained = store_.DrainAndCheckpoint();
+  ASSERT_EQ(drained.size(), 1u);  // the filler has no initial values: nothing to keep
+  ASSERT_TRUE(drained[0].second.ok()) << drained[0].second.status();
+  EXPECT_TRUE(drained[0].second->complete());
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,13 +17,16 @@
 namespace shardopt::testing {
 
 // Keeps `kKeep` checkpoints per job (0: all), its log lines kept for the
-// test to read. `backend`: the CPU's when null.
+// test to read. `backend`: the CPU's when null; `after_snapshot_slice`: the
+// store's seam (JobStoreOptions).
 template <uint64_t kKeep>
 class CheckpointDirTest : public StoreTest {
  protected:
-  explicit CheckpointDirTest(std::unique_ptr<Backend> backend = nullptr) : StoreTest(Options(), std::move(backend)) {}
+  explicit CheckpointDirTest(std::unique_ptr<Backend> backend = nullptr,
+                             std::function<void()> after_snapshot_slice = nullptr)
+      : StoreTest(Options(std::move(after_snapshot_slice)), std::move(backend)) {}
   ~CheckpointDirTest() override { std::filesystem::remove_all(dir_); }
-  static JobStoreOptions Options() {
+  static JobStoreOptions Options(std::function<void()> after_snapshot_slice = nullptr) {
     char tmpl[] = "/tmp/shardopt-checkpoints-XXXXXX";
     dir_ = mkdtemp(tmpl);
     log_.clear();
@@ -30,6 +34,7 @@ class CheckpointDirTest : public StoreTest {
     o.checkpoint_dir = dir_;
     o.checkpoint_keep = kKeep;
     o.checkpoint_log = [](const std::string& line) { log_.push_back(line); };
+    o.after_snapshot_slice = std::move(after_snapshot_slice);
     return o;
   }
   // Another store's options on the same directory, that keeps every checkpoint.
