@@ -1,24 +1,29 @@
 // A checkpoint streams the job's state to disk without copying it first
 // (the writer's few buffers are direct_io_test's), and nothing writes the
 // state until the stream is through, so the part holds exactly the step it
-// names.
+// names; what waits for it holds no thread, in the store and over gRPC.
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <map>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "server/job_store.h"
+#include "server/service.h"
+#include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tests/testing/checkpoint_dir_fixture.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/wrapped_cpu_backend.h"
@@ -275,6 +280,57 @@ TEST_F(StreamHoldsOffWritersTest, AJobDroppedMidStreamEndsItsCheckpointAndLeaves
   for (const auto& e : std::filesystem::recursive_directory_iterator(dir_)) {
     EXPECT_FALSE(e.is_regular_file()) << e.path();
   }
+}
+
+// Over gRPC (this store served in-process on 127.0.0.1): commits of the
+// next step that arrive while the checkpoint streams are turned back by the
+// commit reactor without a thread, woken at the stream's end, reopened on
+// one of gRPC's threads (an alarm), and answer with that step's params.
+TEST_F(StreamHoldsOffWritersTest, OverGrpcCommitsWaitForTheStreamThenAnswer) {
+  Create(request_);
+  std::mt19937_64 rng(6);
+  ASSERT_TRUE(Push("j", 1, 0, {{"w", RandomBf16(rng, kNumel, 0.5f)}}).ok());
+  ASSERT_TRUE(Commit("j", 1, 1e-2).ok());
+  ASSERT_TRUE(Push("j", 2, 0, {{"w", RandomBf16(rng, kNumel, 0.5f)}}).ok());
+  ServerOptions options;
+  options.address = "127.0.0.1:0";
+  auto running = StartServer(&store_, options);
+  ASSERT_TRUE(running.ok()) << running.status();
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*running)->port),
+                                                         grpc::InsecureChannelCredentials()));
+  v1::CommitRequest commit;
+  commit.set_job("j");
+  commit.set_step(2);
+  commit.set_lr(1e-2);
+  commit.set_gscale(1.0f);
+  constexpr int kCommits = 4;
+  std::vector<std::string> params(kCommits, std::string(kNumel * 2, '\0'));
+  std::vector<grpc::Status> statuses(kCommits);
+  CheckpointWhile(
+      1,
+      [&] {
+        std::vector<std::thread> callers;
+        for (int i = 0; i < kCommits; ++i) {
+          callers.emplace_back([&, i] {
+            grpc::ClientContext context;  // a commit never woken fails the test, not hangs it
+            context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+            auto reader = stub->Commit(&context, commit);
+            v1::ParamChunk chunk;
+            while (reader->Read(&chunk)) {
+              params[i].replace(chunk.offset() * 2, chunk.data().size(), chunk.data());
+            }
+            statuses[i] = reader->Finish();
+          });
+        }
+        for (std::thread& c : callers) c.join();
+      },
+      /*waits=*/true);
+  const std::string want = ReadBytes(store_, "j", "w", v1::PARAM_BF16);
+  for (int i = 0; i < kCommits; ++i) {
+    EXPECT_TRUE(statuses[i].ok()) << statuses[i].error_message();
+    EXPECT_TRUE(params[i] == want) << "commit " << i;
+  }
+  EXPECT_EQ(store_.Describe("j")->step(), 2u);
 }
 
 }  // namespace
