@@ -141,6 +141,24 @@ class StreamHoldsOffWritersTest : public CheckpointDirTest<0> {
     EXPECT_TRUE(Snapshot(fresh, "j") == before);  // not EXPECT_EQ: gtest would diff 30 MB strings
   }
 
+  // Creates the job, steps it once and pushes step 2, so that a checkpoint
+  // of step 1 has a sealed round behind it that a commit would apply.
+  void StepOnceAndPushTheNext(uint64_t seed) {
+    Create(request_);
+    std::mt19937_64 rng(seed);
+    ASSERT_TRUE(Push("j", 1, 0, {{"w", RandomBf16(rng, kNumel, 0.5f)}}).ok());
+    ASSERT_TRUE(Commit("j", 1, 1e-2).ok());
+    ASSERT_TRUE(Push("j", 2, 0, {{"w", RandomBf16(rng, kNumel, 0.5f)}}).ok());
+  }
+  static v1::CommitRequest CommitOfTheNext() {
+    v1::CommitRequest commit;
+    commit.set_job("j");
+    commit.set_step(2);
+    commit.set_lr(1e-2);
+    commit.set_gscale(1.0f);
+    return commit;
+  }
+
   StreamProbe probe_;
   std::atomic<int> after_slices_{0};
   v1::CreateJobRequest request_ = JobRequest("j", 1, {{"w", kNumel}});
@@ -191,16 +209,8 @@ TEST_F(StreamHoldsOffWritersTest, InitWaitsForTheStream) {
 // OpenCommit with a wake and TryInit return at once with nothing done, and
 // the stream's end runs the wake; asked again then, they go through.
 TEST_F(StreamHoldsOffWritersTest, ACommitWithAWakeIsTurnedBackAndWokenWhenTheStreamEnds) {
-  Create(request_);
-  std::mt19937_64 rng(4);
-  ASSERT_TRUE(Push("j", 1, 0, {{"w", RandomBf16(rng, kNumel, 0.5f)}}).ok());
-  ASSERT_TRUE(Commit("j", 1, 1e-2).ok());
-  ASSERT_TRUE(Push("j", 2, 0, {{"w", RandomBf16(rng, kNumel, 0.5f)}}).ok());
-  v1::CommitRequest commit;
-  commit.set_job("j");
-  commit.set_step(2);
-  commit.set_lr(1e-2);
-  commit.set_gscale(1.0f);
+  ASSERT_NO_FATAL_FAILURE(StepOnceAndPushTheNext(4));
+  const v1::CommitRequest commit = CommitOfTheNext();
   absl::Notification woken;
   CheckpointWhile(
       1,
@@ -287,22 +297,14 @@ TEST_F(StreamHoldsOffWritersTest, AJobDroppedMidStreamEndsItsCheckpointAndLeaves
 // commit reactor without a thread, woken at the stream's end, reopened on
 // one of gRPC's threads (an alarm), and answer with that step's params.
 TEST_F(StreamHoldsOffWritersTest, OverGrpcCommitsWaitForTheStreamThenAnswer) {
-  Create(request_);
-  std::mt19937_64 rng(6);
-  ASSERT_TRUE(Push("j", 1, 0, {{"w", RandomBf16(rng, kNumel, 0.5f)}}).ok());
-  ASSERT_TRUE(Commit("j", 1, 1e-2).ok());
-  ASSERT_TRUE(Push("j", 2, 0, {{"w", RandomBf16(rng, kNumel, 0.5f)}}).ok());
+  ASSERT_NO_FATAL_FAILURE(StepOnceAndPushTheNext(6));
   ServerOptions options;
   options.address = "127.0.0.1:0";
   auto running = StartServer(&store_, options);
   ASSERT_TRUE(running.ok()) << running.status();
   auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", (*running)->port),
                                                          grpc::InsecureChannelCredentials()));
-  v1::CommitRequest commit;
-  commit.set_job("j");
-  commit.set_step(2);
-  commit.set_lr(1e-2);
-  commit.set_gscale(1.0f);
+  const v1::CommitRequest commit = CommitOfTheNext();
   constexpr int kCommits = 4;
   std::vector<std::string> params(kCommits, std::string(kNumel * 2, '\0'));
   std::vector<grpc::Status> statuses(kCommits);
