@@ -30,11 +30,12 @@ Job::Job(const v1::CreateJobRequest& s, uint64_t window, Wakeups* wakeups, Memor
 namespace {
 
 // The job's bookkeeping besides its state: per tensor its spec, name index
-// and shard entry, and per rank the round's session numbers; a generous
-// bound, allocator overhead included.
+// and shard entry, per group its spec and hyperparameters, and per rank the
+// round's session numbers; a generous bound, allocator overhead included.
 uint64_t BookkeepingBytes(const v1::CreateJobRequest& spec) {
   uint64_t bytes = 4096 + uint64_t{spec.world_size()} * sizeof(uint64_t);
   for (const v1::TensorSpec& t : spec.tensors()) bytes += 512 + 3 * t.name().size();
+  for (const v1::Group& g : spec.groups()) bytes += 256 + 2 * g.name().size();
   return bytes;
 }
 
@@ -211,7 +212,7 @@ absl::StatusOr<uint32_t> Job::LocateRange(const std::string& tensor, uint64_t of
 }
 
 absl::Status Job::CheckStepToPush(uint64_t t) const {
-  if (t == 0 || t + 1 <= step) {
+  if (t == 0 || t < step) {  // not t + 1 <= step, which wraps for the largest t
     return absl::FailedPreconditionError(absl::StrCat("job '", name(), "' is at step ", step, "; step ", t,
                                                       " is stale; push step ", step + 1));
   }

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <optional>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "checkpoint/direct_io.h"
@@ -56,6 +57,13 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                                      " tensors; this server takes at most ",
                                                      options_.max_tensors_per_job, " (--max_tensors_per_job)"));
   }
+  // A group per tensor is the most a job can use; each costs the server its
+  // hyperparameters and name, and comes back in every Describe.
+  if (static_cast<uint64_t>(request.groups_size()) > options_.max_tensors_per_job) {
+    return absl::ResourceExhaustedError(absl::StrCat("job ", Quote(request.job()), " has ", request.groups_size(),
+                                                     " groups; this server takes at most ",
+                                                     options_.max_tensors_per_job, " (--max_tensors_per_job)"));
+  }
   if (request.world_size() > options_.max_world_size) {
     return absl::ResourceExhaustedError(absl::StrCat("job ", Quote(request.job()), " has world_size ",
                                                      request.world_size(), "; this server takes at most ",
@@ -78,12 +86,23 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   spec.clear_restore_step();
   {
     absl::MutexLock lock(&mu_);
+    // Every rank creates the job at once: one builds it (and restores it)
+    // while the others wait for it and attach, rather than each charging,
+    // allocating and restoring a job of its own (most of which the budget
+    // would refuse).
+    while (creating_.contains(spec.job())) created_.Wait(&mu_);
     if (auto it = jobs_.find(spec.job()); it != jobs_.end()) {
       auto attached = Attach(*it->second, spec);
       if (attached.ok()) log::Info("job_attached", {{"job", spec.job()}, {"step", absl::StrCat(attached->step())}});
       return attached;
     }
+    creating_.insert(spec.job());
   }
+  absl::Cleanup built = [this, &spec] {
+    absl::MutexLock lock(&mu_);
+    creating_.erase(spec.job());
+    created_.SignalAll();
+  };
   if (restore_step > 0 && options_.checkpoint_dir.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("restore_step ", restore_step,
                                                       " asked for, but this server has no --checkpoint_dir"));
@@ -120,8 +139,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   }
 
   absl::MutexLock lock(&mu_);
-  if (auto it = jobs_.find(spec.job()); it != jobs_.end()) return Attach(*it->second, spec);
-  jobs_.emplace(spec.job(), job);
+  jobs_.emplace(spec.job(), job);  // none of the name: this call was its one builder
   if (!restored) {
     log::Info("job_created", {{"job", spec.job()},
                               {"world_size", absl::StrCat(spec.world_size())},

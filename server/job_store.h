@@ -18,6 +18,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -185,6 +186,10 @@ class JobStore {
   std::atomic<bool> draining_{false};
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  // Jobs being built by a CreateJob, outside the lock; `created_` is
+  // signalled as each is done, in the map or failed.
+  absl::flat_hash_set<std::string> creating_ ABSL_GUARDED_BY(mu_);
+  absl::CondVar created_;
 };
 
 }  // namespace shardopt

@@ -43,7 +43,7 @@ ABSL_FLAG(uint64_t, staging_window_bytes, uint64_t{64} << 20,
           "per job, the most bytes of gradient chunks held while they wait for earlier ranks (at most 4 MiB per rank)");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "checkpoints go here and jobs are restored from here; share it between a job's servers");
-ABSL_FLAG(uint32_t, max_tensors_per_job, 16384, "CreateJob of more tensors is RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint32_t, max_tensors_per_job, 16384, "CreateJob of more tensors (or groups) is RESOURCE_EXHAUSTED");
 ABSL_FLAG(uint32_t, max_world_size, shardopt::kMaxWorldSize,
           "CreateJob of a larger world_size is RESOURCE_EXHAUSTED (at most 65536)");
 ABSL_FLAG(uint32_t, max_name_bytes, shardopt::kMaxNameBytes,

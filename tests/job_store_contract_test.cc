@@ -383,7 +383,8 @@ TEST_F(ContractTest, AReadAtTheShardsEndIsOutOfRange) {
   EXPECT_EQ(chunks, 1);
 }
 
-// The caps on one CreateJob: more tensors or ranks than the server takes is
+// The caps on one CreateJob: more tensors, groups (one per tensor at most)
+// or ranks than the server takes is
 // RESOURCE_EXHAUSTED naming the flag, before anything is built, and leaves
 // no job behind; at the cap it is accepted.
 class CapsTest : public StoreTest {
@@ -402,6 +403,12 @@ TEST_F(CapsTest, TensorsAndRanksOverTheServersCapsAreRefusedAndBuildNothing) {
   auto tensors = store_.CreateJob(JobRequest("wide", 1, {{"a", 10}, {"b", 10}, {"c", 10}, {"d", 10}}));
   EXPECT_EQ(tensors.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(tensors.status().message()), HasSubstr("at most 3 (--max_tensors_per_job)"));
+  v1::CreateJobRequest grouped = JobRequest("grouped", 1, {{"a", 10}});
+  for (int g = 0; g < 3; ++g) *grouped.add_groups() = grouped.groups(0);
+  auto groups = store_.CreateJob(grouped);
+  EXPECT_EQ(groups.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(groups.status().message()), HasSubstr("4 groups; this server takes at most 3"));
+  EXPECT_EQ(store_.Describe("grouped").status().code(), absl::StatusCode::kNotFound);
   auto ranks = store_.CreateJob(JobRequest("many", 5, {{"a", 10}}));
   EXPECT_EQ(ranks.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_THAT(std::string(ranks.status().message()), HasSubstr("at most 4 (--max_world_size)"));

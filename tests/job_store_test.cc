@@ -481,6 +481,7 @@ TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
       {"rank out of range", push_status(1, 2, ok), absl::StatusCode::kInvalidArgument, "world_size 2"},
       {"stale step", push_status(0, 0, ok), absl::StatusCode::kFailedPrecondition, "stale"},
       {"future step", push_status(2, 0, ok), absl::StatusCode::kOutOfRange, "future"},
+      {"last step of all", push_status(UINT64_MAX, 0, ok), absl::StatusCode::kOutOfRange, "future"},
       {"unknown job", [&] {
          v1::GradChunk h = ok;
          h.set_job("nobody");

@@ -5,19 +5,24 @@
 // directly, where the process's own RSS is the server's.
 #include <stdlib.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "checkpoint/direct_io.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "server/memory_budget.h"
 #include "tests/testing/store_fixture.h"
+#include "tests/testing/wrapped_cpu_backend.h"
 
 namespace shardopt {
 namespace {
@@ -160,6 +165,48 @@ TEST_F(BudgetTest, BarrierTrackingDoesNotGrowWithWorldSizeTimesTensors) {
   EXPECT_LT(wide, 2 * narrow + 64);          // independent of the number of tensors
   EXPECT_LT(wide_rss, 2 * 1024.0);           // was about 96 KB per rank
   EXPECT_LE(store_.budget()->used(), kLimit);
+}
+
+// Every rank creates the job at once. One CreateJob builds it while the
+// others wait and attach, so a job the budget holds once (but not twice)
+// is created for all of them; before, each built its own, charged it, and
+// all but one were refused. Building takes 100 ms here (the state's
+// allocation is held up), so the ranks' calls all come while it builds.
+class SlowBuildBudgetTest : public StoreTest {
+ protected:
+  SlowBuildBudgetTest()
+      : StoreTest(BudgetOptions(), std::make_unique<testing::WrappedCpuBackend>(
+                                       MakeCpuBackend({})->Describe(), [](std::unique_ptr<JobState> s) {
+                                         std::this_thread::sleep_for(std::chrono::milliseconds(100));
+                                         return s;
+                                       })) {}
+  static JobStoreOptions BudgetOptions() {
+    JobStoreOptions o;
+    o.memory_limit = uint64_t{96} << 20;
+    return o;
+  }
+};
+
+TEST_F(SlowBuildBudgetTest, RanksCreatingOneJobAtOnceAllGetIt) {
+  constexpr int kRanks = 8;
+  const v1::CreateJobRequest request = JobRequest("shared", kRanks, {{"w", 3 << 20}});  // 54 MiB of 96
+  std::vector<absl::StatusOr<v1::CreateJobResponse>> answers(kRanks);
+  std::atomic<int> ready{0};
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kRanks; ++r) {
+    ranks.emplace_back([&, r] {
+      ++ready;
+      while (ready < kRanks) std::this_thread::yield();
+      answers[r] = store_.CreateJob(request);
+    });
+  }
+  for (std::thread& t : ranks) t.join();
+  int created = 0;
+  for (const auto& a : answers) {
+    ASSERT_TRUE(a.ok()) << a.status();
+    created += a->created();
+  }
+  EXPECT_EQ(created, 1);
 }
 
 // A checkpoint's writer holds at most SequentialWriter::kMostBytes of
