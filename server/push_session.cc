@@ -322,6 +322,14 @@ v1::PushResponse PushSession::Answer() const {
   return r;
 }
 
+absl::Status PushSession::EndedWithout(size_t shard, std::pair<uint64_t, uint64_t> gap) const {
+  const OwnedShard& s = job_->shards[shard];
+  return absl::FailedPreconditionError(absl::StrCat("rank ", rank_, "'s push of step ", step_, " ended without tensor '",
+                                                    job_->tensor_name(s), "' elements ",
+                                                    Range(s.offset + gap.first, s.offset + gap.second),
+                                                    "; push them or list the tensor in no_grad"));
+}
+
 absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wake) {
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   if (pending_) return absl::FailedPreconditionError("the push ended while a chunk was still being taken");
@@ -331,6 +339,15 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
   }
   const auto now = std::chrono::steady_clock::now();
   job_->ExpireIfLate(now);
+  // A stream that sent no chunk and would start the round has pushed no
+  // shard, so it must declare every one no_grad; refused, it must not have
+  // started the round (its deadline would count from a refused push).
+  if (!started_ && !job_->round.active) {
+    for (size_t s = 0; s < job_->shards.size(); ++s) {
+      const uint32_t t = job_->shards[s].tensor;
+      if (t >= no_grad_.size() || !no_grad_[t]) return EndedWithout(s, {0, job_->shards[s].length});
+    }
+  }
   if (!started_) Start(now);
   if (job_->round.epoch != epoch_) return Discarded();
   if (job_->round.sealed) return Answer();
@@ -353,13 +370,7 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
   for (uint32_t s : no_grad_shards) no_grad[s] = true;
   for (size_t s = 0; s < job_->shards.size(); ++s) {
     if (no_grad[s]) continue;
-    if (auto gap = sum.FirstGap(rank_, static_cast<uint32_t>(s))) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("rank ", rank_, "'s push of step ", step_, " ended without tensor '",
-                       job_->tensor_name(job_->shards[s]), "' elements ",
-                       Range(job_->shards[s].offset + gap->first, job_->shards[s].offset + gap->second),
-                       "; push them or list the tensor in no_grad"));
-    }
+    if (auto gap = sum.FirstGap(rank_, static_cast<uint32_t>(s))) return EndedWithout(s, *gap);
   }
   if (!sum.finished(rank_)) {
     const auto t0 = std::chrono::steady_clock::now();

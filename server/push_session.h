@@ -19,6 +19,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -90,6 +91,9 @@ class PushSession {
   // Under the job's lock: the first part of the seal (the rank's
   // declaration, its finish in the sum), then whether the round is sealed.
   absl::StatusOr<std::optional<v1::PushResponse>> Seal(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
+  // The refusal of a push that ended without [gap) of the shard.
+  absl::Status EndedWithout(size_t shard, std::pair<uint64_t, uint64_t> gap) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   absl::StatusOr<std::optional<v1::PushResponse>> AwaitSeal(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   absl::StatusOr<bool> Take(v1::GradChunk head, Pieces data, const Wake& wake);
   absl::StatusOr<bool> TakeLocked(const v1::GradChunk& head, Pieces data, const Wake& wake)

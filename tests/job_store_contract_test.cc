@@ -308,6 +308,28 @@ TEST_F(ContractTest, ARefusedPushStreamLeavesNothingInTheRound) {
   EXPECT_EQ(ReadFloats("refused", "b", v1::MASTER), init["b"]);  // no gradient: unchanged
 }
 
+// A push that sent no chunk and did not declare every tensor no_grad is
+// refused before it starts the barrier round: no round is left running,
+// whose deadline would count from the refused push.
+TEST_F(ContractTest, AnEmptyPushRefusedStartsNoRound) {
+  Create(JobRequest("empty", 2, {{"a", 100}}));
+  {
+    auto session = StartPush("empty", 1, 0);
+    ASSERT_TRUE(session.ok());
+    v1::GradChunk head;
+    head.set_job("empty");
+    head.set_step(1);
+    head.set_rank(0);
+    ASSERT_TRUE((*session)->Add(head).ok());
+    auto finished = (*session)->Finish();
+    EXPECT_EQ(finished.status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_THAT(std::string(finished.status().message()), HasSubstr("ended without tensor 'a'"));
+  }
+  auto commit = Commit("empty", 1, 1e-3);
+  EXPECT_EQ(commit.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(commit.status().message()), HasSubstr("no rank has pushed step 1"));
+}
+
 // An abandoned stream must not undo a newer stream of the same rank (a
 // retry that overtook it) nor a push that finished.
 TEST_F(ContractTest, AnAbandonedStreamLeavesANewerStreamsChunksAlone) {
