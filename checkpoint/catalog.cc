@@ -95,6 +95,30 @@ absl::StatusOr<PartHead> ReadPartHead(const std::string& path) {
     return absl::DataLossError(absl::StrCat(path, ": manifest has ", h.manifest.shards_size(), " sections for ",
                                             h.manifest.spec().shards_size(), " shards"));
   }
+  // The manifest is data too: before its sizes and ranges place anything,
+  // each range must lie in its tensor, each section be FP32 or BF16, and
+  // the sizes add up without wrapping. A corrupt or crafted file is then
+  // DATA_LOSS, never a read outside it.
+  const v1::CreateJobRequest& spec = h.manifest.spec();
+  uint64_t data_bytes = 0;
+  for (int s = 0; s < spec.shards_size(); ++s) {
+    const v1::ShardRange& r = spec.shards(s);
+    const int t = TensorIndex(spec, r.tensor());
+    const v1::DType dtype = h.manifest.shards(s).dtype();
+    if (t < 0 || r.offset() > spec.tensors(t).numel() || r.length() > spec.tensors(t).numel() - r.offset() ||
+        (dtype != v1::FP32 && dtype != v1::BF16)) {
+      return absl::DataLossError(absl::StrCat(path, ": section ", s, " holds elements ", r.offset(), " + ", r.length(),
+                                              " of tensor '", r.tensor(), "' as ", v1::DType_Name(dtype),
+                                              ", which the manifest's job does not have"));
+    }
+    // SectionBytes, checked: master, m and v, each of the section's dtype.
+    const uint64_t per_element = 3 * (dtype == v1::FP32 ? 4 : 2);
+    uint64_t section = 0;
+    if (__builtin_mul_overflow(r.length(), per_element, &section) ||
+        __builtin_add_overflow(data_bytes, section, &data_bytes)) {
+      return absl::DataLossError(absl::StrCat(path, ": the manifest's sections add up past 2^64 bytes"));
+    }
+  }
   SHARDOPT_ASSIGN_OR_RETURN(auto size, FileSize(path));
   h.file_bytes = size;
   const uint64_t expected = h.data_offset + DataBytes(h.manifest) + 4;

@@ -117,10 +117,11 @@ using Log = std::function<void(const std::string&)>;
 
 // The state of `spec`'s placement (spec.shards) from the job's newest
 // complete checkpoint, or from the one of `step` when step > 0. NOT_FOUND when
-// there is none; DATA_LOSS for a torn or corrupt file; FAILED_PRECONDITION for
-// another format version or another configuration. Torn checkpoints (no
-// COMMIT, or an unreadable one) are skipped when looking for the newest, and
-// `log` is told why.
+// there is none; DATA_LOSS for a corrupt file (a part or a COMMIT that is
+// there but does not check out: the disk lost data, and no older state is
+// put in its place unasked); FAILED_PRECONDITION for another format version
+// or another configuration. Torn checkpoints (no COMMIT: not every part was
+// written) are skipped when looking for the newest, and `log` is told why.
 absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log);
 
 // Load without holding the data in memory: `sink` gets it in order, in
