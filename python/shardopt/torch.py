@@ -233,7 +233,7 @@ class RemoteAdamW(torch.optim.Optimizer):
             decision = self._commit_push()
         else:
             group_lr = [float(g["lr"]) for g in self.param_groups]
-            grads = [(t.name, self._grad_source(t)) for t in self._tensors]
+            grads = [(t.name, self._grad_source(t)[0]) for t in self._tensors]
             self._sync_staging()
             decision = self._client.step(grads, self._param_targets(), group_lr[0], group_lr, self.max_grad_norm,
                                          1.0).decision
@@ -414,20 +414,21 @@ class RemoteAdamW(torch.optim.Optimizer):
         return t.host_param.data_ptr()
 
     def _grad_source(self, t):
-        """The address of t's gradient as host memory of the param's dtype, or
-        0 for no gradient. CUDA gradients are copied without blocking: call
+        """The address of t's gradient as host memory of the param's dtype
+        (0 for no gradient), and the tensor whose memory that is (None for
+        none). CUDA gradients are copied without blocking: call
         _sync_staging before the push reads them."""
         g = t.param.grad
         if g is None:
-            return 0
+            return 0, None
         if g.is_sparse:
             raise InvalidArgument(f"param {t.name!r} has a sparse gradient; RemoteAdamW needs dense ones")
         if g.device.type == "cpu" and g.is_contiguous() and g.dtype == t.dtype:
-            return g.data_ptr()
+            return g.data_ptr(), g
         if t.host_grad is None:
             t.host_grad = t.staging()
         t.host_grad.copy_(g, non_blocking=True)
-        return t.host_grad.data_ptr()
+        return t.host_grad.data_ptr(), t.host_grad
 
     def _sync_staging(self):
         for device in {t.device for t in self._tensors if t.device.type == "cuda"}:
@@ -512,11 +513,11 @@ class RemoteAdamW(torch.optim.Optimizer):
             self._client.start_push(self._push_step, self._order_names)
             self._seen = []
         t = self._tensors[k]
-        source = self._grad_source(t)
+        source, owner = self._grad_source(t)
         if t.device.type == "cuda":
             # The push reads the staging buffer as soon as it is marked.
             torch.cuda.current_stream(t.device).synchronize()
-        if not self._client.mark(self._position[k], source):
+        if not self._client.mark(self._position[k], source, owner):
             raise RuntimeError(f"RemoteAdamW(overlap=True): param {t.name!r} got a second gradient before step(); "
                                "overlap pushes each gradient as backward produces it, so it takes one backward "
                                "per step (use overlap=False to accumulate gradients)")
@@ -544,7 +545,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         sources = {k: self._grad_source(self._tensors[k]) for k in rest}
         self._sync_staging()
         for k in rest:
-            self._client.mark(self._position[k], sources[k])
+            self._client.mark(self._position[k], *sources[k])
         push = self._client.finish_push()
         self._set_order(self._seen + rest)
         return push

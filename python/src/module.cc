@@ -229,7 +229,14 @@ class PyClient {
       push_result_ = client_->PushInOrder(step, push_order_, [this](size_t i) { return table_.Wait(i); });
     });
   }
-  bool Mark(size_t i, uintptr_t data) { return table_.Mark(i, reinterpret_cast<const void*>(data)); }
+  // `owner` is the tensor whose memory `data` is. It is held until the push
+  // has ended, so that a gradient let go meanwhile (set to None, or the
+  // optimizer and its staging dropped while backward raised) is not freed
+  // under the push thread, which reads it by address.
+  bool Mark(size_t i, uintptr_t data, py::object owner) {
+    held_.push_back(std::move(owner));
+    return table_.Mark(i, reinterpret_cast<const void*>(data));
+  }
   bool Pushing() const { return push_thread_.joinable(); }
   // Marks what is not marked yet as "no gradient", waits for the push.
   shardopt::PushResult FinishPush() {
@@ -239,6 +246,7 @@ class PyClient {
       table_.MarkRest();
       push_thread_.join();
     }
+    held_.clear();
     return Value(*std::move(push_result_));
   }
 
@@ -287,6 +295,7 @@ class PyClient {
   ReadyTable table_;
   std::vector<std::string> push_order_;
   std::optional<absl::StatusOr<shardopt::PushResult>> push_result_;
+  std::vector<py::object> held_;  // the marked gradients' tensors, until the push ends (Mark)
   std::thread push_thread_;
 };
 

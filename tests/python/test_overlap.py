@@ -1,5 +1,7 @@
 """overlap=True pushes gradients while backward runs; the result is bitwise
 that of overlap=False."""
+import weakref
+
 import pytest
 import torch
 
@@ -45,6 +47,25 @@ def test_push_starts_during_backward(servers, job):
     assert model.unused.grad is None and torch.equal(model.unused, torch.ones(8))
     steps = opt._client.adam_steps()
     assert steps[_index(opt, model.unused)] == 0 and max(steps) == 1
+    opt.drop()
+
+
+def test_a_gradient_let_go_during_the_push_is_held_until_it_ends(servers, job):
+    """The push reads each marked gradient by address on a thread of its
+    own; a gradient the trainer lets go of meanwhile (here p.grad = None;
+    or the whole optimizer, dropped after backward raised) is held until
+    the push ends, not freed under it."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3, overlap=True)
+    tokens, targets = batch(1)
+    model(tokens, targets).backward()
+    assert opt._client.pushing()
+    p = next(model.parameters())
+    grad = weakref.ref(p.grad)
+    p.grad = None
+    assert grad() is not None, "freed while the push may read it"
+    opt.step()
+    assert grad() is None, "still held after the push ended"
     opt.drop()
 
 
