@@ -484,6 +484,7 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
       return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
         auto reader = im.stubs[s]->Read(ctx, req);
         v1::StateChunk chunk;
+        uint64_t received = 0;
         while (reader->Read(&chunk)) {
           const uint64_t n = chunk.data().size() / esize;
           if (chunk.data().size() % esize != 0 || chunk.offset() < begin || chunk.offset() > end ||
@@ -493,11 +494,19 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
             return grpc::Status(grpc::StatusCode::INTERNAL, "server sent state outside the range asked for");
           }
           std::memcpy(static_cast<char*>(out) + (chunk.offset() - offset) * esize, chunk.data().data(), n * esize);
+          received += n;
           std::lock_guard<std::mutex> lock(step_mu);
           mixed = mixed || (read_step && *read_step != chunk.step());
           read_step = chunk.step();
         }
-        return reader->Finish();
+        grpc::Status finished = reader->Finish();
+        // A stream that ends OK short of the range would leave the rest of
+        // the caller's buffer as it was, passed off as state.
+        if (finished.ok() && received != end - begin) {
+          return grpc::Status(grpc::StatusCode::DATA_LOSS,
+                              absl::StrCat("server sent ", received, " of the ", end - begin, " elements asked for"));
+        }
+        return finished;
       });
     }
     return absl::OkStatus();

@@ -1,0 +1,64 @@
+// Client::Read against a server that ends a Read stream OK before it has
+// sent the whole range: DATA_LOSS, saying how much came, rather than OK
+// with the rest of the caller's buffer left as it was.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "gtest/gtest.h"
+#include "shardopt/client.h"
+#include "shardopt/v1/optimizer.grpc.pb.h"
+
+namespace shardopt {
+namespace {
+
+// Takes any job; answers a Read with the first half of the range only.
+class ShortReadService final : public v1::Optimizer::Service {
+ public:
+  grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest*, v1::CreateJobResponse* r) override {
+    r->set_created(true);
+    r->set_max_message_bytes(64 << 20);
+    return grpc::Status::OK;
+  }
+  grpc::Status Read(grpc::ServerContext*, const v1::ReadRequest* request,
+                    grpc::ServerWriter<v1::StateChunk>* writer) override {
+    v1::StateChunk chunk;
+    chunk.set_tensor(request->tensor());
+    chunk.set_offset(request->offset());
+    chunk.set_data(std::string(request->length() / 2 * 4, '\x01'));
+    writer->Write(chunk);
+    return grpc::Status::OK;
+  }
+};
+
+TEST(ClientReadTest, AServerThatSendsPartOfTheRangeIsDataLoss) {
+  ShortReadService service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  ClientOptions options;
+  options.servers = {absl::StrCat("127.0.0.1:", port)};
+  auto client = Client::Connect(options);
+  ASSERT_TRUE(client.ok()) << client.status();
+  JobOptions job;
+  job.name = "short";
+  job.world_size = 1;
+  job.groups = {{"g", 0.9, 0.95, 1e-8f, 0.0}};
+  job.tensors = {{"w", 100, 0}};
+  ASSERT_TRUE((*client)->CreateOrAttach(job).ok());
+  std::vector<float> out(100, 0.0f);
+  const absl::Status read = (*client)->Read("w", StateToRead::kMaster, 0, 100, out.data());
+  EXPECT_EQ(read.code(), absl::StatusCode::kDataLoss) << read;
+  EXPECT_NE(read.message().find("50 of the 100 elements"), std::string::npos) << read;
+  server->Shutdown();
+}
+
+}  // namespace
+}  // namespace shardopt
