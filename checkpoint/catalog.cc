@@ -112,9 +112,8 @@ absl::StatusOr<PartHead> ReadPartHead(const std::string& path) {
                                               ", which the manifest's job does not have"));
     }
     // SectionBytes, checked: master, m and v, each of the section's dtype.
-    const uint64_t per_element = 3 * (dtype == v1::FP32 ? 4 : 2);
     uint64_t section = 0;
-    if (__builtin_mul_overflow(r.length(), per_element, &section) ||
+    if (__builtin_mul_overflow(r.length(), 3 * ElementBytes(dtype), &section) ||
         __builtin_add_overflow(data_bytes, section, &data_bytes)) {
       return absl::DataLossError(absl::StrCat(path, ": the manifest's sections add up past 2^64 bytes"));
     }

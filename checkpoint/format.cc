@@ -33,7 +33,7 @@ std::string JobDirectoryName(const std::string& job) {
 
 
 uint64_t ArrayBytes(const v1::PartManifest& m, int shard) {
-  return m.spec().shards(shard).length() * (m.shards(shard).dtype() == v1::FP32 ? 4 : 2);
+  return m.spec().shards(shard).length() * ElementBytes(m.shards(shard).dtype());
 }
 
 std::vector<uint64_t> SectionOffsets(const v1::PartManifest& m) {

@@ -51,7 +51,9 @@ struct Part {
 enum class Array { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2 };
 inline constexpr Array kArrays[] = {Array::kMaster, Array::kExpAvg, Array::kExpAvgSq};
 
-// Bytes of one shard's section (master, m and v) and of one of its arrays.
+// Bytes of one element of a section of `dtype` (FP32, else BF16), of one
+// shard's section (master, m and v) and of one of its arrays.
+inline uint64_t ElementBytes(v1::DType dtype) { return dtype == v1::FP32 ? 4 : 2; }
 uint64_t ArrayBytes(const v1::PartManifest& m, int shard);
 inline uint64_t SectionBytes(const v1::PartManifest& m, int shard) { return 3 * ArrayBytes(m, shard); }
 // Where each shard's section starts in the data; the last entry is its size.
