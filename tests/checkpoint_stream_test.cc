@@ -257,7 +257,8 @@ TEST_F(StreamHoldsOffWritersTest, TryInitIsTurnedBackAndWokenWhenTheStreamEnds) 
 }
 
 // A step whose checkpoint is complete already (COMMIT is there) has nothing
-// to write, so its state is not streamed again, and holds nothing off.
+// to write, so its state is not streamed again: the second checkpoint
+// locates no slice.
 TEST_F(StreamHoldsOffWritersTest, ACompleteStepIsNotStreamedAgain) {
   probe_.resume.Notify();  // no pause
   Create(request_);

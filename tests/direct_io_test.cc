@@ -183,9 +183,11 @@ TEST_F(DirectIoTest, AppendWaitsWhileTheDiskIsHeldUp) {
   EXPECT_TRUE(read == bytes_);  // not EXPECT_EQ: gtest would diff 64 MB strings
 }
 
-// A failed write loses the file: the writer writes nothing more, drops what
-// it is given instead of queueing it (so it never waits, and holds no
-// more), and Close reports the error.
+// A failed write loses the file: the writer attempts no further write (the
+// two buffers queued behind the failed one are dropped), the appender is
+// not held up (all 64 MiB goes in), and Close reports the error. That what
+// comes after the failure is dropped rather than queued is not observable
+// from outside, and not checked here.
 TEST_F(DirectIoTest, AfterAFailedWriteNothingMoreIsWrittenAndCloseFails) {
   constexpr size_t kPiece = size_t{1} << 20;
   std::atomic<int> writes{0};
