@@ -179,7 +179,7 @@ std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir) {
 
 // Streams a part's data to `sink`, checking its crc32c as it goes; the
 // mismatch, if any, is known after the last piece.
-absl::Status StreamPartData(const PartHead& p, const DataSink& sink, const Place& place) {
+absl::Status StreamPartData(const PartHead& p, const DataSink& sink) {
   uint32_t crc = 0;
   uint64_t at = 0;
   SHARDOPT_RETURN_IF_ERROR(ReadSequential(p.path, p.data_offset, p.file_bytes - 4 - p.data_offset,
@@ -188,8 +188,7 @@ absl::Status StreamPartData(const PartHead& p, const DataSink& sink, const Place
                                             const uint64_t offset = at;
                                             at += n;
                                             return sink(offset, bytes, n);
-                                          },
-                                          place));
+                                          }));
   if (crc != p.data_crc) {
     return absl::DataLossError(absl::StrCat(p.path, ": data checksum mismatch (crc32c); not loading it"));
   }

@@ -33,10 +33,9 @@ absl::StatusOr<PartHead> ReadPartHead(const std::string& path);
 // begins where the previous ended. Returns whether they cover every tensor.
 absl::StatusOr<bool> Tiles(const std::vector<PartHead>& parts);
 std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir);
-// Streams a part's data to `sink`, checking its crc32c as it goes; the
-// mismatch, if any, is known after the last piece. `place` as ReadSequential's,
-// in data offsets.
-absl::Status StreamPartData(const PartHead& p, const DataSink& sink, const Place& place = nullptr);
+// Streams a part's data to `sink` in ReadSequential's pieces, checking its
+// crc32c as it goes; the mismatch, if any, is known after the last piece.
+absl::Status StreamPartData(const PartHead& p, const DataSink& sink);
 absl::StatusOr<std::string> ReadPartData(const PartHead& p);
 bool IsPartName(const std::string& file);
 // Parts of a step that overlap this server's were left by a torn attempt

@@ -1,10 +1,8 @@
 // Large sequential file I/O at the disk's speed, with a thread that keeps
-// the disk busy while the caller fills or drains the next buffer. Writes use
-// O_DIRECT (no copy through the page cache, no cache to evict) from aligned
-// buffers; a file system that refuses it gets the same writes buffered.
-// Reads go through the kernel's readahead, which can land them anywhere:
-// a restore reads the state's arrays straight into place (README,
-// "Measured": O_DIRECT through a buffer and a copy was no faster).
+// the disk busy while the caller fills or drains the next buffer. Reads and
+// writes use O_DIRECT (no copy through the page cache, no cache to evict)
+// into and from aligned buffers; a file system that refuses it gets the
+// same calls buffered.
 #pragma once
 
 #include <sys/types.h>
@@ -88,27 +86,17 @@ class SequentialWriter {
   std::thread thread_;
 };
 
-// Where the reader may put the range's bytes [at, at + n) itself, asked
-// before it reads them: `to` non-null sends the next `n` bytes (at most the
-// n asked for, at least 1) straight there, and the sink then gets them
-// there; null sends them through the reader's own buffer. A restore reads
-// the state's arrays this way, without a copy of its own.
-struct Destination {
-  char* to = nullptr;
-  size_t n = 0;
-};
-using Place = std::function<Destination(uint64_t at, size_t n)>;
-
-// Reads [offset, offset+length) of `path` in order, handing `sink` pieces
-// of at most kDirectChunkBytes, contiguous and in order, each ending where
-// `place` said or at a multiple of kDirectChunkBytes; the reader goes on
-// while the sink works (one piece waiting for it, and, when placed, one
-// more being read). DATA_LOSS if the file is shorter,
-// and the sink never gets a short piece; the sink's error stops the read
-// and is returned. Without `place`, every piece comes through the reader's
-// buffers, of which it holds two.
+// Reads [offset, offset+length) of `path` in order, handing `sink` the
+// bytes in pieces that end at multiples of kDirectChunkBytes of the range
+// (so a piece may end inside an element: the sink keeps what it needs).
+// The reads are O_DIRECT in whole aligned blocks into kReadBuffers buffers
+// of its own, and the reader goes on while the sink works. DATA_LOSS if the
+// file is shorter, and the sink never gets a short piece; the sink's error
+// stops the read and is returned.
+inline constexpr size_t kReadBuffers = 3;
+// A piece and the aligned blocks around it, in whole huge pages.
+inline constexpr size_t kReadBufferBytes = kDirectChunkBytes + (size_t{2} << 20);
 absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t length,
-                            const std::function<absl::Status(const char* data, size_t n)>& sink,
-                            const Place& place = nullptr);
+                            const std::function<absl::Status(const char* data, size_t n)>& sink);
 
 }  // namespace shardopt::checkpoint

@@ -290,7 +290,7 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
 absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
                                           const Log& log,
                                           const std::function<absl::Status(const v1::PartManifest&)>& begin,
-                                          const DataSink& sink, const Place& place) {
+                                          const DataSink& sink) {
   SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
   SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir));
   // The same placement, as on a plain restart: the part's data is the answer
@@ -298,7 +298,7 @@ absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::Cre
   if (const PartHead* same = SamePlacement(committed, spec)) {
     v1::PartManifest manifest = LoadedManifest(committed, spec, same);
     SHARDOPT_RETURN_IF_ERROR(begin(manifest));
-    SHARDOPT_RETURN_IF_ERROR(StreamPartData(*same, sink, place));
+    SHARDOPT_RETURN_IF_ERROR(StreamPartData(*same, sink));
     return manifest;
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto part, Assemble(committed, spec));

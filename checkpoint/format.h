@@ -132,15 +132,13 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
 // first). Returns the manifest. The checksum is known only at the end: on an
 // error the sink has seen data that must be thrown away.
 // `begin` gets the manifest before any data, so that the sink knows the
-// layout. When the file is streamed, `place` says where to read data
-// offsets to, if anywhere (ReadSequential); the sink then gets those bytes
-// where they were read, and its pieces end only where `place`'s do or at
-// multiples of 8 MiB of data.
+// layout. A piece may end anywhere, inside an array's element too
+// (ReadSequential's pieces end at multiples of 8 MiB of data).
 using DataSink = std::function<absl::Status(uint64_t data_offset, const char* bytes, size_t n)>;
 absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
                                           const Log& log,
                                           const std::function<absl::Status(const v1::PartManifest&)>& begin,
-                                          const DataSink& sink, const Place& place);
+                                          const DataSink& sink);
 
 // A complete checkpoint's step and job configuration, with every tensor whole
 // as the placement: what export loads.

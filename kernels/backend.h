@@ -139,12 +139,15 @@ class JobState {
   // master also refreshes the bf16 params.
   virtual absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype,
                                   const void* data, uint64_t count) = 0;
+  // Makes the host memory of elements [offset, offset + count) of `shard`'s
+  // master, m or v resident ahead of WriteState, so that a bulk write (a
+  // restore's) does not stop for page faults: a restore calls it on a
+  // thread of its own, ahead of the data. It changes no value and may run
+  // while the same range is being written. A hint: a backend may do nothing.
+  virtual void Prefault(uint32_t /*shard*/, StateKind /*kind*/, uint64_t /*offset*/, uint64_t /*count*/) const {}
   // Where the host holds master, m or v of `shard` as fp32, numel elements,
-  // for a restore to read a checkpoint's array straight into, and a snapshot
-  // to write it from, rather than through a buffer and a copy; null where it
-  // is held otherwise (on a device, or in bf16). Bytes put there are the
-  // state's only once WriteState is called for them with that very address
-  // as `data`: it derives what depends on them (the params from the master).
+  // for a snapshot to write it from rather than through a buffer and a
+  // copy; null where it is held otherwise (on a device, or in bf16).
   virtual char* HostFp32State(uint32_t /*shard*/, StateKind /*kind*/) { return nullptr; }
   // Reads any state as fp32 (exact for both precisions) or the params as bf16.
   virtual absl::Status ReadState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,

@@ -1,8 +1,10 @@
 #include "server/job_snapshot.h"
 
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -118,38 +120,35 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
 
 namespace {
 
-// Writes a part's data, as it streams in, into the job's state. Place cuts
-// the stream at the arrays' boundaries, so every piece holds whole elements
-// of one array, and reads the fp32 arrays that the host holds as fp32
-// straight into the state: those pieces arrive where they belong.
+// Writes a part's data, as it streams in, into the job's state. A piece
+// may end inside an element (the reader cuts at multiples of 8 MiB, and an
+// array may start at any even offset after a bf16 one): those bytes wait in
+// `partial_` for the rest of their element.
 class StateSink {
  public:
   StateSink(const v1::PartManifest& m, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu)
       : m_(m), job_(job), sections_(checkpoint::SectionOffsets(m)) {}
 
-  // Called on the reader's thread, ahead of Take: it reads only what does
-  // not change while the part streams in.
-  checkpoint::Destination Place(uint64_t offset, size_t n) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
-    const auto at = Locate(offset);
-    if (!at.ok()) return {nullptr, n};  // Take reports it
-    char* state = at->dtype == DType::kFp32
-                      ? job_.state->HostFp32State(static_cast<uint32_t>(at->shard), KindOf(at->array))
-                      : nullptr;
-    return {state == nullptr ? nullptr : state + at->in_array, std::min<uint64_t>(n, at->array_bytes - at->in_array)};
-  }
-
-  // A piece may span arrays (an assembled part comes whole), but never
-  // splits an element.
+  // Pieces come in order, contiguous; arrays end on whole elements, so a
+  // split element never spans two arrays.
   absl::Status Take(uint64_t offset, const char* p, size_t n) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     while (n > 0) {
       SHARDOPT_ASSIGN_OR_RETURN(const Location at, Locate(offset));
       const uint64_t esize = DTypeSize(at.dtype);
-      const uint64_t take = std::min<uint64_t>(n, at.array_bytes - at.in_array);
-      if (at.in_array % esize != 0 || take % esize != 0) {
-        return absl::InternalError("a restore's piece splits an element");
+      const size_t take = static_cast<size_t>(std::min<uint64_t>(n, at.array_bytes - at.in_array));
+      uint64_t element = at.in_array / esize;
+      size_t used = 0;
+      if (!partial_.empty()) {
+        used = std::min<size_t>(take, esize - partial_.size());
+        partial_.append(p, used);
+        if (partial_.size() < esize) return absl::OkStatus();  // the piece ended first
+        SHARDOPT_RETURN_IF_ERROR(Write(at, element++, partial_.data(), 1));
+        partial_.clear();
       }
-      SHARDOPT_RETURN_IF_ERROR(job_.state->WriteState(static_cast<uint32_t>(at.shard), KindOf(at.array),
-                                                      at.in_array / esize, at.dtype, p, take / esize));
+      const uint64_t whole = (take - used) / esize;
+      if (whole > 0) SHARDOPT_RETURN_IF_ERROR(Write(at, element, p + used, whole));
+      used += whole * esize;
+      partial_.assign(p + used, take - used);
       offset += take;
       p += take;
       n -= take;
@@ -179,9 +178,44 @@ class StateSink {
     return at;
   }
 
+  absl::Status Write(const Location& at, uint64_t element, const char* bytes, uint64_t count)
+      ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return job_.state->WriteState(static_cast<uint32_t>(at.shard), KindOf(at.array), element, at.dtype, bytes, count);
+  }
+
   const v1::PartManifest& m_;
   Job& job_;
   const std::vector<uint64_t> sections_;
+  std::string partial_;  // the first bytes of an element the last piece split
+};
+
+// Faults the state's memory in, on a thread of its own, in the order the
+// data comes, while the disk reads: fresh memory cost this VM about as much
+// to fault in as the disk took to read into it (README, "Measured"), and the
+// sink's copies then find it mapped. It runs until done or destroyed.
+class Prefaulter {
+ public:
+  Prefaulter(const v1::PartManifest& m, const JobState& state) : thread_([this, m, &state] { Run(m, state); }) {}
+  ~Prefaulter() {
+    stop_ = true;
+    thread_.join();
+  }
+
+ private:
+  void Run(const v1::PartManifest& m, const JobState& state) {
+    for (int si = 0; si < m.shards_size(); ++si) {
+      const uint64_t length = m.spec().shards(si).length();
+      const uint64_t step = checkpoint::kDirectChunkBytes / checkpoint::ElementBytes(m.shards(si).dtype());
+      for (checkpoint::Array a : checkpoint::kArrays) {
+        for (uint64_t at = 0; at < length && !stop_; at += step) {
+          state.Prefault(static_cast<uint32_t>(si), KindOf(a), at, std::min(step, length - at));
+        }
+      }
+    }
+  }
+
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
 };
 
 }  // namespace
@@ -189,16 +223,17 @@ class StateSink {
 absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::Log& log, Job& job) {
   v1::PartManifest layout;
   std::optional<StateSink> sink;
+  std::optional<Prefaulter> prefault;
   SHARDOPT_ASSIGN_OR_RETURN(
       auto m, checkpoint::LoadInto(
                   root, job.spec, step, log,
                   [&](const v1::PartManifest& manifest) ABSL_NO_THREAD_SAFETY_ANALYSIS {
                     layout = manifest;
                     sink.emplace(layout, job);
+                    prefault.emplace(layout, *job.state);
                     return absl::OkStatus();
                   },
-                  [&](uint64_t offset, const char* bytes, size_t n) { return sink->Take(offset, bytes, n); },
-                  [&](uint64_t offset, size_t n) { return sink->Place(offset, n); }));
+                  [&](uint64_t offset, const char* bytes, size_t n) { return sink->Take(offset, bytes, n); }));
   for (size_t si = 0; si < job.shards.size(); ++si) {
     job.adam_steps[si] = m.shards(static_cast<int>(si)).adam_step();
     job.init_cover[si].Add(0, job.shards[si].length);

@@ -1,10 +1,16 @@
 // The per-element contract, the CPU backend against it, and the bits that must
 // not depend on threads, instruction set or rank count.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
 #include <random>
+#include <thread>
 
 #include "gtest/gtest.h"
 #include "kernels/adamw_math.h"
@@ -252,6 +258,49 @@ TEST(CpuBackend, UpdatingAShardInPiecesEqualsOneCall) {
 // Params a commit holds (HoldState, sent as they lie) stay as they were
 // while an update or a write of the master changes the job's, and the job's
 // are the same bits as a job's that nobody held.
+// Prefault maps a fresh array's pages in (mincore: none resident before,
+// all after), ignores ranges past the shard, and changes no value, even
+// while the same array is being written on another thread, as a restore
+// writes it.
+TEST(CpuBackend, PrefaultMapsTheStateInAndChangesNoValueWhileItIsWritten) {
+  constexpr uint64_t kN = uint64_t{3} << 20;  // 12 MiB an array: mapped, not allocated
+  std::mt19937_64 rng(23);
+  Job job = MakeJob({}, {kN}, Precision::kFp32, 1);
+  char* m = job.state->HostFp32State(0, StateKind::kExpAvg);
+  ASSERT_NE(m, nullptr);
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE)), pages = (kN * 4 + page - 1) / page;
+  auto resident = [&] {
+    std::vector<unsigned char> in(pages);
+    EXPECT_EQ(mincore(m, kN * 4, in.data()), 0);
+    return static_cast<size_t>(std::count_if(in.begin(), in.end(), [](unsigned char c) { return (c & 1) != 0; }));
+  };
+  EXPECT_EQ(resident(), 0u);
+  job.state->Prefault(0, StateKind::kExpAvg, 0, kN);
+  EXPECT_EQ(resident(), pages);
+
+  const auto values = RandomFloats(rng, kN, -1, 1);
+  std::atomic<bool> written{false};
+  std::thread prefaulting([&] {
+    while (!written) {
+      for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+        job.state->Prefault(0, kind, 0, kN);
+        job.state->Prefault(0, kind, kN - 5, 100);  // past the end: the rest ignored
+        job.state->Prefault(0, kind, kN + 1, 10);
+      }
+    }
+  });
+  for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+    for (uint64_t at = 0; at < kN; at += 1 << 18) {
+      ASSERT_TRUE(job.state->WriteState(0, kind, at, DType::kFp32, values.data() + at, 1 << 18).ok());
+    }
+  }
+  written = true;
+  prefaulting.join();
+  for (StateKind kind : {StateKind::kMaster, StateKind::kExpAvg, StateKind::kExpAvgSq}) {
+    EXPECT_TRUE(ReadFloats(*job.state, 0, kind, kN) == values);
+  }
+}
+
 TEST(CpuBackend, HeldParamsStayUnchangedWhileTheJobMovesOn) {
   constexpr uint64_t kN = 3 * kApplyAlignment + 777;
   std::mt19937_64 rng(19);

@@ -73,6 +73,7 @@ class AlignedBuffer {
   }
   char* data() const { return data_; }
   uint64_t bytes() const { return bytes_; }
+  bool mapped() const { return mapped_; }
 
  private:
   static constexpr uint64_t kMapped = uint64_t{2} << 20;
@@ -159,8 +160,7 @@ class CpuJobState final : public JobState {
     if (kind == StateKind::kMaster) SHARDOPT_RETURN_IF_ERROR(s.params.PrepareWrite(offset, count));
     if (dtype == DType::kFp32 && s.layout.precision == Precision::kFp32) {
       // fp32 into fp32 (a restore's bulk): a copy, and the params from it.
-      // A restore that read the bytes straight into place has no copy to make.
-      if (dst != data) std::memcpy(dst, data, count * 4);
+      std::memcpy(dst, data, count * 4);
       if (kind == StateKind::kMaster) {
         // From the copy, which is aligned: `data` need not be (a restore's
         // pieces start wherever the part's frame ends).
@@ -282,6 +282,21 @@ class CpuJobState final : public JobState {
       loops_->stream(a);
     });
     return absl::OkStatus();
+  }
+
+  void Prefault(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count) const override {
+    if (shard >= shards_.size() || kind == StateKind::kParamBf16) return;
+    const CpuShard& s = shards_[shard];
+    const AlignedBuffer& buffer = StateBuffer(s, kind);
+    if (!buffer.mapped() || offset >= s.layout.numel) return;  // a small buffer is touched already
+    count = std::min(count, s.layout.numel - offset);
+    // Whole pages inside the mapping, which starts on one. The kernel faults
+    // them in writable without writing them (Linux 5.14 on; older kernels
+    // refuse, and the write faults them as before).
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    const uint64_t begin = offset * s.state_elem_bytes / page * page;
+    const uint64_t end = std::min(buffer.bytes(), ((offset + count) * s.state_elem_bytes + page - 1) / page * page);
+    madvise(buffer.data() + begin, end - begin, MADV_POPULATE_WRITE);
   }
 
   char* HostFp32State(uint32_t shard, StateKind kind) override {
