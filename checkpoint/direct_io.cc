@@ -148,6 +148,11 @@ void SequentialWriter::Run() {
   }
 }
 
+bool SequentialWriter::failed() {
+  absl::MutexLock lock(&mu_);
+  return !error_.ok();
+}
+
 absl::Status SequentialWriter::Close() {
   if (used_ > 0) Submit();
   {

@@ -56,6 +56,9 @@ class SequentialWriter {
   ~SequentialWriter();  // stops the thread; a file not closed is left for the caller to remove
 
   void Append(const void* data, size_t n);
+  // Whether a write has failed: the file is lost, Append drops what it is
+  // given, and Close reports the error.
+  bool failed() ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status Close();
 
  private:

@@ -91,9 +91,10 @@ class PartWriter {
  public:
   static absl::StatusOr<std::unique_ptr<PartWriter>> Open(const std::string& root, v1::PartManifest manifest);
   ~PartWriter();  // a part not finished leaves no file
-  // False when the step's checkpoint is complete already: Append then drops
-  // the data, and there is no need to produce it.
-  bool wants_data() const { return file_ != nullptr; }
+  // False when there is no need to produce the data, which Append then
+  // drops: the step's checkpoint is complete already, or a write failed
+  // (Finish reports it).
+  bool wants_data() const { return file_ != nullptr && !file_->failed(); }
   // The data, in the layout's order (SectionOffsets).
   void Append(const void* data, size_t n);
   absl::StatusOr<WriteResult> Finish();

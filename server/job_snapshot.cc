@@ -56,6 +56,7 @@ absl::Status StreamState(Job& job, const std::vector<v1::DType>& dtypes, checkpo
         }
         writer.Append(slice.data(), slice.size());
         if (after_slice) after_slice();
+        if (!writer.wants_data()) return absl::OkStatus();  // a write failed: Finish says so
       }
     }
   }
@@ -65,7 +66,7 @@ absl::Status StreamState(Job& job, const std::vector<v1::DType>& dtypes, checkpo
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step,
-                                                                 const std::function<void()>& began,
+                                                                 const std::function<absl::Status()>& began,
                                                                  const std::function<void()>& after_slice) {
   v1::PartManifest m;
   std::vector<v1::DType> dtypes;
@@ -112,7 +113,7 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
     --job.snapshots;
     job.Notify();
   };
-  began();
+  SHARDOPT_RETURN_IF_ERROR(began());
   SHARDOPT_ASSIGN_OR_RETURN(writer, checkpoint::PartWriter::Open(root, std::move(m)));
   if (writer->wants_data()) SHARDOPT_RETURN_IF_ERROR(StreamState(job, dtypes, *writer, after_slice));
   return writer;

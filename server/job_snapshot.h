@@ -16,7 +16,8 @@ namespace shardopt {
 // from the state into the part's writer, whose thread writes it out
 // meanwhile; the caller finishes the writer. Waits for a step being applied
 // piece by piece to finish, so the part is at a step boundary, then calls
-// `began`. From then until it returns, nothing writes the state: the next
+// `began`, whose error ends it there (a checkpoint refused once its step is
+// known good). From then until it returns, nothing writes the state: the next
 // step's apply and Init wait (Job::StateWritable). The job's lock is taken
 // only to check the job and for each slice, so pushes go on meanwhile, and
 // the writer holds a few buffers, not a copy of the state. Nothing streams
@@ -25,7 +26,7 @@ namespace shardopt {
 // if it is dropped while streaming (the part, not finished, leaves no file).
 // `after_slice`, if set, runs after each slice, without the lock.
 absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step,
-                                                                 const std::function<void()>& began,
+                                                                 const std::function<absl::Status()>& began,
                                                                  const std::function<void()>& after_slice = nullptr)
     ABSL_LOCKS_EXCLUDED(job.mu);
 

@@ -165,20 +165,23 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
   Job& job = *found;
   // The writer's buffers are charged while it runs, as every allocation a
-  // client's request makes is (memory_budget.h).
+  // client's request makes is (memory_budget.h): once the step is known
+  // good, so that a wrong step is FAILED_PRECONDITION whatever the budget.
   MemoryBudget::Charge buffers;
-  if (charged) {
-    SHARDOPT_ASSIGN_OR_RETURN(buffers, budget_.Reserve(checkpoint::SequentialWriter::kMostBytes,
-                                                       absl::StrCat("a checkpoint of job ", Quote(job.name()))));
-  }
   // Timed from the snapshot's start: it streams most of the part. A
   // checkpoint that began ends in checkpoint_end or checkpoint_failed; one
-  // refused before (wrong step) only in the service's refusal line.
+  // refused before (wrong step, no budget) only in the service's refusal line.
   std::optional<std::chrono::steady_clock::time_point> t0;
-  absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> writer =
-      Snapshot(job, options_.checkpoint_dir, request.step(), [&] {
+  absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> writer = Snapshot(
+      job, options_.checkpoint_dir, request.step(),
+      [&]() -> absl::Status {
+        if (charged) {
+          SHARDOPT_ASSIGN_OR_RETURN(buffers, budget_.Reserve(checkpoint::SequentialWriter::kMostBytes,
+                                                             absl::StrCat("a checkpoint of job ", Quote(job.name()))));
+        }
         log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
         t0 = std::chrono::steady_clock::now();
+        return absl::OkStatus();
       },
       options_.after_snapshot_slice);
   if (!writer.ok() && !t0) return writer.status();

@@ -157,7 +157,8 @@ TEST_F(DirectIoTest, AppendWaitsWhileTheDiskIsHeldUp) {
 
 // A failed write loses the file: the writer attempts no further write (the
 // two buffers queued behind the failed one are dropped), the appender is
-// not held up (all 64 MiB goes in), and Close reports the error. That what
+// not held up (all 64 MiB goes in), failed() says so (the snapshot stops
+// streaming on it), and Close reports the error. That what
 // comes after the failure is dropped rather than queued is not observable
 // from outside, and not checked here.
 TEST_F(DirectIoTest, AfterAFailedWriteNothingMoreIsWrittenAndCloseFails) {
@@ -181,6 +182,7 @@ TEST_F(DirectIoTest, AfterAFailedWriteNothingMoreIsWrittenAndCloseFails) {
     (*writer)->Append(piece.data(), piece.size());
     appended += kPiece;
   }
+  EXPECT_TRUE((*writer)->failed());
   const absl::Status closed = (*writer)->Close();
   EXPECT_EQ(closed.code(), absl::StatusCode::kInternal) << closed;
   EXPECT_NE(closed.message().find("cannot write"), std::string::npos) << closed;

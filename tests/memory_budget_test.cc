@@ -211,8 +211,8 @@ TEST_F(SlowBuildBudgetTest, RanksCreatingOneJobAtOnceAllGetIt) {
 
 // A checkpoint's writer holds at most SequentialWriter::kMostBytes of
 // buffers, charged while it runs: a server without room for them refuses
-// the checkpoint, naming it, and writes nothing; with room it writes, and
-// the charge comes back.
+// the checkpoint, naming it, and writes nothing (a wrong step is still
+// FAILED_PRECONDITION); with room it writes, and the charge comes back.
 class CheckpointBudgetTest : public StoreTest {
  protected:
   CheckpointBudgetTest() : StoreTest(Options()) {}
@@ -240,6 +240,11 @@ TEST_F(CheckpointBudgetTest, ACheckpointsBuffersAreChargedWhileItWrites) {
   ASSERT_TRUE(store_.CreateJob(JobRequest("filler", 1, {{"w", 1 << 20}})).ok());
   const uint64_t used = store_.budget()->used();
   ASSERT_LT(store_.budget()->limit() - used, checkpoint::SequentialWriter::kMostBytes);
+  v1::CheckpointRequest future;
+  future.set_job("j");
+  future.set_step(1);
+  auto wrong_step = store_.Checkpoint(future);  // the step is checked first, whatever the budget
+  EXPECT_EQ(wrong_step.status().code(), absl::StatusCode::kFailedPrecondition) << wrong_step.status();
   auto refused = CheckpointStep0();
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("a checkpoint of job 'j' needs"));
