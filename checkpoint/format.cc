@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "checkpoint/catalog.h"
 #include "checkpoint/crc32c.h"
@@ -178,6 +180,26 @@ std::vector<std::string> Prune(const std::string& root, const std::string& job, 
     }
   }
   return removed;
+}
+
+std::vector<std::string> SetAsideNewerSteps(const std::string& root, const std::string& job, uint64_t step) {
+  std::vector<std::string> done;
+  std::error_code ec;
+  for (uint64_t newer : StepsNewestFirst(absl::StrCat(root, "/", JobDirectoryName(job)))) {
+    if (newer <= step) break;
+    const std::string dir = StepDirectory(root, job, newer);
+    // Every server of the job restores at once, so another may be doing
+    // the same: what it moved or removed first is simply gone here.
+    if (fs::exists(absl::StrCat(dir, "/", kCommitName), ec)) {
+      const std::string aside = absl::StrFormat("%s/abandoned-%s-%d", fs::path(dir).parent_path().string(),
+                                                fs::path(dir).filename().string(), absl::ToUnixNanos(absl::Now()));
+      if (rename(dir.c_str(), aside.c_str()) == 0) done.push_back(absl::StrCat("set aside checkpoint ", dir, " as ", aside));
+    } else if (fs::remove_all(dir, ec) > 0) {
+      done.push_back(absl::StrCat("removed torn checkpoint ", dir));
+    }
+  }
+  if (!done.empty()) (void)FsyncDirectory(absl::StrCat(root, "/", JobDirectoryName(job)));
+  return done;
 }
 
 namespace {

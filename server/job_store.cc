@@ -133,6 +133,10 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                  {"directory", checkpoint::StepDirectory(options_.checkpoint_dir, spec.job(), job->step)},
                                  {"state_bytes", absl::StrCat(bytes)},
                                  {"seconds", absl::StrCat(seconds)}});
+      // Before any client sees the job: from here on its checkpoints are this run's.
+      for (const std::string& line : checkpoint::SetAsideNewerSteps(options_.checkpoint_dir, spec.job(), job->step)) {
+        options_.checkpoint_log(line);
+      }
     } else if (loaded.code() != absl::StatusCode::kNotFound || restore_step > 0) {
       return loaded;  // the job, partly written, is thrown away
     }

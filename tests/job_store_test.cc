@@ -638,6 +638,61 @@ TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
   EXPECT_EQ(restored->step(), 4u);
 }
 
+// A restore at an older step starts a new run: the newer step directories
+// hold the old run's steps. Complete ones are set aside (renamed, kept),
+// torn ones removed; the new run's checkpoint of step 2 is then written
+// (not skipped as complete already), and a restore of the newest loads the
+// new run's step 2 bitwise, not the old run's step 3. Without the set-aside
+// the step-2 checkpoint writes nothing and the restore finds step 3.
+using CheckpointAllTest = CheckpointDirTest<0>;
+
+TEST_F(CheckpointAllTest, ARestoreAtAnOlderStepSetsTheNewerStepsAside) {
+  const v1::CreateJobRequest r = JobRequest("k", 1, {{"w", 1000}});
+  Create(r);
+  std::mt19937_64 rng(13);
+  auto step_and_checkpoint = [&](uint64_t step) {
+    ASSERT_TRUE(Push("k", step, 0, {{"w", RandomBf16(rng, 1000, 0.3f)}}).ok());
+    ASSERT_TRUE(Commit("k", step, 1e-3).ok());
+    v1::CheckpointRequest request;
+    request.set_job("k");
+    request.set_step(step);
+    auto written = store_.Checkpoint(request);
+    ASSERT_TRUE(written.ok()) << written.status();
+    EXPECT_TRUE(written->complete());
+    EXPECT_GT(written->part_bytes(), 0u) << "step " << step << " was not written";
+  };
+  for (uint64_t step = 1; step <= 3; ++step) step_and_checkpoint(step);
+  const std::string torn = checkpoint::StepDirectory(dir_, "k", 4);  // a server died writing it
+  std::filesystem::create_directories(torn);
+  std::ofstream(torn + "/part-0-0.bin") << "partial";
+
+  ASSERT_TRUE(store_.DropJob("k").ok());
+  v1::CreateJobRequest back = r;
+  back.set_restore_step(1);
+  auto restored = store_.CreateJob(back);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  ASSERT_TRUE(restored->restored());
+  ASSERT_EQ(restored->step(), 1u);
+  std::vector<std::string> left;
+  const std::filesystem::path job_dir = std::filesystem::path(torn).parent_path();
+  for (const auto& e : std::filesystem::directory_iterator(job_dir)) left.push_back(e.path().filename().string());
+  std::sort(left.begin(), left.end());
+  ASSERT_EQ(left.size(), 3u);
+  EXPECT_THAT(left[0], ::testing::StartsWith("abandoned-step-00000000000000000002-"));
+  EXPECT_THAT(left[1], ::testing::StartsWith("abandoned-step-00000000000000000003-"));
+  EXPECT_EQ(left[2], "step-00000000000000000001");
+  EXPECT_THAT(log_, ::testing::Contains(HasSubstr("removed torn checkpoint " + torn)));
+
+  step_and_checkpoint(2);  // the new run's step 2, from other gradients
+  const std::string new_run = Snapshot("k");
+  auto backend = MakeCpuBackend({});
+  JobStore fresh(backend.get(), Options0(dir_));
+  auto newest = fresh.CreateJob(r);
+  ASSERT_TRUE(newest.ok()) << newest.status();
+  EXPECT_EQ(newest->step(), 2u);
+  EXPECT_EQ(Snapshot(fresh, "k"), new_run);
+}
+
 // A restore streams the part file in pieces of 8 MiB of data, which end
 // wherever they fall: here one ends inside an fp32 element of c, whose
 // arrays start 2 bytes past a multiple of 4 after b's bf16 ones of odd
