@@ -223,7 +223,6 @@ absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t l
         if (n < 0) piece.status = absl::DataLossError(ErrnoText("cannot read", path));
         if (n <= 0) break;
         got += static_cast<size_t>(n);
-        if (static_cast<size_t>(n) < asked) break;  // the end of the file
       }
       if (piece.status.ok() && got < need) {
         piece.status = absl::DataLossError(absl::StrCat(path, " is truncated: it ends before byte ", offset + length));

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -120,6 +121,8 @@ void PartWriter::Append(const void* data, size_t n) {
 
 absl::StatusOr<WriteResult> PartWriter::Finish() {
   if (!file_) return result_;
+  // A failed write stopped the data short: the disk's error is the answer.
+  if (file_->failed()) return file_->Close();
   if (data_bytes_ != DataBytes(manifest_)) {
     return absl::InternalError(absl::StrCat("a checkpoint part of ", DataBytes(manifest_), " data bytes got ", data_bytes_));
   }
@@ -182,23 +185,26 @@ std::vector<std::string> Prune(const std::string& root, const std::string& job, 
   return removed;
 }
 
-std::vector<std::string> SetAsideNewerSteps(const std::string& root, const std::string& job, uint64_t step) {
+absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& root, const std::string& job,
+                                                            uint64_t step) {
   std::vector<std::string> done;
-  std::error_code ec;
-  for (uint64_t newer : StepsNewestFirst(absl::StrCat(root, "/", JobDirectoryName(job)))) {
+  const std::string job_dir = absl::StrCat(root, "/", JobDirectoryName(job));
+  for (uint64_t newer : StepsNewestFirst(job_dir)) {
     if (newer <= step) break;
     const std::string dir = StepDirectory(root, job, newer);
-    // Every server of the job restores at once, so another may be doing
-    // the same: what it moved or removed first is simply gone here.
-    if (fs::exists(absl::StrCat(dir, "/", kCommitName), ec)) {
-      const std::string aside = absl::StrFormat("%s/abandoned-%s-%d", fs::path(dir).parent_path().string(),
-                                                fs::path(dir).filename().string(), absl::ToUnixNanos(absl::Now()));
-      if (rename(dir.c_str(), aside.c_str()) == 0) done.push_back(absl::StrCat("set aside checkpoint ", dir, " as ", aside));
-    } else if (fs::remove_all(dir, ec) > 0) {
-      done.push_back(absl::StrCat("removed torn checkpoint ", dir));
+    const std::string aside = absl::StrFormat("%s/abandoned-%s-%d", job_dir, fs::path(dir).filename().string(),
+                                              absl::ToUnixNanos(absl::Now()));
+    // Every server of the job restores at once, so another may have moved
+    // it first (ENOENT).
+    if (rename(dir.c_str(), aside.c_str()) == 0) {
+      done.push_back(absl::StrCat("set aside checkpoint ", dir, " as ", aside));
+    } else if (errno != ENOENT) {
+      return absl::InternalError(ErrnoText(absl::StrCat("cannot set aside ", dir, " (restore_step ", step,
+                                                        " starts a new run; move it away) as"),
+                                           aside));
     }
   }
-  if (!done.empty()) (void)FsyncDirectory(absl::StrCat(root, "/", JobDirectoryName(job)));
+  if (!done.empty()) SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(job_dir));
   return done;
 }
 

@@ -115,14 +115,16 @@ class PartWriter {
 // newest complete checkpoint always stays. Returns the directories removed.
 std::vector<std::string> Prune(const std::string& root, const std::string& job, uint64_t keep);
 
-// A restore at `step` starts a new run of the job from it, and the job's
-// step directories newer than `step` hold another run's steps: a torn one
-// could be tiled with this run's parts of that step, and a complete one
-// would be taken for this run's (its step skipped as complete already, and
-// loaded as the newest). Torn ones are removed; complete ones are renamed
-// to "abandoned-step-<step, 20 digits>-<nanoseconds>" beside them, kept for
-// the operator, never loaded or pruned. Returns what was done, for the log.
-std::vector<std::string> SetAsideNewerSteps(const std::string& root, const std::string& job, uint64_t step);
+// A restore at an older step than the newest (restore_step) starts a new
+// run of the job from it, and the job's step directories newer than `step`
+// hold the old run's steps: a complete one would be taken for the new
+// run's (its step skipped as complete already, and loaded as the newest),
+// and a torn one could be tiled with the new run's part of that step. Each
+// is renamed to "abandoned-step-<step, 20 digits>-<nanoseconds>" beside
+// them: kept for the operator, never loaded or pruned. Returns what was
+// done, for the log; INTERNAL if a directory could not be moved.
+absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& root, const std::string& job,
+                                                            uint64_t step);
 
 // Why each newer checkpoint was passed over, for the server's log.
 using Log = std::function<void(const std::string&)>;

@@ -136,7 +136,8 @@ class JobState {
   virtual void GradBlockDone(uint32_t /*shard*/, uint64_t /*offset*/, uint64_t /*count*/) {}
   // Sets master, m or v. fp32 data into an FP32 shard is kept exactly; into a
   // BF16 shard it is rounded, which is that precision's meaning. Writing the
-  // master also refreshes the bf16 params.
+  // master also refreshes the bf16 params. `data` need not be aligned (a
+  // restore's pieces start wherever the part's frame ends).
   virtual absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype,
                                   const void* data, uint64_t count) = 0;
   // Makes the host memory of elements [offset, offset + count) of `shard`'s

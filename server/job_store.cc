@@ -133,9 +133,14 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                  {"directory", checkpoint::StepDirectory(options_.checkpoint_dir, spec.job(), job->step)},
                                  {"state_bytes", absl::StrCat(bytes)},
                                  {"seconds", absl::StrCat(seconds)}});
-      // Before any client sees the job: from here on its checkpoints are this run's.
-      for (const std::string& line : checkpoint::SetAsideNewerSteps(options_.checkpoint_dir, spec.job(), job->step)) {
-        options_.checkpoint_log(line);
+      // A restore_step that goes back starts a new run: before any client
+      // sees the job, the old run's newer steps go out of its way. Not after
+      // a restore of the newest: a newer torn step may be one that a peer
+      // still completes (a rolling upgrade's drain).
+      if (restore_step > 0) {
+        SHARDOPT_ASSIGN_OR_RETURN(auto set_aside,
+                                  checkpoint::SetAsideNewerSteps(options_.checkpoint_dir, spec.job(), job->step));
+        for (const std::string& line : set_aside) options_.checkpoint_log(line);
       }
     } else if (loaded.code() != absl::StatusCode::kNotFound || restore_step > 0) {
       return loaded;  // the job, partly written, is thrown away

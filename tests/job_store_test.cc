@@ -1,7 +1,10 @@
 // The step protocol core, without a network: aggregation, barrier, retries,
 // skips, per-tensor steps, idempotent commits, and every refusal leaving the
 // state as it was.
+#include <sys/resource.h>
+
 #include <algorithm>
+#include <csignal>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -636,14 +639,17 @@ TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
   auto restored = fresh.CreateJob(JobRequest("k", 1, {{"w", 100}}));
   ASSERT_TRUE(restored.ok()) << restored.status();
   EXPECT_EQ(restored->step(), 4u);
+  // A restore of the newest leaves the newer step alone: its writer may be
+  // a peer that completes it yet (a rolling upgrade's drain).
+  EXPECT_TRUE(std::filesystem::exists(in_progress + "/part-0-0.bin"));
 }
 
-// A restore at an older step starts a new run: the newer step directories
-// hold the old run's steps. Complete ones are set aside (renamed, kept),
-// torn ones removed; the new run's checkpoint of step 2 is then written
-// (not skipped as complete already), and a restore of the newest loads the
-// new run's step 2 bitwise, not the old run's step 3. Without the set-aside
-// the step-2 checkpoint writes nothing and the restore finds step 3.
+// A restore_step that goes back starts a new run: the newer step
+// directories, complete or torn, hold the old run's steps and are set aside
+// (renamed, kept); the new run's checkpoint of step 2 is then written (not
+// skipped as complete already), and a restore of the newest loads the new
+// run's step 2 bitwise, not the old run's step 3. Without the set-aside the
+// step-2 checkpoint writes nothing and the restore finds step 3.
 using CheckpointAllTest = CheckpointDirTest<0>;
 
 TEST_F(CheckpointAllTest, ARestoreAtAnOlderStepSetsTheNewerStepsAside) {
@@ -677,11 +683,12 @@ TEST_F(CheckpointAllTest, ARestoreAtAnOlderStepSetsTheNewerStepsAside) {
   const std::filesystem::path job_dir = std::filesystem::path(torn).parent_path();
   for (const auto& e : std::filesystem::directory_iterator(job_dir)) left.push_back(e.path().filename().string());
   std::sort(left.begin(), left.end());
-  ASSERT_EQ(left.size(), 3u);
+  ASSERT_EQ(left.size(), 4u);
   EXPECT_THAT(left[0], ::testing::StartsWith("abandoned-step-00000000000000000002-"));
   EXPECT_THAT(left[1], ::testing::StartsWith("abandoned-step-00000000000000000003-"));
-  EXPECT_EQ(left[2], "step-00000000000000000001");
-  EXPECT_THAT(log_, ::testing::Contains(HasSubstr("removed torn checkpoint " + torn)));
+  EXPECT_THAT(left[2], ::testing::StartsWith("abandoned-step-00000000000000000004-"));
+  EXPECT_EQ(left[3], "step-00000000000000000001");
+  EXPECT_THAT(log_, ::testing::Contains(HasSubstr("set aside checkpoint " + torn + " as ")));
 
   step_and_checkpoint(2);  // the new run's step 2, from other gradients
   const std::string new_run = Snapshot("k");
@@ -691,6 +698,34 @@ TEST_F(CheckpointAllTest, ARestoreAtAnOlderStepSetsTheNewerStepsAside) {
   ASSERT_TRUE(newest.ok()) << newest.status();
   EXPECT_EQ(newest->step(), 2u);
   EXPECT_EQ(Snapshot(fresh, "k"), new_run);
+}
+
+// A write that fails mid-checkpoint (here past RLIMIT_FSIZE, EFBIG) stops
+// the stream, and the checkpoint answers with the disk's error, leaving no
+// part; the job is untouched and the next checkpoint is written whole.
+TEST_F(CheckpointAllTest, AFailedWriteAnswersWithTheDisksErrorAndLeavesNoPart) {
+  Create(JobRequest("k", 1, {{"w", 4 << 20}}));  // a 48 MiB part
+  const std::string before = Snapshot("k");
+  v1::CheckpointRequest request;
+  request.set_job("k");
+  request.set_step(0);
+  rlimit old;
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  rlimit small = old;
+  small.rlim_cur = 16 << 20;
+  const auto old_handler = signal(SIGXFSZ, SIG_IGN);  // the write fails with EFBIG instead
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  auto failed = store_.Checkpoint(request);
+  setrlimit(RLIMIT_FSIZE, &old);
+  signal(SIGXFSZ, old_handler);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kInternal) << failed.status();
+  EXPECT_THAT(std::string(failed.status().message()), HasSubstr("cannot write")) << failed.status();
+  const std::string step_dir = checkpoint::StepDirectory(dir_, "k", 0);
+  EXPECT_TRUE(std::filesystem::is_empty(step_dir));
+  EXPECT_EQ(Snapshot("k"), before);
+  auto written = store_.Checkpoint(request);
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_TRUE(written->complete());
 }
 
 // A restore streams the part file in pieces of 8 MiB of data, which end

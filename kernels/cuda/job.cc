@@ -111,10 +111,8 @@ absl::Status CudaJobState::WriteState(uint32_t shard, StateKind kind, uint64_t o
   return device_->Upload(stream_, {dsts, master ? 2u : 1u}, count,
                          [&](uint64_t first, uint64_t n, char* const* staged) {
                            for (uint64_t i = 0; i < n; ++i) {
-                             const float x =
-                                 dtype == DType::kFp32
-                                     ? static_cast<const float*>(data)[first + i]
-                                     : math::bf16_to_float(static_cast<const uint16_t*>(data)[first + i]);
+                             // `data` need not be aligned: a restore's pieces start anywhere.
+                             const float x = LoadAsFloat(static_cast<const char*>(data), first + i, dtype);
                              if (fp32_state) {
                                reinterpret_cast<float*>(staged[0])[i] = x;
                              } else {
