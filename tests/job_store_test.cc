@@ -615,16 +615,7 @@ TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
     std::ofstream(d + "/part-0-0.bin") << "partial";
   }
   std::mt19937_64 rng(11);
-  for (uint64_t step = 1; step <= 4; ++step) {
-    ASSERT_TRUE(Push("k", step, 0, {{"w", RandomBf16(rng, 100, 0.3f)}}).ok());
-    ASSERT_TRUE(Commit("k", step, 1e-3).ok());
-    v1::CheckpointRequest request;
-    request.set_job("k");
-    request.set_step(step);
-    auto written = store_.Checkpoint(request);
-    ASSERT_TRUE(written.ok()) << written.status();
-    EXPECT_TRUE(written->complete());
-  }
+  for (uint64_t step = 1; step <= 4; ++step) StepAndCheckpoint("k", step, 100, rng);
   std::vector<std::string> left;
   for (const auto& e : std::filesystem::directory_iterator(std::filesystem::path(in_progress).parent_path())) {
     left.push_back(e.path().string());
@@ -656,18 +647,7 @@ TEST_F(CheckpointAllTest, ARestoreAtAnOlderStepSetsTheNewerStepsAside) {
   const v1::CreateJobRequest r = JobRequest("k", 1, {{"w", 1000}});
   Create(r);
   std::mt19937_64 rng(13);
-  auto step_and_checkpoint = [&](uint64_t step) {
-    ASSERT_TRUE(Push("k", step, 0, {{"w", RandomBf16(rng, 1000, 0.3f)}}).ok());
-    ASSERT_TRUE(Commit("k", step, 1e-3).ok());
-    v1::CheckpointRequest request;
-    request.set_job("k");
-    request.set_step(step);
-    auto written = store_.Checkpoint(request);
-    ASSERT_TRUE(written.ok()) << written.status();
-    EXPECT_TRUE(written->complete());
-    EXPECT_GT(written->part_bytes(), 0u) << "step " << step << " was not written";
-  };
-  for (uint64_t step = 1; step <= 3; ++step) step_and_checkpoint(step);
+  for (uint64_t step = 1; step <= 3; ++step) StepAndCheckpoint("k", step, 1000, rng);
   const std::string torn = checkpoint::StepDirectory(dir_, "k", 4);  // a server died writing it
   std::filesystem::create_directories(torn);
   std::ofstream(torn + "/part-0-0.bin") << "partial";
@@ -690,7 +670,7 @@ TEST_F(CheckpointAllTest, ARestoreAtAnOlderStepSetsTheNewerStepsAside) {
   EXPECT_EQ(left[3], "step-00000000000000000001");
   EXPECT_THAT(log_, ::testing::Contains(HasSubstr("set aside checkpoint " + torn + " as ")));
 
-  step_and_checkpoint(2);  // the new run's step 2, from other gradients
+  StepAndCheckpoint("k", 2, 1000, rng);  // the new run's step 2, from other gradients
   const std::string new_run = Snapshot("k");
   auto backend = MakeCpuBackend({});
   JobStore fresh(backend.get(), Options0(dir_));

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,20 @@ class CheckpointDirTest : public StoreTest {
     o.checkpoint_log = [](const std::string&) {};
     return o;
   }
+  // One step of `job`'s one tensor "w" of `numel` elements, from random
+  // gradients, then its checkpoint, which must be written and complete.
+  void StepAndCheckpoint(const std::string& job, uint64_t step, uint64_t numel, std::mt19937_64& rng) {
+    ASSERT_TRUE(Push(job, step, 0, {{"w", RandomBf16(rng, numel, 0.3f)}}).ok());
+    ASSERT_TRUE(Commit(job, step, 1e-3).ok());
+    v1::CheckpointRequest request;
+    request.set_job(job);
+    request.set_step(step);
+    auto written = store_.Checkpoint(request);
+    ASSERT_TRUE(written.ok()) << written.status();
+    EXPECT_TRUE(written->complete());
+    EXPECT_GT(written->part_bytes(), 0u) << "step " << step << " was not written";
+  }
+
   static inline std::string dir_;
   static inline std::vector<std::string> log_;
 };
