@@ -239,6 +239,8 @@ absl::StatusOr<Committed> FindCommitted(const std::string& root, const std::stri
     c.dir = StepDirectory(root, job, t);
     std::error_code ec;
     if (!fs::is_directory(c.dir, ec)) {
+      // Listed, then gone: a peer pruned it meanwhile; an older one may do.
+      if (step == 0) continue;
       return absl::NotFoundError(absl::StrCat("no checkpoint of job '", job, "' step ", t, " in ", root));
     }
     auto read = ReadFrame(absl::StrCat(c.dir, "/", kCommitName), &c.marker);

@@ -159,7 +159,7 @@ absl::Status SequentialWriter::Close() {
     absl::MutexLock lock(&mu_);
     closing_ = true;
   }
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
   absl::Status status;
   {
     absl::MutexLock lock(&mu_);

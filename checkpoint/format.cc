@@ -187,11 +187,21 @@ std::vector<std::string> Prune(const std::string& root, const std::string& job, 
 
 absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& root, const std::string& job,
                                                             uint64_t step) {
-  std::vector<std::string> done;
   const std::string job_dir = absl::StrCat(root, "/", JobDirectoryName(job));
-  for (uint64_t newer : StepsNewestFirst(job_dir)) {
-    if (newer <= step) break;
-    const std::string dir = StepDirectory(root, job, newer);
+  std::vector<uint64_t> newer = StepsNewestFirst(job_dir);
+  newer.erase(std::find_if(newer.begin(), newer.end(), [step](uint64_t t) { return t <= step; }), newer.end());
+  // Only a step that goes back, past a complete checkpoint, starts a new
+  // run; with none newer, `step` is the newest, and newer torn steps may be
+  // a peer's still being completed.
+  std::error_code ec;
+  if (std::none_of(newer.begin(), newer.end(), [&](uint64_t t) {
+        return fs::exists(absl::StrCat(StepDirectory(root, job, t), "/", kCommitName), ec);
+      })) {
+    return std::vector<std::string>{};
+  }
+  std::vector<std::string> done;
+  for (uint64_t t : newer) {
+    const std::string dir = StepDirectory(root, job, t);
     const std::string aside = absl::StrFormat("%s/abandoned-%s-%d", job_dir, fs::path(dir).filename().string(),
                                               absl::ToUnixNanos(absl::Now()));
     // Every server of the job restores at once, so another may have moved
@@ -204,7 +214,8 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
                                            aside));
     }
   }
-  if (!done.empty()) SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(job_dir));
+  // Whoever moved them, they must stay moved before the job is served.
+  SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(job_dir));
   return done;
 }
 

@@ -115,13 +115,14 @@ class PartWriter {
 // newest complete checkpoint always stays. Returns the directories removed.
 std::vector<std::string> Prune(const std::string& root, const std::string& job, uint64_t keep);
 
-// A restore at an older step than the newest (restore_step) starts a new
+// A restore_step older than the newest complete checkpoint starts a new
 // run of the job from it, and the job's step directories newer than `step`
 // hold the old run's steps: a complete one would be taken for the new
 // run's (its step skipped as complete already, and loaded as the newest),
 // and a torn one could be tiled with the new run's part of that step. Each
 // is renamed to "abandoned-step-<step, 20 digits>-<nanoseconds>" beside
-// them: kept for the operator, never loaded or pruned. Returns what was
+// them: kept for the operator, never loaded or pruned. Nothing when no
+// newer step is complete (`step` is then the newest). Returns what was
 // done, for the log; INTERNAL if a directory could not be moved.
 absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& root, const std::string& job,
                                                             uint64_t step);

@@ -136,7 +136,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
       // A restore_step that goes back starts a new run: before any client
       // sees the job, the old run's newer steps go out of its way. Not after
       // a restore of the newest: a newer torn step may be one that a peer
-      // still completes (a rolling upgrade's drain).
+      // still completes (a drain during an upgrade).
       if (restore_step > 0) {
         SHARDOPT_ASSIGN_OR_RETURN(auto set_aside,
                                   checkpoint::SetAsideNewerSteps(options_.checkpoint_dir, spec.job(), job->step));

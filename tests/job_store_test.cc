@@ -680,6 +680,26 @@ TEST_F(CheckpointAllTest, ARestoreAtAnOlderStepSetsTheNewerStepsAside) {
   EXPECT_EQ(Snapshot(fresh, "k"), new_run);
 }
 
+// A restore_step that is the newest complete checkpoint goes back past
+// nothing: a newer torn step stays, as after a restore of the newest (a
+// peer may still complete it).
+TEST_F(CheckpointAllTest, ARestoreStepThatIsTheNewestLeavesANewerTornStep) {
+  const v1::CreateJobRequest r = JobRequest("k", 1, {{"w", 1000}});
+  Create(r);
+  std::mt19937_64 rng(17);
+  for (uint64_t step = 1; step <= 2; ++step) StepAndCheckpoint("k", step, 1000, rng);
+  const std::string torn = checkpoint::StepDirectory(dir_, "k", 3);
+  std::filesystem::create_directories(torn);
+  std::ofstream(torn + "/part-0-0.bin") << "partial";
+  ASSERT_TRUE(store_.DropJob("k").ok());
+  v1::CreateJobRequest newest = r;
+  newest.set_restore_step(2);
+  auto restored = store_.CreateJob(newest);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(restored->step(), 2u);
+  EXPECT_TRUE(std::filesystem::exists(torn + "/part-0-0.bin"));
+}
+
 // A write that fails mid-checkpoint (here past RLIMIT_FSIZE, EFBIG) stops
 // the stream, and the checkpoint answers with the disk's error, leaving no
 // part; the job is untouched and the next checkpoint is written whole.
@@ -693,8 +713,8 @@ TEST_F(CheckpointAllTest, AFailedWriteAnswersWithTheDisksErrorAndLeavesNoPart) {
   ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
   rlimit small = old;
   small.rlim_cur = 16 << 20;
-  const auto old_handler = signal(SIGXFSZ, SIG_IGN);  // the write fails with EFBIG instead
   ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  const auto old_handler = signal(SIGXFSZ, SIG_IGN);  // the write fails with EFBIG instead
   auto failed = store_.Checkpoint(request);
   setrlimit(RLIMIT_FSIZE, &old);
   signal(SIGXFSZ, old_handler);
