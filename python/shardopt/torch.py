@@ -132,7 +132,8 @@ class RemoteAdamW(torch.optim.Optimizer):
         max_grad_norm: global-norm clipping over the averaged gradient (0:
             none), decided alike on every rank from the servers' partial norms.
         state_precision: "fp32" (default) or "bf16" (the comparison arm:
-            master and moments in bf16, as torch.optim.AdamW on bf16 params).
+            master and moments in bf16, as torch.optim.AdamW on bf16 params),
+            for groups that do not set their own "state_precision".
         overlap: push each gradient while backward is still running (one
             backward per step; do not modify gradients between backward and
             step; use max_grad_norm instead of clipping them yourself).
@@ -140,8 +141,11 @@ class RemoteAdamW(torch.optim.Optimizer):
             attempts for UNAVAILABLE and DEADLINE_EXCEEDED.
         barrier_timeout: seconds the servers wait for every rank's gradients,
             and a new job's ranks wait for each other's initial values.
-        checkpoint_every: rank 0 asks for a checkpoint every this many steps
-            (servers need --checkpoint_dir); 0: only on ``checkpoint()``.
+        checkpoint_every: rank 0 asks for a checkpoint after every step that
+            is a multiple of this (servers need --checkpoint_dir), with
+            overlap too; 0: only on ``checkpoint()``. If that checkpoint
+            fails, ``step()`` raises its error after the step was applied and
+            the params updated: do not repeat the step.
         restore_step: for servers with --checkpoint_dir that do not hold the
             job: 0 resumes from the newest checkpoint, t from step t's.
         chunk_bytes: bytes of gradient per streamed message; 0 (default)
@@ -167,6 +171,12 @@ class RemoteAdamW(torch.optim.Optimizer):
             raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
         groups, names = _split_names(params)
         super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        precisions = [g.get("state_precision", state_precision) for g in self.param_groups]
+        for gi, (g, precision) in enumerate(zip(self.param_groups, precisions)):
+            if precision not in _STATE_PRECISIONS:
+                raise ValueError(f"group {gi}: state_precision must be one of {_STATE_PRECISIONS}, not {precision!r}")
+            if g.get("amsgrad") or g.get("maximize"):
+                raise InvalidArgument(f"group {gi}: RemoteAdamW does not implement amsgrad or maximize")
 
         self._tensors = []
         for gi, group in enumerate(self.param_groups):
@@ -183,9 +193,12 @@ class RemoteAdamW(torch.optim.Optimizer):
         pem = [_read_pem(path) for path in (tls_ca, tls_cert, tls_key)]
         if token is None:
             token = os.environ.get("SHARDOPT_TOKEN", "")
+        # The periodic checkpoint is taken here, after step() or a skip
+        # commit, on both paths (the client's own is in Client::Step only).
+        self._checkpoint_every = int(checkpoint_every)
         self._client = _C.Client(_servers(servers, num_servers), rank, max_attempts, int(rpc_timeout * 1000),
-                                 chunk_bytes, checkpoint_every, *pem, token=token)
-        job_groups = [(f"group.{gi}", b1, b2, eps_, wd, 1.0, state_precision == "fp32")
+                                 chunk_bytes, 0, *pem, token=token)
+        job_groups = [(f"group.{gi}", b1, b2, eps_, wd, 1.0, precisions[gi] == "fp32")
                       for gi, (b1, b2, eps_, wd) in enumerate(self._hyper)]
         job_tensors = [(t.name, t.numel, t.group, t.fp32) for t in self._tensors]
         #: The job's step when this optimizer attached: 0 for a new job, else
@@ -241,6 +254,7 @@ class RemoteAdamW(torch.optim.Optimizer):
             if not t.in_place():
                 t.param.copy_(t.host_param, non_blocking=True)
         self.last_decision = decision
+        self._checkpoint_if_due()
         return loss
 
     def zero_grad(self, set_to_none=True):
@@ -248,6 +262,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         # completed as a skipped step so the job can go on.
         if self.overlap and self._client.pushing():
             self._commit_push(skip=True)
+            self._checkpoint_if_due()
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
@@ -349,6 +364,11 @@ class RemoteAdamW(torch.optim.Optimizer):
         same job resumes from the servers' state, or from this checkpoint if
         the servers restarted too."""
         self._client.checkpoint()
+
+    def _checkpoint_if_due(self):
+        every = self._checkpoint_every
+        if every > 0 and self.rank == 0 and self._client.step_count % every == 0:
+            self.checkpoint()
 
     def verify_state(self):
         """Raises shardopt.FailedPrecondition if any group's state is not held
@@ -502,10 +522,17 @@ class RemoteAdamW(torch.optim.Optimizer):
                     optimizer._on_grad_ready(k)
             return ready
 
-        for k, t in enumerate(self._tensors):
-            node = t.param.expand_as(t.param).grad_fn.next_functions[0][0]
-            node.register_hook(hook(k))
-            self._hooks.append(node)
+        # A param without requires_grad gets no gradient and has no node:
+        # step() pushes it as having none. The node is found through a view
+        # made with grad enabled, also when the optimizer is built under
+        # torch.no_grad().
+        with torch.enable_grad():
+            for k, t in enumerate(self._tensors):
+                if not t.param.requires_grad:
+                    continue
+                node = t.param.expand_as(t.param).grad_fn.next_functions[0][0]
+                node.register_hook(hook(k))
+                self._hooks.append(node)
 
     def _on_grad_ready(self, k):
         if not self._client.pushing():

@@ -105,3 +105,16 @@ def test_server_pattern_expands():
         "shardopt-0.shardopt:50051", "shardopt-1.shardopt:50051"]
     with pytest.raises(shardopt.InvalidArgument):
         shardopt.expand_server_pattern("no-pattern:50051", 2)
+
+
+@pytest.mark.parametrize("key", ["amsgrad", "maximize", "state_precision"])
+def test_a_group_asking_for_what_the_servers_do_not_do_is_refused(servers, job, key):
+    """amsgrad or maximize in a group, or an unknown state precision, is
+    refused at construction, before a job is made: never trained as plain
+    AdamW."""
+    model = make_model()
+    groups = param_groups(model)
+    groups[0][key] = "fp16" if key == "state_precision" else True
+    error = ValueError if key == "state_precision" else shardopt.InvalidArgument
+    with pytest.raises(error, match=key):
+        RemoteAdamW(groups, servers=servers, job=job, lr=1e-3)

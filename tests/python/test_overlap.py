@@ -8,6 +8,7 @@ import torch
 import shardopt
 from shardopt.torch import RemoteAdamW
 from models import batch, make_model, param_groups, same_bits, train
+from servers import ServerProcess
 
 torch.set_num_threads(1)
 STEPS = 30
@@ -87,3 +88,47 @@ def test_second_backward_before_step_is_refused_and_zero_grad_recovers(servers, 
     train(model, opt, 2, first=2)
     assert opt.job_step == 3
     opt.drop()
+
+
+def test_checkpoint_every_checkpoints_with_overlap(server_binary, job, tmp_path):
+    """checkpoint_every=2 with overlap=True: steps 2 and 4 are checkpointed
+    (the overlap path commits without Client::Step, which checkpointed for
+    overlap=False only)."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    for i in range(2):
+        (tmp_path / f"s{i}").mkdir()
+    procs = [ServerProcess(server_binary, tmp_path / f"s{i}", f"--checkpoint_dir={directory}") for i in range(2)]
+    try:
+        model = make_model()
+        opt = RemoteAdamW(param_groups(model), servers=[p.address for p in procs], job=job, lr=1e-3, overlap=True,
+                          checkpoint_every=2)
+        train(model, opt, 5)
+        (job_dir,) = directory.iterdir()
+        complete = sorted(int(d.name[len("step-"):]) for d in job_dir.iterdir() if (d / "COMMIT").exists())
+        assert complete == [2, 4]
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_frozen_param_is_left_alone_with_overlap(servers, job):
+    """A param without requires_grad (fine-tuning with a frozen embedding),
+    the optimizer built under torch.no_grad(): overlap=True steps bitwise as
+    overlap=False does, and the frozen param does not move."""
+    models = [make_model(), make_model()]
+    frozen = []
+    for m in models:
+        p = next(iter(m.parameters()))
+        p.requires_grad_(False)
+        frozen.append((p, p.detach().clone()))
+    with torch.no_grad():
+        overlapped = RemoteAdamW(param_groups(models[0]), servers=servers, job=f"{job}-overlap", lr=1e-3,
+                                 overlap=True)
+    plain = RemoteAdamW(param_groups(models[1]), servers=servers, job=f"{job}-plain", lr=1e-3)
+    train(models[0], overlapped, 3)
+    train(models[1], plain, 3)
+    for p, before in frozen:
+        assert same_bits(p, before)
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert same_bits(p, q), name

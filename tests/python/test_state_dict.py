@@ -177,3 +177,19 @@ def test_torch_adamw_state_of_a_bf16_model_is_widened_exactly(servers, job):
             assert same_bits(loaded[k][key], state[key].float()), (k, key)
     assert all(same_bits(p, q) for p, q in zip(ours.parameters(), theirs.parameters()))
     opt.drop()
+
+
+def test_a_group_holds_the_state_precision_it_asks_for(servers, job):
+    """{"state_precision": "bf16"} in one group: its moments are bf16 values
+    (the low 16 bits of every fp32 are zero), the other group's are fp32."""
+    model = make_model()
+    groups = param_groups(model)
+    groups[1]["state_precision"] = "bf16"
+    opt = RemoteAdamW(groups, servers=servers, job=job, lr=1e-3)
+    train(model, opt, 3)
+    state = opt.state_dict()["state"]
+    for gi, group in enumerate(opt.state_dict()["param_groups"]):
+        low = [(state[i]["exp_avg"].view(torch.int32) & 0xFFFF).abs().sum().item() for i in group["params"]
+               if i in state]
+        assert low, gi
+        assert (sum(low) == 0) == (gi == 1), (gi, low)
