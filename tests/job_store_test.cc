@@ -641,21 +641,31 @@ TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
 // skipped as complete already), and a restore of the newest loads the new
 // run's step 2 bitwise, not the old run's step 3. Without the set-aside the
 // step-2 checkpoint writes nothing and the restore finds step 3.
-using CheckpointAllTest = CheckpointDirTest<0>;
+class CheckpointAllTest : public CheckpointDirTest<0> {
+ protected:
+  // Job "k" of `r`, stepped and checkpointed at 1 ... complete, a torn step
+  // after those (a server died writing it), then dropped, for a restore;
+  // returns the torn step's directory.
+  std::string CheckpointedThenTorn(const v1::CreateJobRequest& r, uint64_t complete, std::mt19937_64& rng) {
+    Create(r);
+    for (uint64_t step = 1; step <= complete; ++step) StepAndCheckpoint("k", step, 1000, rng);
+    const std::string torn = checkpoint::StepDirectory(dir_, "k", complete + 1);
+    std::filesystem::create_directories(torn);
+    std::ofstream(torn + "/part-0-0.bin") << "partial";
+    EXPECT_TRUE(store_.DropJob("k").ok());
+    return torn;
+  }
+  absl::StatusOr<v1::CreateJobResponse> RestoreAt(v1::CreateJobRequest r, uint64_t step) {
+    r.set_restore_step(step);
+    return store_.CreateJob(r);
+  }
+};
 
 TEST_F(CheckpointAllTest, ARestoreAtAnOlderStepSetsTheNewerStepsAside) {
   const v1::CreateJobRequest r = JobRequest("k", 1, {{"w", 1000}});
-  Create(r);
   std::mt19937_64 rng(13);
-  for (uint64_t step = 1; step <= 3; ++step) StepAndCheckpoint("k", step, 1000, rng);
-  const std::string torn = checkpoint::StepDirectory(dir_, "k", 4);  // a server died writing it
-  std::filesystem::create_directories(torn);
-  std::ofstream(torn + "/part-0-0.bin") << "partial";
-
-  ASSERT_TRUE(store_.DropJob("k").ok());
-  v1::CreateJobRequest back = r;
-  back.set_restore_step(1);
-  auto restored = store_.CreateJob(back);
+  const std::string torn = CheckpointedThenTorn(r, 3, rng);
+  auto restored = RestoreAt(r, 1);
   ASSERT_TRUE(restored.ok()) << restored.status();
   ASSERT_TRUE(restored->restored());
   ASSERT_EQ(restored->step(), 1u);
@@ -685,16 +695,9 @@ TEST_F(CheckpointAllTest, ARestoreAtAnOlderStepSetsTheNewerStepsAside) {
 // peer may still complete it).
 TEST_F(CheckpointAllTest, ARestoreStepThatIsTheNewestLeavesANewerTornStep) {
   const v1::CreateJobRequest r = JobRequest("k", 1, {{"w", 1000}});
-  Create(r);
   std::mt19937_64 rng(17);
-  for (uint64_t step = 1; step <= 2; ++step) StepAndCheckpoint("k", step, 1000, rng);
-  const std::string torn = checkpoint::StepDirectory(dir_, "k", 3);
-  std::filesystem::create_directories(torn);
-  std::ofstream(torn + "/part-0-0.bin") << "partial";
-  ASSERT_TRUE(store_.DropJob("k").ok());
-  v1::CreateJobRequest newest = r;
-  newest.set_restore_step(2);
-  auto restored = store_.CreateJob(newest);
+  const std::string torn = CheckpointedThenTorn(r, 2, rng);
+  auto restored = RestoreAt(r, 2);
   ASSERT_TRUE(restored.ok()) << restored.status();
   EXPECT_EQ(restored->step(), 2u);
   EXPECT_TRUE(std::filesystem::exists(torn + "/part-0-0.bin"));

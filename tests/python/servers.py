@@ -1,4 +1,5 @@
 """shardopt-server processes for the Python tests."""
+import contextlib
 import ctypes
 import os
 import signal
@@ -48,3 +49,20 @@ class ServerProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def checkpointing_servers(binary, tmp_path, count=2):
+    """`count` servers sharing one --checkpoint_dir under tmp_path; yields
+    the processes and the directory, and stops them after."""
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    procs = []
+    try:
+        for i in range(count):
+            (tmp_path / f"s{i}").mkdir()
+            procs.append(ServerProcess(binary, tmp_path / f"s{i}", f"--checkpoint_dir={directory}"))
+        yield procs, directory
+    finally:
+        for p in procs:
+            p.stop()

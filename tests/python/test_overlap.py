@@ -8,7 +8,7 @@ import torch
 import shardopt
 from shardopt.torch import RemoteAdamW
 from models import batch, make_model, param_groups, same_bits, train
-from servers import ServerProcess
+from servers import checkpointing_servers
 
 torch.set_num_threads(1)
 STEPS = 30
@@ -94,12 +94,7 @@ def test_checkpoint_every_checkpoints_with_overlap(server_binary, job, tmp_path)
     """checkpoint_every=2 with overlap=True: steps 2 and 4 are checkpointed
     (the overlap path commits without Client::Step, which checkpointed for
     overlap=False only)."""
-    directory = tmp_path / "checkpoints"
-    directory.mkdir()
-    for i in range(2):
-        (tmp_path / f"s{i}").mkdir()
-    procs = [ServerProcess(server_binary, tmp_path / f"s{i}", f"--checkpoint_dir={directory}") for i in range(2)]
-    try:
+    with checkpointing_servers(server_binary, tmp_path) as (procs, directory):
         model = make_model()
         opt = RemoteAdamW(param_groups(model), servers=[p.address for p in procs], job=job, lr=1e-3, overlap=True,
                           checkpoint_every=2)
@@ -107,9 +102,6 @@ def test_checkpoint_every_checkpoints_with_overlap(server_binary, job, tmp_path)
         (job_dir,) = directory.iterdir()
         complete = sorted(int(d.name[len("step-"):]) for d in job_dir.iterdir() if (d / "COMMIT").exists())
         assert complete == [2, 4]
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_a_frozen_param_is_left_alone_with_overlap(servers, job):

@@ -9,7 +9,7 @@ import torch
 
 from shardopt.torch import RemoteAdamW
 from models import bits, make_model, param_groups, same_bits, train
-from servers import ServerProcess
+from servers import checkpointing_servers
 from workers import MIXED
 
 torch.set_num_threads(1)
@@ -128,12 +128,7 @@ def test_checkpoint_survives_a_server_restart(server_binary, job, tmp_path):
     """checkpoint() writes the servers' state; after both servers are killed
     and restarted on the same directory, a new trainer resumes from it and
     continues bitwise equal to an uninterrupted run."""
-    directory = tmp_path / "checkpoints"
-    directory.mkdir()
-    for i in range(2):
-        (tmp_path / f"s{i}").mkdir()
-    procs = [ServerProcess(server_binary, tmp_path / f"s{i}", f"--checkpoint_dir={directory}") for i in range(2)]
-    try:
+    with checkpointing_servers(server_binary, tmp_path) as (procs, _):
         servers = [p.address for p in procs]
         whole = make_model()
         opt = RemoteAdamW(param_groups(whole), servers=servers, job=f"{job}-whole", lr=1e-3)
@@ -154,9 +149,6 @@ def test_checkpoint_survives_a_server_restart(server_binary, job, tmp_path):
         train(model, opt, STEPS, first=STEPS + 1)
         for (name, p), q in zip(model.named_parameters(), whole.parameters()):
             assert same_bits(p, q), name
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def test_torch_adamw_state_of_a_bf16_model_is_widened_exactly(servers, job):
