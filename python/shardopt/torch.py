@@ -343,16 +343,33 @@ class RemoteAdamW(torch.optim.Optimizer):
                                int(step.item() if isinstance(step, torch.Tensor) else step))
                 loads.append((t, master, moments))
         share = self._load_share() if shared else (0, 1)
-        for t, master, moments in loads:
-            self._init_master(t, t.param if master is None else master, share)
-            if master is not None:
-                with torch.no_grad():  # bf16: rounded to nearest even, as the servers round
-                    t.param.copy_(master.view(t.shape))
-            if moments is not None:
-                exp_avg, exp_avg_sq, step = moments
-                self._client.init_adam_state(t.name, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), step, *share)
+        error = None
+        try:
+            for t, master, moments in loads:
+                self._init_master(t, t.param if master is None else master, share)
+                if master is not None:
+                    with torch.no_grad():  # bf16: rounded to nearest even, as the servers round
+                        t.param.copy_(master.view(t.shape))
+                if moments is not None:
+                    exp_avg, exp_avg_sq, step = moments
+                    self._client.init_adam_state(t.name, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), step, *share)
+        except Exception as e:  # noqa: BLE001 (shared: the other ranks must hear of it first)
+            if not shared:
+                raise
+            error = e
         if shared:
-            torch.distributed.barrier()  # every share is in
+            # Every share is in once every rank says so. At a barrier, a rank
+            # that failed and lived on would be waited for until the process
+            # group's timeout; here every rank learns each one's outcome, and
+            # all raise if any failed.
+            outcomes = [None] * self.world_size
+            torch.distributed.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+            if error is not None:
+                raise error
+            for r, why in enumerate(outcomes):
+                if why is not None:
+                    raise FailedPrecondition(f"load_state_dict(shared=True): rank {r} could not send its share "
+                                             f"({why}); the job's state is incomplete: drop the job and load again")
         for g, saved in zip(self.param_groups, saved_groups):
             g.update({key: value for key, value in saved.items() if key != "params"})
 

@@ -126,3 +126,35 @@ def test_ranks_joined_by_torch_distributed_load_a_state_dict_once_between_them(s
     digests = train_summed_halves(ref, opt, STEPS + 1)
     opt.drop()
     assert_ranks_match(outs, digests, ref)
+
+
+def test_a_rank_that_cannot_send_its_share_fails_every_rank_at_once(servers, job, tmp_path):
+    """load_state_dict(shared=True) where rank 1 cannot send its share (an
+    injected failure): rank 1 raises its error, and rank 0 raises
+    FailedPrecondition naming rank 1 and that error. With a barrier instead,
+    rank 0 got gloo's "connection closed" once rank 1's process exited, and
+    would wait until torch.distributed's timeout (30 minutes by default) for
+    a rank 1 that caught its error and lived on."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-first", lr=1e-3)
+    tokens, targets = batch(1)
+    model(tokens, targets).backward()
+    opt.step()
+    checkpoint = tmp_path / "checkpoint.pt"
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint)
+    opt.drop()
+
+    outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
+    ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "workers.py"), "resume_dp", "--servers",
+                               ",".join(servers), "--job", f"{job}-dp", "--rank", str(r), "--world_size", "2",
+                               "--store", str(tmp_path / "store"), "--checkpoint", str(checkpoint), "--steps", "1",
+                               "--fail_rank", "1", "--out", str(outs[r])]) for r in range(2)]
+    try:
+        assert [p.wait(timeout=60) for p in ranks] == [3, 3]
+    finally:
+        for p in ranks:
+            p.kill()
+    errors = [torch.load(out)["error"] for out in outs]
+    assert errors[1] == "RuntimeError: injected: this rank's share cannot be sent"
+    assert errors[0].startswith("FailedPrecondition:"), errors[0]
+    assert "load_state_dict(shared=True): rank 1 could not send its share (RuntimeError: injected" in errors[0]

@@ -6,7 +6,7 @@ continuing from a saved state dict).
     workers.py resume --servers A,B --job J --checkpoint F --first T --steps N --out OUT
     workers.py dp --servers A,B --job J --rank R --world_size W --steps N --out OUT
     workers.py resume_dp --servers A,B --job J --rank R --world_size W --store S --checkpoint F --first T
-        --steps N --out OUT
+        --steps N --out OUT [--fail_rank R]
 """
 import argparse
 import hashlib
@@ -65,7 +65,15 @@ def resume_dp(args):
     model.load_state_dict(saved["model"])
     opt = RemoteAdamW(param_groups(model), servers=args.servers.split(","), job=args.job, lr=1e-3, rank=args.rank,
                       world_size=args.world_size, barrier_timeout=20)
-    opt.load_state_dict(saved["optimizer"], shared=True)
+    if args.rank == args.fail_rank:
+        def fail(*_, **__):
+            raise RuntimeError("injected: this rank's share cannot be sent")
+        opt._init_master = fail
+    try:
+        opt.load_state_dict(saved["optimizer"], shared=True)
+    except Exception as e:  # noqa: BLE001 (the test reads what each rank raised)
+        torch.save({"error": f"{type(e).__name__}: {e}"}, args.out)
+        sys.exit(3)
     train_share(model, opt, args)
     torch.distributed.destroy_process_group()
 
@@ -94,6 +102,8 @@ def main():
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world_size", type=int, default=1)
     parser.add_argument("--store", help="resume_dp: torch.distributed's file store")
+    parser.add_argument("--fail_rank", type=int, default=-1,
+                        help="resume_dp: this rank's load_state_dict fails to send its share")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     {"resume": resume, "dp": dp, "resume_dp": resume_dp}[args.mode](args)
