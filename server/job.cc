@@ -155,8 +155,11 @@ void Job::WakeRank(uint32_t rank) {
   progress_watchers_.erase(first, last);
 }
 
-void Job::AwaitWholeStep() {
-  while (applying && !dropped) changed.Wait(&mu);
+bool Job::AwaitWholeStep(absl::Time deadline) {
+  while (applying && !dropped) {
+    if (changed.WaitWithDeadline(&mu, deadline) && applying && !dropped) return false;
+  }
+  return true;
 }
 
 bool Job::StateWritable(const std::function<void()>& wake) {

@@ -170,8 +170,9 @@ class Job {
   // round's O(W x chunks) changes cost O(W); one that finds no room watches
   // again, and the lowest rank always goes on, so no push waits for good.
   void NotifyProgress() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Waits until no step is half applied, so that what follows sees whole steps.
-  void AwaitWholeStep() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Waits until no step is half applied, so that what follows sees whole
+  // steps; false if `deadline` came first.
+  bool AwaitWholeStep(absl::Time deadline = absl::InfiniteFuture()) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Whether the state may be written: once no checkpoint streams it (or the
   // job is dropped). A null `wake` waits for that, and the answer is true.
   // Otherwise the answer comes at once, and on false `wake` runs (once, on

@@ -227,7 +227,7 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
   return response;
 }
 
-std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobStore::DrainAndCheckpoint() {
+std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobStore::DrainAndCheckpoint(absl::Duration wait_for_steps) {
   draining_ = true;
   log::Info("drain", {{"detail", "commits that would apply a step are refused; every job is checkpointed"}});
   std::vector<std::pair<std::string, std::shared_ptr<Job>>> jobs;
@@ -235,14 +235,24 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
     absl::MutexLock lock(&mu_);
     for (const auto& [name, job] : jobs_) jobs.emplace_back(name, job);
   }
-  // No commit starts a step any more; one already applying finishes first.
+  // No commit starts a step any more; one already applying finishes first,
+  // unless its committer stopped reading: that one must not cost every
+  // other job its checkpoint (nor hold the exit until SIGKILL).
+  const absl::Time deadline = absl::Now() + wait_for_steps;
   std::vector<std::pair<std::string, uint64_t>> at;
+  std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> results;
   for (const auto& [name, job] : jobs) {
     absl::MutexLock job_lock(&job->mu);
-    job->AwaitWholeStep();
+    if (!job->AwaitWholeStep(deadline)) {
+      const absl::Status late = absl::DeadlineExceededError(
+          absl::StrCat("job '", name, "' is still applying a step after ",
+                       absl::FormatDuration(wait_for_steps), ": its committer stopped reading the params; not checkpointed"));
+      log::Error("checkpoint_failed", {{"job", name}, {"error", std::string(late.message())}});
+      results.emplace_back(name, late);
+      continue;
+    }
     if (!job->dropped && job->uninitialized_shards == 0) at.emplace_back(name, job->step);
   }
-  std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> results;
   for (const auto& [name, step] : at) {
     v1::CheckpointRequest request;
     request.set_job(name);

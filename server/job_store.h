@@ -88,11 +88,14 @@ class JobStore {
   // charged to the budget while it writes.
   absl::StatusOr<v1::CheckpointResponse> Checkpoint(const v1::CheckpointRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
   // For SIGTERM: from now on commits that would apply a step fail with
-  // UNAVAILABLE; commits already applying finish first. Then every job is
-  // checkpointed at its step, one result each; a job still waiting for its
-  // initial values holds nothing a restart could not rebuild and is skipped.
-  std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> DrainAndCheckpoint()
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // UNAVAILABLE; commits already applying finish first, for up to
+  // `wait_for_steps` in all. Then every job is checkpointed at its step, one
+  // result each; a job still waiting for its initial values holds nothing a
+  // restart could not rebuild and is skipped. A job whose step is still half
+  // applied then (its committer stopped reading the params) is
+  // DEADLINE_EXCEEDED, not checkpointed: the others do not wait for it.
+  std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> DrainAndCheckpoint(
+      absl::Duration wait_for_steps = absl::Seconds(20)) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status DropJob(const std::string& job) ABSL_LOCKS_EXCLUDED(mu_);
   // One page of the job's tensors on this server, at most kDescribePage.
   static constexpr uint32_t kDescribePage = 4096;

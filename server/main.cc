@@ -1,4 +1,5 @@
 // shardopt-server: one optimizer server process.
+#include <arpa/inet.h>
 #include <semaphore.h>
 #include <time.h>
 
@@ -87,8 +88,12 @@ void OnReload(int) {
   sem_post(&g_wake);
 }
 
+// An address, not a name that merely starts like one ("127.example.com"):
+// 127.0.0.0/8, ::1, or localhost.
 bool IsLoopback(const std::string& host) {
-  return host == "localhost" || host == "::1" || host == "[::1]" || host.rfind("127.", 0) == 0;
+  in_addr v4;
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  return host == "localhost" || host == "::1" || host == "[::1]";
 }
 
 // A PEM file's text; exits 1 naming the file if it cannot be read.
@@ -116,7 +121,15 @@ int main(int argc, char** argv) {
   if (const int port = absl::GetFlag(FLAGS_port); port < 0 || port > 65535) {
     shardopt::UsageError(absl::StrCat("--port=", port, " is not a port (0 to 65535; 0 picks one)"));
   }
-  if (absl::GetFlag(FLAGS_threads) < 0) shardopt::UsageError("--threads must be 0 (one per core) or more");
+  for (const auto& [flag, port] : {std::pair{"health_port", absl::GetFlag(FLAGS_health_port)},
+                                   std::pair{"metrics_port", absl::GetFlag(FLAGS_metrics_port)}}) {
+    if (port < 0 || port > 65535) {
+      shardopt::UsageError(absl::StrCat("--", flag, "=", port, " is not a port (1 to 65535; 0: none)"));
+    }
+  }
+  if (const int threads = absl::GetFlag(FLAGS_threads); threads < 0 || threads > 4096) {
+    shardopt::UsageError(absl::StrCat("--threads=", threads, " must be 0 (one per core) to 4096"));
+  }
   if (const int64_t max = absl::GetFlag(FLAGS_max_message_bytes);
       max < static_cast<int64_t>(shardopt::JobStore::kMinMessageBytes)) {
     shardopt::UsageError(absl::StrCat("--max_message_bytes=", max, " is below ", shardopt::JobStore::kMinMessageBytes,

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 
 namespace shardopt::metrics {
 namespace {
@@ -71,7 +72,9 @@ std::string Escape(const std::string& v) {
 std::string Number(double v) {
   if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
   if (std::isnan(v)) return "NaN";
-  return absl::StrCat(v);
+  // Every bit: StrCat keeps 6 significant digits, which turns a byte
+  // counter past a million into a staircase for rate().
+  return absl::StrFormat("%.17g", v);
 }
 
 // `rendered` ({...} or empty) with one more label.

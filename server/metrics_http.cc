@@ -16,9 +16,19 @@
 namespace shardopt {
 namespace {
 
+// One connection at a time is served: a client that stops reading gets
+// until this deadline, then is dropped, so it holds neither the scrapes
+// behind it nor the server's exit.
+constexpr auto kSendTime = std::chrono::seconds(5);
+
 void SendAll(int fd, const std::string& data) {
+  const auto give_up = std::chrono::steady_clock::now() + kSendTime;
   for (size_t off = 0; off < data.size();) {
-    const ssize_t n = send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL);
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLOUT, 0};
+    if (left.count() <= 0 || poll(&p, 1, static_cast<int>(left.count())) <= 0) return;
+    const ssize_t n = send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
     if (n <= 0) return;
     off += static_cast<size_t>(n);
   }

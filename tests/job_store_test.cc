@@ -576,6 +576,38 @@ TEST_F(StoreTest, DescribeReportsStateBytesAndHeldPrecision) {
 // SIGTERM's path: what was applied is checkpointed, what comes after is refused.
 using DrainTest = CheckpointDirTest<0>;
 
+// A committer that stopped reading holds its step half applied: the drain
+// waits for it only so long, then checkpoints every other job and reports
+// that one DEADLINE_EXCEEDED, instead of waiting (and holding the exit) for
+// good. The stream's end then finishes the step.
+TEST_F(DrainTest, ACommitterThatStoppedReadingCostsOnlyItsOwnJobsCheckpoint) {
+  const uint64_t kN = 4 * JobStoreOptions{}.stream_chunk_elements + 3;  // several pieces
+  Create(JobRequest("stalled", 1, {{"w", kN}}));
+  Create(JobRequest("other", 1, {{"w", 100}}));
+  std::mt19937_64 rng(9);
+  ASSERT_TRUE(Push("stalled", 1, 0, {{"w", RandomBf16(rng, kN, 0.3f)}}, 1 << 16).ok());
+  v1::CommitRequest request;
+  request.set_job("stalled");
+  request.set_step(1);
+  request.set_lr(1e-2);
+  request.set_gscale(1.0f);
+  auto stream = store_.OpenCommit(request);
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  auto piece = (*stream)->Next();  // one piece read, then no more: the step is mid-apply
+  ASSERT_TRUE(piece.ok() && piece->has_value()) << piece.status();
+
+  const auto began = std::chrono::steady_clock::now();
+  auto results = store_.DrainAndCheckpoint(absl::Milliseconds(300));
+  EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(20));
+  std::map<std::string, absl::StatusOr<v1::CheckpointResponse>> by_job(results.begin(), results.end());
+  ASSERT_EQ(by_job.size(), 2u);
+  EXPECT_EQ(by_job.at("stalled").status().code(), absl::StatusCode::kDeadlineExceeded) << by_job.at("stalled").status();
+  ASSERT_TRUE(by_job.at("other").ok()) << by_job.at("other").status();
+  EXPECT_TRUE(by_job.at("other")->complete());
+  stream->reset();  // the committer goes away: its stream finishes the step
+  EXPECT_EQ(store_.Describe("stalled")->step(), 1u);
+}
+
 TEST_F(DrainTest, DrainCheckpointsAppliedStepsSkipsUninitializedJobsAndRefusesNewCommitsWithUnavailable) {
   Create(JobRequest("a", 1, {{"w", 100}}));
   ASSERT_TRUE(store_.CreateJob(JobRequest("waiting for Init", 1, {{"w", 100}})).ok());

@@ -403,5 +403,17 @@ TEST(LimitsTest, AutoRequiresGpuFailsLoudlyWithoutOne) {
   EXPECT_NE(ServerProcess::Start({"--device=cpu", "--auto_requires_gpu"}), nullptr);
 }
 
+// Flags out of range are usage errors (exit 2, naming the flag), not a port
+// that glibc truncates (70000 listened on 4464), "none" for a negative one,
+// or an abort in std::thread.
+TEST(LimitsTest, FlagsOutOfRangeAreUsageErrors) {
+  for (const std::string flag : {"--metrics_port=70000", "--metrics_port=-1", "--health_port=65536",
+                                 "--threads=100000000", "--threads=-1"}) {
+    std::string log;
+    EXPECT_EQ(testing::ServerExitCode({flag}, &log), 2) << flag;
+    EXPECT_THAT(log, HasSubstr(flag.substr(0, flag.find('=')))) << flag;
+  }
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -121,6 +121,12 @@ TEST(TlsTest, PlaintextOnANonLoopbackAddressIsRefusedUnlessInsecureIsGiven) {
   const auto status = testing::WaitProcess(refused, std::chrono::seconds(20));
   ASSERT_TRUE(status.has_value());
   EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 2) << "wait status " << *status;
+  // A name that starts like a loopback address is not one.
+  const pid_t named = testing::SpawnProcess({SHARDOPT_SERVER_BINARY, "--host=127.example.com", "--port=0",
+                                             "--device=cpu"});
+  const auto named_status = testing::WaitProcess(named, std::chrono::seconds(20));
+  ASSERT_TRUE(named_status.has_value());
+  EXPECT_TRUE(WIFEXITED(*named_status) && WEXITSTATUS(*named_status) == 2) << "wait status " << *named_status;
   // ServerProcess listens on 127.0.0.1; the later --host wins.
   auto server = ServerProcess::Start({"--host=0.0.0.0", "--insecure"});
   ASSERT_NE(server, nullptr);
