@@ -165,11 +165,7 @@ TEST_F(PiecewiseStoreTest, ACommitRefusedWhileTheStepIsMidApplyLeavesItToItsComm
   auto init = Create(JobRequest("mid", 1, {{"w", 4 * kApplyAlignment + 3}}));
   const auto g = RandomBf16(rng_, 4 * kApplyAlignment + 3, 1.0f);
   ASSERT_TRUE(Push("mid", 1, 0, {{"w", g}}).ok());
-  v1::CommitRequest request;
-  request.set_job("mid");
-  request.set_step(1);
-  request.set_lr(1e-2);
-  request.set_gscale(1.0f);
+  const v1::CommitRequest request = CommitRequestFor("mid", 1, 1e-2);
   auto first = store_.OpenCommit(request);
   ASSERT_TRUE(first.ok()) << first.status();
   auto piece = (*first)->Next();
@@ -586,12 +582,7 @@ TEST_F(DrainTest, ACommitterThatStoppedReadingCostsOnlyItsOwnJobsCheckpoint) {
   Create(JobRequest("other", 1, {{"w", 100}}));
   std::mt19937_64 rng(9);
   ASSERT_TRUE(Push("stalled", 1, 0, {{"w", RandomBf16(rng, kN, 0.3f)}}, 1 << 16).ok());
-  v1::CommitRequest request;
-  request.set_job("stalled");
-  request.set_step(1);
-  request.set_lr(1e-2);
-  request.set_gscale(1.0f);
-  auto stream = store_.OpenCommit(request);
+  auto stream = store_.OpenCommit(CommitRequestFor("stalled", 1, 1e-2));
   ASSERT_TRUE(stream.ok()) << stream.status();
   auto piece = (*stream)->Next();  // one piece read, then no more: the step is mid-apply
   ASSERT_TRUE(piece.ok() && piece->has_value()) << piece.status();

@@ -133,14 +133,20 @@ class StoreTest : public ::testing::Test {
     return (*session)->Finish();
   }
 
-  absl::StatusOr<std::map<std::string, std::vector<uint16_t>>> Commit(const std::string& job, uint64_t step, double lr,
-                                                                      float gscale = 1.0f, bool skip = false) {
+  static v1::CommitRequest CommitRequestFor(const std::string& job, uint64_t step, double lr, float gscale = 1.0f,
+                                            bool skip = false) {
     v1::CommitRequest r;
     r.set_job(job);
     r.set_step(step);
     r.set_lr(lr);
     r.set_gscale(gscale);
     r.set_skip(skip);
+    return r;
+  }
+
+  absl::StatusOr<std::map<std::string, std::vector<uint16_t>>> Commit(const std::string& job, uint64_t step, double lr,
+                                                                      float gscale = 1.0f, bool skip = false) {
+    const v1::CommitRequest r = CommitRequestFor(job, step, lr, gscale, skip);
     std::map<std::string, std::vector<uint16_t>> params;
     auto st = store_.Commit(r, [&](const v1::ParamChunk& c) {
       auto& p = params[c.tensor()];
