@@ -209,6 +209,12 @@ int main(int argc, char** argv) {
   options.service.auth = auth.get();
   options.service.max_streams = absl::GetFlag(FLAGS_max_streams);
   options.service.max_streams_per_client = absl::GetFlag(FLAGS_max_streams_per_client);
+  // Before serving: a SIGTERM from the moment the port is open (or the port
+  // file is there) must drain, not kill with the default action.
+  sem_init(&g_wake, 0, 0);
+  std::signal(SIGTERM, OnStop);
+  std::signal(SIGINT, OnStop);
+  std::signal(SIGHUP, OnReload);
   auto running = shardopt::StartServer(&store, options);
   if (!running.ok()) {
     log::Error("start_failed", {{"error", std::string(running.status().message())}});
@@ -266,14 +272,17 @@ int main(int argc, char** argv) {
   }
   if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
     const std::string tmp = path + ".tmp";  // renamed so a reader never sees a partial number
-    std::ofstream(tmp) << (*running)->port << "\n";
-    std::rename(tmp.c_str(), path.c_str());
+    std::ofstream out(tmp);
+    out << (*running)->port << "\n";
+    out.close();
+    if (!out || std::rename(tmp.c_str(), path.c_str()) != 0) {
+      // A harness waiting for the file would wait for good.
+      log::Error("start_failed", {{"error", absl::StrCat("cannot write --port_file=", path)}});
+      (*running)->server->Shutdown(std::chrono::system_clock::now());
+      return 1;
+    }
   }
 
-  sem_init(&g_wake, 0, 0);
-  std::signal(SIGTERM, OnStop);
-  std::signal(SIGINT, OnStop);
-  std::signal(SIGHUP, OnReload);
   // A sticky CUDA error makes the device useless until the process restarts:
   // report NOT_SERVING so that Kubernetes replaces the pod. Requests already
   // fail with UNAVAILABLE and the CUDA error's text.

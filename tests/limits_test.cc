@@ -403,6 +403,14 @@ TEST(LimitsTest, AutoRequiresGpuFailsLoudlyWithoutOne) {
   EXPECT_NE(ServerProcess::Start({"--device=cpu", "--auto_requires_gpu"}), nullptr);
 }
 
+// A --port_file that cannot be written stops the server (exit 1, naming
+// it): a harness waiting for the file would otherwise wait for good.
+TEST(LimitsTest, APortFileThatCannotBeWrittenStopsTheServer) {
+  std::string log;
+  EXPECT_EQ(testing::ServerExitCode({"--port_file=/nonexistent-shardopt-dir/port"}, &log), 1);
+  EXPECT_THAT(log, HasSubstr("cannot write --port_file=/nonexistent-shardopt-dir/port"));
+}
+
 // Flags out of range are usage errors (exit 2, naming the flag), not a port
 // that glibc truncates (70000 listened on 4464), "none" for a negative one,
 // or an abort in std::thread.
