@@ -1,7 +1,9 @@
 #include "shardopt/safetensors.h"
 
+#include <algorithm>
 #include <fstream>
 #include <iterator>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
@@ -24,6 +26,13 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
                               const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header;
   if (!metadata.empty()) header["__metadata__"] = metadata;
+  for (const SafetensorsTensor& t : tensors) {
+    // The header's reserved key: a tensor of that name would overwrite the
+    // metadata, or be read back as it, and torch could not load the file.
+    if (t.name == "__metadata__") {
+      return absl::InvalidArgumentError("a tensor named __metadata__ cannot be written to safetensors");
+    }
+  }
   uint64_t offset = 0;
   for (const SafetensorsTensor& t : tensors) {
     header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.data.size()}}};
@@ -57,6 +66,7 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
   if (!header.is_object()) return bad("header is not a JSON object");
   const uint64_t base = 8 + n;
   std::vector<SafetensorsTensor> out;
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // each tensor's data, to check that they tile it
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") continue;
     SafetensorsTensor t;
@@ -71,7 +81,9 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
     for (const auto& d : entry["shape"]) {
       if (!d.is_number_unsigned()) return bad(absl::StrCat("entry '", name, "' has a bad shape"));
       t.shape.push_back(d.get<uint64_t>());
-      elements *= t.shape.back();
+      if (__builtin_mul_overflow(elements, t.shape.back(), &elements)) {
+        return bad(absl::StrCat("entry '", name, "' has a shape past 2^64 elements"));
+      }
     }
     const auto& offsets = entry["data_offsets"];
     if (!offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned()) {
@@ -79,12 +91,24 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
     }
     const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
     if (begin > end || end > bytes.size() - base) return bad(absl::StrCat("entry '", name, "' lies past the file's end"));
-    if (ElementBytes(t.dtype) == 0 || end - begin != elements * ElementBytes(t.dtype)) {
+    uint64_t data_bytes = 0;
+    if (ElementBytes(t.dtype) == 0 || __builtin_mul_overflow(elements, ElementBytes(t.dtype), &data_bytes) ||
+        end - begin != data_bytes) {
       return bad(absl::StrCat("entry '", name, "': ", end - begin, " bytes do not hold its shape of ", t.dtype));
     }
     t.data = bytes.substr(base + begin, end - begin);
+    ranges.emplace_back(begin, end);
     out.push_back(std::move(t));
   }
+  // The format's data is the tensors' bytes back to back: no overlap, no
+  // gap, nothing after.
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t at = 0;
+  for (const auto& [begin, end] : ranges) {
+    if (begin != at) return bad(absl::StrCat("tensor data ", begin < at ? "overlaps" : "leaves a gap", " at byte ", begin));
+    at = end;
+  }
+  if (at != bytes.size() - base) return bad(absl::StrCat(bytes.size() - base - at, " bytes after the last tensor's data"));
   return out;
 }
 

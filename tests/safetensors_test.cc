@@ -1,0 +1,74 @@
+// safetensors, export's and import's format: a round trip keeps every
+// byte; the reserved __metadata__ name is refused on write; files whose
+// tensors overlap, leave gaps or trailing bytes, or whose shape overflows
+// are refused on read, naming why.
+#include "shardopt/safetensors.h"
+
+#include <unistd.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace shardopt {
+namespace {
+
+class SafetensorsTest : public ::testing::Test {
+ protected:
+  void TearDown() override { std::filesystem::remove(path_); }
+  // A file of `header` (JSON, padded) followed by `data`.
+  void WriteRaw(std::string header, const std::string& data) {
+    header.append((8 - header.size() % 8) % 8, ' ');
+    std::ofstream out(path_, std::ios::binary);
+    const uint64_t n = header.size();
+    for (int i = 0; i < 8; ++i) out.put(static_cast<char>(n >> (8 * i)));
+    out << header << data;
+  }
+  std::string Refusal(const std::string& header, const std::string& data) {
+    WriteRaw(header, data);
+    auto read = ReadSafetensors(path_);
+    EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument) << header;
+    return std::string(read.status().message());
+  }
+  const std::string path_ = std::filesystem::temp_directory_path() / ("shardopt-st-" + std::to_string(getpid()));
+};
+
+TEST_F(SafetensorsTest, ARoundTripKeepsEveryByte) {
+  const std::vector<SafetensorsTensor> tensors = {{"a", "F32", {2, 3}, std::string("\x01\x02\x03\x04", 4) + std::string(20, '\x7f')},
+                                                  {"b", "BF16", {5}, std::string(10, '\x33')}};
+  ASSERT_TRUE(WriteSafetensors(path_, tensors, {{"step", "7"}}).ok());
+  auto read = ReadSafetensors(path_);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_EQ(read->size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ((*read)[i].name, tensors[i].name);
+    EXPECT_EQ((*read)[i].dtype, tensors[i].dtype);
+    EXPECT_EQ((*read)[i].shape, tensors[i].shape);
+    EXPECT_EQ((*read)[i].data, tensors[i].data);
+  }
+}
+
+TEST_F(SafetensorsTest, ATensorNamedLikeTheMetadataIsRefused) {
+  const absl::Status st = WriteSafetensors(path_, {{"__metadata__", "F32", {1}, std::string(4, '\0')}}, {});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+}
+
+TEST_F(SafetensorsTest, DataThatDoesNotTileTheFileIsRefused) {
+  const std::string eight(8, '\x11');
+  EXPECT_NE(Refusal(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                    R"("b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", eight)
+                .find("overlaps"), std::string::npos);
+  EXPECT_NE(Refusal(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", eight).find("gap"),
+            std::string::npos);
+  EXPECT_NE(Refusal(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", eight).find("after the last"),
+            std::string::npos);
+  EXPECT_NE(Refusal(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,0]}})", "")
+                .find("past 2^64"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace shardopt
