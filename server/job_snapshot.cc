@@ -196,7 +196,8 @@ class StateSink {
 // sink's copies then find it mapped. It runs until done or destroyed.
 class Prefaulter {
  public:
-  Prefaulter(const v1::PartManifest& m, const JobState& state) : thread_([this, m, &state] { Run(m, state); }) {}
+  // `m` and `state` outlive it (Restore destroys it first).
+  Prefaulter(const v1::PartManifest& m, const JobState& state) : thread_([this, &m, &state] { Run(m, state); }) {}
   ~Prefaulter() {
     stop_ = true;
     thread_.join();
