@@ -31,7 +31,8 @@
 #include "rpc/grpc_edge.h"
 #include "tools/flags.h"
 
-ABSL_FLAG(std::string, host, "0.0.0.0", "address to listen on");
+ABSL_FLAG(std::string, host, "0.0.0.0",
+          "address to listen on: IPv4, IPv6 (::1 or [::1]) or a name; also --metrics_port's and --health_port's");
 ABSL_FLAG(int, port, 50051, "port to listen on; 0 picks an ephemeral port");
 ABSL_FLAG(std::string, port_file, "", "if set, the chosen port is written here once listening");
 ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda | cuda:N; auto picks CUDA when a GPU is usable");
@@ -88,12 +89,31 @@ void OnReload(int) {
   sem_post(&g_wake);
 }
 
+// --host without the brackets an IPv6 address may come in ("[::1]"), for
+// getaddrinfo and inet_pton.
+std::string BareHost(const std::string& host) {
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') return host.substr(1, host.size() - 2);
+  return host;
+}
+
+// host:port as gRPC parses it: an IPv6 address in brackets, or its last
+// group would be taken for the port ("::1:0").
+std::string HostPort(const std::string& host, int port) {
+  const std::string bare = BareHost(host);
+  return bare.find(':') == std::string::npos ? absl::StrCat(bare, ":", port) : absl::StrCat("[", bare, "]:", port);
+}
+
 // An address, not a name that merely starts like one ("127.example.com"):
-// 127.0.0.0/8, ::1, or localhost.
+// 127.0.0.0/8, ::1 (also v4-mapped 127/8), or localhost.
 bool IsLoopback(const std::string& host) {
+  const std::string bare = BareHost(host);
   in_addr v4;
-  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
-  return host == "localhost" || host == "::1" || host == "[::1]";
+  if (inet_pton(AF_INET, bare.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6;
+  if (inet_pton(AF_INET6, bare.c_str(), &v6) == 1) {
+    return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
+  }
+  return bare == "localhost";
 }
 
 // A PEM file's text; exits 1 naming the file if it cannot be read.
@@ -199,7 +219,7 @@ int main(int argc, char** argv) {
     auth = *std::move(loaded);
   }
   shardopt::ServerOptions options;
-  options.address = absl::StrCat(absl::GetFlag(FLAGS_host), ":", absl::GetFlag(FLAGS_port));
+  options.address = HostPort(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_port));
   options.tls_cert_pem = ReadPem("tls_cert", absl::GetFlag(FLAGS_tls_cert));
   options.tls_key_pem = ReadPem("tls_key", absl::GetFlag(FLAGS_tls_key));
   options.tls_client_ca_pem = ReadPem("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca));
@@ -247,7 +267,7 @@ int main(int argc, char** argv) {
   });
   std::unique_ptr<shardopt::MetricsServer> metrics_server;
   if (const int port = absl::GetFlag(FLAGS_metrics_port); port > 0) {
-    auto started = shardopt::MetricsServer::Start(absl::GetFlag(FLAGS_host), port,
+    auto started = shardopt::MetricsServer::Start(BareHost(absl::GetFlag(FLAGS_host)), port,
                                                   &shardopt::metrics::Registry::Default());
     if (!started.ok()) {
       log::Error("start_failed", {{"error", std::string(started.status().message())}});
@@ -257,7 +277,7 @@ int main(int argc, char** argv) {
   }
   {
     log::Info("started", {{"version", shardopt::Version()},
-                          {"address", absl::StrCat(absl::GetFlag(FLAGS_host), ":", (*running)->port)},
+                          {"address", HostPort(absl::GetFlag(FLAGS_host), (*running)->port)},
                           {"transport", options.tls_cert_pem.empty()        ? "plaintext"
                                         : options.tls_client_ca_pem.empty() ? "tls"
                                                                             : "mutual-tls"},
