@@ -185,6 +185,12 @@ class RemoteAdamW(torch.optim.Optimizer):
                     raise UnsupportedDtype(f"param {names.get(id(p), len(self._tensors))!r} is {p.dtype}; "
                                            "RemoteAdamW takes torch.bfloat16 and torch.float32 params")
                 self._tensors.append(_Tensor(names.get(id(p), f"param.{len(self._tensors)}"), p, gi))
+        # A param with no elements has nothing to optimize: it stays in its
+        # group, as in torch, but not in the job (servers hold no empty
+        # tensor), and it gets no state.
+        self._remote = [t for t in self._tensors if t.numel > 0]
+        if not self._remote:
+            raise ValueError("every param has zero elements: there is nothing to optimize")
         self._hyper = [self._group_hyper(g) for g in self.param_groups]
         self.rank, self.world_size = rank, world_size
         self.max_grad_norm, self.overlap = float(max_grad_norm), overlap
@@ -200,7 +206,7 @@ class RemoteAdamW(torch.optim.Optimizer):
                                  chunk_bytes, 0, *pem, token=token)
         job_groups = [(f"group.{gi}", b1, b2, eps_, wd, 1.0, precisions[gi] == "fp32")
                       for gi, (b1, b2, eps_, wd) in enumerate(self._hyper)]
-        job_tensors = [(t.name, t.numel, t.group, t.fp32) for t in self._tensors]
+        job_tensors = [(t.name, t.numel, t.group, t.fp32) for t in self._remote]
         #: The job's step when this optimizer attached: 0 for a new job, else
         #: the step resumed from (the params were pulled from the servers).
         self.resumed_step = self._client.create_or_attach(job, world_size, job_groups, job_tensors, False,
@@ -211,7 +217,7 @@ class RemoteAdamW(torch.optim.Optimizer):
             # model's bytes once however many ranks there are; the servers
             # take no push before step 1's initial values are all in, so each
             # rank waits here for the others' shares.
-            for t in self._tensors:
+            for t in self._remote:
                 self._init_master(t, t.param, share=(rank, world_size))
             self._client.wait_for_initial_values(int(barrier_timeout * 1000))
         else:
@@ -220,7 +226,8 @@ class RemoteAdamW(torch.optim.Optimizer):
 
         self._hooks = []
         if overlap:
-            self._order = list(reversed(range(len(self._tensors))))  # backward runs roughly last to first
+            # Backward runs roughly last to first.
+            self._order = [k for k in reversed(range(len(self._tensors))) if self._tensors[k].numel > 0]
             self._set_order(self._order)
             self._register_ready_hooks()
 
@@ -246,11 +253,11 @@ class RemoteAdamW(torch.optim.Optimizer):
             decision = self._commit_push()
         else:
             group_lr = [float(g["lr"]) for g in self.param_groups]
-            grads = [(t.name, self._grad_source(t)[0]) for t in self._tensors]
+            grads = [(t.name, self._grad_source(t)[0]) for t in self._remote]
             self._sync_staging()
             decision = self._client.step(grads, self._param_targets(), group_lr[0], group_lr, self.max_grad_norm,
                                          1.0).decision
-        for t in self._tensors:
+        for t in self._remote:
             if not t.in_place():
                 t.param.copy_(t.host_param, non_blocking=True)
         self.last_decision = decision
@@ -269,14 +276,14 @@ class RemoteAdamW(torch.optim.Optimizer):
         """torch.optim.AdamW's layout, read from the servers: per param
         ``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master``, all fp32 (for
         bf16 params too). Params that never had a step have no state, as in
-        torch."""
+        torch, and neither have params with zero elements."""
         self._check_params()
-        steps = self._client.adam_steps()
+        steps = dict(zip((t.name for t in self._remote), self._client.adam_steps()))
         state = {}
         for k, t in enumerate(self._tensors):
-            if steps[k] == 0:
+            if steps.get(t.name, 0) == 0:
                 continue
-            entry = {"step": torch.tensor(float(steps[k]))}
+            entry = {"step": torch.tensor(float(steps[t.name]))}
             for key, what in (("exp_avg", _C.StateToRead.EXP_AVG), ("exp_avg_sq", _C.StateToRead.EXP_AVG_SQ),
                               ("master", _C.StateToRead.MASTER)):
                 entry[key] = self._read_fp32(t, what)
@@ -346,6 +353,8 @@ class RemoteAdamW(torch.optim.Optimizer):
         error = None
         try:
             for t, master, moments in loads:
+                if t.numel == 0:
+                    continue
                 self._init_master(t, t.param if master is None else master, share)
                 if master is not None:
                     with torch.no_grad():  # bf16: rounded to nearest even, as the servers round
@@ -409,7 +418,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         """The fp32 master of one param, read from the servers."""
         for t in self._tensors:
             if t.param is param:
-                return self._read_fp32(t, _C.StateToRead.MASTER)
+                return self._read_fp32(t, _C.StateToRead.MASTER) if t.numel else torch.empty(t.shape)
         raise KeyError("not a param of this optimizer")
 
     # ---- internals ----
@@ -439,7 +448,7 @@ class RemoteAdamW(torch.optim.Optimizer):
             raise ParamsChanged("the optimizer's params changed since its job was created")
 
     def _param_targets(self):
-        return [(t.name, self._param_target(t)) for t in self._tensors]
+        return [(t.name, self._param_target(t)) for t in self._remote]
 
     def _param_target(self, t):
         """Where the servers' new values of t go: the param itself, or its
@@ -512,7 +521,7 @@ class RemoteAdamW(torch.optim.Optimizer):
     def _pull_params(self):
         """Sets every param to the servers' values: the fp32 master itself, or
         its bf16 rounding."""
-        for t in self._tensors:
+        for t in self._remote:
             target = self._param_target(t)
             what = _C.StateToRead.MASTER if t.fp32 else _C.StateToRead.PARAM_BF16
             self._client.read(t.name, what, 0, t.numel, target)
@@ -545,7 +554,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         # torch.no_grad().
         with torch.enable_grad():
             for k, t in enumerate(self._tensors):
-                if not t.param.requires_grad:
+                if not t.param.requires_grad or t.numel == 0:
                     continue
                 node = t.param.expand_as(t.param).grad_fn.next_functions[0][0]
                 node.register_hook(hook(k))

@@ -66,6 +66,11 @@ def test_unsupported_dtype(servers, job, dtype):
     assert isinstance(err.value, TypeError) and str(dtype) in str(err.value)
 
 
+def test_only_empty_params_are_refused_before_any_server_is_asked(job):
+    with pytest.raises(ValueError, match="zero elements"):
+        RemoteAdamW([torch.nn.Parameter(torch.empty(0))], servers=["127.0.0.1:1"], job=job)
+
+
 def test_mismatched_world_size(servers, job):
     first = RemoteAdamW(make_model().named_parameters(), servers=servers, job=job)
     with pytest.raises(shardopt.AlreadyExists) as err:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from shardopt.torch import RemoteAdamW
-from models import (BOUND_SQRT_STEPS, Peaks, make_model, norm_gains, param_groups, same_bits, train, ulps_of_peak,
-                    unnamed)
+from models import (BOUND_SQRT_STEPS, Peaks, batch, make_model, norm_gains, param_groups, same_bits, train,
+                    ulps_of_peak, unnamed)
 
 torch.set_num_threads(1)
 
@@ -192,3 +192,50 @@ def test_params_without_grad_are_skipped(servers, job):
     state = opt.state_dict()["state"]
     assert index not in state and len(state) == len(list(model.parameters())) - 1
     opt.drop()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_param_with_zero_elements_is_kept_and_left_alone(servers, job, overlap):
+    """torch.optim.AdamW takes params with no elements (it has nothing to do
+    for them); so does RemoteAdamW, which keeps them out of the job: the
+    other params step bitwise as without them, the empty ones get no state,
+    and a torch.optim.AdamW state dict that has state for them loads."""
+    with_empty, without = make_model(), make_model()
+    with_empty.empty = torch.nn.Parameter(torch.empty(0, 8))
+    opt = RemoteAdamW(with_empty.named_parameters(), servers=servers, job=f"{job}-empty", lr=LR, overlap=overlap)
+    plain = RemoteAdamW(without.named_parameters(), servers=servers, job=f"{job}-plain", lr=LR, overlap=overlap)
+    for step in range(1, 4):
+        tokens, targets = batch(step)
+        for model, o in ((with_empty, opt), (without, plain)):
+            o.zero_grad()
+            loss = model(tokens, targets)
+            if model is with_empty:
+                loss = loss + model.empty.sum()  # an empty gradient, as torch gives a used empty param
+            loss.backward()
+            o.step()
+    assert with_empty.empty.grad is not None and with_empty.empty.shape == (0, 8)
+    theirs = dict(without.named_parameters())
+    for name, p in with_empty.named_parameters():
+        assert name == "empty" or same_bits(p, theirs[name]), name
+    assert opt.master(with_empty.empty).shape == (0, 8)
+    index = [name for name, _ in with_empty.named_parameters()].index("empty")
+    state = opt.state_dict()["state"]
+    assert index not in state and len(state) == len(list(without.parameters()))
+
+    # torch's AdamW keeps a state for the empty param; loading it sends the rest.
+    other = make_model()
+    other.empty = torch.nn.Parameter(torch.empty(0, 8))
+    ref = torch.optim.AdamW(other.parameters(), lr=LR, foreach=False)
+    loss = other(*batch(1)) + other.empty.sum()
+    loss.backward()
+    ref.step()
+    assert index in ref.state_dict()["state"]
+    fresh = RemoteAdamW(other.named_parameters(), servers=servers, job=f"{job}-load", lr=LR)
+    fresh.load_state_dict(ref.state_dict())
+    loaded = fresh.state_dict()["state"]
+    assert index not in loaded
+    for k, entry in ref.state_dict()["state"].items():
+        if k != index:
+            assert same_bits(loaded[k]["exp_avg"], entry["exp_avg"]), k
+    for o in (opt, plain, fresh):
+        o.drop()
