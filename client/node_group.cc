@@ -106,7 +106,8 @@ absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t*
 
   absl::Status committed;
   if (mine.size() > 0) {
-    committed = client_->Commit(t, options.lr, result.decision.gscale, result.decision.skip, param_views);
+    committed = client_->Commit(t, options.lr, result.decision.gscale, result.decision.skip, param_views,
+                                options.group_lr);
   }
   if (committed.ok()) committed = collective_->FromHost(params_.data(), flat_params + mine.begin, mine.size() * 2);
   SHARDOPT_RETURN_IF_ERROR(Agree(committed, "commit"));

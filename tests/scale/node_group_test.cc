@@ -169,6 +169,49 @@ TEST(CpuCollective, ARankThatNeverArrivesFailsTheOthersInBoundedTime) {
   EXPECT_EQ(collectives[1]->AllReduceSum(&x, 1).code(), absl::StatusCode::kDeadlineExceeded);  // stays failed
 }
 
+// Each group's lr reaches the servers, as with a plain Client: a group at lr
+// 0 keeps its masters (AdamW's whole update, decay included, is scaled by lr)
+// while the other moves.
+TEST(NodeGroup, EachGroupStepsAtItsOwnLr) {
+  auto server = ServerProcess::Start({"--threads=1"});
+  ASSERT_NE(server, nullptr);
+  auto collectives = MakeCpuCollectives(1);
+  NodeGroupOptions options;
+  options.client.servers = {server->address()};
+  auto group = NodeGroup::Create(options, collectives[0].get()).value();
+  JobOptions job = MakeJob("lrs", 1, 10000);
+  job.grad_type = GradType::kFp32;
+  job.groups.push_back(job.groups[0]);
+  job.groups.back().name = "frozen";
+  job.tensors.back().group = 1;
+  ASSERT_TRUE(group->CreateOrAttach(job).ok());
+  const std::vector<uint64_t> offsets = FlatOffsets(job.tensors);
+  std::vector<std::vector<float>> init(job.tensors.size());
+  for (uint32_t t = 0; t < job.tensors.size(); ++t) {
+    init[t] = InitialValues(3, t, job.tensors[t].numel);
+    ASSERT_TRUE(group->client().InitFp32(job.tensors[t].name, init[t].data()).ok());
+  }
+  std::vector<uint16_t> grads(offsets.back(), 0);
+  for (uint32_t t = 0; t < job.tensors.size(); ++t) {
+    const auto g = Gradient(3, 1, 0, t, job.tensors[t].numel);
+    std::copy(g.begin(), g.end(), grads.begin() + offsets[t]);
+  }
+  std::vector<uint16_t> params(offsets.back(), 0xFFFF);
+  StepOptions step;
+  step.lr = kLr;
+  step.group_lr = {kLr, 0.0};
+  ASSERT_TRUE(group->Step(grads.data(), params.data(), step).ok());
+  for (uint32_t t = 0; t < job.tensors.size(); ++t) {
+    std::vector<float> m(job.tensors[t].numel);
+    ASSERT_TRUE(group->client().Read(job.tensors[t].name, StateToRead::kMaster, 0, m.size(), m.data()).ok());
+    if (job.tensors[t].group == 1) {
+      EXPECT_EQ(m, init[t]) << job.tensors[t].name;
+    } else {
+      EXPECT_NE(m, init[t]) << job.tensors[t].name;
+    }
+  }
+}
+
 TEST(NodeGroup, RefusesBf16GradientsWithAClearError) {
   auto server = ServerProcess::Start({"--threads=1"});
   ASSERT_NE(server, nullptr);
