@@ -385,12 +385,14 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
   req.set_skip(skip);
   for (double g : group_lr) req.add_group_lr(g);
   auto st = im.ForEachServer([&](uint32_t s) {
-    uint64_t expected = 0;
-    for (const ShardPlacement& p : im.shards_of[s]) expected += p.length;
+    const std::vector<ShardPlacement>& shards = im.shards_of[s];
+    std::vector<int64_t> shard_of(im.job.tensors.size(), -1);  // [tensor]: its shard on this server
+    for (size_t i = 0; i < shards.size(); ++i) shard_of[im.tensor_index[shards[i].tensor]] = static_cast<int64_t>(i);
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       // Each chunk's data is copied once, from the received slices into the
-      // caller's params.
-      uint64_t received = 0;
+      // caller's params, and only within this server's shards: a node
+      // group's buffers hold only the ranges it owns.
+      std::vector<std::vector<std::pair<uint64_t, uint64_t>>> came(shards.size());  // (offset, elements)
       std::vector<char> discard;  // params of tensors the caller did not ask for
       bool request_sent = false;
       auto next = [&](grpc::ByteBuffer* out) {
@@ -401,19 +403,21 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
       };
       auto take = [&](grpc::ByteBuffer* message) -> grpc::Status {
         wire::ParamChunkHead head;
-        uint64_t esize = 2;  // of the chunk's tensor's params
         bool fp32 = false;
         const bool good = wire::ReadParamChunk(
             message,
             [&](const wire::ParamChunkHead& h) -> char* {
               auto it = im.tensor_index.find(h.tensor);
-              if (it == im.tensor_index.end()) return nullptr;
+              if (it == im.tensor_index.end() || shard_of[it->second] < 0) return nullptr;
               fp32 = im.fp32_params(it->second);
-              esize = fp32 ? 4 : 2;
-              const uint64_t numel = im.job.tensors[it->second].numel;
-              if (h.data_bytes % esize != 0 || h.offset > numel || h.data_bytes / esize > numel - h.offset) {
+              const uint64_t esize = fp32 ? 4 : 2;
+              const ShardPlacement& p = shards[shard_of[it->second]];
+              const uint64_t n = h.data_bytes / esize;
+              if (h.data_bytes % esize != 0 || h.offset < p.offset || h.offset - p.offset > p.length ||
+                  n > p.offset + p.length - h.offset) {
                 return nullptr;
               }
+              came[shard_of[it->second]].emplace_back(h.offset, n);
               if (char* dst = out[it->second]) return dst + h.offset * esize;
               discard.resize(h.data_bytes);
               return discard.data();
@@ -424,15 +428,23 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
         const bool dtype_matches = dtype == (fp32 ? v1::FP32 : v1::BF16);
         if (!good || head.step != step || !dtype_matches) {
           return grpc::Status(grpc::StatusCode::INTERNAL,
-                              "server sent params outside the job's tensors, of another step or in another dtype");
+                              "server sent params outside its shards of the job's tensors, of another step or in "
+                              "another dtype");
         }
-        received += head.data_bytes / esize;
         return grpc::Status::OK;
       };
       grpc::Status gs = wire::StreamCall::Run(im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit", next, [] {}, take);
-      if (gs.ok() && received != expected) {
-        return grpc::Status(grpc::StatusCode::DATA_LOSS,
-                            absl::StrCat("commit returned ", received, " params, expected ", expected));
+      // Every shard's params exactly once: a chunk sent twice does not make
+      // up for one that never came.
+      for (size_t i = 0; gs.ok() && i < shards.size(); ++i) {
+        std::sort(came[i].begin(), came[i].end());
+        uint64_t at = shards[i].offset;
+        for (const auto& [offset, n] : came[i]) at = offset == at ? at + n : ~uint64_t{0};
+        if (at != shards[i].offset + shards[i].length) {
+          gs = grpc::Status(grpc::StatusCode::DATA_LOSS,
+                            absl::StrCat("commit of step ", step, " returned params of '", shards[i].tensor,
+                                         "' that overlap or leave a gap"));
+        }
       }
       return gs;
     });
