@@ -6,11 +6,11 @@
 #include <string>
 #include <vector>
 
-#include "grpcpp/alarm.h"
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/slice.h"
 #include "rpc/grpc_edge.h"
 #include "rpc/wire_format.h"
+#include "server/grpc_hop.h"
 #include "server/metrics.h"
 
 namespace shardopt {
@@ -45,17 +45,11 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
  private:
   // While a checkpoint streams the state, a commit that would start applying
-  // waits without a thread. The store's wake comes on its wakeup thread,
-  // which must not apply a step; it only sets an alarm that is due at once,
-  // whose callback, on one of gRPC's threads, opens the commit again.
-  // Nothing else happens to the reactor meanwhile, and it lives until
-  // Finish.
+  // waits without a thread; the store's wake opens it again on one of
+  // gRPC's threads (grpc_hop.h). Nothing else happens to the reactor
+  // meanwhile, and it lives until Finish.
   void Open() {
-    auto stream = store_->OpenCommit(request_, [this] {
-      hops_.push_back(std::make_unique<grpc::Alarm>());
-      // Nothing cancels it, so it always fires; the commit opens either way.
-      hops_.back()->Set(gpr_now(GPR_CLOCK_MONOTONIC), [this](bool) { Open(); });
-    });
+    auto stream = store_->OpenCommit(request_, [this] { hops_.Soon([this] { Open(); }); });
     if (!stream.ok()) {
       Finish(ToGrpcStatus(stream.status()));
       return;
@@ -134,10 +128,9 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   JobStore* const store_;
   std::unique_ptr<StreamLimits::Slot> slot_;
   v1::CommitRequest request_;
-  // One per wake, each set once; all have fired before Finish. (A commit is
-  // woken at any change of its job, so it may be turned back and wait more
-  // than once while a checkpoint streams.)
-  std::vector<std::unique_ptr<grpc::Alarm>> hops_;
+  // A commit is woken at any change of its job, so it may be turned back and
+  // wait more than once while a checkpoint streams.
+  GrpcHops hops_;
   std::unique_ptr<ParamStream> stream_;
   grpc::ByteBuffer message_;
   std::recursive_mutex mu_;

@@ -469,30 +469,36 @@ absl::StatusOr<std::unique_ptr<JobStore::StateStream>> JobStore::OpenRead(const 
   return stream;
 }
 
-absl::StatusOr<bool> JobStore::StateStream::Next(v1::StateChunk* chunk) {
-  if (next_ >= end_) return false;
+absl::StatusOr<JobStore::StateStream::Pulled> JobStore::StateStream::Next(v1::StateChunk* chunk,
+                                                                           const std::function<void()>& wake) {
+  if (next_ >= end_) return Pulled::kEnd;
   const uint64_t n = std::min(per_chunk_, end_ - next_);
+  Job& job = *job_;
+  absl::MutexLock lock(&job.mu);
+  // Never between two pieces of an update.
+  if (wake && job.applying && !job.dropped) {
+    job.Watch(wake);
+    return Pulled::kLater;
+  }
+  job.AwaitWholeStep();
+  SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
+  if (!job.failed.ok()) return job.failed;
   chunk->set_tensor(tensor_);
   chunk->set_dtype(ToProto(dtype_));
   chunk->set_offset(next_);
   chunk->mutable_data()->resize(n * DTypeSize(dtype_));
-  Job& job = *job_;
-  absl::MutexLock lock(&job.mu);
-  job.AwaitWholeStep();  // never between two pieces of an update
-  SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
-  if (!job.failed.ok()) return job.failed;
   SHARDOPT_RETURN_IF_ERROR(job.state->ReadState(shard_, kind_, next_ - base_, n, dtype_, chunk->mutable_data()->data()));
   chunk->set_step(job.step);
   next_ += n;
-  return true;
+  return Pulled::kChunk;
 }
 
 absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool(const v1::StateChunk&)>& emit) const {
   SHARDOPT_ASSIGN_OR_RETURN(auto stream, OpenRead(req));
   v1::StateChunk chunk;
   for (;;) {
-    SHARDOPT_ASSIGN_OR_RETURN(bool more, stream->Next(&chunk));
-    if (!more) return absl::OkStatus();
+    SHARDOPT_ASSIGN_OR_RETURN(StateStream::Pulled pulled, stream->Next(&chunk));
+    if (pulled == StateStream::Pulled::kEnd) return absl::OkStatus();
     if (!emit(chunk)) return absl::CancelledError("the caller stopped reading");
   }
 }

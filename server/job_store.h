@@ -137,8 +137,16 @@ class JobStore {
   // thread (the service's Read reactor).
   class StateStream {
    public:
-    // The next chunk into `chunk`; false once the range is done.
-    absl::StatusOr<bool> Next(v1::StateChunk* chunk);
+    enum class Pulled {
+      kChunk,  // the next chunk is in `chunk`
+      kEnd,    // the range is done
+      kLater,  // a step is being applied: `wake` runs at the job's next change, to ask again
+    };
+    // The next chunk into `chunk`. Every chunk is of a whole step; while one
+    // is half applied (its committer may take any time to read the params)
+    // a null `wake` waits, and a gRPC reactor gives one instead, so that it
+    // holds no thread meanwhile.
+    absl::StatusOr<Pulled> Next(v1::StateChunk* chunk, const std::function<void()>& wake = nullptr);
 
    private:
     friend class JobStore;

@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "rpc/grpc_edge.h"
+#include "server/grpc_hop.h"
 #include "server/metrics.h"
 
 namespace shardopt {
@@ -37,10 +38,14 @@ class StateReactor final : public grpc::ServerWriteReactor<v1::StateChunk> {
   void OnDone() override { delete this; }
 
  private:
+  // Called with no write in flight. While the job is half way through
+  // applying a step, the read waits without a thread: the job's next change
+  // calls this again, on one of gRPC's threads (grpc_hop.h).
   void WriteNext() {
-    auto more = stream_->Next(&chunk_);
-    if (!more.ok() || !*more) {
-      Finish(more.ok() ? grpc::Status::OK : ToGrpcStatus(more.status()));
+    auto pulled = stream_->Next(&chunk_, [this] { hops_.Soon([this] { WriteNext(); }); });
+    if (pulled.ok() && *pulled == JobStore::StateStream::Pulled::kLater) return;
+    if (!pulled.ok() || *pulled == JobStore::StateStream::Pulled::kEnd) {
+      Finish(pulled.ok() ? grpc::Status::OK : ToGrpcStatus(pulled.status()));
       return;
     }
     static metrics::Counter* const sent =
@@ -50,6 +55,7 @@ class StateReactor final : public grpc::ServerWriteReactor<v1::StateChunk> {
   }
 
   std::unique_ptr<StreamLimits::Slot> slot_;
+  GrpcHops hops_;
   std::unique_ptr<JobStore::StateStream> stream_;
   v1::StateChunk chunk_;
 };

@@ -5,10 +5,12 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <csignal>
 #include <cmath>
 #include <filesystem>
 #include <cstring>
 #include <condition_variable>
+#include <future>
 #include <map>
 #include <mutex>
 #include <random>
@@ -499,6 +501,85 @@ TEST_F(ServiceTest, ACommitCancelledMidStreamStillAppliesItsWholeStepOnce) {
     ++cut;
   }
   EXPECT_GE(cut, 2u) << log;
+}
+
+// A step is applied as its committer reads the params, so a committer that
+// stops reading leaves the step half applied for as long as it likes. Reads
+// of that job wait for the whole step without holding a thread: with many
+// of them waiting, another job still steps, and once the committer reads on
+// every read gets the applied step.
+TEST_F(ServiceTest, ReadsOfAHalfAppliedStepWaitWithoutAThread) {
+  constexpr uint64_t kNumel = 3'000'001;  // several of the server's 1 MiB pieces
+  constexpr int kReads = 48;
+  const JobOptions job = MakeJob("stalled", 1, {{"w", kNumel}});
+  auto client = Connect(server_->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  auto init = RandomFloats(rng_, kNumel, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  auto g = RandomBf16(rng_, kNumel, 1.0f);
+  ASSERT_TRUE(client->Push(1, {{"w", g.data()}}).ok());
+  ReferenceTensor ref(kHyper, init, false);
+  ref.Step({g.data()}, 1e-3, 1.0f);
+
+  auto stub = RawStub(server_->address(), 64 << 10);
+  grpc::ClientContext commit_ctx;
+  commit_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::CommitRequest r;
+  r.set_job("stalled");
+  r.set_step(1);
+  r.set_lr(1e-3);
+  r.set_gscale(1.0f);
+  auto committer = stub->Commit(&commit_ctx, r);
+  v1::ParamChunk pc;
+  ASSERT_TRUE(committer->Read(&pc));  // then stops reading: the step is half applied
+
+  std::vector<grpc::Status> read_status(kReads);
+  std::vector<std::vector<float>> read_values(kReads);
+  std::vector<std::thread> readers;
+  auto read_stub = RawStub(server_->address());
+  for (int i = 0; i < kReads; ++i) {
+    readers.emplace_back([&, i] {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+      v1::ReadRequest req;
+      req.set_job("stalled");
+      req.set_tensor("w");
+      req.set_length(kNumel);
+      req.set_kind(v1::MASTER);
+      auto reader = read_stub->Read(&ctx, req);
+      v1::StateChunk chunk;
+      while (reader->Read(&chunk)) {
+        const size_t n = chunk.data().size() / 4;
+        const size_t at = read_values[i].size();
+        read_values[i].resize(at + n);
+        std::memcpy(read_values[i].data() + at, chunk.data().data(), n * 4);
+      }
+      read_status[i] = reader->Finish();
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // the reads are in and waiting
+  // The other job's step, given 10 s; if the server is stuck the test kills
+  // it, so that it fails instead of hanging.
+  std::promise<absl::Status> side;
+  std::thread sider([&] { side.set_value(StepASideJob(server_->address(), "side", rng_)); });
+  auto sided = side.get_future();
+  if (sided.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    server_->Stop(SIGKILL);
+    sider.join();
+    for (auto& t : readers) t.join();
+    FAIL() << "another job's step waited for the stalled job's reads";
+  }
+  sider.join();
+  EXPECT_TRUE(sided.get().ok());
+
+  while (committer->Read(&pc)) {
+  }
+  EXPECT_TRUE(committer->Finish().ok());
+  for (auto& t : readers) t.join();
+  for (int i = 0; i < kReads; ++i) {
+    ASSERT_TRUE(read_status[i].ok()) << "read " << i << ": " << read_status[i].error_message();
+    ASSERT_TRUE(read_values[i] == ref.p) << "read " << i << " is not the applied step";
+  }
 }
 
 TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
