@@ -186,6 +186,12 @@ absl::StatusOr<bool> PushSession::TakeLocked(const v1::GradChunk& chunk, Pieces 
                                                    v1::DType_Name(want), " gradients; this chunk is ",
                                                    v1::DType_Name(chunk.dtype())));
   }
+  // Refused before it counts: folded, it could not be taken back, and the
+  // seal's refusal would then end the round for every rank.
+  if (const uint32_t t = job_->shards[shard].tensor; t < no_grad_.size() && no_grad_[t]) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, " both pushed tensor '", chunk.tensor(),
+                                                   "' and declared it no_grad"));
+  }
   if (job_->step >= step_) return true;  // a retry of a committed step: already counted
   if (!started_) Start(now);
   if (job_->round.sealed) return true;  // a retry after the barrier: already counted

@@ -663,6 +663,56 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
   EXPECT_EQ(client->step(), 0u);
 }
 
+// A chunk of a tensor its own stream declared no_grad is refused before it
+// is summed (summed, it could not be taken back, and the refusal at the
+// stream's end would fail the round for every rank): the other rank, waiting
+// at the barrier, goes on, and the step is the two ranks' sum.
+TEST_F(ServiceTest, AChunkOfATensorItsStreamDeclaredNoGradIsRefusedBeforeItCounts) {
+  const JobOptions job = MakeJob("declared", 2, {{"w", 3000}});
+  ClientOptions once;  // a discarded round is DEADLINE_EXCEEDED, which a retry would hide
+  once.servers = {server_->address()};
+  once.rank = 1;
+  once.max_attempts = 1;
+  auto c0 = Connect(server_->address(), 0), c1 = Client::Connect(once).value();
+  ASSERT_TRUE(c0->CreateOrAttach(job).ok());
+  ASSERT_TRUE(c1->CreateOrAttach(job).ok());
+  auto init = RandomFloats(rng_, 3000, -1, 1);
+  ASSERT_TRUE(c0->InitFp32("w", init.data()).ok());
+  auto g0 = RandomBf16(rng_, 3000, 1.0f), g1 = RandomBf16(rng_, 3000, 1.0f);
+  absl::Status rank1;
+  std::thread waiting([&] { rank1 = c1->Push(1, {{"w", g1.data()}}).status(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // rank 1 is in, waiting for rank 0
+
+  auto stub = RawStub(server_->address());
+  grpc::ClientContext ctx;
+  v1::PushResponse resp;
+  auto w = stub->Push(&ctx, &resp);
+  v1::GradChunk head;
+  head.set_job("declared");
+  head.set_step(1);
+  head.set_rank(0);
+  head.add_no_grad("w");
+  v1::GradChunk chunk;
+  chunk.set_tensor("w");
+  chunk.set_dtype(v1::BF16);
+  chunk.set_data(std::string(reinterpret_cast<const char*>(g0.data()), 40));
+  w->Write(head);
+  w->Write(chunk);
+  w->WritesDone();
+  const grpc::Status refused = w->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), HasSubstr("declared it no_grad"));
+
+  EXPECT_TRUE(c0->Push(1, {{"w", g0.data()}}).ok());
+  waiting.join();
+  EXPECT_TRUE(rank1.ok()) << "the waiting rank failed: " << rank1;
+  std::vector<uint16_t> params(3000, 0xFFFF);
+  ASSERT_TRUE(c0->Commit(1, 1e-3, 1.0f, false, {{"w", params.data()}}).ok());
+  ReferenceTensor ref(kHyper, init, false);
+  ref.Step({g0.data(), g1.data()}, 1e-3, 1.0f);
+  EXPECT_EQ(params, ref.Params());
+}
+
 TEST_F(ServiceTest, PushAfterTheBarrierDeadlineIsRefusedAndChangesNothing) {
   JobOptions job = MakeJob("late", 2, {{"w", 2000}});
   job.barrier_timeout_ms = 300;
