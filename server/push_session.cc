@@ -402,13 +402,23 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
   if (job_->round.finished_count == job_->world_size()) {
     // Every rank is in: the sum is whole, and each shard with a gradient from
     // any rank is the one slot of the running sum.
-    if (!sum.Complete()) return absl::InternalError("every rank finished, but the running sum is not whole");
+    // A seal that fails leaves every rank finished and the round unsealed
+    // for good: it is ended now, so the other ranks hear it at once, not at
+    // the barrier's deadline, and push the step again.
+    if (!sum.Complete()) {
+      job_->EndRound("every rank finished, but the running sum is not whole");
+      return absl::InternalError("every rank finished, but the running sum is not whole");
+    }
     std::vector<ShardGrads> contributions;
     for (uint32_t s = 0; s < job_->shards.size(); ++s) {
       if (sum.Contributed(s)) contributions.push_back({s, {0}});
     }
     const auto t0 = std::chrono::steady_clock::now();
-    SHARDOPT_ASSIGN_OR_RETURN(auto stats, job_->state->ReduceGrads(contributions));
+    absl::StatusOr<GradStats> stats = job_->state->ReduceGrads(contributions);
+    if (!stats.ok()) {
+      job_->EndRound(absl::StrCat("the gradients' norm could not be taken (", stats.status().message(), ")"));
+      return stats.status();
+    }
     const auto t1 = std::chrono::steady_clock::now();
     StepPhases& phases = job_->round.phases;
     phases.push = Seconds(t0 - job_->round.started);
@@ -417,7 +427,7 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
     job_->round.contributions = std::move(contributions);
     job_->round.sealed = true;
     job_->sealed_step = step_;
-    job_->sealed_stats = stats;
+    job_->sealed_stats = *std::move(stats);
     job_->Notify();
     return Answer();
   }

@@ -1,10 +1,12 @@
 // What a push sees when the backend fails under it. A backend error while a
-// rank's finish folds what waited in the window (a CUDA device that failed,
-// say) ends the round at once: the other ranks' pushes hear it now, not at
-// the barrier's deadline, and the step pushed again goes through.
+// rank's finish folds what waited in the window, or while the last rank's
+// finish takes the gradients' norm (a CUDA device that failed, say), ends
+// the round at once: the other ranks' pushes hear it now, not at the
+// barrier's deadline, and the step pushed again goes through.
 #include <atomic>
 #include <chrono>
 #include <future>
+#include <thread>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -21,9 +23,10 @@ using ::testing::HasSubstr;
 using testing::RandomBf16;
 using testing::StoreTest;
 
-// Set while the CPU's AccumulateGrad is to fail. Set before the backend
-// that reads it exists: a static, not a member.
+// Set while the CPU's AccumulateGrad (ReduceGrads) is to fail. Set before
+// the backend that reads them exists: statics, not members.
 std::atomic<bool> fail_accumulate{false};
+std::atomic<bool> fail_reduce{false};
 
 class FailingJobState final : public testing::ForwardingJobState {
  public:
@@ -32,6 +35,10 @@ class FailingJobState final : public testing::ForwardingJobState {
                               bool first) override {
     if (fail_accumulate.load()) return absl::InternalError("injected: the device failed");
     return ForwardingJobState::AccumulateGrad(shard, offset, dtype, runs, first);
+  }
+  absl::StatusOr<GradStats> ReduceGrads(absl::Span<const ShardGrads> shards) const override {
+    if (fail_reduce.load()) return absl::InternalError("injected: the device failed");
+    return ForwardingJobState::ReduceGrads(shards);
   }
 };
 
@@ -43,8 +50,12 @@ class BackendFailureTest : public StoreTest {
                             return std::make_unique<FailingJobState>(std::move(cpu));
                           })) {
     fail_accumulate = false;
+    fail_reduce = false;
   }
-  ~BackendFailureTest() override { fail_accumulate = false; }
+  ~BackendFailureTest() override {
+    fail_accumulate = false;
+    fail_reduce = false;
+  }
 };
 
 TEST_F(BackendFailureTest, AFinishThatCannotFoldEndsTheRoundAtOnceAndTheRetryGoesThrough) {
@@ -92,6 +103,36 @@ TEST_F(BackendFailureTest, AFinishThatCannotFoldEndsTheRoundAtOnceAndTheRetryGoe
   EXPECT_TRUE(again0.ok()) << again0.status();
   EXPECT_TRUE(again1.get().ok());
   EXPECT_TRUE(Commit("f", 1, 1e-3).ok());
+}
+
+TEST_F(BackendFailureTest, ASealThatCannotTakeTheNormEndsTheRoundAtOnceAndTheRetryGoesThrough) {
+  constexpr uint32_t kBarrierMs = 5000;
+  Create(JobRequest("n", 2, {{"w", 1000}}, v1::PRECISION_FP32, kBarrierMs));
+  const std::vector<uint16_t> g0 = RandomBf16(rng_, 1000, 1.0f), g1 = RandomBf16(rng_, 1000, 1.0f);
+
+  // Rank 1 pushes and waits at the barrier; rank 0's finish, the last,
+  // seals, and the backend fails to take the norm.
+  auto waiting = std::async(std::launch::async, [&] { return Push("n", 1, 1, {{"w", g1}}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 1 is in
+  fail_reduce = true;
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto sealed = Push("n", 1, 0, {{"w", g0}});
+  fail_reduce = false;
+  EXPECT_EQ(sealed.status().code(), absl::StatusCode::kInternal) << sealed.status();
+  EXPECT_THAT(sealed.status().message(), HasSubstr("injected"));
+
+  // Rank 1 hears at once that the round ended, not after kBarrierMs.
+  const auto heard = waiting.get();
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::milliseconds(kBarrierMs / 2));
+  EXPECT_EQ(heard.status().code(), absl::StatusCode::kDeadlineExceeded) << heard.status();
+  EXPECT_THAT(heard.status().message(), HasSubstr("norm could not be taken"));
+
+  // The step pushed again is summed and applied.
+  auto again1 = std::async(std::launch::async, [&] { return Push("n", 1, 1, {{"w", g1}}); });
+  auto again0 = Push("n", 1, 0, {{"w", g0}});
+  EXPECT_TRUE(again0.ok()) << again0.status();
+  EXPECT_TRUE(again1.get().ok());
+  EXPECT_TRUE(Commit("n", 1, 1e-3).ok());
 }
 
 }  // namespace
