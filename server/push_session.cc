@@ -26,6 +26,13 @@ absl::StatusOr<std::unique_ptr<PushSession>> PushSession::Begin(std::shared_ptr<
   const bool resealed = first.step() == job->step && job->sealed_step == job->step && job->step > 0;
   if (!resealed) {
     SHARDOPT_RETURN_IF_ERROR(job->CheckStepToPush(first.step()));
+    // The step done, its sums no longer kept (a later step was sealed, or
+    // the job was restored): refused now, not after the whole gradient.
+    if (first.step() == job->step) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", job->name(), "' is at step ", job->step, "; step ",
+                                                        first.step(), " is stale (done, and its answer is no longer "
+                                                        "kept); push step ", job->step + 1));
+    }
   }
   if (job->uninitialized_shards > 0) {
     for (size_t s = 0; s < job->shards.size(); ++s) {

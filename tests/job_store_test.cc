@@ -450,6 +450,22 @@ TEST_F(StoreTest, TensorsWithoutGradientKeepStateAndTheirOwnAdamStep) {
   EXPECT_EQ(d->tensors(1).adam_step(), 3u);
 }
 
+// A retried push of the step just done is answered from the sums kept for
+// it, until the next step is sealed; then it is stale, said at its first
+// message rather than after the whole gradient was sent for nothing.
+TEST_F(StoreTest, APushOfTheDoneStepWhoseAnswerIsGoneIsRefusedAtItsFirstMessage) {
+  Create(JobRequest("gone", 1, {{"w", 1000}}));
+  const auto g = RandomBf16(rng_, 1000, 1.0f);
+  ASSERT_TRUE(Push("gone", 1, 0, {{"w", g}}).ok());
+  ASSERT_TRUE(Commit("gone", 1, 1e-3).ok());
+  EXPECT_TRUE(Push("gone", 1, 0, {{"w", g}}).ok());  // its answer is kept
+  ASSERT_TRUE(Push("gone", 2, 0, {{"w", g}}).ok());  // sealed: step 1's sums are gone
+  const auto old = StartPush("gone", 1, 0);
+  EXPECT_EQ(old.status().code(), absl::StatusCode::kFailedPrecondition) << old.status();
+  EXPECT_THAT(old.status().message(), HasSubstr("no longer kept"));
+  EXPECT_TRUE(Commit("gone", 2, 1e-3).ok());
+}
+
 TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
   auto init = Create(JobRequest("bad", 2, {{"w", 3000}}));
   const std::string before = Snapshot("bad");
