@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "client/wire.h"
 #include "rpc/chunk_size.h"
 #include "rpc/grpc_edge.h"
+#include "rpc/job_limits.h"
 #include "shardopt/safetensors.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 
@@ -36,6 +38,7 @@ struct Client::Impl {
   bool attached = false;
   uint64_t step = 0;
   uint64_t chunk_bytes = 0;  // per streamed message, once attached (rpc/chunk_size.h)
+  uint32_t barrier_ms = 0;   // the job's barrier deadline as its servers hold it, once attached
   absl::flat_hash_map<std::string, uint32_t> tensor_index;
   std::vector<std::vector<ShardPlacement>> shards_of;  // [server] in tensor order
   std::vector<bool> pushes_to;                         // [server]: in push_servers
@@ -49,6 +52,14 @@ struct Client::Impl {
   absl::Status CheckAttached() const {
     if (!attached) return absl::FailedPreconditionError("call CreateOrAttach first");
     return absl::OkStatus();
+  }
+
+  // A push's deadline: the barrier's wait on top of the call's own, so that
+  // the server's barrier ends first and its answer says which ranks it
+  // lacked.
+  uint32_t push_timeout_ms() const {
+    return static_cast<uint32_t>(
+        std::min<uint64_t>(uint64_t{barrier_ms} + options.rpc_timeout_ms, std::numeric_limits<uint32_t>::max()));
   }
 
   // Runs one RPC to server `server`, with retries (client/fanout.h).
@@ -185,13 +196,21 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   if (job.world_size == 0 || im.options.rank >= job.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", im.options.rank, " is out of range for world_size ", job.world_size));
   }
+  // Checked here as the servers check it, before the placement's arithmetic.
+  for (const TensorOptions& t : job.tensors) {
+    if (t.numel == 0 || t.numel > kMaxNumel) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has numel ", t.numel,
+                                                     "; it must be in [1, 2^40]"));
+    }
+  }
+  im.attached = false;  // until this job is: a failed attach leaves no half of it
   im.job = job;
   im.tensor_index.clear();
   for (uint32_t i = 0; i < job.tensors.size(); ++i) im.tensor_index[job.tensors[i].name] = i;
   im.shards_of.assign(im.servers(), {});
   for (ShardPlacement& p : PlaceTensors(job.tensors, im.servers())) im.shards_of[p.server].push_back(std::move(p));
 
-  std::vector<uint64_t> steps(im.servers(), 0), max_message(im.servers(), 0);
+  std::vector<uint64_t> steps(im.servers(), 0), max_message(im.servers(), 0), barrier(im.servers(), 0);
   auto st = im.ForEachServer([&](uint32_t s) {
     const v1::CreateJobRequest req = ToCreateJobRequest(job, im.shards_of[s]);
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
@@ -199,6 +218,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
       grpc::Status gs = im.stubs[s]->CreateJob(ctx, req, &resp);
       steps[s] = resp.step();
       max_message[s] = resp.max_message_bytes();
+      barrier[s] = resp.barrier_timeout_ms();
       return gs;
     });
   });
@@ -225,6 +245,13 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     if (!im.shards_of[s].empty()) sent_to.push_back(max_message[s]);
   }
   im.chunk_bytes = ChunkBytesFor(im.options.chunk_bytes, job.world_size, sent_to);
+  // The job's own deadline, or what its servers say it is when it gave none
+  // (their --barrier_timeout_ms); servers too old to say default to 60 s.
+  im.barrier_ms = job.barrier_timeout_ms;
+  if (im.barrier_ms == 0) {
+    const uint64_t said = *std::max_element(barrier.begin(), barrier.end());
+    im.barrier_ms = said > 0 ? static_cast<uint32_t>(said) : 60000;
+  }
   im.attached = true;
   return step;
 }
@@ -251,7 +278,11 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
   for (auto pause = std::chrono::milliseconds(10);; pause = std::min(2 * pause, std::chrono::milliseconds(500))) {
     SHARDOPT_RETURN_IF_ERROR(fanout::ForEach(pending, [&](uint32_t s) {
       v1::DescribeResponse r;
-      SHARDOPT_RETURN_IF_ERROR(im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+      // Each call within what is left, so that timeout_ms bounds the wait.
+      const int64_t left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                               give_up - std::chrono::steady_clock::now()).count();
+      const uint32_t call_ms = static_cast<uint32_t>(std::clamp<int64_t>(left, 1, im.options.rpc_timeout_ms));
+      SHARDOPT_RETURN_IF_ERROR(im.Call(s, call_ms, [&](grpc::ClientContext* ctx) {
         v1::DescribeRequest req;
         req.set_job(im.job.name);
         req.set_max_tensors(1);  // only the job-wide fields are wanted
@@ -339,10 +370,12 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
     std::stable_sort(sends.begin(), sends.end(), [](const PushMessages::Send& a, const PushMessages::Send& b) {
       return a.grad_index < b.grad_index;
     });
-    return im.Call(s, im.job.barrier_timeout_ms + im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+    return im.Call(s, im.push_timeout_ms(), [&](grpc::ClientContext* ctx) {
       // Made afresh for each attempt: a retried stream sends it all again.
       PushMessages messages(head, sends, im.chunk_bytes, grad);
+      int answers = 0;
       auto received = [&](grpc::ByteBuffer* answer) -> grpc::Status {
+        if (++answers > 1) return grpc::Status(grpc::StatusCode::INTERNAL, "the server answered a push twice");
         std::vector<grpc::Slice> slices;
         std::string bytes;
         if (answer->Dump(&slices).ok()) {
@@ -353,9 +386,14 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
         }
         return grpc::Status::OK;
       };
-      return wire::StreamCall::Run(
+      grpc::Status gs = wire::StreamCall::Run(
           im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Push",
           [&](grpc::ByteBuffer* out) { return messages.Next(out); }, [&] { messages.Wait(); }, received);
+      // Without its answer the server's partial norm would be taken as 0.
+      if (gs.ok() && answers == 0) {
+        return grpc::Status(grpc::StatusCode::INTERNAL, "the server ended the push without an answer");
+      }
+      return gs;
     });
   }, /*pushing=*/true);
   if (!st.ok()) return st;

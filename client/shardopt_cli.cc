@@ -7,6 +7,8 @@
 // export reads a complete checkpoint from disk, no server needed, and writes
 // each tensor's master: fp32 exactly (a BF16 group's bf16 master widened,
 // exactly), or rounded to bf16 with --dtype=bf16.
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -40,6 +42,7 @@ ABSL_FLAG(std::string, tls_key, "", "describe, drop, read: PEM private key of --
 ABSL_FLAG(std::string, token_file, "",
           "describe, drop, read: a file holding the bearer token for a server with --tokens_file; "
           "without it the environment variable SHARDOPT_TOKEN, if set");
+ABSL_FLAG(int, timeout_s, 60, "describe, drop, read: each call's deadline, in seconds");
 ABSL_FLAG(std::string, checkpoint_dir, "", "export: the servers' --checkpoint_dir, where the checkpoint is");
 ABSL_FLAG(uint64_t, step, 0, "export: the checkpoint's step; 0 is the newest complete one");
 ABSL_FLAG(std::string, dtype, "fp32", "export: fp32 (the master exactly) or bf16 (rounded to nearest even)");
@@ -62,8 +65,8 @@ constexpr Verb kVerbs[] = {
     {"read", "[--server=HOST:PORT] read JOB TENSOR master|exp_avg|exp_avg_sq|param [OFFSET [COUNT]]",
      "Prints one state array of the server's shard of TENSOR, one value per line: the master, Adam's m\n"
      "(exp_avg) or v (exp_avg_sq), as the job holds them, or the bf16 params of the last commit. OFFSET\n"
-     "(default 0) counts elements from the start of the server's shard; COUNT (default 0) is how many, 0\n"
-     "meaning to the shard's end.",
+     "(default 0) is the tensor's element to start at, which must lie in the server's shard (`describe`\n"
+     "shows each tensor's shard); COUNT (default 0) is how many, 0 meaning to the shard's end.",
      3, 5},
     {"export", "export --checkpoint_dir=DIR [--step=N] [--dtype=fp32|bf16] JOB OUT.safetensors",
      "Writes each tensor's master from a complete checkpoint under DIR (the newest, or step N) to a\n"
@@ -213,10 +216,13 @@ int main(int argc, char** argv) {
   }
   auto stub = v1::Optimizer::NewStub(grpc::CreateCustomChannel(
       absl::GetFlag(FLAGS_server), shardopt::ChannelCredentialsFor(text[0], text[1], text[2]), channel_args));
-  // One context per call, each with the token.
+  // One context per call, each with the token and a deadline: a server that
+  // does not answer must not hang the tool.
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   const auto context = [&] {
     contexts.push_back(std::make_unique<grpc::ClientContext>());
+    contexts.back()->set_deadline(std::chrono::system_clock::now() +
+                                  std::chrono::seconds(std::max(1, absl::GetFlag(FLAGS_timeout_s))));
     if (!token.empty()) contexts.back()->AddMetadata("authorization", "Bearer " + token);
     return contexts.back().get();
   };

@@ -10,17 +10,10 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kernels/backend.h"
+#include "rpc/job_limits.h"
 #include "shardopt/v1/optimizer.pb.h"
 
 namespace shardopt {
-
-inline constexpr uint32_t kMaxWorldSize = 65536;
-// 2^40 elements (a 1T-parameter tensor): with world_size at most 2^16, every
-// byte count a backend computes stays far below 2^64.
-inline constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
-// Names become file and directory names (checkpoint/format.h) and appear in
-// error messages.
-inline constexpr size_t kMaxNameBytes = 200;
 
 // Fills in defaults (lr_multiplier 1, whole-tensor shards, BF16 gradients,
 // the server's barrier deadline) and checks every field.

@@ -46,6 +46,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1:
   v1::CreateJobResponse response;
   response.set_created(false);
   response.set_step(job.step);
+  response.set_barrier_timeout_ms(job.spec.barrier_timeout_ms());
   return response;
 }
 
@@ -158,6 +159,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   v1::CreateJobResponse response;
   response.set_created(true);
   response.set_restored(restored);
+  response.set_barrier_timeout_ms(spec.barrier_timeout_ms());
   absl::MutexLock job_lock(&job->mu);
   response.set_step(job->step);
   return response;

@@ -731,6 +731,30 @@ TEST_F(ServiceTest, PushAfterTheBarrierDeadlineIsRefusedAndChangesNothing) {
   EXPECT_EQ(ReadAll(*client, job), before);
 }
 
+// A job that leaves its barrier deadline to the server's flag: the client
+// learns it from CreateJob and waits past it, so a push that the other rank
+// never joins hears the server's answer naming that rank, not a bare
+// DEADLINE_EXCEEDED of its own shorter call deadline.
+TEST(BarrierTest, AJobWithTheServersBarrierWaitsForTheServersAnswer) {
+  auto server = ServerProcess::Start({"--barrier_timeout_ms=2000"});
+  ASSERT_NE(server, nullptr);
+  JobOptions job = MakeJob("flagged", 2, {{"w", 2000}});
+  job.barrier_timeout_ms = 0;  // the server's
+  ClientOptions o;
+  o.servers = {server->address()};
+  o.max_attempts = 1;
+  o.rpc_timeout_ms = 500;
+  auto client = Client::Connect(o).value();
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  std::mt19937_64 rng(5);
+  auto init = RandomFloats(rng, 2000, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  auto g = RandomBf16(rng, 2000, 1.0f);
+  const auto r = client->Push(1, {{"w", g.data()}});  // rank 1 never comes
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(r.status().message()), HasSubstr("ranks {1} of 2"));
+}
+
 // The threads of a process, from /proc.
 size_t ThreadCount(pid_t pid) {
   size_t n = 0;

@@ -1,0 +1,185 @@
+// What the client checks, against servers of the test's own that answer
+// wrongly: a commit's chunk outside the server's own shards is refused
+// before any byte of it is written (a node group's buffers hold only the
+// ranges it owns), a shard whose params came twice in part and not at all
+// in part is DATA_LOSS, not OK, and a push that ends OK without an answer is
+// an error, not a partial norm of 0. And of its own inputs: a tensor's numel
+// out of range is refused before any server is asked, and a failed attach
+// leaves the client attached to nothing.
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/generic/async_generic_service.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "gtest/gtest.h"
+#include "shardopt/client.h"
+#include "shardopt/v1/optimizer.grpc.pb.h"
+
+namespace shardopt {
+namespace {
+
+// Takes any job but "refused"; answers a Commit with the bf16 chunks it was
+// given, each (tensor, offset, elements) filled with its byte. Push goes to
+// SilentMethods.
+class ScriptedCommitService final : public v1::Optimizer::WithGenericMethod_Push<v1::Optimizer::Service> {
+ public:
+  struct Chunk {
+    std::string tensor;
+    uint64_t offset;
+    uint64_t elements;
+    char fill = '\x01';
+  };
+  explicit ScriptedCommitService(std::vector<Chunk> chunks) : chunks_(std::move(chunks)) {}
+
+  grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest* request,
+                         v1::CreateJobResponse* r) override {
+    if (request->job() == "refused") return grpc::Status(grpc::StatusCode::ALREADY_EXISTS, "refused");
+    r->set_created(true);
+    r->set_max_message_bytes(64 << 20);
+    return grpc::Status::OK;
+  }
+  grpc::Status Commit(grpc::ServerContext*, const v1::CommitRequest* request,
+                      grpc::ServerWriter<v1::ParamChunk>* writer) override {
+    for (const Chunk& c : chunks_) {
+      v1::ParamChunk chunk;
+      chunk.set_tensor(c.tensor);
+      chunk.set_offset(c.offset);
+      chunk.set_step(request->step());
+      chunk.set_data(std::string(c.elements * 2, c.fill));
+      writer->Write(chunk);
+    }
+    return grpc::Status::OK;
+  }
+
+ private:
+  const std::vector<Chunk> chunks_;
+};
+
+// Every other method (Push among them): reads the call's messages and ends
+// it OK without an answer.
+class SilentMethods final : public grpc::CallbackGenericService {
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext*) override {
+    class Reactor final : public grpc::ServerGenericBidiReactor {
+     public:
+      Reactor() { StartRead(&in_); }
+      void OnReadDone(bool ok) override {
+        if (ok) return StartRead(&in_);
+        Finish(grpc::Status::OK);
+      }
+      void OnDone() override { delete this; }
+
+     private:
+      grpc::ByteBuffer in_;
+    };
+    return new Reactor;
+  }
+};
+
+// Servers running the scripted services, and a client attached to a job of
+// one tensor "w" of `numel` elements over them.
+class Cluster {
+ public:
+  Cluster(std::vector<std::vector<ScriptedCommitService::Chunk>> scripts, uint64_t numel) {
+    ClientOptions options;
+    options.max_attempts = 1;
+    for (auto& script : scripts) {
+      services_.push_back(std::make_unique<ScriptedCommitService>(std::move(script)));
+      grpc::ServerBuilder builder;
+      int port = 0;
+      builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+      builder.RegisterService(services_.back().get());
+      silent_.push_back(std::make_unique<SilentMethods>());  // one server each
+      builder.RegisterCallbackGenericService(silent_.back().get());
+      servers_.push_back(builder.BuildAndStart());
+      options.servers.push_back(absl::StrCat("127.0.0.1:", port));
+    }
+    client_ = Client::Connect(options).value();
+    JobOptions job;
+    job.name = "scripted";
+    job.world_size = 1;
+    job.groups = {{"g", 0.9, 0.95, 1e-8f, 0.0}};
+    job.tensors = {{"w", numel, 0}};
+    attached_ = client_->CreateOrAttach(job).status();
+  }
+  ~Cluster() {
+    for (auto& s : servers_) s->Shutdown();
+  }
+  absl::Status attached() const { return attached_; }
+  Client& client() { return *client_; }
+
+ private:
+  std::vector<std::unique_ptr<SilentMethods>> silent_;
+  std::vector<std::unique_ptr<ScriptedCommitService>> services_;
+  std::vector<std::unique_ptr<grpc::Server>> servers_;
+  std::unique_ptr<Client> client_;
+  absl::Status attached_;
+};
+
+TEST(ClientChecksTest, ParamsSentTwiceInPlaceOfMissingOnesAreDataLoss) {
+  // 100 elements: [0, 50) twice, [50, 100) never. The count is right.
+  Cluster cluster({{{"w", 0, 50}, {"w", 0, 50}}}, 100);
+  ASSERT_TRUE(cluster.attached().ok()) << cluster.attached();
+  std::vector<uint16_t> params(100, 0xFFFF);
+  const absl::Status st = cluster.client().Commit(1, 1e-3, 1.0f, false, {{"w", params.data()}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_NE(st.message().find("overlap or leave a gap"), std::string::npos) << st;
+}
+
+TEST(ClientChecksTest, ParamsOutsideTheServersShardAreRefusedUnwritten) {
+  // 10000 elements over two servers: the first holds [0, 4096), the second
+  // the rest. The first sends params of the second's range (0x0202); the
+  // second sends its own (0x0101).
+  Cluster cluster({{{"w", 4096, 100, '\x02'}}, {{"w", 4096, 5904}}}, 10000);
+  ASSERT_TRUE(cluster.attached().ok()) << cluster.attached();
+  std::vector<uint16_t> params(10000, 0xFFFF);
+  const absl::Status st = cluster.client().Commit(1, 1e-3, 1.0f, false, {{"w", params.data()}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  EXPECT_NE(st.message().find("outside its shards"), std::string::npos) << st;
+  for (uint64_t i = 4096; i < 4196; ++i) ASSERT_NE(params[i], 0x0202) << "element " << i << " was written";
+}
+
+TEST(ClientChecksTest, APushEndedWithoutAnAnswerIsAnError) {
+  Cluster cluster({{}}, 100);
+  ASSERT_TRUE(cluster.attached().ok()) << cluster.attached();
+  std::vector<uint16_t> g(100, 0x3f80);
+  const auto pushed = cluster.client().Push(1, {{"w", g.data()}});
+  EXPECT_EQ(pushed.status().code(), absl::StatusCode::kInternal) << pushed.status();
+  EXPECT_NE(pushed.status().message().find("without an answer"), std::string::npos) << pushed.status();
+}
+
+TEST(ClientChecksTest, ANumelOutOfRangeIsRefusedBeforeAnyServerIsAsked) {
+  ClientOptions options;
+  options.servers = {"127.0.0.1:1"};  // nobody: asking it would be UNAVAILABLE
+  options.max_attempts = 1;
+  auto client = Client::Connect(options).value();
+  for (uint64_t numel : {uint64_t{0}, (uint64_t{1} << 40) + 1, ~uint64_t{0}}) {
+    JobOptions job;
+    job.name = "huge";
+    job.groups = {{"g", 0.9, 0.95, 1e-8f, 0.0}};
+    job.tensors = {{"w", numel, 0}};
+    const auto attached = client->CreateOrAttach(job);
+    EXPECT_EQ(attached.status().code(), absl::StatusCode::kInvalidArgument) << numel << ": " << attached.status();
+  }
+}
+
+TEST(ClientChecksTest, AFailedAttachLeavesTheClientAttachedToNothing) {
+  Cluster cluster({{}}, 100);
+  ASSERT_TRUE(cluster.attached().ok()) << cluster.attached();
+  JobOptions other;
+  other.name = "refused";
+  other.groups = {{"g", 0.9, 0.95, 1e-8f, 0.0}};
+  other.tensors = {{"v", 5000, 0}};
+  EXPECT_EQ(cluster.client().CreateOrAttach(other).status().code(), absl::StatusCode::kAlreadyExists);
+  std::vector<uint16_t> g(5000, 0x3f80);
+  const auto pushed = cluster.client().Push(1, {{"v", g.data()}});
+  EXPECT_EQ(pushed.status().code(), absl::StatusCode::kFailedPrecondition) << pushed.status();
+  EXPECT_NE(pushed.status().message().find("CreateOrAttach first"), std::string::npos) << pushed.status();
+}
+
+}  // namespace
+}  // namespace shardopt
