@@ -278,10 +278,13 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
   for (auto pause = std::chrono::milliseconds(10);; pause = std::min(2 * pause, std::chrono::milliseconds(500))) {
     SHARDOPT_RETURN_IF_ERROR(fanout::ForEach(pending, [&](uint32_t s) {
       v1::DescribeResponse r;
-      // Each call within what is left, so that timeout_ms bounds the wait.
+      // Each call within what is left, so that an unresponsive server keeps
+      // the wait near timeout_ms; but given a second at least, so that a
+      // short wait still hears the servers' count and can say what lacks.
+      const int64_t rpc_ms = im.options.rpc_timeout_ms;
       const int64_t left = std::chrono::duration_cast<std::chrono::milliseconds>(
                                give_up - std::chrono::steady_clock::now()).count();
-      const uint32_t call_ms = static_cast<uint32_t>(std::clamp<int64_t>(left, 1, im.options.rpc_timeout_ms));
+      const uint32_t call_ms = static_cast<uint32_t>(std::clamp<int64_t>(left, std::min<int64_t>(1000, rpc_ms), rpc_ms));
       SHARDOPT_RETURN_IF_ERROR(im.Call(s, call_ms, [&](grpc::ClientContext* ctx) {
         v1::DescribeRequest req;
         req.set_job(im.job.name);

@@ -66,13 +66,17 @@ absl::Status StreamState(Job& job, const std::vector<v1::DType>& dtypes, checkpo
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step,
+                                                                 absl::Time deadline,
                                                                  const std::function<absl::Status()>& began,
                                                                  const std::function<void()>& after_slice) {
   v1::PartManifest m;
   std::vector<v1::DType> dtypes;
   {
     absl::MutexLock lock(&job.mu);
-    job.AwaitWholeStep();
+    if (!job.AwaitWholeStep(deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat("job '", job.name(), "' is still applying step ", job.step + 1,
+                                                      ": its committer has not read all the params"));
+    }
     SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
     if (!job.failed.ok()) return job.failed;
     if (step != job.step) {

@@ -26,6 +26,7 @@ namespace shardopt {
 // if it is dropped while streaming (the part, not finished, leaves no file).
 // `after_slice`, if set, runs after each slice, without the lock.
 absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step,
+                                                                 absl::Time deadline,
                                                                  const std::function<absl::Status()>& began,
                                                                  const std::function<void()>& after_slice = nullptr)
     ABSL_LOCKS_EXCLUDED(job.mu);

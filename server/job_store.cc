@@ -165,11 +165,12 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   return response;
 }
 
-absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::CheckpointRequest& request) {
-  return WriteCheckpoint(request, /*charged=*/true);
+absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::CheckpointRequest& request, absl::Time deadline) {
+  return WriteCheckpoint(request, /*charged=*/true, deadline);
 }
 
-absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::CheckpointRequest& request, bool charged) {
+absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::CheckpointRequest& request, bool charged,
+                                                                 absl::Time deadline) {
   if (options_.checkpoint_dir.empty()) {
     return absl::FailedPreconditionError("this server has no --checkpoint_dir");
   }
@@ -184,7 +185,7 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
   // refused before (wrong step, no budget) only in the service's refusal line.
   std::optional<std::chrono::steady_clock::time_point> t0;
   absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> writer = Snapshot(
-      job, options_.checkpoint_dir, request.step(),
+      job, options_.checkpoint_dir, request.step(), deadline,
       [&]() -> absl::Status {
         if (charged) {
           SHARDOPT_ASSIGN_OR_RETURN(buffers, budget_.Reserve(checkpoint::SequentialWriter::kMostBytes,
@@ -261,7 +262,7 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
     request.set_step(step);
     // One at a time, their buffers uncharged: a full budget must not cost
     // the state at SIGTERM, and one checkpoint's buffers fit the headroom.
-    results.emplace_back(name, WriteCheckpoint(request, /*charged=*/false));
+    results.emplace_back(name, WriteCheckpoint(request, /*charged=*/false, absl::InfiniteFuture()));
   }
   return results;
 }

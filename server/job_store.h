@@ -85,8 +85,11 @@ class JobStore {
   absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
   // Writes this server's part of the job's checkpoint of request.step(),
   // from a snapshot taken at a step boundary. Its writer's buffers are
-  // charged to the budget while it writes.
-  absl::StatusOr<v1::CheckpointResponse> Checkpoint(const v1::CheckpointRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+  // charged to the budget while it writes. A step half applied is waited for
+  // until `deadline` (the caller's), then DEADLINE_EXCEEDED.
+  absl::StatusOr<v1::CheckpointResponse> Checkpoint(const v1::CheckpointRequest& request,
+                                                    absl::Time deadline = absl::InfiniteFuture())
+      ABSL_LOCKS_EXCLUDED(mu_);
   // For SIGTERM: from now on commits that would apply a step fail with
   // UNAVAILABLE; commits already applying finish first, for up to
   // `wait_for_steps` in all. Then every job is checkpointed at its step, one
@@ -184,7 +187,8 @@ class JobStore {
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::CreateJobResponse> Attach(const Job& job, const v1::CreateJobRequest& spec) const;
   // Checkpoint, charging its buffers or not (the drain's: see DrainAndCheckpoint).
-  absl::StatusOr<v1::CheckpointResponse> WriteCheckpoint(const v1::CheckpointRequest& request, bool charged)
+  absl::StatusOr<v1::CheckpointResponse> WriteCheckpoint(const v1::CheckpointRequest& request, bool charged,
+                                                         absl::Time deadline)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   Backend* const backend_;

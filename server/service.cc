@@ -131,7 +131,11 @@ grpc::Status OptimizerService::Checkpoint(grpc::ServerContext* context, const v1
   if (auto caller = Authorize(*context, Action::kCheckpoint, req->job()); !caller.ok()) {
     return ToGrpcStatus(caller.status());
   }
-  auto r = store_->Checkpoint(*req);
+  // A step half applied is waited for only as long as the caller waits:
+  // its committer may never read on, and this holds a thread meanwhile.
+  const auto d = context->deadline();
+  auto r = store_->Checkpoint(*req, d == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture()
+                                                                                      : absl::FromChrono(d));
   if (r.ok()) *resp = *std::move(r);
   return ToGrpcStatus(r.status());
 }

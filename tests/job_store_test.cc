@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <map>
 #include <mutex>
 #include <fstream>
@@ -613,6 +614,38 @@ TEST_F(DrainTest, ACommitterThatStoppedReadingCostsOnlyItsOwnJobsCheckpoint) {
   EXPECT_TRUE(by_job.at("other")->complete());
   stream->reset();  // the committer goes away: its stream finishes the step
   EXPECT_EQ(store_.Describe("stalled")->step(), 1u);
+}
+
+// A Checkpoint call waits for a half-applied step only until its caller's
+// deadline: DEADLINE_EXCEEDED, naming the step, instead of holding its
+// thread for as long as the committer takes. Once the step is whole, the
+// checkpoint is written.
+TEST_F(DrainTest, ACheckpointOfAHalfAppliedStepWaitsOnlyUntilItsDeadline) {
+  const uint64_t kN = 4 * JobStoreOptions{}.stream_chunk_elements + 3;  // several pieces
+  Create(JobRequest("stalled", 1, {{"w", kN}}));
+  std::mt19937_64 rng(9);
+  ASSERT_TRUE(Push("stalled", 1, 0, {{"w", RandomBf16(rng, kN, 0.3f)}}, 1 << 16).ok());
+  auto stream = store_.OpenCommit(CommitRequestFor("stalled", 1, 1e-2));
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  auto piece = (*stream)->Next();  // one piece read, then no more: the step is mid-apply
+  ASSERT_TRUE(piece.ok() && piece->has_value()) << piece.status();
+
+  v1::CheckpointRequest request;
+  request.set_job("stalled");
+  request.set_step(1);
+  auto asked = std::async(std::launch::async,
+                          [&] { return store_.Checkpoint(request, absl::Now() + absl::Milliseconds(300)); });
+  if (asked.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    stream->reset();  // finishes the step, so that the wait ends and the test fails rather than hangs
+    FAIL() << "the checkpoint waited past its deadline";
+  }
+  const auto late = asked.get();
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+  EXPECT_THAT(std::string(late.status().message()), HasSubstr("still applying step 1"));
+  stream->reset();  // the committer goes away: its stream finishes the step
+  const auto written = store_.Checkpoint(request, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_TRUE(written->complete());
 }
 
 TEST_F(DrainTest, DrainCheckpointsAppliedStepsSkipsUninitializedJobsAndRefusesNewCommitsWithUnavailable) {

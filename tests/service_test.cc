@@ -503,35 +503,61 @@ TEST_F(ServiceTest, ACommitCancelledMidStreamStillAppliesItsWholeStepOnce) {
   EXPECT_GE(cut, 2u) << log;
 }
 
-// A step is applied as its committer reads the params, so a committer that
-// stops reading leaves the step half applied for as long as it likes. Reads
-// of that job wait for the whole step without holding a thread: with many
-// of them waiting, another job still steps, and once the committer reads on
-// every read gets the applied step.
-TEST_F(ServiceTest, ReadsOfAHalfAppliedStepWaitWithoutAThread) {
-  constexpr uint64_t kNumel = 3'000'001;  // several of the server's 1 MiB pieces
-  constexpr int kReads = 48;
-  const JobOptions job = MakeJob("stalled", 1, {{"w", kNumel}});
-  auto client = Connect(server_->address());
-  ASSERT_TRUE(client->CreateOrAttach(job).ok());
-  auto init = RandomFloats(rng_, kNumel, -1, 1);
-  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
-  auto g = RandomBf16(rng_, kNumel, 1.0f);
-  ASSERT_TRUE(client->Push(1, {{"w", g.data()}}).ok());
-  ReferenceTensor ref(kHyper, init, false);
-  ref.Step({g.data()}, 1e-3, 1.0f);
+// A job of one large tensor whose step 1 is being applied: its committer
+// reads one piece of the params and then no more until Release. The server
+// applies each piece as gRPC takes the last, so the step stays half applied
+// for a while (until gRPC has buffered the rest), and reads of the job that
+// come meanwhile must wait for it.
+class StalledCommit {
+ public:
+  static constexpr uint64_t kNumel = 16'000'001;  // 32 pieces of 1 MiB
 
-  auto stub = RawStub(server_->address(), 64 << 10);
-  grpc::ClientContext commit_ctx;
-  commit_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  v1::CommitRequest r;
-  r.set_job("stalled");
-  r.set_step(1);
-  r.set_lr(1e-3);
-  r.set_gscale(1.0f);
-  auto committer = stub->Commit(&commit_ctx, r);
-  v1::ParamChunk pc;
-  ASSERT_TRUE(committer->Read(&pc));  // then stops reading: the step is half applied
+  StalledCommit(const std::string& address, const std::string& job, std::mt19937_64& rng)
+      : client_(Connect(address)), init_(RandomFloats(rng, kNumel, -1, 1)), applied_(kHyper, init_, false) {
+    EXPECT_TRUE(client_->CreateOrAttach(MakeJob(job, 1, {{"w", kNumel}})).ok());
+    EXPECT_TRUE(client_->InitFp32("w", init_.data()).ok());
+    const auto g = RandomBf16(rng, kNumel, 1.0f);
+    EXPECT_TRUE(client_->Push(1, {{"w", g.data()}}).ok());
+    applied_.Step({g.data()}, 1e-3, 1.0f);
+    stub_ = RawStub(address, 64 << 10);  // the server may send only 64 KiB ahead of the reader
+    ctx_.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::CommitRequest r;
+    r.set_job(job);
+    r.set_step(1);
+    r.set_lr(1e-3);
+    r.set_gscale(1.0f);
+    reader_ = stub_->Commit(&ctx_, r);
+    v1::ParamChunk pc;
+    EXPECT_TRUE(reader_->Read(&pc));
+  }
+  // The master once step 1 is applied.
+  const std::vector<float>& applied() const { return applied_.p; }
+  Client& client() { return *client_; }
+  // Reads the rest of the params: the step is then whole.
+  grpc::Status Release() {
+    v1::ParamChunk pc;
+    while (reader_->Read(&pc)) {
+    }
+    return reader_->Finish();
+  }
+
+ private:
+  std::unique_ptr<Client> client_;
+  std::vector<float> init_;
+  ReferenceTensor applied_;
+  std::unique_ptr<v1::Optimizer::Stub> stub_;
+  grpc::ClientContext ctx_;
+  std::unique_ptr<grpc::ClientReader<v1::ParamChunk>> reader_;
+};
+
+// Reads of a job whose step is half applied wait for the whole step without
+// holding a thread. Waiting on gRPC's threads, 48 reads parked every one, the
+// commit's own reactions among them, and the whole server hung. Now another
+// job steps meanwhile, and every read gets the applied step.
+TEST_F(ServiceTest, ReadsOfAHalfAppliedStepWaitWithoutAThread) {
+  constexpr uint64_t kLength = 1 << 20;  // of each read: the first elements
+  constexpr int kReads = 48;
+  StalledCommit stalled(server_->address(), "stalled", rng_);
 
   std::vector<grpc::Status> read_status(kReads);
   std::vector<std::vector<float>> read_values(kReads);
@@ -544,7 +570,7 @@ TEST_F(ServiceTest, ReadsOfAHalfAppliedStepWaitWithoutAThread) {
       v1::ReadRequest req;
       req.set_job("stalled");
       req.set_tensor("w");
-      req.set_length(kNumel);
+      req.set_length(kLength);
       req.set_kind(v1::MASTER);
       auto reader = read_stub->Read(&ctx, req);
       v1::StateChunk chunk;
@@ -572,15 +598,16 @@ TEST_F(ServiceTest, ReadsOfAHalfAppliedStepWaitWithoutAThread) {
   sider.join();
   EXPECT_TRUE(sided.get().ok());
 
-  while (committer->Read(&pc)) {
-  }
-  EXPECT_TRUE(committer->Finish().ok());
+  EXPECT_TRUE(stalled.Release().ok());
   for (auto& t : readers) t.join();
   for (int i = 0; i < kReads; ++i) {
     ASSERT_TRUE(read_status[i].ok()) << "read " << i << ": " << read_status[i].error_message();
-    ASSERT_TRUE(read_values[i] == ref.p) << "read " << i << " is not the applied step";
+    ASSERT_TRUE(std::equal(read_values[i].begin(), read_values[i].end(), stalled.applied().begin()) &&
+                read_values[i].size() == kLength)
+        << "read " << i << " is not the applied step";
   }
 }
+
 
 TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
   const JobOptions job = MakeJob("bad", 2, {{"w", 3000}});
