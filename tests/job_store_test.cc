@@ -587,22 +587,32 @@ TEST_F(StoreTest, DescribeReportsStateBytesAndHeldPrecision) {
 }
 
 // SIGTERM's path: what was applied is checkpointed, what comes after is refused.
-using DrainTest = CheckpointDirTest<0>;
+class DrainTest : public CheckpointDirTest<0> {
+ protected:
+  // Job `name` with step 1 pushed and its commit's stream opened, one piece
+  // read and then no more: the step is mid-apply until the stream goes.
+  std::unique_ptr<ParamStream> StallCommit(const std::string& name) {
+    const uint64_t n = 4 * JobStoreOptions{}.stream_chunk_elements + 3;  // several pieces
+    Create(JobRequest(name, 1, {{"w", n}}));
+    std::mt19937_64 rng(9);
+    EXPECT_TRUE(Push(name, 1, 0, {{"w", RandomBf16(rng, n, 0.3f)}}, 1 << 16).ok());
+    auto stream = store_.OpenCommit(CommitRequestFor(name, 1, 1e-2));
+    EXPECT_TRUE(stream.ok()) << stream.status();
+    if (!stream.ok()) return nullptr;
+    auto piece = (*stream)->Next();
+    EXPECT_TRUE(piece.ok() && piece->has_value()) << piece.status();
+    return *std::move(stream);
+  }
+};
 
 // A committer that stopped reading holds its step half applied: the drain
 // waits for it only so long, then checkpoints every other job and reports
 // that one DEADLINE_EXCEEDED, instead of waiting (and holding the exit) for
 // good. The stream's end then finishes the step.
 TEST_F(DrainTest, ACommitterThatStoppedReadingCostsOnlyItsOwnJobsCheckpoint) {
-  const uint64_t kN = 4 * JobStoreOptions{}.stream_chunk_elements + 3;  // several pieces
-  Create(JobRequest("stalled", 1, {{"w", kN}}));
+  auto stream = StallCommit("stalled");
+  ASSERT_NE(stream, nullptr);
   Create(JobRequest("other", 1, {{"w", 100}}));
-  std::mt19937_64 rng(9);
-  ASSERT_TRUE(Push("stalled", 1, 0, {{"w", RandomBf16(rng, kN, 0.3f)}}, 1 << 16).ok());
-  auto stream = store_.OpenCommit(CommitRequestFor("stalled", 1, 1e-2));
-  ASSERT_TRUE(stream.ok()) << stream.status();
-  auto piece = (*stream)->Next();  // one piece read, then no more: the step is mid-apply
-  ASSERT_TRUE(piece.ok() && piece->has_value()) << piece.status();
 
   const auto began = std::chrono::steady_clock::now();
   auto results = store_.DrainAndCheckpoint(absl::Milliseconds(300));
@@ -612,7 +622,7 @@ TEST_F(DrainTest, ACommitterThatStoppedReadingCostsOnlyItsOwnJobsCheckpoint) {
   EXPECT_EQ(by_job.at("stalled").status().code(), absl::StatusCode::kDeadlineExceeded) << by_job.at("stalled").status();
   ASSERT_TRUE(by_job.at("other").ok()) << by_job.at("other").status();
   EXPECT_TRUE(by_job.at("other")->complete());
-  stream->reset();  // the committer goes away: its stream finishes the step
+  stream.reset();  // the committer goes away: its stream finishes the step
   EXPECT_EQ(store_.Describe("stalled")->step(), 1u);
 }
 
@@ -621,14 +631,8 @@ TEST_F(DrainTest, ACommitterThatStoppedReadingCostsOnlyItsOwnJobsCheckpoint) {
 // thread for as long as the committer takes. Once the step is whole, the
 // checkpoint is written.
 TEST_F(DrainTest, ACheckpointOfAHalfAppliedStepWaitsOnlyUntilItsDeadline) {
-  const uint64_t kN = 4 * JobStoreOptions{}.stream_chunk_elements + 3;  // several pieces
-  Create(JobRequest("stalled", 1, {{"w", kN}}));
-  std::mt19937_64 rng(9);
-  ASSERT_TRUE(Push("stalled", 1, 0, {{"w", RandomBf16(rng, kN, 0.3f)}}, 1 << 16).ok());
-  auto stream = store_.OpenCommit(CommitRequestFor("stalled", 1, 1e-2));
-  ASSERT_TRUE(stream.ok()) << stream.status();
-  auto piece = (*stream)->Next();  // one piece read, then no more: the step is mid-apply
-  ASSERT_TRUE(piece.ok() && piece->has_value()) << piece.status();
+  auto stream = StallCommit("stalled");
+  ASSERT_NE(stream, nullptr);
 
   v1::CheckpointRequest request;
   request.set_job("stalled");
@@ -636,13 +640,13 @@ TEST_F(DrainTest, ACheckpointOfAHalfAppliedStepWaitsOnlyUntilItsDeadline) {
   auto asked = std::async(std::launch::async,
                           [&] { return store_.Checkpoint(request, absl::Now() + absl::Milliseconds(300)); });
   if (asked.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
-    stream->reset();  // finishes the step, so that the wait ends and the test fails rather than hangs
+    stream.reset();  // finishes the step, so that the wait ends and the test fails rather than hangs
     FAIL() << "the checkpoint waited past its deadline";
   }
   const auto late = asked.get();
   EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
   EXPECT_THAT(std::string(late.status().message()), HasSubstr("still applying step 1"));
-  stream->reset();  // the committer goes away: its stream finishes the step
+  stream.reset();  // the committer goes away: its stream finishes the step
   const auto written = store_.Checkpoint(request, absl::Now() + absl::Seconds(10));
   ASSERT_TRUE(written.ok()) << written.status();
   EXPECT_TRUE(written->complete());

@@ -55,19 +55,7 @@ uint64_t PeakRss(pid_t pid) {
 
 // The server's shardopt_open_streams, from GET /metrics on 127.0.0.1:port.
 int OpenStreams(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  a.sin_port = htons(port);
-  std::string text;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
-    const std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
-    send(fd, request.data(), request.size(), 0);
-    char buf[4096];
-    for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) text.append(buf, n);
-  }
-  close(fd);
+  const std::string text = testing::GetMetrics(port);
   const size_t at = text.find("\nshardopt_open_streams ");
   return at == std::string::npos ? -1 : std::atoi(text.c_str() + at + 23);
 }

@@ -2,11 +2,7 @@
 // the openssl command for each run: who can reach a TLS server, who a
 // mutual-TLS one, the refusal of plaintext on a non-loopback address, and
 // IPv6 loopback.
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -138,24 +134,6 @@ TEST(TlsTest, PlaintextOnANonLoopbackAddressIsRefusedUnlessInsecureIsGiven) {
   EXPECT_TRUE(StepOnce(server->address(), {}, "a").ok());
 }
 
-// GET /metrics from [::1]:port; empty if nothing answers there.
-std::string MetricsOverIpv6(int port) {
-  const int fd = socket(AF_INET6, SOCK_STREAM, 0);
-  sockaddr_in6 a{};
-  a.sin6_family = AF_INET6;
-  a.sin6_addr = in6addr_loopback;
-  a.sin6_port = htons(port);
-  std::string text;
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) {
-    const std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
-    send(fd, request.data(), request.size(), 0);
-    char buf[4096];
-    for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) text.append(buf, n);
-  }
-  close(fd);
-  return text;
-}
-
 // ::1 is loopback in either spelling: plaintext needs no --insecure, and the
 // server and its metrics listen there (gRPC needs the brackets, getaddrinfo
 // none). :: (every address) is not loopback.
@@ -166,7 +144,7 @@ TEST(TlsTest, AnIpv6LoopbackHostServesPlaintextAndMetricsThere) {
     auto server = ServerProcess::Start({"--host=" + host, absl::StrCat("--metrics_port=", metrics)});
     ASSERT_NE(server, nullptr);
     EXPECT_TRUE(StepOnce(absl::StrCat("[::1]:", server->port()), {}, "v6").ok());
-    EXPECT_THAT(MetricsOverIpv6(metrics), ::testing::HasSubstr("\nshardopt_jobs 1\n"));
+    EXPECT_THAT(testing::GetMetrics(metrics, /*ipv6=*/true), ::testing::HasSubstr("\nshardopt_jobs 1\n"));
   }
   const pid_t every = testing::SpawnProcess({SHARDOPT_SERVER_BINARY, "--host=::", "--port=0", "--device=cpu"});
   const auto status = testing::WaitProcess(every, std::chrono::seconds(20));

@@ -169,16 +169,26 @@ TEST(CpuCollective, ARankThatNeverArrivesFailsTheOthersInBoundedTime) {
   EXPECT_EQ(collectives[1]->AllReduceSum(&x, 1).code(), absl::StatusCode::kDeadlineExceeded);  // stays failed
 }
 
+// One server and a node of one local rank.
+struct LoneNode {
+  LoneNode() : server(ServerProcess::Start({"--threads=1"})), collectives(MakeCpuCollectives(1)) {
+    if (server == nullptr) return;
+    NodeGroupOptions options;
+    options.client.servers = {server->address()};
+    group = NodeGroup::Create(options, collectives[0].get()).value();
+  }
+  std::unique_ptr<ServerProcess> server;
+  std::vector<std::unique_ptr<Collective>> collectives;
+  std::unique_ptr<NodeGroup> group;
+};
+
 // Each group's lr reaches the servers, as with a plain Client: a group at lr
 // 0 keeps its masters (AdamW's whole update, decay included, is scaled by lr)
 // while the other moves.
 TEST(NodeGroup, EachGroupStepsAtItsOwnLr) {
-  auto server = ServerProcess::Start({"--threads=1"});
-  ASSERT_NE(server, nullptr);
-  auto collectives = MakeCpuCollectives(1);
-  NodeGroupOptions options;
-  options.client.servers = {server->address()};
-  auto group = NodeGroup::Create(options, collectives[0].get()).value();
+  LoneNode node;
+  ASSERT_NE(node.group, nullptr);
+  NodeGroup* group = node.group.get();
   JobOptions job = MakeJob("lrs", 1, 10000);
   job.grad_type = GradType::kFp32;
   job.groups.push_back(job.groups[0]);
@@ -213,13 +223,9 @@ TEST(NodeGroup, EachGroupStepsAtItsOwnLr) {
 }
 
 TEST(NodeGroup, RefusesBf16GradientsWithAClearError) {
-  auto server = ServerProcess::Start({"--threads=1"});
-  ASSERT_NE(server, nullptr);
-  auto collectives = MakeCpuCollectives(1);
-  NodeGroupOptions options;
-  options.client.servers = {server->address()};
-  auto group = NodeGroup::Create(options, collectives[0].get()).value();
-  auto st = group->CreateOrAttach(MakeJob("bf16", 1, 1000));
+  LoneNode node;
+  ASSERT_NE(node.group, nullptr);
+  auto st = node.group->CreateOrAttach(MakeJob("bf16", 1, 1000));
   EXPECT_EQ(st.status().code(), absl::StatusCode::kInvalidArgument);
 }
 

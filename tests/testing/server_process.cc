@@ -32,6 +32,34 @@ int FreeLoopbackPort() {
   return ntohs(addr.sin_port);
 }
 
+std::string GetMetrics(int port, bool ipv6) {
+  sockaddr_storage address{};
+  socklen_t length;
+  if (ipv6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&address);
+    a->sin6_family = AF_INET6;
+    a->sin6_addr = in6addr_loopback;
+    a->sin6_port = htons(port);
+    length = sizeof *a;
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in*>(&address);
+    a->sin_family = AF_INET;
+    a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a->sin_port = htons(port);
+    length = sizeof *a;
+  }
+  const int fd = socket(address.ss_family, SOCK_STREAM, 0);
+  std::string text;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), length) == 0) {
+    const std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+    send(fd, request.data(), request.size(), 0);
+    char buf[4096];
+    for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) text.append(buf, n);
+  }
+  close(fd);
+  return text;
+}
+
 std::string ReadText(const std::string& path) {
   std::ifstream in(path);
   std::stringstream text;

@@ -16,6 +16,10 @@ namespace shardopt::testing {
 // server flag that takes a fixed port.
 int FreeLoopbackPort();
 
+// The answer to GET /metrics on loopback (127.0.0.1, or ::1 with `ipv6`),
+// headers and all; empty if nothing answers there.
+std::string GetMetrics(int port, bool ipv6 = false);
+
 // A file's whole text (a process's log, a certificate); empty if unreadable.
 std::string ReadText(const std::string& path);
 
