@@ -106,7 +106,12 @@ class NcclCollective final : public Collective {
 
   absl::Status FromHost(const void* host_src, void* dst, uint64_t bytes) override {
     SHARDOPT_RETURN_IF_ERROR(Enter());
-    return Check(cudaMemcpy(dst, host_src, bytes, cudaMemcpyHostToDevice), "copy to device");
+    // On the collective's own stream and waited for: a plain cudaMemcpy from
+    // pageable memory may return before its last DMA lands, and the next
+    // AllGather reads `dst` on stream_ with no other ordering against it.
+    SHARDOPT_RETURN_IF_ERROR(
+        Check(cudaMemcpyAsync(dst, host_src, bytes, cudaMemcpyHostToDevice, stream_), "copy to device"));
+    return Check(cudaStreamSynchronize(stream_), "copy to device");
   }
 
  private:
@@ -144,8 +149,11 @@ absl::StatusOr<std::unique_ptr<Collective>> MakeNcclCollective(const NcclId& id,
   std::memcpy(&nid, id.bytes, sizeof nid);
   ncclComm_t comm;
   SHARDOPT_RETURN_IF_ERROR(Check(ncclCommInitRank(&comm, static_cast<int>(size), nid, static_cast<int>(rank)), "ncclCommInitRank"));
+  // A blocking stream: its work waits for what the legacy default stream
+  // (PyTorch's default stream) queued before it, so ReduceScatter reads
+  // gradients that backward has finished writing there.
   cudaStream_t stream;
-  if (auto st = Check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate"); !st.ok()) {
+  if (auto st = Check(cudaStreamCreateWithFlags(&stream, cudaStreamDefault), "cudaStreamCreate"); !st.ok()) {
     ncclCommDestroy(comm);
     return st;
   }

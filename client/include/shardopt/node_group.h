@@ -49,6 +49,9 @@ class NodeGroup {
   // One step over flat buffers in the collective's memory, each
   // FlatOffsets(job.tensors).back() elements with tensor t at FlatOffsets[t]:
   // every tensor has a gradient. `flat_params` receives every tensor's params.
+  // With NCCL, the gradients must be written by the time the device's legacy
+  // default stream (PyTorch's default stream) reaches this call: work queued
+  // on another stream must be synchronized with it first.
   absl::StatusOr<StepResult> Step(const uint16_t* flat_grads, uint16_t* flat_params, const StepOptions& options);
 
   // For Init, Read and Describe, which go to every server.
