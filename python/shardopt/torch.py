@@ -34,12 +34,13 @@ class _Tensor:
     """One param as the job knows it, and its host staging buffers (only for
     params that are not contiguous host memory)."""
 
-    __slots__ = ("name", "param", "group", "shape", "dtype", "device", "numel", "host_param", "host_grad")
+    __slots__ = ("name", "param", "group", "shape", "dtype", "device", "numel", "host_param", "host_grad", "version")
 
     def __init__(self, name, param, group):
         self.name, self.param, self.group = name, param, group
         self.shape, self.dtype, self.device, self.numel = param.shape, param.dtype, param.device, param.numel()
         self.host_param = self.host_grad = None
+        self.version = None  # the param's version counter when the optimizer last wrote or sent it
 
     @property
     def fp32(self):
@@ -222,6 +223,7 @@ class RemoteAdamW(torch.optim.Optimizer):
             self._client.wait_for_initial_values(int(barrier_timeout * 1000))
         else:
             self._pull_params()
+        self._note_versions()
         self._client.verify_state()
 
         self._hooks = []
@@ -252,6 +254,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         if self.overlap:
             decision = self._commit_push()
         else:
+            self._check_unchanged()
             group_lr = [float(g["lr"]) for g in self.param_groups]
             grads = [(t.name, self._grad_source(t)[0]) for t in self._remote]
             self._sync_staging()
@@ -260,6 +263,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         for t in self._remote:
             if not t.in_place():
                 t.param.copy_(t.host_param, non_blocking=True)
+        self._note_versions()
         self.last_decision = decision
         self._checkpoint_if_due()
         return loss
@@ -381,6 +385,7 @@ class RemoteAdamW(torch.optim.Optimizer):
                                              f"({why}); the job's state is incomplete: drop the job and load again")
         for g, saved in zip(self.param_groups, saved_groups):
             g.update({key: value for key, value in saved.items() if key != "params"})
+        self._note_versions()
 
     # ---- shardopt's own ----
 
@@ -427,6 +432,47 @@ class RemoteAdamW(torch.optim.Optimizer):
     def _group_hyper(g):
         b1, b2 = g["betas"]
         return (float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]))
+
+    def _note_versions(self):
+        """Remembers each param's version counter (bumped by every in-place
+        change) once the optimizer has written or sent it."""
+        for t in self._remote:
+            t.version = getattr(t.param, "_version", None)
+
+    def _check_unchanged(self):
+        """A param changed in place since the optimizer last wrote or sent it
+        (model.load_state_dict after the optimizer was built, say) would be
+        overwritten with the servers' master at the next commit. Before the
+        job's first step, one process sends the new values as the master
+        (several ranks must agree on them: they raise), and values equal to
+        the master are kept; after it, ParamsChanged."""
+        changed = [t for t in self._remote if t.version is not None and t.param._version != t.version]
+        if not changed:
+            return
+        first = self._client.step_count == 0
+        differ = [t for t in changed if not self._matches_master(t)] if first else changed
+        if differ and first and self.world_size == 1:
+            for t in differ:
+                self._init_master(t, t.param)
+            differ = []
+        if differ:
+            names = ", ".join(repr(t.name) for t in differ[:3]) + (", ..." if len(differ) > 3 else "")
+            how = ("load the model before constructing RemoteAdamW on every rank" if first else
+                   "to train from other values, load them before constructing the optimizer (a new job), or "
+                   "load a state dict into a new job with load_state_dict()")
+            raise ParamsChanged(f"params {names} changed outside step() since the servers took them (e.g. "
+                                f"model.load_state_dict after the optimizer was built); the servers' master would "
+                                f"overwrite them at the next step: {how}")
+        self._note_versions()
+
+    def _matches_master(self, t):
+        """Whether the param holds the servers' master (bf16 params: its
+        rounding), bit for bit."""
+        master = self._read_fp32(t, _C.StateToRead.MASTER)
+        ours = t.param.detach().to("cpu").contiguous()
+        if t.dtype == torch.float32:
+            return torch.equal(master.view(torch.int32), ours.view(torch.int32))
+        return torch.equal(master.to(torch.bfloat16).view(torch.int16), ours.view(torch.int16))
 
     def _check_params(self):
         k = 0
@@ -562,6 +608,7 @@ class RemoteAdamW(torch.optim.Optimizer):
 
     def _on_grad_ready(self, k):
         if not self._client.pushing():
+            self._check_unchanged()
             self._push_step = self._client.step_count + 1
             self._client.start_push(self._push_step, self._order_names)
             self._seen = []
@@ -590,6 +637,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         """Marks the gradients no hook delivered (set by hand, or None) and
         waits for the push; learns the order backward produced them in."""
         if not self._client.pushing():  # no backward ran: push what p.grad holds
+            self._check_unchanged()
             self._push_step = self._client.step_count + 1
             self._client.start_push(self._push_step, self._order_names)
             self._seen = []

@@ -134,6 +134,10 @@ class PyClient {
     o.tls_cert_chain = std::move(tls_cert_chain);
     o.tls_private_key = std::move(tls_private_key);
     o.token = std::move(token);
+    // The trainer's process is PyTorch's: its CPU tensors come from the same
+    // malloc, and a 32 MiB mmap threshold with a 256 MiB trim threshold
+    // would keep every freed tensor under 32 MiB in the process.
+    o.tune_allocator = false;
     py::gil_scoped_release nogil;
     client_ = Value(shardopt::Client::Connect(o));
   }

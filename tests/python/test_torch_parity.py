@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+import shardopt
 from shardopt.torch import RemoteAdamW
 from models import (BOUND_SQRT_STEPS, Peaks, batch, make_model, norm_gains, param_groups, same_bits, train,
                     ulps_of_peak, unnamed)
@@ -239,3 +240,34 @@ def test_a_param_with_zero_elements_is_kept_and_left_alone(servers, job, overlap
             assert same_bits(loaded[k]["exp_avg"], entry["exp_avg"]), k
     for o in (opt, plain, fresh):
         o.drop()
+
+
+def test_params_loaded_after_the_optimizer_was_built(servers, job):
+    """model.load_state_dict after the optimizer was built, a common order
+    with torch.optim.AdamW: before step 1 the loaded values become the
+    master, so training is bitwise that of an optimizer built after the load;
+    a param rewritten with its own values (DDP's broadcast does that) is
+    kept; changed after a step, params are refused rather than overwritten
+    with the servers' master."""
+    pretrained = make_model(seed=1).state_dict()
+    late, early, same = make_model(), make_model(), make_model()
+    opt_late = RemoteAdamW(late.named_parameters(), servers=servers, job=f"{job}-late", lr=LR)
+    late.load_state_dict(pretrained)
+    early.load_state_dict(pretrained)
+    opt_early = RemoteAdamW(early.named_parameters(), servers=servers, job=f"{job}-early", lr=LR)
+    same.load_state_dict(pretrained)
+    opt_same = RemoteAdamW(same.named_parameters(), servers=servers, job=f"{job}-same", lr=LR)
+    with torch.no_grad():
+        for p in same.parameters():
+            p.copy_(p.clone())
+    for model, opt in ((late, opt_late), (early, opt_early), (same, opt_same)):
+        train(model, opt, 3)
+    for (name, p), q, r in zip(late.named_parameters(), early.parameters(), same.parameters()):
+        assert same_bits(p, q) and same_bits(r, q), name
+
+    with torch.no_grad():
+        next(iter(late.parameters())).add_(1.0)
+    with pytest.raises(shardopt.ParamsChanged, match="changed outside step"):
+        train(late, opt_late, 1, first=4)
+    for opt in (opt_late, opt_early, opt_same):
+        opt.drop()
