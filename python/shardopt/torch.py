@@ -643,8 +643,19 @@ class RemoteAdamW(torch.optim.Optimizer):
             self._seen = []
         seen = set(self._seen)
         rest = [k for k in self._order if k not in seen]
-        sources = {k: self._grad_source(self._tensors[k]) for k in rest}
-        self._sync_staging()
+        try:
+            sources = {k: self._grad_source(self._tensors[k]) for k in rest}
+            self._sync_staging()
+        except BaseException:
+            # The push waits for every mark: it ends with no gradient for the
+            # rest and is committed as a skip (its gradients are incomplete),
+            # so that the optimizer is not left refusing every call.
+            for k in rest:
+                self._client.mark(self._position[k], 0, None)
+            self._client.finish_push()
+            group_lr = [float(g["lr"]) for g in self.param_groups]
+            self._client.commit(self._push_step, group_lr[0], 1.0, True, self._param_targets(), group_lr)
+            raise
         for k in rest:
             self._client.mark(self._position[k], *sources[k])
         push = self._client.finish_push()

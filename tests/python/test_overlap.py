@@ -124,3 +124,23 @@ def test_a_frozen_param_is_left_alone_with_overlap(servers, job):
         assert same_bits(p, before)
     for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
         assert same_bits(p, q), name
+
+
+def test_a_gradient_step_cannot_take_leaves_the_optimizer_usable(servers, job):
+    """A gradient that step() must refuse (a sparse one, set by hand on a
+    param backward does not reach) while overlap's push runs: step() raises
+    it, the push is committed as a skip, and training goes on."""
+    model = make_model()
+    frozen = next(iter(model.parameters()))
+    frozen.requires_grad_(False)
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3, overlap=True)
+    tokens, targets = batch(1)
+    model(tokens, targets).backward()
+    frozen.grad = torch.zeros_like(frozen).to_sparse()
+    with pytest.raises(shardopt.InvalidArgument, match="sparse"):
+        opt.step()
+    assert opt.job_step == 1  # the step was taken, as a skip
+    frozen.grad = None
+    train(model, opt, 2, first=2)
+    assert opt.job_step == 3
+    opt.drop()
