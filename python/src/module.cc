@@ -111,8 +111,19 @@ class ReadyTable {
 
 class PyClient {
  public:
-  // shardopt::Client is not thread-safe: while StartPush's thread uses it,
-  // every other call is refused.
+  // shardopt::Client is not thread-safe. Its calls release the GIL, so two
+  // Python threads (a training loop and a checkpointing or monitoring
+  // thread) could be in it at once: each call holds mu_ for its whole run,
+  // and while StartPush's thread uses the client every other call is
+  // refused. mu_ is taken after the GIL is let go, and nothing holding it
+  // waits for the GIL.
+  template <typename F>
+  auto Exclusive(F&& f) {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    Idle();
+    return f();
+  }
   void Idle() const {
     if (push_thread_.joinable()) {
       throw StatusError{absl::FailedPreconditionError(
@@ -158,7 +169,6 @@ class PyClient {
                           const std::vector<std::tuple<std::string, double, double, float, double, double, bool>>& groups,
                           const std::vector<std::tuple<std::string, uint64_t, uint32_t, bool>>& tensors,
                           bool fp32_grads, uint32_t barrier_timeout_ms, uint64_t restore_step) {
-    Idle();
     shardopt::JobOptions job;
     job.name = name;
     job.world_size = world_size;
@@ -172,65 +182,57 @@ class PyClient {
     job.grad_type = fp32_grads ? shardopt::GradType::kFp32 : shardopt::GradType::kBf16;
     job.barrier_timeout_ms = barrier_timeout_ms;
     job.restore_step = restore_step;
-    py::gil_scoped_release nogil;
-    return Value(client_->CreateOrAttach(job));
+    return Exclusive([&] { return Value(client_->CreateOrAttach(job)); });
   }
 
   void InitFp32(const std::string& tensor, uintptr_t values, uint32_t share_index, uint32_t share_count) {
-    Idle();
-    py::gil_scoped_release nogil;
-    Check(client_->InitFp32(tensor, reinterpret_cast<const float*>(values), {share_index, share_count}));
+    Exclusive([&] { Check(client_->InitFp32(tensor, reinterpret_cast<const float*>(values), {share_index, share_count})); });
   }
   void InitBf16(const std::string& tensor, uintptr_t values, uint32_t share_index, uint32_t share_count) {
-    Idle();
-    py::gil_scoped_release nogil;
-    Check(client_->InitBf16(tensor, reinterpret_cast<const uint16_t*>(values), {share_index, share_count}));
+    Exclusive([&] { Check(client_->InitBf16(tensor, reinterpret_cast<const uint16_t*>(values), {share_index, share_count})); });
   }
   void WaitForInitialValues(int64_t timeout_ms) {
-    Idle();
-    py::gil_scoped_release nogil;
-    Check(client_->WaitForInitialValues(timeout_ms));
+    Exclusive([&] { Check(client_->WaitForInitialValues(timeout_ms)); });
   }
   void InitAdamState(const std::string& tensor, uintptr_t exp_avg, uintptr_t exp_avg_sq, uint64_t adam_step,
                      uint32_t share_index, uint32_t share_count) {
-    Idle();
-    py::gil_scoped_release nogil;
-    Check(client_->InitAdamState(tensor, reinterpret_cast<const float*>(exp_avg),
-                                 reinterpret_cast<const float*>(exp_avg_sq), adam_step, {share_index, share_count}));
+    Exclusive([&] {
+      Check(client_->InitAdamState(tensor, reinterpret_cast<const float*>(exp_avg),
+                                   reinterpret_cast<const float*>(exp_avg_sq), adam_step, {share_index, share_count}));
+    });
   }
 
   shardopt::StepResult Step(const Views& grads, const Views& params, double lr, std::vector<double> group_lr,
                             double max_grad_norm, double loss_scale) {
-    Idle();
     const auto g = GradViews(grads);
     const auto p = ParamViews(params);
     const auto o = MakeStepOptions(lr, std::move(group_lr), max_grad_norm, loss_scale);
-    py::gil_scoped_release nogil;
-    return Value(client_->Step(g, o, p));
+    return Exclusive([&] { return Value(client_->Step(g, o, p)); });
   }
 
   // The C++ baseline of the benchmark: `steps` calls of Client::Step on the
   // same buffers, timed here, with no Python in between. Returns seconds.
   double TimedSteps(int steps, const Views& grads, const Views& params, double lr) {
-    Idle();
     const auto g = GradViews(grads);
     const auto p = ParamViews(params);
     const auto o = MakeStepOptions(lr, {}, 0, 1);
-    py::gil_scoped_release nogil;
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < steps; ++i) Check(client_->Step(g, o, p).status());
-    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return Exclusive([&] {
+      const auto start = std::chrono::steady_clock::now();
+      for (int i = 0; i < steps; ++i) Check(client_->Step(g, o, p).status());
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    });
   }
 
   // Starts PushInOrder(step, order) on a thread of its own; Mark fills the
   // gradients as they become ready, FinishPush joins.
   void StartPush(uint64_t step, std::vector<std::string> order) {
-    Idle();
-    table_.Reset(order.size());
-    push_order_ = std::move(order);
-    push_result_.reset();
-    push_thread_ = std::thread([this, step] {
-      push_result_ = client_->PushInOrder(step, push_order_, [this](size_t i) { return table_.Wait(i); });
+    Exclusive([&] {
+      table_.Reset(order.size());
+      push_order_ = std::move(order);
+      push_result_.reset();
+      push_thread_ = std::thread([this, step] {
+        push_result_ = client_->PushInOrder(step, push_order_, [this](size_t i) { return table_.Wait(i); });
+      });
     });
   }
   // `owner` is the tensor whose memory `data` is. It is held until the push
@@ -241,12 +243,17 @@ class PyClient {
     held_.push_back(std::move(owner));
     return table_.Mark(i, reinterpret_cast<const void*>(data));
   }
-  bool Pushing() const { return push_thread_.joinable(); }
+  bool Pushing() {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    return push_thread_.joinable();
+  }
   // Marks what is not marked yet as "no gradient", waits for the push.
   shardopt::PushResult FinishPush() {
-    if (!push_thread_.joinable()) throw std::logic_error("no push is running");
     {
       py::gil_scoped_release nogil;
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!push_thread_.joinable()) throw std::logic_error("no push is running");
       table_.MarkRest();
       push_thread_.join();
     }
@@ -255,46 +262,37 @@ class PyClient {
   }
 
   void Commit(uint64_t step, double lr, float gscale, bool skip, const Views& params, std::vector<double> group_lr) {
-    Idle();
     const auto p = ParamViews(params);
-    py::gil_scoped_release nogil;
-    Check(client_->Commit(step, lr, gscale, skip, p, group_lr));
+    Exclusive([&] { Check(client_->Commit(step, lr, gscale, skip, p, group_lr)); });
   }
 
   void Read(const std::string& tensor, shardopt::StateToRead what, uint64_t offset, uint64_t count, uintptr_t out) {
-    Idle();
-    py::gil_scoped_release nogil;
-    Check(client_->Read(tensor, what, offset, count, reinterpret_cast<void*>(out)));
+    Exclusive([&] { Check(client_->Read(tensor, what, offset, count, reinterpret_cast<void*>(out))); });
   }
 
   std::vector<shardopt::ServerState> Describe() {
-    Idle();
-    py::gil_scoped_release nogil;
-    return Value(client_->Describe());
+    return Exclusive([&] { return Value(client_->Describe()); });
   }
   std::vector<uint64_t> AdamSteps() {
-    Idle();
-    py::gil_scoped_release nogil;
-    return Value(client_->AdamSteps());
+    return Exclusive([&] { return Value(client_->AdamSteps()); });
   }
   void VerifyState() {
-    Idle();
-    py::gil_scoped_release nogil;
-    Check(client_->VerifyState());
+    Exclusive([&] { Check(client_->VerifyState()); });
   }
   void Drop() {
-    Idle();
-    py::gil_scoped_release nogil;
-    Check(client_->Drop());
+    Exclusive([&] { Check(client_->Drop()); });
   }
   void Checkpoint() {
-    Idle();
-    py::gil_scoped_release nogil;
-    Check(client_->Checkpoint());
+    Exclusive([&] { Check(client_->Checkpoint()); });
   }
-  uint64_t step() const { return client_->step(); }
+  uint64_t step() {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    return client_->step();
+  }
 
  private:
+  std::mutex mu_;  // one call in the client at a time (Exclusive)
   std::unique_ptr<shardopt::Client> client_;
   ReadyTable table_;
   std::vector<std::string> push_order_;

@@ -3,6 +3,7 @@ servers' state (attaching, and after the servers restart from a checkpoint)."""
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -185,3 +186,44 @@ def test_a_group_holds_the_state_precision_it_asks_for(servers, job):
                if i in state]
         assert low, gi
         assert (sum(low) == 0) == (gi == 1), (gi, low)
+
+
+def test_a_second_thread_may_checkpoint_and_read_while_the_first_trains(server_binary, job, tmp_path):
+    """The extension's calls release the GIL, so a checkpointing or
+    monitoring thread can call in while the training loop steps. Each call
+    runs alone in the client: a checkpoint taken between two steps is of the
+    step the servers are at (before, it could name the step before a commit
+    in flight, and be refused), and training is bitwise that of one thread."""
+    with checkpointing_servers(server_binary, tmp_path) as (procs, _):
+        servers = [p.address for p in procs]
+        busy, alone = make_model(), make_model()
+        opt = RemoteAdamW(busy.named_parameters(), servers=servers, job=f"{job}-busy", lr=1e-3)
+        ref = RemoteAdamW(alone.named_parameters(), servers=servers, job=f"{job}-alone", lr=1e-3)
+        done = threading.Event()
+        errors, calls = [], [0]
+
+        def poke():
+            while not done.is_set():
+                try:
+                    opt.checkpoint()
+                    opt.describe()
+                    opt.state_dict()
+                    calls[0] += 1
+                except Exception as e:  # noqa: BLE001 (reported below)
+                    errors.append(e)
+                    return
+
+        poker = threading.Thread(target=poke)
+        poker.start()
+        try:
+            train(busy, opt, 20)
+        finally:
+            done.set()
+            poker.join()
+        train(alone, ref, 20)
+        assert not errors, errors[0]
+        assert calls[0] > 0
+        for (name, p), q in zip(busy.named_parameters(), alone.parameters()):
+            assert same_bits(p, q), name
+        opt.drop()
+        ref.drop()
