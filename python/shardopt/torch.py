@@ -611,9 +611,14 @@ class RemoteAdamW(torch.optim.Optimizer):
             self._check_unchanged()
             self._push_step = self._client.step_count + 1
             self._client.start_push(self._push_step, self._order_names)
-            self._seen = []
+            self._seen, self._marked = [], {}
         t = self._tensors[k]
         source, owner = self._grad_source(t)
+        # What was pushed: a gradient changed after this (clipped, unscaled)
+        # would not be what the servers apply (_finish_push checks). Held
+        # weakly: a gradient let go is freed once the push ends.
+        g = t.param.grad
+        self._marked[k] = (None if g is None else weakref.ref(g), getattr(g, "_version", None))
         if t.device.type == "cuda":
             # The push reads the staging buffer as soon as it is marked.
             torch.cuda.current_stream(t.device).synchronize()
@@ -640,16 +645,27 @@ class RemoteAdamW(torch.optim.Optimizer):
             self._check_unchanged()
             self._push_step = self._client.step_count + 1
             self._client.start_push(self._push_step, self._order_names)
-            self._seen = []
+            self._seen, self._marked = [], {}
         seen = set(self._seen)
         rest = [k for k in self._order if k not in seen]
         try:
+            # (A gradient set to None meanwhile is let go, and what was pushed
+            # stands.)
+            changed = []
+            for k, (pushed, version) in self._marked.items():
+                now = self._tensors[k].param.grad
+                if now is not None and (pushed is None or now is not pushed() or getattr(now, "_version", None) != version):
+                    changed.append(self._tensors[k].name)
+            if changed:
+                raise InvalidArgument(f"the gradients of {', '.join(map(repr, changed[:3]))} changed after backward "
+                                      "produced them (clipped or unscaled?); overlap=True pushes each as it is "
+                                      "produced: clip with max_grad_norm, or use overlap=False")
             sources = {k: self._grad_source(self._tensors[k]) for k in rest}
             self._sync_staging()
         except BaseException:
             # The push waits for every mark: it ends with no gradient for the
-            # rest and is committed as a skip (its gradients are incomplete),
-            # so that the optimizer is not left refusing every call.
+            # rest and is committed as a skip (what it pushed is not the
+            # gradient), so that the optimizer is not left refusing every call.
             for k in rest:
                 self._client.mark(self._position[k], 0, None)
             self._client.finish_push()

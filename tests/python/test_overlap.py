@@ -144,3 +144,24 @@ def test_a_gradient_step_cannot_take_leaves_the_optimizer_usable(servers, job):
     train(model, opt, 2, first=2)
     assert opt.job_step == 3
     opt.drop()
+
+
+def test_gradients_clipped_after_backward_are_refused_and_the_step_skipped(servers, job):
+    """overlap=True pushes each gradient as backward produces it, so one
+    clipped afterwards (clip_grad_norm_, GradScaler.unscale_) is not what the
+    servers would apply: step() raises, the pushed step is committed as a
+    skip (the params stay), and training goes on."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3, overlap=True)
+    tokens, targets = batch(1)
+    model(tokens, targets).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(shardopt.InvalidArgument, match="changed after backward"):
+        opt.step()
+    assert opt.job_step == 1
+    assert all(same_bits(p, q) for p, q in zip(model.parameters(), before))
+    train(model, opt, 2, first=2)
+    assert opt.job_step == 3
+    opt.drop()
+
