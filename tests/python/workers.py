@@ -73,6 +73,10 @@ def resume_dp(args):
         opt.load_state_dict(saved["optimizer"], shared=True)
     except Exception as e:  # noqa: BLE001 (the test reads what each rank raised)
         torch.save({"error": f"{type(e).__name__}: {e}"}, args.out)
+        # Torn down before exit: left to the interpreter's finalization, gloo's
+        # threads at times aborted the process ("terminate called without an
+        # active exception").
+        torch.distributed.destroy_process_group()
         sys.exit(3)
     train_share(model, opt, args)
     torch.distributed.destroy_process_group()
