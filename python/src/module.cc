@@ -156,10 +156,16 @@ class PyClient {
   ~PyClient() {
     // A push left running (backward raised, the optimizer was dropped) must
     // end before the client it uses: its remaining tensors go as "no grad".
+    // Its step is then committed as a skip: left sealed, it would answer
+    // the push of that step by a trainer that attaches to the job later,
+    // whose commit would apply this partial gradient instead of its own.
     if (push_thread_.joinable()) {
       py::gil_scoped_release nogil;
       table_.MarkRest();
       push_thread_.join();
+      if (push_result_ && push_result_->ok()) {
+        client_->Commit(push_step_, 0.0, 1.0f, /*skip=*/true, {}, {}).IgnoreError();
+      }
     }
   }
 
@@ -229,6 +235,7 @@ class PyClient {
     Exclusive([&] {
       table_.Reset(order.size());
       push_order_ = std::move(order);
+      push_step_ = step;
       push_result_.reset();
       push_thread_ = std::thread([this, step] {
         push_result_ = client_->PushInOrder(step, push_order_, [this](size_t i) { return table_.Wait(i); });
@@ -296,6 +303,7 @@ class PyClient {
   std::unique_ptr<shardopt::Client> client_;
   ReadyTable table_;
   std::vector<std::string> push_order_;
+  uint64_t push_step_ = 0;
   std::optional<absl::StatusOr<shardopt::PushResult>> push_result_;
   std::vector<py::object> held_;  // the marked gradients' tensors, until the push ends (Mark)
   std::thread push_thread_;

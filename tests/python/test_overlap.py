@@ -1,5 +1,6 @@
 """overlap=True pushes gradients while backward runs; the result is bitwise
 that of overlap=False."""
+import gc
 import weakref
 
 import pytest
@@ -165,3 +166,30 @@ def test_gradients_clipped_after_backward_are_refused_and_the_step_skipped(serve
     assert opt.job_step == 3
     opt.drop()
 
+
+
+def test_a_push_abandoned_with_its_optimizer_is_committed_as_a_skip(servers, job):
+    """An optimizer dropped after backward (backward or the loop raised, and
+    the trainer went away) ends its push and commits that step as a skip.
+    Left sealed, the step's partial push would answer the push of a trainer
+    that attaches to the job later, and its commit would apply the old
+    partial gradient instead of the new one: the new trainer's step is
+    bitwise that of a job that never saw the abandoned push."""
+    abandoned = make_model()
+    opt = RemoteAdamW(param_groups(abandoned), servers=servers, job=job, lr=1e-3, overlap=True)
+    tokens, targets = batch(7)
+    abandoned(tokens, targets).backward()
+    assert opt._client.pushing()
+    del opt
+    gc.collect()
+
+    fresh, reference = make_model(), make_model()
+    again = RemoteAdamW(param_groups(fresh), servers=servers, job=job, lr=1e-3)
+    assert again.resumed_step == 1  # the skip
+    ref = RemoteAdamW(param_groups(reference), servers=servers, job=f"{job}-ref", lr=1e-3)
+    train(fresh, again, 1, first=2)
+    train(reference, ref, 1, first=2)
+    for (name, p), q in zip(fresh.named_parameters(), reference.parameters()):
+        assert same_bits(p, q), name
+    again.drop()
+    ref.drop()
