@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "server/messages.h"
 
 namespace shardopt {
 namespace {
@@ -46,13 +47,13 @@ absl::Status Caller::Allows(Action action, const std::string& job) const {
   if (role == Role::kAdmin) return absl::OkStatus();
   if (action == Action::kDrop) {
     return absl::PermissionDeniedError(
-        absl::StrCat("'", name, "' is a trainer; only an admin token may DropJob (job '", job, "')"));
+        absl::StrCat("'", name, "' is a trainer; only an admin token may DropJob (job ", Quote(job), ")"));
   }
   for (const std::string& p : prefixes) {
     if (p == "*" || absl::StartsWith(job, p)) return absl::OkStatus();
   }
-  return absl::PermissionDeniedError(absl::StrCat("'", name, "' may not ", ActionName(action), " job '", job,
-                                                  "': it is outside the token's job prefixes"));
+  return absl::PermissionDeniedError(absl::StrCat("'", name, "' may not ", ActionName(action), " job ", Quote(job),
+                                                  ": it is outside the token's job prefixes"));
 }
 
 absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {

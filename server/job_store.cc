@@ -132,7 +132,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
       log::Info("job_restored", {{"job", spec.job()},
                                  {"step", absl::StrCat(job->step)},
                                  {"directory", checkpoint::StepDirectory(options_.checkpoint_dir, spec.job(), job->step)},
-                                 {"state_bytes", absl::StrCat(bytes)},
+                                 {"bytes", absl::StrCat(bytes)},
                                  {"seconds", absl::StrCat(seconds)}});
       // A restore_step that goes back starts a new run: before any client
       // sees the job, the old run's newer steps go out of its way. Not after

@@ -193,6 +193,9 @@ int main(int argc, char** argv) {
 
   auto backend = shardopt::MakeBackend(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_threads),
                                        absl::GetFlag(FLAGS_auto_requires_gpu));
+  // A --device that does not parse is a usage error (exit 2), as every bad
+  // flag is; a device that is not there is a failed start (exit 1).
+  if (absl::IsInvalidArgument(backend.status())) shardopt::UsageError(std::string(backend.status().message()));
   if (!backend.ok()) {
     log::Error("start_failed", {{"error", std::string(backend.status().message())}});
     return 1;

@@ -254,6 +254,11 @@ TEST_F(AuthTest, EveryRpcAgainstEveryKindOfCaller) {
   EXPECT_EQ(outside.error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_THAT(outside.error_message(), HasSubstr("alice"));
   EXPECT_THAT(outside.error_message(), ::testing::Not(HasSubstr(kAlice)));  // the token is never echoed
+  // A long name outside the prefixes is refused as such, echoed cut short:
+  // whole, it would overflow gRPC's metadata and arrive as another code.
+  const grpc::Status long_name = alice.CreateJob("team-b/" + std::string(20000, 'x'));
+  EXPECT_EQ(long_name.error_code(), grpc::StatusCode::PERMISSION_DENIED) << long_name.error_message().size();
+  EXPECT_LT(long_name.error_message().size(), 300u);
 
   // The admin: everything, on any job.
   EXPECT_TRUE(admin.Push(job, 2, grad).ok());

@@ -138,7 +138,7 @@ TEST_F(LogsTest, TheLinesAnOperatorNeedsAreThereAndNoTokenIs) {
   const auto restored = Events(JsonLines(again->log()), "job_restored");
   ASSERT_EQ(restored.size(), 1u) << again->log();
   EXPECT_EQ(restored[0]["job"], "team/job");
-  EXPECT_TRUE(restored[0].contains("seconds") && restored[0].contains("state_bytes"));
+  EXPECT_TRUE(restored[0].contains("seconds") && restored[0].contains("bytes"));
 }
 
 // A client that repeats a refused call cannot flood the log: at most a few
