@@ -359,10 +359,18 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
   }
   SHARDOPT_RETURN_IF_ERROR(CheckDataLength(chunk.data().size(), dtype, "init chunk"));
   const uint64_t count = chunk.data().size() / DTypeSize(dtype);
+  // A BF16 group keeps the value rounded to bf16: an fp32 value finite as
+  // sent may round to Inf there, which is checked as what would be kept.
+  // (The spec and tensor index are fixed at creation: no lock.)
+  bool bf16_state = false;
+  if (auto t = job.tensor_index.find(chunk.tensor()); t != job.tensor_index.end()) {
+    bf16_state = job.spec.groups(job.spec.tensors(t->second).group()).precision() == v1::PRECISION_BF16;
+  }
   for (uint64_t i = 0; i < count; ++i) {
     float x;
     if (dtype == DType::kFp32) {
       std::memcpy(&x, chunk.data().data() + 4 * i, 4);
+      if (bf16_state) x = math::bf16_to_float(math::float_to_bf16(x));
     } else {
       uint16_t h;
       std::memcpy(&h, chunk.data().data() + 2 * i, 2);

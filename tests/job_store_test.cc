@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <future>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <fstream>
@@ -465,6 +466,27 @@ TEST_F(StoreTest, APushOfTheDoneStepWhoseAnswerIsGoneIsRefusedAtItsFirstMessage)
   EXPECT_EQ(old.status().code(), absl::StatusCode::kFailedPrecondition) << old.status();
   EXPECT_THAT(old.status().message(), HasSubstr("no longer kept"));
   EXPECT_TRUE(Commit("gone", 2, 1e-3).ok());
+}
+
+// An fp32 initial value finite as sent but Inf once rounded to bf16, in a
+// BF16 group (which keeps bf16), is refused as not finite, and nothing of
+// its chunk is written.
+TEST_F(StoreTest, AnInitialValueThatRoundsToInfInABf16GroupIsRefused) {
+  ASSERT_TRUE(store_.CreateJob(JobRequest("b16", 1, {{"w", 10}}, v1::PRECISION_BF16)).ok());
+  v1::InitChunk c;
+  c.set_job("b16");
+  c.set_tensor("w");
+  c.set_dtype(v1::FP32);
+  std::vector<float> v(10, 1.0f);
+  v[3] = std::numeric_limits<float>::max();  // rounds up to bf16 Inf
+  c.set_data(v.data(), 40);
+  const auto refused = store_.Init(c);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("element 3 is not finite"));
+  EXPECT_EQ(store_.Describe("b16")->uninitialized_tensors(), 1u);
+  v[3] = 3.0e38f;  // rounds to a finite bf16
+  c.set_data(v.data(), 40);
+  EXPECT_TRUE(store_.Init(c).ok());
 }
 
 TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
