@@ -262,7 +262,10 @@ absl::StatusOr<std::optional<ParamStream::Piece>> ParamStream::Next() {
 absl::Status ParamStream::Abandon() {
   next_ = walk_->stream.pieces();
   absl::MutexLock lock(&walk_->stream.mu());
-  return walk_->stream.Finish();
+  SHARDOPT_RETURN_IF_ERROR(walk_->stream.Finish());
+  // The step is applied even so, and counted as any other.
+  walk_->stream.RecordPhases(started_);
+  return absl::OkStatus();
 }
 
 absl::Status CommitAndStream(std::shared_ptr<Job> job, const v1::CommitRequest& req, const CommitOptions& options,

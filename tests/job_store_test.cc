@@ -21,6 +21,7 @@
 #include "gmock/gmock.h"
 #include "checkpoint/format.h"
 #include "gtest/gtest.h"
+#include "server/metrics.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "server/job_store.h"
 #include "tests/testing/reference.h"
@@ -644,8 +645,16 @@ TEST_F(DrainTest, ACommitterThatStoppedReadingCostsOnlyItsOwnJobsCheckpoint) {
   EXPECT_EQ(by_job.at("stalled").status().code(), absl::StatusCode::kDeadlineExceeded) << by_job.at("stalled").status();
   ASSERT_TRUE(by_job.at("other").ok()) << by_job.at("other").status();
   EXPECT_TRUE(by_job.at("other")->complete());
+  const auto commits = [] {
+    const std::string text = metrics::Registry::Default().Render();
+    const std::string key = "shardopt_commits_total{job=\"stalled\"} ";
+    const size_t at = text.find(key);
+    return at == std::string::npos ? 0 : std::atoi(text.c_str() + at + key.size());
+  };
+  const int before = commits();
   stream.reset();  // the committer goes away: its stream finishes the step
   EXPECT_EQ(store_.Describe("stalled")->step(), 1u);
+  EXPECT_EQ(commits(), before + 1) << "a step applied by an abandoned stream is a commit too";
 }
 
 // A Checkpoint call waits for a half-applied step only until its caller's
