@@ -16,6 +16,7 @@ on the CPU (used in place, no copy) or on a CUDA device (staged through
 pinned host buffers with non-blocking copies).
 """
 import os
+import threading
 import weakref
 
 import torch
@@ -227,6 +228,9 @@ class RemoteAdamW(torch.optim.Optimizer):
         self._client.verify_state()
 
         self._hooks = []
+        # Backward runs a model's hooks on one autograd thread per device:
+        # the first to see no push running starts it, once.
+        self._push_lock = threading.Lock()
         if overlap:
             # Backward runs roughly last to first.
             self._order = [k for k in reversed(range(len(self._tensors))) if self._tensors[k].numel > 0]
@@ -607,11 +611,12 @@ class RemoteAdamW(torch.optim.Optimizer):
                 self._hooks.append(node)
 
     def _on_grad_ready(self, k):
-        if not self._client.pushing():
-            self._check_unchanged()
-            self._push_step = self._client.step_count + 1
-            self._client.start_push(self._push_step, self._order_names)
-            self._seen, self._marked = [], {}
+        with self._push_lock:
+            if not self._client.pushing():
+                self._check_unchanged()
+                self._push_step = self._client.step_count + 1
+                self._client.start_push(self._push_step, self._order_names)
+                self._seen, self._marked = [], {}
         t = self._tensors[k]
         source, owner = self._grad_source(t)
         # What was pushed: a gradient changed after this (clipped, unscaled)

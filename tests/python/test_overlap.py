@@ -1,6 +1,7 @@
 """overlap=True pushes gradients while backward runs; the result is bitwise
 that of overlap=False."""
 import gc
+import threading
 import weakref
 
 import pytest
@@ -193,3 +194,35 @@ def test_a_push_abandoned_with_its_optimizer_is_committed_as_a_skip(servers, job
         assert same_bits(p, q), name
     again.drop()
     ref.drop()
+
+
+def test_hooks_on_two_autograd_threads_start_one_push(servers, job):
+    """Backward runs a model's hooks on one autograd thread per device (a
+    model over two GPUs): hooks that come at once from two threads start one
+    push between them, and the step goes through. (Here two Python threads
+    call the hook's entry at once, with gradients set by hand.)"""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3, overlap=True)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    indices = [_index(opt, params[0]), _index(opt, params[1])]
+    gate, errors = threading.Barrier(2), []
+
+    def hook(k):
+        gate.wait()
+        try:
+            opt._on_grad_ready(k)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    for _ in range(5):
+        threads = [threading.Thread(target=hook, args=(k,)) for k in indices]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        opt.step()
+    assert opt.job_step == 5
+    opt.drop()
