@@ -14,6 +14,7 @@
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "grpcpp/grpcpp.h"
+#include "client/commit_params.h"
 #include "client/fanout.h"
 #include "client/proto_convert.h"
 #include "client/push_messages.h"
@@ -45,7 +46,6 @@ struct Client::Impl {
 
   uint32_t servers() const { return static_cast<uint32_t>(stubs.size()); }
   const std::string& address(uint32_t s) const { return options.servers[s]; }
-  bool fp32_params(uint32_t tensor) const { return job.tensors[tensor].param_type == ParamType::kFp32; }
   // Gradients come in the param's dtype for fp32 params, else in the job's.
   v1::DType grad_dtype(uint32_t tensor) const { return GradDType(job, job.tensors[tensor]); }
 
@@ -426,68 +426,19 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
   req.set_skip(skip);
   for (double g : group_lr) req.add_group_lr(g);
   auto st = im.ForEachServer([&](uint32_t s) {
-    const std::vector<ShardPlacement>& shards = im.shards_of[s];
-    std::vector<int64_t> shard_of(im.job.tensors.size(), -1);  // [tensor]: its shard on this server
-    for (size_t i = 0; i < shards.size(); ++i) shard_of[im.tensor_index[shards[i].tensor]] = static_cast<int64_t>(i);
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-      // Each chunk's data is copied once, from the received slices into the
-      // caller's params, and only within this server's shards: a node
-      // group's buffers hold only the ranges it owns.
-      std::vector<std::vector<std::pair<uint64_t, uint64_t>>> came(shards.size());  // (offset, elements)
-      std::vector<char> discard;  // params of tensors the caller did not ask for
+      CommitParams received(im.job, im.tensor_index, im.shards_of[s], out, step);  // afresh for each attempt
       bool request_sent = false;
-      auto next = [&](grpc::ByteBuffer* out) {
+      auto next = [&](grpc::ByteBuffer* message) {
         if (request_sent) return wire::StreamCall::Ready::kEnd;
         request_sent = true;
-        *out = wire::HeadAndBorrowedBytes(req.SerializeAsString(), nullptr, 0);
+        *message = wire::HeadAndBorrowedBytes(req.SerializeAsString(), nullptr, 0);
         return wire::StreamCall::Ready::kMessage;
       };
-      auto take = [&](grpc::ByteBuffer* message) -> grpc::Status {
-        wire::ParamChunkHead head;
-        bool fp32 = false;
-        const bool good = wire::ReadParamChunk(
-            message,
-            [&](const wire::ParamChunkHead& h) -> char* {
-              auto it = im.tensor_index.find(h.tensor);
-              if (it == im.tensor_index.end() || shard_of[it->second] < 0) return nullptr;
-              fp32 = im.fp32_params(it->second);
-              const uint64_t esize = fp32 ? 4 : 2;
-              const ShardPlacement& p = shards[shard_of[it->second]];
-              const uint64_t n = h.data_bytes / esize;
-              if (h.data_bytes % esize != 0 || h.offset < p.offset || h.offset - p.offset > p.length ||
-                  n > p.offset + p.length - h.offset) {
-                return nullptr;
-              }
-              came[shard_of[it->second]].emplace_back(h.offset, n);
-              if (char* dst = out[it->second]) return dst + h.offset * esize;
-              discard.resize(h.data_bytes);
-              return discard.data();
-            },
-            &head);
-        // Servers send bf16 params with the dtype unset, as before param_dtype existed.
-        const uint64_t dtype = head.dtype == v1::DTYPE_UNSPECIFIED ? uint64_t{v1::BF16} : head.dtype;
-        const bool dtype_matches = dtype == (fp32 ? v1::FP32 : v1::BF16);
-        if (!good || head.step != step || !dtype_matches) {
-          return grpc::Status(grpc::StatusCode::INTERNAL,
-                              "server sent params outside its shards of the job's tensors, of another step or in "
-                              "another dtype");
-        }
-        return grpc::Status::OK;
-      };
-      grpc::Status gs = wire::StreamCall::Run(im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit", next, [] {}, take);
-      // Every shard's params exactly once: a chunk sent twice does not make
-      // up for one that never came.
-      for (size_t i = 0; gs.ok() && i < shards.size(); ++i) {
-        std::sort(came[i].begin(), came[i].end());
-        uint64_t at = shards[i].offset;
-        for (const auto& [offset, n] : came[i]) at = offset == at ? at + n : ~uint64_t{0};
-        if (at != shards[i].offset + shards[i].length) {
-          gs = grpc::Status(grpc::StatusCode::DATA_LOSS,
-                            absl::StrCat("commit of step ", step, " returned params of '", shards[i].tensor,
-                                         "' that overlap or leave a gap"));
-        }
-      }
-      return gs;
+      const grpc::Status gs = wire::StreamCall::Run(
+          im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit", next, [] {},
+          [&](grpc::ByteBuffer* message) { return received.Take(message); });
+      return gs.ok() ? received.Whole() : gs;
     });
   }, /*pushing=*/true);
   if (!st.ok()) return st;
