@@ -638,10 +638,13 @@ class RemoteAdamW(torch.optim.Optimizer):
         Client::Step decides (skip=True: as a skipped step)."""
         push = self._finish_push()
         decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
-        group_lr = [float(g["lr"]) for g in self.param_groups]
-        self._client.commit(self._push_step, group_lr[0], decision.gscale, skip or decision.skip,
-                            self._param_targets(), group_lr)
+        self._commit_pushed(decision.gscale, skip or decision.skip)
         return decision
+
+    def _commit_pushed(self, gscale, skip):
+        """Commits the finished push's step at each group's current lr."""
+        group_lr = [float(g["lr"]) for g in self.param_groups]
+        self._client.commit(self._push_step, group_lr[0], gscale, skip, self._param_targets(), group_lr)
 
     def _finish_push(self):
         """Marks the gradients no hook delivered (set by hand, or None) and
@@ -674,8 +677,7 @@ class RemoteAdamW(torch.optim.Optimizer):
             for k in rest:
                 self._client.mark(self._position[k], 0, None)
             self._client.finish_push()
-            group_lr = [float(g["lr"]) for g in self.param_groups]
-            self._client.commit(self._push_step, group_lr[0], 1.0, True, self._param_targets(), group_lr)
+            self._commit_pushed(1.0, skip=True)
             raise
         for k in rest:
             self._client.mark(self._position[k], *sources[k])
