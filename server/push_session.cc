@@ -343,6 +343,27 @@ absl::Status PushSession::EndedWithout(size_t shard, std::pair<uint64_t, uint64_
                                                     "; push them or list the tensor in no_grad"));
 }
 
+absl::StatusOr<std::vector<bool>> PushSession::Declared() const {
+  const RunningSum& sum = *job_->round.sum;
+  std::vector<bool> no_grad(job_->shards.size(), false);
+  for (uint32_t t = 0; t < no_grad_.size(); ++t) {
+    if (!no_grad_[t]) continue;
+    const int64_t s = job_->shard_of_tensor[t];
+    if (s < 0) continue;
+    if (sum.FirstGap(rank_, static_cast<uint32_t>(s)) !=
+        std::make_optional(std::make_pair(uint64_t{0}, job_->shards[s].length))) {
+      return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, " both pushed tensor '", job_->spec.tensors(t).name(),
+                                                     "' and declared it no_grad"));
+    }
+    no_grad[s] = true;
+  }
+  for (size_t s = 0; s < job_->shards.size(); ++s) {
+    if (no_grad[s]) continue;
+    if (auto gap = sum.FirstGap(rank_, static_cast<uint32_t>(s))) return EndedWithout(s, *gap);
+  }
+  return no_grad;
+}
+
 absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wake) {
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   if (pending_) return absl::FailedPreconditionError("the push ended while a chunk was still being taken");
@@ -361,30 +382,16 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
       if (t >= no_grad_.size() || !no_grad_[t]) return EndedWithout(s, {0, job_->shards[s].length});
     }
   }
+  // A stream that sent no chunk joins the round only once its declaration
+  // holds: refused, it then leaves the round as it found it. Joined, it would
+  // be the rank's newest stream, and its refusal would end a round in which
+  // an earlier, cut stream of the rank had chunks summed.
+  if (!started_ && job_->round.active && !job_->round.sealed) SHARDOPT_RETURN_IF_ERROR(Declared().status());
   if (!started_) Start(now);
   if (job_->round.epoch != epoch_) return Discarded();
   if (job_->round.sealed) return Answer();
   RunningSum& sum = *job_->round.sum;
-
-  // Validate the whole declaration before changing anything.
-  std::vector<uint32_t> no_grad_shards;
-  for (uint32_t t = 0; t < no_grad_.size(); ++t) {
-    if (!no_grad_[t]) continue;
-    const int64_t s = job_->shard_of_tensor[t];
-    if (s < 0) continue;
-    if (sum.FirstGap(rank_, static_cast<uint32_t>(s)) !=
-        std::make_optional(std::make_pair(uint64_t{0}, job_->shards[s].length))) {
-      return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, " both pushed tensor '", job_->spec.tensors(t).name(),
-                                                     "' and declared it no_grad"));
-    }
-    no_grad_shards.push_back(static_cast<uint32_t>(s));
-  }
-  std::vector<bool> no_grad(job_->shards.size(), false);
-  for (uint32_t s : no_grad_shards) no_grad[s] = true;
-  for (size_t s = 0; s < job_->shards.size(); ++s) {
-    if (no_grad[s]) continue;
-    if (auto gap = sum.FirstGap(rank_, static_cast<uint32_t>(s))) return EndedWithout(s, *gap);
-  }
+  SHARDOPT_ASSIGN_OR_RETURN(std::vector<bool> no_grad, Declared());
   if (!sum.finished(rank_)) {
     const auto t0 = std::chrono::steady_clock::now();
     SHARDOPT_RETURN_IF_ERROR(job_->ChargeTracking());

@@ -91,6 +91,11 @@ class PushSession {
   // Under the job's lock: the first part of the seal (the rank's
   // declaration, its finish in the sum), then whether the round is sealed.
   absl::StatusOr<std::optional<v1::PushResponse>> Seal(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
+  // The rank's declaration as its push ends, checked against what it has
+  // offered to the round (which must be active): [shard] whether it has no
+  // gradient there. Refused if it both pushed and declared a tensor, or
+  // left part of a shard out.
+  absl::StatusOr<std::vector<bool>> Declared() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // The refusal of a push that ended without [gap) of the shard.
   absl::Status EndedWithout(size_t shard, std::pair<uint64_t, uint64_t> gap) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);

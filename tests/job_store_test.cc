@@ -370,6 +370,38 @@ TEST_F(StoreTest, CommitWithIncompletePushIsRefusedNamingWhatIsMissing) {
   EXPECT_EQ(Snapshot("incomplete"), before);
 }
 
+// A retry that sends no chunk and ends short of its gradient is refused,
+// and changes nothing: it does not end the round in which an earlier, cut
+// stream of the rank had chunks summed, so the rank's next retry completes
+// it and the rank already waiting at the barrier is answered.
+TEST_F(StoreTest, ARefusedRetryWithoutChunksLeavesTheRoundItsCutStreamJoined) {
+  auto init = Create(JobRequest("retried", 2, {{"w", 3000}}, v1::PRECISION_FP32, /*barrier_ms=*/5000));
+  auto g0 = RandomBf16(rng_, 3000, 1.0f), g1 = RandomBf16(rng_, 3000, 1.0f);
+  // Rank 1's whole gradient is in (waiting in the window), then it waits at the barrier.
+  auto one = StartPush("retried", 1, 1);
+  ASSERT_TRUE(one.ok());
+  ASSERT_TRUE((*one)->Add(Chunk("w", 0, g1.data(), 3000)).ok());
+  auto waiting = std::async(std::launch::async, [&] { return (*one)->Finish(); });
+  {
+    auto cut = StartPush("retried", 1, 0);  // summed, then cut off: dropped unanswered
+    ASSERT_TRUE(cut.ok());
+    ASSERT_TRUE((*cut)->Add(Chunk("w", 0, g0.data(), 1500)).ok());
+  }
+  auto empty = StartPush("retried", 1, 0);
+  ASSERT_TRUE(empty.ok());
+  auto refused = (*empty)->Finish();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("elements [1500, 3000)"));
+  empty->reset();
+  ASSERT_TRUE(Push("retried", 1, 0, {{"w", g0}}).ok());
+  const auto answered = waiting.get();
+  ASSERT_TRUE(answered.ok()) << answered.status();
+  ASSERT_TRUE(Commit("retried", 1, 1e-3).ok());
+  ReferenceTensor ref(kHyper, init["w"], false);
+  ref.Step({g0.data(), g1.data()}, 1e-3, 1.0f);
+  EXPECT_EQ(ReadFloats("retried", "w", v1::MASTER), ref.p);
+}
+
 TEST_F(StoreTest, BarrierDeadlineDiscardsTheRoundAndAFreshPushSucceeds) {
   auto init = Create(JobRequest("deadline", 2, {{"w", 2000}}, v1::PRECISION_FP32, /*barrier_ms=*/300));
   const std::string before = Snapshot("deadline");
