@@ -109,9 +109,8 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                                       " asked for, but this server has no --checkpoint_dir"));
   }
 
-  // A few chunks per rank are enough for the ranks to stream as a wavefront;
-  // at least one block of fp32, or a rank could never take a block's turn.
-  const uint64_t window = std::max<uint64_t>(RunningSum::kBlock * 4,
+  // A few chunks per rank are enough for the ranks to stream as a wavefront.
+  const uint64_t window = std::max<uint64_t>(RunningSum::MinWindowBytes(),
                                              std::min(options_.window_bytes, uint64_t{spec.world_size()} << 22));
   SHARDOPT_ASSIGN_OR_RETURN(auto created, Job::Create(spec, backend_, window, &wakeups_, &budget_));
   std::shared_ptr<Job> job = std::move(created);

@@ -34,6 +34,10 @@ class RunningSum {
  public:
   // Elements per block: the unit of rank order.
   static constexpr uint64_t kBlock = kApplyAlignment;
+  // The least window a job is given: two blocks of fp32 with their entries,
+  // so that a rank that is not next can always take a block ahead. (One
+  // block's bytes alone never fit it: the entry counts too.)
+  static constexpr uint64_t MinWindowBytes() { return 2 * (kBlock * 4 + sizeof(Waiting)); }
 
   RunningSum(std::vector<uint64_t> shard_lengths, uint32_t world_size, uint64_t window_cap_bytes);
 

@@ -117,7 +117,7 @@ TEST_F(RunningSumTest, OnlyTheLowestRankStillPushingReadsPastAFullWindow) {
   std::atomic<int> woken[3] = {0, 0, 0};
   auto wake = [&](int r) { return [&woken, r] { ++woken[r]; }; };
   // A read is expected at 1 MiB until a stream has sent a chunk: past the
-  // smallest window (64 KiB). A small chunk of rank 2 waits in the window,
+  // smallest window (two fp32 blocks). A small chunk of rank 2 waits in the window,
   // and a read of that size fits beside it.
   EXPECT_FALSE(*s[2]->MayRead(wake(2)));
   ASSERT_TRUE(s[2]->Add(Chunk("w", 0, g[2].data(), 1000)).ok());
@@ -145,13 +145,60 @@ TEST_F(RunningSumTest, OnlyTheLowestRankStillPushingReadsPastAFullWindow) {
   EXPECT_EQ(ReadFloats("gate", "w", v1::MASTER), ref.p);
 }
 
+// The smallest window takes a rank's fp32 block ahead of its turn, entry
+// and all: with only one block's bytes, no fp32 chunk of a rank that is
+// not next ever fitted, and every rank waited for all the lower ones.
+TEST_F(RunningSumTest, TheSmallestWindowTakesFp32BlocksAheadOfTheirTurn) {
+  constexpr uint64_t kN = 2 * RunningSum::kBlock;
+  v1::CreateJobRequest request = JobRequest("fp32", 2, {{"w", kN}});
+  request.set_grad_dtype(v1::FP32);
+  auto init = Create(request);
+  const std::vector<std::vector<float>> g = {testing::RandomFloats(rng_, kN, -1, 1),
+                                             testing::RandomFloats(rng_, kN, -1, 1)};
+  auto block = [&](uint32_t rank, uint64_t offset, v1::GradChunk* head) {
+    head->set_tensor("w");
+    head->set_offset(offset);
+    head->set_dtype(v1::FP32);
+    return Pieces::Own(std::string(reinterpret_cast<const char*>(g[rank].data() + offset), RunningSum::kBlock * 4));
+  };
+  std::vector<std::unique_ptr<JobStore::PushSession>> s;
+  for (uint32_t r = 0; r < 2; ++r) {
+    auto session = StartPush("fp32", 1, r);
+    ASSERT_TRUE(session.ok());
+    s.push_back(*std::move(session));
+  }
+  // Rank 1 comes first: both of its blocks wait in the window, at once.
+  for (uint64_t off = 0; off < kN; off += RunningSum::kBlock) {
+    v1::GradChunk head;
+    Pieces data = block(1, off, &head);
+    auto taken = s[1]->Offer(head, std::move(data), [] {});
+    ASSERT_TRUE(taken.ok()) << taken.status();
+    EXPECT_TRUE(*taken) << "rank 1's block at " << off << " found no room in the window";
+  }
+  for (uint64_t off = 0; off < kN; off += RunningSum::kBlock) {
+    v1::GradChunk head;
+    Pieces data = block(0, off, &head);
+    ASSERT_TRUE(s[0]->Add(head, std::move(data)).ok());
+  }
+  std::thread rank1([&] { EXPECT_TRUE(s[1]->Finish().ok()); });
+  EXPECT_TRUE(s[0]->Finish().ok());
+  rank1.join();
+  ASSERT_TRUE(Commit("fp32", 1, 1e-3).ok());
+  std::vector<float> sum(kN);
+  for (uint64_t i = 0; i < kN; ++i) sum[i] = g[0][i] + g[1][i];
+  ReferenceTensor ref(kHyper, init["w"], false);
+  ref.StepAggregated(sum, 1e-3, 1.0f);
+  EXPECT_EQ(ReadFloats("fp32", "w", v1::MASTER), ref.p);
+}
+
 // The lowest rank still pushing may read its next message while it folds
 // the last (PushSession::ReadAhead), since its chunks never wait for the
 // window; nobody else may. That read is held as MayRead's would be, so the
 // others' reads still fit the window with it counted.
 TEST_F(RunningSumTest, OnlyTheLowestRankReadsAheadAndItsReadIsHeld) {
-  constexpr uint64_t kN = 3 * RunningSum::kBlock;
-  constexpr uint64_t kChunk = 12000;  // 24000 B: two chunks and a read fit the 64 KiB window, three do not
+  constexpr uint64_t kN = 6 * RunningSum::kBlock;
+  // 2/5 of the smallest window in bf16: two chunks and a read fit, three do not.
+  constexpr uint64_t kChunk = RunningSum::MinWindowBytes() / 5;
   auto init = Create(JobRequest("ahead", 2, {{"w", kN}}));
   const auto g0 = RandomBf16(rng_, kN, 1.0f), g1 = RandomBf16(rng_, kN, 1.0f);
   auto s0 = StartPush("ahead", 1, 0), s1 = StartPush("ahead", 1, 1);
@@ -161,7 +208,8 @@ TEST_F(RunningSumTest, OnlyTheLowestRankReadsAheadAndItsReadIsHeld) {
   EXPECT_FALSE(r0.ReadAhead());  // not in the round before its first chunk
   ASSERT_TRUE(r0.Add(Chunk("w", 0, g0.data(), kChunk)).ok());
   // Rank 1's chunk lies in a block rank 0 is not yet done with: it waits in the window.
-  constexpr uint64_t kLate = 2 * RunningSum::kBlock;
+  constexpr uint64_t kLate = 4 * RunningSum::kBlock;  // past rank 0's first two chunks
+  static_assert(2 * kChunk <= kLate && kLate + kChunk <= kN);
   ASSERT_TRUE(r1.Add(Chunk("w", kLate, g1.data() + kLate, kChunk)).ok());
   EXPECT_FALSE(r1.ReadAhead());
   EXPECT_TRUE(*r1.MayRead([] {}));  // its chunk and one read of that size fit
