@@ -245,35 +245,34 @@ const PartHead* SamePlacement(const Committed& committed, const v1::CreateJobReq
   return nullptr;
 }
 
-}  // namespace
+// Where `spec`'s placement comes from in a complete checkpoint of another
+// placement: its manifest, and for each of the checkpoint's parts the runs
+// of its data that land in the placement's data, read from no data at all.
+struct Plan {
+  struct Run {
+    uint64_t from = 0;   // in the source part's data
+    uint64_t to = 0;     // in the placement's data
+    uint64_t bytes = 0;  // whole elements
+  };
+  v1::PartManifest manifest;
+  std::vector<std::vector<Run>> runs;  // [committed.parts' index], sorted by `from`, disjoint
+};
 
-namespace {
-
-// `spec`'s placement from a complete checkpoint of the same job: the part of
-// that very placement as it lies on disk, or else each shard cut from the
-// parts that overlap it.
-absl::StatusOr<Part> Assemble(const Committed& committed, const v1::CreateJobRequest& spec) {
-  Part out;
-  const PartHead* same = SamePlacement(committed, spec);
-  out.manifest = LoadedManifest(committed, spec, same);
-  v1::PartManifest& m = out.manifest;
-  if (same != nullptr) {
-    SHARDOPT_ASSIGN_OR_RETURN(auto data, ReadPartData(*same));
-    out.data = std::move(data);
-    return out;
-  }
+absl::StatusOr<Plan> PlanPlacement(const Committed& committed, const v1::CreateJobRequest& spec) {
+  Plan plan;
+  plan.manifest = LoadedManifest(committed, spec, nullptr);
+  v1::PartManifest& m = plan.manifest;
   for (const v1::ShardRange& s : spec.shards()) {
     const int t = TensorIndex(spec, s.tensor());
     v1::ShardSection* section = m.add_shards();
     section->set_dtype(spec.groups(spec.tensors(t).group()).precision() == v1::PRECISION_BF16 ? v1::BF16 : v1::FP32);
   }
   const std::vector<uint64_t> to_sections = SectionOffsets(m);
-  out.data.resize(to_sections.back());
-
   std::vector<uint64_t> filled(spec.shards_size(), 0);
   std::vector<bool> step_known(spec.shards_size(), false);
-  for (const PartHead& p : committed.parts) {
-    std::optional<std::string> data;  // read only when the part overlaps this placement
+  plan.runs.resize(committed.parts.size());
+  for (size_t pi = 0; pi < committed.parts.size(); ++pi) {
+    const PartHead& p = committed.parts[pi];
     const v1::PartManifest& src = p.manifest;
     const std::vector<uint64_t> from_sections = SectionOffsets(src);
     for (int ss = 0; ss < src.shards_size(); ++ss) {
@@ -295,19 +294,17 @@ absl::StatusOr<Part> Assemble(const Committed& committed, const v1::CreateJobReq
         }
         m.mutable_shards(ds)->set_adam_step(src.shards(ss).adam_step());
         step_known[ds] = true;
-        if (!data) {
-          SHARDOPT_ASSIGN_OR_RETURN(auto read, ReadPartData(p));
-          data = std::move(read);
-        }
-        const uint64_t esize = ArrayBytes(src, ss) / from.length();
+        const uint64_t esize = ElementBytes(src.shards(ss).dtype());
         for (Array a : kArrays) {
-          std::memcpy(out.data.data() + ArrayOffset(to_sections, m, ds, a) + (begin - to.offset()) * esize,
-                      data->data() + ArrayOffset(from_sections, src, ss, a) + (begin - from.offset()) * esize,
-                      (end - begin) * esize);
+          plan.runs[pi].push_back({ArrayOffset(from_sections, src, ss, a) + (begin - from.offset()) * esize,
+                                   ArrayOffset(to_sections, m, ds, a) + (begin - to.offset()) * esize,
+                                   (end - begin) * esize});
         }
         filled[ds] += end - begin;
       }
     }
+    std::sort(plan.runs[pi].begin(), plan.runs[pi].end(),
+              [](const Plan::Run& a, const Plan::Run& b) { return a.from < b.from; });
   }
   for (int ds = 0; ds < spec.shards_size(); ++ds) {
     if (filled[ds] != spec.shards(ds).length()) {
@@ -315,7 +312,29 @@ absl::StatusOr<Part> Assemble(const Committed& committed, const v1::CreateJobReq
                                               spec.shards(ds).tensor(), "' from element ", spec.shards(ds).offset()));
     }
   }
-  return out;
+  return plan;
+}
+
+// Streams each part that the plan reads from, whole, so that its checksum
+// is checked, and hands `sink` the bytes of its runs at their places in the
+// placement's data: nothing but the reads' buffers is held, whatever the
+// parts' sizes.
+absl::Status StreamPlan(const Committed& committed, const Plan& plan, const DataSink& sink) {
+  for (size_t pi = 0; pi < committed.parts.size(); ++pi) {
+    const std::vector<Plan::Run>& runs = plan.runs[pi];
+    if (runs.empty()) continue;
+    size_t first = 0;  // the first run that does not end before the piece
+    SHARDOPT_RETURN_IF_ERROR(
+        StreamPartData(committed.parts[pi], [&](uint64_t at, const char* bytes, size_t n) -> absl::Status {
+          while (first < runs.size() && runs[first].from + runs[first].bytes <= at) ++first;
+          for (size_t r = first; r < runs.size() && runs[r].from < at + n; ++r) {
+            const uint64_t begin = std::max(at, runs[r].from), end = std::min(at + n, runs[r].from + runs[r].bytes);
+            SHARDOPT_RETURN_IF_ERROR(sink(runs[r].to + (begin - runs[r].from), bytes + (begin - at), end - begin));
+          }
+          return absl::OkStatus();
+        }));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -323,7 +342,20 @@ absl::StatusOr<Part> Assemble(const Committed& committed, const v1::CreateJobReq
 absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log) {
   SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
   SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir));
-  return Assemble(committed, spec);
+  Part out;
+  if (const PartHead* same = SamePlacement(committed, spec)) {
+    out.manifest = LoadedManifest(committed, spec, same);
+    SHARDOPT_ASSIGN_OR_RETURN(out.data, ReadPartData(*same));
+    return out;
+  }
+  SHARDOPT_ASSIGN_OR_RETURN(Plan plan, PlanPlacement(committed, spec));
+  out.data.resize(SectionOffsets(plan.manifest).back());
+  SHARDOPT_RETURN_IF_ERROR(StreamPlan(committed, plan, [&](uint64_t offset, const char* bytes, size_t n) {
+    std::memcpy(out.data.data() + offset, bytes, n);
+    return absl::OkStatus();
+  }));
+  out.manifest = std::move(plan.manifest);
+  return out;
 }
 
 absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
@@ -340,10 +372,10 @@ absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::Cre
     SHARDOPT_RETURN_IF_ERROR(StreamPartData(*same, sink));
     return manifest;
   }
-  SHARDOPT_ASSIGN_OR_RETURN(auto part, Assemble(committed, spec));
-  SHARDOPT_RETURN_IF_ERROR(begin(part.manifest));
-  SHARDOPT_RETURN_IF_ERROR(sink(0, part.data.data(), part.data.size()));
-  return part.manifest;
+  SHARDOPT_ASSIGN_OR_RETURN(Plan plan, PlanPlacement(committed, spec));
+  SHARDOPT_RETURN_IF_ERROR(begin(plan.manifest));
+  SHARDOPT_RETURN_IF_ERROR(StreamPlan(committed, plan, sink));
+  return plan.manifest;
 }
 
 absl::StatusOr<JobAt> WholeJob(const std::string& root, const std::string& job, uint64_t step, const Log& log) {

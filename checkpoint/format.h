@@ -139,11 +139,14 @@ using Log = std::function<void(const std::string&)>;
 // written) are skipped when looking for the newest, and `log` is told why.
 absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log);
 
-// Load without holding the data in memory: `sink` gets it in order, in
-// pieces, contiguous from data offset 0, as it is read (a plain restart of
-// the same placement streams the file; another placement is assembled
-// first). Returns the manifest. The checksum is known only at the end: on an
-// error the sink has seen data that must be thrown away.
+// Load without holding the data in memory: `sink` gets every byte of it
+// once, in pieces, as it is read. A plain restart of the same placement
+// streams its part file: the data in order from offset 0. Another placement
+// streams each part it overlaps, whole (for its checksum), and gets the
+// runs of those parts that fall in it, in the parts' order: each run is
+// whole elements of one array, its pieces in order. Returns the manifest.
+// A part's checksum is known only at its end: on an error the sink has seen
+// data that must be thrown away.
 // `begin` gets the manifest before any data, so that the sink knows the
 // layout. A piece may end anywhere, inside an array's element too
 // (ReadSequential's pieces end at multiples of 8 MiB of data).

@@ -134,8 +134,9 @@ class StateSink {
   StateSink(const v1::PartManifest& m, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu)
       : m_(m), job_(job), sections_(checkpoint::SectionOffsets(m)) {}
 
-  // Pieces come in order, contiguous; arrays end on whole elements, so a
-  // split element never spans two arrays.
+  // A run's pieces come in order, contiguous (the whole data is one run on
+  // a plain restart); runs and arrays end on whole elements, so a split
+  // element never spans two (checkpoint::LoadInto).
   absl::Status Take(uint64_t offset, const char* p, size_t n) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     while (n > 0) {
       SHARDOPT_ASSIGN_OR_RETURN(const Location at, Locate(offset));

@@ -157,6 +157,31 @@ TEST(DurabilityTest, ACheckpointOfTwoServersRestoresOntoThreeAndOntoOne) {
   EXPECT_EQ(Fingerprint(*client, job).value(), at_2n);
 }
 
+// A restore onto another placement streams the old parts' runs into the
+// new state as they are read: the server's peak memory is its state and the
+// read buffers, not also a copy of its new part and a whole old one (which
+// took 2.5 times the state where the state alone was to be charged).
+TEST(DurabilityTest, ARestoreOntoAnotherPlacementHoldsNoCopyOfTheState) {
+  constexpr uint64_t kN = uint64_t{8} << 20;  // 96 MiB of state; each old part holds half
+  const JobOptions job = DurableJob("reshard-memory", {{"w", kN}});
+  TempDir dir;
+  std::vector<uint32_t> trained;
+  {
+    auto servers = StartServers(2, dir.path());
+    auto client = Connect(servers);
+    Train(*client, job, 1);
+    ASSERT_TRUE(client->Checkpoint().ok());
+    trained = Fingerprint(*client, job).value();
+  }
+  auto one = StartServers(1, dir.path());
+  auto client = Connect(one);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), 1u);
+  const uint64_t rss = testing::RssBytes(one[0]->pid()), peak = testing::PeakRssBytes(one[0]->pid());
+  ASSERT_GT(rss, kN * 12);  // the state is in
+  EXPECT_LT(peak, rss + (uint64_t{64} << 20)) << "peak " << peak << " B against " << rss << " B after the restore";
+  EXPECT_EQ(Fingerprint(*client, job).value(), trained);
+}
+
 std::string StepDir(const std::string& root, const std::string& job, int step) {
   char name[32];
   std::snprintf(name, sizeof name, "step-%020d", step);

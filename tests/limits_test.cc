@@ -39,20 +39,6 @@ using testing::ServerProcess;
 using testing::ConnectOnce;
 using testing::OneTensorJob;
 
-// A process's peak resident set (VmHWM), in bytes.
-uint64_t PeakRss(pid_t pid) {
-  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
-  std::string key;
-  while (in >> key) {
-    if (key == "VmHWM:") {
-      uint64_t kib = 0;
-      in >> kib;
-      return kib << 10;
-    }
-  }
-  return 0;
-}
-
 // The server's shardopt_open_streams, from GET /metrics on 127.0.0.1:port.
 int OpenStreams(int port) {
   const std::string text = testing::GetMetrics(port);
@@ -134,7 +120,7 @@ TEST(LimitsTest, TheMemoryBudgetRefusesWhatDoesNotFitAndTheServerStaysUp) {
   ASSERT_TRUE(state.ok());
   EXPECT_EQ((*state)[0].memory_limit_bytes, kLimit);
   EXPECT_LE((*state)[0].memory_used_bytes, kLimit);
-  const uint64_t peak = PeakRss(server->pid());
+  const uint64_t peak = testing::PeakRssBytes(server->pid());
   std::printf("server peak RSS %.0f MiB against a budget of %.0f MiB (%d jobs of 72 MiB)\n", peak / 1048576.0,
               kLimit / 1048576.0, made);
   // What the budget does not charge (binary, threads, gRPC) is the headroom's.

@@ -67,6 +67,27 @@ std::string ReadText(const std::string& path) {
   return text.str();
 }
 
+namespace {
+
+// A "<key> <n> kB" line of /proc/<pid>/status, in bytes.
+uint64_t StatusBytes(pid_t pid, const std::string& key) {
+  std::ifstream in(absl::StrCat("/proc/", pid, "/status"));
+  std::string word;
+  while (in >> word) {
+    if (word == key) {
+      uint64_t kib = 0;
+      in >> kib;
+      return kib << 10;
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+uint64_t RssBytes(pid_t pid) { return StatusBytes(pid, "VmRSS:"); }
+uint64_t PeakRssBytes(pid_t pid) { return StatusBytes(pid, "VmHWM:"); }
+
 pid_t SpawnProcess(std::vector<std::string> argv, const std::string& stderr_path) {
   const pid_t pid = fork();
   if (pid == 0) {

@@ -5,6 +5,7 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -22,6 +23,11 @@ std::string GetMetrics(int port, bool ipv6 = false);
 
 // A file's whole text (a process's log, a certificate); empty if unreadable.
 std::string ReadText(const std::string& path);
+
+// A process's resident set now (VmRSS) and its peak so far (VmHWM), in
+// bytes; 0 if /proc does not say.
+uint64_t RssBytes(pid_t pid);
+uint64_t PeakRssBytes(pid_t pid);
 
 // Forks and execs argv[0]; the child is killed when the calling thread exits.
 // Its stderr goes to `stderr_path` if given, else it is the caller's.
