@@ -120,7 +120,10 @@ absl::StatusOr<PartHead> ReadPartHead(const std::string& path) {
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto size, FileSize(path));
   h.file_bytes = size;
-  const uint64_t expected = h.data_offset + DataBytes(h.manifest) + 4;
+  uint64_t expected = 0;
+  if (__builtin_add_overflow(h.data_offset, data_bytes + 4, &expected) || data_bytes + 4 < data_bytes) {
+    return absl::DataLossError(absl::StrCat(path, ": the manifest's sections add up past 2^64 bytes"));
+  }
   if (h.file_bytes != expected) {
     return absl::DataLossError(absl::StrCat(path, " is ", h.file_bytes, " bytes; its manifest says ", expected,
                                             h.file_bytes < expected ? " (truncated)" : ""));
@@ -182,13 +185,19 @@ std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir) {
 absl::Status StreamPartData(const PartHead& p, const DataSink& sink) {
   uint32_t crc = 0;
   uint64_t at = 0;
-  SHARDOPT_RETURN_IF_ERROR(ReadSequential(p.path, p.data_offset, p.file_bytes - 4 - p.data_offset,
-                                          [&](const char* bytes, size_t n) {
-                                            crc = Crc32c(bytes, n, crc);
-                                            const uint64_t offset = at;
-                                            at += n;
-                                            return sink(offset, bytes, n);
-                                          }));
+  const absl::Status read = ReadSequential(p.path, p.data_offset, p.file_bytes - 4 - p.data_offset,
+                                           [&](const char* bytes, size_t n) {
+                                             crc = Crc32c(bytes, n, crc);
+                                             const uint64_t offset = at;
+                                             at += n;
+                                             return sink(offset, bytes, n);
+                                           });
+  // The part was there when its head was read: gone now, the checkpoint is
+  // damaged, not absent (NOT_FOUND would let a restore start the job afresh).
+  if (read.code() == absl::StatusCode::kNotFound) {
+    return absl::DataLossError(absl::StrCat(p.path, " vanished while it was read: ", read.message()));
+  }
+  SHARDOPT_RETURN_IF_ERROR(read);
   if (crc != p.data_crc) {
     return absl::DataLossError(absl::StrCat(p.path, ": data checksum mismatch (crc32c); not loading it"));
   }

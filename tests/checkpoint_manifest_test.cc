@@ -85,6 +85,22 @@ TEST_F(ManifestTest, ASectionNeitherFp32NorBf16IsDataLoss) {
   EXPECT_EQ(WriteAndReadBack("dtype", {{"a", 0, 10, v1::DTYPE_UNSPECIFIED}}).code(), absl::StatusCode::kDataLoss);
 }
 
+// A part that vanishes after its head was read (removed by hand, or by a
+// peer's prune) is DATA_LOSS, not NOT_FOUND, which a restore takes for "no
+// checkpoint" and then starts the job afresh.
+TEST_F(ManifestTest, APartThatVanishesBeforeItsDataIsReadIsDataLoss) {
+  ASSERT_TRUE(WriteAndReadBack("vanish", {{"a", 0, 10, v1::FP32}, {"b", 0, 10, v1::FP32}}).ok());
+  std::string part;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(root_)) {
+    if (e.path().filename().string().rfind("part-", 0) == 0) part = e.path().string();
+  }
+  auto head = ReadPartHead(part);
+  ASSERT_TRUE(head.ok()) << head.status();
+  std::filesystem::remove(part);
+  const absl::Status st = StreamPartData(*head, [](uint64_t, const char*, size_t) { return absl::OkStatus(); });
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+}
+
 // Offsets past 2^60 with lengths that wrap: the ranges of a tile it in
 // uint64 arithmetic and the data bytes wrap to 240, what tensors of 10
 // elements take. Read back, it is refused before anything is placed.
