@@ -35,13 +35,15 @@ class _Tensor:
     """One param as the job knows it, and its host staging buffers (only for
     params that are not contiguous host memory)."""
 
-    __slots__ = ("name", "param", "group", "shape", "dtype", "device", "numel", "host_param", "host_grad", "version")
+    __slots__ = ("name", "param", "group", "shape", "dtype", "device", "numel", "host_param", "host_grad", "version",
+                 "data_ptr")
 
     def __init__(self, name, param, group):
         self.name, self.param, self.group = name, param, group
         self.shape, self.dtype, self.device, self.numel = param.shape, param.dtype, param.device, param.numel()
         self.host_param = self.host_grad = None
         self.version = None  # the param's version counter when the optimizer last wrote or sent it
+        self.data_ptr = None  # and where its values were: `p.data = other` swaps them without a version bump
 
     @property
     def fp32(self):
@@ -61,6 +63,9 @@ def _is_named(item):
 def _split_names(params):
     """Param groups for torch.optim.Optimizer, and {id(param): name} when the
     params came with names (model.named_parameters(), or groups of them)."""
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
+                        f"got {torch.typename(params)}")
     items = list(params)
     if not items:
         raise ValueError("optimizer got an empty parameter list")
@@ -101,6 +106,9 @@ def _servers(servers, num_servers):
     servers = list(servers)
     if not servers:
         raise ValueError("no servers given")
+    repeated = sorted({s for s in servers if servers.count(s) > 1})
+    if repeated:
+        raise ValueError(f"servers {repeated} appear more than once; each server holds its own share of the job")
     return servers
 
 
@@ -110,6 +118,26 @@ def _host_fp32(x, what):
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise UnsupportedDtype(f"{what} is {x.dtype}; fp32 or bf16 needed")
     return x.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
+def _check_hyper(g, where):
+    """torch.optim.AdamW's checks of a group's hyperparameters, with its
+    messages (NaN fails them too), made before anything reaches a server."""
+    lr, (beta1, beta2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+    if isinstance(lr, torch.Tensor):
+        lr = lr.item()
+    if not 0.0 <= lr < float("inf"):
+        raise ValueError(f"{where}Invalid learning rate: {lr}")
+    if not 0.0 <= eps < float("inf"):
+        raise ValueError(f"{where}Invalid epsilon value: {eps}")
+    if not 0.0 <= beta1 < 1.0:
+        raise ValueError(f"{where}Invalid beta parameter at index 0: {beta1}")
+    if not 0.0 <= beta2 < 1.0:
+        raise ValueError(f"{where}Invalid beta parameter at index 1: {beta2}")
+    if not 0.0 <= wd < float("inf"):
+        raise ValueError(f"{where}Invalid weight_decay value: {wd}")
+    if g.get("amsgrad") or g.get("maximize"):
+        raise InvalidArgument(f"{where}RemoteAdamW does not implement amsgrad or maximize")
 
 
 class RemoteAdamW(torch.optim.Optimizer):
@@ -166,19 +194,36 @@ class RemoteAdamW(torch.optim.Optimizer):
     def __init__(self, params, servers, job, rank=0, world_size=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm=0.0, state_precision="fp32", overlap=False, num_servers=None,
                  rpc_timeout=60.0, max_attempts=5, barrier_timeout=60.0, checkpoint_every=0, restore_step=0,
-                 chunk_bytes=0, tls_ca=None, tls_cert=None, tls_key=None, token=None):
+                 chunk_bytes=0, tls_ca=None, tls_cert=None, tls_key=None, token=None, amsgrad=False,
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
+        if capturable or differentiable:
+            raise ValueError("RemoteAdamW updates on the servers: capturable and differentiable are not supported")
+        if not 0.0 <= max_grad_norm < float("inf"):
+            raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (0: no clipping)")
         if state_precision not in _STATE_PRECISIONS:
             raise ValueError(f"state_precision must be one of {_STATE_PRECISIONS}, not {state_precision!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
         groups, names = _split_names(params)
-        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        seen = set()
+        for gi, g in enumerate(groups):
+            for p in g["params"]:
+                # torch steps a param listed twice twice; the servers hold it once.
+                if id(p) in seen:
+                    raise ValueError(f"group {gi} lists param {names.get(id(p), '')!r} again: each param may appear "
+                                     "once")
+                seen.add(id(p))
+        # torch.optim.AdamW's keys too, so that code reading them finds them;
+        # foreach and fused change nothing here (the servers run one fused
+        # kernel), amsgrad and maximize are refused.
+        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                                      maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
+                                      fused=fused))
         precisions = [g.get("state_precision", state_precision) for g in self.param_groups]
         for gi, (g, precision) in enumerate(zip(self.param_groups, precisions)):
             if precision not in _STATE_PRECISIONS:
                 raise ValueError(f"group {gi}: state_precision must be one of {_STATE_PRECISIONS}, not {precision!r}")
-            if g.get("amsgrad") or g.get("maximize"):
-                raise InvalidArgument(f"group {gi}: RemoteAdamW does not implement amsgrad or maximize")
+            _check_hyper(g, f"group {gi}: ")
 
         self._tensors = []
         for gi, group in enumerate(self.param_groups):
@@ -206,6 +251,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         self._checkpoint_every = int(checkpoint_every)
         self._client = _C.Client(_servers(servers, num_servers), rank, max_attempts, int(rpc_timeout * 1000),
                                  chunk_bytes, 0, *pem, token=token)
+        self._bf16_state = [precision == "bf16" for precision in precisions]
         job_groups = [(f"group.{gi}", b1, b2, eps_, wd, 1.0, precisions[gi] == "fp32")
                       for gi, (b1, b2, eps_, wd) in enumerate(self._hyper)]
         job_tensors = [(t.name, t.numel, t.group, t.fp32) for t in self._remote]
@@ -239,7 +285,14 @@ class RemoteAdamW(torch.optim.Optimizer):
 
     # ---- the torch.optim.Optimizer interface ----
 
+    def __getstate__(self):
+        raise TypeError("RemoteAdamW holds its servers' connections and cannot be pickled or copied; save "
+                        "state_dict() instead (torch.save(opt.state_dict(), path))")
+
     def add_param_group(self, param_group):
+        """Not after construction: a job's params and groups are fixed when
+        it is created (raises ParamsChanged). Give every group to the
+        constructor, with requires_grad=False for those to train later."""
         if getattr(self, "_client", None) is not None:
             raise ParamsChanged("RemoteAdamW's params are fixed when its job is created; build a new optimizer "
                                 "(and job) for a different set of params")
@@ -333,8 +386,7 @@ class RemoteAdamW(torch.optim.Optimizer):
             raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
                              "optimizer's group")
         for gi, (saved, hyper) in enumerate(zip(saved_groups, self._hyper)):
-            if saved.get("amsgrad") or saved.get("maximize"):
-                raise InvalidArgument(f"group {gi}: RemoteAdamW does not implement amsgrad or maximize")
+            _check_hyper({**self.param_groups[gi], **saved}, f"group {gi}: ")
             theirs = self._group_hyper({**self.param_groups[gi], **saved})
             if theirs != hyper:
                 raise InvalidArgument(f"group {gi}: the state dict's (beta1, beta2, eps, weight_decay) {theirs} "
@@ -357,6 +409,11 @@ class RemoteAdamW(torch.optim.Optimizer):
                                self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"),
                                int(step.item() if isinstance(step, torch.Tensor) else step))
                 loads.append((t, master, moments))
+        for t, master, moments in loads:
+            self._check_initial(t, t.param if master is None else master, "master")
+            if moments is not None:
+                self._check_initial(t, moments[0], "exp_avg")
+                self._check_initial(t, moments[1], "exp_avg_sq")
         share = self._load_share() if shared else (0, 1)
         error = None
         try:
@@ -442,6 +499,7 @@ class RemoteAdamW(torch.optim.Optimizer):
         change) once the optimizer has written or sent it."""
         for t in self._remote:
             t.version = getattr(t.param, "_version", None)
+            t.data_ptr = t.param.data_ptr()
 
     def _check_unchanged(self):
         """A param changed in place since the optimizer last wrote or sent it
@@ -450,7 +508,8 @@ class RemoteAdamW(torch.optim.Optimizer):
         job's first step, one process sends the new values as the master
         (several ranks must agree on them: they raise), and values equal to
         the master are kept; after it, ParamsChanged."""
-        changed = [t for t in self._remote if t.version is not None and t.param._version != t.version]
+        changed = [t for t in self._remote
+                   if (t.version is not None and t.param._version != t.version) or t.param.data_ptr() != t.data_ptr]
         if not changed:
             return
         first = self._client.step_count == 0
@@ -490,6 +549,7 @@ class RemoteAdamW(torch.optim.Optimizer):
                     raise ParamsChanged(f"param {t.name!r} is now {p.dtype} {tuple(p.shape)} on {p.device}; its job "
                                         f"has {t.dtype} {tuple(t.shape)} on {t.device}")
                 k += 1
+            _check_hyper(g, f"group {gi}: ")
             if self._group_hyper(g) != self._hyper[gi]:
                 raise InvalidArgument(f"group {gi}'s (beta1, beta2, eps, weight_decay) changed to "
                                       f"{self._group_hyper(g)}; the servers hold {self._hyper[gi]}, fixed at creation "
@@ -557,6 +617,22 @@ class RemoteAdamW(torch.optim.Optimizer):
             self._client.init_bf16(t.name, host.data_ptr(), *share)
         else:
             raise UnsupportedDtype(f"initial values of {t.name!r} are {host.dtype}; fp32 or bf16 needed")
+
+    def _check_initial(self, t, x, what):
+        """The servers' checks of an initial value, made here so that a state
+        dict they would refuse partway is refused before anything is sent:
+        finite as the group holds it (a bf16 group's rounding may overflow),
+        and exp_avg_sq not negative (its square root is taken)."""
+        values = x.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
+        if self._bf16_state[t.group]:
+            values = values.to(torch.bfloat16).to(torch.float32)
+        bad = ~torch.isfinite(values)
+        if what == "exp_avg_sq":
+            bad |= values < 0
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            why = "is not finite" if not bool(torch.isfinite(values[i])) else "is negative"
+            raise InvalidArgument(f"initial {what} of tensor {t.name!r} element {i} {why}")
 
     def _checked(self, x, t, what):
         if x.numel() != t.numel:

@@ -123,3 +123,91 @@ def test_a_group_asking_for_what_the_servers_do_not_do_is_refused(servers, job, 
     error = ValueError if key == "state_precision" else shardopt.InvalidArgument
     with pytest.raises(error, match=key):
         RemoteAdamW(groups, servers=servers, job=job, lr=1e-3)
+
+
+@pytest.mark.parametrize("kwargs", [dict(lr=-1.0), dict(lr=float("nan")), dict(eps=-1e-8), dict(betas=(1.0, 0.999)),
+                                    dict(betas=(0.9, -0.1)), dict(weight_decay=-0.1)],
+                         ids=["lr", "lr-nan", "eps", "beta1", "beta2", "weight_decay"])
+def test_bad_hyperparameters_are_refused_at_construction_as_torch_refuses_them(job, kwargs):
+    """torch.optim.AdamW's ValueError, with its message, before any server is
+    asked (none listens at port 1)."""
+    params = [torch.nn.Parameter(torch.ones(3))]
+    with pytest.raises(ValueError) as theirs:
+        torch.optim.AdamW(params, **kwargs)
+    with pytest.raises(ValueError) as ours:
+        RemoteAdamW(params, servers=["127.0.0.1:1"], job=job, **kwargs)
+    assert str(theirs.value) in str(ours.value)
+
+
+@pytest.mark.parametrize("max_grad_norm", [-1.0, float("nan"), float("inf")])
+def test_a_bad_max_grad_norm_is_refused_at_construction(job, max_grad_norm):
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=["127.0.0.1:1"], job=job, max_grad_norm=max_grad_norm)
+
+
+def test_an_lr_made_invalid_between_steps_is_refused_before_anything_is_pushed(servers, job):
+    model = make_model()
+    opt = RemoteAdamW(model.named_parameters(), servers=servers, job=job)
+    train(model, opt, 1)
+    opt.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        train(model, opt, 1, first=2)
+    assert opt.job_step == 1
+    opt.param_groups[0]["lr"] = 1e-3
+    train(model, opt, 1, first=2)
+    assert opt.job_step == 2
+    opt.drop()
+
+
+def test_torch_adamw_keywords_are_taken_and_kept_in_the_groups(servers, job):
+    model = make_model()
+    opt = RemoteAdamW(model.named_parameters(), servers=servers, job=job, amsgrad=False, maximize=False,
+                      foreach=None, fused=None)
+    for g in opt.param_groups:
+        assert g["amsgrad"] is False and g["maximize"] is False and g["capturable"] is False
+    train(model, opt, 1)
+    # Set after construction, it is refused at the next step, not ignored.
+    opt.param_groups[0]["maximize"] = True
+    with pytest.raises(shardopt.InvalidArgument, match="maximize"):
+        train(model, opt, 1, first=2)
+    opt.param_groups[0]["maximize"] = False
+    opt.drop()
+    for kwargs, error in ((dict(amsgrad=True), shardopt.InvalidArgument), (dict(capturable=True), ValueError),
+                          (dict(differentiable=True), ValueError)):
+        with pytest.raises(error):
+            RemoteAdamW(make_model().parameters(), servers=["127.0.0.1:1"], job=job, **kwargs)
+
+
+def test_misuses_torch_refuses_or_that_would_train_otherwise_are_refused(job):
+    p = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(TypeError, match="iterable of Tensors or dicts"):
+        RemoteAdamW(p, servers=["127.0.0.1:1"], job=job)
+    # torch would step a param listed twice twice; the servers hold it once.
+    with pytest.raises(ValueError, match="once"):
+        RemoteAdamW([p, p], servers=["127.0.0.1:1"], job=job)
+    with pytest.raises(ValueError, match="more than once"):
+        RemoteAdamW([p], servers=["127.0.0.1:1", "127.0.0.1:1"], job=job)
+
+
+def test_the_optimizer_cannot_be_pickled_or_copied(servers, job):
+    """It holds connections: a copy would fail later, and torch.save(opt)
+    would keep none of the state. state_dict() is what to save."""
+    import copy
+    import pickle
+    opt = RemoteAdamW(make_model().named_parameters(), servers=servers, job=job)
+    for copier in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="state_dict"):
+            copier(opt)
+    opt.drop()
+
+
+def test_values_swapped_in_through_data_are_noticed(servers, job):
+    """`p.data = other` gives the param other values without bumping its
+    version counter: the optimizer notices the new storage."""
+    model = make_model()
+    opt = RemoteAdamW(model.named_parameters(), servers=servers, job=job)
+    train(model, opt, 1)
+    model.head.weight.data = model.head.weight.detach().clone() * 2
+    with pytest.raises(shardopt.ParamsChanged, match="head.weight"):
+        train(model, opt, 1, first=2)
+    opt.drop()

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+import shardopt
 from shardopt.torch import RemoteAdamW
 from models import bits, make_model, param_groups, same_bits, train
 from servers import checkpointing_servers
@@ -227,3 +228,29 @@ def test_a_second_thread_may_checkpoint_and_read_while_the_first_trains(server_b
             assert same_bits(p, q), name
         opt.drop()
         ref.drop()
+
+
+@pytest.mark.parametrize("case", ["exp_avg_sq-negative", "exp_avg-nan", "master-inf", "master-bf16-overflow"])
+def test_a_state_dict_the_servers_would_refuse_is_refused_before_anything_is_sent(servers, job, case):
+    """One bad value in the last param's state: refused with the servers'
+    code before the first param's state is sent, so the new job has no Adam
+    state and its masters are still the params."""
+    precision = "bf16" if case == "master-bf16-overflow" else "fp32"
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3, state_precision=precision)
+    train(model, opt, 2)
+    saved = opt.state_dict()
+    opt.drop()
+    last = saved["state"][max(saved["state"])]
+    key, value = {"exp_avg_sq-negative": ("exp_avg_sq", -1.0), "exp_avg-nan": ("exp_avg", float("nan")),
+                  "master-inf": ("master", float("inf")), "master-bf16-overflow": ("master", 3.4e38)}[case]
+    last[key].view(-1)[-1] = value
+    fresh = make_model(seed=1)
+    opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3, state_precision=precision)
+    with pytest.raises(shardopt.InvalidArgument, match=key):
+        opt.load_state_dict(saved)
+    assert opt.state_dict()["state"] == {}
+    first = next(fresh.parameters()).detach()
+    held = first if precision == "fp32" else first.to(torch.bfloat16).float()
+    assert same_bits(opt.master(next(fresh.parameters())), held)
+    opt.drop()
