@@ -506,14 +506,17 @@ class RemoteAdamW(torch.optim.Optimizer):
         (model.load_state_dict after the optimizer was built, say) would be
         overwritten with the servers' master at the next commit. Before the
         job's first step, one process sends the new values as the master
-        (several ranks must agree on them: they raise), and values equal to
-        the master are kept; after it, ParamsChanged."""
+        (several ranks must agree on them: they raise); after it,
+        ParamsChanged. Values equal to the master (its bf16 rounding for bf16
+        params) are kept, before and after."""
         changed = [t for t in self._remote
                    if (t.version is not None and t.param._version != t.version) or t.param.data_ptr() != t.data_ptr]
         if not changed:
             return
         first = self._client.step_count == 0
-        differ = [t for t in changed if not self._matches_master(t)] if first else changed
+        # Values written back as they were (an EMA swapped in and out, the
+        # master copied back after a ParamsChanged) are not a change.
+        differ = [t for t in changed if not self._matches_master(t)]
         if differ and first and self.world_size == 1:
             for t in differ:
                 self._init_master(t, t.param)

@@ -248,7 +248,7 @@ def test_params_loaded_after_the_optimizer_was_built(servers, job):
     master, so training is bitwise that of an optimizer built after the load;
     a param rewritten with its own values (DDP's broadcast does that) is
     kept; changed after a step, params are refused rather than overwritten
-    with the servers' master."""
+    with the servers' master, and written back as they were, kept."""
     pretrained = make_model(seed=1).state_dict()
     late, early, same = make_model(), make_model(), make_model()
     opt_late = RemoteAdamW(late.named_parameters(), servers=servers, job=f"{job}-late", lr=LR)
@@ -265,9 +265,19 @@ def test_params_loaded_after_the_optimizer_was_built(servers, job):
     for (name, p), q, r in zip(late.named_parameters(), early.parameters(), same.parameters()):
         assert same_bits(p, q) and same_bits(r, q), name
 
+    first = next(iter(late.parameters()))
+    held = first.detach().clone()
     with torch.no_grad():
-        next(iter(late.parameters())).add_(1.0)
+        first.add_(1.0)
     with pytest.raises(shardopt.ParamsChanged, match="changed outside step"):
         train(late, opt_late, 1, first=4)
+    # Written back as they were (an EMA swapped out and in, say), the values
+    # are no change: training goes on, bitwise with the one never changed.
+    with torch.no_grad():
+        first.copy_(held)
+    train(late, opt_late, 1, first=4)
+    train(early, opt_early, 1, first=4)
+    for (name, p), q in zip(late.named_parameters(), early.parameters()):
+        assert same_bits(p, q), name
     for opt in (opt_late, opt_early, opt_same):
         opt.drop()
