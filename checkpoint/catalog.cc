@@ -220,6 +220,14 @@ bool IsPartName(const std::string& file) {
 // Parts of a step that overlap this server's were left by a torn attempt with
 // another placement (the peers of one placement never overlap); they would
 // keep the step from ever tiling, and nothing complete refers to them.
+void RemoveTemporaries(const std::string& dir, const std::string& part) {
+  const std::string prefix = part + ".tmp.";
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (entry.path().filename().string().rfind(prefix, 0) == 0) fs::remove(entry.path(), ec);
+  }
+}
+
 void RemoveOverlappingParts(const std::string& dir, const std::string& own, const v1::CreateJobRequest& spec) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {

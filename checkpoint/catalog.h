@@ -41,6 +41,9 @@ bool IsPartName(const std::string& file);
 // Parts of a step that overlap this server's were left by a torn attempt
 // with another placement; they are removed.
 void RemoveOverlappingParts(const std::string& dir, const std::string& own, const v1::CreateJobRequest& spec);
+// Temporary files of part `part` in `dir` ("<part>.tmp.*"), left by writers
+// that died, are removed.
+void RemoveTemporaries(const std::string& dir, const std::string& part);
 
 struct Committed {
   std::string dir;

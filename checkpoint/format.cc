@@ -95,8 +95,14 @@ absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& 
   const v1::ShardRange& first = spec.shards(0);
   w->name_ = absl::StrCat("part-", TensorIndex(spec, first.tensor()), "-", first.offset(), ".bin");
   RemoveOverlappingParts(w->result_.directory, w->name_, spec);
+  // A temporary file of this part left by a writer that died (this server
+  // writes one checkpoint of a job at a time) is of no use to anyone.
+  // The new one's name is unique across restarts too: in a pod the server is
+  // always pid 1, and its counter starts again at 0.
+  RemoveTemporaries(w->result_.directory, w->name_);
   static std::atomic<uint64_t> counter{0};
-  w->tmp_ = absl::StrCat(w->result_.directory, "/", w->name_, ".tmp.", getpid(), ".", counter++);
+  w->tmp_ = absl::StrCat(w->result_.directory, "/", w->name_, ".tmp.", getpid(), ".", absl::ToUnixNanos(absl::Now()),
+                         ".", counter++);
   SHARDOPT_ASSIGN_OR_RETURN(w->file_, SequentialWriter::Create(w->tmp_));
   const std::string frame = Frame(manifest);
   w->file_->Append(frame.data(), frame.size());
@@ -152,6 +158,11 @@ absl::StatusOr<WriteResult> PartWriter::Finish() {
     SHARDOPT_RETURN_IF_ERROR(SameJob(spec, head.manifest.spec(), head.path));
     parts.push_back(std::move(head));
   }
+  // This part is there (renamed above), unless the step's directory went.
+  if (ec || parts.empty()) {
+    return absl::InternalError(absl::StrCat("cannot list ", result_.directory, " after writing ", name_,
+                                            ec ? ": " + ec.message() : ": the part is gone"));
+  }
   SHARDOPT_ASSIGN_OR_RETURN(auto tiles, Tiles(parts));
   if (!tiles) return result_;
   v1::CommitMarker marker;
@@ -175,9 +186,13 @@ std::vector<std::string> Prune(const std::string& root, const std::string& job, 
   for (uint64_t step : StepsNewestFirst(absl::StrCat(root, "/", JobDirectoryName(job)))) {
     const std::string dir = StepDirectory(root, job, step);
     if (complete >= keep) {
+      // COMMIT first: a prune cut short (a crash) then leaves a torn step,
+      // passed over, never a COMMIT whose parts are partly gone (DATA_LOSS).
       // Another server of the job may prune the same directory at once.
-      fs::remove_all(dir, ec);
-      removed.push_back(dir);
+      fs::remove(absl::StrCat(dir, "/", kCommitName), ec);
+      if (FsyncDirectory(dir).ok() && fs::remove_all(dir, ec) != static_cast<std::uintmax_t>(-1) && !ec) {
+        removed.push_back(dir);
+      }
     } else if (fs::exists(absl::StrCat(dir, "/", kCommitName), ec)) {
       ++complete;
     }

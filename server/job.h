@@ -134,6 +134,10 @@ class Job {
   // Checkpoints streaming the state out (job_snapshot.h) without the lock:
   // while any does, nothing writes the state (StateWritable).
   uint32_t snapshots ABSL_GUARDED_BY(mu) = 0;
+  // A checkpoint of the job is being written on this server: the next one
+  // waits for it (JobStore::WriteCheckpoint), rather than writing the same
+  // part beside it.
+  bool checkpointing ABSL_GUARDED_BY(mu) = false;
   // Set if an apply failed halfway: the state is no step's state.
   absl::Status failed ABSL_GUARDED_BY(mu);
   // Why the last round ended without a commit, for the pushes it discarded.

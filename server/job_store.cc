@@ -175,6 +175,27 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
   Job& job = *found;
+  // One checkpoint of a job at a time here. A client whose deadline passed
+  // during a slow one retries it while the first still writes: that retry
+  // waits for it and then finds the step complete (or writes its part once
+  // more, alone), instead of a second writer of the same part racing the
+  // first's rename, with a manifest that may differ (a round sealed since),
+  // under a COMMIT that lists the other's size.
+  {
+    absl::MutexLock lock(&job.mu);
+    if (!job.mu.AwaitWithDeadline(absl::Condition(
+                                      +[](Job* j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(j->mu) { return !j->checkpointing; },
+                                      &job),
+                                  deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat("a checkpoint of job ", Quote(job.name()),
+                                                      " is still being written on this server; ask again later"));
+    }
+    job.checkpointing = true;
+  }
+  absl::Cleanup written_or_not = [&job] {
+    absl::MutexLock lock(&job.mu);
+    job.checkpointing = false;
+  };
   // The writer's buffers are charged while it runs, as every allocation a
   // client's request makes is (memory_budget.h): once the step is known
   // good, so that a wrong step is FAILED_PRECONDITION whatever the budget.

@@ -5,13 +5,16 @@
 // whose sizes wrapped could otherwise tile its tensors, be committed, and
 // send a restore into another placement reading far outside the file.
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <tuple>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "checkpoint/catalog.h"
 #include "checkpoint/format.h"
 #include "gtest/gtest.h"
@@ -83,6 +86,20 @@ TEST_F(ManifestTest, AnUnknownTensorIsDataLoss) {
 
 TEST_F(ManifestTest, ASectionNeitherFp32NorBf16IsDataLoss) {
   EXPECT_EQ(WriteAndReadBack("dtype", {{"a", 0, 10, v1::DTYPE_UNSPECIFIED}}).code(), absl::StatusCode::kDataLoss);
+}
+
+// Temporary files of the part left by writers that died are removed, one
+// under the very name this process would pick first (a server in a pod is
+// always pid 1 and counts from 0 again) too: the part is written, not
+// refused with "File exists".
+TEST_F(ManifestTest, TemporariesOfDeadWritersAreRemovedAndNeverInTheWay) {
+  const std::string dir = StepDirectory(root_, "stale", 1);
+  std::filesystem::create_directories(dir);
+  const std::vector<std::string> stale = {absl::StrCat(dir, "/part-0-0.bin.tmp.1.0"),
+                                          absl::StrCat(dir, "/part-0-0.bin.tmp.", getpid(), ".0")};
+  for (const std::string& path : stale) std::ofstream(path) << "left by a writer that died";
+  ASSERT_TRUE(WriteAndReadBack("stale", {{"a", 0, 10, v1::FP32}, {"b", 0, 10, v1::FP32}}).ok());
+  for (const std::string& path : stale) EXPECT_FALSE(std::filesystem::exists(path)) << path;
 }
 
 // A part that vanishes after its head was read (removed by hand, or by a

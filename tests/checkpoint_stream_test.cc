@@ -273,6 +273,43 @@ TEST_F(StreamHoldsOffWritersTest, ACompleteStepIsNotStreamedAgain) {
   EXPECT_EQ(probe_.slices.load(), probe_.total);
 }
 
+// A second checkpoint of the job while one is written (a client retrying
+// one whose deadline passed) waits for it, rather than writing the same part
+// beside it (two writers of one part could leave a COMMIT listing the other's
+// file): until its own deadline, then DEADLINE_EXCEEDED naming the first...
+TEST_F(StreamHoldsOffWritersTest, ASecondCheckpointOfTheJobWaitsOnlyUntilItsDeadline) {
+  Create(request_);
+  v1::CheckpointRequest request;
+  request.set_job("j");
+  request.set_step(0);
+  CheckpointWhile(
+      0,
+      [&] {
+        auto late = store_.Checkpoint(request, absl::Now() + absl::Milliseconds(100));
+        EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+        EXPECT_NE(late.status().message().find("still being written"), absl::string_view::npos) << late.status();
+      },
+      /*waits=*/false);
+}
+
+// ... and with time enough, until the first is done: then it finds the step
+// complete and streams nothing (CheckpointWhile counts every slice).
+TEST_F(StreamHoldsOffWritersTest, ASecondCheckpointOfTheJobWaitsForTheFirstAndFindsItComplete) {
+  Create(request_);
+  v1::CheckpointRequest request;
+  request.set_job("j");
+  request.set_step(0);
+  CheckpointWhile(
+      0,
+      [&] {
+        auto again = store_.Checkpoint(request);
+        ASSERT_TRUE(again.ok()) << again.status();
+        EXPECT_TRUE(again->complete());
+        EXPECT_EQ(again->part_bytes(), 0u);
+      },
+      /*waits=*/true);
+}
+
 // A job dropped while its checkpoint streams ends the checkpoint, NOT_FOUND,
 // and the unfinished part leaves no file.
 TEST_F(StreamHoldsOffWritersTest, AJobDroppedMidStreamEndsItsCheckpointAndLeavesNoFile) {
