@@ -177,7 +177,9 @@ class RemoteAdamW(torch.optim.Optimizer):
             fails, ``step()`` raises its error after the step was applied and
             the params updated: do not repeat the step.
         restore_step: for servers with --checkpoint_dir that do not hold the
-            job: 0 resumes from the newest checkpoint, t from step t's.
+            job: 0 resumes from the newest checkpoint, t from step t's (an
+            older t starts a new run: newer checkpoints are moved aside).
+            Give t only to the launch that goes back; relaunch with 0.
         chunk_bytes: bytes of gradient per streamed message; 0 (default)
             lets the client choose from world_size (4 MiB for one or two
             ranks down to 256 KiB from 32 on: each costs every server about

@@ -65,6 +65,8 @@ struct JobOptions {
   // For servers with --checkpoint_dir, when they do not hold the job yet: 0
   // resumes from the newest complete checkpoint, if there is one; t > 0 from
   // the checkpoint of step t. CreateOrAttach returns the step resumed at.
+  // An older t starts a new run (newer checkpoints are moved aside): give it
+  // only to the launch that goes back, and 0 to later ones (README, "Restore").
   uint64_t restore_step = 0;
 };
 
