@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <optional>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
@@ -25,7 +26,7 @@ namespace fs = std::filesystem;
 std::string JobDirectoryName(const std::string& job) {
   std::string out;
   for (unsigned char c : job) {
-    if (std::isalnum(c) || c == '-' || c == '_' || c == '.') {
+    if (absl::ascii_isalnum(c) || c == '-' || c == '_' || c == '.') {  // not std::isalnum: the locale's
       out.push_back(static_cast<char>(c));
     } else {
       absl::StrAppendFormat(&out, "%%%02X", c);

@@ -1,6 +1,9 @@
 #include "shardopt/safetensors.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <utility>
@@ -40,7 +43,10 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   }
   std::string json = header.dump();
   json.append((8 - json.size() % 8) % 8, ' ');  // the format pads the header with spaces to 8 bytes
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  // Written beside the file and renamed over it: a failure (a full disk)
+  // leaves the file that was there, not half of a new one.
+  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
   const uint64_t n = json.size();
   char length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<char>(n >> (8 * i));
@@ -48,7 +54,10 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   out.write(json.data(), static_cast<std::streamsize>(json.size()));
   for (const SafetensorsTensor& t : tensors) out.write(t.data.data(), static_cast<std::streamsize>(t.data.size()));
   out.close();
-  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
+  if (!out || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    std::remove(tmp.c_str());
+    return absl::InternalError(absl::StrCat("cannot write ", path));
+  }
   return absl::OkStatus();
 }
 

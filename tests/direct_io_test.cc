@@ -4,6 +4,7 @@
 // holds the appender up, not its memory.
 #include "checkpoint/direct_io.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -188,6 +189,36 @@ TEST_F(DirectIoTest, AfterAFailedWriteNothingMoreIsWrittenAndCloseFails) {
   EXPECT_NE(closed.message().find("cannot write"), std::string::npos) << closed;
   // The first write fails; those queued behind it before it failed are dropped.
   EXPECT_EQ(writes.load(), 1);
+}
+
+// A file system that accepts O_DIRECT on the descriptor but refuses the
+// writes (EINVAL: it wants larger blocks) gets the same writes through the
+// page cache, and the file is whole: as reads do.
+TEST_F(DirectIoTest, WritesThatODirectRefusesGoThroughThePageCache) {
+  std::atomic<int> refused{0};
+  const std::string path = (dir_ / "refusing").string();
+  auto writer = SequentialWriter::Create(path, [&](int fd, const void* data, size_t n, off_t at) {
+    const int flags = fcntl(fd, F_GETFL);
+    if (flags >= 0 && (flags & O_DIRECT) != 0) {
+      ++refused;
+      errno = EINVAL;
+      return ssize_t{-1};
+    }
+    return pwrite(fd, data, n, at);
+  });
+  ASSERT_TRUE(writer.ok()) << writer.status();
+  std::string bytes(size_t{3} << 20 | 123, '\0');
+  std::mt19937_64 rng(7);
+  for (char& c : bytes) c = static_cast<char>(rng());
+  (*writer)->Append(bytes.data(), bytes.size());
+  ASSERT_TRUE((*writer)->Close().ok());
+  EXPECT_EQ(refused.load(), 1);  // once; the descriptor is buffered from then on
+  std::string back;
+  ASSERT_TRUE(ReadSequential(path, 0, bytes.size(), [&](const char* data, size_t n) {
+                back.append(data, n);
+                return absl::OkStatus();
+              }).ok());
+  EXPECT_TRUE(back == bytes);
 }
 
 }  // namespace

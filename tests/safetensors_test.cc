@@ -52,6 +52,23 @@ TEST_F(SafetensorsTest, ARoundTripKeepsEveryByte) {
   }
 }
 
+// A write that fails partway (here its temporary file cannot be made)
+// leaves the file that was there as it was, not a truncated new one.
+TEST_F(SafetensorsTest, AFailedWriteLeavesTheOldFileWhole) {
+  const std::vector<SafetensorsTensor> old = {{"a", "F32", {1}, std::string("\x01\x02\x03\x04", 4)}};
+  ASSERT_TRUE(WriteSafetensors(path_, old, {}).ok());
+  const std::string blocker = path_ + ".tmp." + std::to_string(getpid());
+  std::filesystem::create_directory(blocker);
+  const absl::Status st = WriteSafetensors(path_, {{"b", "F32", {2}, std::string(8, '\x05')}}, {});
+  std::filesystem::remove(blocker);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  auto read = ReadSafetensors(path_);
+  ASSERT_TRUE(read.ok()) << read.status();
+  ASSERT_EQ(read->size(), 1u);
+  EXPECT_EQ((*read)[0].name, "a");
+  EXPECT_EQ((*read)[0].data, old[0].data);
+}
+
 TEST_F(SafetensorsTest, ATensorNamedLikeTheMetadataIsRefused) {
   const absl::Status st = WriteSafetensors(path_, {{"__metadata__", "F32", {1}, std::string(4, '\0')}}, {});
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
