@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "shardopt/client.h"
 
 namespace py = pybind11;
@@ -358,7 +359,13 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("staging_bytes", &shardopt::ServerState::staging_bytes)
       .def_readonly("memory_limit_bytes", &shardopt::ServerState::memory_limit_bytes)
       .def_readonly("memory_used_bytes", &shardopt::ServerState::memory_used_bytes)
-      .def_readonly("uninitialized_tensors", &shardopt::ServerState::uninitialized_tensors);
+      .def_readonly("uninitialized_tensors", &shardopt::ServerState::uninitialized_tensors)
+      .def("__repr__", [](const shardopt::ServerState& s) {
+        return absl::StrCat("ServerState(address='", s.address, "', device='", s.device, "', step=", s.step,
+                            ", state_bytes=", s.state_bytes, ", staging_bytes=", s.staging_bytes,
+                            ", memory_limit_bytes=", s.memory_limit_bytes, ", memory_used_bytes=",
+                            s.memory_used_bytes, ", uninitialized_tensors=", s.uninitialized_tensors, ")");
+      });
 
   m.def(
       "decide",

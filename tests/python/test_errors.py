@@ -189,6 +189,15 @@ def test_misuses_torch_refuses_or_that_would_train_otherwise_are_refused(job):
         RemoteAdamW([p], servers=["127.0.0.1:1", "127.0.0.1:1"], job=job)
 
 
+def test_describe_shows_each_servers_fields(servers, job):
+    opt = RemoteAdamW(make_model().named_parameters(), servers=servers, job=job)
+    states = opt.describe()
+    assert [s.address for s in states] == list(servers)
+    for s in states:
+        assert repr(s).startswith(f"ServerState(address='{s.address}'") and f"state_bytes={s.state_bytes}" in repr(s)
+    opt.drop()
+
+
 def test_the_optimizer_cannot_be_pickled_or_copied(servers, job):
     """It holds connections: a copy would fail later, and torch.save(opt)
     would keep none of the state. state_dict() is what to save."""
