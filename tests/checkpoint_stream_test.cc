@@ -159,6 +159,17 @@ class StreamHoldsOffWritersTest : public CheckpointDirTest<0> {
     return commit;
   }
 
+  // Creates the job and checkpoints step 0 again, with `deadline`, while a
+  // first checkpoint of it streams (CheckpointWhile); `check` gets its answer.
+  void SecondCheckpointWhileTheFirstStreams(
+      absl::Time deadline, bool waits, const std::function<void(const absl::StatusOr<v1::CheckpointResponse>&)>& check) {
+    Create(request_);
+    v1::CheckpointRequest request;
+    request.set_job("j");
+    request.set_step(0);
+    CheckpointWhile(0, [&] { check(store_.Checkpoint(request, deadline)); }, waits);
+  }
+
   StreamProbe probe_;
   std::atomic<int> after_slices_{0};
   v1::CreateJobRequest request_ = JobRequest("j", 1, {{"w", kNumel}});
@@ -278,36 +289,20 @@ TEST_F(StreamHoldsOffWritersTest, ACompleteStepIsNotStreamedAgain) {
 // beside it (two writers of one part could leave a COMMIT listing the other's
 // file): until its own deadline, then DEADLINE_EXCEEDED naming the first...
 TEST_F(StreamHoldsOffWritersTest, ASecondCheckpointOfTheJobWaitsOnlyUntilItsDeadline) {
-  Create(request_);
-  v1::CheckpointRequest request;
-  request.set_job("j");
-  request.set_step(0);
-  CheckpointWhile(
-      0,
-      [&] {
-        auto late = store_.Checkpoint(request, absl::Now() + absl::Milliseconds(100));
-        EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
-        EXPECT_NE(late.status().message().find("still being written"), absl::string_view::npos) << late.status();
-      },
-      /*waits=*/false);
+  SecondCheckpointWhileTheFirstStreams(absl::Now() + absl::Milliseconds(100), /*waits=*/false, [](const auto& late) {
+    EXPECT_EQ(late.status().code(), absl::StatusCode::kDeadlineExceeded) << late.status();
+    EXPECT_NE(late.status().message().find("still being written"), absl::string_view::npos) << late.status();
+  });
 }
 
 // ... and with time enough, until the first is done: then it finds the step
 // complete and streams nothing (CheckpointWhile counts every slice).
 TEST_F(StreamHoldsOffWritersTest, ASecondCheckpointOfTheJobWaitsForTheFirstAndFindsItComplete) {
-  Create(request_);
-  v1::CheckpointRequest request;
-  request.set_job("j");
-  request.set_step(0);
-  CheckpointWhile(
-      0,
-      [&] {
-        auto again = store_.Checkpoint(request);
-        ASSERT_TRUE(again.ok()) << again.status();
-        EXPECT_TRUE(again->complete());
-        EXPECT_EQ(again->part_bytes(), 0u);
-      },
-      /*waits=*/true);
+  SecondCheckpointWhileTheFirstStreams(absl::InfiniteFuture(), /*waits=*/true, [](const auto& again) {
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_TRUE(again->complete());
+    EXPECT_EQ(again->part_bytes(), 0u);
+  });
 }
 
 // A job dropped while its checkpoint streams ends the checkpoint, NOT_FOUND,
