@@ -100,6 +100,12 @@ absl::StatusOr<PartHead> ReadPartHead(const std::string& path) {
   // the sizes add up without wrapping. A corrupt or crafted file is then
   // DATA_LOSS, never a read outside it.
   const v1::CreateJobRequest& spec = h.manifest.spec();
+  for (const v1::TensorSpec& t : spec.tensors()) {
+    if (t.group() >= static_cast<uint32_t>(spec.groups_size())) {
+      return absl::DataLossError(absl::StrCat(path, ": tensor '", t.name(), "' is in group ", t.group(), " of ",
+                                              spec.groups_size()));
+    }
+  }
   uint64_t data_bytes = 0;
   for (int s = 0; s < spec.shards_size(); ++s) {
     const v1::ShardRange& r = spec.shards(s);

@@ -35,7 +35,8 @@ class ManifestTest : public ::testing::Test {
   // says (DataBytes, which wraps as the manifest makes it), and returns the
   // status of reading its head back.
   absl::Status WriteAndReadBack(const std::string& name,
-                                const std::vector<std::tuple<std::string, uint64_t, uint64_t, v1::DType>>& sections) {
+                                const std::vector<std::tuple<std::string, uint64_t, uint64_t, v1::DType>>& sections,
+                                uint32_t group_of_a = 0) {
     v1::PartManifest m;
     v1::CreateJobRequest* spec = m.mutable_spec();
     spec->set_job(name);
@@ -46,6 +47,7 @@ class ManifestTest : public ::testing::Test {
       tensor->set_name(t);
       tensor->set_numel(10);
     }
+    spec->mutable_tensors(0)->set_group(group_of_a);
     for (const auto& [tensor, offset, length, dtype] : sections) {
       v1::ShardRange* r = spec->add_shards();
       r->set_tensor(tensor);
@@ -82,6 +84,14 @@ TEST_F(ManifestTest, ARangePastItsTensorIsDataLoss) {
 
 TEST_F(ManifestTest, AnUnknownTensorIsDataLoss) {
   EXPECT_EQ(WriteAndReadBack("unknown", {{"c", 0, 10, v1::FP32}}).code(), absl::StatusCode::kDataLoss);
+}
+
+// export reads a job's configuration from its manifest alone: a group
+// index past the groups is refused before anything looks it up.
+TEST_F(ManifestTest, ATensorInAGroupThatIsNotThereIsDataLoss) {
+  const absl::Status st = WriteAndReadBack("group", {{"a", 0, 10, v1::FP32}}, /*group_of_a=*/3);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDataLoss) << st;
+  EXPECT_NE(st.message().find("in group 3 of 1"), std::string::npos) << st;
 }
 
 TEST_F(ManifestTest, ASectionNeitherFp32NorBf16IsDataLoss) {
