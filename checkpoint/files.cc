@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "checkpoint/crc32c.h"
 #include "checkpoint/format.h"
@@ -56,14 +57,18 @@ absl::Status FsyncDirectory(const std::string& dir) {
   return absl::OkStatus();
 }
 
+std::string TemporaryName(const std::string& path) {
+  static std::atomic<uint64_t> counter{0};
+  return absl::StrCat(path, ".tmp.", getpid(), ".", absl::ToUnixNanos(absl::Now()), ".", counter++);
+}
+
 // Temp name, write, fsync, rename, fsync the directory: after a crash the
-// file is either whole or absent. The temporary name is unique per process
-// and call, so that concurrent writers of one file never share one.
+// file is either whole or absent. Concurrent writers of one file (servers
+// completing a step at once) never share a temporary name.
 absl::Status WriteFileAtomic(const std::string& dir, const std::string& name,
                              std::initializer_list<std::string_view> pieces) {
-  static std::atomic<uint64_t> counter{0};
   const std::string path = absl::StrCat(dir, "/", name);
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid(), ".", counter++);
+  const std::string tmp = TemporaryName(path);
   {
     Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
     if (fd.get() < 0) return absl::InternalError(ErrnoText("cannot create", tmp));

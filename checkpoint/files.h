@@ -25,6 +25,11 @@ uint64_t GetLE(const char* p, int bytes);
 std::string ErrnoText(const std::string& what, const std::string& path);
 
 absl::Status FsyncDirectory(const std::string& dir);
+// A temporary name beside `path` that no other writer picks: the process
+// id, the time in nanoseconds and a counter (a server in a pod is always
+// pid 1, and its counter starts at 0 again after a restart; two servers on
+// a shared directory may both be pid 1).
+std::string TemporaryName(const std::string& path);
 // Temp name, write, fsync, rename, fsync the directory: after a crash the
 // file is either whole or absent.
 absl::Status WriteFileAtomic(const std::string& dir, const std::string& name,

@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -98,12 +97,8 @@ absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& 
   RemoveOverlappingParts(w->result_.directory, w->name_, spec);
   // A temporary file of this part left by a writer that died (this server
   // writes one checkpoint of a job at a time) is of no use to anyone.
-  // The new one's name is unique across restarts too: in a pod the server is
-  // always pid 1, and its counter starts again at 0.
   RemoveTemporaries(w->result_.directory, w->name_);
-  static std::atomic<uint64_t> counter{0};
-  w->tmp_ = absl::StrCat(w->result_.directory, "/", w->name_, ".tmp.", getpid(), ".", absl::ToUnixNanos(absl::Now()),
-                         ".", counter++);
+  w->tmp_ = TemporaryName(absl::StrCat(w->result_.directory, "/", w->name_));
   SHARDOPT_ASSIGN_OR_RETURN(w->file_, SequentialWriter::Create(w->tmp_));
   const std::string frame = Frame(manifest);
   w->file_->Append(frame.data(), frame.size());

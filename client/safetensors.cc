@@ -1,8 +1,11 @@
 #include "shardopt/safetensors.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <filesystem>
 #include <cstdio>
 #include <fstream>
 #include <iterator>
@@ -43,9 +46,15 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   }
   std::string json = header.dump();
   json.append((8 - json.size() % 8) % 8, ' ');  // the format pads the header with spaces to 8 bytes
-  // Written beside the file and renamed over it: a failure (a full disk)
-  // leaves the file that was there, not half of a new one.
-  const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
+  // A regular file (or none yet) is written beside and renamed over, after
+  // an fsync: a failure (a full disk) leaves the file that was there, not
+  // half of a new one. Anything else (a symlink, a FIFO, /dev/stdout) is
+  // written in place, as it is.
+  std::error_code ec;
+  const auto kind = std::filesystem::symlink_status(path, ec).type();
+  const bool replace = kind == std::filesystem::file_type::not_found || kind == std::filesystem::file_type::regular;
+  static std::atomic<uint64_t> counter{0};
+  const std::string tmp = replace ? absl::StrCat(path, ".tmp.", getpid(), ".", counter++) : path;
   std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
   const uint64_t n = json.size();
   char length[8];
@@ -54,7 +63,11 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   out.write(json.data(), static_cast<std::streamsize>(json.size()));
   for (const SafetensorsTensor& t : tensors) out.write(t.data.data(), static_cast<std::streamsize>(t.data.size()));
   out.close();
-  if (!out || std::rename(tmp.c_str(), path.c_str()) != 0) {
+  if (!replace) return out ? absl::OkStatus() : absl::InternalError(absl::StrCat("cannot write ", path));
+  const int fd = out ? open(tmp.c_str(), O_RDONLY) : -1;
+  const bool synced = fd >= 0 && fsync(fd) == 0;
+  if (fd >= 0) close(fd);
+  if (!synced || std::rename(tmp.c_str(), path.c_str()) != 0) {
     std::remove(tmp.c_str());
     return absl::InternalError(absl::StrCat("cannot write ", path));
   }

@@ -57,10 +57,13 @@ TEST_F(SafetensorsTest, ARoundTripKeepsEveryByte) {
 TEST_F(SafetensorsTest, AFailedWriteLeavesTheOldFileWhole) {
   const std::vector<SafetensorsTensor> old = {{"a", "F32", {1}, std::string("\x01\x02\x03\x04", 4)}};
   ASSERT_TRUE(WriteSafetensors(path_, old, {}).ok());
-  const std::string blocker = path_ + ".tmp." + std::to_string(getpid());
-  std::filesystem::create_directory(blocker);
+  // Directories where the next writes' temporaries would go (the process's
+  // count of them is at most a few here).
+  std::vector<std::string> blockers;
+  for (int i = 0; i < 16; ++i) blockers.push_back(path_ + ".tmp." + std::to_string(getpid()) + "." + std::to_string(i));
+  for (const std::string& b : blockers) std::filesystem::create_directory(b);
   const absl::Status st = WriteSafetensors(path_, {{"b", "F32", {2}, std::string(8, '\x05')}}, {});
-  std::filesystem::remove(blocker);
+  for (const std::string& b : blockers) std::filesystem::remove(b);
   EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
   auto read = ReadSafetensors(path_);
   ASSERT_TRUE(read.ok()) << read.status();
