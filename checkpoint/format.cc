@@ -74,7 +74,8 @@ std::string StepDirectory(const std::string& root, const std::string& job, uint6
   return absl::StrFormat("%s/%s/step-%020u", root, JobDirectoryName(job), step);
 }
 
-absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& root, v1::PartManifest manifest) {
+absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& root, v1::PartManifest manifest,
+                                                             bool written) {
   const v1::CreateJobRequest& spec = manifest.spec();
   if (spec.shards_size() == 0 || manifest.shards_size() != spec.shards_size()) {
     return absl::InternalError("a checkpoint part needs shards and a section for each");
@@ -95,6 +96,11 @@ absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& 
   const v1::ShardRange& first = spec.shards(0);
   w->name_ = absl::StrCat("part-", TensorIndex(spec, first.tensor()), "-", first.offset(), ".bin");
   RemoveOverlappingParts(w->result_.directory, w->name_, spec);
+  if (written && fs::exists(absl::StrCat(w->result_.directory, "/", w->name_), ec)) {
+    w->kept_ = true;
+    w->manifest_ = std::move(manifest);
+    return w;
+  }
   // A temporary file of this part left by a writer that died (this server
   // writes one checkpoint of a job at a time) is of no use to anyone.
   RemoveTemporaries(w->result_.directory, w->name_);
@@ -122,6 +128,7 @@ void PartWriter::Append(const void* data, size_t n) {
 }
 
 absl::StatusOr<WriteResult> PartWriter::Finish() {
+  if (kept_) return CompleteIfTiled();
   if (!file_) return result_;
   // A failed write stopped the data short: the disk's error is the answer.
   if (file_->failed()) return file_->Close();
@@ -144,7 +151,10 @@ absl::StatusOr<WriteResult> PartWriter::Finish() {
     SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(dir));
   }
   result_.part_bytes = frame_bytes_ + data_bytes_ + trailer.size();
+  return CompleteIfTiled();
+}
 
+absl::StatusOr<WriteResult> PartWriter::CompleteIfTiled() {
   const v1::CreateJobRequest& spec = manifest_.spec();
   std::vector<PartHead> parts;
   std::error_code ec;
@@ -154,9 +164,9 @@ absl::StatusOr<WriteResult> PartWriter::Finish() {
     SHARDOPT_RETURN_IF_ERROR(SameJob(spec, head.manifest.spec(), head.path));
     parts.push_back(std::move(head));
   }
-  // This part is there (renamed above), unless the step's directory went.
+  // This part is there (renamed, or kept), unless the step's directory went.
   if (ec || parts.empty()) {
-    return absl::InternalError(absl::StrCat("cannot list ", result_.directory, " after writing ", name_,
+    return absl::InternalError(absl::StrCat("cannot list ", result_.directory, " with ", name_,
                                             ec ? ": " + ec.message() : ": the part is gone"));
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto tiles, Tiles(parts));

@@ -89,11 +89,17 @@ struct WriteResult {
 // configuration, naming the files.
 class PartWriter {
  public:
-  static absl::StatusOr<std::unique_ptr<PartWriter>> Open(const std::string& root, v1::PartManifest manifest);
+  // `written`: this very job (this run, this process) wrote its part of the
+  // manifest's step whole already. If that file is still there, it is kept,
+  // not written again (a round sealed since may have changed the manifest,
+  // and a peer may have listed the file as it is), and Finish only writes
+  // COMMIT if the parts now tile.
+  static absl::StatusOr<std::unique_ptr<PartWriter>> Open(const std::string& root, v1::PartManifest manifest,
+                                                          bool written = false);
   ~PartWriter();  // a part not finished leaves no file
   // False when there is no need to produce the data, which Append then
-  // drops: the step's checkpoint is complete already, or a write failed
-  // (Finish reports it).
+  // drops: the step's checkpoint is complete already, the part is kept, or
+  // a write failed (Finish reports it).
   bool wants_data() const { return file_ != nullptr && !file_->failed(); }
   // The data, in the layout's order (SectionOffsets).
   void Append(const void* data, size_t n);
@@ -101,7 +107,10 @@ class PartWriter {
 
  private:
   PartWriter() = default;
+  // Writes COMMIT if the step's parts, this one among them, tile every tensor.
+  absl::StatusOr<WriteResult> CompleteIfTiled();
   std::string root_, name_, tmp_;
+  bool kept_ = false;  // the part is there already: nothing is written
   v1::PartManifest manifest_;
   WriteResult result_;
   std::unique_ptr<SequentialWriter> file_;  // null once the step is complete already

@@ -71,6 +71,7 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
                                                                  const std::function<void()>& after_slice) {
   v1::PartManifest m;
   std::vector<v1::DType> dtypes;
+  bool written = false;
   {
     absl::MutexLock lock(&job.mu);
     if (!job.AwaitWholeStep(deadline)) {
@@ -105,6 +106,7 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
                                                                                                   : v1::FP32);
       dtypes.push_back(section->dtype());
     }
+    written = job.part_written == job.step;
     ++job.snapshots;
   }
   // From here until the state has streamed out, nothing writes it; the
@@ -118,7 +120,7 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
     job.Notify();
   };
   SHARDOPT_RETURN_IF_ERROR(began());
-  SHARDOPT_ASSIGN_OR_RETURN(writer, checkpoint::PartWriter::Open(root, std::move(m)));
+  SHARDOPT_ASSIGN_OR_RETURN(writer, checkpoint::PartWriter::Open(root, std::move(m), written));
   if (writer->wants_data()) SHARDOPT_RETURN_IF_ERROR(StreamState(job, dtypes, *writer, after_slice));
   return writer;
 }

@@ -21,7 +21,8 @@ namespace shardopt {
 // step's apply and Init wait (Job::StateWritable). The job's lock is taken
 // only to check the job and for each slice, so pushes go on meanwhile, and
 // the writer holds a few buffers, not a copy of the state. Nothing streams
-// if the step's checkpoint is complete already. FAILED_PRECONDITION (and no
+// if the step's checkpoint is complete already, or if this job wrote its
+// part of the step already (Job::part_written: the file is kept). FAILED_PRECONDITION (and no
 // `began`) if the job is not at `step` or lacks initial values; NOT_FOUND
 // if it is dropped while streaming (the part, not finished, leaves no file).
 // `after_slice`, if set, runs after each slice, without the lock.

@@ -228,6 +228,10 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
     return finished.status();
   }
   const checkpoint::WriteResult& written = *finished;
+  {
+    absl::MutexLock lock(&job.mu);
+    job.part_written = request.step();
+  }
   metrics::Registry::Default().Observe("shardopt_checkpoint_seconds", {{"direction", "write"}}, seconds);
   metrics::Registry::Default().Increment("shardopt_checkpoint_bytes_total", {{"direction", "write"}},
                                          static_cast<double>(written.part_bytes));

@@ -14,6 +14,7 @@
 #include <map>
 #include <mutex>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <thread>
 #include <tuple>
@@ -876,6 +877,90 @@ TEST_F(CheckpointAllTest, AFailedWriteAnswersWithTheDisksErrorAndLeavesNoPart) {
 // length. Arrays longer than a piece, of odd element counts, after frames
 // of different lengths (the job's name), all restore bitwise (master, m, v
 // and the params derived from the master).
+// A checkpoint asked for again, once this server wrote its part of the step
+// but before a slow peer completed it, keeps that part as it is: a round
+// sealed since changes the manifest (its size too), and the peer may
+// already have listed the file, to name it with its size in COMMIT.
+TEST_F(CheckpointAllTest, ACheckpointAskedForAgainKeepsThePartThisServerWrote) {
+  constexpr uint64_t kN = 4000, kHalf = kN / 2;
+  auto placement = [&](uint64_t offset) {
+    v1::CreateJobRequest r = JobRequest("two", 1, {{"w", kN}});
+    v1::ShardRange* shard = r.add_shards();
+    shard->set_tensor("w");
+    shard->set_offset(offset);
+    shard->set_length(kHalf);
+    return r;
+  };
+  auto init = [&](JobStore& store, uint64_t offset) {
+    ASSERT_TRUE(store.CreateJob(placement(offset)).ok());
+    const std::vector<float> values = RandomFloats(rng_, kHalf, -1, 1);
+    v1::InitChunk c;
+    c.set_job("two");
+    c.set_tensor("w");
+    c.set_offset(offset);
+    c.set_dtype(v1::FP32);
+    c.set_data(values.data(), kHalf * 4);
+    ASSERT_EQ(store.Init(c).value_or(0), kHalf);
+  };
+  auto backend = MakeCpuBackend({});
+  JobStore peer(backend.get(), Options0(dir_));
+  init(store_, 0);
+  init(peer, kHalf);
+  v1::CheckpointRequest request;
+  request.set_job("two");
+  request.set_step(0);
+  auto first = store_.Checkpoint(request);
+  ASSERT_TRUE(first.ok()) << first.status();
+  ASSERT_FALSE(first->complete());
+  ASSERT_GT(first->part_bytes(), 0u);
+  const std::string part = checkpoint::StepDirectory(dir_, "two", 0) + "/part-0-0.bin";
+  auto read = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  const std::string bytes = read(part);
+  // Step 1's round seals here: this server's manifest of step 0 now differs.
+  auto session = StartPush("two", 1, 0);
+  ASSERT_TRUE(session.ok());
+  const auto g = RandomBf16(rng_, kHalf, 1.0f);
+  ASSERT_TRUE((*session)->Add(Chunk("w", 0, g.data(), kHalf)).ok());
+  ASSERT_TRUE((*session)->Finish().ok());
+  auto again = store_.Checkpoint(request);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->part_bytes(), 0u);
+  EXPECT_FALSE(again->complete());
+  EXPECT_TRUE(read(part) == bytes) << "the part was written again";
+  // The placement's state, every kind, read from where its shard starts.
+  auto state = [](const JobStore& store, uint64_t offset) {
+    std::string out;
+    for (v1::StateKind kind : {v1::MASTER, v1::EXP_AVG, v1::EXP_AVG_SQ, v1::PARAM_BF16}) {
+      v1::ReadRequest r;
+      r.set_job("two");
+      r.set_tensor("w");
+      r.set_offset(offset);
+      r.set_kind(kind);
+      EXPECT_TRUE(store.Read(r, [&](const v1::StateChunk& c) {
+                    out += c.data();
+                    return true;
+                  }).ok());
+    }
+    return out;
+  };
+  // The peer's part completes the step; both placements restore it.
+  const std::string before = state(store_, 0), peer_before = state(peer, kHalf);
+  auto last = peer.Checkpoint(request);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_TRUE(last->complete());
+  for (const auto& [offset, snapshot] : {std::pair{uint64_t{0}, &before}, std::pair{kHalf, &peer_before}}) {
+    JobStore fresh(backend.get(), Options0(dir_));
+    auto restored = fresh.CreateJob(placement(offset));
+    ASSERT_TRUE(restored.ok()) << restored.status();
+    ASSERT_TRUE(restored->restored());
+    EXPECT_EQ(restored->step(), 0u);
+    EXPECT_TRUE(state(fresh, offset) == *snapshot) << "placement at " << offset;
+  }
+}
+
 TEST_F(CheckpointKeepTest, StreamedRestoreIsBitwiseWhereverThePiecesEnd) {
   for (const std::string name : {"big", "big123"}) {
     v1::CreateJobRequest r = JobRequest(name, 1, {{"a", 2500001}});
