@@ -310,6 +310,8 @@ class RemoteAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_params()
+        for gi, g in enumerate(self.param_groups):  # the lr a scheduler set, before it is sent
+            _check_hyper(g, f"group {gi}: ")
         if self.overlap:
             decision = self._commit_push()
         else:
@@ -554,7 +556,6 @@ class RemoteAdamW(torch.optim.Optimizer):
                     raise ParamsChanged(f"param {t.name!r} is now {p.dtype} {tuple(p.shape)} on {p.device}; its job "
                                         f"has {t.dtype} {tuple(t.shape)} on {t.device}")
                 k += 1
-            _check_hyper(g, f"group {gi}: ")
             if self._group_hyper(g) != self._hyper[gi]:
                 raise InvalidArgument(f"group {gi}'s (beta1, beta2, eps, weight_decay) changed to "
                                       f"{self._group_hyper(g)}; the servers hold {self._hyper[gi]}, fixed at creation "
