@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -21,6 +22,7 @@
 #include "client/wire.h"
 #include "rpc/chunk_size.h"
 #include "rpc/grpc_edge.h"
+#include "rpc/initial_values.h"
 #include "rpc/job_limits.h"
 #include "shardopt/safetensors.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
@@ -84,7 +86,7 @@ struct Client::Impl {
   absl::StatusOr<const TensorOptions*> FindTensor(const std::string& name) const {
     auto it = tensor_index.find(name);
     if (it == tensor_index.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("job '", job.name, "' has no tensor '", name, "'"));
+      return absl::NotFoundError(absl::StrCat("job '", job.name, "' has no tensor '", name, "'"));
     }
     return &job.tensors[it->second];
   }
@@ -119,24 +121,53 @@ struct Client::Impl {
     return responses;
   }
 
-  absl::Status InitTensor(const std::string& tensor, const void* values, v1::DType dtype,
-                          v1::StateKind kind = v1::MASTER, uint64_t adam_step = 0, InitShare share = {}) {
+  // This caller's slice of a server's part of a tensor: every server gets
+  // its bytes from every caller at once, and the slices tile the part.
+  static ShardPlacement ShareOf(const ShardPlacement& placed, InitShare share) {
+    ShardPlacement p = placed;
+    p.offset = placed.offset + placed.length * share.index / share.count;
+    p.length = placed.offset + placed.length * (share.index + 1) / share.count - p.offset;
+    return p;
+  }
+
+  // What InitTensor would send of `values`, checked as the servers check it,
+  // before anything is sent: a call the servers refuse partway would leave
+  // the chunks before the refused one written.
+  absl::Status CheckInit(const std::string& tensor, const void* values, v1::DType dtype, v1::StateKind kind,
+                         InitShare share) const {
     SHARDOPT_RETURN_IF_ERROR(CheckAttached());
-    SHARDOPT_RETURN_IF_ERROR(FindTensor(tensor).status());
+    SHARDOPT_ASSIGN_OR_RETURN(const TensorOptions* t, FindTensor(tensor));
     if (share.count == 0 || share.index >= share.count) {
       return absl::InvalidArgumentError(absl::StrCat("init share ", share.index, " of ", share.count,
                                                      " is out of range: 0 <= index < count"));
     }
+    if (values == nullptr) return absl::InvalidArgumentError(absl::StrCat("no values given for tensor '", tensor, "'"));
+    const bool bf16_state = job.groups[t->group].precision == StatePrecision::kBf16;
+    const InitialKind initial = kind == v1::EXP_AVG       ? InitialKind::kExpAvg
+                                : kind == v1::EXP_AVG_SQ ? InitialKind::kExpAvgSq
+                                                         : InitialKind::kMaster;
+    const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
+    for (uint32_t s = 0; s < servers(); ++s) {
+      for (const ShardPlacement& placed : shards_of[s]) {
+        if (placed.tensor != tensor) continue;
+        const ShardPlacement p = ShareOf(placed, share);
+        SHARDOPT_RETURN_IF_ERROR(CheckInitialValues(static_cast<const char*>(values) + p.offset * esize, p.length,
+                                                    dtype == v1::FP32, bf16_state, initial,
+                                                    absl::StrCat("'", tensor, "'"), p.offset));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Sends what CheckInit checked.
+  absl::Status InitTensor(const std::string& tensor, const void* values, v1::DType dtype,
+                          v1::StateKind kind = v1::MASTER, uint64_t adam_step = 0, InitShare share = {}) {
     const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
     const uint64_t per_chunk = std::max<uint64_t>(1, chunk_bytes / esize);
     return ForEachServer([&](uint32_t s) -> absl::Status {
       for (const ShardPlacement& placed : shards_of[s]) {
         if (placed.tensor != tensor) continue;
-        // This caller's slice of the server's part: every server gets its
-        // bytes from every caller at once, and the slices tile the part.
-        ShardPlacement p = placed;
-        p.offset = placed.offset + placed.length * share.index / share.count;
-        p.length = placed.offset + placed.length * (share.index + 1) / share.count - p.offset;
+        const ShardPlacement p = ShareOf(placed, share);
         if (p.length == 0) return absl::OkStatus();
         return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
           v1::InitResponse resp;
@@ -167,6 +198,16 @@ Client::~Client() = default;
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (options.servers.empty()) return absl::InvalidArgumentError("no servers given");
+  // Each server holds its own share of a job: one listed twice would be
+  // asked for two shares under one name.
+  for (size_t i = 0; i < options.servers.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (options.servers[i] == options.servers[j]) {
+        return absl::InvalidArgumentError(absl::StrCat("server ", options.servers[i], " is listed twice (", j, " and ",
+                                                       i, "); each server holds its own share of a job"));
+      }
+    }
+  }
   if (options.tune_allocator) TuneAllocatorForStreaming();
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -193,7 +234,26 @@ uint64_t Client::chunk_bytes() const { return impl_->chunk_bytes; }
 
 absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   Impl& im = *impl_;
-  if (job.world_size == 0 || im.options.rank >= job.world_size) {
+  im.attached = false;  // until this job is: a failed attach leaves no half of it
+  if (job.name.empty()) return absl::InvalidArgumentError("a job needs a name");
+  if (job.tensors.empty()) return absl::InvalidArgumentError(absl::StrCat("job '", job.name, "' has no tensors"));
+  if (job.world_size == 0) return absl::InvalidArgumentError("world_size must be at least 1");
+  for (const GroupOptions& g : job.groups) {
+    if (g.precision != StatePrecision::kFp32 && g.precision != StatePrecision::kBf16) {
+      return absl::InvalidArgumentError(absl::StrCat("group '", g.name, "' has no such state precision (",
+                                                     static_cast<int>(g.precision), ")"));
+    }
+  }
+  if (job.grad_type != GradType::kBf16 && job.grad_type != GradType::kFp32) {
+    return absl::InvalidArgumentError(absl::StrCat("no such grad_type (", static_cast<int>(job.grad_type), ")"));
+  }
+  for (const TensorOptions& t : job.tensors) {
+    if (t.param_type != ParamType::kBf16 && t.param_type != ParamType::kFp32) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has no such param_type (",
+                                                     static_cast<int>(t.param_type), ")"));
+    }
+  }
+  if (im.options.rank >= job.world_size) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", im.options.rank, " is out of range for world_size ", job.world_size));
   }
   // Checked here as the servers check it, before the placement's arithmetic.
@@ -203,7 +263,6 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
                                                      "; it must be in [1, 2^40]"));
     }
   }
-  im.attached = false;  // until this job is: a failed attach leaves no half of it
   im.job = job;
   im.tensor_index.clear();
   for (uint32_t i = 0; i < job.tensors.size(); ++i) im.tensor_index[job.tensors[i].name] = i;
@@ -257,9 +316,11 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
 }
 
 absl::Status Client::InitFp32(const std::string& tensor, const float* values, InitShare share) {
+  SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, values, v1::FP32, v1::MASTER, share));
   return impl_->InitTensor(tensor, values, v1::FP32, v1::MASTER, 0, share);
 }
 absl::Status Client::InitBf16(const std::string& tensor, const uint16_t* values, InitShare share) {
+  SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, values, v1::BF16, v1::MASTER, share));
   return impl_->InitTensor(tensor, values, v1::BF16, v1::MASTER, 0, share);
 }
 
@@ -309,6 +370,8 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
 
 absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
                                    uint64_t adam_step, InitShare share) {
+  SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, exp_avg, v1::FP32, v1::EXP_AVG, share));
+  SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, exp_avg_sq, v1::FP32, v1::EXP_AVG_SQ, share));
   SHARDOPT_RETURN_IF_ERROR(impl_->InitTensor(tensor, exp_avg, v1::FP32, v1::EXP_AVG, adam_step, share));
   return impl_->InitTensor(tensor, exp_avg_sq, v1::FP32, v1::EXP_AVG_SQ, adam_step, share);
 }
@@ -330,6 +393,10 @@ absl::Status Client::InitFromSafetensors(const std::string& path) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", t.name, "' has ", f.data.size(),
                                                      " bytes of ", f.dtype, "; the job's has ", t.numel, " elements"));
     }
+  }
+  for (const TensorOptions& t : im.job.tensors) {
+    const SafetensorsTensor& f = *by_name[t.name];
+    SHARDOPT_RETURN_IF_ERROR(im.CheckInit(t.name, f.data.data(), f.dtype == "F32" ? v1::FP32 : v1::BF16, v1::MASTER, {}));
   }
   for (const TensorOptions& t : im.job.tensors) {
     const SafetensorsTensor& f = *by_name[t.name];
@@ -448,6 +515,16 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
 
 absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const StepOptions& options,
                                         absl::Span<const ParamView> params) {
+  // Checked before the push: refused after it, by the servers at the
+  // commit, the step could never go through (and a negative loss scale
+  // would move the params the wrong way).
+  if (!(options.loss_scale > 0) || !std::isfinite(options.loss_scale)) {
+    return absl::InvalidArgumentError(absl::StrCat("loss_scale must be finite and > 0, got ", options.loss_scale));
+  }
+  if (!(options.max_grad_norm >= 0) || !std::isfinite(options.max_grad_norm)) {
+    return absl::InvalidArgumentError(absl::StrCat("max_grad_norm must be finite and >= 0 (0: no clipping), got ",
+                                                   options.max_grad_norm));
+  }
   const uint64_t t = impl_->step + 1;
   SHARDOPT_ASSIGN_OR_RETURN(auto push, Push(t, grads));
   StepResult result;
@@ -465,6 +542,7 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   SHARDOPT_ASSIGN_OR_RETURN(auto t, im.FindTensor(tensor));
+  if (out == nullptr && count > 0) return absl::InvalidArgumentError("Read needs a buffer to read into");
   if (offset > (t)->numel || count > (t)->numel - offset) {
     return absl::OutOfRangeError(absl::StrCat("range past tensor '", tensor, "''s ", (t)->numel, " elements"));
   }

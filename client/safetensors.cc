@@ -75,6 +75,10 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
 }
 
 absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is a directory, not a safetensors file"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

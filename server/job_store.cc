@@ -11,6 +11,7 @@
 #include "base/status_macros.h"
 #include "checkpoint/direct_io.h"
 #include "checkpoint/format.h"
+#include "rpc/initial_values.h"
 #include "server/commit_stream.h"
 #include "server/job_snapshot.h"
 #include "server/job_spec.h"
@@ -390,25 +391,11 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
   if (auto t = job.tensor_index.find(chunk.tensor()); t != job.tensor_index.end()) {
     bf16_state = job.spec.groups(job.spec.tensors(t->second).group()).precision() == v1::PRECISION_BF16;
   }
-  for (uint64_t i = 0; i < count; ++i) {
-    float x;
-    if (dtype == DType::kFp32) {
-      std::memcpy(&x, chunk.data().data() + 4 * i, 4);
-      if (bf16_state) x = math::bf16_to_float(math::float_to_bf16(x));
-    } else {
-      uint16_t h;
-      std::memcpy(&h, chunk.data().data() + 2 * i, 2);
-      x = math::bf16_to_float(h);
-    }
-    if (!std::isfinite(x)) {
-      return absl::InvalidArgumentError(absl::StrCat("initial ", StateKindName(kind), " of tensor ", Quote(chunk.tensor()),
-                                                     " element ", chunk.offset() + i, " is not finite"));
-    }
-    if (kind == StateKind::kExpAvgSq && x < 0) {  // its square root is taken
-      return absl::InvalidArgumentError(absl::StrCat("initial exp_avg_sq of tensor ", Quote(chunk.tensor()), " element ",
-                                                     chunk.offset() + i, " is negative"));
-    }
-  }
+  const InitialKind initial = kind == StateKind::kExpAvg     ? InitialKind::kExpAvg
+                              : kind == StateKind::kExpAvgSq ? InitialKind::kExpAvgSq
+                                                             : InitialKind::kMaster;
+  SHARDOPT_RETURN_IF_ERROR(CheckInitialValues(chunk.data().data(), count, dtype == DType::kFp32, bf16_state, initial,
+                                              Quote(chunk.tensor()), chunk.offset()));
   absl::MutexLock lock(&job.mu);
   if (!job.StateWritable(wake)) return std::nullopt;  // a checkpoint streaming step 0 keeps the values it began with
   SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());

@@ -181,5 +181,52 @@ TEST(ClientChecksTest, AFailedAttachLeavesTheClientAttachedToNothing) {
   EXPECT_NE(pushed.status().message().find("CreateOrAttach first"), std::string::npos) << pushed.status();
 }
 
+// A job the client itself refuses (no name, no tensors, a world_size of 0,
+// an enum value that names nothing) is refused before any server is asked,
+// and detaches the client from the job it had, as a server's refusal does.
+TEST(ClientChecksTest, AJobTheClientRefusesIsRefusedBeforeAnyServerIsAskedAndDetaches) {
+  Cluster cluster({{}}, 100);
+  ASSERT_TRUE(cluster.attached().ok()) << cluster.attached();
+  auto valid = [] {
+    JobOptions job;
+    job.name = "other";
+    job.groups = {{"g", 0.9, 0.95, 1e-8f, 0.0}};
+    job.tensors = {{"v", 5000, 0}};
+    return job;
+  };
+  std::vector<JobOptions> refused(6, valid());
+  refused[0].name.clear();
+  refused[1].tensors.clear();
+  refused[2].world_size = 0;
+  refused[3].groups[0].precision = static_cast<StatePrecision>(9);
+  refused[4].grad_type = static_cast<GradType>(5);
+  refused[5].tensors[0].param_type = static_cast<ParamType>(7);
+  for (size_t i = 0; i < refused.size(); ++i) {
+    const auto attached = cluster.client().CreateOrAttach(refused[i]);
+    EXPECT_EQ(attached.status().code(), absl::StatusCode::kInvalidArgument) << i << ": " << attached.status();
+    std::vector<uint16_t> g(100, 0x3f80);
+    const auto pushed = cluster.client().Push(1, {{"w", g.data()}});
+    EXPECT_EQ(pushed.status().code(), absl::StatusCode::kFailedPrecondition) << i << ": " << pushed.status();
+  }
+}
+
+// As the servers answer it, and the README's table says.
+TEST(ClientChecksTest, AnUnknownTensorIsNotFound) {
+  Cluster cluster({{}}, 100);
+  ASSERT_TRUE(cluster.attached().ok()) << cluster.attached();
+  std::vector<float> out(10);
+  const absl::Status read = cluster.client().Read("zzz", StateToRead::kMaster, 0, 10, out.data());
+  EXPECT_EQ(read.code(), absl::StatusCode::kNotFound) << read;
+  std::vector<uint16_t> g(100, 0x3f80);
+  EXPECT_EQ(cluster.client().InitBf16("zzz", g.data()).code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ClientChecksTest, AServerListedTwiceIsRefusedAtConnect) {
+  ClientOptions options;
+  options.servers = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:1"};
+  const auto client = Client::Connect(options);
+  EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << client.status();
+}
+
 }  // namespace
 }  // namespace shardopt

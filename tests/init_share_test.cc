@@ -140,5 +140,32 @@ TEST_F(InitShareTest, AShareOutOfRangeIsInvalidArgumentAndWritesNothing) {
   EXPECT_EQ(ReadMaster("c", c_.size()), c_);
 }
 
+// Values the servers refuse (a NaN in the last element, a negative
+// exp_avg_sq) are refused by the client before any chunk is sent. The
+// servers check each chunk they get: what went before the refused one (the
+// other server's part of "a", the exp_avg sent before the exp_avg_sq, the
+// Adam step with it) was written.
+TEST_F(InitShareTest, ValuesTheServersRefuseAreRefusedBeforeAnythingIsSent) {
+  const std::vector<float> a_before = ReadMaster("a", a_.size());
+  std::vector<float> bad = a_;
+  bad.back() = std::nanf("");
+  auto st = clients_[0]->InitFp32("a", bad.data());
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("element 10006 is not finite"));
+  EXPECT_EQ(ReadMaster("a", a_.size()), a_before);
+  const std::vector<float> m(a_.size(), 0.5f);
+  std::vector<float> v(a_.size(), 0.25f);
+  v.back() = -1;
+  st = clients_[0]->InitAdamState("a", m.data(), v.data(), 3);
+  EXPECT_TRUE(absl::IsInvalidArgument(st)) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("is negative"));
+  const auto steps = clients_[0]->AdamSteps();
+  ASSERT_TRUE(steps.ok()) << steps.status();
+  EXPECT_EQ((*steps)[0], 0u);
+  std::vector<float> exp_avg(a_.size(), 1.0f);
+  ASSERT_TRUE(clients_[0]->Read("a", StateToRead::kExpAvg, 0, exp_avg.size(), exp_avg.data()).ok());
+  EXPECT_EQ(exp_avg, std::vector<float>(a_.size(), 0.0f));
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -72,6 +72,11 @@ TEST_F(SafetensorsTest, AFailedWriteLeavesTheOldFileWhole) {
   EXPECT_EQ((*read)[0].data, old[0].data);
 }
 
+TEST_F(SafetensorsTest, ADirectoryIsRefusedNotThrown) {
+  const auto read = ReadSafetensors(std::filesystem::temp_directory_path().string());
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument) << read.status();
+}
+
 TEST_F(SafetensorsTest, ATensorNamedLikeTheMetadataIsRefused) {
   const absl::Status st = WriteSafetensors(path_, {{"__metadata__", "F32", {1}, std::string(4, '\0')}}, {});
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;

@@ -72,7 +72,8 @@ struct JobOptions {
 
 struct ClientOptions {
   // host:port of every server, in a fixed order that all ranks share; see
-  // ExpandServerPattern for a StatefulSet's.
+  // ExpandServerPattern for a StatefulSet's. Each once: Connect refuses a
+  // server listed twice (INVALID_ARGUMENT).
   std::vector<std::string> servers;
   uint32_t rank = 0;
   // Indices into `servers` that Push and Commit go to; empty means all. A
@@ -222,10 +223,16 @@ class Client {
   Client& operator=(const Client&) = delete;
 
   // Creates the job on every server, or attaches to it; returns its step.
+  // A job without a name or tensors, a world_size of 0 or an enum value
+  // that names nothing is INVALID_ARGUMENT before any server is asked. Any
+  // failure leaves the client attached to no job.
   absl::StatusOr<uint64_t> CreateOrAttach(const JobOptions& job);
   // Initial values of a whole tensor, before step 1. fp32 is kept exactly.
   // `values` is always the whole tensor; with a share, only this caller's
-  // slices of it are sent, and the other callers send the rest.
+  // slices of it are sent, and the other callers send the rest. What is to
+  // be sent is checked as the servers check it (finite as the group holds
+  // it) before any of it is: INVALID_ARGUMENT, naming the first bad element,
+  // and nothing written.
   absl::Status InitFp32(const std::string& tensor, const float* values, InitShare share = {});
   absl::Status InitBf16(const std::string& tensor, const uint16_t* values, InitShare share = {});
   // Waits until every server holding part of the job has initial values for
@@ -239,11 +246,14 @@ class Client {
   // share, only this caller's slices are sent, as for InitFp32. Nothing
   // counts the moments' shares: step 1 waits for every rank's push, so for
   // every rank's Init calls, but a read before then may find some missing.
+  // Both arrays are checked before either is sent (finite; exp_avg_sq not
+  // negative): INVALID_ARGUMENT and nothing written.
   absl::Status InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
                              uint64_t adam_step, InitShare share = {});
   // Initial values of every tensor of the job from a safetensors file (F32
   // kept exactly, or BF16), matched by name; entries the job lacks are
-  // ignored. Checks the whole file against the job before sending anything.
+  // ignored. Checks the whole file against the job (names, sizes, dtypes
+  // and values) before sending anything.
   absl::Status InitFromSafetensors(const std::string& path);
 
   // One whole step: push, decide, commit. If it fails, call it again with the
