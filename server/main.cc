@@ -2,10 +2,12 @@
 #include <arpa/inet.h>
 #include <semaphore.h>
 #include <time.h>
+#include <unistd.h>
 
 #include <csignal>
 #include <cstdlib>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -17,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "grpc/support/log.h"
 #include "grpcpp/grpcpp.h"
 #include "kernels/gpu.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -62,9 +65,10 @@ ABSL_FLAG(int, health_port, 0,
           "also serve grpc.health.v1 alone, in plaintext, on this port (for probes that cannot speak TLS); 0: none");
 ABSL_FLAG(int, metrics_port, 0, "serve Prometheus metrics at http://HOST:PORT/metrics on this port; 0: none");
 ABSL_FLAG(std::string, log_format, "text", "text (timestamp level event key=value ...) or json (one object per line)");
-ABSL_FLAG(uint32_t, max_streams, 4096, "Push, Init, Commit and Read streams open at once; more are RESOURCE_EXHAUSTED");
+ABSL_FLAG(uint32_t, max_streams, 4096,
+          "Push, Init, Commit and Read streams open at once; more are RESOURCE_EXHAUSTED; 0: no limit");
 ABSL_FLAG(uint32_t, max_streams_per_client, 1024,
-          "streams open at once per client (its token's name, or its address without --tokens_file)");
+          "streams open at once per client (its token's name, or its address without --tokens_file); 0: no limit");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of this server; with --tls_key, serve TLS only");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -117,6 +121,30 @@ bool IsLoopback(const std::string& host) {
 }
 
 // A PEM file's text; exits 1 naming the file if it cannot be read.
+// gRPC's own log lines (a failed TLS handshake, a port it cannot bind) as
+// the server's: with --log_format=json every line of stderr is then JSON.
+void LogFromGrpc(gpr_log_func_args* args) {
+  const shardopt::log::Level level = args->severity == GPR_LOG_SEVERITY_ERROR   ? shardopt::log::Level::kError
+                                     : args->severity == GPR_LOG_SEVERITY_INFO ? shardopt::log::Level::kInfo
+                                                                                : shardopt::log::Level::kWarning;
+  shardopt::log::Write(level, "grpc", {{"source", absl::StrCat(args->file, ":", args->line)},
+                                       {"message", args->message}});
+}
+
+// A --checkpoint_dir the server cannot write fails the start (exit 1): found
+// only at the drain, it would cost every job its checkpoint, and the pod
+// its state.
+absl::Status CheckWritable(const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  const std::string probe = absl::StrCat(dir, "/.shardopt-write-probe-", getpid());
+  std::ofstream(probe) << "probe";
+  const bool written = std::filesystem::exists(probe, ec);
+  std::filesystem::remove(probe, ec);
+  return written ? absl::OkStatus()
+                 : absl::FailedPreconditionError(absl::StrCat("--checkpoint_dir=", dir, " is not a writable directory"));
+}
+
 std::string ReadPem(const std::string& flag, const std::string& path) {
   if (path.empty()) return "";
   std::ifstream in(path);
@@ -190,6 +218,7 @@ int main(int argc, char** argv) {
   }
   namespace log = shardopt::log;
   log::Init(absl::GetFlag(FLAGS_log_format) == "json" ? log::Format::kJson : log::Format::kText);
+  gpr_set_log_function(LogFromGrpc);
 
   auto backend = shardopt::MakeBackend(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_threads),
                                        absl::GetFlag(FLAGS_auto_requires_gpu));
@@ -211,6 +240,12 @@ int main(int argc, char** argv) {
   store_options.memory_limit = *memory_limit;
   store_options.max_name_bytes = absl::GetFlag(FLAGS_max_name_bytes);
   store_options.max_message_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_message_bytes));
+  if (!store_options.checkpoint_dir.empty()) {
+    if (const absl::Status writable = CheckWritable(store_options.checkpoint_dir); !writable.ok()) {
+      log::Error("start_failed", {{"error", std::string(writable.message())}});
+      return 1;
+    }
+  }
   shardopt::JobStore store(backend->get(), store_options);
   std::unique_ptr<shardopt::Authenticator> auth;
   if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {
@@ -244,6 +279,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   const std::string device = (*backend)->Describe();
+  // The checkpoint counters from 0, so that an alert on their increase (no
+  // checkpoint in two hours) sees a series on a server that has written none.
+  for (const char* direction : {"write", "restore"}) {
+    shardopt::metrics::Registry::Default().Increment("shardopt_checkpoint_bytes_total", {{"direction", direction}}, 0);
+  }
   shardopt::metrics::Registry::Default().SetGauges([&store, &running, &backend, device] {
     std::vector<shardopt::metrics::Gauge> g;
     g.push_back({"shardopt_build_info", {{"version", shardopt::Version()}, {"device", device}}, 1});
@@ -333,6 +373,8 @@ int main(int argc, char** argv) {
     }
   }
   log::Info("stopping", {{"signal", "SIGTERM or SIGINT"}});
+  // Not ready while it drains: probes and load balancers stop sending.
+  (*running)->SetServing(false);
   // A Kubernetes preStop: finish the commits in flight, refuse new ones, write
   // each job's part at its step. With several servers the checkpoint becomes
   // complete only if every server of the job writes the same step (all of

@@ -385,6 +385,14 @@ TEST(LimitsTest, APortFileThatCannotBeWrittenStopsTheServer) {
   EXPECT_THAT(log, HasSubstr("cannot write --port_file=/nonexistent-shardopt-dir/port"));
 }
 
+// A --checkpoint_dir the server cannot write stops it at the start (exit
+// 1, naming it), not at the drain, where every job would lose its state.
+TEST(LimitsTest, ACheckpointDirThatCannotBeWrittenStopsTheServer) {
+  std::string log;
+  EXPECT_EQ(testing::ServerExitCode({"--checkpoint_dir=/proc/shardopt-cannot-be-here"}, &log), 1);
+  EXPECT_THAT(log, HasSubstr("--checkpoint_dir=/proc/shardopt-cannot-be-here is not a writable directory"));
+}
+
 // Flags out of range are usage errors (exit 2, naming the flag), not a port
 // that glibc truncates (70000 listened on 4464), "none" for a negative one,
 // or an abort in std::thread.

@@ -71,6 +71,27 @@ class LogsTest : public ::testing::Test {
   std::mt19937_64 rng_{std::random_device{}()};
 };
 
+// gRPC's own lines (here: the port is taken) come through the server's log:
+// with --log_format=json, every line of stderr is JSON.
+TEST_F(LogsTest, GrpcsOwnLinesAreTheServersJsonLines) {
+  auto first = ServerProcess::Start();
+  std::string log;
+  EXPECT_EQ(testing::ServerExitCode({"--log_format=json", absl::StrCat("--port=", first->port())}, &log), 1);
+  const std::vector<nlohmann::json> lines = JsonLines(log);
+  EXPECT_FALSE(Events(lines, "grpc").empty()) << log;
+  EXPECT_EQ(Events(lines, "start_failed").size(), 1u) << log;
+}
+
+// The checkpoint counters are there from the start, at 0: an alert on their
+// increase sees a series on a server that has written no checkpoint.
+TEST_F(LogsTest, TheCheckpointCountersStartAtZero) {
+  const int port = testing::FreeLoopbackPort();
+  auto server = ServerProcess::Start({absl::StrCat("--metrics_port=", port)});
+  const std::string metrics = testing::GetMetrics(port);
+  EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoint_bytes_total{direction=\"write\"} 0\n"));
+  EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoint_bytes_total{direction=\"restore\"} 0\n"));
+}
+
 TEST_F(LogsTest, TheLinesAnOperatorNeedsAreThereAndNoTokenIs) {
   auto server = ServerProcess::StartLogged(Flags());
   ASSERT_NE(server, nullptr);

@@ -1186,5 +1186,42 @@ TEST_F(ServiceTest, TheHealthPortServesHealthAlone) {
   EXPECT_EQ(describe_status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << describe_status.error_message();
 }
 
+// While a SIGTERM's drain writes the checkpoints, the health service says
+// NOT_SERVING, so that probes and load balancers stop sending; before, it
+// said SERVING until the process was gone.
+TEST_F(ServiceTest, TheHealthServiceSaysNotServingWhileTheDrainWrites) {
+  char tmpl[] = "/tmp/shardopt-drain-health-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  const int port = testing::FreeLoopbackPort();
+  auto server = ServerProcess::Start({absl::StrCat("--health_port=", port), "--checkpoint_dir=" + dir});
+  ASSERT_NE(server, nullptr);
+  constexpr uint64_t kN = uint64_t{32} << 20;  // 384 MiB of state: a drain of a few tenths of a second
+  ClientOptions o;
+  o.servers = {server->address()};
+  o.max_attempts = 1;
+  auto client = Client::Connect(o).value();
+  JobOptions job;
+  job.name = "drain";
+  job.groups = {GroupOptions{}};
+  job.tensors = {{"w", kN, 0}};
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  std::mt19937_64 rng(5);
+  const std::vector<float> values = testing::RandomFloats(rng, kN, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", values.data()).ok());
+  const std::string address = absl::StrCat("127.0.0.1:", port);
+  ASSERT_EQ(GenericUnary(address, "/grpc.health.v1.Health/Check", "").second, std::string("\x08\x01", 2));
+  kill(server->pid(), SIGTERM);
+  bool not_serving = false;
+  for (const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+       !not_serving && std::chrono::steady_clock::now() < give_up;) {
+    auto [status, health] = GenericUnary(address, "/grpc.health.v1.Health/Check", "");
+    if (status.ok() && health == std::string("\x08\x02", 2)) not_serving = true;
+    if (!status.ok()) break;  // the server has shut down
+  }
+  EXPECT_TRUE(not_serving) << "health never said NOT_SERVING before the server exited";
+  EXPECT_EQ(server->Stop(SIGTERM) >> 8, 0);
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace shardopt
