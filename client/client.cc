@@ -296,7 +296,8 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   if (differ) {
     return absl::FailedPreconditionError(absl::StrCat("job '", job.name, "': servers disagree on the step (",
                                                       absl::StrJoin(seen, ", "),
-                                                      "); restore every server from one checkpoint, or drop the job"));
+                                                      "); restore every server from one checkpoint, or drop the job "
+                                                      "on each (shardopt --server=HOST:PORT drop JOB)"));
   }
   im.step = step;
   std::vector<uint64_t> sent_to;  // the limits of the servers this job's messages go to
