@@ -96,10 +96,16 @@ absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& 
   const v1::ShardRange& first = spec.shards(0);
   w->name_ = absl::StrCat("part-", TensorIndex(spec, first.tensor()), "-", first.offset(), ".bin");
   RemoveOverlappingParts(w->result_.directory, w->name_, spec);
-  if (written && fs::exists(absl::StrCat(w->result_.directory, "/", w->name_), ec)) {
-    w->kept_ = true;
-    w->manifest_ = std::move(manifest);
-    return w;
+  if (written) {
+    // Kept only if it is this placement's part of this step: a file of the
+    // same name may be another placement's, left by a torn attempt.
+    auto head = ReadPartHead(absl::StrCat(w->result_.directory, "/", w->name_));
+    if (head.ok() && head->manifest.step() == manifest.step() && SameShards(head->manifest.spec(), spec)) {
+      w->kept_ = true;
+      w->placed_ = true;
+      w->manifest_ = std::move(manifest);
+      return w;
+    }
   }
   // A temporary file of this part left by a writer that died (this server
   // writes one checkpoint of a job at a time) is of no use to anyone.
@@ -146,6 +152,7 @@ absl::StatusOr<WriteResult> PartWriter::Finish() {
     unlink(tmp_.c_str());
     return st;
   }
+  placed_ = true;
   // The new entries under root must survive a crash too, up to the job's directory.
   for (const std::string& dir : {result_.directory, fs::path(result_.directory).parent_path().string(), root_}) {
     SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(dir));

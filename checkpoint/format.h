@@ -104,13 +104,18 @@ class PartWriter {
   // The data, in the layout's order (SectionOffsets).
   void Append(const void* data, size_t n);
   absl::StatusOr<WriteResult> Finish();
+  // Whether this part is in place under its name (written, or kept), even
+  // if Finish then failed (a directory's fsync, COMMIT): a peer may have
+  // listed it, so it must not be written over with other bytes.
+  bool placed() const { return placed_; }
 
  private:
   PartWriter() = default;
   // Writes COMMIT if the step's parts, this one among them, tile every tensor.
   absl::StatusOr<WriteResult> CompleteIfTiled();
   std::string root_, name_, tmp_;
-  bool kept_ = false;  // the part is there already: nothing is written
+  bool kept_ = false;    // the part is there already: nothing is written
+  bool placed_ = false;  // see placed()
   v1::PartManifest manifest_;
   WriteResult result_;
   std::unique_ptr<SequentialWriter> file_;  // null once the step is complete already

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "base/status_macros.h"
@@ -64,10 +65,47 @@ struct Client::Impl {
         std::min<uint64_t>(uint64_t{barrier_ms} + options.rpc_timeout_ms, std::numeric_limits<uint32_t>::max()));
   }
 
-  // Runs one RPC to server `server`, with retries (client/fanout.h).
+  // Runs one RPC to server `server`, with retries (client/fanout.h). A
+  // server that answers that it holds no such job (it restarted) is given
+  // the job again (Reattach), and the RPC runs once more.
   template <typename Attempt>
-  absl::Status Call(uint32_t server, uint32_t timeout_ms, const Attempt& attempt) const {
-    return fanout::Call(address(server), options.token, options.max_attempts, timeout_ms, attempt);
+  absl::Status Call(uint32_t server, uint32_t timeout_ms, const Attempt& attempt, bool reattach = true) const {
+    const absl::Status st = fanout::Call(address(server), options.token, options.max_attempts, timeout_ms, attempt);
+    if (!reattach || !attached || !absl::IsNotFound(st) || !absl::StrContains(st.message(), "no job ")) {
+      return fanout::FailFanout(st);
+    }
+    SHARDOPT_RETURN_IF_ERROR(fanout::FailFanout(Reattach(server, st)));
+    return fanout::FailFanout(fanout::Call(address(server), options.token, options.max_attempts, timeout_ms, attempt));
+  }
+
+  // The job on a server that no longer holds it: a new process in its place
+  // (a pod replaced in a rolling upgrade), which restores the job from the
+  // newest complete checkpoint when asked to create it. Fine if it is then
+  // at the step this client is at (or another rank attached it already);
+  // otherwise FAILED_PRECONDITION, and a job it made afresh is dropped
+  // again. A job dropped on purpose is answered "was dropped" instead, and
+  // never comes here.
+  absl::Status Reattach(uint32_t s, const absl::Status& lost) const {
+    v1::CreateJobRequest req = ToCreateJobRequest(job, shards_of[s]);
+    req.set_restore_step(0);  // this run's newest, whatever the launch asked for
+    v1::CreateJobResponse resp;
+    SHARDOPT_RETURN_IF_ERROR(fanout::Call(address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
+                                          [&](grpc::ClientContext* ctx) { return stubs[s]->CreateJob(ctx, req, &resp); }));
+    if (resp.step() == step && (resp.restored() || !resp.created())) return absl::OkStatus();
+    if (resp.created() && !resp.restored()) {
+      fanout::Call(address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
+                   [&](grpc::ClientContext* ctx) {
+                     v1::DropJobRequest drop;
+                     drop.set_job(job.name);
+                     v1::DropJobResponse unused;
+                     return stubs[s]->DropJob(ctx, drop, &unused);
+                   })
+          .IgnoreError();  // a fresh job, with nothing in it
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        lost.message(), "; asked to create job '", job.name, "' again, it ",
+        resp.restored() ? absl::StrCat("restored step ", resp.step()) : std::string("has no checkpoint of it"),
+        ", and this client is at step ", step, ": restore every server from one checkpoint (CreateOrAttach)"));
   }
 
   // Runs fn(server) on every server that holds part of the job (only those
@@ -674,12 +712,15 @@ absl::Status Client::Drop() {
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   auto st = im.ForEachServer([&](uint32_t s) {
-    return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-      v1::DropJobRequest req;
-      req.set_job(im.job.name);
-      v1::DropJobResponse resp;
-      return im.stubs[s]->DropJob(ctx, req, &resp);
-    });
+    return im.Call(
+        s, im.options.rpc_timeout_ms,
+        [&](grpc::ClientContext* ctx) {
+          v1::DropJobRequest req;
+          req.set_job(im.job.name);
+          v1::DropJobResponse resp;
+          return im.stubs[s]->DropJob(ctx, req, &resp);
+        },
+        /*reattach=*/false);
   });
   if (st.ok()) im.attached = false;
   return st;

@@ -48,7 +48,8 @@ extern thread_local Fanout* current;
 
 // Runs one RPC to `address`, retrying: `attempt` builds its call on a fresh
 // context with the deadline set, and the bearer token if `token` is not
-// empty. The error names the address.
+// empty. The error names the address. The caller fails the fan-out
+// (FailFanout) once an error is final: it may first recover from one.
 template <typename Attempt>
 absl::Status Call(const std::string& address, const std::string& token, int max_attempts, uint32_t timeout_ms,
                   const Attempt& attempt) {
@@ -69,8 +70,14 @@ absl::Status Call(const std::string& address, const std::string& token, int max_
       break;
     }
   }
-  if (!st.ok() && current != nullptr) current->Fail();
   return FromGrpcStatus(st, address);
+}
+
+// Cancels the calling thread's fan-out, if it is in one and `st` is an
+// error: the other servers' calls are of no use once this one failed.
+inline absl::Status FailFanout(absl::Status st) {
+  if (!st.ok() && current != nullptr) current->Fail();
+  return st;
 }
 
 // Runs fn(target) for every target at once, one thread each, and returns the

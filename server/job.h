@@ -139,8 +139,9 @@ class Job {
   // waits for it (JobStore::WriteCheckpoint), rather than writing the same
   // part beside it.
   bool checkpointing ABSL_GUARDED_BY(mu) = false;
-  // The step whose part this job wrote whole on this server, if any: a
-  // checkpoint of it again keeps that file (checkpoint::PartWriter::Open).
+  // The step whose part this job put in place on this server, if any (even
+  // if its checkpoint then failed): a checkpoint of it again keeps that file
+  // (checkpoint::PartWriter::Open), which a peer may have listed.
   std::optional<uint64_t> part_written ABSL_GUARDED_BY(mu);
   // Set if an apply failed halfway: the state is no step's state.
   absl::Status failed ABSL_GUARDED_BY(mu);

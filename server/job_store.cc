@@ -33,10 +33,15 @@ JobStore::JobStore(Backend* backend, JobStoreOptions options)
 
 JobStore::~JobStore() = default;
 
+absl::Status JobStore::NoJob(const std::string& name) const {
+  if (dropped_.contains(name)) return absl::NotFoundError(absl::StrCat("job ", Quote(name), " was dropped on this server"));
+  return absl::NotFoundError(absl::StrCat("no job ", Quote(name), " on this server"));
+}
+
 absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name) const {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(name);
-  if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", Quote(name), " on this server"));
+  if (it == jobs_.end()) return NoJob(name);
   return it->second;
 }
 
@@ -150,6 +155,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
 
   absl::MutexLock lock(&mu_);
   jobs_.emplace(spec.job(), job);  // none of the name: this call was its one builder
+  dropped_.erase(spec.job());       // made again: no longer a dropped one (its name may stay in the order)
   if (!restored) {
     log::Info("job_created", {{"job", spec.job()},
                               {"world_size", absl::StrCat(spec.world_size())},
@@ -219,6 +225,10 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
       options_.after_snapshot_slice);
   if (!writer.ok() && !t0) return writer.status();
   absl::StatusOr<checkpoint::WriteResult> finished = writer.ok() ? (*writer)->Finish() : writer.status();
+  if (writer.ok() && (*writer)->placed()) {
+    absl::MutexLock lock(&job.mu);
+    job.part_written = request.step();
+  }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0.value_or(std::chrono::steady_clock::now()))
           .count();
@@ -229,10 +239,6 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
     return finished.status();
   }
   const checkpoint::WriteResult& written = *finished;
-  {
-    absl::MutexLock lock(&job.mu);
-    job.part_written = request.step();
-  }
   metrics::Registry::Default().Observe("shardopt_checkpoint_seconds", {{"direction", "write"}}, seconds);
   metrics::Registry::Default().Increment("shardopt_checkpoint_bytes_total", {{"direction", "write"}},
                                          static_cast<double>(written.part_bytes));
@@ -297,9 +303,14 @@ absl::Status JobStore::DropJob(const std::string& name) {
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(name);
-    if (it == jobs_.end()) return absl::NotFoundError(absl::StrCat("no job ", Quote(name), " on this server"));
+    if (it == jobs_.end()) return NoJob(name);
     job = it->second;
     jobs_.erase(it);
+    if (dropped_.insert(name).second) dropped_order_.push_back(name);
+    if (dropped_order_.size() > kDroppedKept) {
+      dropped_.erase(dropped_order_.front());
+      dropped_order_.pop_front();
+    }
   }
   absl::MutexLock lock(&job->mu);
   job->dropped = true;

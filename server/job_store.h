@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -201,6 +202,15 @@ class JobStore {
   std::atomic<bool> draining_{false};
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  // The names of the last kDroppedKept jobs dropped here, oldest first, so
+  // that a call for one says it was dropped: a client re-creates a job that
+  // is merely unknown (this server restarted; it restores it), never one
+  // that was dropped.
+  static constexpr size_t kDroppedKept = 4096;
+  std::deque<std::string> dropped_order_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_set<std::string> dropped_ ABSL_GUARDED_BY(mu_);
+  // NOT_FOUND for a job this server does not hold, saying whether it was dropped.
+  absl::Status NoJob(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Jobs being built by a CreateJob, outside the lock; `created_` is
   // signalled as each is done, in the map or failed.
   absl::flat_hash_set<std::string> creating_ ABSL_GUARDED_BY(mu_);

@@ -21,6 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "grpc/support/log.h"
 #include "grpcpp/grpcpp.h"
+#include "checkpoint/files.h"
 #include "kernels/gpu.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "server/auth.h"
@@ -120,13 +121,13 @@ bool IsLoopback(const std::string& host) {
   return bare == "localhost";
 }
 
-// A PEM file's text; exits 1 naming the file if it cannot be read.
 // gRPC's own log lines (a failed TLS handshake, a port it cannot bind) as
 // the server's: with --log_format=json every line of stderr is then JSON.
 void LogFromGrpc(gpr_log_func_args* args) {
-  const shardopt::log::Level level = args->severity == GPR_LOG_SEVERITY_ERROR   ? shardopt::log::Level::kError
-                                     : args->severity == GPR_LOG_SEVERITY_INFO ? shardopt::log::Level::kInfo
-                                                                                : shardopt::log::Level::kWarning;
+  const shardopt::log::Level level = args->severity == GPR_LOG_SEVERITY_ERROR ? shardopt::log::Level::kError
+                                     : args->severity == GPR_LOG_SEVERITY_DEBUG || args->severity == GPR_LOG_SEVERITY_INFO
+                                         ? shardopt::log::Level::kInfo
+                                         : shardopt::log::Level::kWarning;
   shardopt::log::Write(level, "grpc", {{"source", absl::StrCat(args->file, ":", args->line)},
                                        {"message", args->message}});
 }
@@ -137,14 +138,19 @@ void LogFromGrpc(gpr_log_func_args* args) {
 absl::Status CheckWritable(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
-  const std::string probe = absl::StrCat(dir, "/.shardopt-write-probe-", getpid());
-  std::ofstream(probe) << "probe";
-  const bool written = std::filesystem::exists(probe, ec);
+  // A name of its own: the servers sharing the directory start at once, and
+  // in their pods each is pid 1.
+  const std::string probe = shardopt::checkpoint::TemporaryName(dir + "/.shardopt-write-probe");
+  std::ofstream out(probe);
+  out << "probe";
+  out.close();
+  const bool written = static_cast<bool>(out) && std::filesystem::exists(probe, ec);
   std::filesystem::remove(probe, ec);
   return written ? absl::OkStatus()
                  : absl::FailedPreconditionError(absl::StrCat("--checkpoint_dir=", dir, " is not a writable directory"));
 }
 
+// A PEM file's text; exits 1 naming the file if it cannot be read.
 std::string ReadPem(const std::string& flag, const std::string& path) {
   if (path.empty()) return "";
   std::ifstream in(path);

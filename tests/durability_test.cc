@@ -157,6 +157,47 @@ TEST(DurabilityTest, ACheckpointOfTwoServersRestoresOntoThreeAndOntoOne) {
   EXPECT_EQ(Fingerprint(*client, job).value(), at_2n);
 }
 
+// A server replaced under a running job (a rolling upgrade: SIGTERM, whose
+// drain checkpoints the job, then a new process on the same port and
+// directory): the trainer's next step finds the new server without the job,
+// gives it the job again, which restores it, and steps on, bitwise as an
+// uninterrupted run. A job dropped on purpose is not given back: its
+// server says it was dropped, and the next step is NOT_FOUND.
+TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop) {
+  const JobOptions job = DurableJob("roll", {{"w", 5000}, {"b", 300}});
+  constexpr uint64_t kN = 4;
+  const auto [at_n, at_2n] = AtNAnd2N(job, kN);
+  TempDir dir;
+  const int port = testing::FreeLoopbackPort();
+  const std::vector<std::string> args = {"--threads=1", absl::StrCat("--port=", port),
+                                         "--checkpoint_dir=" + dir.path()};
+  auto server = testing::ServerProcess::Start(args);
+  ASSERT_NE(server, nullptr);
+  ClientOptions options;
+  options.servers = {server->address()};
+  auto client = Client::Connect(options).value();
+  ScriptedTrainer trainer = Train(*client, job, kN);
+  ASSERT_EQ(server->Stop(SIGTERM) >> 8, 0);  // its drain checkpoints step N
+  server = testing::ServerProcess::Start(args);
+  ASSERT_NE(server, nullptr);
+  for (uint64_t t = kN; t < 2 * kN; ++t) {
+    const auto stepped = trainer.Step(*client);
+    ASSERT_TRUE(stepped.ok()) << "step " << t + 1 << ": " << stepped.status();
+  }
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_2n);
+
+  ASSERT_TRUE(client->Checkpoint().ok());
+  auto other = Client::Connect(options).value();
+  ASSERT_EQ(other->CreateOrAttach(job).value(), 2 * kN);
+  ASSERT_TRUE(other->Drop().ok());
+  const auto dropped = trainer.Step(*client);
+  EXPECT_EQ(dropped.status().code(), absl::StatusCode::kNotFound) << dropped.status();
+  EXPECT_THAT(std::string(dropped.status().message()), HasSubstr("was dropped"));
+  auto describe = other->CreateOrAttach(job);  // the checkpoint is there: attaching again restores it, on purpose
+  ASSERT_TRUE(describe.ok()) << describe.status();
+  EXPECT_EQ(*describe, 2 * kN);
+}
+
 // A restore onto another placement streams the old parts' runs into the
 // new state as they are read: the server's peak memory is its state and the
 // read buffers, not also a copy of its new part and a whole old one (which
