@@ -457,7 +457,13 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
   std::vector<int64_t> position(im.job.tensors.size(), -1);  // [tensor]: its index in `order`
   for (size_t i = 0; i < order.size(); ++i) {
     SHARDOPT_RETURN_IF_ERROR(im.FindTensor(order[i]).status());
-    position[im.tensor_index[order[i]]] = static_cast<int64_t>(i);
+    int64_t& at = position[im.tensor_index[order[i]]];
+    // Two gradients for one tensor: the last would be pushed and the other
+    // silently ignored.
+    if (at >= 0) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", order[i], "' is given twice (", at, " and ", i, ")"));
+    }
+    at = static_cast<int64_t>(i);
   }
   std::vector<v1::PushResponse> responses(im.servers());
   auto st = im.ForEachServer([&](uint32_t s) {

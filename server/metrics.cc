@@ -21,6 +21,9 @@ struct Family {
 // Seconds from 1 ms to a minute: a step's phases on a small job are
 // milliseconds, a large job's or a checkpoint's seconds.
 const std::vector<double> kSeconds = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
+// A checkpoint part of a server's whole state: the manifests budget up to
+// about 100 s (CPU) and 250 s (GPU) for one.
+const std::vector<double> kCheckpointSeconds = {0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120, 300, 600};
 
 // Every family the server exports. Names follow Prometheus's conventions:
 // shardopt_ prefix, base units, _total for counters.
@@ -47,7 +50,8 @@ const std::vector<Family>& Families() {
       {"shardopt_apply_seconds", Type::kHistogram, "Per step, AdamW over every piece.", kSeconds},
       {"shardopt_params_stream_seconds", Type::kHistogram,
        "Per step, the first commit's params streamed, from its start to its last chunk.", kSeconds},
-      {"shardopt_checkpoint_seconds", Type::kHistogram, "One checkpoint part, by direction=write|restore.", kSeconds},
+      {"shardopt_checkpoint_seconds", Type::kHistogram, "One checkpoint part, by direction=write|restore.",
+       kCheckpointSeconds},
   };
   return *families;
 }

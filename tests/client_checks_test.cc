@@ -221,6 +221,15 @@ TEST(ClientChecksTest, AnUnknownTensorIsNotFound) {
   EXPECT_EQ(cluster.client().InitBf16("zzz", g.data()).code(), absl::StatusCode::kNotFound);
 }
 
+// One of two gradients for a tensor would be pushed and the other ignored.
+TEST(ClientChecksTest, AGradientGivenTwiceForATensorIsRefused) {
+  Cluster cluster({{}}, 100);
+  ASSERT_TRUE(cluster.attached().ok()) << cluster.attached();
+  std::vector<uint16_t> g(100, 0x3f80), h(100, 0x4000);
+  const auto pushed = cluster.client().Push(1, {{"w", g.data()}, {"w", h.data()}});
+  EXPECT_EQ(pushed.status().code(), absl::StatusCode::kInvalidArgument) << pushed.status();
+}
+
 TEST(ClientChecksTest, AServerListedTwiceIsRefusedAtConnect) {
   ClientOptions options;
   options.servers = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:1"};

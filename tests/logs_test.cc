@@ -147,6 +147,10 @@ TEST_F(LogsTest, TheLinesAnOperatorNeedsAreThereAndNoTokenIs) {
   }
   ASSERT_EQ(Events(lines, "drain").size(), 1u);
   ASSERT_EQ(Events(lines, "stopping").size(), 1u);
+  const auto exits = Events(lines, "exit");  // the last line says how the process ends
+  ASSERT_EQ(exits.size(), 1u);
+  EXPECT_EQ(exits[0].value("code", ""), "0");
+  EXPECT_EQ(lines.back().value("event", ""), "exit");
 
   // Restarted on the same directory: the restore is logged; then a drop.
   auto again = ServerProcess::StartLogged(Flags());

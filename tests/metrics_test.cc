@@ -25,5 +25,18 @@ TEST(MetricsTest, ValuesAreRenderedWithEveryDigit) {
   EXPECT_NE(page.find("le=\"0.1\"} 1\n"), std::string::npos) << page;
 }
 
+// A checkpoint of a whole server's state may take minutes (the manifests'
+// grace periods budget up to about 250 s): its histogram's buckets go on
+// past 60 s, where the per-step ones stop.
+TEST(MetricsTest, CheckpointSecondsHaveBucketsPastAMinute) {
+  Registry registry;
+  registry.Observe("shardopt_checkpoint_seconds", {{"direction", "write"}}, 200);
+  const std::string page = registry.Render();
+  EXPECT_NE(page.find("shardopt_checkpoint_seconds_bucket{direction=\"write\",le=\"120\"} 0\n"), std::string::npos)
+      << page;
+  EXPECT_NE(page.find("shardopt_checkpoint_seconds_bucket{direction=\"write\",le=\"300\"} 1\n"), std::string::npos)
+      << page;
+}
+
 }  // namespace
 }  // namespace shardopt::metrics

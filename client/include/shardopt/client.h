@@ -269,7 +269,8 @@ class Client {
   // calling grad(i) for order[i] when it gets there. grad may block until
   // that gradient exists; it returns its data, or nullptr for no gradient
   // this step (as do tensors left out of `order`). It is called from one
-  // thread per server at once, and again for a retried stream.
+  // thread per server at once, and again for a retried stream. A tensor
+  // named twice (in `order`, or in Push's `grads`) is INVALID_ARGUMENT.
   absl::StatusOr<PushResult> PushInOrder(uint64_t step, absl::Span<const std::string> order,
                                          const std::function<const void*(size_t)>& grad);
   // group_lr: as StepOptions::group_lr; empty means `lr` for every group.
