@@ -9,6 +9,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -16,9 +18,8 @@
 namespace shardopt {
 namespace {
 
-// One connection at a time is served: a client that stops reading gets
-// until this deadline, then is dropped, so it holds neither the scrapes
-// behind it nor the server's exit.
+// A client that stops reading its answer gets until this deadline, then is
+// dropped, so it holds neither the scrapes behind it nor the server's exit.
 constexpr auto kSendTime = std::chrono::seconds(5);
 
 void SendAll(int fd, const std::string& data) {
@@ -34,20 +35,22 @@ void SendAll(int fd, const std::string& data) {
   }
 }
 
-// The request's head, up to its blank line; empty if it is too slow or too big.
-std::string ReadHead(int fd) {
-  std::string head;
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(2);
-  while (head.find("\r\n\r\n") == std::string::npos && head.size() < 8192) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
-    pollfd p{fd, POLLIN, 0};
-    if (left.count() <= 0 || poll(&p, 1, static_cast<int>(left.count())) <= 0) return "";
-    char buf[1024];
-    const ssize_t n = recv(fd, buf, sizeof buf, 0);
-    if (n <= 0) return "";
-    head.append(buf, static_cast<size_t>(n));
+// A request's head arrives within this time, and this size, or the
+// connection is dropped unanswered.
+constexpr auto kHeadTime = std::chrono::seconds(2);
+constexpr size_t kHeadBytes = 8192;
+// Connections read at once: past it, the one open longest is dropped.
+constexpr size_t kConnections = 64;
+
+// The answer to a request whose head is `head` (whole, or cut at kHeadBytes).
+std::string Answer(const std::string& head, const metrics::Registry& registry) {
+  const bool get = absl::StartsWith(head, "GET /metrics ") || absl::StartsWith(head, "GET /metrics?");
+  if (!get && !absl::StartsWith(head, "HEAD /metrics ") && !absl::StartsWith(head, "HEAD /metrics?")) {
+    return "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
   }
-  return head;
+  const std::string body = registry.Render();
+  return absl::StrCat("HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+                      "Content-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", get ? body : "");
 }
 
 }  // namespace
@@ -91,21 +94,51 @@ MetricsServer::~MetricsServer() {
 }
 
 void MetricsServer::Serve() {
+  // Every connection is read at once, each until its head is whole: one
+  // that sends nothing (a port scan, a stuck client) holds up no scrape.
+  struct Connection {
+    int fd;
+    std::string head;
+    std::chrono::steady_clock::time_point give_up;
+  };
+  std::vector<Connection> open;
   while (!stop_) {
-    pollfd p{fd_, POLLIN, 0};
-    if (poll(&p, 1, 200) <= 0) continue;  // wakes to see stop_
-    const int conn = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (conn < 0) continue;
-    const std::string head = ReadHead(conn);
-    if (absl::StartsWith(head, "GET /metrics ") || absl::StartsWith(head, "GET /metrics?")) {
-      const std::string body = registry_->Render();
-      SendAll(conn, absl::StrCat("HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
-                                 "Content-Length: ", body.size(), "\r\nConnection: close\r\n\r\n", body));
-    } else if (!head.empty()) {
-      SendAll(conn, "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    std::vector<pollfd> polled = {{fd_, POLLIN, 0}};
+    for (const Connection& c : open) polled.push_back({c.fd, POLLIN, 0});
+    if (poll(polled.data(), polled.size(), 200) < 0) continue;  // wakes to see stop_
+    const auto now = std::chrono::steady_clock::now();
+    std::vector<Connection> still;
+    for (size_t i = 0; i < open.size(); ++i) {
+      Connection& c = open[i];
+      bool done = now >= c.give_up;
+      if (!done && (polled[i + 1].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+        char buf[1024];
+        const ssize_t n = recv(c.fd, buf, sizeof buf, 0);
+        if (n > 0) c.head.append(buf, static_cast<size_t>(n));
+        if (n > 0 && (c.head.find("\r\n\r\n") != std::string::npos || c.head.size() >= kHeadBytes)) {
+          SendAll(c.fd, Answer(c.head, *registry_));
+        }
+        done = n <= 0 || c.head.find("\r\n\r\n") != std::string::npos || c.head.size() >= kHeadBytes;
+      }
+      if (done) {
+        close(c.fd);
+      } else {
+        still.push_back(std::move(c));
+      }
     }
-    close(conn);
+    open = std::move(still);
+    if ((polled[0].revents & POLLIN) != 0) {
+      const int conn = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+      if (conn >= 0) {
+        if (open.size() >= kConnections) {
+          close(open.front().fd);
+          open.erase(open.begin());
+        }
+        open.push_back({conn, "", now + kHeadTime});
+      }
+    }
   }
+  for (const Connection& c : open) close(c.fd);
 }
 
 }  // namespace shardopt

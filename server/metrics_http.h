@@ -1,7 +1,8 @@
-// GET /metrics over plain HTTP/1.1 on its own port, for Prometheus to
-// scrape: one thread, one connection at a time, each answered and closed.
-// Anything but GET /metrics is 404; a request that does not arrive within
-// two seconds or 8 KiB is dropped.
+// GET /metrics (and HEAD) over plain HTTP/1.1 on its own port, for
+// Prometheus to scrape: one thread reads every connection at once (up to
+// 64; past that the oldest is dropped), and answers and closes each once its
+// request has come. Anything else is 404; a request that does not arrive
+// within two seconds or 8 KiB is dropped.
 #pragma once
 
 #include <atomic>

@@ -4,6 +4,10 @@
 // and job, checkpoint begin and end with bytes and seconds, drain, restore,
 // drop); refusals a client repeats are rate-limited; no token ever appears.
 #include <signal.h>
+#include <unistd.h>
+#include <sys/socket.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
 
 #include <chrono>
 #include <filesystem>
@@ -90,6 +94,39 @@ TEST_F(LogsTest, TheCheckpointCountersStartAtZero) {
   const std::string metrics = testing::GetMetrics(port);
   EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoint_bytes_total{direction=\"write\"} 0\n"));
   EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoint_bytes_total{direction=\"restore\"} 0\n"));
+}
+
+// Connections that send nothing (a port scan, a stuck client) hold up no
+// scrape: each was given two seconds in turn, so five delayed one by ten.
+TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherConnectionsSendNothing) {
+  const int port = testing::FreeLoopbackPort();
+  auto server = ServerProcess::Start({absl::StrCat("--metrics_port=", port)});
+  std::vector<int> idle;
+  for (int i = 0; i < 5; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    idle.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // accepted, each waiting for its request
+  const auto start = std::chrono::steady_clock::now();
+  const std::string metrics = testing::GetMetrics(port);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_jobs 0\n"));
+  EXPECT_LT(seconds, 1.0);
+  // HEAD, as some probes ask: the headers alone.
+  const std::string head = "HEAD /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+  ASSERT_EQ(send(idle[0], head.data(), head.size(), 0), static_cast<ssize_t>(head.size()));
+  char buf[512];
+  const ssize_t n = recv(idle[0], buf, sizeof buf, MSG_WAITALL);
+  ASSERT_GT(n, 0);
+  const std::string answer(buf, static_cast<size_t>(n));
+  EXPECT_THAT(answer, ::testing::StartsWith("HTTP/1.1 200 OK\r\n"));
+  EXPECT_EQ(answer.substr(answer.find("\r\n\r\n") + 4), "");
+  for (int fd : idle) close(fd);
 }
 
 TEST_F(LogsTest, TheLinesAnOperatorNeedsAreThereAndNoTokenIs) {
