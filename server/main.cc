@@ -1,6 +1,7 @@
 // shardopt-server: one optimizer server process.
 #include <arpa/inet.h>
 #include <semaphore.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -58,7 +59,7 @@ ABSL_FLAG(int, idle_stream_timeout_ms, 120000,
           "a Push or Init stream the server waits on this long for its next message is cancelled (DEADLINE_EXCEEDED)");
 ABSL_FLAG(std::string, tokens_file, "",
           "bearer tokens, one per line: NAME trainer|admin TOKEN [JOB_PREFIX ...]; every call then needs one "
-          "(docs/design.md, security). Reloaded on SIGHUP");
+          "(docs/design.md, security). Reloaded on SIGHUP and when the file changes");
 ABSL_FLAG(std::string, memory_limit, "auto",
           "host memory the server's jobs and streams may hold, e.g. 20Gi or 512M; auto: the smaller of physical "
           "memory and the cgroup limit, less an eighth (at least 256 MiB) of headroom. Over it: RESOURCE_EXHAUSTED");
@@ -148,6 +149,14 @@ absl::Status CheckWritable(const std::string& dir) {
   std::filesystem::remove(probe, ec);
   return written ? absl::OkStatus()
                  : absl::FailedPreconditionError(absl::StrCat("--checkpoint_dir=", dir, " is not a writable directory"));
+}
+
+// What tells a file's versions apart: its inode, size and modification
+// time, as stat sees them through any symlinks; empty if it cannot be read.
+std::string FileIdentity(const std::string& path) {
+  struct stat st;
+  if (path.empty() || stat(path.c_str(), &st) != 0) return "";
+  return absl::StrCat(st.st_ino, ":", st.st_size, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec);
 }
 
 // A PEM file's text; exits 1 naming the file if it cannot be read.
@@ -356,12 +365,23 @@ int main(int argc, char** argv) {
   // report NOT_SERVING so that Kubernetes replaces the pod. Requests already
   // fail with UNAVAILABLE and the CUDA error's text.
   bool serving = true;
+  // The tokens file is reloaded when it changes, too: Kubernetes updates a
+  // mounted Secret in place (a new file behind the same path) and sends no
+  // SIGHUP.
+  const std::string tokens_path = absl::GetFlag(FLAGS_tokens_file);
+  std::string tokens_seen = FileIdentity(tokens_path);
   for (;;) {
     timespec wake;
     clock_gettime(CLOCK_REALTIME, &wake);
     wake.tv_sec += 1;
     sem_timedwait(&g_wake, &wake);
     if (g_stop) break;
+    if (auth != nullptr) {
+      if (std::string now = FileIdentity(tokens_path); now != tokens_seen) {
+        tokens_seen = std::move(now);
+        g_reload = 1;
+      }
+    }
     if (g_reload) {
       g_reload = 0;
       if (auth == nullptr) {

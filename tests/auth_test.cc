@@ -295,6 +295,26 @@ TEST_F(AuthTest, SighupReloadsTheTokensFile) {
   EXPECT_TRUE(As(Bearer(kRoot)).Describe("team-a/reload").ok());
 }
 
+// A tokens file that changes is reloaded without a SIGHUP, as a mounted
+// Kubernetes Secret changes (a new file behind the same path), within a few
+// seconds.
+TEST_F(AuthTest, AChangedTokensFileIsReloadedWithoutASignal) {
+  ASSERT_TRUE(As(Bearer(kAlice)).CreateJob("team-a/watched").ok());
+  constexpr char kDave[] = "dave-token-0123456789abcdef01";
+  const std::string next = dir_ + "/tokens.next";
+  std::ofstream(next) << "dave trainer " << kDave << " team-a/\nroot admin " << kRoot << "\n";
+  ASSERT_EQ(std::rename(next.c_str(), (dir_ + "/tokens").c_str()), 0);
+  grpc::Status alice, dave;
+  for (int i = 0; i < 50; ++i) {
+    alice = As(Bearer(kAlice)).Describe("team-a/watched");
+    dave = As(Bearer(kDave)).Describe("team-a/watched");
+    if (alice.error_code() == grpc::StatusCode::UNAUTHENTICATED && dave.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(alice.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(dave.ok()) << dave.error_message();
+}
+
 // The server does not start on a tokens file it cannot use.
 TEST_F(AuthTest, AnUnusableTokensFileStopsTheServer) {
   for (const std::string& text : {std::string("alice trainer short team-a/\n"),
