@@ -177,6 +177,19 @@ class AuthTest : public ::testing::Test {
   }
   Caller As(const std::string& header) { return Caller(channel_, header); }
   static std::string Bearer(const char* token) { return absl::StrCat("Bearer ", token); }
+  // After the tokens file changed: waits (up to 5 s) until `gone` is refused
+  // and `added` is taken for `job`, and expects both.
+  void ExpectTokensSwapped(const char* gone, const char* added, const std::string& job) {
+    grpc::Status before, after;
+    for (int i = 0; i < 50; ++i) {
+      before = As(Bearer(gone)).Describe(job);
+      after = As(Bearer(added)).Describe(job);
+      if (before.error_code() == grpc::StatusCode::UNAUTHENTICATED && after.ok()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_EQ(before.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_TRUE(after.ok()) << after.error_message();
+  }
 
   std::mt19937_64 rng_{std::random_device{}()};
   std::string dir_, tokens_;
@@ -278,15 +291,7 @@ TEST_F(AuthTest, SighupReloadsTheTokensFile) {
   TokensFile(dir_, absl::StrCat("carol trainer ", kCarol, " team-a/\nroot admin ", kRoot, "\n"));
   ASSERT_EQ(kill(server_->pid(), SIGHUP), 0);
   // The reload happens on the server's main loop, within about a second.
-  grpc::Status alice, carol;
-  for (int i = 0; i < 50; ++i) {
-    alice = As(Bearer(kAlice)).Describe("team-a/reload");
-    carol = As(Bearer(kCarol)).Describe("team-a/reload");
-    if (alice.error_code() == grpc::StatusCode::UNAUTHENTICATED && carol.ok()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  EXPECT_EQ(alice.error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_TRUE(carol.ok()) << carol.error_message();
+  ExpectTokensSwapped(kAlice, kCarol, "team-a/reload");
 
   TokensFile(dir_, "carol trainer short team-a/\n");  // a token under 16 characters
   ASSERT_EQ(kill(server_->pid(), SIGHUP), 0);
@@ -304,15 +309,7 @@ TEST_F(AuthTest, AChangedTokensFileIsReloadedWithoutASignal) {
   const std::string next = dir_ + "/tokens.next";
   std::ofstream(next) << "dave trainer " << kDave << " team-a/\nroot admin " << kRoot << "\n";
   ASSERT_EQ(std::rename(next.c_str(), (dir_ + "/tokens").c_str()), 0);
-  grpc::Status alice, dave;
-  for (int i = 0; i < 50; ++i) {
-    alice = As(Bearer(kAlice)).Describe("team-a/watched");
-    dave = As(Bearer(kDave)).Describe("team-a/watched");
-    if (alice.error_code() == grpc::StatusCode::UNAUTHENTICATED && dave.ok()) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  EXPECT_EQ(alice.error_code(), grpc::StatusCode::UNAUTHENTICATED);
-  EXPECT_TRUE(dave.ok()) << dave.error_message();
+  ExpectTokensSwapped(kAlice, kDave, "team-a/watched");
 }
 
 // The server does not start on a tokens file it cannot use.
