@@ -1,0 +1,146 @@
+// JobStore's checkpoints: one asked for by a client, and every job's at a
+// drain. The part's bytes are checkpoint/'s; the snapshot is job_snapshot's.
+#include <chrono>
+#include <optional>
+
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "checkpoint/direct_io.h"
+#include "checkpoint/format.h"
+#include "server/job_snapshot.h"
+#include "server/job_store.h"
+#include "server/log.h"
+#include "server/messages.h"
+#include "server/metrics.h"
+
+namespace shardopt {
+
+absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::CheckpointRequest& request, absl::Time deadline) {
+  return WriteCheckpoint(request, /*charged=*/true, deadline);
+}
+
+absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::CheckpointRequest& request, bool charged,
+                                                                 absl::Time deadline) {
+  if (options_.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError("this server has no --checkpoint_dir");
+  }
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
+  Job& job = *found;
+  // One checkpoint of a job at a time here. A client whose deadline passed
+  // during a slow one retries it while the first still writes: that retry
+  // waits for it and then finds the step complete (or writes its part once
+  // more, alone), instead of a second writer of the same part racing the
+  // first's rename, with a manifest that may differ (a round sealed since),
+  // under a COMMIT that lists the other's size.
+  {
+    absl::MutexLock lock(&job.mu);
+    if (!job.mu.AwaitWithDeadline(absl::Condition(
+                                      +[](Job* j) ABSL_EXCLUSIVE_LOCKS_REQUIRED(j->mu) { return !j->checkpointing; },
+                                      &job),
+                                  deadline)) {
+      return absl::DeadlineExceededError(absl::StrCat("a checkpoint of job ", Quote(job.name()),
+                                                      " is still being written on this server; ask again later"));
+    }
+    job.checkpointing = true;
+  }
+  absl::Cleanup written_or_not = [&job] {
+    absl::MutexLock lock(&job.mu);
+    job.checkpointing = false;
+  };
+  // The writer's buffers are charged while it runs, as every allocation a
+  // client's request makes is (memory_budget.h): once the step is known
+  // good, so that a wrong step is FAILED_PRECONDITION whatever the budget.
+  MemoryBudget::Charge buffers;
+  // Timed from the snapshot's start: it streams most of the part. A
+  // checkpoint that began ends in checkpoint_end or checkpoint_failed; one
+  // refused before (wrong step, no budget) only in the service's refusal line.
+  std::optional<std::chrono::steady_clock::time_point> t0;
+  absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> writer = Snapshot(
+      job, options_.checkpoint_dir, request.step(), deadline,
+      [&]() -> absl::Status {
+        if (charged) {
+          SHARDOPT_ASSIGN_OR_RETURN(buffers, budget_.Reserve(checkpoint::SequentialWriter::kMostBytes,
+                                                             absl::StrCat("a checkpoint of job ", Quote(job.name()))));
+        }
+        log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
+        t0 = std::chrono::steady_clock::now();
+        return absl::OkStatus();
+      },
+      options_.after_snapshot_slice);
+  if (!writer.ok() && !t0) return writer.status();
+  absl::StatusOr<checkpoint::WriteResult> finished = writer.ok() ? (*writer)->Finish() : writer.status();
+  if (writer.ok() && (*writer)->placed()) {
+    absl::MutexLock lock(&job.mu);
+    job.part_written = request.step();
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0.value_or(std::chrono::steady_clock::now()))
+          .count();
+  if (!finished.ok()) {
+    log::Error("checkpoint_failed", {{"job", job.name()},
+                                     {"step", absl::StrCat(request.step())},
+                                     {"error", std::string(finished.status().message())}});
+    return finished.status();
+  }
+  const checkpoint::WriteResult& written = *finished;
+  metrics::Registry::Default().Observe("shardopt_checkpoint_seconds", {{"direction", "write"}}, seconds);
+  metrics::Registry::Default().Increment("shardopt_checkpoint_bytes_total", {{"direction", "write"}},
+                                         static_cast<double>(written.part_bytes));
+  log::Info("checkpoint_end", {{"job", job.name()},
+                               {"step", absl::StrCat(request.step())},
+                               {"directory", written.directory},
+                               {"bytes", absl::StrCat(written.part_bytes)},
+                               {"seconds", absl::StrCat(seconds)},
+                               {"complete", written.complete ? "true" : "false"}});
+  if (written.complete && options_.checkpoint_keep > 0) {
+    for (const std::string& dir : checkpoint::Prune(options_.checkpoint_dir, job.name(), options_.checkpoint_keep)) {
+      options_.checkpoint_log(absl::StrCat("pruned checkpoint ", dir, " (--checkpoint_keep=", options_.checkpoint_keep, ")"));
+    }
+  }
+  v1::CheckpointResponse response;
+  response.set_step(request.step());
+  response.set_directory(written.directory);
+  response.set_part_bytes(written.part_bytes);
+  response.set_complete(written.complete);
+  return response;
+}
+
+std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobStore::DrainAndCheckpoint(absl::Duration wait_for_steps) {
+  draining_ = true;
+  log::Info("drain", {{"detail", "commits that would apply a step are refused; every job is checkpointed"}});
+  std::vector<std::pair<std::string, std::shared_ptr<Job>>> jobs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, job] : jobs_) jobs.emplace_back(name, job);
+  }
+  // No commit starts a step any more; one already applying finishes first,
+  // unless its committer stopped reading: that one must not cost every
+  // other job its checkpoint (nor hold the exit until SIGKILL).
+  const absl::Time deadline = absl::Now() + wait_for_steps;
+  std::vector<std::pair<std::string, uint64_t>> at;
+  std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> results;
+  for (const auto& [name, job] : jobs) {
+    absl::MutexLock job_lock(&job->mu);
+    if (!job->AwaitWholeStep(deadline)) {
+      const absl::Status late = absl::DeadlineExceededError(
+          absl::StrCat("job '", name, "' is still applying a step after ",
+                       absl::FormatDuration(wait_for_steps), ": its committer stopped reading the params; not checkpointed"));
+      log::Error("checkpoint_failed", {{"job", name}, {"error", std::string(late.message())}});
+      results.emplace_back(name, late);
+      continue;
+    }
+    if (!job->dropped && job->uninitialized_shards == 0) at.emplace_back(name, job->step);
+  }
+  for (const auto& [name, step] : at) {
+    v1::CheckpointRequest request;
+    request.set_job(name);
+    request.set_step(step);
+    // One at a time, their buffers uncharged: a full budget must not cost
+    // the state at SIGTERM, and one checkpoint's buffers fit the headroom.
+    results.emplace_back(name, WriteCheckpoint(request, /*charged=*/false, absl::InfiniteFuture()));
+  }
+  return results;
+}
+
+}  // namespace shardopt
