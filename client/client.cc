@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -18,13 +17,13 @@
 #include "grpcpp/grpcpp.h"
 #include "client/commit_params.h"
 #include "client/fanout.h"
+#include "client/option_checks.h"
 #include "client/proto_convert.h"
 #include "client/push_messages.h"
 #include "client/wire.h"
 #include "rpc/chunk_size.h"
 #include "rpc/grpc_edge.h"
 #include "rpc/initial_values.h"
-#include "rpc/job_limits.h"
 #include "shardopt/safetensors.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 
@@ -235,17 +234,7 @@ Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
-  if (options.servers.empty()) return absl::InvalidArgumentError("no servers given");
-  // Each server holds its own share of a job: one listed twice would be
-  // asked for two shares under one name.
-  for (size_t i = 0; i < options.servers.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      if (options.servers[i] == options.servers[j]) {
-        return absl::InvalidArgumentError(absl::StrCat("server ", options.servers[i], " is listed twice (", j, " and ",
-                                                       i, "); each server holds its own share of a job"));
-      }
-    }
-  }
+  SHARDOPT_RETURN_IF_ERROR(CheckClientOptions(options));
   if (options.tune_allocator) TuneAllocatorForStreaming();
   auto impl = std::make_unique<Impl>();
   impl->options = options;
@@ -273,34 +262,7 @@ uint64_t Client::chunk_bytes() const { return impl_->chunk_bytes; }
 absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   Impl& im = *impl_;
   im.attached = false;  // until this job is: a failed attach leaves no half of it
-  if (job.name.empty()) return absl::InvalidArgumentError("a job needs a name");
-  if (job.tensors.empty()) return absl::InvalidArgumentError(absl::StrCat("job '", job.name, "' has no tensors"));
-  if (job.world_size == 0) return absl::InvalidArgumentError("world_size must be at least 1");
-  for (const GroupOptions& g : job.groups) {
-    if (g.precision != StatePrecision::kFp32 && g.precision != StatePrecision::kBf16) {
-      return absl::InvalidArgumentError(absl::StrCat("group '", g.name, "' has no such state precision (",
-                                                     static_cast<int>(g.precision), ")"));
-    }
-  }
-  if (job.grad_type != GradType::kBf16 && job.grad_type != GradType::kFp32) {
-    return absl::InvalidArgumentError(absl::StrCat("no such grad_type (", static_cast<int>(job.grad_type), ")"));
-  }
-  for (const TensorOptions& t : job.tensors) {
-    if (t.param_type != ParamType::kBf16 && t.param_type != ParamType::kFp32) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has no such param_type (",
-                                                     static_cast<int>(t.param_type), ")"));
-    }
-  }
-  if (im.options.rank >= job.world_size) {
-    return absl::InvalidArgumentError(absl::StrCat("rank ", im.options.rank, " is out of range for world_size ", job.world_size));
-  }
-  // Checked here as the servers check it, before the placement's arithmetic.
-  for (const TensorOptions& t : job.tensors) {
-    if (t.numel == 0 || t.numel > kMaxNumel) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has numel ", t.numel,
-                                                     "; it must be in [1, 2^40]"));
-    }
-  }
+  SHARDOPT_RETURN_IF_ERROR(CheckJobOptions(job, im.options.rank));
   im.job = job;
   im.tensor_index.clear();
   for (uint32_t i = 0; i < job.tensors.size(); ++i) im.tensor_index[job.tensors[i].name] = i;
@@ -560,16 +522,7 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
 
 absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const StepOptions& options,
                                         absl::Span<const ParamView> params) {
-  // Checked before the push: refused after it, by the servers at the
-  // commit, the step could never go through (and a negative loss scale
-  // would move the params the wrong way).
-  if (!(options.loss_scale > 0) || !std::isfinite(options.loss_scale)) {
-    return absl::InvalidArgumentError(absl::StrCat("loss_scale must be finite and > 0, got ", options.loss_scale));
-  }
-  if (!(options.max_grad_norm >= 0) || !std::isfinite(options.max_grad_norm)) {
-    return absl::InvalidArgumentError(absl::StrCat("max_grad_norm must be finite and >= 0 (0: no clipping), got ",
-                                                   options.max_grad_norm));
-  }
+  SHARDOPT_RETURN_IF_ERROR(CheckStepOptions(options));
   const uint64_t t = impl_->step + 1;
   SHARDOPT_ASSIGN_OR_RETURN(auto push, Push(t, grads));
   StepResult result;

@@ -1,0 +1,65 @@
+#include "client/option_checks.h"
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "rpc/job_limits.h"
+
+namespace shardopt {
+
+absl::Status CheckClientOptions(const ClientOptions& options) {
+  if (options.servers.empty()) return absl::InvalidArgumentError("no servers given");
+  // Each server holds its own share of a job: one listed twice would be
+  // asked for two shares under one name.
+  for (size_t i = 0; i < options.servers.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (options.servers[i] == options.servers[j]) {
+        return absl::InvalidArgumentError(absl::StrCat("server ", options.servers[i], " is listed twice (", j, " and ",
+                                                       i, "); each server holds its own share of a job"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckJobOptions(const JobOptions& job, uint32_t rank) {
+  if (job.name.empty()) return absl::InvalidArgumentError("a job needs a name");
+  if (job.tensors.empty()) return absl::InvalidArgumentError(absl::StrCat("job '", job.name, "' has no tensors"));
+  if (job.world_size == 0) return absl::InvalidArgumentError("world_size must be at least 1");
+  if (rank >= job.world_size) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank, " is out of range for world_size ", job.world_size));
+  }
+  if (job.grad_type != GradType::kBf16 && job.grad_type != GradType::kFp32) {
+    return absl::InvalidArgumentError(absl::StrCat("no such grad_type (", static_cast<int>(job.grad_type), ")"));
+  }
+  for (const GroupOptions& g : job.groups) {
+    if (g.precision != StatePrecision::kFp32 && g.precision != StatePrecision::kBf16) {
+      return absl::InvalidArgumentError(absl::StrCat("group '", g.name, "' has no such state precision (",
+                                                     static_cast<int>(g.precision), ")"));
+    }
+  }
+  for (const TensorOptions& t : job.tensors) {
+    if (t.param_type != ParamType::kBf16 && t.param_type != ParamType::kFp32) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has no such param_type (",
+                                                     static_cast<int>(t.param_type), ")"));
+    }
+    if (t.numel == 0 || t.numel > kMaxNumel) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has numel ", t.numel,
+                                                     "; it must be in [1, 2^40]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckStepOptions(const StepOptions& options) {
+  if (!(options.loss_scale > 0) || !std::isfinite(options.loss_scale)) {
+    return absl::InvalidArgumentError(absl::StrCat("loss_scale must be finite and > 0, got ", options.loss_scale));
+  }
+  if (!(options.max_grad_norm >= 0) || !std::isfinite(options.max_grad_norm)) {
+    return absl::InvalidArgumentError(absl::StrCat("max_grad_norm must be finite and >= 0 (0: no clipping), got ",
+                                                   options.max_grad_norm));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace shardopt
