@@ -625,20 +625,11 @@ class RemoteAdamW(torch.optim.Optimizer):
             raise UnsupportedDtype(f"initial values of {t.name!r} are {host.dtype}; fp32 or bf16 needed")
 
     def _check_initial(self, t, x, what):
-        """The servers' checks of an initial value, made here so that a state
-        dict they would refuse partway is refused before anything is sent:
-        finite as the group holds it (a bf16 group's rounding may overflow),
-        and exp_avg_sq not negative (its square root is taken)."""
-        values = x.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-        if self._bf16_state[t.group]:
-            values = values.to(torch.bfloat16).to(torch.float32)
-        bad = ~torch.isfinite(values)
-        if what == "exp_avg_sq":
-            bad |= values < 0
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            why = "is not finite" if not bool(torch.isfinite(values[i])) else "is negative"
-            raise InvalidArgument(f"initial {what} of tensor {t.name!r} element {i} {why}")
+        """The servers' checks of an initial value (finite as the group holds
+        it; exp_avg_sq not negative), made here so that a state dict they
+        would refuse partway is refused before anything is sent."""
+        values = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        _C.check_initial_values(t.name, values.data_ptr(), values.numel(), self._bf16_state[t.group], what)
 
     def _checked(self, x, t, what):
         if x.numel() != t.numel:

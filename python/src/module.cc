@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "rpc/initial_values.h"
 #include "shardopt/client.h"
 
 namespace py = pybind11;
@@ -373,6 +374,18 @@ PYBIND11_MODULE(_C, m) {
         return shardopt::Decide(push, world_size, MakeStepOptions(0, {}, max_grad_norm, loss_scale));
       },
       py::arg("push"), py::arg("world_size"), py::arg("max_grad_norm"), py::arg("loss_scale"));
+  // The servers' check of initial values (rpc/initial_values.h), for a
+  // caller that checks a whole state dict before it sends any of it.
+  m.def(
+      "check_initial_values",
+      [](const std::string& tensor, uintptr_t data, uint64_t count, bool bf16_state, const std::string& kind) {
+        const shardopt::InitialKind initial = kind == "exp_avg"      ? shardopt::InitialKind::kExpAvg
+                                              : kind == "exp_avg_sq" ? shardopt::InitialKind::kExpAvgSq
+                                                                     : shardopt::InitialKind::kMaster;
+        Check(shardopt::CheckInitialValues(reinterpret_cast<const char*>(data), count, /*fp32=*/true, bf16_state,
+                                           initial, absl::StrCat("'", tensor, "'"), 0));
+      },
+      py::arg("tensor"), py::arg("data"), py::arg("count"), py::arg("bf16_state"), py::arg("kind"));
   m.def(
       "expand_server_pattern",
       [](const std::string& pattern, uint32_t count) { return Value(shardopt::ExpandServerPattern(pattern, count)); },
