@@ -1,0 +1,119 @@
+"""RemoteAdamW(overlap=True): each gradient pushed while backward is still
+running, from a hook on its param's AccumulateGrad node, and the push
+finished and committed by step(). A mixin of RemoteAdamW (shardopt.torch),
+whose state it uses: its tensors, client, order and locks."""
+import weakref
+
+import torch
+
+from . import _C
+from ._errors import InvalidArgument
+
+
+class _OverlapPush:
+    def _set_order(self, order):
+        self._order = order
+        self._order_names = [self._tensors[k].name for k in order]
+        self._position = {k: i for i, k in enumerate(order)}
+
+    def _register_ready_hooks(self):
+        # torch 1.13 has no post-accumulate-grad hook; a hook on the param's
+        # AccumulateGrad node runs right after p.grad is written, on torch 1.x
+        # and 2.x alike. The nodes must be kept alive for the hooks to stay.
+        this = weakref.ref(self)
+
+        def hook(k):
+            def ready(grad_inputs, grad_outputs):
+                optimizer = this()
+                if optimizer is not None:
+                    optimizer._on_grad_ready(k)
+            return ready
+
+        # A param without requires_grad gets no gradient and has no node:
+        # step() pushes it as having none. The node is found through a view
+        # made with grad enabled, also when the optimizer is built under
+        # torch.no_grad().
+        with torch.enable_grad():
+            for k, t in enumerate(self._tensors):
+                if not t.param.requires_grad or t.numel == 0:
+                    continue
+                node = t.param.expand_as(t.param).grad_fn.next_functions[0][0]
+                node.register_hook(hook(k))
+                self._hooks.append(node)
+
+    def _start_push(self):
+        """Opens the push of the next step, in the order backward last gave
+        the gradients."""
+        self._check_unchanged()
+        self._push_step = self._client.step_count + 1
+        self._client.start_push(self._push_step, self._order_names)
+        self._seen, self._marked = [], {}
+
+    def _on_grad_ready(self, k):
+        with self._push_lock:
+            if not self._client.pushing():
+                self._start_push()
+        t = self._tensors[k]
+        source, owner = self._grad_source(t)
+        # What was pushed: a gradient changed after this (clipped, unscaled)
+        # would not be what the servers apply (_finish_push checks). Held
+        # weakly: a gradient let go is freed once the push ends.
+        g = t.param.grad
+        self._marked[k] = (None if g is None else weakref.ref(g), getattr(g, "_version", None))
+        if t.device.type == "cuda":
+            # The push reads the staging buffer as soon as it is marked.
+            torch.cuda.current_stream(t.device).synchronize()
+        if not self._client.mark(self._position[k], source, owner):
+            raise RuntimeError(f"RemoteAdamW(overlap=True): param {t.name!r} got a second gradient before step(); "
+                               "overlap pushes each gradient as backward produces it, so it takes one backward "
+                               "per step (use overlap=False to accumulate gradients)")
+        self._seen.append(k)
+
+    def _commit_push(self, skip=False):
+        """Finishes the running push and commits it, decided as
+        Client::Step decides (skip=True: as a skipped step)."""
+        push = self._finish_push()
+        decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
+        self._commit_pushed(decision.gscale, skip or decision.skip)
+        return decision
+
+    def _commit_pushed(self, gscale, skip):
+        """Commits the finished push's step at each group's current lr."""
+        group_lr = [float(g["lr"]) for g in self.param_groups]
+        self._client.commit(self._push_step, group_lr[0], gscale, skip, self._param_targets(), group_lr)
+
+    def _finish_push(self):
+        """Marks the gradients no hook delivered (set by hand, or None) and
+        waits for the push; learns the order backward produced them in."""
+        if not self._client.pushing():  # no backward ran: push what p.grad holds
+            self._start_push()
+        seen = set(self._seen)
+        rest = [k for k in self._order if k not in seen]
+        try:
+            # (A gradient set to None meanwhile is let go, and what was pushed
+            # stands.)
+            changed = []
+            for k, (pushed, version) in self._marked.items():
+                now = self._tensors[k].param.grad
+                if now is not None and (pushed is None or now is not pushed() or getattr(now, "_version", None) != version):
+                    changed.append(self._tensors[k].name)
+            if changed:
+                raise InvalidArgument(f"the gradients of {', '.join(map(repr, changed[:3]))} changed after backward "
+                                      "produced them (clipped or unscaled?); overlap=True pushes each as it is "
+                                      "produced: clip with max_grad_norm, or use overlap=False")
+            sources = {k: self._grad_source(self._tensors[k]) for k in rest}
+            self._sync_staging()
+        except BaseException:
+            # The push waits for every mark: it ends with no gradient for the
+            # rest and is committed as a skip (what it pushed is not the
+            # gradient), so that the optimizer is not left refusing every call.
+            for k in rest:
+                self._client.mark(self._position[k], 0, None)
+            self._client.finish_push()
+            self._commit_pushed(1.0, skip=True)
+            raise
+        for k in rest:
+            self._client.mark(self._position[k], *sources[k])
+        push = self._client.finish_push()
+        self._set_order(self._seen + rest)
+        return push
