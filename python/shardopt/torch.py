@@ -128,8 +128,10 @@ def _check_hyper(g, where):
         lr = lr.item()
     if not 0.0 <= lr < float("inf"):
         raise ValueError(f"{where}Invalid learning rate: {lr}")
-    if not 0.0 <= eps < float("inf"):
-        raise ValueError(f"{where}Invalid epsilon value: {eps}")
+    # torch takes eps = 0; the servers do not (a zero gradient's update
+    # would be 0/0).
+    if not 0.0 < eps < float("inf"):
+        raise ValueError(f"{where}Invalid epsilon value: {eps} (must be > 0)")
     if not 0.0 <= beta1 < 1.0:
         raise ValueError(f"{where}Invalid beta parameter at index 0: {beta1}")
     if not 0.0 <= beta2 < 1.0:
@@ -262,20 +264,23 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
         self.resumed_step = self._client.create_or_attach(job, world_size, job_groups, job_tensors, False,
                                                           int(barrier_timeout * 1000), restore_step)
         if self.resumed_step == 0:
-            # Every rank starts from the same params (as DDP requires too)
-            # and sends its share of them, so that the servers take the
-            # model's bytes once however many ranks there are; the servers
-            # take no push before step 1's initial values are all in, so each
-            # rank waits here for the others' shares.
-            for t in self._remote:
-                self._init_master(t, t.param, share=(rank, world_size))
+            # Rank 0's params are the job's initial values, as DDP broadcasts
+            # rank 0's: it sends them (the servers take the model's bytes
+            # once), and every other rank waits until they are in and takes
+            # them from the servers, so ranks built from different seeds
+            # still start alike.
+            if rank == 0:
+                for t in self._remote:
+                    self._init_master(t, t.param)
             self._client.wait_for_initial_values(int(barrier_timeout * 1000))
-        else:
+        if self.resumed_step != 0 or rank != 0:
             self._pull_params()
         self._note_versions()
         self._client.verify_state()
 
         self._hooks = []
+        # Held by step() and state_dict(), which another thread may call.
+        self._step_lock = threading.RLock()
         # Backward runs a model's hooks on one autograd thread per device:
         # the first to see no push running starts it, once.
         self._push_lock = threading.Lock()
@@ -309,6 +314,11 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with self._step_lock:  # a state_dict() in another thread reads between steps
+            self._step()
+        return loss
+
+    def _step(self):
         self._check_params()
         for gi, g in enumerate(self.param_groups):  # the lr a scheduler set, before it is sent
             _check_hyper(g, f"group {gi}: ")
@@ -327,23 +337,43 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
         self._note_versions()
         self.last_decision = decision
         self._checkpoint_if_due()
-        return loss
 
     def zero_grad(self, set_to_none=True):
         # A push running here had its backward but will get no step(): it is
         # completed as a skipped step so the job can go on.
         if self.overlap and self._client.pushing():
-            self._commit_push(skip=True)
-            self._checkpoint_if_due()
+            with self._step_lock:
+                self._commit_push(skip=True)
+                self._checkpoint_if_due()
         super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
         """torch.optim.AdamW's layout, read from the servers: per param
         ``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master``, all fp32 (for
         bf16 params too). Params that never had a step have no state, as in
-        torch, and neither have params with zero elements."""
-        self._check_params()
-        steps = dict(zip((t.name for t in self._remote), self._client.adam_steps()))
+        torch, and neither have params with zero elements. One step's state:
+        read between this process's steps, and refused (FailedPrecondition)
+        if the job stepped meanwhile all the same."""
+        with self._step_lock:
+            self._check_params()
+            adam_steps = self._client.adam_steps()
+            state = self._read_state(dict(zip((t.name for t in self._remote), adam_steps)))
+            # Each tensor's state is read by its own calls: a step applied
+            # between them (another process committing a step this one
+            # pushed with overlap=True) would tear the dict, and every
+            # applied step advances some tensor's Adam step.
+            if self._client.adam_steps() != adam_steps:
+                raise FailedPrecondition("the job stepped while its state was read; call state_dict() between "
+                                         "steps")
+        groups, k = [], 0
+        for g in self.param_groups:
+            saved = {key: value for key, value in g.items() if key != "params"}
+            saved["params"] = list(range(k, k + len(g["params"])))
+            k += len(g["params"])
+            groups.append(saved)
+        return {"state": state, "param_groups": groups}
+
+    def _read_state(self, steps):
         state = {}
         for k, t in enumerate(self._tensors):
             if steps.get(t.name, 0) == 0:
@@ -353,13 +383,7 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
                               ("master", _C.StateToRead.MASTER)):
                 entry[key] = self._read_fp32(t, what)
             state[k] = entry
-        groups, k = [], 0
-        for g in self.param_groups:
-            saved = {key: value for key, value in g.items() if key != "params"}
-            saved["params"] = list(range(k, k + len(g["params"])))
-            k += len(g["params"])
-            groups.append(saved)
-        return {"state": state, "param_groups": groups}
+        return state
 
     def load_state_dict(self, state_dict, shared=False):
         """Loads a state dict of this class or of torch.optim.AdamW into the

@@ -50,6 +50,9 @@ def assert_ranks_match(outs, digests, model):
 
 
 def test_two_ranks_equal_one_process_with_the_summed_gradient(servers, job, tmp_path):
+    """Rank 1's model starts from another seed: rank 0's values are the
+    job's, and rank 1 takes them from the servers (as DDP broadcasts rank
+    0's), so both train as one process from rank 0's values does."""
     outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
     ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "workers.py"), "dp", "--servers", ",".join(servers),
                                "--job", f"{job}-dp", "--rank", str(r), "--world_size", "2", "--steps", str(STEPS),

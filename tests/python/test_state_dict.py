@@ -194,21 +194,24 @@ def test_a_second_thread_may_checkpoint_and_read_while_the_first_trains(server_b
     monitoring thread can call in while the training loop steps. Each call
     runs alone in the client: a checkpoint taken between two steps is of the
     step the servers are at (before, it could name the step before a commit
-    in flight, and be refused), and training is bitwise that of one thread."""
+    in flight, and be refused), and training is bitwise that of one thread.
+    Every state dict is one step's: its masters are the params after the
+    step its Adam steps name (before, steps were applied between its reads,
+    and most dicts mixed several steps)."""
     with checkpointing_servers(server_binary, tmp_path) as (procs, _):
         servers = [p.address for p in procs]
         busy, alone = make_model(), make_model()
         opt = RemoteAdamW(busy.named_parameters(), servers=servers, job=f"{job}-busy", lr=1e-3)
         ref = RemoteAdamW(alone.named_parameters(), servers=servers, job=f"{job}-alone", lr=1e-3)
         done = threading.Event()
-        errors, calls = [], [0]
+        errors, calls, dicts = [], [0], []
 
         def poke():
             while not done.is_set():
                 try:
                     opt.checkpoint()
                     opt.describe()
-                    opt.state_dict()
+                    dicts.append(opt.state_dict())
                     calls[0] += 1
                 except Exception as e:  # noqa: BLE001 (reported below)
                     errors.append(e)
@@ -216,14 +219,25 @@ def test_a_second_thread_may_checkpoint_and_read_while_the_first_trains(server_b
 
         poker = threading.Thread(target=poke)
         poker.start()
+        after = {0: [p.detach().clone() for p in busy.parameters()]}  # the params after each step
         try:
-            train(busy, opt, 20)
+            for step in range(1, 21):
+                train(busy, opt, 1, first=step)
+                after[step] = [p.detach().clone() for p in busy.parameters()]
         finally:
             done.set()
             poker.join()
         train(alone, ref, 20)
         assert not errors, errors[0]
         assert calls[0] > 0
+        stepped = [sd for sd in dicts if sd["state"]]
+        assert stepped, "no state dict was read after a step"
+        for sd in stepped:
+            steps = {int(entry["step"]) for entry in sd["state"].values()}
+            assert len(steps) == 1, steps
+            step = steps.pop()
+            for k, p in enumerate(after[step]):
+                assert same_bits(sd["state"][k]["master"], p), (step, k)
         for (name, p), q in zip(busy.named_parameters(), alone.parameters()):
             assert same_bits(p, q), name
         opt.drop()

@@ -47,8 +47,9 @@ def resume(args):
 
 def dp(args):
     """Rank r of world_size trains on its share of each step's batch; no DDP,
-    the servers average the gradients."""
-    model = make_model()
+    the servers average the gradients. Each rank builds its model from a
+    seed of its own: rank 0's values are the job's, as with DDP."""
+    model = make_model(seed=args.rank)
     opt = RemoteAdamW(param_groups(model), servers=args.servers.split(","), job=args.job, lr=1e-3, rank=args.rank,
                       world_size=args.world_size, barrier_timeout=10)
     train_share(model, opt, args)
