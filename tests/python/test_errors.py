@@ -139,6 +139,13 @@ def test_bad_hyperparameters_are_refused_at_construction_as_torch_refuses_them(j
     assert str(theirs.value) in str(ours.value)
 
 
+def test_eps_zero_which_torch_takes_is_refused_before_any_server_is_asked(job):
+    """The servers refuse eps = 0 (a zero gradient's update would be 0/0):
+    a ValueError here, not a server's InvalidArgument after connecting."""
+    with pytest.raises(ValueError, match=r"Invalid epsilon value: 0.0 \(must be > 0\)"):
+        RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=["127.0.0.1:1"], job=job, eps=0.0)
+
+
 @pytest.mark.parametrize("max_grad_norm", [-1.0, float("nan"), float("inf")])
 def test_a_bad_max_grad_norm_is_refused_at_construction(job, max_grad_norm):
     with pytest.raises(ValueError, match="max_grad_norm"):
