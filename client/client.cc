@@ -236,8 +236,10 @@ Client::~Client() = default;
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   SHARDOPT_RETURN_IF_ERROR(CheckClientOptions(options));
   if (options.tune_allocator) TuneAllocatorForStreaming();
+  SHARDOPT_ASSIGN_OR_RETURN(std::string token, CleanBearerToken(options.token));
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->options.token = std::move(token);
   impl->pushes_to.assign(options.servers.size(), options.push_servers.empty());
   for (uint32_t s : options.push_servers) {
     if (s >= options.servers.size()) {

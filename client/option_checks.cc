@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "rpc/job_limits.h"
 
@@ -20,6 +21,18 @@ absl::Status CheckClientOptions(const ClientOptions& options) {
     }
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> CleanBearerToken(absl::string_view token) {
+  token = absl::StripAsciiWhitespace(token);
+  for (size_t i = 0; i < token.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(token[i]);
+    if (c < 0x21 || c > 0x7e) {
+      return absl::InvalidArgumentError(absl::StrCat("the token's character ", i + 1, " of ", token.size(),
+                                                     " is not printable ASCII, which a header cannot carry"));
+    }
+  }
+  return std::string(token);
 }
 
 absl::Status CheckJobOptions(const JobOptions& job, uint32_t rank) {

@@ -5,13 +5,23 @@
 
 #include <cstdint>
 
+#include <string>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "shardopt/client.h"
 
 namespace shardopt {
 
 // Connect's: each server listed once.
 absl::Status CheckClientOptions(const ClientOptions& options);
+// A bearer token as a file or the environment gives it: without the
+// surrounding whitespace (a file's trailing newline, which a Secret mounted
+// as an environment variable keeps). Any other byte outside printable ASCII
+// is INVALID_ARGUMENT, naming its position, never the token: gRPC aborts
+// the process on a header value it cannot send, and prints the header.
+absl::StatusOr<std::string> CleanBearerToken(absl::string_view token);
 // CreateOrAttach's: a name, tensors of numel in [1, 2^40] (rpc/job_limits.h,
 // as the servers check it, before the placement's arithmetic), a world_size
 // of at least 1 that holds `rank`, enum values that name something.

@@ -29,6 +29,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "kernels/adamw_math.h"
 #include "checkpoint/format.h"
+#include "client/option_checks.h"
 #include "shardopt/safetensors.h"
 #include "grpcpp/grpcpp.h"
 #include "rpc/grpc_edge.h"
@@ -210,10 +211,11 @@ int main(int argc, char** argv) {
     if (!in || contents.str().empty()) return Fail(absl::NotFoundError(absl::StrCat(paths[i], " cannot be read")));
     text[i] = contents.str();
   }
-  std::string token = std::string(absl::StripAsciiWhitespace(text[3]));
-  if (token.empty()) {
-    if (const char* env = std::getenv("SHARDOPT_TOKEN"); env != nullptr) token = env;
-  }
+  const char* env = std::getenv("SHARDOPT_TOKEN");
+  // The file's token, else the environment's.
+  auto token = shardopt::CleanBearerToken(
+      absl::StripAsciiWhitespace(text[3]).empty() && env != nullptr ? absl::string_view(env) : text[3]);
+  if (!token.ok()) return Fail(token.status());
   auto stub = v1::Optimizer::NewStub(grpc::CreateCustomChannel(
       absl::GetFlag(FLAGS_server), shardopt::ChannelCredentialsFor(text[0], text[1], text[2]), channel_args));
   // One context per call, each with the token and a deadline: a server that
@@ -223,7 +225,7 @@ int main(int argc, char** argv) {
     contexts.push_back(std::make_unique<grpc::ClientContext>());
     contexts.back()->set_deadline(std::chrono::system_clock::now() +
                                   std::chrono::seconds(std::max(1, absl::GetFlag(FLAGS_timeout_s))));
-    if (!token.empty()) contexts.back()->AddMetadata("authorization", "Bearer " + token);
+    if (!token->empty()) contexts.back()->AddMetadata("authorization", "Bearer " + *token);
     return contexts.back().get();
   };
 

@@ -4,7 +4,7 @@
 #include <sstream>
 #include <utility>
 
-#include "absl/container/flat_hash_set.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -58,14 +58,15 @@ absl::Status Caller::Allows(Action action, const std::string& job) const {
 
 absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {
   TokenTable table;
-  absl::flat_hash_set<std::string> names;
+  absl::flat_hash_map<std::string, int> names;  // each name's line
   int line_number = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     ++line_number;
     if (const size_t hash = line.find('#'); hash != absl::string_view::npos) line = line.substr(0, hash);
     std::vector<absl::string_view> fields = absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
     if (fields.empty()) continue;
-    // Errors name the line and the holder, never the token.
+    // Errors name lines, never a field: in a line that lacks a column, any
+    // field may be the token.
     const auto bad = [&](absl::string_view why) {
       return absl::InvalidArgumentError(absl::StrCat("tokens file line ", line_number, ": ", why));
     };
@@ -77,20 +78,22 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {
     } else if (fields[1] == "admin") {
       e.caller.role = Role::kAdmin;
     } else {
-      return bad(absl::StrCat("role '", fields[1], "' of '", fields[0], "' is neither trainer nor admin"));
+      return bad("the role (second field) is neither trainer nor admin");
     }
     e.token = std::string(fields[2]);
     if (e.token.size() < kMinTokenBytes) {
-      return bad(absl::StrCat("the token of '", fields[0], "' is shorter than ", kMinTokenBytes, " characters"));
+      return bad(absl::StrCat("the token (third field) is shorter than ", kMinTokenBytes, " characters"));
     }
     for (size_t i = 3; i < fields.size(); ++i) e.caller.prefixes.emplace_back(fields[i]);
     if (e.caller.role == Role::kTrainer && e.caller.prefixes.empty()) {
-      return bad(absl::StrCat("trainer '", fields[0], "' has no job prefix (give '*' for every job)"));
+      return bad("a trainer without a job prefix (give '*' for every job)");
     }
-    if (!names.insert(e.caller.name).second) return bad(absl::StrCat("'", fields[0], "' appears twice"));
+    if (auto [it, added] = names.emplace(e.caller.name, line_number); !added) {
+      return bad(absl::StrCat("the name of line ", it->second, " again"));
+    }
     for (const Entry& other : table.entries_) {
       if (ConstantTimeEquals(other.token, e.token)) {
-        return bad(absl::StrCat("'", fields[0], "' has the same token as '", other.caller.name, "'"));
+        return bad(absl::StrCat("the token of line ", names[other.caller.name], " again"));
       }
     }
     table.entries_.push_back(std::move(e));

@@ -352,5 +352,21 @@ TEST(TokenTableTest, RolesPrefixesAndErrors) {
   EXPECT_THAT(short_token.status().message(), ::testing::Not(HasSubstr("0123456789")));
 }
 
+// A line missing a column puts the token where a name or a role was
+// expected: no error may quote a field (these were logged at a SIGHUP).
+TEST(TokenTableTest, ErrorsOfMalformedLinesNeverQuoteAField) {
+  const std::string token = "6f1d0c1e9b2a4f7e8c3d5a6b";
+  for (const std::string& text : {absl::StrCat("trainer ", token, " team-a/\n"),          // no name
+                                  absl::StrCat(token, " trainer short team-a/\n"),        // token first
+                                  absl::StrCat(token, " admin x\n", token, " admin y\n"),  // a name again
+                                  absl::StrCat("a admin ", token, "\nb admin ", token, "\n"),  // a token again
+                                  absl::StrCat(token, " trainer ", token, "\n")}) {      // no prefix
+    auto table = TokenTable::Parse(text);
+    ASSERT_TRUE(absl::IsInvalidArgument(table.status())) << text;
+    EXPECT_THAT(table.status().message(), HasSubstr("line ")) << text;
+    EXPECT_THAT(table.status().message(), ::testing::Not(HasSubstr(token.substr(0, 8)))) << table.status();
+  }
+}
+
 }  // namespace
 }  // namespace shardopt

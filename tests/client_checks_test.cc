@@ -16,6 +16,8 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "client/option_checks.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "shardopt/client.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
@@ -228,6 +230,17 @@ TEST(ClientChecksTest, AGradientGivenTwiceForATensorIsRefused) {
   std::vector<uint16_t> g(100, 0x3f80), h(100, 0x4000);
   const auto pushed = cluster.client().Push(1, {{"w", g.data()}, {"w", h.data()}});
   EXPECT_EQ(pushed.status().code(), absl::StatusCode::kInvalidArgument) << pushed.status();
+}
+
+TEST(ClientChecksTest, ATokenLosesItsSurroundingWhitespaceAndOtherControlBytesAreRefused) {
+  EXPECT_EQ(CleanBearerToken("  0123456789abcdef\r\n").value(), "0123456789abcdef");
+  const auto bad = CleanBearerToken("01234567\n89abcdef");
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_THAT(std::string(bad.status().message()), ::testing::Not(::testing::HasSubstr("0123")));
+  ClientOptions options;
+  options.servers = {"127.0.0.1:1"};
+  options.token = "01234567\x01" "89abcdef";  // gRPC would abort the process on it
+  EXPECT_EQ(Client::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST(ClientChecksTest, AServerListedTwiceIsRefusedAtConnect) {

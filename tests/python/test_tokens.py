@@ -43,8 +43,17 @@ def test_a_trainer_token_steps_its_jobs(server, job, monkeypatch):
     monkeypatch.setenv("SHARDOPT_TOKEN", TRAINER)
     w2, opt2 = make(server.address, "team-a/" + job)  # attaches with the token from the environment
     assert opt2.resumed_step == 1
+    monkeypatch.setenv("SHARDOPT_TOKEN", TRAINER + "\n")  # a Secret's file, newline and all
+    assert make(server.address, "team-a/" + job)[1].resumed_step == 1
     monkeypatch.setenv("SHARDOPT_TOKEN", ADMIN)
     make(server.address, "team-a/" + job)[1].drop()
+
+
+def test_a_token_a_header_cannot_carry_is_refused_without_echoing_it(job):
+    """gRPC aborts the process on such a header value, printing it."""
+    with pytest.raises(shardopt.InvalidArgument) as refused:
+        make("127.0.0.1:1", job, token=TRAINER[:8] + "\n" + TRAINER[8:])
+    assert "character 9 of" in str(refused.value) and TRAINER[:8] not in str(refused.value)
 
 
 def test_no_token_a_wrong_one_or_another_prefix_is_refused(server, job, monkeypatch):
