@@ -373,6 +373,7 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
 
 absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
                                    uint64_t adam_step, InitShare share) {
+  SHARDOPT_RETURN_IF_ERROR(CheckAdamStep(adam_step, absl::StrCat("'", tensor, "'")));
   SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, exp_avg, v1::FP32, v1::EXP_AVG, share));
   SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, exp_avg_sq, v1::FP32, v1::EXP_AVG_SQ, share));
   SHARDOPT_RETURN_IF_ERROR(impl_->InitTensor(tensor, exp_avg, v1::FP32, v1::EXP_AVG, adam_step, share));

@@ -33,4 +33,10 @@ absl::Status CheckInitialValues(const char* data, uint64_t count, bool fp32, boo
   return absl::OkStatus();
 }
 
+absl::Status CheckAdamStep(uint64_t adam_step, absl::string_view quoted_tensor) {
+  if (adam_step <= kMaxAdamStep) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("adam_step ", adam_step, " of tensor ", quoted_tensor,
+                                                 " is over 2^53, the most Init takes"));
+}
+
 }  // namespace shardopt

@@ -22,4 +22,13 @@ enum class InitialKind { kMaster, kExpAvg, kExpAvgSq };
 absl::Status CheckInitialValues(const char* data, uint64_t count, bool fp32, bool bf16_state, InitialKind kind,
                                 absl::string_view quoted_tensor, uint64_t first);
 
+// The largest Adam step count Init takes: a double's exact integers (the
+// Python client keeps counts as floats), far from the wrap at 2^64 that
+// would make the next update's bias correction 1 - beta1^0 = 0 (NaN state).
+inline constexpr uint64_t kMaxAdamStep = uint64_t{1} << 53;
+
+// OK if `adam_step` is one Init takes (0: the count is left as it is); else
+// INVALID_ARGUMENT.
+absl::Status CheckAdamStep(uint64_t adam_step, absl::string_view quoted_tensor);
+
 }  // namespace shardopt

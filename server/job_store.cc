@@ -279,6 +279,7 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
                                                              : InitialKind::kMaster;
   SHARDOPT_RETURN_IF_ERROR(CheckInitialValues(chunk.data().data(), count, dtype == DType::kFp32, bf16_state, initial,
                                               Quote(chunk.tensor()), chunk.offset()));
+  SHARDOPT_RETURN_IF_ERROR(CheckAdamStep(chunk.adam_step(), Quote(chunk.tensor())));
   absl::MutexLock lock(&job.mu);
   if (!job.StateWritable(wake)) return std::nullopt;  // a checkpoint streaming step 0 keeps the values it began with
   SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());

@@ -9,6 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "rpc/initial_values.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/store_fixture.h"
 
@@ -235,7 +236,16 @@ TEST_F(ContractTest, InitRefusesNegativeSecondMomentsAndParamsAndChangesNothing)
   v[5] = -v[5];
   c.set_data(v.data(), v.size() * 4);
   EXPECT_EQ(store_.Init(c).status().code(), absl::StatusCode::kInvalidArgument);
+  // A count the next update would wrap to 0 (bias correction 0: NaN state),
+  // and the first one over the bound.
+  c.set_kind(v1::EXP_AVG_SQ);
+  for (uint64_t adam_step : {~uint64_t{0}, kMaxAdamStep + 1}) {
+    c.set_adam_step(adam_step);
+    EXPECT_EQ(store_.Init(c).status().code(), absl::StatusCode::kInvalidArgument) << adam_step;
+  }
   EXPECT_EQ(Snapshot("moments"), before);
+  c.set_adam_step(kMaxAdamStep);
+  EXPECT_TRUE(store_.Init(c).ok());
 }
 
 // no_grad names are resolved as they arrive: an unknown one is refused at
