@@ -45,6 +45,11 @@ struct Client::Impl {
   absl::flat_hash_map<std::string, uint32_t> tensor_index;
   std::vector<std::vector<ShardPlacement>> shards_of;  // [server] in tensor order
   std::vector<bool> pushes_to;                         // [server]: in push_servers
+  // [server]: why this client cannot go on with the job there (Reattach
+  // failed). The fresh job it dropped again is answered "was dropped" from
+  // then on, which would read as if someone had dropped the job.
+  mutable std::mutex lost_mu;
+  mutable std::vector<std::string> lost;  // guarded by lost_mu
 
   uint32_t servers() const { return static_cast<uint32_t>(stubs.size()); }
   const std::string& address(uint32_t s) const { return options.servers[s]; }
@@ -70,6 +75,12 @@ struct Client::Impl {
   template <typename Attempt>
   absl::Status Call(uint32_t server, uint32_t timeout_ms, const Attempt& attempt, bool reattach = true) const {
     const absl::Status st = fanout::Call(address(server), options.token, options.max_attempts, timeout_ms, attempt);
+    if (absl::IsNotFound(st) && absl::StrContains(st.message(), "was dropped")) {
+      std::lock_guard<std::mutex> lock(lost_mu);
+      if (server < lost.size() && !lost[server].empty()) {
+        return fanout::FailFanout(absl::FailedPreconditionError(lost[server]));
+      }
+    }
     if (!reattach || !attached || !absl::IsNotFound(st) || !absl::StrContains(st.message(), "no job ")) {
       return fanout::FailFanout(st);
     }
@@ -84,7 +95,7 @@ struct Client::Impl {
   // otherwise FAILED_PRECONDITION, and a job it made afresh is dropped
   // again. A job dropped on purpose is answered "was dropped" instead, and
   // never comes here.
-  absl::Status Reattach(uint32_t s, const absl::Status& lost) const {
+  absl::Status Reattach(uint32_t s, const absl::Status& why) const {
     v1::CreateJobRequest req = ToCreateJobRequest(job, shards_of[s]);
     req.set_restore_step(0);  // this run's newest, whatever the launch asked for
     v1::CreateJobResponse resp;
@@ -101,10 +112,13 @@ struct Client::Impl {
                    })
           .IgnoreError();  // a fresh job, with nothing in it
     }
-    return absl::FailedPreconditionError(absl::StrCat(
-        lost.message(), "; asked to create job '", job.name, "' again, it ",
+    const absl::Status failed = absl::FailedPreconditionError(absl::StrCat(
+        why.message(), "; asked to create job '", job.name, "' again, it ",
         resp.restored() ? absl::StrCat("restored step ", resp.step()) : std::string("has no checkpoint of it"),
         ", and this client is at step ", step, ": restore every server from one checkpoint (CreateOrAttach)"));
+    std::lock_guard<std::mutex> lock(lost_mu);
+    lost[s] = std::string(failed.message());
+    return failed;
   }
 
   // Runs fn(server) on every server that holds part of the job (only those
@@ -269,6 +283,10 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   im.tensor_index.clear();
   for (uint32_t i = 0; i < job.tensors.size(); ++i) im.tensor_index[job.tensors[i].name] = i;
   im.shards_of.assign(im.servers(), {});
+  {
+    std::lock_guard<std::mutex> lock(im.lost_mu);
+    im.lost.assign(im.servers(), "");
+  }
   for (ShardPlacement& p : PlaceTensors(job.tensors, im.servers())) im.shards_of[p.server].push_back(std::move(p));
 
   std::vector<uint64_t> steps(im.servers(), 0), max_message(im.servers(), 0), barrier(im.servers(), 0);

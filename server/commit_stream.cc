@@ -73,8 +73,9 @@ class CommitStream {
     if (t_ == job_.step + 1 && !job_.applying) {
       if (options_.draining) {
         return absl::UnavailableError(absl::StrCat("the server is shutting down (SIGTERM) and checkpointing job '",
-                                                   job_.name(), "' at step ", job_.step, "; commit step ", t_,
-                                                   " on the restarted server"));
+                                                   job_.name(), "' at step ", job_.step, "; push and commit step ", t_,
+                                                   " again on the restarted server (the checkpoint holds no pushed "
+                                                   "gradients)"));
       }
       job_.ExpireIfLate(std::chrono::steady_clock::now());
       if (!job_.round.sealed) {

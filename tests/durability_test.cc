@@ -198,6 +198,30 @@ TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop
   EXPECT_EQ(*describe, 2 * kN);
 }
 
+// A server restarted with no checkpoint of the job: the re-attach finds a
+// fresh job at step 0, drops it again, and says why; every later call says
+// the same, not "was dropped" (the job the client itself dropped), which
+// reads as if someone had dropped the job on purpose.
+TEST(DurabilityTest, AServerThatLostTheJobKeepsSayingWhyNotThatItWasDropped) {
+  const JobOptions job = DurableJob("lost", {{"w", 3000}});
+  const int port = testing::FreeLoopbackPort();
+  const std::vector<std::string> args = {"--threads=1", absl::StrCat("--port=", port)};  // no checkpoints
+  auto server = testing::ServerProcess::Start(args);
+  ASSERT_NE(server, nullptr);
+  ClientOptions options;
+  options.servers = {server->address()};
+  auto client = Client::Connect(options).value();
+  ScriptedTrainer trainer = Train(*client, job, 2);
+  server->Stop(SIGKILL);
+  server = testing::ServerProcess::Start(args);
+  ASSERT_NE(server, nullptr);
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    const auto stepped = trainer.Step(*client);
+    EXPECT_EQ(stepped.status().code(), absl::StatusCode::kFailedPrecondition) << attempt << ": " << stepped.status();
+    EXPECT_THAT(std::string(stepped.status().message()), HasSubstr("has no checkpoint of it")) << attempt;
+  }
+}
+
 // A restore onto another placement streams the old parts' runs into the
 // new state as they are read: the server's peak memory is its state and the
 // read buffers, not also a copy of its new part and a whole old one (which
