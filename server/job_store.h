@@ -63,10 +63,11 @@ struct JobStoreOptions {
   // After a checkpoint completes, keep this many complete checkpoints of the
   // job and remove older steps (checkpoint::Prune); 0 keeps all.
   uint64_t checkpoint_keep = 0;
-  // Told what restore found: which checkpoint it loaded, and why it passed
-  // over newer, torn ones.
+  // Told what happens to checkpoint files besides writing them: which one
+  // a restore loaded, why it passed over newer, torn ones, which steps it
+  // set aside, and which a prune removed.
   std::function<void(const std::string&)> checkpoint_log = [](const std::string& line) {
-    log::Info("checkpoint_restore", {{"detail", line}});
+    log::Info("checkpoint_files", {{"detail", line}});
   };
   // A seam for tests: runs after each slice a checkpoint streams, without
   // the job's lock (job_snapshot.h), so a test can act while it streams.

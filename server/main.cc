@@ -171,6 +171,13 @@ std::string ReadPem(const std::string& flag, const std::string& path) {
   }
   return text.str();
 }
+// A start that fails says why, then ends with `exit` as every run does, so
+// that an alert on exit lines sees a crash-looping pod too. Exit code 1.
+int StartFailed(const std::string& error) {
+  shardopt::log::Error("start_failed", {{"error", error}});
+  shardopt::log::Error("exit", {{"code", "1"}, {"why", absl::StrCat("the start failed: ", error)}});
+  return 1;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -241,8 +248,7 @@ int main(int argc, char** argv) {
   // flag is; a device that is not there is a failed start (exit 1).
   if (absl::IsInvalidArgument(backend.status())) shardopt::UsageError(std::string(backend.status().message()));
   if (!backend.ok()) {
-    log::Error("start_failed", {{"error", std::string(backend.status().message())}});
-    return 1;
+    return StartFailed(std::string(backend.status().message()));
   }
 
   shardopt::JobStoreOptions store_options;
@@ -257,8 +263,7 @@ int main(int argc, char** argv) {
   store_options.max_message_bytes = static_cast<uint64_t>(absl::GetFlag(FLAGS_max_message_bytes));
   if (!store_options.checkpoint_dir.empty()) {
     if (const absl::Status writable = CheckWritable(store_options.checkpoint_dir); !writable.ok()) {
-      log::Error("start_failed", {{"error", std::string(writable.message())}});
-      return 1;
+      return StartFailed(std::string(writable.message()));
     }
   }
   shardopt::JobStore store(backend->get(), store_options);
@@ -266,8 +271,7 @@ int main(int argc, char** argv) {
   if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {
     auto loaded = shardopt::Authenticator::FromFile(path);
     if (!loaded.ok()) {
-      log::Error("start_failed", {{"error", std::string(loaded.status().message())}});
-      return 1;
+      return StartFailed(std::string(loaded.status().message()));
     }
     auth = *std::move(loaded);
   }
@@ -290,8 +294,7 @@ int main(int argc, char** argv) {
   std::signal(SIGHUP, OnReload);
   auto running = shardopt::StartServer(&store, options);
   if (!running.ok()) {
-    log::Error("start_failed", {{"error", std::string(running.status().message())}});
-    return 1;
+    return StartFailed(std::string(running.status().message()));
   }
   const std::string device = (*backend)->Describe();
   // The checkpoint counters from 0, so that an alert on their increase (no
@@ -328,8 +331,7 @@ int main(int argc, char** argv) {
     auto started = shardopt::MetricsServer::Start(BareHost(absl::GetFlag(FLAGS_host)), port,
                                                   &shardopt::metrics::Registry::Default());
     if (!started.ok()) {
-      log::Error("start_failed", {{"error", std::string(started.status().message())}});
-      return 1;
+      return StartFailed(std::string(started.status().message()));
     }
     metrics_server = *std::move(started);
   }
@@ -355,9 +357,8 @@ int main(int argc, char** argv) {
     out.close();
     if (!out || std::rename(tmp.c_str(), path.c_str()) != 0) {
       // A harness waiting for the file would wait for good.
-      log::Error("start_failed", {{"error", absl::StrCat("cannot write --port_file=", path)}});
       (*running)->server->Shutdown(std::chrono::system_clock::now());
-      return 1;
+      return StartFailed(absl::StrCat("cannot write --port_file=", path));
     }
   }
 

@@ -239,4 +239,16 @@ TEST_F(LogsTest, RepeatedRefusalsAreRateLimitedAndTextLinesHaveTheirShape) {
 }
 
 }  // namespace
+// A start that fails logs why and still ends with `exit`, so that an alert
+// on exit lines sees a crash-looping pod.
+TEST_F(LogsTest, AFailedStartEndsWithAnExitLine) {
+  std::string log;
+  ASSERT_EQ(testing::ServerExitCode({"--log_format=json", "--checkpoint_dir=/proc/self/no-such-dir"}, &log), 1);
+  const auto lines = JsonLines(log);
+  ASSERT_EQ(Events(lines, "start_failed").size(), 1u) << log;
+  ASSERT_FALSE(lines.empty());
+  EXPECT_EQ(lines.back().value("event", ""), "exit") << log;
+  EXPECT_EQ(lines.back().value("code", ""), "1") << log;
+}
+
 }  // namespace shardopt

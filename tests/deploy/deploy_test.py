@@ -49,7 +49,7 @@ DOCKERFILES = ["Dockerfile", "Dockerfile.gpu"]
 # deploy/overlays/gpu/gpu.yaml say where each comes from).
 CHECKPOINT_WRITE_BYTES_PER_S = 1.65e9  # README, "Durability"
 SHARED_VOLUME_FACTOR = 4               # a shared RWX volume, slower than that disk
-DRAIN_AND_START_S = 23                 # a commit in flight, the start of the write
+DRAIN_AND_START_S = 28                 # an apply in flight (up to 20 s), the write's start, gRPC's 5 s shutdown
 GPU_MEMORY_BYTES = 150e9               # an H200 as the driver counts it
 STATE_FRACTION = 12 / 18               # fp32 p, m, v of the 18 B/param charged
 
@@ -302,6 +302,13 @@ def check_render(repo, build):
         grace = pod.get("terminationGracePeriodSeconds", 30)
         print(f"  {overlay}: at most {state / 1e9:.1f} GB of state: grace {grace} s, needs {need:.0f} s")
         assert grace >= need, f"{overlay}: terminationGracePeriodSeconds {grace} < {need:.0f} s"
+
+        # gRPC's own buffers are not charged: they sit in the headroom the
+        # budget leaves, at most one message of each stream the server serves.
+        streams = int(flags.get("max_streams", 4096))
+        message = int(flags.get("max_message_bytes", 8 << 20))
+        assert 0 < streams * message <= limit - budget, \
+            f"{overlay}: --max_streams={streams} of {message} B messages is over the {limit - budget:.0f} B headroom"
 
         volumes = {v["name"]: v for v in pod["volumes"]}
         checkpoints = volumes[mount_of(c, flags["checkpoint_dir"])[0]["name"]]
