@@ -219,6 +219,11 @@ absl::StatusOr<std::string> ReadPartData(const PartHead& p) {
   return data;
 }
 
+std::string PartName(const v1::CreateJobRequest& spec) {
+  const v1::ShardRange& first = spec.shards(0);
+  return absl::StrCat("part-", TensorIndex(spec, first.tensor()), "-", first.offset(), ".bin");
+}
+
 bool IsPartName(const std::string& file) {
   return file.rfind("part-", 0) == 0 && file.size() > 4 && file.compare(file.size() - 4, 4, ".bin") == 0;
 }

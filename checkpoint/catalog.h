@@ -38,6 +38,9 @@ std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir);
 absl::Status StreamPartData(const PartHead& p, const DataSink& sink);
 absl::StatusOr<std::string> ReadPartData(const PartHead& p);
 bool IsPartName(const std::string& file);
+// The file name of the part that a server with `spec`'s placement writes:
+// "part-<tensor index>-<offset>.bin" of its first shard.
+std::string PartName(const v1::CreateJobRequest& spec);
 // Parts of a step that overlap this server's were left by a torn attempt
 // with another placement; they are removed.
 void RemoveOverlappingParts(const std::string& dir, const std::string& own, const v1::CreateJobRequest& spec);

@@ -93,8 +93,7 @@ absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& 
     w->manifest_ = std::move(manifest);
     return w;
   }
-  const v1::ShardRange& first = spec.shards(0);
-  w->name_ = absl::StrCat("part-", TensorIndex(spec, first.tensor()), "-", first.offset(), ".bin");
+  w->name_ = PartName(spec);
   RemoveOverlappingParts(w->result_.directory, w->name_, spec);
   if (written) {
     // Kept only if it is this placement's part of this step: a file of the
@@ -244,6 +243,31 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
   }
   // Whoever moved them, they must stay moved before the job is served.
   SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(job_dir));
+  return done;
+}
+
+absl::StatusOr<std::vector<std::string>> SetAsideOwnNewerParts(const std::string& root,
+                                                               const v1::CreateJobRequest& spec, uint64_t step) {
+  const std::string job_dir = absl::StrCat(root, "/", JobDirectoryName(spec.job()));
+  const std::string own = PartName(spec);
+  std::vector<std::string> done;
+  std::error_code ec;
+  for (uint64_t t : StepsNewestFirst(job_dir)) {
+    if (t <= step) break;
+    const std::string dir = StepDirectory(root, spec.job(), t);
+    if (fs::exists(absl::StrCat(dir, "/", kCommitName), ec)) continue;  // SetAsideNewerSteps' (restore_step)
+    const std::string part = absl::StrCat(dir, "/", own);
+    const std::string aside = absl::StrFormat("%s/abandoned-%s-%s-%d", job_dir, fs::path(dir).filename().string(), own,
+                                              absl::ToUnixNanos(absl::Now()));
+    if (rename(part.c_str(), aside.c_str()) == 0) {
+      done.push_back(absl::StrCat("set aside part ", part, " of another run as ", aside));
+    } else if (errno != ENOENT) {
+      return absl::InternalError(ErrnoText(absl::StrCat("cannot set aside ", part, " (this server runs job '",
+                                                        spec.job(), "' on from step ", step, "; move it away) as"),
+                                           aside));
+    }
+  }
+  if (!done.empty()) SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(job_dir));
   return done;
 }
 

@@ -222,6 +222,65 @@ TEST(DurabilityTest, AServerThatLostTheJobKeepsSayingWhyNotThatItWasDropped) {
   }
 }
 
+// The way out of "servers disagree" that the client's error gives (drop the
+// job on each server, then attach again: the newest complete checkpoint is
+// restored), after one server's drain had written its part of a newer step:
+// the new run's checkpoint of that step is its own. Before, the other
+// server's drain tiled its new part with the old run's leftover one into a
+// COMMIT, and the restore loaded each server's shards from another run.
+TEST(DurabilityTest, ANewRunsCheckpointOfAStepIsNeverTiledWithAnOldRunsPart) {
+  const JobOptions job = DurableJob("two-runs", {{"w", 6000}, {"b", 3000}});
+  TempDir dir;
+  auto servers = StartServers(2, dir.path());
+  std::vector<uint32_t> old_run;
+  {
+    auto client = Connect(servers);
+    ScriptedTrainer trainer = Train(*client, job, 2);
+    ASSERT_TRUE(client->Checkpoint().ok());   // step 2, complete
+    ASSERT_TRUE(trainer.Step(*client).ok());  // the old run's step 3
+    old_run = Fingerprint(*client, job).value();
+  }
+  ASSERT_EQ(servers[1]->Stop(SIGTERM) >> 8, 0);  // its part of step 3: torn
+  servers[1] = std::move(StartServers(1, dir.path())[0]);
+  {
+    auto client = Connect(servers);
+    const auto attached = client->CreateOrAttach(job);
+    ASSERT_EQ(attached.status().code(), absl::StatusCode::kFailedPrecondition) << attached.status();
+    EXPECT_THAT(std::string(attached.status().message()), HasSubstr("drop the job on each"));
+  }
+  for (const auto& server : servers) {
+    auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    v1::DropJobRequest drop;
+    drop.set_job(job.name);
+    v1::DropJobResponse dropped;
+    ASSERT_TRUE(stub->DropJob(&ctx, drop, &dropped).ok());
+  }
+  std::vector<uint32_t> new_run;
+  {
+    auto client = Connect(servers);
+    ASSERT_EQ(client->CreateOrAttach(job).value(), 2u);
+    // The new run's step 3: the same gradients at another lr.
+    ScriptedTrainer trainer(job);
+    const PushResult pushed = trainer.Push(*client, 3).value();
+    const Decision decision = Decide(pushed, job.world_size, StepOptions{});
+    std::vector<std::vector<uint16_t>> params(job.tensors.size());
+    std::vector<ParamView> views;
+    for (size_t i = 0; i < job.tensors.size(); ++i) {
+      params[i].resize(job.tensors[i].numel);
+      views.push_back({job.tensors[i].name, params[i].data()});
+    }
+    ASSERT_TRUE(client->Commit(3, 3e-2, decision.gscale, decision.skip, views).ok());
+    new_run = Fingerprint(*client, job).value();
+  }
+  ASSERT_NE(new_run, old_run);
+  for (const auto& server : servers) ASSERT_EQ(server->Stop(SIGTERM) >> 8, 0);  // each writes its part of step 3
+  servers = StartServers(2, dir.path());
+  auto client = Connect(servers);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), 3u);
+  EXPECT_EQ(Fingerprint(*client, job).value(), new_run);
+}
+
 // A restore onto another placement streams the old parts' runs into the
 // new state as they are read: the server's peak memory is its state and the
 // read buffers, not also a copy of its new part and a whole old one (which

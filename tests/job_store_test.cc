@@ -752,8 +752,9 @@ TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
   const std::string in_progress = checkpoint::StepDirectory(dir, "k", 99);
   for (const std::string& d : {torn_old, in_progress}) {
     std::filesystem::create_directories(d);
-    std::ofstream(d + "/part-0-0.bin") << "partial";
+    std::ofstream(d + "/part-0-50.bin") << "partial";  // a peer's part
   }
+  std::ofstream(in_progress + "/part-0-0.bin") << "partial";  // this placement's own
   std::mt19937_64 rng(11);
   for (uint64_t step = 1; step <= 4; ++step) StepAndCheckpoint("k", step, 100, rng);
   std::vector<std::string> left;
@@ -766,13 +767,18 @@ TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
   EXPECT_THAT(log_, ::testing::Contains(HasSubstr("pruned checkpoint " + torn_old)));
   // What is left restores: the newest complete one, step 4.
   auto backend = MakeCpuBackend({});
-  JobStore fresh(backend.get(), Options0(dir));
+  JobStoreOptions logged = Options0(dir);
+  logged.checkpoint_log = [](const std::string& line) { log_.push_back(line); };
+  JobStore fresh(backend.get(), logged);
   auto restored = fresh.CreateJob(JobRequest("k", 1, {{"w", 100}}));
   ASSERT_TRUE(restored.ok()) << restored.status();
   EXPECT_EQ(restored->step(), 4u);
-  // A restore of the newest leaves the newer step alone: its writer may be
-  // a peer that completes it yet (a rolling upgrade's drain).
-  EXPECT_TRUE(std::filesystem::exists(in_progress + "/part-0-0.bin"));
+  // A restore of the newest leaves the newer step and a peer's part in it;
+  // its own part there is another run's, set aside, so that its new run's
+  // peers' parts of step 99 are never tiled with it.
+  EXPECT_TRUE(std::filesystem::exists(in_progress + "/part-0-50.bin"));
+  EXPECT_FALSE(std::filesystem::exists(in_progress + "/part-0-0.bin"));
+  EXPECT_THAT(log_, ::testing::Contains(HasSubstr("set aside part " + in_progress + "/part-0-0.bin of another run")));
 }
 
 // A restore_step that goes back starts a new run: the newer step
@@ -791,7 +797,7 @@ class CheckpointAllTest : public CheckpointDirTest<0> {
     for (uint64_t step = 1; step <= complete; ++step) StepAndCheckpoint("k", step, 1000, rng);
     const std::string torn = checkpoint::StepDirectory(dir_, "k", complete + 1);
     std::filesystem::create_directories(torn);
-    std::ofstream(torn + "/part-0-0.bin") << "partial";
+    std::ofstream(torn + "/part-0-500.bin") << "partial";  // a peer's
     EXPECT_TRUE(store_.DropJob("k").ok());
     return torn;
   }
@@ -840,7 +846,7 @@ TEST_F(CheckpointAllTest, ARestoreStepThatIsTheNewestLeavesANewerTornStep) {
   auto restored = RestoreAt(r, 2);
   ASSERT_TRUE(restored.ok()) << restored.status();
   EXPECT_EQ(restored->step(), 2u);
-  EXPECT_TRUE(std::filesystem::exists(torn + "/part-0-0.bin"));
+  EXPECT_TRUE(std::filesystem::exists(torn + "/part-0-500.bin"));
 }
 
 // A write that fails mid-checkpoint (here past RLIMIT_FSIZE, EFBIG) stops
