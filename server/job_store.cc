@@ -232,6 +232,13 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   const uint32_t page = request.max_tensors() == 0 ? kDescribePage : std::min(request.max_tensors(), kDescribePage);
   r.set_tensor_offset(request.tensor_offset());
   r.set_tensor_count(static_cast<uint32_t>(count));
+  // A page also ends before the answer would outgrow the server's message
+  // limit: each tensor names itself twice, and every page repeats the
+  // groups, so a job that its CreateJob's limit let in could otherwise not
+  // be described at all. One tensor always goes in, so the pages advance;
+  // the fields set below take a few dozen bytes, well inside the margin.
+  const uint64_t room = options_.max_message_bytes > 4096 ? options_.max_message_bytes - 4096 : 0;
+  uint64_t bytes = r.ByteSizeLong();
   for (size_t si = request.tensor_offset(); si < std::min<size_t>(count, size_t{request.tensor_offset()} + page); ++si) {
     const OwnedShard& s = job.shards[si];
     v1::TensorState* ts = r.add_tensors();
@@ -243,6 +250,12 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
     ts->mutable_shard()->set_offset(s.offset);
     ts->mutable_shard()->set_length(s.length);
     ts->set_adam_step(job.adam_steps[si]);
+    // On the wire: the entry, its length (at most 3 bytes here) and its tag.
+    bytes += ts->ByteSizeLong() + 4;
+    if (bytes > room && r.tensors_size() > 1) {
+      r.mutable_tensors()->RemoveLast();
+      break;
+    }
   }
   const MemoryUse use = job.state->memory_use();
   r.set_state_bytes(use.state_bytes);

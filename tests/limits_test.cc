@@ -294,6 +294,53 @@ TEST(LimitsTest, DescribePagesAndTheClientReadsEveryPage) {
   EXPECT_TRUE(Victim(server->address(), "beside-wide").Step().ok());
 }
 
+// At the smallest --max_message_bytes, a job of long names that a CreateJob
+// without shards (each tensor whole) fits in: an answer names each tensor
+// twice, so a page of 4096 tensors would not fit, and Describe answered
+// RESOURCE_EXHAUSTED for any page. Pages now end at the limit, and reading
+// on from each page's end gives every tensor.
+TEST(LimitsTest, DescribePagesEndAtTheMessageLimit) {
+  auto server = ServerProcess::Start({"--max_message_bytes=131072"});
+  ASSERT_NE(server, nullptr);
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  v1::CreateJobRequest create;
+  create.set_job("long-names");
+  create.set_world_size(1);
+  v1::Group* group = create.add_groups();
+  group->set_beta1(0.9f);
+  group->set_beta2(0.999f);
+  group->set_eps(1e-8f);
+  for (int i = 0; i < 580; ++i) {
+    v1::TensorSpec* t = create.add_tensors();
+    t->set_name(absl::StrCat(std::string(190, 'n'), i));
+    t->set_numel(1);
+  }
+  ASSERT_LT(create.ByteSizeLong(), 131072u);
+  {
+    grpc::ClientContext ctx;
+    v1::CreateJobResponse created;
+    const grpc::Status st = stub->CreateJob(&ctx, create, &created);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+  }
+  uint32_t read = 0, pages = 0;
+  while (read < 580) {
+    grpc::ClientContext ctx;
+    v1::DescribeRequest req;
+    req.set_job("long-names");
+    req.set_tensor_offset(read);
+    v1::DescribeResponse page;
+    const grpc::Status st = stub->Describe(&ctx, req, &page);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    ASSERT_GT(page.tensors_size(), 0);
+    EXPECT_LE(page.ByteSizeLong(), 131072u);
+    EXPECT_EQ(page.tensors(0).name(), create.tensors(static_cast<int>(read)).name());
+    read += page.tensors_size();
+    ++pages;
+  }
+  EXPECT_EQ(read, 580u);
+  EXPECT_GT(pages, 1u);
+}
+
 // Case 1: a push that names more no_grad tensors than a stream may is refused
 // before its message is parsed (counted by skipping over the fields), so a
 // flood of names costs the server little; the job still steps.
