@@ -31,10 +31,9 @@ class RefusedRead final : public grpc::ServerReadReactor<grpc::ByteBuffer> {
   explicit RefusedRead(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
   void OnDone() override { delete this; }
 };
-template <typename Message>
-class RefusedWrite final : public grpc::ServerWriteReactor<Message> {
+class RefusedWrite final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  explicit RefusedWrite(const absl::Status& status) { this->Finish(ToGrpcStatus(status)); }
+  explicit RefusedWrite(const absl::Status& status) { Finish(ToGrpcStatus(status)); }
   void OnDone() override { delete this; }
 };
 
@@ -99,15 +98,15 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Push(grpc::Callback
 grpc::ServerWriteReactor<grpc::ByteBuffer>* OptimizerService::Commit(grpc::CallbackServerContext* context,
                                                                      const grpc::ByteBuffer* request) {
   auto opened = OpenStream(*context, Action::kCommit, "");
-  if (!opened.ok()) return new RefusedWrite<grpc::ByteBuffer>(opened.status());
+  if (!opened.ok()) return new RefusedWrite(opened.status());
   return StartCommitReactor(store_, request, opened->first, std::move(opened->second));
 }
 
-grpc::ServerWriteReactor<v1::StateChunk>* OptimizerService::Read(grpc::CallbackServerContext* context,
-                                                                 const v1::ReadRequest* req) {
-  auto opened = OpenStream(*context, Action::kRead, req->job());
-  if (!opened.ok()) return new RefusedWrite<v1::StateChunk>(opened.status());
-  return StartStateReactor(store_, req, opened->first, std::move(opened->second));
+grpc::ServerWriteReactor<grpc::ByteBuffer>* OptimizerService::Read(grpc::CallbackServerContext* context,
+                                                                   const grpc::ByteBuffer* request) {
+  auto opened = OpenStream(*context, Action::kRead, "");
+  if (!opened.ok()) return new RefusedWrite(opened.status());
+  return StartStateReactor(store_, request, opened->first, std::move(opened->second));
 }
 
 grpc::Status OptimizerService::Describe(grpc::ServerContext* context, const v1::DescribeRequest* req,

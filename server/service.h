@@ -17,12 +17,12 @@ class Server;
 
 namespace shardopt {
 
-// The streaming RPCs are served on gRPC's callback API (Push, Init and
-// Commit with raw messages; Read typed, state_reactor.h): a push that waits (for room in the running sum's
+// The streaming RPCs are served on gRPC's callback API, with raw messages
+// (Push, Init, Commit and Read): a push that waits (for room in the running sum's
 // window, or at the barrier) holds no thread, so any number of ranks can
 // wait on a server with a fixed set of threads (push_reactor.h); a commit's
 // params are copied once on their way out (commit_reactor.h); and a message
-// of Push or Init that does not parse is INVALID_ARGUMENT (init_reactor.h).
+// of any stream that does not parse is INVALID_ARGUMENT (init_reactor.h).
 // No stream holds a thread while it waits; the unary RPCs stay synchronous.
 //
 // Every RPC but health checks first authenticates its caller (auth.h) and
@@ -39,7 +39,7 @@ struct ServiceOptions {
 };
 
 class OptimizerService final
-    : public v1::Optimizer::WithCallbackMethod_Read<v1::Optimizer::WithRawCallbackMethod_Init<
+    : public v1::Optimizer::WithRawCallbackMethod_Read<v1::Optimizer::WithRawCallbackMethod_Init<
           v1::Optimizer::WithRawCallbackMethod_Push<v1::Optimizer::WithRawCallbackMethod_Commit<v1::Optimizer::Service>>>> {
  public:
   OptimizerService(JobStore* store, const ServiceOptions& options)
@@ -49,7 +49,7 @@ class OptimizerService final
   grpc::ServerReadReactor<grpc::ByteBuffer>* Init(grpc::CallbackServerContext*, grpc::ByteBuffer*) override;
   grpc::ServerReadReactor<grpc::ByteBuffer>* Push(grpc::CallbackServerContext*, grpc::ByteBuffer*) override;
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Commit(grpc::CallbackServerContext*, const grpc::ByteBuffer*) override;
-  grpc::ServerWriteReactor<v1::StateChunk>* Read(grpc::CallbackServerContext*, const v1::ReadRequest*) override;
+  grpc::ServerWriteReactor<grpc::ByteBuffer>* Read(grpc::CallbackServerContext*, const grpc::ByteBuffer*) override;
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse*) override;
   grpc::Status DropJob(grpc::ServerContext*, const v1::DropJobRequest*, v1::DropJobResponse*) override;
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*) override;

@@ -9,16 +9,22 @@
 namespace shardopt {
 namespace {
 
-class StateReactor final : public grpc::ServerWriteReactor<v1::StateChunk> {
+class StateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  StateReactor(JobStore* store, const v1::ReadRequest* request, const Caller& caller,
+  StateReactor(JobStore* store, const grpc::ByteBuffer* request, const Caller& caller,
                std::unique_ptr<StreamLimits::Slot> slot)
       : slot_(std::move(slot)) {
-    if (absl::Status allowed = caller.Allows(Action::kRead, request->job()); !allowed.ok()) {
+    grpc::ByteBuffer copy = *request;  // shares the slices: ParseMessage reads it through
+    v1::ReadRequest parsed;
+    if (absl::Status st = ParseMessage(&copy, &parsed, "ReadRequest"); !st.ok()) {
+      Finish(ToGrpcStatus(st));
+      return;
+    }
+    if (absl::Status allowed = caller.Allows(Action::kRead, parsed.job()); !allowed.ok()) {
       Finish(ToGrpcStatus(allowed));
       return;
     }
-    auto stream = store->OpenRead(*request);
+    auto stream = store->OpenRead(parsed);
     if (!stream.ok()) {
       Finish(ToGrpcStatus(stream.status()));
       return;
@@ -50,21 +56,23 @@ class StateReactor final : public grpc::ServerWriteReactor<v1::StateChunk> {
     }
     static metrics::Counter* const sent =
         metrics::Registry::Default().Series("shardopt_sent_bytes_total", {{"method", "read"}});
-    sent->Add(static_cast<double>(chunk_.ByteSizeLong()));
-    StartWrite(&chunk_);
+    message_ = SerializeMessage(chunk_);
+    sent->Add(static_cast<double>(message_.Length()));
+    StartWrite(&message_);
   }
 
   std::unique_ptr<StreamLimits::Slot> slot_;
   GrpcHops hops_;
   std::unique_ptr<JobStore::StateStream> stream_;
   v1::StateChunk chunk_;
+  grpc::ByteBuffer message_;  // chunk_ as sent, alive until its write is done
 };
 
 }  // namespace
 
-grpc::ServerWriteReactor<v1::StateChunk>* StartStateReactor(JobStore* store, const v1::ReadRequest* request,
-                                                            const Caller& caller,
-                                                            std::unique_ptr<StreamLimits::Slot> slot) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartStateReactor(JobStore* store, const grpc::ByteBuffer* request,
+                                                              const Caller& caller,
+                                                              std::unique_ptr<StreamLimits::Slot> slot) {
   return new StateReactor(store, request, caller, std::move(slot));
 }
 

@@ -1,10 +1,13 @@
-// The Read RPC on gRPC's callback API: the state streamed chunk by chunk,
-// the next one read from the job only once the last is written, so a
-// caller slow to take them holds a stream slot and no thread.
+// The Read RPC on gRPC's callback API, with raw messages: the state
+// streamed chunk by chunk, the next one read from the job only once the last
+// is written, so a caller slow to take them holds a stream slot and no
+// thread; and a request that does not parse is INVALID_ARGUMENT (gRPC's
+// typed path answered UNIMPLEMENTED).
 #pragma once
 
 #include <memory>
 
+#include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
 #include "server/auth.h"
 #include "server/job_store.h"
@@ -13,10 +16,11 @@
 
 namespace shardopt {
 
-// The reactor for one Read call; gRPC owns it until its OnDone. `caller`
-// must be allowed to read the request's job; `slot` is held until the end.
-grpc::ServerWriteReactor<v1::StateChunk>* StartStateReactor(JobStore* store, const v1::ReadRequest* request,
-                                                            const Caller& caller,
-                                                            std::unique_ptr<StreamLimits::Slot> slot);
+// The reactor for one Read call of a ReadRequest as received; gRPC owns it
+// until its OnDone. It checks that `caller` may read the request's job;
+// `slot` is held until the end.
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartStateReactor(JobStore* store, const grpc::ByteBuffer* request,
+                                                              const Caller& caller,
+                                                              std::unique_ptr<StreamLimits::Slot> slot);
 
 }  // namespace shardopt

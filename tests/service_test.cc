@@ -1047,7 +1047,8 @@ TEST_F(ServiceTest, AnIdlePushStreamIsCancelledButAWaitAtTheBarrierIsNot) {
 
 // A stream message that does not parse is INVALID_ARGUMENT, never the
 // stream's quiet end: an Init cut by one is not answered OK with part of the
-// values, and a Push with one is refused and counts for nothing.
+// values, a Push with one is refused and counts for nothing, and so is a
+// Read whose request does not parse.
 TEST_F(ServiceTest, AnUnparseableStreamMessageIsInvalidArgumentAndChangesNothing) {
   const JobOptions job = MakeJob("garbled", 1, {{"w", 4096}});
   auto client = Connect(server_->address());
@@ -1091,6 +1092,11 @@ TEST_F(ServiceTest, AnUnparseableStreamMessageIsInvalidArgumentAndChangesNothing
   EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(refused.error_message(), HasSubstr("GradChunk message does not parse"));
   EXPECT_EQ(ReadAll(*client, job), before);
+
+  // Read's request too (gRPC's typed path answered UNIMPLEMENTED).
+  const grpc::Status unread = stream_of("/shardopt.v1.Optimizer/Read", {garbage});
+  EXPECT_EQ(unread.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << unread.error_message();
+  EXPECT_THAT(unread.error_message(), HasSubstr("ReadRequest message does not parse"));
 
   // The refused push's gradient counts for nothing.
   ExpectTheNextStepIsItsPushAlone(*client, init, rng_);
