@@ -552,7 +552,13 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
   SHARDOPT_RETURN_IF_ERROR(Commit(t, options.lr, result.decision.gscale, result.decision.skip, params, options.group_lr));
   const uint64_t every = impl_->options.checkpoint_every;
   if (every > 0 && impl_->options.rank == 0 && t % every == 0) {
-    SHARDOPT_RETURN_IF_ERROR(Checkpoint());
+    // Said so, since the caller's way out of a failed Step, calling it
+    // again, would here apply the next step with the same gradients.
+    if (absl::Status st = Checkpoint(); !st.ok()) {
+      return absl::Status(st.code(), absl::StrCat("step ", t, " was applied and its params returned (step() is ", t,
+                                                  "; do not repeat it), but its checkpoint (checkpoint_every) failed: ",
+                                                  st.message()));
+    }
   }
   return result;
 }

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <set>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -26,19 +27,40 @@ uint64_t ElementBytes(const std::string& dtype) {
   return 0;
 }
 
+// What ReadSafetensors (and torch) take back: a name given once, not the
+// header's reserved key, a known dtype, and data that is its shape exactly.
+absl::Status CheckWritable(const std::vector<SafetensorsTensor>& tensors) {
+  std::set<std::string> names;
+  for (const SafetensorsTensor& t : tensors) {
+    // The reserved key: a tensor of that name would overwrite the metadata,
+    // or be read back as it, and torch could not load the file.
+    if (t.name == "__metadata__") {
+      return absl::InvalidArgumentError("a tensor named __metadata__ cannot be written to safetensors");
+    }
+    // A JSON object keeps one entry of a name: the file would hold the data
+    // of both and describe one.
+    if (!names.insert(t.name).second) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' is given twice"));
+    }
+    uint64_t bytes = ElementBytes(t.dtype);
+    for (uint64_t d : t.shape) {
+      if (__builtin_mul_overflow(bytes, d, &bytes)) bytes = ~uint64_t{0};
+    }
+    if (ElementBytes(t.dtype) == 0 || bytes != t.data.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': ", t.data.size(),
+                                                     " bytes are not its shape of ", t.dtype));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
                               const std::map<std::string, std::string>& metadata) {
-  nlohmann::ordered_json header;
+  if (absl::Status st = CheckWritable(tensors); !st.ok()) return st;
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();  // `{}` with nothing in it, not `null`
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  for (const SafetensorsTensor& t : tensors) {
-    // The header's reserved key: a tensor of that name would overwrite the
-    // metadata, or be read back as it, and torch could not load the file.
-    if (t.name == "__metadata__") {
-      return absl::InvalidArgumentError("a tensor named __metadata__ cannot be written to safetensors");
-    }
-  }
   uint64_t offset = 0;
   for (const SafetensorsTensor& t : tensors) {
     header[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.data.size()}}};

@@ -88,6 +88,23 @@ TEST(DurabilityTest, CheckpointRestartResumeIsBitwiseEqualToAnUninterruptedRunFo
   EXPECT_EQ(Fingerprint(*client, job).value(), at_2n);
 }
 
+// A Step whose checkpoint_every checkpoint fails says the step was applied:
+// the caller's usual way out, calling Step again, would apply the next one.
+TEST(DurabilityTest, AStepWhoseCheckpointFailsSaysTheStepWasApplied) {
+  const JobOptions job = DurableJob("no-dir", {{"w", 3000}});
+  auto servers = StartServers(1, "");  // no --checkpoint_dir
+  ClientOptions every;
+  every.checkpoint_every = 1;
+  auto client = Connect(servers, every);
+  ScriptedTrainer trainer(job);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), 0u);
+  ASSERT_TRUE(trainer.Init(*client).ok());
+  const auto stepped = trainer.Step(*client);
+  EXPECT_EQ(stepped.status().code(), absl::StatusCode::kFailedPrecondition) << stepped.status();
+  EXPECT_THAT(std::string(stepped.status().message()), HasSubstr("step 1 was applied"));
+  EXPECT_EQ(client->step(), 1u);
+}
+
 // One server's SIGTERM completes its job's checkpoint; of two servers, the
 // second one's does, since both stop at the same step.
 TEST(DurabilityTest, SigtermCheckpointsEveryJobAndExitsZero) {

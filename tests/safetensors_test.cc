@@ -82,6 +82,26 @@ TEST_F(SafetensorsTest, ATensorNamedLikeTheMetadataIsRefused) {
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
 }
 
+// What the reader would refuse is refused at the write, and no file is
+// left; with no tensors and no metadata, the header is `{}`, which reads
+// back as no tensors.
+TEST_F(SafetensorsTest, WhatTheReaderRefusesIsNotWritten) {
+  const std::vector<std::vector<SafetensorsTensor>> bad = {
+      {{"w", "F32", {1}, std::string(4, '\0')}, {"w", "F32", {1}, std::string(4, '\0')}},  // a name twice
+      {{"w", "F32", {3}, std::string(8, '\0')}},                                          // 8 bytes for 3 floats
+      {{"w", "Q7", {1}, std::string(4, '\0')}},                                           // no such dtype
+      {{"w", "F32", {uint64_t{1} << 62, 8}, std::string(4, '\0')}}};                      // a shape that overflows
+  for (const auto& tensors : bad) {
+    const absl::Status st = WriteSafetensors(path_, tensors, {});
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << tensors[0].dtype << " " << tensors.size();
+    EXPECT_FALSE(std::filesystem::exists(path_));
+  }
+  ASSERT_TRUE(WriteSafetensors(path_, {}, {}).ok());
+  auto read = ReadSafetensors(path_);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_TRUE(read->empty());
+}
+
 TEST_F(SafetensorsTest, DataThatDoesNotTileTheFileIsRefused) {
   const std::string eight(8, '\x11');
   EXPECT_NE(Refusal(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"

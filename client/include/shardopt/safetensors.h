@@ -21,6 +21,9 @@ struct SafetensorsTensor {
 };
 
 // Writes `tensors` in the order given, with `metadata` as __metadata__.
+// INVALID_ARGUMENT, writing nothing, for what ReadSafetensors would refuse:
+// a name given twice or named __metadata__, an unknown dtype, or data that
+// is not its shape's size.
 absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
                               const std::map<std::string, std::string>& metadata);
 // Reads a whole file; INVALID_ARGUMENT naming what is wrong with a bad one.
