@@ -121,6 +121,75 @@ struct Client::Impl {
     return failed;
   }
 
+  // One server's commit of `req`: its params of the step into out[tensor]
+  // (null: discarded), whole, or an error.
+  absl::Status CommitOn(uint32_t s, const v1::CommitRequest& req, absl::Span<char* const> out) const {
+    return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+      CommitParams received(job, tensor_index, shards_of[s], out, req.step());  // afresh for each attempt
+      bool request_sent = false;
+      auto next = [&](grpc::ByteBuffer* message) {
+        if (request_sent) return wire::StreamCall::Ready::kEnd;
+        request_sent = true;
+        *message = wire::HeadAndBorrowedBytes(req.SerializeAsString(), nullptr, 0);
+        return wire::StreamCall::Ready::kMessage;
+      };
+      const grpc::Status gs = wire::StreamCall::Run(
+          generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit", next, [] {},
+          [&](grpc::ByteBuffer* message) { return received.Take(message); });
+      return gs.ok() ? received.Whole() : gs;
+    });
+  }
+
+  // A step that some of the job's servers applied and the others only
+  // sealed (its trainer died between its commits): committed on the others
+  // with the arguments the first ones applied it with, as the trainer's own
+  // retry would have been, so that a restarted trainer attaches at that
+  // step (their sealed round keeps its gradients: nothing new is summed).
+  // Any other difference of steps is left to CreateOrAttach to refuse.
+  // Updates the answers' steps.
+  absl::Status CompleteAHalfCommittedStep(std::vector<v1::CreateJobResponse>& answers) const {
+    uint64_t lo = std::numeric_limits<uint64_t>::max(), hi = 0;
+    for (uint32_t s = 0; s < servers(); ++s) {
+      if (shards_of[s].empty()) continue;
+      lo = std::min(lo, answers[s].step());
+      hi = std::max(hi, answers[s].step());
+    }
+    if (hi != lo + 1) return absl::OkStatus();
+    const auto same_bits = [](double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; };
+    const v1::CreateJobResponse* applied = nullptr;
+    std::vector<uint32_t> behind;
+    for (uint32_t s = 0; s < servers(); ++s) {
+      if (shards_of[s].empty()) continue;
+      const v1::CreateJobResponse& a = answers[s];
+      // Every server keeps step hi's sealed round: those behind, to apply it
+      // from; the others, past it, since hi was the last one sealed (and a
+      // server too old to say reports 0, and no arguments).
+      if (a.sealed_step() != hi) return absl::OkStatus();
+      if (a.step() == lo) {
+        behind.push_back(s);
+      } else if (applied == nullptr) {
+        applied = &a;
+      } else if (!same_bits(a.applied_lr(), applied->applied_lr()) ||
+                 !same_bits(a.applied_gscale(), applied->applied_gscale()) ||
+                 a.applied_skip() != applied->applied_skip() ||
+                 !std::equal(a.applied_group_lr().begin(), a.applied_group_lr().end(),
+                             applied->applied_group_lr().begin(), applied->applied_group_lr().end(), same_bits)) {
+        return absl::OkStatus();
+      }
+    }
+    v1::CommitRequest req;
+    req.set_job(job.name);
+    req.set_step(hi);
+    req.set_lr(applied->applied_lr());
+    req.set_gscale(applied->applied_gscale());
+    req.set_skip(applied->applied_skip());
+    *req.mutable_group_lr() = applied->applied_group_lr();
+    const std::vector<char*> discard(job.tensors.size(), nullptr);
+    SHARDOPT_RETURN_IF_ERROR(fanout::ForEach(behind, [&](uint32_t s) { return CommitOn(s, req, discard); }));
+    for (uint32_t s : behind) answers[s].set_step(hi);
+    return absl::OkStatus();
+  }
+
   // Runs fn(server) on every server that holds part of the job (only those
   // in push_servers when `pushing`), at once. Each thread builds one chunk
   // message at a time, so in flight per server there is one chunk plus what
@@ -289,19 +358,21 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   }
   for (ShardPlacement& p : PlaceTensors(job.tensors, im.servers())) im.shards_of[p.server].push_back(std::move(p));
 
-  std::vector<uint64_t> steps(im.servers(), 0), max_message(im.servers(), 0), barrier(im.servers(), 0);
+  std::vector<v1::CreateJobResponse> answers(im.servers());
   auto st = im.ForEachServer([&](uint32_t s) {
     const v1::CreateJobRequest req = ToCreateJobRequest(job, im.shards_of[s]);
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-      v1::CreateJobResponse resp;
-      grpc::Status gs = im.stubs[s]->CreateJob(ctx, req, &resp);
-      steps[s] = resp.step();
-      max_message[s] = resp.max_message_bytes();
-      barrier[s] = resp.barrier_timeout_ms();
-      return gs;
+      return im.stubs[s]->CreateJob(ctx, req, &answers[s]);
     });
   });
   if (!st.ok()) return st;
+  SHARDOPT_RETURN_IF_ERROR(im.CompleteAHalfCommittedStep(answers));
+  std::vector<uint64_t> steps(im.servers(), 0), max_message(im.servers(), 0), barrier(im.servers(), 0);
+  for (uint32_t s = 0; s < im.servers(); ++s) {
+    steps[s] = answers[s].step();
+    max_message[s] = answers[s].max_message_bytes();
+    barrier[s] = answers[s].barrier_timeout_ms();
+  }
   std::vector<std::string> seen;
   bool differ = false;
   uint64_t step = 0;
@@ -520,22 +591,7 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
   req.set_gscale(gscale);
   req.set_skip(skip);
   for (double g : group_lr) req.add_group_lr(g);
-  auto st = im.ForEachServer([&](uint32_t s) {
-    return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-      CommitParams received(im.job, im.tensor_index, im.shards_of[s], out, step);  // afresh for each attempt
-      bool request_sent = false;
-      auto next = [&](grpc::ByteBuffer* message) {
-        if (request_sent) return wire::StreamCall::Ready::kEnd;
-        request_sent = true;
-        *message = wire::HeadAndBorrowedBytes(req.SerializeAsString(), nullptr, 0);
-        return wire::StreamCall::Ready::kMessage;
-      };
-      const grpc::Status gs = wire::StreamCall::Run(
-          im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit", next, [] {},
-          [&](grpc::ByteBuffer* message) { return received.Take(message); });
-      return gs.ok() ? received.Whole() : gs;
-    });
-  }, /*pushing=*/true);
+  auto st = im.ForEachServer([&](uint32_t s) { return im.CommitOn(s, req, out); }, /*pushing=*/true);
   if (!st.ok()) return st;
   im.step = std::max(im.step, step);
   return absl::OkStatus();

@@ -50,9 +50,18 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1:
   absl::MutexLock job_lock(&job.mu);
   v1::CreateJobResponse response;
   response.set_created(false);
-  response.set_step(job.step);
   response.set_barrier_timeout_ms(job.spec.barrier_timeout_ms());
+  SetStepFields(job, &response);
   return response;
+}
+
+void JobStore::SetStepFields(const Job& job, v1::CreateJobResponse* response) {
+  response->set_step(job.step);
+  response->set_sealed_step(job.sealed_step);
+  response->set_applied_lr(job.applied.lr);
+  response->set_applied_gscale(job.applied.gscale);
+  response->set_applied_skip(job.applied.skip);
+  for (double lr : job.applied.group_lr) response->add_applied_group_lr(lr);
 }
 
 absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobRequest& request) {
@@ -175,7 +184,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   response.set_restored(restored);
   response.set_barrier_timeout_ms(spec.barrier_timeout_ms());
   absl::MutexLock job_lock(&job->mu);
-  response.set_step(job->step);
+  SetStepFields(*job, &response);
   return response;
 }
 

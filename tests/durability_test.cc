@@ -88,6 +88,49 @@ TEST(DurabilityTest, CheckpointRestartResumeIsBitwiseEqualToAnUninterruptedRunFo
   EXPECT_EQ(Fingerprint(*client, job).value(), at_2n);
 }
 
+// A trainer that died between its commits: step 2 applied on server 0 only,
+// sealed on server 1. A restarted trainer's CreateOrAttach completes it on
+// server 1 with the arguments server 0 applied it with (before, it was
+// refused: "servers disagree", and only going back to a checkpoint or
+// dropping the job got out), and the run is bitwise the uninterrupted one.
+// A step that is not sealed on the server behind is still refused.
+TEST(DurabilityTest, ARestartedTrainerCompletesAStepCommittedOnSomeServersOnly) {
+  const JobOptions job = DurableJob("half-committed", {{"w", 6000}, {"b", 3000}});
+  const auto at = Uninterrupted(job, {3});
+  TempDir dir;
+  auto servers = StartServers(2, dir.path());
+  {
+    auto client = Connect(servers);
+    ScriptedTrainer trainer = Train(*client, job, 1);
+    const PushResult pushed = trainer.Push(*client, 2).value();
+    ClientOptions only_first;
+    only_first.push_servers = {0};  // the commit that reached server 0 before the trainer died
+    auto dying = Connect(servers, only_first);
+    ASSERT_EQ(dying->CreateOrAttach(job).value(), 1u);
+    StepOptions so;
+    so.lr = 1e-2;  // the scripted trainer's
+    const Decision decision = Decide(pushed, job.world_size, so);
+    ASSERT_TRUE(dying->Commit(2, so.lr, decision.gscale, decision.skip, {}).ok());
+  }
+  auto restarted = Connect(servers);
+  const auto attached = restarted->CreateOrAttach(job);
+  ASSERT_TRUE(attached.ok()) << attached.status();
+  EXPECT_EQ(*attached, 2u);
+  ScriptedTrainer trainer(job);
+  ASSERT_TRUE(trainer.Step(*restarted).ok());
+  EXPECT_EQ(Fingerprint(*restarted, job).value(), at[0]);
+
+  // Behind by a step it holds no sealed round of: server 1 restored step
+  // 3's checkpoint while server 0 applied step 4. Still refused.
+  ASSERT_TRUE(restarted->Checkpoint().ok());
+  ASSERT_TRUE(trainer.Step(*restarted).ok());
+  servers[1]->Stop(SIGKILL);
+  servers[1] = std::move(StartServers(1, dir.path())[0]);
+  const auto refused = Connect(servers)->CreateOrAttach(job);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("servers disagree"));
+}
+
 // A Step whose checkpoint_every checkpoint fails says the step was applied:
 // the caller's usual way out, calling Step again, would apply the next one.
 TEST(DurabilityTest, AStepWhoseCheckpointFailsSaysTheStepWasApplied) {
