@@ -154,7 +154,7 @@ struct Client::Impl {
       lo = std::min(lo, answers[s].step());
       hi = std::max(hi, answers[s].step());
     }
-    if (hi != lo + 1) return absl::OkStatus();
+    if (lo > hi || hi != lo + 1) return absl::OkStatus();  // (lo > hi: no server holds a part)
     const auto same_bits = [](double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; };
     const v1::CreateJobResponse* applied = nullptr;
     std::vector<uint32_t> behind;
