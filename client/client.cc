@@ -36,6 +36,7 @@ struct Client::Impl {
   ClientOptions options;
   std::vector<std::unique_ptr<v1::Optimizer::Stub>> stubs;
   std::vector<std::unique_ptr<grpc::GenericStub>> generic;  // the same channels, for the bulk paths
+  std::vector<std::shared_ptr<grpc::Channel>> channels;      // [server], for waiting on a reconnection
 
   JobOptions job;
   bool attached = false;
@@ -74,7 +75,7 @@ struct Client::Impl {
   // the job again (Reattach), and the RPC runs once more.
   template <typename Attempt>
   absl::Status Call(uint32_t server, uint32_t timeout_ms, const Attempt& attempt, bool reattach = true) const {
-    const absl::Status st = fanout::Call(address(server), options.token, options.max_attempts, timeout_ms, attempt);
+    const absl::Status st = fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt);
     if (absl::IsNotFound(st) && absl::StrContains(st.message(), "was dropped")) {
       std::lock_guard<std::mutex> lock(lost_mu);
       if (server < lost.size() && !lost[server].empty()) {
@@ -85,7 +86,7 @@ struct Client::Impl {
       return fanout::FailFanout(st);
     }
     SHARDOPT_RETURN_IF_ERROR(fanout::FailFanout(Reattach(server, st)));
-    return fanout::FailFanout(fanout::Call(address(server), options.token, options.max_attempts, timeout_ms, attempt));
+    return fanout::FailFanout(fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt));
   }
 
   // The job on a server that no longer holds it: a new process in its place
@@ -99,11 +100,11 @@ struct Client::Impl {
     v1::CreateJobRequest req = ToCreateJobRequest(job, shards_of[s]);
     req.set_restore_step(0);  // this run's newest, whatever the launch asked for
     v1::CreateJobResponse resp;
-    SHARDOPT_RETURN_IF_ERROR(fanout::Call(address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
+    SHARDOPT_RETURN_IF_ERROR(fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
                                           [&](grpc::ClientContext* ctx) { return stubs[s]->CreateJob(ctx, req, &resp); }));
     if (resp.step() == step && (resp.restored() || !resp.created())) return absl::OkStatus();
     if (resp.created() && !resp.restored()) {
-      fanout::Call(address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
+      fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
                    [&](grpc::ClientContext* ctx) {
                      v1::DropJobRequest drop;
                      drop.set_job(job.name);
@@ -337,6 +338,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
         address, ChannelCredentialsFor(options.tls_root_certs, options.tls_cert_chain, options.tls_private_key), args);
     impl->stubs.push_back(v1::Optimizer::NewStub(channel));
     impl->generic.push_back(std::make_unique<grpc::GenericStub>(channel));
+    impl->channels.push_back(std::move(channel));
   }
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }

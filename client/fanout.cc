@@ -22,4 +22,14 @@ void Fanout::Fail() {
   for (grpc::ClientContext* ctx : active_) ctx->TryCancel();
 }
 
+void AwaitChannel(grpc::Channel* channel, std::chrono::milliseconds pause) {
+  if (pause.count() <= 0) return;
+  const auto until = std::chrono::system_clock::now() + pause;
+  if (channel->GetState(false) == GRPC_CHANNEL_READY) {
+    std::this_thread::sleep_until(until);  // the server answered: give it the whole pause
+    return;
+  }
+  channel->WaitForConnected(until);
+}
+
 }  // namespace shardopt::fanout

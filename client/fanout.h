@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/support/status.h"
 #include "rpc/grpc_edge.h"
@@ -46,18 +47,30 @@ class Fanout {
 // threads, so that Call need not take it through every caller.
 extern thread_local Fanout* current;
 
-// Runs one RPC to `address`, retrying: `attempt` builds its call on a fresh
-// context with the deadline set, and the bearer token if `token` is not
-// empty. The error names the address. The caller fails the fan-out
-// (FailFanout) once an error is final: it may first recover from one.
+// Waits `pause` before a call on `channel`, or less if it is not connected
+// and connects meanwhile. The wait polls the channel: gRPC notices how a
+// connection attempt ended only while something polls the channel (else its
+// backup poller, every 5 s), and a call that fails at once on a channel in
+// TRANSIENT_FAILURE polls nothing, so a client retrying a restarted server
+// found it 8-10 s after it was back, past every retry of its own.
+void AwaitChannel(grpc::Channel* channel, std::chrono::milliseconds pause);
+
+// Runs one RPC over `channel` to `address`, retrying: `attempt` builds its
+// call on a fresh context with the deadline set, and the bearer token if
+// `token` is not empty. The error names the address. The caller fails the
+// fan-out (FailFanout) once an error is final: it may first recover from one.
 template <typename Attempt>
-absl::Status Call(const std::string& address, const std::string& token, int max_attempts, uint32_t timeout_ms,
-                  const Attempt& attempt) {
+absl::Status Call(grpc::Channel* channel, const std::string& address, const std::string& token, int max_attempts,
+                  uint32_t timeout_ms, const Attempt& attempt) {
   grpc::Status st;
   for (int a = 0; a < std::max(1, max_attempts); ++a) {
-    if (a > 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(kBackoffCapMs, kBackoffBaseMs << std::min(a, 6))));
-    }
+    // A first attempt on a channel that failed to connect waits a little
+    // for it, so that a caller's own loop of single attempts finds the
+    // server too.
+    AwaitChannel(channel, std::chrono::milliseconds(
+                              a > 0 ? std::min(kBackoffCapMs, kBackoffBaseMs << std::min(a, 6))
+                              : channel->GetState(false) == GRPC_CHANNEL_TRANSIENT_FAILURE ? kBackoffBaseMs
+                                                                                           : 0));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
     if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
