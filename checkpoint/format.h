@@ -141,17 +141,18 @@ std::vector<std::string> Prune(const std::string& root, const std::string& job, 
 absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& root, const std::string& job,
                                                             uint64_t step);
 
-// A server that runs a job on from step `step` (restored from it, or made
-// afresh at 0) starts a new run of its part: its own part in a newer torn
+// A server whose job goes on from step `step` (restored from it, or made
+// afresh at 0) runs a new run of its part: its own part in a newer torn
 // step is another run's (written before this server restarted, or by the
 // state it was dropped with), and the new run's parts of that step, written
 // beside it by its peers, would be tiled with it into a COMMIT of two runs.
 // Each such part (`spec`'s placement's file) is renamed to
 // "abandoned-<step directory>-<part>-<nanoseconds>" in the job's
-// directory: kept, never loaded or pruned. Peers' parts stay, so a torn
-// step is still completed by its own run only if this server's part is
-// written again. Returns what was done, for the log; INTERNAL if a part
-// could not be moved.
+// directory: kept, never loaded or pruned. Peers' parts stay. Call it only
+// once every server of the job is at `step` (JobStore: at the job's first
+// seal); before that, a peer may still hold the run the part is of, and
+// complete its step with it. Returns what was done, for the log; INTERNAL
+// if a part could not be moved.
 absl::StatusOr<std::vector<std::string>> SetAsideOwnNewerParts(const std::string& root,
                                                                const v1::CreateJobRequest& spec, uint64_t step);
 

@@ -128,6 +128,11 @@ class Job {
   uint64_t sealed_step ABSL_GUARDED_BY(mu) = 0;
   GradStats sealed_stats ABSL_GUARDED_BY(mu);
 
+  // Run once, when this job first seals a round (step `step` + 1), before
+  // the push is answered; a failure ends the round, and the next seal runs
+  // it again (JobStore::CreateJob says why it waits for the seal).
+  std::function<absl::Status(uint64_t step)> before_first_seal ABSL_GUARDED_BY(mu);
+
   CommitArgs applied ABSL_GUARDED_BY(mu);        // of step `step`
   bool applying ABSL_GUARDED_BY(mu) = false;     // step + 1 is being applied, piece by piece
   CommitArgs apply_args ABSL_GUARDED_BY(mu);     // of step + 1, while applying

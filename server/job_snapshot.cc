@@ -251,8 +251,13 @@ absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::L
   job.step = m.step();
   job.applied = {m.applied().lr(), m.applied().gscale(), m.applied().skip(),
                  {m.applied().group_lr().begin(), m.applied().group_lr().end()}};
-  job.sealed_step = m.sealed_step();
-  job.sealed_stats = {m.sealed_sum_squares(), m.sealed_nonfinite()};
+  // A round sealed after the step (its push done, not yet committed) is
+  // not restored, only its sums: without its gradients it can be neither
+  // committed nor answered, so the job keeps no sealed step.
+  if (m.sealed_step() <= m.step()) {
+    job.sealed_step = m.sealed_step();
+    job.sealed_stats = {m.sealed_sum_squares(), m.sealed_nonfinite()};
+  }
   return absl::OkStatus();
 }
 

@@ -148,10 +148,9 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                  {"bytes", absl::StrCat(bytes)},
                                  {"seconds", absl::StrCat(seconds)}});
       // A restore_step that goes back starts a new run: before any client
-      // sees the job, the old run's newer steps go out of its way. Not whole
-      // steps after a restore of the newest, which leaves complete ones
-      // behind it by definition: of a newer torn step only this server's
-      // own part goes (below).
+      // sees the job, the old run's newer steps go out of its way. Not after
+      // a restore of the newest: a newer torn step may be one that a peer
+      // still completes (a drain during an upgrade).
       if (restore_step > 0) {
         SHARDOPT_ASSIGN_OR_RETURN(auto set_aside,
                                   checkpoint::SetAsideNewerSteps(options_.checkpoint_dir, spec.job(), job->step));
@@ -160,13 +159,20 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     } else if (loaded.code() != absl::StatusCode::kNotFound || restore_step > 0) {
       return loaded;  // the job, partly written, is thrown away
     }
-    // This server runs the job on from its step: a part of its own in a
-    // newer torn step is another run's, which the new run's peers' parts
-    // of that step must not be tiled with.
+    // A part of this server's own in a torn step newer than the job's is
+    // another run's once this job goes on from its step, and the new run's
+    // peers' parts of that step must not be tiled with it. Not now: until
+    // every server of the job is at this step, a peer may still hold that
+    // run and complete the step (a drain while its peers train on). At the
+    // first seal every server of the job has taken this step's push (the
+    // client pushes everywhere before it commits anywhere), so none holds
+    // another run, and none has written a part of a newer step yet.
     if (spec.shards_size() > 0) {
-      SHARDOPT_ASSIGN_OR_RETURN(auto set_aside,
-                                checkpoint::SetAsideOwnNewerParts(options_.checkpoint_dir, spec, job->step));
-      for (const std::string& line : set_aside) options_.checkpoint_log(line);
+      job->before_first_seal = [dir = options_.checkpoint_dir, spec, log = options_.checkpoint_log](uint64_t step) -> absl::Status {
+        SHARDOPT_ASSIGN_OR_RETURN(auto set_aside, checkpoint::SetAsideOwnNewerParts(dir, spec, step));
+        for (const std::string& line : set_aside) log(line);
+        return absl::OkStatus();
+      };
     }
   }
 

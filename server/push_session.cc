@@ -423,6 +423,14 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
       job_->EndRound("every rank finished, but the running sum is not whole");
       return absl::InternalError("every rank finished, but the running sum is not whole");
     }
+    if (job_->before_first_seal) {
+      const absl::Status ready = job_->before_first_seal(job_->step);
+      if (!ready.ok()) {
+        job_->EndRound(absl::StrCat("the round could not be sealed (", ready.message(), ")"));
+        return ready;
+      }
+      job_->before_first_seal = nullptr;
+    }
     std::vector<ShardGrads> contributions;
     for (uint32_t s = 0; s < job_->shards.size(); ++s) {
       if (sum.Contributed(s)) contributions.push_back({s, {0}});

@@ -341,6 +341,44 @@ TEST(DurabilityTest, ANewRunsCheckpointOfAStepIsNeverTiledWithAnOldRunsPart) {
   EXPECT_EQ(Fingerprint(*client, job).value(), new_run);
 }
 
+// The other side of the same start: a server drained under a training job
+// on two servers (a node drain) restarts, and the trainer's next step makes
+// it restore the older complete checkpoint, which the client refuses. Its
+// part of the step its peer still holds live is that very run's: when the
+// peer drains too, the two parts complete the step, and both servers
+// restore it. Had the restore set the part aside, the step could never
+// complete, and the job would go back to the older checkpoint.
+TEST(DurabilityTest, AStepTornByADrainIsCompletedByItsPeersDrainAfterARefusedReattach) {
+  const JobOptions job = DurableJob("node-drain", {{"w", 6000}, {"b", 3000}});
+  TempDir dir;
+  std::vector<std::vector<std::string>> args;
+  std::vector<std::unique_ptr<testing::ServerProcess>> servers;
+  for (int i = 0; i < 2; ++i) {
+    args.push_back({"--threads=1", absl::StrCat("--port=", testing::FreeLoopbackPort()),
+                    "--checkpoint_dir=" + dir.path()});
+    servers.push_back(testing::ServerProcess::Start(args.back()));
+    ASSERT_NE(servers.back(), nullptr);
+  }
+  auto client = Connect(servers);
+  ScriptedTrainer trainer = Train(*client, job, 2);
+  ASSERT_TRUE(client->Checkpoint().ok());   // step 2, complete
+  ASSERT_TRUE(trainer.Step(*client).ok());  // step 3, live on both
+  const std::vector<uint32_t> at_3 = Fingerprint(*client, job).value();
+  ASSERT_EQ(servers[1]->Stop(SIGTERM) >> 8, 0);  // its part of step 3
+  servers[1] = testing::ServerProcess::Start(args[1]);
+  ASSERT_NE(servers[1], nullptr);
+  const auto refused = trainer.Step(*client);  // server 1 restores step 2
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("restored step 2"));
+  client.reset();
+  for (const auto& server : servers) ASSERT_EQ(server->Stop(SIGTERM) >> 8, 0);  // server 0's part completes step 3
+  ASSERT_TRUE(fs::exists(dir.path() + "/node-drain/step-00000000000000000003/COMMIT"));
+  servers = StartServers(2, dir.path());
+  client = Connect(servers);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), 3u);
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_3);
+}
+
 // A restore onto another placement streams the old parts' runs into the
 // new state as they are read: the server's peak memory is its state and the
 // read buffers, not also a copy of its new part and a whole old one (which

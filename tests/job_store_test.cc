@@ -754,7 +754,6 @@ TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
     std::filesystem::create_directories(d);
     std::ofstream(d + "/part-0-50.bin") << "partial";  // a peer's part
   }
-  std::ofstream(in_progress + "/part-0-0.bin") << "partial";  // this placement's own
   std::mt19937_64 rng(11);
   for (uint64_t step = 1; step <= 4; ++step) StepAndCheckpoint("k", step, 100, rng);
   std::vector<std::string> left;
@@ -767,18 +766,64 @@ TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
   EXPECT_THAT(log_, ::testing::Contains(HasSubstr("pruned checkpoint " + torn_old)));
   // What is left restores: the newest complete one, step 4.
   auto backend = MakeCpuBackend({});
-  JobStoreOptions logged = Options0(dir);
-  logged.checkpoint_log = [](const std::string& line) { log_.push_back(line); };
-  JobStore fresh(backend.get(), logged);
+  JobStore fresh(backend.get(), Options0(dir));
   auto restored = fresh.CreateJob(JobRequest("k", 1, {{"w", 100}}));
   ASSERT_TRUE(restored.ok()) << restored.status();
   EXPECT_EQ(restored->step(), 4u);
-  // A restore of the newest leaves the newer step and a peer's part in it;
-  // its own part there is another run's, set aside, so that its new run's
-  // peers' parts of step 99 are never tiled with it.
+  // A restore of the newest leaves the newer step alone: its writer may be
+  // a peer that completes it yet (a rolling upgrade's drain).
   EXPECT_TRUE(std::filesystem::exists(in_progress + "/part-0-50.bin"));
-  EXPECT_FALSE(std::filesystem::exists(in_progress + "/part-0-0.bin"));
-  EXPECT_THAT(log_, ::testing::Contains(HasSubstr("set aside part " + in_progress + "/part-0-0.bin of another run")));
+}
+
+// This server's own part of a torn step newer than its job's is another
+// run's once the job goes on from its step: set aside at the job's first
+// seal, when every server of the job has taken that step's push, so that
+// the new run's peers' parts of the step are never tiled with it. Not at
+// the restore: until then a peer may still hold that run and complete the
+// step with it (a drain while its peers train on). Peers' parts stay.
+TEST_F(CheckpointKeepTest, AnOwnPartOfANewerTornStepGoesAtTheFirstSealNotAtTheRestore) {
+  Create(JobRequest("k", 1, {{"w", 100}}));
+  std::mt19937_64 rng(12);
+  StepAndCheckpoint("k", 1, 100, rng);
+  ASSERT_TRUE(store_.DropJob("k").ok());
+  const std::string torn = checkpoint::StepDirectory(dir_, "k", 2);
+  std::filesystem::create_directories(torn);
+  std::ofstream(torn + "/part-0-0.bin") << "partial";   // this placement's own, of another run
+  std::ofstream(torn + "/part-0-50.bin") << "partial";  // a peer's
+  auto restored = store_.CreateJob(JobRequest("k", 1, {{"w", 100}}));
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  ASSERT_TRUE(restored->restored());
+  ASSERT_EQ(restored->step(), 1u);
+  EXPECT_TRUE(std::filesystem::exists(torn + "/part-0-0.bin"));
+  ASSERT_TRUE(Push("k", 2, 0, {{"w", RandomBf16(rng, 100, 0.3f)}}).ok());
+  EXPECT_FALSE(std::filesystem::exists(torn + "/part-0-0.bin"));
+  EXPECT_TRUE(std::filesystem::exists(torn + "/part-0-50.bin"));
+  EXPECT_THAT(log_, ::testing::Contains(HasSubstr("set aside part " + torn + "/part-0-0.bin of another run")));
+}
+
+// A checkpoint taken while the next step's round was sealed records that
+// sealed step, but a restore does not bring the round back (its gradients
+// are not in the part): the restored job keeps no sealed step, so that an
+// attaching client never takes it for one that a commit could complete.
+TEST_F(CheckpointKeepTest, ARoundSealedPastTheCheckpointsStepIsNotRestoredAsSealed) {
+  Create(JobRequest("s", 1, {{"w", 100}}));
+  std::mt19937_64 rng(13);
+  ASSERT_TRUE(Push("s", 1, 0, {{"w", RandomBf16(rng, 100, 0.3f)}}).ok());
+  ASSERT_TRUE(Commit("s", 1, 1e-3).ok());
+  ASSERT_TRUE(Push("s", 2, 0, {{"w", RandomBf16(rng, 100, 0.3f)}}).ok());  // sealed, not committed
+  v1::CheckpointRequest request;
+  request.set_job("s");
+  request.set_step(1);
+  ASSERT_TRUE(store_.Checkpoint(request).ok());
+  ASSERT_TRUE(store_.DropJob("s").ok());
+  auto restored = store_.CreateJob(JobRequest("s", 1, {{"w", 100}}));
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  ASSERT_TRUE(restored->restored());
+  EXPECT_EQ(restored->step(), 1u);
+  EXPECT_EQ(restored->sealed_step(), 0u);
+  // Step 2 is pushed again and applies.
+  ASSERT_TRUE(Push("s", 2, 0, {{"w", RandomBf16(rng, 100, 0.3f)}}).ok());
+  EXPECT_TRUE(Commit("s", 2, 1e-3).ok());
 }
 
 // A restore_step that goes back starts a new run: the newer step
