@@ -42,11 +42,13 @@ absl::Status CheckWritable(const std::vector<SafetensorsTensor>& tensors) {
     if (!names.insert(t.name).second) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' is given twice"));
     }
-    uint64_t bytes = ElementBytes(t.dtype);
-    for (uint64_t d : t.shape) {
-      if (__builtin_mul_overflow(bytes, d, &bytes)) bytes = ~uint64_t{0};
-    }
-    if (ElementBytes(t.dtype) == 0 || bytes != t.data.size()) {
+    // Elements first, as the reader counts them: a shape past 2^64 elements
+    // is refused even if a later dimension is 0.
+    uint64_t elements = 1, bytes = 0;
+    bool overflow = false;
+    for (uint64_t d : t.shape) overflow |= __builtin_mul_overflow(elements, d, &elements);
+    overflow |= __builtin_mul_overflow(elements, ElementBytes(t.dtype), &bytes);
+    if (ElementBytes(t.dtype) == 0 || overflow || bytes != t.data.size()) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': ", t.data.size(),
                                                      " bytes are not its shape of ", t.dtype));
     }

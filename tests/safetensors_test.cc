@@ -90,7 +90,8 @@ TEST_F(SafetensorsTest, WhatTheReaderRefusesIsNotWritten) {
       {{"w", "F32", {1}, std::string(4, '\0')}, {"w", "F32", {1}, std::string(4, '\0')}},  // a name twice
       {{"w", "F32", {3}, std::string(8, '\0')}},                                          // 8 bytes for 3 floats
       {{"w", "Q7", {1}, std::string(4, '\0')}},                                           // no such dtype
-      {{"w", "F32", {uint64_t{1} << 62, 8}, std::string(4, '\0')}}};                      // a shape that overflows
+      {{"w", "F32", {uint64_t{1} << 62, 8}, std::string(4, '\0')}},                       // a shape that overflows
+      {{"w", "F32", {uint64_t{1} << 62, 8, 0}, ""}}};                                     // ... then has a 0
   for (const auto& tensors : bad) {
     const absl::Status st = WriteSafetensors(path_, tensors, {});
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << tensors[0].dtype << " " << tensors.size();

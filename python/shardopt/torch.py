@@ -21,7 +21,7 @@ import threading
 import torch
 
 from . import _C
-from ._errors import FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
+from ._errors import Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
 from ._overlap import _OverlapPush
 
 __all__ = ["RemoteAdamW"]
@@ -156,9 +156,11 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
             and resumed from the servers' state (its settings must match).
         rank, world_size: data parallelism without DDP: every rank pushes its
             gradients, the servers average them, every rank gets the same
-            params back. A new job's ranks must start from the same params:
-            each sends its 1/world_size share of them, and the constructor
-            waits (up to ``barrier_timeout``) until every rank's share is in.
+            params back. A new job's initial values are rank 0's params (as
+            DDP broadcasts rank 0's): rank 0 sends them, and every other
+            rank waits (up to ``barrier_timeout``) until they are in and
+            takes them from the servers, so ranks may start from different
+            params.
         lr, betas, eps, weight_decay: torch.optim.AdamW's defaults for groups
             that do not set their own.
         max_grad_norm: global-norm clipping over the averaged gradient (0:
@@ -487,8 +489,16 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
 
     def _checkpoint_if_due(self):
         every = self._checkpoint_every
-        if every > 0 and self.rank == 0 and self._client.step_count % every == 0:
-            self.checkpoint()
+        t = self._client.step_count
+        if every > 0 and self.rank == 0 and t % every == 0:
+            try:
+                self.checkpoint()
+            except Error as e:
+                # Said so, since the way out of a failed step(), calling it
+                # again, would here apply the next step with these gradients.
+                raise type(e)(f"step {t} was applied and its params are in the model (job_step is {t}; do not "
+                              f"call step() again for it), but its checkpoint (checkpoint_every) failed: "
+                              f"{e.message}") from e
 
     def verify_state(self):
         """Raises shardopt.FailedPrecondition if any group's state is not held

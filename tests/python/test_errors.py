@@ -227,3 +227,21 @@ def test_values_swapped_in_through_data_are_noticed(servers, job):
     with pytest.raises(shardopt.ParamsChanged, match="head.weight"):
         train(model, opt, 1, first=2)
     opt.drop()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_step_whose_checkpoint_fails_says_it_was_applied(servers, job, overlap):
+    """checkpoint_every on servers without --checkpoint_dir: step() raises the
+    checkpoint's error, saying that the step was applied and must not be
+    repeated (the way out of a failed step() is otherwise to call it again,
+    which here would apply the next step with the same gradients)."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, overlap=overlap, checkpoint_every=1)
+    tokens, targets = batch(0)
+    model(tokens, targets).backward()
+    with pytest.raises(shardopt.FailedPrecondition) as err:
+        opt.step()
+    assert "step 1 was applied" in err.value.message and "do not call step() again" in err.value.message
+    assert "checkpoint_dir" in err.value.message  # the server's own reason follows
+    assert opt.job_step == 1
+    opt.drop()
