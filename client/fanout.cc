@@ -22,14 +22,25 @@ void Fanout::Fail() {
   for (grpc::ClientContext* ctx : active_) ctx->TryCancel();
 }
 
+bool Fanout::failed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failed_;
+}
+
 void AwaitChannel(grpc::Channel* channel, std::chrono::milliseconds pause) {
-  if (pause.count() <= 0) return;
   const auto until = std::chrono::system_clock::now() + pause;
-  if (channel->GetState(false) == GRPC_CHANNEL_READY) {
-    std::this_thread::sleep_until(until);  // the server answered: give it the whole pause
-    return;
+  // In slices, so that a fan-out that fails meanwhile is not kept waiting
+  // for this thread's pause (up to kBackoffCapMs).
+  constexpr auto kSlice = std::chrono::milliseconds(kBackoffBaseMs);
+  for (auto now = std::chrono::system_clock::now(); now < until; now = std::chrono::system_clock::now()) {
+    if (current != nullptr && current->failed()) return;
+    const auto slice_end = std::min<std::chrono::system_clock::time_point>(until, now + kSlice);
+    if (channel->GetState(false) == GRPC_CHANNEL_READY) {
+      std::this_thread::sleep_until(slice_end);  // the server answered: give it the whole pause
+    } else if (channel->WaitForConnected(slice_end)) {
+      return;
+    }
   }
-  channel->WaitForConnected(until);
 }
 
 }  // namespace shardopt::fanout

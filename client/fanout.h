@@ -36,6 +36,7 @@ class Fanout {
   void Unregister(grpc::ClientContext* ctx);
   // Cancels every call in flight, and every call not started yet.
   void Fail();
+  bool failed();
 
  private:
   std::mutex mu_;
@@ -48,7 +49,7 @@ class Fanout {
 extern thread_local Fanout* current;
 
 // Waits `pause` before a call on `channel`, or less if it is not connected
-// and connects meanwhile. The wait polls the channel: gRPC notices how a
+// and connects meanwhile, or if the calling thread's fan-out fails. The wait polls the channel: gRPC notices how a
 // connection attempt ended only while something polls the channel (else its
 // backup poller, every 5 s), and a call that fails at once on a channel in
 // TRANSIENT_FAILURE polls nothing, so a client retrying a restarted server
