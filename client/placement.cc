@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "shardopt/client.h"
@@ -69,9 +70,13 @@ absl::StatusOr<std::vector<std::string>> ExpandServerPattern(const std::string& 
     return absl::InvalidArgumentError(absl::StrCat("server pattern '", pattern, "' must hold \"{i}\" exactly once"));
   }
   const size_t colon = pattern.rfind(':');
+  // Digits only: SimpleAtoi also takes "+80" and surrounding spaces, which
+  // would make addresses gRPC cannot resolve.
+  const std::string digits = colon == std::string::npos ? "" : pattern.substr(colon + 1);
   uint32_t port = 0;
-  if (colon == std::string::npos || colon < at || !absl::SimpleAtoi(pattern.substr(colon + 1), &port) || port == 0 ||
-      port > 65535) {
+  if (colon == std::string::npos || colon < at || digits.empty() || digits.size() > 5 ||
+      !std::all_of(digits.begin(), digits.end(), absl::ascii_isdigit) || !absl::SimpleAtoi(digits, &port) ||
+      port == 0 || port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("server pattern '", pattern, "' must end in :PORT, PORT in [1, 65535]"));
   }
   if (count == 0 || count > kMaxServers) {

@@ -60,6 +60,10 @@ TEST(ServerPattern, RefusesWhatIsNotAPattern) {
       {"shardopt-{i}.shardopt", 2, ":PORT"},
       {"shardopt-{i}.shardopt:0", 2, ":PORT"},
       {"shardopt-{i}.shardopt:70000", 2, ":PORT"},
+      {"shardopt-{i}.shardopt:+50051", 2, ":PORT"},
+      {"shardopt-{i}.shardopt: 50051", 2, ":PORT"},
+      {"shardopt-{i}.shardopt:50051 ", 2, ":PORT"},
+      {"shardopt-{i}.shardopt:000050051", 2, ":PORT"},
       {"shardopt-{i}.shardopt:50051", 0, "server count"},
   };
   for (const Case& c : cases) {
