@@ -246,11 +246,12 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
   return done;
 }
 
-absl::StatusOr<std::vector<std::string>> SetAsideOwnNewerParts(const std::string& root,
-                                                               const v1::CreateJobRequest& spec, uint64_t step) {
+absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
+                                   const Log& log) {
   const std::string job_dir = absl::StrCat(root, "/", JobDirectoryName(spec.job()));
   const std::string own = PartName(spec);
-  std::vector<std::string> done;
+  bool moved = false;
+  absl::Status status;
   std::error_code ec;
   for (uint64_t t : StepsNewestFirst(job_dir)) {
     if (t <= step) break;
@@ -260,15 +261,21 @@ absl::StatusOr<std::vector<std::string>> SetAsideOwnNewerParts(const std::string
     const std::string aside = absl::StrFormat("%s/abandoned-%s-%s-%d", job_dir, fs::path(dir).filename().string(), own,
                                               absl::ToUnixNanos(absl::Now()));
     if (rename(part.c_str(), aside.c_str()) == 0) {
-      done.push_back(absl::StrCat("set aside part ", part, " of another run as ", aside));
+      moved = true;
+      log(absl::StrCat("set aside part ", part, " of another run as ", aside));
     } else if (errno != ENOENT) {
-      return absl::InternalError(ErrnoText(absl::StrCat("cannot set aside ", part, " (this server runs job '",
-                                                        spec.job(), "' on from step ", step, "; move it away) as"),
-                                           aside));
+      status = absl::InternalError(ErrnoText(absl::StrCat("cannot set aside ", part, " (this server runs job '",
+                                                          spec.job(), "' on from step ", step, "; move it away) as"),
+                                             aside));
+      break;
     }
   }
-  if (!done.empty()) SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(job_dir));
-  return done;
+  // What was moved stays moved, whatever failed after it.
+  if (moved) {
+    const absl::Status synced = FsyncDirectory(job_dir);
+    if (status.ok()) status = synced;
+  }
+  return status;
 }
 
 namespace {

@@ -141,6 +141,10 @@ std::vector<std::string> Prune(const std::string& root, const std::string& job, 
 absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& root, const std::string& job,
                                                             uint64_t step);
 
+// What a restore passed over and why, and what was set aside, for the
+// server's log.
+using Log = std::function<void(const std::string&)>;
+
 // A server whose job goes on from step `step` (restored from it, or made
 // afresh at 0) runs a new run of its part: its own part in a newer torn
 // step is another run's (written before this server restarted, or by the
@@ -149,15 +153,12 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
 // Each such part (`spec`'s placement's file) is renamed to
 // "abandoned-<step directory>-<part>-<nanoseconds>" in the job's
 // directory: kept, never loaded or pruned. Peers' parts stay. Call it only
-// once every server of the job is at `step` (JobStore: at the job's first
-// seal); before that, a peer may still hold the run the part is of, and
-// complete its step with it. Returns what was done, for the log; INTERNAL
-// if a part could not be moved.
-absl::StatusOr<std::vector<std::string>> SetAsideOwnNewerParts(const std::string& root,
-                                                               const v1::CreateJobRequest& spec, uint64_t step);
-
-// Why each newer checkpoint was passed over, for the server's log.
-using Log = std::function<void(const std::string&)>;
+// once no server of the job can hold the run the part is of (JobStore: at
+// the job's first seal); before that, a peer may still complete the part's
+// step with it. `log` is told of each part as it is moved; INTERNAL if one
+// could not be.
+absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
+                                   const Log& log);
 
 // The state of `spec`'s placement (spec.shards) from the job's newest
 // complete checkpoint, or from the one of `step` when step > 0. NOT_FOUND when

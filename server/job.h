@@ -131,7 +131,7 @@ class Job {
   // Run once, when this job first seals a round (step `step` + 1), before
   // the push is answered; a failure ends the round, and the next seal runs
   // it again (JobStore::CreateJob says why it waits for the seal).
-  std::function<absl::Status(uint64_t step)> before_first_seal ABSL_GUARDED_BY(mu);
+  std::function<absl::Status(const v1::CreateJobRequest& spec, uint64_t step)> before_first_seal ABSL_GUARDED_BY(mu);
 
   CommitArgs applied ABSL_GUARDED_BY(mu);        // of step `step`
   bool applying ABSL_GUARDED_BY(mu) = false;     // step + 1 is being applied, piece by piece

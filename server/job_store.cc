@@ -161,17 +161,17 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     }
     // A part of this server's own in a torn step newer than the job's is
     // another run's once this job goes on from its step, and the new run's
-    // peers' parts of that step must not be tiled with it. Not now: until
-    // every server of the job is at this step, a peer may still hold that
-    // run and complete the step (a drain while its peers train on). At the
-    // first seal every server of the job has taken this step's push (the
-    // client pushes everywhere before it commits anywhere), so none holds
-    // another run, and none has written a part of a newer step yet.
+    // peers' parts of that step must not be tiled with it. Not now: a peer
+    // may still hold that run and complete the step (a drain while its
+    // peers train on, this server's restore then refused by the client).
+    // At the job's first seal: a client commits a step on a server only
+    // with every server's push answer of it, and each server answers only
+    // once it has sealed, so no server of this run applies (or writes a
+    // part of) a step past this one before every server has run this.
     if (spec.shards_size() > 0) {
-      job->before_first_seal = [dir = options_.checkpoint_dir, spec, log = options_.checkpoint_log](uint64_t step) -> absl::Status {
-        SHARDOPT_ASSIGN_OR_RETURN(auto set_aside, checkpoint::SetAsideOwnNewerParts(dir, spec, step));
-        for (const std::string& line : set_aside) log(line);
-        return absl::OkStatus();
+      job->before_first_seal = [dir = options_.checkpoint_dir, log = options_.checkpoint_log](
+                                   const v1::CreateJobRequest& placed, uint64_t step) {
+        return checkpoint::SetAsideOwnNewerParts(dir, placed, step, log);
       };
     }
   }

@@ -424,7 +424,7 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
       return absl::InternalError("every rank finished, but the running sum is not whole");
     }
     if (job_->before_first_seal) {
-      const absl::Status ready = job_->before_first_seal(job_->step);
+      const absl::Status ready = job_->before_first_seal(job_->spec, job_->step);
       if (!ready.ok()) {
         job_->EndRound(absl::StrCat("the round could not be sealed (", ready.message(), ")"));
         return ready;

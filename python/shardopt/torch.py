@@ -343,11 +343,15 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):
         # A push running here had its backward but will get no step(): it is
         # completed as a skipped step so the job can go on.
-        if self.overlap and self._client.pushing():
-            with self._step_lock:
-                self._commit_push(skip=True)
-                self._checkpoint_if_due()
-        super().zero_grad(set_to_none=set_to_none)
+        try:
+            if self.overlap and self._client.pushing():
+                with self._step_lock:
+                    self._commit_push(skip=True)
+                    self._checkpoint_if_due()
+        finally:
+            # Zeroed even if that failed: a gradient left behind would be
+            # summed into the next backward's and pushed with it.
+            super().zero_grad(set_to_none=set_to_none)
 
     def state_dict(self):
         """torch.optim.AdamW's layout, read from the servers: per param

@@ -245,3 +245,21 @@ def test_a_step_whose_checkpoint_fails_says_it_was_applied(servers, job, overlap
     assert "checkpoint_dir" in err.value.message  # the server's own reason follows
     assert opt.job_step == 1
     opt.drop()
+
+
+def test_zero_grad_whose_skip_checkpoint_fails_still_zeroes(servers, job):
+    """overlap=True: zero_grad() after a backward completes the pushed step
+    as a skip; with checkpoint_every on servers without --checkpoint_dir it
+    raises the checkpoint's error saying the step was applied, and the
+    gradients are zeroed all the same (left, the next backward would add to
+    them and push the sum)."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, overlap=True, checkpoint_every=1)
+    tokens, targets = batch(0)
+    model(tokens, targets).backward()
+    with pytest.raises(shardopt.FailedPrecondition) as err:
+        opt.zero_grad()
+    assert "step 1 was applied" in err.value.message
+    assert opt.job_step == 1
+    assert all(p.grad is None for p in model.parameters())
+    opt.drop()
