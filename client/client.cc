@@ -41,6 +41,7 @@ struct Client::Impl {
   JobOptions job;
   bool attached = false;
   uint64_t step = 0;
+  uint64_t pushed_ahead = 0;  // Client::pushed_ahead, as the attach found it
   uint64_t chunk_bytes = 0;  // per streamed message, once attached (rpc/chunk_size.h)
   uint32_t barrier_ms = 0;   // the job's barrier deadline as its servers hold it, once attached
   absl::flat_hash_map<std::string, uint32_t> tensor_index;
@@ -344,6 +345,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
 }
 
 uint64_t Client::step() const { return impl_->step; }
+uint64_t Client::pushed_ahead() const { return impl_->pushed_ahead; }
 uint64_t Client::chunk_bytes() const { return impl_->chunk_bytes; }
 
 absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
@@ -393,6 +395,10 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
                                                       "on each (shardopt --server=HOST:PORT drop JOB)"));
   }
   im.step = step;
+  im.pushed_ahead = 0;
+  for (uint32_t s = 0; s < im.servers(); ++s) {
+    if (!im.shards_of[s].empty() && answers[s].sealed_step() == step + 1) im.pushed_ahead = step + 1;
+  }
   std::vector<uint64_t> sent_to;  // the limits of the servers this job's messages go to
   for (uint32_t s = 0; s < im.servers(); ++s) {
     if (!im.shards_of[s].empty()) sent_to.push_back(max_message[s]);

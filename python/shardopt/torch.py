@@ -17,6 +17,7 @@ pinned host buffers with non-blocking copies).
 """
 import os
 import threading
+import warnings
 
 import torch
 
@@ -265,6 +266,15 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
         #: the step resumed from (the params were pulled from the servers).
         self.resumed_step = self._client.create_or_attach(job, world_size, job_groups, job_tensors, False,
                                                           int(barrier_timeout * 1000), restore_step)
+        if restore_step and self.resumed_step != restore_step:
+            warnings.warn(f"restore_step={restore_step} was not used: the servers hold job '{job}' at step "
+                          f"{self.resumed_step} (a job is restored only on servers that do not hold it; to go "
+                          "back, drop it on every server first)", stacklevel=2)
+        if self._client.pushed_ahead:
+            ahead = self._client.pushed_ahead
+            warnings.warn(f"step {ahead} of job '{job}' is pushed already, this rank's push by an earlier process "
+                          f"that did not commit it: the servers count a rank's push of a step once, so step {ahead} "
+                          "is applied with those gradients, not this process's", stacklevel=2)
         if self.resumed_step == 0:
             # Rank 0's params are the job's initial values, as DDP broadcasts
             # rank 0's: it sends them (the servers take the model's bytes
@@ -443,6 +453,17 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
                                self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"),
                                int(step.item() if isinstance(step, torch.Tensor) else step))
                 loads.append((t, master, moments))
+        # torch's load replaces the state: a param the dict has no state for
+        # has none after it. The servers cannot take a tensor's Adam step
+        # back to 0, so state an earlier load gave them is refused here
+        # rather than kept.
+        held = dict(zip((t.name for t in self._remote), self._client.adam_steps()))
+        for t, _, moments in loads:
+            if moments is None and held.get(t.name, 0) != 0:
+                raise FailedPrecondition(
+                    f"param '{t.name}' has Adam state on the servers from an earlier load_state_dict (step "
+                    f"{held[t.name]}), and this state dict has none for it, which the servers cannot clear: drop "
+                    "the job (drop()) and construct the optimizer again, then load this state dict")
         for t, master, moments in loads:
             self._check_initial(t, t.param if master is None else master, "master")
             if moments is not None:

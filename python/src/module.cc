@@ -299,6 +299,11 @@ class PyClient {
     std::lock_guard<std::mutex> lock(mu_);
     return client_->step();
   }
+  uint64_t pushed_ahead() {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    return client_->pushed_ahead();
+  }
 
  private:
   std::mutex mu_;  // one call in the client at a time (Exclusive)
@@ -421,5 +426,6 @@ PYBIND11_MODULE(_C, m) {
       .def("verify_state", &PyClient::VerifyState)
       .def("drop", &PyClient::Drop)
       .def("checkpoint", &PyClient::Checkpoint)
-      .def_property_readonly("step_count", &PyClient::step);
+      .def_property_readonly("step_count", &PyClient::step)
+      .def_property_readonly("pushed_ahead", &PyClient::pushed_ahead);
 }

@@ -10,7 +10,7 @@ import torch
 
 import shardopt
 from shardopt.torch import RemoteAdamW
-from models import bits, make_model, param_groups, same_bits, train
+from models import bits, make_model, param_groups, same_bits, train, unnamed
 from servers import checkpointing_servers
 from workers import MIXED
 
@@ -80,6 +80,30 @@ def test_load_state_dict_does_not_cast_to_param_dtype(servers, job):
     opt.drop()
 
 
+def test_a_load_that_would_keep_an_earlier_loads_state_is_refused(servers, job):
+    """torch's load_state_dict replaces the state: a param the dict has no
+    state for has none after it. The servers cannot take a tensor's Adam
+    step back to 0, so loading a stateless dict over an earlier load's state
+    is refused, and the earlier state stays as it was."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3)
+    train(model, opt, 3)
+    saved = opt.state_dict()
+    opt.drop()
+    fresh = make_model()
+    fresh.load_state_dict(model.state_dict())
+    opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
+    opt.load_state_dict(saved)
+    stateless = torch.optim.AdamW(unnamed(param_groups(make_model())), lr=1e-3).state_dict()
+    with pytest.raises(shardopt.FailedPrecondition, match="earlier load_state_dict"):
+        opt.load_state_dict(stateless)
+    kept = opt.state_dict()
+    for k, state in saved["state"].items():
+        for key, value in state.items():
+            assert same_bits(kept["state"][k][key], value), (k, key)
+    opt.drop()
+
+
 def test_a_shared_load_needs_torch_distributed_and_sends_nothing_without_it(servers, job):
     """load_state_dict(shared=True) in a process without torch.distributed
     raises ValueError before sending anything: the new job has still no Adam
@@ -123,6 +147,20 @@ def test_attach_resumes_from_the_servers(servers, job):
     train(model, opt, STEPS, first=STEPS + 1)
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):
         assert same_bits(p, q), name
+    opt.drop()
+
+
+def test_attaching_warns_of_a_push_a_dead_trainer_left(servers, job):
+    """A trainer killed between its push and its commit leaves the push on
+    the servers, which count a rank's push of a step once: the next
+    trainer's step is applied with the dead one's gradients. Attaching says
+    so; and a restore_step that the servers holding the job ignore says so."""
+    run_worker("push_and_die", "--servers", ",".join(servers), "--job", job, "--steps", 2)
+    with pytest.warns(UserWarning, match="step 3 of job .* is pushed already"):
+        opt = RemoteAdamW(param_groups(make_model()), servers=servers, job=job, lr=1e-3)
+    assert opt.resumed_step == 2
+    with pytest.warns(UserWarning, match="restore_step=1 was not used"):
+        RemoteAdamW(param_groups(make_model()), servers=servers, job=job, lr=1e-3, restore_step=1)
     opt.drop()
 
 

@@ -7,6 +7,11 @@ continuing from a saved state dict).
     workers.py dp --servers A,B --job J --rank R --world_size W --steps N --out OUT
     workers.py resume_dp --servers A,B --job J --rank R --world_size W --store S --checkpoint F --first T
         --steps N --out OUT [--fail_rank R]
+    workers.py push_and_die --servers A,B --job J --steps N --out OUT
+
+`push_and_die` trains N steps with overlap=True, runs one more backward
+(whose push completes) and exits at once, as a killed trainer would: no
+step(), no clean-up.
 """
 import argparse
 import hashlib
@@ -96,9 +101,21 @@ def train_share(model, opt, args):
     torch.save({"digests": digests, "model": model.state_dict()}, args.out)
 
 
+def push_and_die(args):
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=args.servers.split(","), job=args.job, lr=1e-3, overlap=True)
+    train(model, opt, args.steps)
+    opt.zero_grad()
+    tokens, targets = batch(args.steps + 1)
+    model(tokens, targets).backward()
+    opt._finish_push()  # the push of step N+1 is complete on every server
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["resume", "dp", "resume_dp"])
+    parser.add_argument("mode", choices=["resume", "dp", "resume_dp", "push_and_die"])
     parser.add_argument("--servers", required=True)
     parser.add_argument("--job", required=True)
     parser.add_argument("--checkpoint")
@@ -109,9 +126,9 @@ def main():
     parser.add_argument("--store", help="resume_dp: torch.distributed's file store")
     parser.add_argument("--fail_rank", type=int, default=-1,
                         help="resume_dp: this rank's load_state_dict fails to send its share")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     args = parser.parse_args()
-    {"resume": resume, "dp": dp, "resume_dp": resume_dp}[args.mode](args)
+    {"resume": resume, "dp": dp, "resume_dp": resume_dp, "push_and_die": push_and_die}[args.mode](args)
 
 
 if __name__ == "__main__":
