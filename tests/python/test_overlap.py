@@ -1,7 +1,9 @@
 """overlap=True pushes gradients while backward runs; the result is bitwise
 that of overlap=False."""
 import gc
+import signal
 import threading
+import time
 import weakref
 
 import pytest
@@ -226,3 +228,29 @@ def test_hooks_on_two_autograd_threads_start_one_push(servers, job):
         opt.step()
     assert opt.job_step == 5
     opt.drop()
+
+
+def test_a_server_restarted_between_backward_and_step_costs_no_failed_call(servers, server_binary, job, tmp_path):
+    """overlap=True: backward's push is complete, then the server is stopped
+    (SIGTERM: its drain checkpoints the step before) and started again.
+    step() gives it the job again, which restores that step with no push;
+    the gradients are still in p.grad, so step() pushes them again and
+    commits, on its first call, bitwise as an uninterrupted run."""
+    reference = make_model()
+    plain = RemoteAdamW(param_groups(reference), servers=servers, job=f"{job}-ref", lr=1e-3)
+    train(reference, plain, 4)
+    plain.drop()
+    with checkpointing_servers(server_binary, tmp_path, count=1) as (procs, _):
+        model = make_model()
+        opt = RemoteAdamW(param_groups(model), servers=[procs[0].address], job=job, lr=1e-3, overlap=True)
+        train(model, opt, 3)
+        opt.zero_grad()
+        tokens, targets = batch(4)
+        model(tokens, targets).backward()
+        time.sleep(1.0)  # the push of a model this small is long complete
+        assert procs[0].stop(signal.SIGTERM) == 0
+        procs[0].start()
+        opt.step()
+        assert opt.job_step == 4
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert same_bits(p, q), name
