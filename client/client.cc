@@ -98,6 +98,9 @@ struct Client::Impl {
   // again. A job dropped on purpose is answered "was dropped" instead, and
   // never comes here.
   absl::Status Reattach(uint32_t s, const absl::Status& why) const {
+    // Not cancelled by another server's failure: a CreateJob cut off may
+    // have made the job afresh, and the drop that undoes it must be sent.
+    const fanout::Detached detached;
     v1::CreateJobRequest req = ToCreateJobRequest(job, shards_of[s]);
     req.set_restore_step(0);  // this run's newest, whatever the launch asked for
     v1::CreateJobResponse resp;

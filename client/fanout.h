@@ -48,6 +48,20 @@ class Fanout {
 // threads, so that Call need not take it through every caller.
 extern thread_local Fanout* current;
 
+// The calls made in its scope are outside the thread's fan-out: another
+// server's failure does not cancel them. For calls that must finish once
+// begun (a job a call created on a server, which it must drop again).
+class Detached {
+ public:
+  Detached() : saved_(current) { current = nullptr; }
+  ~Detached() { current = saved_; }
+  Detached(const Detached&) = delete;
+  Detached& operator=(const Detached&) = delete;
+
+ private:
+  Fanout* saved_;
+};
+
 // Waits `pause` before a call on `channel`, or less if it is not connected
 // and connects meanwhile, or if the calling thread's fan-out fails. The wait polls the channel: gRPC notices how a
 // connection attempt ended only while something polls the channel (else its
