@@ -289,6 +289,9 @@ int main(int argc, char** argv) {
   // Before serving: a SIGTERM from the moment the port is open (or the port
   // file is there) must drain, not kill with the default action.
   sem_init(&g_wake, 0, 0);
+  // A checkpoint past the process's file size limit (RLIMIT_FSIZE) must
+  // fail with EFBIG and be answered INTERNAL, not kill the server.
+  std::signal(SIGXFSZ, SIG_IGN);
   std::signal(SIGTERM, OnStop);
   std::signal(SIGINT, OnStop);
   std::signal(SIGHUP, OnReload);

@@ -2,10 +2,13 @@
 // resume give the bits of an uninterrupted run; SIGTERM checkpoints and exits
 // 0; a checkpoint restores onto another server count; bad files are refused
 // with a clear status while the server goes on serving.
+#include <sys/resource.h>
 #include <sys/wait.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -322,6 +325,23 @@ TEST(DurabilityTest, EveryServerDropsTheJobItsReattachMadeAfreshAgain) {
                                                                 << described.step();
     }
   }
+}
+
+// A checkpoint past the server process's file size limit (a container's
+// RLIMIT_FSIZE) fails with the disk's error, and the server goes on:
+// before, SIGXFSZ's default action killed it mid-write.
+TEST(DurabilityTest, ACheckpointPastTheFileSizeLimitFailsAndTheServerGoesOn) {
+  const JobOptions job = DurableJob("fsize", {{"w", 60000}});
+  TempDir dir;
+  auto servers = StartServers(1, dir.path());
+  auto client = Connect(servers);
+  ScriptedTrainer trainer = Train(*client, job, 2);
+  const struct rlimit small = {64 << 10, 64 << 10};  // the part is about 720 KB
+  ASSERT_EQ(prlimit(servers[0]->pid(), RLIMIT_FSIZE, &small, nullptr), 0) << strerror(errno);
+  const absl::Status written = client->Checkpoint();
+  EXPECT_EQ(written.code(), absl::StatusCode::kInternal) << written;
+  EXPECT_THAT(std::string(written.message()), HasSubstr("cannot write"));
+  EXPECT_TRUE(trainer.Step(*client).ok());  // still serving, the job unchanged
 }
 
 // The way out of "servers disagree" that the client's error gives (drop the
