@@ -98,8 +98,13 @@ struct Client::Impl {
   // again. A job dropped on purpose is answered "was dropped" instead, and
   // never comes here.
   absl::Status Reattach(uint32_t s, const absl::Status& why) const {
-    // Not cancelled by another server's failure: a CreateJob cut off may
-    // have made the job afresh, and the drop that undoes it must be sent.
+    // Nothing begun yet: a failed fan-out need not wait for a restore.
+    if (fanout::current != nullptr && fanout::current->failed()) {
+      return absl::CancelledError(absl::StrCat(address(s), ": another server's call failed"));
+    }
+    // From here not cancelled by another server's failure: a CreateJob cut
+    // off may have made the job afresh, and the drop that undoes it must be
+    // sent.
     const fanout::Detached detached;
     v1::CreateJobRequest req = ToCreateJobRequest(job, shards_of[s]);
     req.set_restore_step(0);  // this run's newest, whatever the launch asked for
@@ -400,7 +405,9 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   im.step = step;
   im.pushed_ahead = 0;
   for (uint32_t s = 0; s < im.servers(); ++s) {
-    if (!im.shards_of[s].empty() && answers[s].sealed_step() == step + 1) im.pushed_ahead = step + 1;
+    if (!im.shards_of[s].empty() && im.pushes_to[s] && answers[s].sealed_step() == step + 1) {
+      im.pushed_ahead = step + 1;
+    }
   }
   std::vector<uint64_t> sent_to;  // the limits of the servers this job's messages go to
   for (uint32_t s = 0; s < im.servers(); ++s) {

@@ -82,6 +82,18 @@ class _OverlapPush:
         group_lr = [float(g["lr"]) for g in self.param_groups]
         self._client.commit(self._push_step, group_lr[0], gscale, skip, self._param_targets(), group_lr)
 
+    def _pushed_unchanged(self):
+        """Whether every param's p.grad is what the finished push took from
+        it: the same tensor, unchanged, or None for one pushed as None."""
+        for k, (pushed, version) in self._marked.items():
+            now = self._tensors[k].param.grad
+            if pushed is None:
+                if now is not None:
+                    return False
+            elif now is None or now is not pushed() or getattr(now, "_version", None) != version:
+                return False
+        return True
+
     def _finish_push(self):
         """Marks the gradients no hook delivered (set by hand, or None) and
         waits for the push; learns the order backward produced them in."""

@@ -275,9 +275,10 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
                           "back, drop it on every server first)", stacklevel=2)
         if self._client.pushed_ahead:
             ahead = self._client.pushed_ahead
-            warnings.warn(f"step {ahead} of job '{job}' is pushed already, this rank's push by an earlier process "
-                          f"that did not commit it: the servers count a rank's push of a step once, so step {ahead} "
-                          "is applied with those gradients, not this process's", stacklevel=2)
+            warnings.warn(f"step {ahead} of job '{job}' is pushed and not yet committed: if this process replaces a "
+                          "trainer of this rank that was killed after pushing it, step {ahead} is applied with that "
+                          "trainer's gradients, not this process's (the servers count a rank's push of a step "
+                          "once)".replace("{ahead}", str(ahead)), stacklevel=2)
         if self.resumed_step == 0:
             # Rank 0's params are the job's initial values, as DDP broadcasts
             # rank 0's: it sends them (the servers take the model's bytes
@@ -338,14 +339,17 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):  # the lr a scheduler set, before it is sent
             _check_hyper(g, f"group {gi}: ")
         if self.overlap:
+            push = self._finish_push()
+            decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
             try:
-                decision = self._commit_push()
+                self._commit_pushed(decision.gscale, decision.skip)
             except FailedPrecondition as e:
                 # A server that restarted after the push was complete was given
                 # the job again and restored the step before, with no push of
-                # this one. The gradients are still in p.grad: pushed again
-                # from there and committed, once, as a second step() would.
-                if "its push is incomplete" not in e.message or self._client.pushing():
+                # this one. If p.grad still holds what was pushed, it is pushed
+                # again from there and committed, once; else the other servers'
+                # rounds hold other gradients than p.grad, and it raises.
+                if "its push is incomplete" not in e.message or not self._pushed_unchanged():
                     raise
                 decision = self._commit_push()
         else:

@@ -230,12 +230,16 @@ def test_hooks_on_two_autograd_threads_start_one_push(servers, job):
     opt.drop()
 
 
-def test_a_server_restarted_between_backward_and_step_costs_no_failed_call(servers, server_binary, job, tmp_path):
+@pytest.mark.parametrize("let_go", [False, True], ids=["unchanged", "a_gradient_let_go"])
+def test_a_server_restarted_between_backward_and_step_costs_no_failed_call(servers, server_binary, job, tmp_path,
+                                                                          let_go):
     """overlap=True: backward's push is complete, then the server is stopped
     (SIGTERM: its drain checkpoints the step before) and started again.
     step() gives it the job again, which restores that step with no push;
     the gradients are still in p.grad, so step() pushes them again and
-    commits, on its first call, bitwise as an uninterrupted run."""
+    commits, on its first call, bitwise as an uninterrupted run. Not if a
+    gradient was let go after backward: p.grad is then not what the other
+    servers' rounds hold, and step() raises."""
     reference = make_model()
     plain = RemoteAdamW(param_groups(reference), servers=servers, job=f"{job}-ref", lr=1e-3)
     train(reference, plain, 4)
@@ -250,6 +254,12 @@ def test_a_server_restarted_between_backward_and_step_costs_no_failed_call(serve
         time.sleep(1.0)  # the push of a model this small is long complete
         assert procs[0].stop(signal.SIGTERM) == 0
         procs[0].start()
+        if let_go:
+            next(iter(model.parameters())).grad = None
+            with pytest.raises(shardopt.FailedPrecondition, match="its push is incomplete"):
+                opt.step()
+            assert opt.job_step == 3
+            return
         opt.step()
         assert opt.job_step == 4
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):

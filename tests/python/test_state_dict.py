@@ -156,7 +156,7 @@ def test_attaching_warns_of_a_push_a_dead_trainer_left(servers, job):
     trainer's step is applied with the dead one's gradients. Attaching says
     so; and a restore_step that the servers holding the job ignore says so."""
     run_worker("push_and_die", "--servers", ",".join(servers), "--job", job, "--steps", 2)
-    with pytest.warns(UserWarning, match="step 3 of job .* is pushed already"):
+    with pytest.warns(UserWarning, match="step 3 of job .* is pushed and not yet committed"):
         opt = RemoteAdamW(param_groups(make_model()), servers=servers, job=job, lr=1e-3)
     assert opt.resumed_step == 2
     with pytest.warns(UserWarning, match="restore_step=1 was not used"):

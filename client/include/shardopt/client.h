@@ -296,12 +296,14 @@ class Client {
 
   // The job's step: the last one done.
   uint64_t step() const;
-  // Once attached: step() + 1 if some server of the job holds that step's
-  // push complete but not committed (a trainer that pushed it died before
-  // its commit, or another rank of this job pushed it and commits it now),
-  // else 0. The servers count a rank's push of a step once: this client's
-  // push of that step is answered from the one they hold, and its own
-  // gradients for it are not used.
+  // Once attached: step() + 1 if a server this client pushes to holds that
+  // step's push complete (every rank's) but not committed, else 0: a
+  // trainer of this rank pushed it and died before its commit, or one that
+  // is still running commits it now (another process attached meanwhile).
+  // The servers count a rank's push of a step once: this client's push of
+  // that step is answered from the one they hold, and its own gradients for
+  // it are not used. (Chunks of a push cut off partway count too, until
+  // the step's barrier deadline passes; they are not reported here.)
   uint64_t pushed_ahead() const;
   // Bytes of gradient per streamed message, once attached: ClientOptions::chunk_bytes,
   // or what the client chose for the job.
