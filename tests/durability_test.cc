@@ -37,6 +37,26 @@ using testing::TempDir;
 using testing::Train;
 using testing::Uninterrupted;
 
+// Servers on fixed loopback ports sharing a checkpoint directory, so that
+// each can be started again in its place (a pod replaced under its name).
+struct FixedPortServers {
+  std::vector<std::vector<std::string>> args;
+  std::vector<std::unique_ptr<testing::ServerProcess>> servers;
+
+  FixedPortServers(int n, const std::string& checkpoint_dir) {
+    for (int i = 0; i < n; ++i) {
+      args.push_back({"--threads=1", absl::StrCat("--port=", testing::FreeLoopbackPort()),
+                      "--checkpoint_dir=" + checkpoint_dir});
+      servers.push_back(nullptr);
+      Restart(i);
+    }
+  }
+  void Restart(int i) {
+    servers[i] = testing::ServerProcess::Start(args[i]);
+    ASSERT_NE(servers[i], nullptr);
+  }
+};
+
 // The fingerprints of one uninterrupted run after N and after 2N steps.
 std::pair<std::vector<uint32_t>, std::vector<uint32_t>> AtNAnd2N(const JobOptions& job, uint64_t n) {
   auto at = Uninterrupted(job, {n, 2 * n});
@@ -294,14 +314,8 @@ TEST(DurabilityTest, AServerThatLostTheJobKeepsSayingWhyNotThatItWasDropped) {
 // OUT_OF_RANGE "push step 1". It failed in three runs of four: four rounds.
 TEST(DurabilityTest, EveryServerDropsTheJobItsReattachMadeAfreshAgain) {
   TempDir dir;  // never written: the job is never checkpointed
-  std::vector<std::vector<std::string>> args;
-  std::vector<std::unique_ptr<testing::ServerProcess>> servers;
-  for (int i = 0; i < 2; ++i) {
-    args.push_back({"--threads=1", absl::StrCat("--port=", testing::FreeLoopbackPort()),
-                    "--checkpoint_dir=" + dir.path()});
-    servers.push_back(testing::ServerProcess::Start(args.back()));
-    ASSERT_NE(servers.back(), nullptr);
-  }
+  FixedPortServers fixed(2, dir.path());
+  auto& servers = fixed.servers;
   for (int round = 0; round < 4; ++round) {
     SCOPED_TRACE(round);
     const JobOptions job = DurableJob(absl::StrCat("lost-", round), {{"w", 3000}, {"b", 3000}});
@@ -309,8 +323,7 @@ TEST(DurabilityTest, EveryServerDropsTheJobItsReattachMadeAfreshAgain) {
     ScriptedTrainer trainer = Train(*client, job, 2);
     for (int i = 0; i < 2; ++i) {
       servers[i]->Stop(SIGKILL);
-      servers[i] = testing::ServerProcess::Start(args[i]);
-      ASSERT_NE(servers[i], nullptr);
+      fixed.Restart(i);
     }
     const auto stepped = trainer.Step(*client);
     EXPECT_EQ(stepped.status().code(), absl::StatusCode::kFailedPrecondition) << stepped.status();
@@ -413,22 +426,15 @@ TEST(DurabilityTest, ANewRunsCheckpointOfAStepIsNeverTiledWithAnOldRunsPart) {
 TEST(DurabilityTest, AStepTornByADrainIsCompletedByItsPeersDrainAfterARefusedReattach) {
   const JobOptions job = DurableJob("node-drain", {{"w", 6000}, {"b", 3000}});
   TempDir dir;
-  std::vector<std::vector<std::string>> args;
-  std::vector<std::unique_ptr<testing::ServerProcess>> servers;
-  for (int i = 0; i < 2; ++i) {
-    args.push_back({"--threads=1", absl::StrCat("--port=", testing::FreeLoopbackPort()),
-                    "--checkpoint_dir=" + dir.path()});
-    servers.push_back(testing::ServerProcess::Start(args.back()));
-    ASSERT_NE(servers.back(), nullptr);
-  }
+  FixedPortServers fixed(2, dir.path());
+  auto& servers = fixed.servers;
   auto client = Connect(servers);
   ScriptedTrainer trainer = Train(*client, job, 2);
   ASSERT_TRUE(client->Checkpoint().ok());   // step 2, complete
   ASSERT_TRUE(trainer.Step(*client).ok());  // step 3, live on both
   const std::vector<uint32_t> at_3 = Fingerprint(*client, job).value();
   ASSERT_EQ(servers[1]->Stop(SIGTERM) >> 8, 0);  // its part of step 3
-  servers[1] = testing::ServerProcess::Start(args[1]);
-  ASSERT_NE(servers[1], nullptr);
+  fixed.Restart(1);
   const auto refused = trainer.Step(*client);  // server 1 restores step 2
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("restored step 2"));

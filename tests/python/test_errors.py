@@ -229,16 +229,23 @@ def test_values_swapped_in_through_data_are_noticed(servers, job):
     opt.drop()
 
 
+def backward_with_a_failing_checkpoint(servers, job, overlap):
+    """A model after one backward, and its optimizer with checkpoint_every=1
+    on servers without --checkpoint_dir, where every checkpoint fails."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, overlap=overlap, checkpoint_every=1)
+    tokens, targets = batch(0)
+    model(tokens, targets).backward()
+    return model, opt
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_step_whose_checkpoint_fails_says_it_was_applied(servers, job, overlap):
     """checkpoint_every on servers without --checkpoint_dir: step() raises the
     checkpoint's error, saying that the step was applied and must not be
     repeated (the way out of a failed step() is otherwise to call it again,
     which here would apply the next step with the same gradients)."""
-    model = make_model()
-    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, overlap=overlap, checkpoint_every=1)
-    tokens, targets = batch(0)
-    model(tokens, targets).backward()
+    model, opt = backward_with_a_failing_checkpoint(servers, job, overlap)
     with pytest.raises(shardopt.FailedPrecondition) as err:
         opt.step()
     assert "step 1 was applied" in err.value.message and "do not call step() again" in err.value.message
@@ -253,10 +260,7 @@ def test_zero_grad_whose_skip_checkpoint_fails_still_zeroes(servers, job):
     raises the checkpoint's error saying the step was applied, and the
     gradients are zeroed all the same (left, the next backward would add to
     them and push the sum)."""
-    model = make_model()
-    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, overlap=True, checkpoint_every=1)
-    tokens, targets = batch(0)
-    model(tokens, targets).backward()
+    model, opt = backward_with_a_failing_checkpoint(servers, job, overlap=True)
     with pytest.raises(shardopt.FailedPrecondition) as err:
         opt.zero_grad()
     assert "step 1 was applied" in err.value.message
