@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from . import _C
-from ._errors import InvalidArgument
+from ._errors import FailedPrecondition, InvalidArgument
 
 
 class _OverlapPush:
@@ -72,10 +72,20 @@ class _OverlapPush:
     def _commit_push(self, skip=False):
         """Finishes the running push and commits it, decided as
         Client::Step decides (skip=True: as a skipped step)."""
-        push = self._finish_push()
-        decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
-        self._commit_pushed(decision.gscale, skip or decision.skip)
-        return decision
+        for retry in (False, True):
+            push = self._finish_push()  # on the retry: a new push, from p.grad
+            decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
+            try:
+                self._commit_pushed(decision.gscale, skip or decision.skip)
+                return decision
+            except FailedPrecondition as e:
+                # A server that restarted after the push was complete was
+                # given the job again and restored the step before, with no
+                # push of this one. If p.grad still holds what was pushed, it
+                # is pushed again from there and committed, once; else the
+                # other servers' rounds hold other gradients, and it raises.
+                if retry or "its push is incomplete" not in e.message or not self._pushed_unchanged():
+                    raise
 
     def _commit_pushed(self, gscale, skip):
         """Commits the finished push's step at each group's current lr."""

@@ -276,9 +276,9 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
         if self._client.pushed_ahead:
             ahead = self._client.pushed_ahead
             warnings.warn(f"step {ahead} of job '{job}' is pushed and not yet committed: if this process replaces a "
-                          "trainer of this rank that was killed after pushing it, step {ahead} is applied with that "
+                          f"trainer of this rank that was killed after pushing it, step {ahead} is applied with that "
                           "trainer's gradients, not this process's (the servers count a rank's push of a step "
-                          "once)".replace("{ahead}", str(ahead)), stacklevel=2)
+                          "once)", stacklevel=2)
         if self.resumed_step == 0:
             # Rank 0's params are the job's initial values, as DDP broadcasts
             # rank 0's: it sends them (the servers take the model's bytes
@@ -339,19 +339,7 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
         for gi, g in enumerate(self.param_groups):  # the lr a scheduler set, before it is sent
             _check_hyper(g, f"group {gi}: ")
         if self.overlap:
-            push = self._finish_push()
-            decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
-            try:
-                self._commit_pushed(decision.gscale, decision.skip)
-            except FailedPrecondition as e:
-                # A server that restarted after the push was complete was given
-                # the job again and restored the step before, with no push of
-                # this one. If p.grad still holds what was pushed, it is pushed
-                # again from there and committed, once; else the other servers'
-                # rounds hold other gradients than p.grad, and it raises.
-                if "its push is incomplete" not in e.message or not self._pushed_unchanged():
-                    raise
-                decision = self._commit_push()
+            decision = self._commit_push()
         else:
             self._check_unchanged()
             group_lr = [float(g["lr"]) for g in self.param_groups]

@@ -7,7 +7,7 @@ continuing from a saved state dict).
     workers.py dp --servers A,B --job J --rank R --world_size W --steps N --out OUT
     workers.py resume_dp --servers A,B --job J --rank R --world_size W --store S --checkpoint F --first T
         --steps N --out OUT [--fail_rank R]
-    workers.py push_and_die --servers A,B --job J --steps N --out OUT
+    workers.py push_and_die --servers A,B --job J --steps N
 
 `push_and_die` trains N steps with overlap=True, runs one more backward
 (whose push completes) and exits at once, as a killed trainer would: no
