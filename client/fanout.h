@@ -63,11 +63,12 @@ class Detached {
 };
 
 // Waits `pause` before a call on `channel`, or less if it is not connected
-// and connects meanwhile, or if the calling thread's fan-out fails. The wait polls the channel: gRPC notices how a
-// connection attempt ended only while something polls the channel (else its
-// backup poller, every 5 s), and a call that fails at once on a channel in
-// TRANSIENT_FAILURE polls nothing, so a client retrying a restarted server
-// found it 8-10 s after it was back, past every retry of its own.
+// and connects meanwhile, or if the calling thread's fan-out fails. The
+// wait polls the channel: gRPC notices how a connection attempt ended only
+// while something polls the channel (else its backup poller, every 5 s),
+// and a call that fails at once on a channel in TRANSIENT_FAILURE polls
+// nothing, so a client retrying a restarted server found it 8-10 s after it
+// was back, past every retry of its own.
 void AwaitChannel(grpc::Channel* channel, std::chrono::milliseconds pause);
 
 // Runs one RPC over `channel` to `address`, retrying: `attempt` builds its

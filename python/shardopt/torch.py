@@ -22,8 +22,10 @@ import warnings
 import torch
 
 from . import _C
-from ._errors import Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
+from ._errors import Error, InvalidArgument, ParamsChanged, UnsupportedDtype
+from ._checks import _check_hyper
 from ._overlap import _OverlapPush
+from ._state_dict import _StateDictIO
 
 __all__ = ["RemoteAdamW"]
 
@@ -113,37 +115,7 @@ def _servers(servers, num_servers):
     return servers
 
 
-def _host_fp32(x, what):
-    """x as contiguous fp32 host memory: fp32 kept as it is, bf16 widened
-    (exactly). Never narrows."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        raise UnsupportedDtype(f"{what} is {x.dtype}; fp32 or bf16 needed")
-    return x.detach().to(device="cpu", dtype=torch.float32).contiguous()
-
-
-def _check_hyper(g, where):
-    """torch.optim.AdamW's checks of a group's hyperparameters, with its
-    messages (NaN fails them too), made before anything reaches a server."""
-    lr, (beta1, beta2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
-    if isinstance(lr, torch.Tensor):
-        lr = lr.item()
-    if not 0.0 <= lr < float("inf"):
-        raise ValueError(f"{where}Invalid learning rate: {lr}")
-    # torch takes eps = 0; the servers do not (a zero gradient's update
-    # would be 0/0).
-    if not 0.0 < eps < float("inf"):
-        raise ValueError(f"{where}Invalid epsilon value: {eps} (must be > 0)")
-    if not 0.0 <= beta1 < 1.0:
-        raise ValueError(f"{where}Invalid beta parameter at index 0: {beta1}")
-    if not 0.0 <= beta2 < 1.0:
-        raise ValueError(f"{where}Invalid beta parameter at index 1: {beta2}")
-    if not 0.0 <= wd < float("inf"):
-        raise ValueError(f"{where}Invalid weight_decay value: {wd}")
-    if g.get("amsgrad") or g.get("maximize"):
-        raise InvalidArgument(f"{where}RemoteAdamW does not implement amsgrad or maximize")
-
-
-class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
+class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
     """AdamW on shardopt servers, with torch.optim.AdamW's update rule.
 
     Args:
@@ -367,146 +339,6 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
             # summed into the next backward's and pushed with it.
             super().zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self):
-        """torch.optim.AdamW's layout, read from the servers: per param
-        ``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master``, all fp32 (for
-        bf16 params too). Params that never had a step have no state, as in
-        torch, and neither have params with zero elements. One step's state:
-        read between this process's steps, and refused (FailedPrecondition)
-        if the job stepped meanwhile all the same."""
-        with self._step_lock:
-            self._check_params()
-            adam_steps = self._client.adam_steps()
-            state = self._read_state(dict(zip((t.name for t in self._remote), adam_steps)))
-            # Each tensor's state is read by its own calls: a step applied
-            # between them (another process committing a step this one
-            # pushed with overlap=True) would tear the dict, and every
-            # applied step advances some tensor's Adam step.
-            if self._client.adam_steps() != adam_steps:
-                raise FailedPrecondition("the job stepped while its state was read; call state_dict() between "
-                                         "steps")
-        groups, k = [], 0
-        for g in self.param_groups:
-            saved = {key: value for key, value in g.items() if key != "params"}
-            saved["params"] = list(range(k, k + len(g["params"])))
-            k += len(g["params"])
-            groups.append(saved)
-        return {"state": state, "param_groups": groups}
-
-    def _read_state(self, steps):
-        state = {}
-        for k, t in enumerate(self._tensors):
-            if steps.get(t.name, 0) == 0:
-                continue
-            entry = {"step": torch.tensor(float(steps[t.name]))}
-            for key, what in (("exp_avg", _C.StateToRead.EXP_AVG), ("exp_avg_sq", _C.StateToRead.EXP_AVG_SQ),
-                              ("master", _C.StateToRead.MASTER)):
-                entry[key] = self._read_fp32(t, what)
-            state[k] = entry
-        return state
-
-    def load_state_dict(self, state_dict, shared=False):
-        """Loads a state dict of this class or of torch.optim.AdamW into the
-        servers, exactly: fp32 state stays fp32 whatever the params' dtype.
-        Only for a job that has not stepped yet (a trainer that attached to a
-        running job already has the servers' state; see resumed_step). The
-        params are set from the master (for a torch.optim.AdamW state dict,
-        which has none, the master is the params' current values, so load the
-        model's state_dict first). Everything is checked before anything is
-        sent.
-
-        By default every caller sends all of the state, so it is right
-        whichever ranks call it. shared=True is for every rank of world_size
-        calling it with the same state dict, joined by torch.distributed (as
-        under DDP): each sends only its 1/world_size share, so the servers
-        take the state once instead of once per rank, and it returns once
-        every share is in (torch.distributed.barrier()). The ranks first
-        check together that torch.distributed's ranks are theirs, and raise
-        ValueError alike if not."""
-        self._check_params()
-        if self._client.step_count != 0:
-            raise FailedPrecondition(f"the job is at step {self._client.step_count}: the servers already hold its "
-                                     "state, so there is nothing to load (a restarted trainer resumes from them)")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError("loaded state dict has a different number of parameter groups")
-        if any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
-            raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
-                             "optimizer's group")
-        for gi, (saved, hyper) in enumerate(zip(saved_groups, self._hyper)):
-            _check_hyper({**self.param_groups[gi], **saved}, f"group {gi}: ")
-            theirs = self._group_hyper({**self.param_groups[gi], **saved})
-            if theirs != hyper:
-                raise InvalidArgument(f"group {gi}: the state dict's (beta1, beta2, eps, weight_decay) {theirs} "
-                                      f"differ from the job's {hyper}; construct RemoteAdamW with the same ones")
-        # Each tensor's master (None: the params' values) and, if saved, its
-        # moments and Adam step, checked and in fp32; kept until sent, since
-        # the client reads them by address.
-        loads = []
-        tensors = iter(self._tensors)
-        for saved in saved_groups:
-            for index in saved["params"]:
-                t = next(tensors)
-                entry = state_dict["state"].get(index, {})
-                master = entry.get("master")
-                master = None if master is None else self._checked(master, t, "master")
-                moments = None
-                if "step" in entry:
-                    step = entry["step"]
-                    moments = (self._checked(entry["exp_avg"], t, "exp_avg"),
-                               self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"),
-                               int(step.item() if isinstance(step, torch.Tensor) else step))
-                loads.append((t, master, moments))
-        # torch's load replaces the state: a param the dict has no state for
-        # has none after it. The servers cannot take a tensor's Adam step
-        # back to 0, so state an earlier load gave them is refused here
-        # rather than kept.
-        held = dict(zip((t.name for t in self._remote), self._client.adam_steps()))
-        for t, _, moments in loads:
-            if moments is None and held.get(t.name, 0) != 0:
-                raise FailedPrecondition(
-                    f"param '{t.name}' has Adam state on the servers from an earlier load_state_dict (step "
-                    f"{held[t.name]}), and this state dict has none for it, which the servers cannot clear: drop "
-                    "the job (drop()) and construct the optimizer again, then load this state dict")
-        for t, master, moments in loads:
-            self._check_initial(t, t.param if master is None else master, "master")
-            if moments is not None:
-                self._check_initial(t, moments[0], "exp_avg")
-                self._check_initial(t, moments[1], "exp_avg_sq")
-        share = self._load_share() if shared else (0, 1)
-        error = None
-        try:
-            for t, master, moments in loads:
-                if t.numel == 0:
-                    continue
-                self._init_master(t, t.param if master is None else master, share)
-                if master is not None:
-                    with torch.no_grad():  # bf16: rounded to nearest even, as the servers round
-                        t.param.copy_(master.view(t.shape))
-                if moments is not None:
-                    exp_avg, exp_avg_sq, step = moments
-                    self._client.init_adam_state(t.name, exp_avg.data_ptr(), exp_avg_sq.data_ptr(), step, *share)
-        except Exception as e:  # noqa: BLE001 (shared: the other ranks must hear of it first)
-            if not shared:
-                raise
-            error = e
-        if shared:
-            # Every share is in once every rank says so. At a barrier, a rank
-            # that failed and lived on would be waited for until the process
-            # group's timeout; here every rank learns each one's outcome, and
-            # all raise if any failed.
-            outcomes = [None] * self.world_size
-            torch.distributed.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
-            if error is not None:
-                raise error
-            for r, why in enumerate(outcomes):
-                if why is not None:
-                    raise FailedPrecondition(f"load_state_dict(shared=True): rank {r} could not send its share "
-                                             f"({why}); the job's state is incomplete: drop the job and load again")
-        for g, saved in zip(self.param_groups, saved_groups):
-            g.update({key: value for key, value in saved.items() if key != "params"})
-        self._note_versions()
-
     # ---- shardopt's own ----
 
     def checkpoint(self):
@@ -659,23 +491,6 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
         for device in {t.device for t in self._tensors if t.device.type == "cuda"}:
             torch.cuda.current_stream(device).synchronize()
 
-    def _load_share(self):
-        """This rank's share (index, count) of a shared load_state_dict, once
-        every rank has seen that torch.distributed's ranks are RemoteAdamW's:
-        raises ValueError on every rank if not."""
-        dist = torch.distributed
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("load_state_dict(shared=True) needs torch.distributed initialized on every rank")
-        if dist.get_world_size() != self.world_size:
-            raise ValueError(f"load_state_dict(shared=True): torch.distributed has {dist.get_world_size()} ranks, "
-                             f"the job {self.world_size}")
-        ranks = [None] * self.world_size
-        dist.all_gather_object(ranks, self.rank)
-        if ranks != list(range(self.world_size)):
-            raise ValueError(f"load_state_dict(shared=True): RemoteAdamW's ranks by torch.distributed rank are "
-                             f"{ranks}, not 0 ... {self.world_size - 1}")
-        return (self.rank, self.world_size)
-
     def _init_master(self, t, values, share=(0, 1)):
         """The servers' master of t from `values` (fp32 exactly, or bf16):
         all of it, or this rank's share (index, count) of it."""
@@ -686,18 +501,6 @@ class RemoteAdamW(_OverlapPush, torch.optim.Optimizer):
             self._client.init_bf16(t.name, host.data_ptr(), *share)
         else:
             raise UnsupportedDtype(f"initial values of {t.name!r} are {host.dtype}; fp32 or bf16 needed")
-
-    def _check_initial(self, t, x, what):
-        """The servers' checks of an initial value (finite as the group holds
-        it; exp_avg_sq not negative), made here so that a state dict they
-        would refuse partway is refused before anything is sent."""
-        values = x.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        _C.check_initial_values(t.name, values.data_ptr(), values.numel(), self._bf16_state[t.group], what)
-
-    def _checked(self, x, t, what):
-        if x.numel() != t.numel:
-            raise ValueError(f"{what} of {t.name!r} has {x.numel()} elements, the param {t.numel}")
-        return _host_fp32(x, f"{what} of {t.name!r}")
 
     def _read_fp32(self, t, what):
         out = torch.empty(t.shape, dtype=torch.float32)
