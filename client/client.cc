@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <limits>
 #include <mutex>
 #include <optional>
@@ -12,9 +11,9 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "grpcpp/grpcpp.h"
+#include "client/attach_answers.h"
 #include "client/commit_params.h"
 #include "client/fanout.h"
 #include "client/option_checks.h"
@@ -150,54 +149,11 @@ struct Client::Impl {
     });
   }
 
-  // A step that some of the job's servers applied and the others only
-  // sealed (its trainer died between its commits): committed on the others
-  // with the arguments the first ones applied it with, as the trainer's own
-  // retry would have been, so that a restarted trainer attaches at that
-  // step (their sealed round keeps its gradients: nothing new is summed).
-  // Any other difference of steps is left to CreateOrAttach to refuse.
-  // Updates the answers' steps.
-  absl::Status CompleteAHalfCommittedStep(std::vector<v1::CreateJobResponse>& answers) const {
-    uint64_t lo = std::numeric_limits<uint64_t>::max(), hi = 0;
-    for (uint32_t s = 0; s < servers(); ++s) {
-      if (shards_of[s].empty()) continue;
-      lo = std::min(lo, answers[s].step());
-      hi = std::max(hi, answers[s].step());
-    }
-    if (lo > hi || hi != lo + 1) return absl::OkStatus();  // (lo > hi: no server holds a part)
-    const auto same_bits = [](double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; };
-    const v1::CreateJobResponse* applied = nullptr;
-    std::vector<uint32_t> behind;
-    for (uint32_t s = 0; s < servers(); ++s) {
-      if (shards_of[s].empty()) continue;
-      const v1::CreateJobResponse& a = answers[s];
-      // Every server keeps step hi's sealed round: those behind, to apply it
-      // from; the others, past it, since hi was the last one sealed (and a
-      // server too old to say reports 0, and no arguments).
-      if (a.sealed_step() != hi) return absl::OkStatus();
-      if (a.step() == lo) {
-        behind.push_back(s);
-      } else if (applied == nullptr) {
-        applied = &a;
-      } else if (!same_bits(a.applied_lr(), applied->applied_lr()) ||
-                 !same_bits(a.applied_gscale(), applied->applied_gscale()) ||
-                 a.applied_skip() != applied->applied_skip() ||
-                 !std::equal(a.applied_group_lr().begin(), a.applied_group_lr().end(),
-                             applied->applied_group_lr().begin(), applied->applied_group_lr().end(), same_bits)) {
-        return absl::OkStatus();
-      }
-    }
-    v1::CommitRequest req;
-    req.set_job(job.name);
-    req.set_step(hi);
-    req.set_lr(applied->applied_lr());
-    req.set_gscale(applied->applied_gscale());
-    req.set_skip(applied->applied_skip());
-    *req.mutable_group_lr() = applied->applied_group_lr();
-    const std::vector<char*> discard(job.tensors.size(), nullptr);
-    SHARDOPT_RETURN_IF_ERROR(fanout::ForEach(behind, [&](uint32_t s) { return CommitOn(s, req, discard); }));
-    for (uint32_t s : behind) answers[s].set_step(hi);
-    return absl::OkStatus();
+  // Which servers hold part of the job.
+  std::vector<bool> holds_part() const {
+    std::vector<bool> holds(servers());
+    for (uint32_t s = 0; s < servers(); ++s) holds[s] = !shards_of[s].empty();
+    return holds;
   }
 
   // Runs fn(server) on every server that holds part of the job (only those
@@ -378,40 +334,25 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     });
   });
   if (!st.ok()) return st;
-  SHARDOPT_RETURN_IF_ERROR(im.CompleteAHalfCommittedStep(answers));
-  std::vector<uint64_t> steps(im.servers(), 0), max_message(im.servers(), 0), barrier(im.servers(), 0);
-  for (uint32_t s = 0; s < im.servers(); ++s) {
-    steps[s] = answers[s].step();
-    max_message[s] = answers[s].max_message_bytes();
-    barrier[s] = answers[s].barrier_timeout_ms();
+  const std::vector<bool> holds_part = im.holds_part();
+  // A step its trainer committed on some servers only is committed on the
+  // others, as the trainer's own retry would have been, so that a restarted
+  // trainer attaches at that step (their sealed round keeps its gradients:
+  // nothing new is summed). Any other difference is refused below.
+  if (std::optional<HalfCommitted> half = FindHalfCommittedStep(answers, holds_part)) {
+    half->commit.set_job(job.name);
+    const std::vector<char*> discard(job.tensors.size(), nullptr);
+    SHARDOPT_RETURN_IF_ERROR(
+        fanout::ForEach(half->behind, [&](uint32_t s) { return im.CommitOn(s, half->commit, discard); }));
+    for (uint32_t s : half->behind) answers[s].set_step(half->commit.step());
   }
-  std::vector<std::string> seen;
-  bool differ = false;
-  uint64_t step = 0;
-  bool first = true;
-  for (uint32_t s = 0; s < im.servers(); ++s) {
-    if (im.shards_of[s].empty()) continue;
-    seen.push_back(absl::StrCat(im.address(s), " at step ", steps[s]));
-    if (!first && steps[s] != step) differ = true;
-    step = steps[s];
-    first = false;
-  }
-  if (differ) {
-    return absl::FailedPreconditionError(absl::StrCat("job '", job.name, "': servers disagree on the step (",
-                                                      absl::StrJoin(seen, ", "),
-                                                      "); restore every server from one checkpoint, or drop the job "
-                                                      "on each (shardopt --server=HOST:PORT drop JOB)"));
-  }
+  SHARDOPT_ASSIGN_OR_RETURN(const uint64_t step, AgreedStep(answers, holds_part, im.options.servers, job.name));
   im.step = step;
-  im.pushed_ahead = 0;
+  im.pushed_ahead = PushedAhead(answers, step, holds_part, im.pushes_to);
+  std::vector<uint64_t> sent_to, barrier;  // the limits of the servers this job's messages go to
   for (uint32_t s = 0; s < im.servers(); ++s) {
-    if (!im.shards_of[s].empty() && im.pushes_to[s] && answers[s].sealed_step() == step + 1) {
-      im.pushed_ahead = step + 1;
-    }
-  }
-  std::vector<uint64_t> sent_to;  // the limits of the servers this job's messages go to
-  for (uint32_t s = 0; s < im.servers(); ++s) {
-    if (!im.shards_of[s].empty()) sent_to.push_back(max_message[s]);
+    barrier.push_back(answers[s].barrier_timeout_ms());
+    if (holds_part[s]) sent_to.push_back(answers[s].max_message_bytes());
   }
   im.chunk_bytes = ChunkBytesFor(im.options.chunk_bytes, job.world_size, sent_to);
   // The job's own deadline, or what its servers say it is when it gave none

@@ -1,0 +1,81 @@
+#include "client/attach_answers.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace shardopt {
+
+std::optional<HalfCommitted> FindHalfCommittedStep(const std::vector<v1::CreateJobResponse>& answers,
+                                                   const std::vector<bool>& holds_part) {
+  uint64_t lo = std::numeric_limits<uint64_t>::max(), hi = 0;
+  for (size_t s = 0; s < answers.size(); ++s) {
+    if (!holds_part[s]) continue;
+    lo = std::min(lo, answers[s].step());
+    hi = std::max(hi, answers[s].step());
+  }
+  if (lo > hi || hi != lo + 1) return std::nullopt;  // (lo > hi: no server holds a part)
+  const auto same_bits = [](double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; };
+  const v1::CreateJobResponse* applied = nullptr;
+  HalfCommitted half;
+  for (size_t s = 0; s < answers.size(); ++s) {
+    if (!holds_part[s]) continue;
+    const v1::CreateJobResponse& a = answers[s];
+    // Every server keeps step hi's sealed round: those behind, to apply it
+    // from; the others, past it, since hi was the last one sealed.
+    if (a.sealed_step() != hi) return std::nullopt;
+    if (a.step() == lo) {
+      half.behind.push_back(static_cast<uint32_t>(s));
+    } else if (applied == nullptr) {
+      applied = &a;
+    } else if (!same_bits(a.applied_lr(), applied->applied_lr()) ||
+               !same_bits(a.applied_gscale(), applied->applied_gscale()) ||
+               a.applied_skip() != applied->applied_skip() ||
+               !std::equal(a.applied_group_lr().begin(), a.applied_group_lr().end(),
+                           applied->applied_group_lr().begin(), applied->applied_group_lr().end(), same_bits)) {
+      return std::nullopt;
+    }
+  }
+  half.commit.set_step(hi);
+  half.commit.set_lr(applied->applied_lr());
+  half.commit.set_gscale(applied->applied_gscale());
+  half.commit.set_skip(applied->applied_skip());
+  *half.commit.mutable_group_lr() = applied->applied_group_lr();
+  return half;
+}
+
+absl::StatusOr<uint64_t> AgreedStep(const std::vector<v1::CreateJobResponse>& answers,
+                                    const std::vector<bool>& holds_part, const std::vector<std::string>& addresses,
+                                    const std::string& job) {
+  std::vector<std::string> seen;
+  bool differ = false, first = true;
+  uint64_t step = 0;
+  for (size_t s = 0; s < answers.size(); ++s) {
+    if (!holds_part[s]) continue;
+    seen.push_back(absl::StrCat(addresses[s], " at step ", answers[s].step()));
+    if (!first && answers[s].step() != step) differ = true;
+    step = answers[s].step();
+    first = false;
+  }
+  if (differ) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", job, "': servers disagree on the step (",
+                                                      absl::StrJoin(seen, ", "),
+                                                      "); restore every server from one checkpoint, or drop the job "
+                                                      "on each (shardopt --server=HOST:PORT drop JOB)"));
+  }
+  return step;
+}
+
+uint64_t PushedAhead(const std::vector<v1::CreateJobResponse>& answers, uint64_t step,
+                     const std::vector<bool>& holds_part, const std::vector<bool>& pushes_to) {
+  for (size_t s = 0; s < answers.size(); ++s) {
+    if (holds_part[s] && pushes_to[s] && answers[s].sealed_step() == step + 1) return step + 1;
+  }
+  return 0;
+}
+
+}  // namespace shardopt

@@ -1,0 +1,44 @@
+// What the job's servers' CreateJob answers say about attaching to it:
+// pure functions of the answers, with no calls (Client::CreateOrAttach
+// makes the calls and acts on these). `holds_part[s]`: server s holds part
+// of the job; servers that hold none are not asked about it.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "shardopt/v1/optimizer.pb.h"
+
+namespace shardopt {
+
+namespace v1 = ::shardopt::v1;
+
+// A step that some of the job's servers applied and the others only sealed
+// (its trainer died between its commits): the servers behind, and the
+// commit that completes it there, with the arguments the others applied it
+// with (the request's job is left to the caller). Nothing if the servers
+// are not exactly one step apart, if a server does not keep that step's
+// sealed round (a server too old to say reports 0), or if the servers past
+// it applied it with other arguments.
+struct HalfCommitted {
+  std::vector<uint32_t> behind;
+  v1::CommitRequest commit;
+};
+std::optional<HalfCommitted> FindHalfCommittedStep(const std::vector<v1::CreateJobResponse>& answers,
+                                                   const std::vector<bool>& holds_part);
+
+// The step every server holding a part is at, or FAILED_PRECONDITION
+// naming each server's (`addresses`) and what to do.
+absl::StatusOr<uint64_t> AgreedStep(const std::vector<v1::CreateJobResponse>& answers,
+                                    const std::vector<bool>& holds_part, const std::vector<std::string>& addresses,
+                                    const std::string& job);
+
+// Client::pushed_ahead: step + 1 if a server this client pushes to
+// (`pushes_to`) holds that step's sealed round, else 0.
+uint64_t PushedAhead(const std::vector<v1::CreateJobResponse>& answers, uint64_t step,
+                     const std::vector<bool>& holds_part, const std::vector<bool>& pushes_to);
+
+}  // namespace shardopt

@@ -1,0 +1,61 @@
+// What CreateJob answers say about attaching (client/attach_answers.h):
+// pure functions, no network. The integration side, with real servers, is
+// DurabilityTest.ARestartedTrainerCompletesAStepCommittedOnSomeServersOnly.
+#include "client/attach_answers.h"
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardopt {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+v1::CreateJobResponse At(uint64_t step, uint64_t sealed, double lr = 1e-3) {
+  v1::CreateJobResponse a;
+  a.set_step(step);
+  a.set_sealed_step(sealed);
+  a.set_applied_lr(lr);
+  a.set_applied_gscale(0.5f);
+  a.add_applied_group_lr(lr);
+  return a;
+}
+
+TEST(AttachAnswers, AHalfCommittedStepIsCompletedWithTheArgumentsItWasAppliedWith) {
+  // Server 2 holds no part: its answer, whatever it says, is not asked.
+  const std::vector<v1::CreateJobResponse> answers = {At(5, 5, 3e-4), At(4, 5), At(0, 0)};
+  const auto half = FindHalfCommittedStep(answers, {true, true, false});
+  ASSERT_TRUE(half.has_value());
+  EXPECT_THAT(half->behind, ElementsAre(1u));
+  EXPECT_EQ(half->commit.step(), 5u);
+  EXPECT_EQ(half->commit.lr(), 3e-4);
+  EXPECT_EQ(half->commit.gscale(), 0.5f);
+  EXPECT_THAT(half->commit.group_lr(), ElementsAre(3e-4));
+}
+
+TEST(AttachAnswers, NothingIsCompletedUnlessEveryServerKeepsTheStepsRoundAndTheArgumentsAgree) {
+  const std::vector<bool> both = {true, true};
+  EXPECT_FALSE(FindHalfCommittedStep({At(5, 5), At(5, 5)}, both).has_value());  // agreed
+  EXPECT_FALSE(FindHalfCommittedStep({At(6, 6), At(4, 5)}, both).has_value());  // two steps apart
+  EXPECT_FALSE(FindHalfCommittedStep({At(5, 5), At(4, 0)}, both).has_value());  // behind keeps no round
+  EXPECT_FALSE(FindHalfCommittedStep({At(5, 5), At(5, 5, 2e-3), At(4, 5)}, {true, true, true}).has_value());
+  EXPECT_FALSE(FindHalfCommittedStep({At(5, 5), At(4, 5)}, {false, false}).has_value());  // no part anywhere
+}
+
+TEST(AttachAnswers, ServersThatDisagreeAreNamedWithTheirSteps) {
+  EXPECT_EQ(AgreedStep({At(3, 3), At(9, 9), At(3, 3)}, {true, false, true}, {"a:1", "b:2", "c:3"}, "j").value(), 3u);
+  const auto refused = AgreedStep({At(3, 3), At(2, 2)}, {true, true}, {"a:1", "b:2"}, "j");
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("a:1 at step 3, b:2 at step 2"));
+}
+
+TEST(AttachAnswers, APushAheadCountsOnlyOnServersThisClientPushesTo) {
+  const std::vector<v1::CreateJobResponse> answers = {At(3, 3), At(3, 4)};
+  EXPECT_EQ(PushedAhead(answers, 3, {true, true}, {true, true}), 4u);
+  EXPECT_EQ(PushedAhead(answers, 3, {true, true}, {true, false}), 0u);
+  EXPECT_EQ(PushedAhead(answers, 3, {true, false}, {true, true}), 0u);
+}
+
+}  // namespace
+}  // namespace shardopt
