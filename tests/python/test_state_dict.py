@@ -61,22 +61,32 @@ def test_round_trip_in_a_new_process_is_bitwise(servers, job, tmp_path):
         assert same_bits(resumed[name], p), name
 
 
-def test_load_state_dict_does_not_cast_to_param_dtype(servers, job):
-    """Loading writes the fp32 state exactly, for bf16 params too: reading it
-    back gives the same bits."""
-    model = make_model(dtype=torch.bfloat16)
+def loaded_into_a_new_job(servers, job, **model_kw):
+    """Three steps of job-a, its state_dict(), and job-b's optimizer with the
+    model and that state loaded before any step; job-a is dropped."""
+    model = make_model(**model_kw)
     opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3)
     train(model, opt, 3)
     saved = opt.state_dict()
     opt.drop()
-    fresh = make_model(dtype=torch.bfloat16)
+    fresh = make_model(**model_kw)
     fresh.load_state_dict(model.state_dict())
     opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
     opt.load_state_dict(saved)
-    loaded = opt.state_dict()
+    return opt, saved
+
+
+def assert_state_is(state_dict, saved):
     for k, state in saved["state"].items():
         for key, value in state.items():
-            assert same_bits(loaded["state"][k][key], value), (k, key)
+            assert same_bits(state_dict["state"][k][key], value), (k, key)
+
+
+def test_load_state_dict_does_not_cast_to_param_dtype(servers, job):
+    """Loading writes the fp32 state exactly, for bf16 params too: reading it
+    back gives the same bits."""
+    opt, saved = loaded_into_a_new_job(servers, job, dtype=torch.bfloat16)
+    assert_state_is(opt.state_dict(), saved)
     opt.drop()
 
 
@@ -85,22 +95,11 @@ def test_a_load_that_would_keep_an_earlier_loads_state_is_refused(servers, job):
     state for has none after it. The servers cannot take a tensor's Adam
     step back to 0, so loading a stateless dict over an earlier load's state
     is refused, and the earlier state stays as it was."""
-    model = make_model()
-    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3)
-    train(model, opt, 3)
-    saved = opt.state_dict()
-    opt.drop()
-    fresh = make_model()
-    fresh.load_state_dict(model.state_dict())
-    opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
-    opt.load_state_dict(saved)
+    opt, saved = loaded_into_a_new_job(servers, job)
     stateless = torch.optim.AdamW(unnamed(param_groups(make_model())), lr=1e-3).state_dict()
     with pytest.raises(shardopt.FailedPrecondition, match="earlier load_state_dict"):
         opt.load_state_dict(stateless)
-    kept = opt.state_dict()
-    for k, state in saved["state"].items():
-        for key, value in state.items():
-            assert same_bits(kept["state"][k][key], value), (k, key)
+    assert_state_is(opt.state_dict(), saved)
     opt.drop()
 
 
@@ -119,10 +118,7 @@ def test_a_shared_load_needs_torch_distributed_and_sends_nothing_without_it(serv
         opt.load_state_dict(saved, shared=True)
     assert opt.state_dict()["state"] == {}
     opt.load_state_dict(saved)  # not shared: every caller sends all of it
-    loaded = opt.state_dict()
-    for k, state in saved["state"].items():
-        for key, value in state.items():
-            assert same_bits(loaded["state"][k][key], value), (k, key)
+    assert_state_is(opt.state_dict(), saved)
     opt.drop()
 
 
