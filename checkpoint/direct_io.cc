@@ -43,18 +43,70 @@ bool StopDirect(int fd) {
 
 }  // namespace
 
-AlignedBytes AllocateAligned(size_t bytes) {
+namespace {
+
+constexpr size_t kHugePage = size_t{2} << 20;
+
+bool WholeHugePages(size_t bytes) { return bytes >= kHugePage && bytes % kHugePage == 0; }
+
+}  // namespace
+
+BufferPool& BufferPool::Default() {
+  static BufferPool* pool = new BufferPool(SequentialWriter::kMostBytes + kReadBuffers * kReadBufferBytes);
+  return *pool;
+}
+
+BufferPool::~BufferPool() {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [bytes, p] : free_) std::free(p);
+}
+
+AlignedBytes BufferPool::Allocate(size_t bytes) {
+  const bool huge = WholeHugePages(bytes);
+  if (huge) {
+    absl::MutexLock lock(&mu_);
+    for (auto it = free_.rbegin(); it != free_.rend(); ++it) {
+      if (it->first != bytes) continue;
+      char* p = it->second;
+      free_.erase(std::next(it).base());
+      pooled_ -= bytes;
+      return AlignedBytes(p, AlignedFree{bytes, this});
+    }
+  }
   // A buffer of whole huge pages, where the kernel grants them, is mapped
   // in 4 faults instead of 2048 per 8 MiB, and an O_DIRECT call pins 4
   // pages of it instead of 2048: both the snapshot's copies into fresh
   // buffers and the disk's reads and writes from them are faster (README,
   // "Measured").
-  constexpr size_t kHugePage = size_t{2} << 20;
-  const bool huge = bytes >= kHugePage && bytes % kHugePage == 0;
   void* p = nullptr;
   if (posix_memalign(&p, huge ? kHugePage : kDirectAlignment, bytes) != 0) std::abort();
   if (huge) madvise(p, bytes, MADV_HUGEPAGE);
-  return AlignedBytes(static_cast<char*>(p));
+  return AlignedBytes(static_cast<char*>(p), AlignedFree{bytes, huge ? this : nullptr});
+}
+
+size_t BufferPool::pooled_bytes() {
+  absl::MutexLock lock(&mu_);
+  return pooled_;
+}
+
+void BufferPool::Free(char* p, size_t bytes) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (pooled_ + bytes <= capacity_) {
+      free_.emplace_back(bytes, p);
+      pooled_ += bytes;
+      return;
+    }
+  }
+  std::free(p);
+}
+
+void AlignedFree::operator()(char* p) const {
+  if (pool != nullptr) {
+    pool->Free(p, bytes);
+  } else {
+    std::free(p);
+  }
 }
 
 absl::StatusOr<std::unique_ptr<SequentialWriter>> SequentialWriter::Create(const std::string& path,

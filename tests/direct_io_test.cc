@@ -1,7 +1,8 @@
 // ReadSequential: the bytes of a range arrive whole and in order, from any
 // offset to any end, and a short file is DATA_LOSS before the sink sees a
 // short piece. SequentialWriter: a held-up disk
-// holds the appender up, not its memory.
+// holds the appender up, not its memory. BufferPool: freed buffers of whole
+// huge pages come back, up to its capacity and no further.
 #include "checkpoint/direct_io.h"
 
 #include <fcntl.h>
@@ -11,6 +12,7 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <mutex>
@@ -226,6 +228,38 @@ TEST_F(DirectIoTest, WritesThatODirectRefusesGoThroughThePageCache) {
                 return absl::OkStatus();
               }).ok());
   EXPECT_TRUE(back == bytes);
+}
+
+TEST(BufferPoolTest, FreedHugePageBuffersComeBackNewestFirstUpToItsCapacity) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  BufferPool pool(2 * kDirectChunkBytes);
+  std::vector<AlignedBytes> held;
+  for (int i = 0; i < 3; ++i) {
+    held.push_back(pool.Allocate(kDirectChunkBytes));
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(held.back().get()) % kHuge, 0u);
+    std::memset(held.back().get(), 'a' + i, kDirectChunkBytes);  // each one's own bytes
+  }
+  EXPECT_EQ(pool.pooled_bytes(), 0u);
+  char* const newest = held[1].get();
+  held.erase(held.begin());  // buffer 0 freed, then 1; buffer 2 still held
+  held.erase(held.begin());
+  EXPECT_EQ(pool.pooled_bytes(), 2 * kDirectChunkBytes);
+  held.clear();  // no room for buffer 2: it goes back to the system
+  EXPECT_EQ(pool.pooled_bytes(), 2 * kDirectChunkBytes);
+
+  // Another size finds nothing to take; the asked size takes the newest.
+  AlignedBytes other = pool.Allocate(kDirectChunkBytes + kHuge);
+  EXPECT_EQ(pool.pooled_bytes(), 2 * kDirectChunkBytes);
+  AlignedBytes again = pool.Allocate(kDirectChunkBytes);
+  EXPECT_EQ(again.get(), newest);
+  EXPECT_EQ(again[kDirectChunkBytes - 1], 'b');  // the same memory, not a copy
+  EXPECT_EQ(pool.pooled_bytes(), kDirectChunkBytes);
+
+  // A buffer not of whole huge pages is never pooled.
+  AlignedBytes small = pool.Allocate(kDirectAlignment);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(small.get()) % kDirectAlignment, 0u);
+  small.reset();
+  EXPECT_EQ(pool.pooled_bytes(), kDirectChunkBytes);
 }
 
 }  // namespace
