@@ -130,10 +130,25 @@ struct Client::Impl {
     return failed;
   }
 
+  // A push or commit of this client's next step, t, that server `s` calls
+  // "in the future" (OUT_OF_RANGE): the server is behind the step its peers
+  // agreed on, so it lost steps (it restarted and restored an older
+  // checkpoint while they went on). No retry mends that, and the server's
+  // own words ("push step N") would send the trainer the wrong way.
+  absl::Status UnlessServerBehind(uint32_t s, uint64_t t, absl::Status st) const {
+    if (!absl::IsOutOfRange(st) || !absl::StrContains(st.message(), " is in the future") || t != step + 1) return st;
+    return absl::FailedPreconditionError(absl::StrCat(
+        st.message(), "; this trainer is at step ", step, ", so ", address(s),
+        " lost steps (it restarted from an older checkpoint while its peers went on) and the job's servers "
+        "disagree; nothing of step ", t, " was applied on it. To go on: stop the trainers, restart every server of "
+        "the job on its checkpoint directory (each restores the newest complete checkpoint; the steps after it are "
+        "lost), then start the trainers again"));
+  }
+
   // One server's commit of `req`: its params of the step into out[tensor]
   // (null: discarded), whole, or an error.
   absl::Status CommitOn(uint32_t s, const v1::CommitRequest& req, absl::Span<char* const> out) const {
-    return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+    return UnlessServerBehind(s, req.step(), Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       CommitParams received(job, tensor_index, shards_of[s], out, req.step());  // afresh for each attempt
       bool request_sent = false;
       auto next = [&](grpc::ByteBuffer* message) {
@@ -146,7 +161,7 @@ struct Client::Impl {
           generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit", next, [] {},
           [&](grpc::ByteBuffer* message) { return received.Take(message); });
       return gs.ok() ? received.Whole() : gs;
-    });
+    }));
   }
 
   // Which servers hold part of the job.
@@ -498,7 +513,7 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
     std::stable_sort(sends.begin(), sends.end(), [](const PushMessages::Send& a, const PushMessages::Send& b) {
       return a.grad_index < b.grad_index;
     });
-    return im.Call(s, im.push_timeout_ms(), [&](grpc::ClientContext* ctx) {
+    return im.UnlessServerBehind(s, step, im.Call(s, im.push_timeout_ms(), [&](grpc::ClientContext* ctx) {
       // Made afresh for each attempt: a retried stream sends it all again.
       PushMessages messages(head, sends, im.chunk_bytes, grad);
       int answers = 0;
@@ -522,7 +537,7 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
         return grpc::Status(grpc::StatusCode::INTERNAL, "the server ended the push without an answer");
       }
       return gs;
-    });
+    }));
   }, /*pushing=*/true);
   if (!st.ok()) return st;
   std::vector<PushPartial> partials(im.servers());

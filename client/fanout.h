@@ -71,6 +71,11 @@ class Detached {
 // was back, past every retry of its own.
 void AwaitChannel(grpc::Channel* channel, std::chrono::milliseconds pause);
 
+// An UNAVAILABLE left after `attempts` tries, with what to do about it:
+// the server is away (down, unreachable, or stopping), and every call of the
+// protocol is safe to repeat once it is back.
+absl::Status WithRetryAdvice(absl::Status st, int attempts);
+
 // Runs one RPC over `channel` to `address`, retrying: `attempt` builds its
 // call on a fresh context with the deadline set, and the bearer token if
 // `token` is not empty. The error names the address. The caller fails the
@@ -79,7 +84,8 @@ template <typename Attempt>
 absl::Status Call(grpc::Channel* channel, const std::string& address, const std::string& token, int max_attempts,
                   uint32_t timeout_ms, const Attempt& attempt) {
   grpc::Status st;
-  for (int a = 0; a < std::max(1, max_attempts); ++a) {
+  int a = 0;
+  for (; a < std::max(1, max_attempts); ++a) {
     // A first attempt on a channel that failed to connect waits a little
     // for it, so that a caller's own loop of single attempts finds the
     // server too.
@@ -96,10 +102,11 @@ absl::Status Call(grpc::Channel* channel, const std::string& address, const std:
     st = attempt(&ctx);
     if (current != nullptr) current->Unregister(&ctx);
     if (st.error_code() != grpc::StatusCode::UNAVAILABLE && st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
+      ++a;
       break;
     }
   }
-  return FromGrpcStatus(st, address);
+  return WithRetryAdvice(FromGrpcStatus(st, address), a);
 }
 
 // Cancels the calling thread's fan-out, if it is in one and `st` is an

@@ -27,6 +27,7 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace v1 = ::shardopt::v1;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using testing::Connect;
 using testing::DurableJob;
@@ -305,6 +306,15 @@ TEST(DurabilityTest, AServerThatLostTheJobKeepsSayingWhyNotThatItWasDropped) {
   }
 }
 
+// Server `server`'s Describe of `job`, straight over gRPC.
+grpc::Status DescribeOn(const testing::ServerProcess& server, const std::string& job, v1::DescribeResponse* out) {
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::DescribeRequest describe;
+  describe.set_job(job);
+  return stub->Describe(&ctx, describe, out);
+}
+
 // The same on two servers restarted at once (with a checkpoint directory,
 // but no checkpoint of the job): each re-attach makes a fresh job, and each
 // is dropped again, also the one whose re-attach ends after the other's
@@ -328,14 +338,9 @@ TEST(DurabilityTest, EveryServerDropsTheJobItsReattachMadeAfreshAgain) {
     const auto stepped = trainer.Step(*client);
     EXPECT_EQ(stepped.status().code(), absl::StatusCode::kFailedPrecondition) << stepped.status();
     for (const auto& server : servers) {
-      auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
-      grpc::ClientContext ctx;
-      v1::DescribeRequest describe;
-      describe.set_job(job.name);
       v1::DescribeResponse described;
-      const grpc::Status held = stub->Describe(&ctx, describe, &described);
-      EXPECT_EQ(held.error_code(), grpc::StatusCode::NOT_FOUND) << server->address() << " holds the job at step "
-                                                                << described.step();
+      EXPECT_EQ(DescribeOn(*server, job.name, &described).error_code(), grpc::StatusCode::NOT_FOUND)
+          << server->address() << " holds the job at step " << described.step();
     }
   }
 }
@@ -445,6 +450,43 @@ TEST(DurabilityTest, AStepTornByADrainIsCompletedByItsPeersDrainAfterARefusedRea
   client = Connect(servers);
   ASSERT_EQ(client->CreateOrAttach(job).value(), 3u);
   EXPECT_EQ(Fingerprint(*client, job).value(), at_3);
+}
+
+// A server killed and restarted restores an older checkpoint than the step
+// its peer holds live. The trainer's re-attach is refused; then each later
+// call of that trainer, and of another trainer attached before, says that
+// the server lost steps and how to go on, where the server's own answer
+// was OUT_OF_RANGE "push step 3" (going back on one server only). Nothing
+// moves on either server meanwhile.
+TEST(DurabilityTest, AServerThatRestoredAnOlderStepThanItsPeersIsCalledBehindByEveryLaterCall) {
+  const JobOptions job = DurableJob("behind", {{"w", 6000}, {"b", 3000}});
+  TempDir dir;
+  FixedPortServers fixed(2, dir.path());
+  auto& servers = fixed.servers;
+  auto client = Connect(servers);
+  ScriptedTrainer trainer = Train(*client, job, 2);
+  ASSERT_TRUE(client->Checkpoint().ok());   // step 2, complete
+  ASSERT_TRUE(trainer.Step(*client).ok());  // step 3, live on both
+  auto other = Connect(servers);
+  ASSERT_EQ(other->CreateOrAttach(job).value(), 3u);
+  servers[1]->Stop(SIGKILL);
+  fixed.Restart(1);
+  const auto refused = trainer.Step(*client);  // server 1 restores step 2
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("restored step 2"));
+  ScriptedTrainer second(job);
+  for (Client* caller : {client.get(), other.get(), client.get()}) {
+    const auto stepped = (caller == client.get() ? trainer : second).Step(*caller);
+    EXPECT_EQ(stepped.status().code(), absl::StatusCode::kFailedPrecondition) << stepped.status();
+    EXPECT_THAT(std::string(stepped.status().message()),
+                AllOf(HasSubstr(servers[1]->address()), HasSubstr("is at step 2"), HasSubstr("lost steps"),
+                      HasSubstr("restart every server")));
+  }
+  for (uint64_t s : {0, 1}) {
+    v1::DescribeResponse described;
+    ASSERT_TRUE(DescribeOn(*servers[s], job.name, &described).ok());
+    EXPECT_EQ(described.step(), s == 0 ? 3u : 2u) << servers[s]->address();
+  }
 }
 
 // A restore onto another placement streams the old parts' runs into the

@@ -34,6 +34,7 @@
 namespace shardopt {
 namespace {
 
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 using testing::RandomBf16;
 using testing::RandomFloats;
@@ -898,7 +899,11 @@ TEST(ClientRetries, UnavailableIsRetriedUntilTheServerComes) {
   once.max_attempts = 1;
   once.rpc_timeout_ms = 2000;
   auto impatient = Client::Connect(once).value();
-  EXPECT_EQ(impatient->CreateOrAttach(MakeJob("r", 1, {{"w", 10}})).status().code(), absl::StatusCode::kUnavailable);
+  const absl::Status away = impatient->CreateOrAttach(MakeJob("r", 1, {{"w", 10}})).status();
+  EXPECT_EQ(away.code(), absl::StatusCode::kUnavailable);
+  // What to do about it, not only what happened.
+  EXPECT_THAT(std::string(away.message()),
+              AllOf(HasSubstr(address), HasSubstr("(1 attempt;"), HasSubstr("make this one again once the server is back")));
 
   // The default retries (backoff 100, 200, 400 and 800 ms: 1.5 s in all)
   // find a server that comes up 0.6 s into them. Before, the client saw its

@@ -27,6 +27,7 @@ def test_unreachable_server_names_the_address_within_the_deadline(servers, job):
                     max_attempts=2)
     elapsed = time.monotonic() - started
     assert address in str(err.value) and address in err.value.message
+    assert "(2 attempts;" in err.value.message and "once the server is back" in err.value.message
     assert err.value.code == "UNAVAILABLE" and err.value.code_value == 14
     assert isinstance(err.value, ConnectionError)
     assert elapsed < 10, f"took {elapsed:.1f} s"
