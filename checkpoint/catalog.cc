@@ -24,6 +24,7 @@ v1::CreateJobRequest Identity(const v1::CreateJobRequest& spec) {
   id.clear_shards();
   id.clear_barrier_timeout_ms();
   id.clear_restore_step();
+  id.clear_rank();
   for (v1::Group& g : *id.mutable_groups()) g.clear_name();  // for messages only
   return id;
 }

@@ -73,7 +73,9 @@ absl::StatusOr<uint64_t> AgreedStep(const std::vector<v1::CreateJobResponse>& an
 uint64_t PushedAhead(const std::vector<v1::CreateJobResponse>& answers, uint64_t step,
                      const std::vector<bool>& holds_part, const std::vector<bool>& pushes_to) {
   for (size_t s = 0; s < answers.size(); ++s) {
-    if (holds_part[s] && pushes_to[s] && answers[s].sealed_step() == step + 1) return step + 1;
+    if (holds_part[s] && pushes_to[s] && (answers[s].sealed_step() == step + 1 || answers[s].rank_pushed())) {
+      return step + 1;
+    }
   }
   return 0;
 }

@@ -37,7 +37,8 @@ absl::StatusOr<uint64_t> AgreedStep(const std::vector<v1::CreateJobResponse>& an
                                     const std::string& job);
 
 // Client::pushed_ahead: step + 1 if a server this client pushes to
-// (`pushes_to`) holds that step's sealed round, else 0.
+// (`pushes_to`) holds that step's sealed round, or some of this client's
+// rank's push of it (rank_pushed), else 0.
 uint64_t PushedAhead(const std::vector<v1::CreateJobResponse>& answers, uint64_t step,
                      const std::vector<bool>& holds_part, const std::vector<bool>& pushes_to);
 

@@ -105,7 +105,7 @@ struct Client::Impl {
     // off may have made the job afresh, and the drop that undoes it must be
     // sent.
     const fanout::Detached detached;
-    v1::CreateJobRequest req = ToCreateJobRequest(job, shards_of[s]);
+    v1::CreateJobRequest req = ToCreateJobRequest(job, shards_of[s], options.rank);
     req.set_restore_step(0);  // this run's newest, whatever the launch asked for
     v1::CreateJobResponse resp;
     SHARDOPT_RETURN_IF_ERROR(fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
@@ -343,7 +343,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
 
   std::vector<v1::CreateJobResponse> answers(im.servers());
   auto st = im.ForEachServer([&](uint32_t s) {
-    const v1::CreateJobRequest req = ToCreateJobRequest(job, im.shards_of[s]);
+    const v1::CreateJobRequest req = ToCreateJobRequest(job, im.shards_of[s], im.options.rank);
     return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       return im.stubs[s]->CreateJob(ctx, req, &answers[s]);
     });

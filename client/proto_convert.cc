@@ -2,7 +2,7 @@
 
 namespace shardopt {
 
-v1::CreateJobRequest ToCreateJobRequest(const JobOptions& job, absl::Span<const ShardPlacement> shards) {
+v1::CreateJobRequest ToCreateJobRequest(const JobOptions& job, absl::Span<const ShardPlacement> shards, uint32_t rank) {
   v1::CreateJobRequest req;
   req.set_job(job.name);
   req.set_world_size(job.world_size);
@@ -33,6 +33,7 @@ v1::CreateJobRequest ToCreateJobRequest(const JobOptions& job, absl::Span<const 
   req.set_grad_dtype(job.grad_type == GradType::kBf16 ? v1::BF16 : v1::FP32);
   req.set_barrier_timeout_ms(job.barrier_timeout_ms);
   req.set_restore_step(job.restore_step);
+  req.set_rank(rank);
   return req;
 }
 

@@ -11,8 +11,8 @@
 namespace shardopt {
 
 // The CreateJob request for `job` on a server holding `shards` (its part of
-// the placement).
-v1::CreateJobRequest ToCreateJobRequest(const JobOptions& job, absl::Span<const ShardPlacement> shards);
+// the placement), asked by trainer `rank`.
+v1::CreateJobRequest ToCreateJobRequest(const JobOptions& job, absl::Span<const ShardPlacement> shards, uint32_t rank);
 
 // The dtype a tensor's gradients are pushed in: fp32 for fp32 params, else
 // the job's gradient type.

@@ -39,6 +39,9 @@ absl::StatusOr<v1::CreateJobRequest> NormalizeJobSpec(const v1::CreateJobRequest
   if (r.world_size() < 1 || r.world_size() > kMaxWorldSize) {
     return absl::InvalidArgumentError(absl::StrCat("world_size must be in [1, ", kMaxWorldSize, "], got ", r.world_size()));
   }
+  if (r.rank() >= r.world_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", r.rank(), " is out of range for world_size ", r.world_size()));
+  }
   if (r.groups_size() == 0) return absl::InvalidArgumentError("a job needs at least one group");
   for (int i = 0; i < r.groups_size(); ++i) {
     v1::Group& g = *r.mutable_groups(i);

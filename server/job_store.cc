@@ -45,23 +45,29 @@ absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name) con
 }
 
 
-absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1::CreateJobRequest& spec) const {
+absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1::CreateJobRequest& spec,
+                                                       uint32_t rank) const {
   SHARDOPT_RETURN_IF_ERROR(SameJobSpec(job.spec, spec));
   absl::MutexLock job_lock(&job.mu);
   v1::CreateJobResponse response;
   response.set_created(false);
   response.set_barrier_timeout_ms(job.spec.barrier_timeout_ms());
-  SetStepFields(job, &response);
+  SetStepFields(job, rank, &response);
   return response;
 }
 
-void JobStore::SetStepFields(const Job& job, v1::CreateJobResponse* response) {
+void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobResponse* response) {
   response->set_step(job.step);
   response->set_sealed_step(job.sealed_step);
   response->set_applied_lr(job.applied.lr);
   response->set_applied_gscale(job.applied.gscale);
   response->set_applied_skip(job.applied.skip);
   for (double lr : job.applied.group_lr) response->add_applied_group_lr(lr);
+  // What of the rank's push stands: not what a cut-off stream will take
+  // back (RunningSum::Withdraw), only what is finished or summed already.
+  const Job::Round& r = job.round;
+  response->set_rank_pushed(r.active && !r.sealed && r.sum != nullptr && rank < job.world_size() &&
+                            (r.sum->finished(rank) || r.sum->folded(rank)));
 }
 
 absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobRequest& request) {
@@ -98,7 +104,9 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto spec, NormalizeJobSpec(request, options_.default_barrier_timeout));
   const uint64_t restore_step = spec.restore_step();
+  const uint32_t rank = spec.rank();
   spec.clear_restore_step();
+  spec.clear_rank();
   {
     absl::MutexLock lock(&mu_);
     // Every rank creates the job at once: one builds it (and restores it)
@@ -107,7 +115,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     // would refuse).
     while (creating_.contains(spec.job())) created_.Wait(&mu_);
     if (auto it = jobs_.find(spec.job()); it != jobs_.end()) {
-      auto attached = Attach(*it->second, spec);
+      auto attached = Attach(*it->second, spec, rank);
       if (attached.ok()) log::Info("job_attached", {{"job", spec.job()}, {"step", absl::StrCat(attached->step())}});
       return attached;
     }
@@ -190,7 +198,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   response.set_restored(restored);
   response.set_barrier_timeout_ms(spec.barrier_timeout_ms());
   absl::MutexLock job_lock(&job->mu);
-  SetStepFields(*job, &response);
+  SetStepFields(*job, rank, &response);
   return response;
 }
 

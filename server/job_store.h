@@ -187,10 +187,11 @@ class JobStore {
 
  private:
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
-  absl::StatusOr<v1::CreateJobResponse> Attach(const Job& job, const v1::CreateJobRequest& spec) const;
-  // A CreateJob answer's step, sealed step and the arguments the step was
-  // applied with.
-  static void SetStepFields(const Job& job, v1::CreateJobResponse* response) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  absl::StatusOr<v1::CreateJobResponse> Attach(const Job& job, const v1::CreateJobRequest& spec, uint32_t rank) const;
+  // A CreateJob answer's step, sealed step, the arguments the step was
+  // applied with, and whether the round holds some of `rank`'s push.
+  static void SetStepFields(const Job& job, uint32_t rank, v1::CreateJobResponse* response)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // Checkpoint, charging its buffers or not (the drain's: see DrainAndCheckpoint).
   absl::StatusOr<v1::CheckpointResponse> WriteCheckpoint(const v1::CheckpointRequest& request, bool charged,
                                                          absl::Time deadline)

@@ -57,5 +57,13 @@ TEST(AttachAnswers, APushAheadCountsOnlyOnServersThisClientPushesTo) {
   EXPECT_EQ(PushedAhead(answers, 3, {true, false}, {true, true}), 0u);
 }
 
+TEST(AttachAnswers, ThisRanksOwnPushOfTheNextStepCountsSealedOrNot) {
+  std::vector<v1::CreateJobResponse> answers = {At(3, 3), At(3, 3)};
+  EXPECT_EQ(PushedAhead(answers, 3, {true, true}, {true, true}), 0u);
+  answers[1].set_rank_pushed(true);
+  EXPECT_EQ(PushedAhead(answers, 3, {true, true}, {true, true}), 4u);
+  EXPECT_EQ(PushedAhead(answers, 3, {true, true}, {true, false}), 0u);
+}
+
 }  // namespace
 }  // namespace shardopt

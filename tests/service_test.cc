@@ -677,6 +677,19 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
          v1::DescribeResponse resp;
          return stub->Describe(&ctx, r, &resp);
        }(), grpc::StatusCode::NOT_FOUND, "no job 'nobody'"},
+      {"CreateJob rank out of range", [&] {
+         grpc::ClientContext ctx;
+         v1::CreateJobRequest r;
+         r.set_job("bad-rank");
+         r.set_world_size(2);
+         r.set_rank(2);
+         r.add_groups();
+         v1::TensorSpec* t = r.add_tensors();
+         t->set_name("w");
+         t->set_numel(10);
+         v1::CreateJobResponse resp;
+         return stub->CreateJob(&ctx, r, &resp);
+       }(), grpc::StatusCode::INVALID_ARGUMENT, "rank 2 is out of range for world_size 2"},
   };
   for (const Case& c : cases) {
     EXPECT_EQ(c.status.error_code(), c.code) << c.what << ": " << c.status.error_message();
@@ -689,6 +702,53 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
   EXPECT_THAT(std::string(recreated.status().message()), HasSubstr(server_->address()));
   EXPECT_EQ(ReadAll(*client, job), before);
   EXPECT_EQ(client->step(), 0u);
+  {
+    grpc::ClientContext ctx;
+    v1::DescribeRequest r;
+    r.set_job("bad-rank");
+    v1::DescribeResponse resp;
+    EXPECT_EQ(stub->Describe(&ctx, r, &resp).error_code(), grpc::StatusCode::NOT_FOUND) << "a job was made";
+  }
+}
+
+// A trainer attaching learns whether the server holds its rank's push of
+// the next step (CreateJobResponse.rank_pushed), which the server would use
+// in place of the trainer's own: a whole push of rank 1 waiting at the
+// barrier is reported to a rank 1 that attaches, not to a rank 0, and no
+// longer once the barrier's deadline has aborted the round.
+TEST_F(ServiceTest, AnAttachingTrainerLearnsThatItsRanksPushOfTheNextStepStandsUntilTheDeadline) {
+  JobOptions job = MakeJob("ahead", 2, {{"w", 20000}});
+  job.barrier_timeout_ms = 2000;
+  auto rank0 = Connect(server_->address(), 0);
+  ASSERT_TRUE(rank0->CreateOrAttach(job).ok());
+  auto init = RandomFloats(rng_, 20000, -1, 1);
+  ASSERT_TRUE(rank0->InitFp32("w", init.data()).ok());
+  ClientOptions once;  // the deadline's DEADLINE_EXCEEDED is the answer, not a retry
+  once.servers = {server_->address()};
+  once.rank = 1;
+  once.max_attempts = 1;
+  auto pusher = Client::Connect(once).value();
+  ASSERT_TRUE(pusher->CreateOrAttach(job).ok());
+  EXPECT_EQ(pusher->pushed_ahead(), 0u);
+  const auto g = RandomBf16(rng_, 20000, 1.0f);
+  absl::StatusOr<PushResult> pushed;
+  std::thread push([&] { pushed = pusher->Push(1, {{"w", g.data()}}); });
+  uint64_t ahead = 0;  // once the server has the whole push: at most a second
+  for (int i = 0; i < 100 && ahead == 0; ++i) {
+    auto replacement = Connect(server_->address(), 1);
+    ASSERT_TRUE(replacement->CreateOrAttach(job).ok());
+    ahead = replacement->pushed_ahead();
+    if (ahead == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(ahead, 1u);
+  auto other_rank = Connect(server_->address(), 0);
+  ASSERT_TRUE(other_rank->CreateOrAttach(job).ok());
+  EXPECT_EQ(other_rank->pushed_ahead(), 0u);  // rank 1's push is not rank 0's
+  push.join();
+  EXPECT_EQ(pushed.status().code(), absl::StatusCode::kDeadlineExceeded) << pushed.status();
+  auto after = Connect(server_->address(), 1);
+  ASSERT_TRUE(after->CreateOrAttach(job).ok());
+  EXPECT_EQ(after->pushed_ahead(), 0u);
 }
 
 // A chunk of a tensor its own stream declared no_grad is refused before it

@@ -248,9 +248,9 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
         if self._client.pushed_ahead:
             ahead = self._client.pushed_ahead
             warnings.warn(f"step {ahead} of job '{job}' is pushed and not yet committed: if this process replaces a "
-                          f"trainer of this rank that was killed after pushing it, step {ahead} is applied with that "
-                          "trainer's gradients, not this process's (the servers count a rank's push of a step "
-                          "once)", stacklevel=2)
+                          f"trainer of this rank that was killed after pushing it (or part of it), step {ahead} is "
+                          "applied with that trainer's gradients where the servers hold them, not this process's "
+                          "(the servers count a rank's push of a step once)", stacklevel=2)
         if self.resumed_step == 0:
             # Rank 0's params are the job's initial values, as DDP broadcasts
             # rank 0's: it sends them (the servers take the model's bytes

@@ -297,13 +297,14 @@ class Client {
   // The job's step: the last one done.
   uint64_t step() const;
   // Once attached: step() + 1 if a server this client pushes to holds that
-  // step's push complete (every rank's) but not committed, else 0: a
+  // step's push, not yet committed, either complete (every rank's) or this
+  // client's rank's, whole or the part of it summed already; else 0. A
   // trainer of this rank pushed it and died before its commit, or one that
   // is still running commits it now (another process attached meanwhile).
-  // The servers count a rank's push of a step once: this client's push of
-  // that step is answered from the one they hold, and its own gradients for
-  // it are not used. (Chunks of a push cut off partway count too, until
-  // the step's barrier deadline passes; they are not reported here.)
+  // The servers count a rank's push of a step once: where they hold it,
+  // this client's push of that step is answered from it, and its own
+  // gradients there are not used. Such a push stands until the step is
+  // committed or its barrier deadline passes.
   uint64_t pushed_ahead() const;
   // Bytes of gradient per streamed message, once attached: ClientOptions::chunk_bytes,
   // or what the client chose for the job.
