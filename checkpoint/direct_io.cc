@@ -90,15 +90,26 @@ size_t BufferPool::pooled_bytes() {
 }
 
 void BufferPool::Free(char* p, size_t bytes) {
+  // The pool keeps the newest freed buffers that fit: the oldest go to make
+  // room, so that buffers of one size (two checkpoints written at once)
+  // cannot keep another size's (a restore's) out for good.
+  std::vector<char*> released;
   {
     absl::MutexLock lock(&mu_);
-    if (pooled_ + bytes <= capacity_) {
+    if (bytes > capacity_) {
+      released.push_back(p);
+    } else {
+      size_t oldest = 0;
+      while (pooled_ + bytes > capacity_) {
+        pooled_ -= free_[oldest].first;
+        released.push_back(free_[oldest++].second);
+      }
+      free_.erase(free_.begin(), free_.begin() + static_cast<std::ptrdiff_t>(oldest));
       free_.emplace_back(bytes, p);
       pooled_ += bytes;
-      return;
     }
   }
-  std::free(p);
+  for (char* r : released) std::free(r);
 }
 
 void AlignedFree::operator()(char* p) const {

@@ -37,11 +37,12 @@ struct AlignedFree {
 using AlignedBytes = std::unique_ptr<char[], AlignedFree>;
 
 // Aligned buffers for O_DIRECT. A buffer of whole huge pages, once freed,
-// waits in its pool (up to the pool's capacity) for the next writer or
-// reader that asks for its size: memory the process maps afresh costs this
-// VM a host fault per page on first touch (0.4 GB/s, against 10-25 GB/s for
-// memory mapped before), and a checkpoint's buffers mapped anew each time
-// took a third of its write time here (README, "Measured").
+// waits in its pool (the newest freed, up to the pool's capacity) for the
+// next writer or reader that asks for its size: memory the process maps
+// afresh costs this VM a host fault per page on first touch (0.4 GB/s,
+// against 10-19 GB/s for memory mapped before), and a checkpoint whose
+// buffers were mapped anew each time took about 15% longer to write here
+// (README, "Write at the disk's speed").
 class BufferPool {
  public:
   explicit BufferPool(size_t capacity_bytes) : capacity_(capacity_bytes) {}

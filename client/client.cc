@@ -139,10 +139,10 @@ struct Client::Impl {
     if (!absl::IsOutOfRange(st) || !absl::StrContains(st.message(), " is in the future") || t != step + 1) return st;
     return absl::FailedPreconditionError(absl::StrCat(
         st.message(), "; this trainer is at step ", step, ", so ", address(s),
-        " lost steps (it restarted from an older checkpoint while its peers went on) and the job's servers "
-        "disagree; nothing of step ", t, " was applied on it. To go on: stop the trainers, restart every server of "
-        "the job on its checkpoint directory (each restores the newest complete checkpoint; the steps after it are "
-        "lost), then start the trainers again"));
+        " lost steps (it restarted and restored an older checkpoint, or none, while its peers went on) and the "
+        "job's servers disagree; nothing of step ", t, " was applied on it. To go on: stop the trainers, restart "
+        "every server of the job on its checkpoint directory so that each restores the same newest complete "
+        "checkpoint (the steps after it are lost; with no checkpoint, the job is), then start the trainers again"));
   }
 
   // One server's commit of `req`: its params of the step into out[tensor]
@@ -586,7 +586,8 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
     // again, would here apply the next step with the same gradients.
     if (absl::Status st = Checkpoint(); !st.ok()) {
       return absl::Status(st.code(), absl::StrCat("step ", t, " was applied and its params returned (step() is ", t,
-                                                  "; do not repeat it), but its checkpoint (checkpoint_every) failed: ",
+                                                  "; do not repeat it), but its checkpoint (checkpoint_every) failed; "
+                                                  "call Checkpoint() for it: ",
                                                   st.message()));
     }
   }

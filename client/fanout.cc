@@ -46,8 +46,8 @@ void AwaitChannel(grpc::Channel* channel, std::chrono::milliseconds pause) {
 absl::Status WithRetryAdvice(absl::Status st, int attempts) {
   if (!absl::IsUnavailable(st)) return st;
   return absl::UnavailableError(absl::StrCat(st.message(), " (", attempts, attempts == 1 ? " attempt" : " attempts",
-                                             "; the server is down, unreachable or stopping: every shardopt call is "
-                                             "safe to repeat, so make this one again once the server is back)"));
+                                             "; the server is down, unreachable or stopping, or refused the TLS "
+                                             "handshake: this RPC is safe to retry once the server is back)"));
 }
 
 }  // namespace shardopt::fanout

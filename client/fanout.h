@@ -71,9 +71,9 @@ class Detached {
 // was back, past every retry of its own.
 void AwaitChannel(grpc::Channel* channel, std::chrono::milliseconds pause);
 
-// An UNAVAILABLE left after `attempts` tries, with what to do about it:
-// the server is away (down, unreachable, or stopping), and every call of the
-// protocol is safe to repeat once it is back.
+// An UNAVAILABLE left after `attempts` tries, with what it may mean (the
+// server is down, unreachable or stopping, or the TLS handshake failed) and
+// that retrying the RPC is safe: every RPC of the protocol is.
 absl::Status WithRetryAdvice(absl::Status st, int attempts);
 
 // Runs one RPC over `channel` to `address`, retrying: `attempt` builds its

@@ -64,9 +64,12 @@ void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobRespons
   response->set_applied_skip(job.applied.skip);
   for (double lr : job.applied.group_lr) response->add_applied_group_lr(lr);
   // What of the rank's push stands: not what a cut-off stream will take
-  // back (RunningSum::Withdraw), only what is finished or summed already.
+  // back (RunningSum::Withdraw), only what is finished or summed already,
+  // and only before the deadline: a round past it ends at the next push
+  // (every trainer of the job died), and that push is the new trainer's.
   const Job::Round& r = job.round;
-  response->set_rank_pushed(r.active && !r.sealed && r.sum != nullptr && rank < job.world_size() &&
+  response->set_rank_pushed(r.active && !r.sealed && std::chrono::steady_clock::now() < r.deadline &&
+                            r.sum != nullptr && rank < job.world_size() &&
                             (r.sum->finished(rank) || r.sum->folded(rank)));
 }
 

@@ -230,7 +230,7 @@ TEST_F(DirectIoTest, WritesThatODirectRefusesGoThroughThePageCache) {
   EXPECT_TRUE(back == bytes);
 }
 
-TEST(BufferPoolTest, FreedHugePageBuffersComeBackNewestFirstUpToItsCapacity) {
+TEST(BufferPoolTest, TheNewestFreedHugePageBuffersComeBackUpToItsCapacity) {
   constexpr size_t kHuge = size_t{2} << 20;
   BufferPool pool(2 * kDirectChunkBytes);
   std::vector<AlignedBytes> held;
@@ -240,11 +240,8 @@ TEST(BufferPoolTest, FreedHugePageBuffersComeBackNewestFirstUpToItsCapacity) {
     std::memset(held.back().get(), 'a' + i, kDirectChunkBytes);  // each one's own bytes
   }
   EXPECT_EQ(pool.pooled_bytes(), 0u);
-  char* const newest = held[1].get();
-  held.erase(held.begin());  // buffer 0 freed, then 1; buffer 2 still held
-  held.erase(held.begin());
-  EXPECT_EQ(pool.pooled_bytes(), 2 * kDirectChunkBytes);
-  held.clear();  // no room for buffer 2: it goes back to the system
+  char* const newest = held[2].get();
+  held.clear();  // 0, 1 and 2 freed in that order: 0 goes to make room for 2
   EXPECT_EQ(pool.pooled_bytes(), 2 * kDirectChunkBytes);
 
   // Another size finds nothing to take; the asked size takes the newest.
@@ -252,14 +249,20 @@ TEST(BufferPoolTest, FreedHugePageBuffersComeBackNewestFirstUpToItsCapacity) {
   EXPECT_EQ(pool.pooled_bytes(), 2 * kDirectChunkBytes);
   AlignedBytes again = pool.Allocate(kDirectChunkBytes);
   EXPECT_EQ(again.get(), newest);
-  EXPECT_EQ(again[kDirectChunkBytes - 1], 'b');  // the same memory, not a copy
+  EXPECT_EQ(again[kDirectChunkBytes - 1], 'c');  // the same memory, not a copy
   EXPECT_EQ(pool.pooled_bytes(), kDirectChunkBytes);
+
+  // Freed, the other size makes room by sending the oldest (buffer 1) away.
+  other.reset();
+  EXPECT_EQ(pool.pooled_bytes(), kDirectChunkBytes + kHuge);
+  AlignedBytes last = pool.Allocate(kDirectChunkBytes);  // a new one: the pool holds the other size only
+  EXPECT_EQ(pool.pooled_bytes(), kDirectChunkBytes + kHuge);
 
   // A buffer not of whole huge pages is never pooled.
   AlignedBytes small = pool.Allocate(kDirectAlignment);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(small.get()) % kDirectAlignment, 0u);
   small.reset();
-  EXPECT_EQ(pool.pooled_bytes(), kDirectChunkBytes);
+  EXPECT_EQ(pool.pooled_bytes(), kDirectChunkBytes + kHuge);
 }
 
 }  // namespace

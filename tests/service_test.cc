@@ -749,6 +749,36 @@ TEST_F(ServiceTest, AnAttachingTrainerLearnsThatItsRanksPushOfTheNextStepStandsU
   auto after = Connect(server_->address(), 1);
   ASSERT_TRUE(after->CreateOrAttach(job).ok());
   EXPECT_EQ(after->pushed_ahead(), 0u);
+
+  // Rank 1's trainer dies after its whole push (its stream cut off while it
+  // waits at the barrier), and rank 0's never comes, so nothing ends the
+  // round: the push stands until the deadline, and not after it, when the
+  // next push would open a fresh round.
+  const auto start = std::chrono::steady_clock::now();
+  {
+    auto stub = RawStub(server_->address());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    v1::PushResponse resp;
+    auto w = stub->Push(&ctx, &resp);
+    v1::GradChunk c;
+    c.set_job("ahead");
+    c.set_step(1);
+    c.set_rank(1);
+    c.set_tensor("w");
+    c.set_dtype(v1::BF16);
+    c.set_data(std::string(reinterpret_cast<const char*>(g.data()), g.size() * 2));
+    ASSERT_TRUE(w->Write(c));
+    w->WritesDone();
+    EXPECT_EQ(w->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  auto orphaned = Connect(server_->address(), 1);
+  ASSERT_TRUE(orphaned->CreateOrAttach(job).ok());
+  EXPECT_EQ(orphaned->pushed_ahead(), 1u);
+  std::this_thread::sleep_until(start + std::chrono::milliseconds(job.barrier_timeout_ms + 300));
+  auto late = Connect(server_->address(), 1);
+  ASSERT_TRUE(late->CreateOrAttach(job).ok());
+  EXPECT_EQ(late->pushed_ahead(), 0u);
 }
 
 // A chunk of a tensor its own stream declared no_grad is refused before it
@@ -963,7 +993,7 @@ TEST(ClientRetries, UnavailableIsRetriedUntilTheServerComes) {
   EXPECT_EQ(away.code(), absl::StatusCode::kUnavailable);
   // What to do about it, not only what happened.
   EXPECT_THAT(std::string(away.message()),
-              AllOf(HasSubstr(address), HasSubstr("(1 attempt;"), HasSubstr("make this one again once the server is back")));
+              AllOf(HasSubstr(address), HasSubstr("(1 attempt;"), HasSubstr("safe to retry once the server is back")));
 
   // The default retries (backoff 100, 200, 400 and 800 ms: 1.5 s in all)
   // find a server that comes up 0.6 s into them. Before, the client saw its
