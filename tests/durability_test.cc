@@ -421,6 +421,24 @@ TEST(DurabilityTest, ANewRunsCheckpointOfAStepIsNeverTiledWithAnOldRunsPart) {
   EXPECT_EQ(Fingerprint(*client, job).value(), new_run);
 }
 
+// Two servers on fixed ports over one checkpoint directory, holding job
+// `name` at step 3, live, over a complete checkpoint of step 2.
+struct LiveAt3OverACheckpointOf2 {
+  explicit LiveAt3OverACheckpointOf2(const std::string& name)
+      : job(DurableJob(name, {{"w", 6000}, {"b", 3000}})), fixed(2, dir.path()), client(Connect(fixed.servers)),
+        trainer(Train(*client, job, 2)) {
+    const absl::Status checkpointed = client->Checkpoint();
+    EXPECT_TRUE(checkpointed.ok()) << checkpointed;
+    const auto stepped = trainer.Step(*client);
+    EXPECT_TRUE(stepped.ok()) << stepped.status();
+  }
+  const JobOptions job;
+  TempDir dir;
+  FixedPortServers fixed;
+  std::unique_ptr<Client> client;
+  ScriptedTrainer trainer;
+};
+
 // The other side of the same start: a server drained under a training job
 // on two servers (a node drain) restarts, and the trainer's next step makes
 // it restore the older complete checkpoint, which the client refuses. Its
@@ -429,17 +447,16 @@ TEST(DurabilityTest, ANewRunsCheckpointOfAStepIsNeverTiledWithAnOldRunsPart) {
 // restore it. Had the restore set the part aside, the step could never
 // complete, and the job would go back to the older checkpoint.
 TEST(DurabilityTest, AStepTornByADrainIsCompletedByItsPeersDrainAfterARefusedReattach) {
-  const JobOptions job = DurableJob("node-drain", {{"w", 6000}, {"b", 3000}});
-  TempDir dir;
-  FixedPortServers fixed(2, dir.path());
-  auto& servers = fixed.servers;
-  auto client = Connect(servers);
-  ScriptedTrainer trainer = Train(*client, job, 2);
-  ASSERT_TRUE(client->Checkpoint().ok());   // step 2, complete
-  ASSERT_TRUE(trainer.Step(*client).ok());  // step 3, live on both
+  LiveAt3OverACheckpointOf2 at("node-drain");
+  if (HasFailure()) return;
+  const JobOptions& job = at.job;
+  const TempDir& dir = at.dir;
+  auto& servers = at.fixed.servers;
+  auto& client = at.client;
+  ScriptedTrainer& trainer = at.trainer;
   const std::vector<uint32_t> at_3 = Fingerprint(*client, job).value();
   ASSERT_EQ(servers[1]->Stop(SIGTERM) >> 8, 0);  // its part of step 3
-  fixed.Restart(1);
+  at.fixed.Restart(1);
   const auto refused = trainer.Step(*client);  // server 1 restores step 2
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("restored step 2"));
@@ -459,18 +476,16 @@ TEST(DurabilityTest, AStepTornByADrainIsCompletedByItsPeersDrainAfterARefusedRea
 // was OUT_OF_RANGE "push step 3" (going back on one server only). Nothing
 // moves on either server meanwhile.
 TEST(DurabilityTest, AServerThatRestoredAnOlderStepThanItsPeersIsCalledBehindByEveryLaterCall) {
-  const JobOptions job = DurableJob("behind", {{"w", 6000}, {"b", 3000}});
-  TempDir dir;
-  FixedPortServers fixed(2, dir.path());
-  auto& servers = fixed.servers;
-  auto client = Connect(servers);
-  ScriptedTrainer trainer = Train(*client, job, 2);
-  ASSERT_TRUE(client->Checkpoint().ok());   // step 2, complete
-  ASSERT_TRUE(trainer.Step(*client).ok());  // step 3, live on both
+  LiveAt3OverACheckpointOf2 at("behind");
+  if (HasFailure()) return;
+  const JobOptions& job = at.job;
+  auto& servers = at.fixed.servers;
+  auto& client = at.client;
+  ScriptedTrainer& trainer = at.trainer;
   auto other = Connect(servers);
   ASSERT_EQ(other->CreateOrAttach(job).value(), 3u);
   servers[1]->Stop(SIGKILL);
-  fixed.Restart(1);
+  at.fixed.Restart(1);
   const auto refused = trainer.Step(*client);  // server 1 restores step 2
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("restored step 2"));
