@@ -2,6 +2,7 @@
 running, from a hook on its param's AccumulateGrad node, and the push
 finished and committed by step(). A mixin of RemoteAdamW (shardopt.torch),
 whose state it uses: its tensors, client, order and locks."""
+import gc
 import weakref
 
 import torch
@@ -9,8 +10,38 @@ import torch
 from . import _C
 from ._errors import FailedPrecondition, InvalidArgument
 
+# Each param's live RemoteAdamW(overlap=True): a second one's hooks would
+# fire in the same backward, and both would push that gradient. By id, as
+# tensors compare by value; an entry holds both weakly, so a new param
+# that reuses a dead one's id is not taken for it.
+_PUSHED_BY = {}  # id(param) -> (weakref to the param, weakref to its optimizer)
+
+
+def _pusher(param):
+    entry = _PUSHED_BY.get(id(param))
+    return entry[1]() if entry is not None and entry[0]() is param else None
+
 
 class _OverlapPush:
+    def _claim_params(self):
+        """Refuses, before anything is sent, params that another live
+        RemoteAdamW(overlap=True) pushes; then claims them."""
+        for collected in (False, True):
+            taken = [t for t in self._tensors if _pusher(t.param) is not None]
+            if not taken or collected:
+                break
+            gc.collect()  # one let go of but not yet freed (a reference cycle) is no owner
+        if taken:
+            raise InvalidArgument(f"param {taken[0].name!r} is pushed already by another RemoteAdamW(overlap=True) "
+                                  f"that is still alive (job {_pusher(taken[0].param)._job!r}): its backward "
+                                  "hooks would push every gradient to both. Delete that optimizer first (with "
+                                  "whatever still refers to it, such as an LR scheduler), or use overlap=False")
+        for key in [k for k, (param, _) in _PUSHED_BY.items() if param() is None]:
+            del _PUSHED_BY[key]  # params gone
+        me = weakref.ref(self)
+        for t in self._tensors:
+            _PUSHED_BY[id(t.param)] = (weakref.ref(t.param), me)
+
     def _set_order(self, order):
         self._order = order
         self._order_names = [self._tensors[k].name for k in order]

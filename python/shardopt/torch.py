@@ -224,6 +224,9 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
         self.rank, self.world_size = rank, world_size
         self.max_grad_norm, self.overlap = float(max_grad_norm), overlap
         self.last_decision = None  # of the last step(): grad_norm, clip_factor, skip
+        self._job = job
+        if overlap:
+            self._claim_params()
 
         pem = [_read_pem(path) for path in (tls_ca, tls_cert, tls_key)]
         if token is None:

@@ -171,6 +171,25 @@ def test_gradients_clipped_after_backward_are_refused_and_the_step_skipped(serve
 
 
 
+def test_a_second_live_overlap_optimizer_of_the_same_params_is_refused_before_anything_is_sent(servers, job):
+    """Two RemoteAdamW(overlap=True) on the same params would both push every
+    gradient from the same backward: the second is refused at construction
+    with InvalidArgument, before it connects (its server here does not
+    exist: the refusal is not Unavailable); once the first is let go, the
+    params are taken. overlap=False takes no hooks and is not refused."""
+    model = make_model()
+    first = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3, overlap=True)
+    with pytest.raises(shardopt.InvalidArgument, match=f"pushed already by another .*job '{job}'"):
+        RemoteAdamW(param_groups(model), servers=["127.0.0.1:1"], job=f"{job}-second", lr=1e-3, overlap=True)
+    plain = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-plain", lr=1e-3)
+    first.drop()
+    del first
+    second = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-second", lr=1e-3, overlap=True)
+    train(model, second, 1)
+    second.drop()
+    plain.drop()
+
+
 def test_a_push_abandoned_with_its_optimizer_is_committed_as_a_skip(servers, job):
     """An optimizer dropped after backward (backward or the loop raised, and
     the trainer went away) ends its push and commits that step as a skip.
