@@ -141,7 +141,8 @@ class JobState {
   virtual absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype,
                                   const void* data, uint64_t count) = 0;
   // Makes the host memory of elements [offset, offset + count) of `shard`'s
-  // master, m or v resident ahead of WriteState, so that a bulk write (a
+  // master, m, v or bf16 params (which a write of the master writes too)
+  // resident ahead of WriteState, so that a bulk write (a
   // restore's) does not stop for page faults: a restore calls it on a
   // thread of its own, ahead of the data. It changes no value and may run
   // while the same range is being written. A hint: a backend may do nothing.

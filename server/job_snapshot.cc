@@ -217,7 +217,10 @@ class Prefaulter {
       const uint64_t step = checkpoint::kDirectChunkBytes / checkpoint::ElementBytes(m.shards(si).dtype());
       for (checkpoint::Array a : checkpoint::kArrays) {
         for (uint64_t at = 0; at < length && !stop_; at += step) {
-          state.Prefault(static_cast<uint32_t>(si), KindOf(a), at, std::min(step, length - at));
+          const uint64_t n = std::min(step, length - at);
+          state.Prefault(static_cast<uint32_t>(si), KindOf(a), at, n);
+          // A write of the master writes the bf16 params from it.
+          if (a == checkpoint::Array::kMaster) state.Prefault(static_cast<uint32_t>(si), StateKind::kParamBf16, at, n);
         }
       }
     }

@@ -285,8 +285,12 @@ class CpuJobState final : public JobState {
   }
 
   void Prefault(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count) const override {
-    if (shard >= shards_.size() || kind == StateKind::kParamBf16) return;
+    if (shard >= shards_.size()) return;
     const CpuShard& s = shards_[shard];
+    if (kind == StateKind::kParamBf16) {
+      s.params.Prefault(offset, count);
+      return;
+    }
     const AlignedBuffer& buffer = StateBuffer(s, kind);
     if (!buffer.mapped() || offset >= s.layout.numel) return;  // a small buffer is touched already
     count = std::min(count, s.layout.numel - offset);

@@ -1,5 +1,8 @@
 #include "kernels/cpu/param_regions.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -20,12 +23,47 @@ absl::StatusOr<std::shared_ptr<uint16_t>> ParamRegions::NewRegion() {
 absl::StatusOr<ParamRegions> ParamRegions::Make(uint64_t numel) {
   ParamRegions out;
   out.numel_ = numel;
-  for (uint64_t r = 0; r * kRegion < numel; ++r) {
-    SHARDOPT_ASSIGN_OR_RETURN(auto region, NewRegion());
-    std::memset(region.get(), 0, kRegion * 2);
-    out.regions_.push_back(std::move(region));
+  const uint64_t regions = (numel + kRegion - 1) / kRegion;
+  const uint64_t bytes = regions * kRegion * 2;
+  if (bytes < kMappedBytes) {
+    for (uint64_t r = 0; r < regions; ++r) {
+      SHARDOPT_ASSIGN_OR_RETURN(auto region, NewRegion());
+      std::memset(region.get(), 0, kRegion * 2);
+      out.regions_.push_back(std::move(region));
+    }
+    return out;
+  }
+  // Large shards' regions are carved from one anonymous mapping: the
+  // kernel's zero pages, faulted in where they are first written (Init, a
+  // restore and its Prefault), not all here. Zeroing 128 MiB of fresh
+  // memory here took 0.09-0.15 s of a 768 MiB restore's 0.4, before its
+  // reads could start. Each region keeps a control block of its own, so a
+  // hold is still seen by its use count; the mapping goes with the last. A
+  // region a write copied away (PrepareWrite) keeps its pages here until
+  // then: at most one more copy of the params, and only after a slow
+  // reader held a region across a step, which a normal run never does.
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat("cannot map ", bytes, " bytes of host memory"));
+  }
+  madvise(p, bytes, MADV_HUGEPAGE);
+  const std::shared_ptr<void> mapping(p, [bytes](void* q) { munmap(q, bytes); });
+  out.mapped_ = static_cast<char*>(p);
+  out.mapped_bytes_ = bytes;
+  for (uint64_t r = 0; r < regions; ++r) {
+    out.regions_.emplace_back(static_cast<uint16_t*>(p) + r * kRegion, [mapping](uint16_t*) {});
   }
   return out;
+}
+
+void ParamRegions::Prefault(uint64_t offset, uint64_t count) const {
+  if (mapped_ == nullptr || offset >= numel_) return;
+  const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  const uint64_t begin = offset * 2 / page * page;
+  const uint64_t end = std::min<uint64_t>(mapped_bytes_, ((offset + std::min(count, numel_ - offset)) * 2 + page - 1) / page * page);
+  // Regions a write copied away since (PrepareWrite) lie elsewhere; their
+  // old pages here are faulted for nothing, which changes no value.
+  madvise(mapped_ + begin, end - begin, MADV_POPULATE_WRITE);
 }
 
 absl::Status ParamRegions::PrepareWrite(uint64_t offset, uint64_t count) {

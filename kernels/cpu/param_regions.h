@@ -59,13 +59,23 @@ class ParamRegions {
   // owner lives.
   Pieces Hold(uint64_t offset, uint64_t count) const;
   uint64_t bytes() const { return numel_ * 2; }
+  // Makes the pages of [offset, offset + count) resident ahead of writes, as
+  // JobState::Prefault; nothing for small shards, whose regions are touched
+  // already.
+  void Prefault(uint64_t offset, uint64_t count) const;
 
  private:
+  // Shards of at least this many bytes of params have their regions carved
+  // from one mapping (Make).
+  static constexpr uint64_t kMappedBytes = uint64_t{2} << 20;
+
   static absl::StatusOr<std::shared_ptr<uint16_t>> NewRegion();
   uint64_t RegionLength(uint64_t r) const { return std::min(kRegion, numel_ - r * kRegion); }
 
   uint64_t numel_ = 0;
   std::vector<std::shared_ptr<uint16_t>> regions_;
+  char* mapped_ = nullptr;  // the mapping the regions were carved from, if any
+  uint64_t mapped_bytes_ = 0;
 };
 
 }  // namespace shardopt::cpu
