@@ -23,9 +23,9 @@ def _pusher(param):
 
 
 class _OverlapPush:
-    def _claim_params(self):
+    def _check_params_free(self):
         """Refuses, before anything is sent, params that another live
-        RemoteAdamW(overlap=True) pushes; then claims them."""
+        RemoteAdamW(overlap=True) pushes."""
         for collected in (False, True):
             taken = [t for t in self._tensors if _pusher(t.param) is not None]
             if not taken or collected:
@@ -36,11 +36,6 @@ class _OverlapPush:
                                   f"that is still alive (job {_pusher(taken[0].param)._job!r}): its backward "
                                   "hooks would push every gradient to both. Delete that optimizer first (with "
                                   "whatever still refers to it, such as an LR scheduler), or use overlap=False")
-        for key in [k for k, (param, _) in _PUSHED_BY.items() if param() is None]:
-            del _PUSHED_BY[key]  # params gone
-        me = weakref.ref(self)
-        for t in self._tensors:
-            _PUSHED_BY[id(t.param)] = (weakref.ref(t.param), me)
 
     def _set_order(self, order):
         self._order = order
@@ -48,6 +43,13 @@ class _OverlapPush:
         self._position = {k: i for i, k in enumerate(order)}
 
     def _register_ready_hooks(self):
+        # Claimed with the hooks, at the end of construction: one that failed
+        # before (and that a traceback may keep alive) pushes nothing.
+        for key in [k for k, (param, _) in _PUSHED_BY.items() if param() is None]:
+            del _PUSHED_BY[key]  # params gone
+        me = weakref.ref(self)
+        for t in self._tensors:
+            _PUSHED_BY[id(t.param)] = (weakref.ref(t.param), me)
         # torch 1.13 has no post-accumulate-grad hook; a hook on the param's
         # AccumulateGrad node runs right after p.grad is written, on torch 1.x
         # and 2.x alike. The nodes must be kept alive for the hooks to stay.

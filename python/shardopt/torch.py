@@ -226,7 +226,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
         self.last_decision = None  # of the last step(): grad_norm, clip_factor, skip
         self._job = job
         if overlap:
-            self._claim_params()
+            self._check_params_free()
 
         pem = [_read_pem(path) for path in (tls_ca, tls_cert, tls_key)]
         if token is None:
