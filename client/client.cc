@@ -137,8 +137,12 @@ struct Client::Impl {
   // own words ("push step N") would send the trainer the wrong way.
   absl::Status UnlessServerBehind(uint32_t s, uint64_t t, absl::Status st) const {
     if (!absl::IsOutOfRange(st) || !absl::StrContains(st.message(), " is in the future") || t != step + 1) return st;
+    // Without the server's own advice ("; push step N"), which pushing that
+    // step on one server only would follow.
+    absl::string_view said = st.message();
+    said = said.substr(0, said.rfind("; push step "));
     return absl::FailedPreconditionError(absl::StrCat(
-        st.message(), "; this trainer is at step ", step, ", so ", address(s),
+        said, "; this trainer is at step ", step, ", so ", address(s),
         " lost steps (it restarted and restored an older checkpoint, or none, while its peers went on) and the "
         "job's servers disagree; nothing of step ", t, " was applied on it. To go on: stop the trainers, restart "
         "every server of the job on its checkpoint directory so that each restores the same newest complete "

@@ -1,5 +1,9 @@
 #include "client/fanout.h"
 
+#include <string>
+
+#include "absl/strings/match.h"
+
 namespace shardopt::fanout {
 
 thread_local Fanout* current = nullptr;
@@ -44,10 +48,20 @@ void AwaitChannel(grpc::Channel* channel, std::chrono::milliseconds pause) {
 }
 
 absl::Status WithRetryAdvice(absl::Status st, int attempts) {
-  if (!absl::IsUnavailable(st)) return st;
-  return absl::UnavailableError(absl::StrCat(st.message(), " (", attempts, attempts == 1 ? " attempt" : " attempts",
-                                             "; the server is down, unreachable or stopping, or refused the TLS "
-                                             "handshake: this RPC is safe to retry once the server is back)"));
+  const std::string tries = absl::StrCat(" (", attempts, attempts == 1 ? " attempt" : " attempts", "; ");
+  if (absl::IsUnavailable(st)) {
+    return absl::UnavailableError(absl::StrCat(st.message(), tries,
+                                               "the server is down, unreachable or stopping, or refused the TLS "
+                                               "handshake: this RPC is safe to retry once the server is back)"));
+  }
+  // gRPC's own: no answer in time. A server's DEADLINE_EXCEEDED (a
+  // barrier's) says what to do itself.
+  if (absl::IsDeadlineExceeded(st) && absl::EndsWith(st.message(), ": Deadline Exceeded")) {
+    return absl::DeadlineExceededError(absl::StrCat(st.message(), tries,
+                                                    "no answer within the call's deadline: the server may be "
+                                                    "overloaded or hung: this RPC is safe to retry)"));
+  }
+  return st;
 }
 
 }  // namespace shardopt::fanout

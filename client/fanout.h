@@ -71,9 +71,10 @@ class Detached {
 // was back, past every retry of its own.
 void AwaitChannel(grpc::Channel* channel, std::chrono::milliseconds pause);
 
-// An UNAVAILABLE left after `attempts` tries, with what it may mean (the
-// server is down, unreachable or stopping, or the TLS handshake failed) and
-// that retrying the RPC is safe: every RPC of the protocol is.
+// An UNAVAILABLE, or gRPC's own DEADLINE_EXCEEDED, left after `attempts`
+// tries, with what it may mean (the server is down, unreachable, stopping,
+// hung or overloaded, or the TLS handshake failed) and that retrying the RPC
+// is safe: every RPC of the protocol is.
 absl::Status WithRetryAdvice(absl::Status st, int attempts);
 
 // Runs one RPC over `channel` to `address`, retrying: `attempt` builds its

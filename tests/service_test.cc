@@ -1029,6 +1029,31 @@ TEST(ClientRetries, UnavailableIsRetriedUntilTheServerComes) {
 // thread either (they once pinned one each, until a task limit made every
 // new call fail): 300 of them leave the thread count as it was, another job
 // steps meanwhile, and each is answered once its client finishes it.
+// A server that takes the connection and never answers (hung): the last
+// attempt's DEADLINE_EXCEEDED says so and that the call is safe to retry,
+// rather than gRPC's bare "Deadline Exceeded".
+TEST(ClientRetries, AServerThatNeverAnswersIsDeadlineExceededWithAdvice) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(fd, 8), 0);  // the kernel completes connections; nobody reads
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  ClientOptions options;
+  options.servers = {"127.0.0.1:" + std::to_string(ntohs(addr.sin_port))};
+  options.max_attempts = 2;
+  options.rpc_timeout_ms = 300;
+  auto client = Client::Connect(options).value();
+  const absl::Status hung = client->CreateOrAttach(MakeJob("hung", 1, {{"w", 10}})).status();
+  close(fd);
+  EXPECT_EQ(hung.code(), absl::StatusCode::kDeadlineExceeded) << hung;
+  EXPECT_THAT(std::string(hung.message()),
+              AllOf(HasSubstr(options.servers[0]), HasSubstr("(2 attempts;"), HasSubstr("safe to retry")));
+}
+
 TEST_F(ServiceTest, InitStreamsHeldOpenHoldNoServerThread) {
   constexpr int kStreams = 300;
   const JobOptions held = MakeJob("held", 1, {{"w", 64}});
