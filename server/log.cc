@@ -40,15 +40,25 @@ std::shared_ptr<spdlog::logger> MakeLogger(Format format) {
   return logger;
 }
 
-// A text value: bare if it is one plain word, else quoted with " and \ escaped.
+// A text value: bare if it is one plain word, else quoted, with quotes and
+// backslashes escaped, a newline as a space and other control bytes as
+// \xHH: a name that a client chose (a job's) must not write escape
+// sequences to an operator's terminal.
 std::string TextValue(const std::string& v) {
   bool plain = !v.empty();
   for (char c : v) plain = plain && c > ' ' && c != '"' && c != '=' && c != '\\' && c < 127;
   if (plain) return v;
   std::string out = "\"";
   for (char c : v) {
-    if (c == '"' || c == '\\') out += '\\';
-    out += c == '\n' ? ' ' : c;
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '\n') {
+      out += ' ';
+    } else if (u < 0x20 || u == 0x7f) {
+      absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
+    } else {
+      if (c == '"' || c == '\\') out += '\\';
+      out += c;
+    }
   }
   return out + "\"";
 }

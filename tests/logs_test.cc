@@ -219,8 +219,12 @@ TEST_F(LogsTest, RepeatedRefusalsAreRateLimitedAndTextLinesHaveTheirShape) {
   std::this_thread::sleep_for(std::chrono::milliseconds(1100));
   EXPECT_FALSE(conflicting->CreateOrAttach(other).ok());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // A job name a client chose, with a terminal escape and a tab in it.
+  ASSERT_TRUE(Connect(server->address(), "")->CreateOrAttach(OneTensor4k("red\x1b[31m\tjob")).ok());
   server->Stop(SIGTERM);
   const std::string log = server->log();
+  EXPECT_EQ(log.find('\x1b'), std::string::npos) << "a raw escape byte in the log";
+  EXPECT_NE(log.find(R"(job="red\x1b[31m\x09job")"), std::string::npos) << log;
   const std::regex shape(R"(^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (info|warning|error) +[a-z_]+( [a-z_]+=("([^"\\]|\\.)*"|\S+))*$)");
   int refused = 0;
   bool suppressed = false;
