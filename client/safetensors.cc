@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <cstdio>
 #include <fstream>
@@ -80,6 +82,9 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   static std::atomic<uint64_t> counter{0};
   const std::string tmp = replace ? absl::StrCat(path, ".tmp.", getpid(), ".", counter++) : path;
   std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+  if (!out.is_open()) {  // the operating system's reason, from the open
+    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
+  }
   const uint64_t n = json.size();
   char length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<char>(n >> (8 * i));

@@ -211,10 +211,15 @@ int main(int argc, char** argv) {
     if (!in || contents.str().empty()) return Fail(absl::NotFoundError(absl::StrCat(paths[i], " cannot be read")));
     text[i] = contents.str();
   }
+  // The file's token, else the environment's. A file that holds none is a
+  // mistake (an empty Secret), not a wish to call without a token.
+  if (!paths[3].empty() && absl::StripAsciiWhitespace(text[3]).empty()) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(paths[3], " holds no token, only whitespace")));
+  }
   const char* env = std::getenv("SHARDOPT_TOKEN");
-  // The file's token, else the environment's.
-  auto token = shardopt::CleanBearerToken(
-      absl::StripAsciiWhitespace(text[3]).empty() && env != nullptr ? absl::string_view(env) : text[3]);
+  auto token = shardopt::CleanBearerToken(!paths[3].empty() ? absl::string_view(text[3])
+                                          : env != nullptr  ? absl::string_view(env)
+                                                            : absl::string_view());
   if (!token.ok()) return Fail(token.status());
   auto stub = v1::Optimizer::NewStub(grpc::CreateCustomChannel(
       absl::GetFlag(FLAGS_server), shardopt::ChannelCredentialsFor(text[0], text[1], text[2]), channel_args));

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace shardopt {
@@ -65,6 +66,7 @@ TEST_F(SafetensorsTest, AFailedWriteLeavesTheOldFileWhole) {
   const absl::Status st = WriteSafetensors(path_, {{"b", "F32", {2}, std::string(8, '\x05')}}, {});
   for (const std::string& b : blockers) std::filesystem::remove(b);
   EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("Is a directory")) << "the reason the open failed";
   auto read = ReadSafetensors(path_);
   ASSERT_TRUE(read.ok()) << read.status();
   ASSERT_EQ(read->size(), 1u);

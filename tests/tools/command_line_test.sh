@@ -65,6 +65,10 @@ case $case_name in
     run 2 "$cli" --step=x export --checkpoint_dir=/nonexistent JOB out.safetensors && expect err 'step'
     run 2 "$cli" --dtype=fp16 export --checkpoint_dir=/nonexistent JOB out.safetensors && expect err 'fp16'
     run 2 "$cli" export JOB out.safetensors && expect err 'checkpoint_dir'
+    # A token file of whitespace alone (an empty Secret) is refused, not sent
+    # as no token; nothing listens on port 1, so a call would be UNAVAILABLE.
+    printf ' \n' > "$dir/blank-token"
+    run 1 "$cli" --server=127.0.0.1:1 --token_file="$dir/blank-token" describe JOB && expect err 'holds no token'
     ;;
   server_bad_arguments)
     run 2 "$server" --port=abc && expect err 'port'
