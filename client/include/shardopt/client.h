@@ -122,7 +122,8 @@ struct GradView {
 };
 
 // Where a tensor's updated params go: numel elements of its ParamType (bf16
-// bits, or float for kFp32).
+// bits, or float for kFp32). A null `data` (or a tensor left out) is not
+// returned: its params are updated on the servers all the same.
 struct ParamView {
   std::string tensor;
   void* data = nullptr;
@@ -287,6 +288,10 @@ class Client {
   // precision asked for: the remote analogue of refusing a training loop
   // whose optimizer state silently fell to bf16.
   absl::Status VerifyState();
+  // Drops the job on every server, with its state (another client's calls
+  // then get NOT_FOUND "was dropped"). This client is then attached to
+  // nothing: its calls get FAILED_PRECONDITION until CreateOrAttach, which
+  // makes a new job of the name at step 0 (or restores its checkpoint).
   absl::Status Drop();
   // Writes a checkpoint of the job's current step on every server (each
   // server its part, into a --checkpoint_dir they share). Fails with
