@@ -60,7 +60,8 @@ void ParamRegions::Prefault(uint64_t offset, uint64_t count) const {
   if (mapped_ == nullptr || offset >= numel_) return;
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   const uint64_t begin = offset * 2 / page * page;
-  const uint64_t end = std::min<uint64_t>(mapped_bytes_, ((offset + std::min(count, numel_ - offset)) * 2 + page - 1) / page * page);
+  const uint64_t last = offset + std::min(count, numel_ - offset);  // one past the range's last element
+  const uint64_t end = std::min<uint64_t>(mapped_bytes_, (last * 2 + page - 1) / page * page);
   // Regions a write copied away since (PrepareWrite) lie elsewhere; their
   // old pages here are faulted for nothing, which changes no value.
   madvise(mapped_ + begin, end - begin, MADV_POPULATE_WRITE);
