@@ -1,8 +1,10 @@
 #include "client/option_checks.h"
 
 #include <cmath>
+#include <utility>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "rpc/job_limits.h"
 
@@ -18,6 +20,22 @@ absl::Status CheckClientOptions(const ClientOptions& options) {
         return absl::InvalidArgumentError(absl::StrCat("server ", options.servers[i], " is listed twice (", j, " and ",
                                                        i, "); each server holds its own share of a job"));
       }
+    }
+  }
+  return CheckTlsPem(options.tls_root_certs, options.tls_cert_chain, options.tls_private_key);
+}
+
+absl::Status CheckTlsPem(absl::string_view root_certs, absl::string_view cert_chain, absl::string_view private_key) {
+  if (cert_chain.empty() != private_key.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("a client certificate needs its key and a key its certificate (",
+                                                   cert_chain.empty() ? "the key" : "the certificate",
+                                                   " is given alone)"));
+  }
+  const std::pair<absl::string_view, const char*> given[] = {
+      {root_certs, "the CA file"}, {cert_chain, "the client certificate"}, {private_key, "the client key"}};
+  for (const auto& [pem, what] : given) {
+    if (!pem.empty() && !absl::StrContains(pem, "-----BEGIN ")) {
+      return absl::InvalidArgumentError(absl::StrCat(what, " is not PEM text (no '-----BEGIN' line)"));
     }
   }
   return absl::OkStatus();

@@ -14,8 +14,13 @@
 
 namespace shardopt {
 
-// Connect's: each server listed once.
+// Connect's: each server listed once, and CheckTlsPem.
 absl::Status CheckClientOptions(const ClientOptions& options);
+// TLS files as given (empty: not given): a client certificate and its key
+// together or neither, and each one PEM text. Otherwise INVALID_ARGUMENT
+// here, where gRPC would fail every call as UNAVAILABLE, as if the server
+// were down.
+absl::Status CheckTlsPem(absl::string_view root_certs, absl::string_view cert_chain, absl::string_view private_key);
 // A bearer token as a file or the environment gives it: without the
 // surrounding whitespace (a file's trailing newline, which a Secret mounted
 // as an environment variable keeps). Any other byte outside printable ASCII

@@ -211,6 +211,7 @@ int main(int argc, char** argv) {
     if (!in || contents.str().empty()) return Fail(absl::NotFoundError(absl::StrCat(paths[i], " cannot be read")));
     text[i] = contents.str();
   }
+  if (absl::Status tls = shardopt::CheckTlsPem(text[0], text[1], text[2]); !tls.ok()) return Fail(tls);
   // The file's token, else the environment's. A file that holds none is a
   // mistake (an empty Secret), not a wish to call without a token.
   if (!paths[3].empty() && absl::StripAsciiWhitespace(text[3]).empty()) {

@@ -243,6 +243,32 @@ TEST(ClientChecksTest, ATokenLosesItsSurroundingWhitespaceAndOtherControlBytesAr
   EXPECT_EQ(Client::Connect(options).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// TLS files a client could not use are refused at Connect, where gRPC would
+// fail every call as UNAVAILABLE, as if the server were down.
+TEST(ClientChecksTest, ACertificateWithoutItsKeyOrTextThatIsNotPemIsRefusedAtConnect) {
+  const std::string pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+  struct Case {
+    std::string ca, cert, key, says;
+  } cases[] = {
+      {"", pem, "", "the certificate is given alone"},
+      {pem, "", "-----BEGIN PRIVATE KEY-----\n", "the key is given alone"},
+      {"not a certificate", "", "", "the CA file is not PEM text"},
+      {pem, "garbage", "garbage", "the client certificate is not PEM text"},
+  };
+  for (const Case& c : cases) {
+    ClientOptions options;
+    options.servers = {"127.0.0.1:1"};
+    options.tls_root_certs = c.ca;
+    options.tls_cert_chain = c.cert;
+    options.tls_private_key = c.key;
+    const auto client = Client::Connect(options);
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << c.says << ": " << client.status();
+    EXPECT_THAT(std::string(client.status().message()), ::testing::HasSubstr(c.says));
+  }
+  EXPECT_TRUE(CheckTlsPem(pem, pem, "-----BEGIN PRIVATE KEY-----\n").ok());
+  EXPECT_TRUE(CheckTlsPem("", "", "").ok());
+}
+
 TEST(ClientChecksTest, AServerListedTwiceIsRefusedAtConnect) {
   ClientOptions options;
   options.servers = {"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:1"};

@@ -164,10 +164,13 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
             lets the client choose from world_size (4 MiB for one or two
             ranks down to 256 KiB from 32 on: each costs every server about
             a message's worth of buffer per rank).
-        tls_ca, tls_cert, tls_key: paths of PEM files. ``tls_ca`` (the CA
-            that signed the servers' certificates) turns TLS on;
-            ``tls_cert`` and ``tls_key`` are this trainer's certificate and
-            key, for servers started with --tls_client_ca (mutual TLS).
+        tls_ca, tls_cert, tls_key: paths of PEM files; any of them turns
+            TLS on. ``tls_ca`` is the CA that signed the servers'
+            certificates (without it, the system's roots); ``tls_cert`` and
+            ``tls_key`` are this trainer's certificate and key, given
+            together, for servers started with --tls_client_ca (mutual TLS).
+            A file that is not PEM text, or one of the pair alone, raises
+            InvalidArgument before anything connects.
         token: the bearer token for servers started with --tokens_file;
             None reads the environment variable SHARDOPT_TOKEN (unset: no
             token). Give servers TLS too, or the token crosses in the clear.

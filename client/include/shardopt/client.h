@@ -101,9 +101,11 @@ struct ClientOptions {
   // If that checkpoint fails, Step returns its error although the step itself
   // is done (step() says so); Checkpoint() may be called again.
   uint64_t checkpoint_every = 0;
-  // TLS, as PEM text: the CA that signed the servers' certificates (set it
-  // to use TLS), and this client's certificate chain and key for servers that
-  // ask for one (mutual TLS). All empty: plaintext.
+  // TLS, as PEM text: the CA that signed the servers' certificates (empty:
+  // the system's roots), and this client's certificate chain and key, both
+  // or neither, for servers that ask for one (mutual TLS). Any of them set
+  // turns TLS on; all empty: plaintext. Connect refuses text that is not
+  // PEM, and a certificate or key alone, with INVALID_ARGUMENT.
   std::string tls_root_certs;
   std::string tls_cert_chain;
   std::string tls_private_key;
