@@ -46,6 +46,13 @@ constexpr size_t kConnections = 64;
 std::string Answer(const std::string& head, const metrics::Registry& registry) {
   const bool get = absl::StartsWith(head, "GET /metrics ") || absl::StartsWith(head, "GET /metrics?");
   if (!get && !absl::StartsWith(head, "HEAD /metrics ") && !absl::StartsWith(head, "HEAD /metrics?")) {
+    // Another method on the metrics path is the wrong method, not a path
+    // that is not there.
+    const size_t space = head.find(' ');
+    const absl::string_view target = space == std::string::npos ? "" : absl::string_view(head).substr(space + 1);
+    if (absl::StartsWith(target, "/metrics ") || absl::StartsWith(target, "/metrics?")) {
+      return "HTTP/1.1 405 Method Not Allowed\r\nAllow: GET, HEAD\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+    }
     return "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
   }
   const std::string body = registry.Render();

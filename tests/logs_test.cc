@@ -126,6 +126,17 @@ TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherConnectionsSendNothing) {
   const std::string answer(buf, static_cast<size_t>(n));
   EXPECT_THAT(answer, ::testing::StartsWith("HTTP/1.1 200 OK\r\n"));
   EXPECT_EQ(answer.substr(answer.find("\r\n\r\n") + 4), "");
+  // Another method on the path is 405 with what is allowed; another path 404.
+  for (const auto& [request, status] : {std::pair<std::string, std::string>{"POST /metrics HTTP/1.1\r\n\r\n", "405"},
+                                        {"GET /other HTTP/1.1\r\n\r\n", "404"}}) {
+    ASSERT_EQ(send(idle[1 + (status == "404")], request.data(), request.size(), 0),
+              static_cast<ssize_t>(request.size()));
+    const ssize_t got = recv(idle[1 + (status == "404")], buf, sizeof buf, MSG_WAITALL);
+    ASSERT_GT(got, 0);
+    const std::string reply(buf, static_cast<size_t>(got));
+    EXPECT_THAT(reply, ::testing::StartsWith("HTTP/1.1 " + status + " ")) << request;
+    if (status == "405") EXPECT_THAT(reply, ::testing::HasSubstr("\r\nAllow: GET, HEAD\r\n"));
+  }
   for (int fd : idle) close(fd);
 }
 
