@@ -13,7 +13,7 @@ for _ in $(seq 200); do
   sleep 0.05
 done
 [[ -s "$dir/port" ]] || { echo "demo: server did not start" >&2; cat "$dir/server.log" >&2; exit 1; }
-echo "demo: shardopt-server on 127.0.0.1:$(cat "$dir/port") ($(grep -o 'device .*' "$dir/server.log" | head -1))"
+echo "demo: shardopt-server on 127.0.0.1:$(cat "$dir/port") ($(grep -o 'device="[^"]*"' "$dir/server.log" | head -1))"
 "$build/examples/demo_trainer" --server="127.0.0.1:$(cat "$dir/port")" --csv=demo_curves.csv
 # The PyTorch demo against the same server: shardopt.torch.RemoteAdamW against
 # torch.optim.AdamW on bf16 params (Debian's torch is in /usr/bin/python3).
