@@ -78,6 +78,21 @@ std::unique_ptr<v1::Optimizer::Stub> RawStub(const std::string& address, int loo
   return v1::Optimizer::NewStub(grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
 }
 
+// A push stream of `chunks`, ended by the client; the server's answer, or
+// DEADLINE_EXCEEDED once `deadline` passes (a trainer that gave up waiting).
+grpc::Status PushChunks(v1::Optimizer::Stub& stub, const std::vector<v1::GradChunk>& chunks,
+                        std::chrono::milliseconds deadline = std::chrono::seconds(20)) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + deadline);
+  v1::PushResponse resp;
+  auto w = stub.Push(&ctx, &resp);
+  for (const v1::GradChunk& c : chunks) {
+    if (!w->Write(c)) break;
+  }
+  w->WritesDone();
+  return w->Finish();
+}
+
 // A job's whole state, as a client reads it back.
 std::vector<float> ReadAll(Client& c, const JobOptions& job) {
   std::vector<float> out;
@@ -620,16 +635,7 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
   auto stub = RawStub(server_->address());
   auto g = RandomBf16(rng_, 3000, 1.0f);
 
-  auto push = [&](std::vector<v1::GradChunk> chunks) {
-    grpc::ClientContext ctx;
-    v1::PushResponse resp;
-    auto w = stub->Push(&ctx, &resp);
-    for (auto& c : chunks) {
-      if (!w->Write(c)) break;
-    }
-    w->WritesDone();
-    return w->Finish();
-  };
+  auto push = [&](const std::vector<v1::GradChunk>& chunks) { return PushChunks(*stub, chunks); };
   auto chunk = [&](uint64_t step, uint32_t rank, const std::string& tensor, uint64_t offset, size_t bytes) {
     v1::GradChunk c;
     c.set_job("bad");
@@ -756,11 +762,6 @@ TEST_F(ServiceTest, AnAttachingTrainerLearnsThatItsRanksPushOfTheNextStepStandsU
   // next push would open a fresh round.
   const auto start = std::chrono::steady_clock::now();
   {
-    auto stub = RawStub(server_->address());
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
-    v1::PushResponse resp;
-    auto w = stub->Push(&ctx, &resp);
     v1::GradChunk c;
     c.set_job("ahead");
     c.set_step(1);
@@ -768,9 +769,8 @@ TEST_F(ServiceTest, AnAttachingTrainerLearnsThatItsRanksPushOfTheNextStepStandsU
     c.set_tensor("w");
     c.set_dtype(v1::BF16);
     c.set_data(std::string(reinterpret_cast<const char*>(g.data()), g.size() * 2));
-    ASSERT_TRUE(w->Write(c));
-    w->WritesDone();
-    EXPECT_EQ(w->Finish().error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_EQ(PushChunks(*RawStub(server_->address()), {c}, std::chrono::milliseconds(300)).error_code(),
+              grpc::StatusCode::DEADLINE_EXCEEDED);
   }
   auto orphaned = Connect(server_->address(), 1);
   ASSERT_TRUE(orphaned->CreateOrAttach(job).ok());
