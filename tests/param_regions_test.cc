@@ -41,7 +41,8 @@ TEST_P(ParamRegionsTest, ZeroWhenMadePrefaultKeepsValuesAndAHeldRegionKeepsItsBy
   std::vector<uint16_t> first(numel), second(numel);
   for (auto& x : first) x = static_cast<uint16_t>(rng());
   for (auto& x : second) x = static_cast<uint16_t>(rng());
-  params.Prefault(0, numel / 2);  // before a write: nothing changes
+  params.Prefault(0, numel / 2);  // before a write: the params stay zero
+  EXPECT_EQ(ReadAll(params, numel), std::vector<uint16_t>(numel, 0));
   WriteAll(params, 0, first);
   params.Prefault(0, numel);  // after it: nothing changes either
   ASSERT_EQ(ReadAll(params, numel), first);
