@@ -85,8 +85,8 @@ template <typename Attempt>
 absl::Status Call(grpc::Channel* channel, const std::string& address, const std::string& token, int max_attempts,
                   uint32_t timeout_ms, const Attempt& attempt) {
   grpc::Status st;
-  int a = 0;
-  for (; a < std::max(1, max_attempts); ++a) {
+  int attempts = 0;
+  for (int a = 0; a < std::max(1, max_attempts); ++a) {
     // A first attempt on a channel that failed to connect waits a little
     // for it, so that a caller's own loop of single attempts finds the
     // server too.
@@ -101,13 +101,13 @@ absl::Status Call(grpc::Channel* channel, const std::string& address, const std:
       return absl::CancelledError(absl::StrCat(address, ": another server's call failed"));
     }
     st = attempt(&ctx);
+    ++attempts;
     if (current != nullptr) current->Unregister(&ctx);
     if (st.error_code() != grpc::StatusCode::UNAVAILABLE && st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
-      ++a;
       break;
     }
   }
-  return WithRetryAdvice(FromGrpcStatus(st, address), a);
+  return WithRetryAdvice(FromGrpcStatus(st, address), attempts);
 }
 
 // Cancels the calling thread's fan-out, if it is in one and `st` is an
