@@ -67,10 +67,10 @@ void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobRespons
   // back (RunningSum::Withdraw), only what is finished or summed already,
   // and only before the deadline: a round past it ends at the next push
   // (every trainer of the job died), and that push is the new trainer's.
+  // NormalizeJobSpec refused a rank past the world size.
   const Job::Round& r = job.round;
   response->set_rank_pushed(r.active && !r.sealed && std::chrono::steady_clock::now() < r.deadline &&
-                            r.sum != nullptr && rank < job.world_size() &&
-                            (r.sum->finished(rank) || r.sum->folded(rank)));
+                            r.sum != nullptr && (r.sum->finished(rank) || r.sum->folded(rank)));
 }
 
 absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobRequest& request) {
