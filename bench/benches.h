@@ -26,6 +26,7 @@ struct E2eArgs {
   uint64_t threads = 0;  // each server's CPU threads; 0: one per core
   uint64_t servers = 0;  // 1 to 64
   uint64_t workers = 0;  // 1 to 64
+  int cuda_device = -1;  // every server's backend: -1 the CPU, else this CUDA device
 };
 absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args);
 

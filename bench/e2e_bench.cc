@@ -13,7 +13,7 @@
 #include "bench/benches.h"
 #include "bench/common.h"
 #include "bench/echo.h"
-#include "kernels/cpu/cpu_backend.h"
+#include "server/device.h"
 #include "server/job_store.h"
 #include "server/service.h"
 #include "shardopt/client.h"
@@ -36,15 +36,16 @@ absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args) {
   // S servers and W worker clients, all in this process: one step is every
   // worker pushing the whole model (split over the servers) and reading it
   // back, as in plain parameter-server aggregation.
-  CpuBackendOptions backend_options;
-  backend_options.threads = static_cast<int>(args.threads);
+  const std::string device = args.cuda_device < 0 ? "cpu" : absl::StrCat("cuda:", args.cuda_device);
   std::vector<std::unique_ptr<Backend>> backends;
   std::vector<std::unique_ptr<JobStore>> stores;
   std::vector<std::unique_ptr<RunningServer>> running;
   ClientOptions client_options;
   if (args.chunk_bytes > 0) client_options.chunk_bytes = args.chunk_bytes;  // else the client's choice
   for (uint64_t s = 0; s < args.servers; ++s) {
-    backends.push_back(MakeCpuBackend(backend_options));
+    auto backend = MakeBackend(device, static_cast<int>(args.threads));
+    if (!backend.ok()) return backend.status();
+    backends.push_back(*std::move(backend));
     stores.push_back(std::make_unique<JobStore>(backends.back().get()));
     ServerOptions server_options;
     server_options.address = "127.0.0.1:0";
@@ -148,7 +149,7 @@ absl::StatusOr<nlohmann::json> E2eBench(const E2eArgs& args) {
   // The step's ceiling on one machine whose cores both move the bytes and
   // run the update: the echo of the same bytes, then the kernel over the
   // same elements (each worker's bytes, every server's update).
-  auto kernel = KernelBench({args.params, args.threads, -1, std::max<uint64_t>(args.steps, 3)});
+  auto kernel = KernelBench({args.params, args.threads, args.cuda_device, std::max<uint64_t>(args.steps, 3)});
   if (!kernel.ok()) return kernel.status();
   const double kernel_seconds = (*kernel)["update_seconds"].get<double>();
   const double ceiling = echo_seconds * static_cast<double>(args.workers) + kernel_seconds;

@@ -29,6 +29,7 @@ absl::StatusOr<nlohmann::json> CudaKernelBench(int device, uint64_t elements, ui
       {"device", absl::StrCat("cuda:", device)},
       {"elements", elements},
       {"iterations", iterations},
+      {"update_seconds", static_cast<double>(elements) / r->elements_per_second},
       {"bytes_per_element", r->bytes_per_element},
       {"elements_per_second", r->elements_per_second},
       {"bytes_per_second", r->elements_per_second * r->bytes_per_element},

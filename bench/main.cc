@@ -25,7 +25,7 @@ using shardopt::bench::Count;
 ABSL_FLAG(std::optional<Count>, elements, std::nullopt,
           "kernel: elements updated (default 2^26); checkpoint: elements of the job's one tensor (default 2^23)");
 ABSL_FLAG(std::optional<Count>, threads, std::nullopt, "kernel, e2e: CPU backend threads (default 0: one per core)");
-ABSL_FLAG(std::optional<std::string>, device, std::nullopt, "kernel: cpu, cuda or cuda:N (default cpu)");
+ABSL_FLAG(std::optional<std::string>, device, std::nullopt, "kernel, e2e: cpu, cuda or cuda:N (default cpu)");
 ABSL_FLAG(std::optional<Count>, iterations, std::nullopt, "kernel: timed runs, the best one kept (default 30)");
 ABSL_FLAG(std::optional<Count>, params, std::nullopt, "e2e: the model's params (default 64M)");
 ABSL_FLAG(std::optional<Count>, tensors, std::nullopt, "e2e: tensors the params are split into (default 1)");
@@ -52,7 +52,7 @@ constexpr char kUsage[] =
     "usage:\n"
     "  shardopt-bench kernel [--elements=N] [--threads=N] [--device=cpu|cuda|cuda:N] [--iterations=N]\n"
     "  shardopt-bench e2e [--params=N] [--tensors=N] [--steps=N] [--chunk_bytes=N] [--threads=N] [--servers=N]\n"
-    "                     [--workers=N]\n"
+    "                     [--workers=N] [--device=cpu|cuda|cuda:N]\n"
     "  shardopt-bench checkpoint [--elements=N] [--dir=DIR] [--reps=N]\n"
     "  shardopt-bench abuse [--seconds=N] [--memory_limit=N] [--server_binary=PATH]\n"
     "A count N is digits with an optional K, M or G (binary), or 2^k: 1000, 64M, 2^26.";
@@ -89,6 +89,22 @@ void CheckFlagsOf(const std::string& command, const std::vector<std::string>& ta
   }
 }
 
+// --device as a CUDA device's index, or -1 for the CPU (the default).
+int CudaDeviceFlag() {
+  const std::string device = absl::GetFlag(FLAGS_device).value_or("cpu");
+  int cuda_device = -1;
+  absl::string_view index = device;
+  if (device == "cuda") {
+    cuda_device = 0;
+  } else if (absl::ConsumePrefix(&index, "cuda:")) {
+    if (!absl::SimpleAtoi(index, &cuda_device) || cuda_device < 0) cuda_device = -1;
+  }
+  if (device != "cpu" && cuda_device < 0) {
+    shardopt::UsageError(absl::StrCat("--device must be cpu, cuda or cuda:N, got '", device, "'"));
+  }
+  return cuda_device;
+}
+
 absl::StatusOr<nlohmann::json> Kernel() {
   CheckFlagsOf("kernel", {"elements", "threads", "device", "iterations"});
   bench::KernelArgs args;
@@ -97,21 +113,12 @@ absl::StatusOr<nlohmann::json> Kernel() {
   args.iterations = Get(FLAGS_iterations, 30);
   if (args.elements == 0) shardopt::UsageError("--elements must be at least 1");
   if (args.iterations == 0) shardopt::UsageError("--iterations must be at least 1");
-  const std::string device = absl::GetFlag(FLAGS_device).value_or("cpu");
-  absl::string_view index = device;
-  if (device == "cuda") {
-    args.cuda_device = 0;
-  } else if (absl::ConsumePrefix(&index, "cuda:")) {
-    if (!absl::SimpleAtoi(index, &args.cuda_device) || args.cuda_device < 0) args.cuda_device = -1;
-  }
-  if (device != "cpu" && args.cuda_device < 0) {
-    shardopt::UsageError(absl::StrCat("--device must be cpu, cuda or cuda:N, got '", device, "'"));
-  }
+  args.cuda_device = CudaDeviceFlag();
   return bench::KernelBench(args);
 }
 
 absl::StatusOr<nlohmann::json> E2e() {
-  CheckFlagsOf("e2e", {"params", "tensors", "steps", "chunk_bytes", "threads", "servers", "workers"});
+  CheckFlagsOf("e2e", {"params", "tensors", "steps", "chunk_bytes", "threads", "servers", "workers", "device"});
   bench::E2eArgs args;
   args.params = Get(FLAGS_params, uint64_t{64} << 20);
   args.tensors = Get(FLAGS_tensors, 1);
@@ -120,6 +127,7 @@ absl::StatusOr<nlohmann::json> E2e() {
   args.threads = Get(FLAGS_threads, 0);
   args.servers = Get(FLAGS_servers, 1);
   args.workers = Get(FLAGS_workers, 1);
+  args.cuda_device = CudaDeviceFlag();
   if (args.servers == 0 || args.servers > 64 || args.workers == 0 || args.workers > 64) {
     shardopt::UsageError("need 1 <= --servers, --workers <= 64");
   }

@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # The one command run on a GPU machine (docs/design.md, section 12, "Where
 # there is no GPU").
-# That machine has CUDA and PyTorch but no GoogleTest, absl or network, so the
-# binaries come prebuilt in device-bundle/ (tests/gpu/make_bundle.sh, run on a
-# development machine). Runs the GPU tests, the kernel benchmark against copy
-# bandwidth and, where torch with CUDA is present, torch's fused AdamW for
-# comparison, each under a time limit and all within DEVICE_CHECK_SECONDS
-# (270: under 5 minutes with the summary), and writes into $OUT (or
-# ./device-out):
-#   cuda_parity_test.json cuda_sticky_error_test.json cuda_availability_test.json cuda_resume_test.json
-#   nccl_collective_test.json (the node group's NCCL collective, one rank per GPU)
-#   kernel_bench.json torch_fused_adamw.json summary.json
-# Prints one JSON line, the summary's gist. Exits 0 when every step passed.
+# That machine has CUDA and PyTorch but no gRPC, GoogleTest, absl or network,
+# so the binaries come prebuilt in device-bundle/ (tests/gpu/make_bundle.sh,
+# run on a development machine). Runs, each under a time limit and all within
+# DEVICE_CHECK_SECONDS (360: about 6 minutes with the summary):
+#   - the GPU tests: CUDA parity, sticky error, resume, availability, and the
+#     node group's NCCL collective (one rank per GPU);
+#   - the integration tests service_test, durability_test and crash_test
+#     against real shardopt-server processes on --device=cuda
+#     (SHARDOPT_TEST_DEVICE), which compare the served bits with the
+#     reference and with uninterrupted runs;
+#   - the kernel benchmark against copy bandwidth and, where torch with CUDA
+#     is present, torch's fused AdamW for comparison;
+#   - shardopt-bench e2e, whole steps through an in-process server on the
+#     CPU (this machine's cores) and on the GPU.
+# Writes into $OUT (or ./device-out) kernel_bench.json, torch_fused_adamw.json,
+# e2e_cpu.json, e2e_cuda.json and summary.json (every step and every test's
+# result, with the failures' messages). Prints one JSON line, the summary's
+# gist. Exits 0 when every step passed.
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -19,7 +26,7 @@ root=$(cd "$here/../.." && pwd)
 bundle=${SHARDOPT_BUNDLE:-$root/device-bundle}
 out=${OUT:-./device-out}
 elements=${KERNEL_BENCH_ELEMENTS:-268435456}  # 2^28
-budget=${DEVICE_CHECK_SECONDS:-270}
+budget=${DEVICE_CHECK_SECONDS:-360}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 logs=$(mktemp -d)
@@ -78,15 +85,34 @@ if [[ -x $bundle/bin/cuda_availability_test ]]; then
 fi
 
 if [[ $launch_mode != none ]]; then
+  mkdir -p "$logs/gtest"
   for t in cuda_availability_test cuda_parity_test cuda_sticky_error_test cuda_resume_test nccl_collective_test; do
     case $t in
       cuda_parity_test) limit=120 ;;
       nccl_collective_test) limit=30 ;;
       *) limit=20 ;;
     esac
-    step "$t" "$limit" "${launch[@]}" "$bundle/bin/$t" --gtest_output="json:$out/$t.json"
+    step "$t" "$limit" "${launch[@]}" "$bundle/bin/$t" --gtest_output="json:$logs/gtest/$t.json"
   done
+  # The integration tests start their servers through this wrapper, in the
+  # same launch mode, on the GPU. The export test is left out: it runs the
+  # CLI and a torch reader from the development machine's paths.
+  printf '#!/usr/bin/env bash\nexec %s "$@"\n' "$(printf '%q ' "${launch[@]}" "$bundle/bin/shardopt-server")" \
+    >"$logs/shardopt-server"
+  chmod +x "$logs/shardopt-server"
+  on_gpu=(env SHARDOPT_TEST_DEVICE=cuda SHARDOPT_TEST_SERVER_BINARY="$logs/shardopt-server")
+  step service_test_on_cuda 120 "${on_gpu[@]}" "${launch[@]}" "$bundle/bin/service_test" \
+    --gtest_output="json:$logs/gtest/service_test_on_cuda.json"
+  step durability_test_on_cuda 60 "${on_gpu[@]}" "${launch[@]}" "$bundle/bin/durability_test" \
+    --gtest_filter=-DurabilityTest.ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFromThem \
+    --gtest_output="json:$logs/gtest/durability_test_on_cuda.json"
+  step crash_test_on_cuda 60 "${on_gpu[@]}" "${launch[@]}" "$bundle/bin/crash_test" \
+    --gtest_output="json:$logs/gtest/crash_test_on_cuda.json"
   step kernel_bench 40 "${launch[@]}" "$bundle/bin/cuda_kernel_bench" --elements="$elements" --iterations=20
+  # Issue 11's step against its ceilings, 64M params as on the development
+  # machine: here the update has 16 cores, or the GPU, beside the transport.
+  step e2e_cpu 60 "${launch[@]}" "$bundle/bin/shardopt-bench" e2e --params=67108864 --steps=5
+  step e2e_cuda 60 "${launch[@]}" "$bundle/bin/shardopt-bench" e2e --params=67108864 --steps=5 --device=cuda
 fi
 # torch runs with this machine's own libraries, never the bundle's. It exits
 # 3 where there is no torch with CUDA, which the summary reports as absent.

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Writes device_check.sh's summary.json (and kernel_bench.json) from its step
-logs, and prints its gist as one JSON line: each step's exit code, the
-kernel's and torch's fused AdamW speed against copy bandwidth. Exits 0 when
-every step passed; torch's benchmark may instead be absent (exit 3: no torch
-with CUDA on the machine)."""
+"""Writes device_check.sh's summary.json (and kernel_bench.json, e2e_cpu.json,
+e2e_cuda.json) from its step logs, and prints its gist as one JSON line: each
+step's exit code, the tests that failed or skipped, the kernel's and torch's
+fused AdamW speed against copy bandwidth, and the e2e steps against their
+ceilings. Exits 0 when every step passed; torch's benchmark may instead be
+absent (exit 3: no torch with CUDA on the machine)."""
 import argparse
 import json
 import os
@@ -35,6 +36,30 @@ def speed(result):
     return {k: result[k] for k in keys if k in result}
 
 
+BENCHES = ("kernel_bench", "e2e_cpu", "e2e_cuda")
+E2E_KEYS = ("device", "step_seconds", "echo_seconds", "kernel_seconds", "fraction_of_echo",
+            "fraction_of_serial_ceiling", "fraction_of_sequential_ceiling", "server_phases_seconds", "error")
+
+
+def gtest_results(folder):
+    """Each test binary's counts, and every test that did not pass with why."""
+    results = {}
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        report = load(os.path.join(folder, name))
+        if not report:
+            continue
+        not_passed = []
+        for suite in report.get("testsuites", []):
+            for test in suite.get("testsuite", []):
+                failures = [f.get("failure", "")[:1500] for f in test.get("failures", [])]
+                if failures or test.get("result") == "SKIPPED":
+                    not_passed.append({"test": f"{suite['name']}.{test['name']}", "result": test.get("result"),
+                                       "failures": failures})
+        results[name.removesuffix(".json")] = {"tests": report.get("tests"), "failures": report.get("failures"),
+                                                "not_passed": not_passed}
+    return results
+
+
 def command(*argv):
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout.strip()
@@ -63,15 +88,15 @@ def main():
                               "stdout_tail": tail(os.path.join(args.logs, name + ".stdout")),
                               "stderr_tail": tail(os.path.join(args.logs, name + ".stderr"))})
 
-    # The benchmark prints one JSON object; anything else becomes an error record.
-    bench = next((s for s in steps if s["name"] == "kernel_bench"), None)
-    if bench is not None:
+    # Each benchmark prints one JSON object; anything else becomes an error record.
+    for bench in (s for s in steps if s["name"] in BENCHES):
         try:
             result = json.loads(bench["stdout_tail"].strip().splitlines()[-1])
         except (ValueError, IndexError):
-            result = {"error": "no JSON from cuda_kernel_bench", "rc": bench["rc"], "stderr": bench["stderr_tail"]}
-        with open(os.path.join(args.out, "kernel_bench.json"), "w") as f:
+            result = {"error": f"no JSON from {bench['name']}", "rc": bench["rc"], "stderr": bench["stderr_tail"]}
+        with open(os.path.join(args.out, bench["name"] + ".json"), "w") as f:
             json.dump(result, f, indent=1)
+    tests = gtest_results(os.path.join(args.logs, "gtest"))
 
     manifest = {}
     try:
@@ -87,6 +112,11 @@ def main():
     ok = args.launch_mode != "none" and bool(steps) and all(s["rc"] == 0 or absent(s) for s in steps)
     kernel = speed(load(os.path.join(args.out, "kernel_bench.json")))
     torch = speed(load(os.path.join(args.out, "torch_fused_adamw.json")))
+    e2e = {}
+    for name in ("e2e_cpu", "e2e_cuda"):
+        result = load(os.path.join(args.out, name + ".json"))
+        if result:
+            e2e[name] = {k: result[k] for k in E2E_KEYS if k in result}
     if kernel and torch and "elements_per_second" in kernel and "elements_per_second" in torch:
         kernel["vs_torch_fused_adamw"] = round(kernel["elements_per_second"] / torch["elements_per_second"], 3)
     summary = {
@@ -103,13 +133,19 @@ def main():
         },
         "kernel": kernel,
         "torch_fused_adamw": "absent" if torch_absent else torch,
+        "e2e": e2e,
+        "tests": tests,
         "steps": steps,
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     print(json.dumps({"ok": ok, "seconds": args.seconds, "launch_mode": args.launch_mode,
                       "steps": {s["name"]: s["rc"] for s in steps},
-                      "kernel": kernel, "torch_fused_adamw": summary["torch_fused_adamw"]}))
+                      "not_passed": {k: [t["test"] for t in v["not_passed"]] for k, v in tests.items() if v["not_passed"]},
+                      "kernel": kernel, "torch_fused_adamw": summary["torch_fused_adamw"],
+                      "e2e": {k: {f: v.get(f) for f in ("device", "step_seconds", "fraction_of_echo",
+                                                       "fraction_of_serial_ceiling", "error")}
+                              for k, v in e2e.items()}}))
     return 0 if ok else 1
 
 

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds what tests/gpu/device_check.sh runs on a GPU machine, which has CUDA
-# and PyTorch but no GoogleTest, absl or network: the GPU test binaries and
-# the kernel benchmark, with CUDA linked statically, and next to them every
-# shared library they need that is not the C library or the driver's.
+# and PyTorch but no gRPC, GoogleTest, absl or network: the GPU test binaries,
+# the kernel benchmark, and the server with the integration tests and
+# shardopt-bench that run it on the GPU end to end, with CUDA linked
+# statically, and next to them every shared library they need that is not the
+# C library or the driver's.
 #
 #   tests/gpu/make_bundle.sh        # -> device-bundle/{bin,lib,manifest.json}
 #
@@ -12,15 +14,18 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 build=${BUILD_DIR:-$root/build-cuda}
 bundle=$root/device-bundle
-targets=(cuda_parity_test cuda_sticky_error_test cuda_resume_test cuda_availability_test nccl_collective_test cuda_kernel_bench)
+# Each target with its place in the build tree.
+binaries=(tests/gpu/cuda_parity_test tests/gpu/cuda_sticky_error_test tests/gpu/cuda_resume_test
+  tests/gpu/cuda_availability_test tests/gpu/nccl_collective_test tests/gpu/cuda_kernel_bench
+  server/shardopt-server bench/shardopt-bench tests/service_test tests/durability_test tests/crash_test)
 
-cmake -S "$root" -B "$build" -G Ninja -DSHARDOPT_CUDA=ON -DSHARDOPT_BUILD_BENCH=OFF >/dev/null
-ninja -C "$build" -j "${JOBS:-2}" "${targets[@]}"
+cmake -S "$root" -B "$build" -G Ninja -DSHARDOPT_CUDA=ON -DSHARDOPT_BUILD_BENCH=ON >/dev/null
+ninja -C "$build" -j "${JOBS:-2}" "${binaries[@]##*/}"
 
 rm -rf "$bundle"
 mkdir -p "$bundle/bin" "$bundle/lib"
-for t in "${targets[@]}"; do
-  cp "$build/tests/gpu/$t" "$bundle/bin/"
+for b in "${binaries[@]}"; do
+  cp "$build/$b" "$bundle/bin/"
 done
 
 if ldd "$bundle"/bin/* | grep -q "not found"; then

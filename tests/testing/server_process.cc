@@ -112,6 +112,16 @@ std::optional<int> WaitProcess(pid_t pid, std::chrono::milliseconds timeout) {
   }
 }
 
+std::string ServerBinary() {
+  const char* binary = std::getenv("SHARDOPT_TEST_SERVER_BINARY");
+  return binary != nullptr && *binary != '\0' ? binary : SHARDOPT_SERVER_BINARY;
+}
+
+std::string ServerDevice() {
+  const char* device = std::getenv("SHARDOPT_TEST_DEVICE");
+  return device != nullptr && *device != '\0' ? device : "cpu";
+}
+
 std::unique_ptr<ServerProcess> ServerProcess::Start(const std::vector<std::string>& args) {
   return Launch(args, false);
 }
@@ -129,8 +139,8 @@ std::unique_ptr<ServerProcess> ServerProcess::Launch(const std::vector<std::stri
   if (logged) proc->log_path_ = proc->dir_ + "/server.log";
   const std::string port_file = proc->dir_ + "/port";
   // Later flags win, so `args` may override the port.
-  std::vector<std::string> argv_s = {SHARDOPT_SERVER_BINARY, "--host=127.0.0.1", "--port=0",
-                                     "--port_file=" + port_file, "--device=cpu"};
+  std::vector<std::string> argv_s = {ServerBinary(), "--host=127.0.0.1", "--port=0", "--port_file=" + port_file,
+                                     "--device=" + ServerDevice()};
   argv_s.insert(argv_s.end(), args.begin(), args.end());
   proc->pid_ = SpawnProcess(argv_s, proc->log_path_);
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
@@ -150,7 +160,7 @@ std::unique_ptr<ServerProcess> ServerProcess::Launch(const std::vector<std::stri
 }
 
 int ServerExitCode(const std::vector<std::string>& args, std::string* log) {
-  std::vector<std::string> argv = {SHARDOPT_SERVER_BINARY, "--host=127.0.0.1", "--port=0", "--device=cpu"};
+  std::vector<std::string> argv = {ServerBinary(), "--host=127.0.0.1", "--port=0", "--device=" + ServerDevice()};
   argv.insert(argv.end(), args.begin(), args.end());
   char tmpl[] = "/tmp/shardopt-exit-XXXXXX";
   const std::string log_path = log == nullptr ? "" : std::string(mkdtemp(tmpl)) + "/stderr";

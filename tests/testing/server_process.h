@@ -35,7 +35,14 @@ pid_t SpawnProcess(std::vector<std::string> argv, const std::string& stderr_path
 // The child's wait status once it has exited, or nullopt after `timeout`.
 std::optional<int> WaitProcess(pid_t pid, std::chrono::milliseconds timeout);
 
-// The exit code of shardopt-server run on loopback with --device=cpu and then
+// The server these tests start: shardopt-server from this build and
+// --device=cpu, unless SHARDOPT_TEST_SERVER_BINARY and SHARDOPT_TEST_DEVICE
+// name others. The GPU machine's check (tests/gpu/device_check.sh) runs the
+// integration tests against a bundled server on --device=cuda that way.
+std::string ServerBinary();
+std::string ServerDevice();
+
+// The exit code of shardopt-server run on loopback with ServerDevice() and then
 // `args` (later flags win), or -1 if it is still running after 20 s (then
 // killed) or died of a signal: for flags that must stop it at start-up.
 // With `log`, what it wrote to stderr.
@@ -43,7 +50,8 @@ int ServerExitCode(const std::vector<std::string>& args, std::string* log = null
 
 class ServerProcess {
  public:
-  // Starts the server with --device=cpu plus `args`, and waits until it listens.
+  // Starts ServerBinary() with ServerDevice() plus `args`, and waits until it
+  // listens.
   // The server is killed when the calling thread exits.
   static std::unique_ptr<ServerProcess> Start(const std::vector<std::string>& args = {});
   // The same, with the server's stderr (its log) kept for log().
