@@ -4,13 +4,15 @@
 # That machine has CUDA and PyTorch but no gRPC, GoogleTest, absl or network,
 # so the binaries come prebuilt in device-bundle/ (tests/gpu/make_bundle.sh,
 # run on a development machine). Runs, each under a time limit and all within
-# DEVICE_CHECK_SECONDS (360: about 6 minutes with the summary):
+# DEVICE_CHECK_SECONDS (420: about 7 minutes with the summary):
 #   - the GPU tests: CUDA parity, sticky error, resume, availability, and the
 #     node group's NCCL collective (one rank per GPU);
 #   - the integration tests service_test, durability_test and crash_test
 #     against real shardopt-server processes on --device=cuda
 #     (SHARDOPT_TEST_DEVICE), which compare the served bits with the
 #     reference and with uninterrupted runs;
+#   - tests/python under this machine's torch, CUDA params included, when the
+#     bundle holds the extension for its Python;
 #   - the kernel benchmark against copy bandwidth and, where torch with CUDA
 #     is present, torch's fused AdamW for comparison;
 #   - shardopt-bench e2e, whole steps through an in-process server on the
@@ -26,7 +28,7 @@ root=$(cd "$here/../.." && pwd)
 bundle=${SHARDOPT_BUNDLE:-$root/device-bundle}
 out=${OUT:-./device-out}
 elements=${KERNEL_BENCH_ELEMENTS:-268435456}  # 2^28
-budget=${DEVICE_CHECK_SECONDS:-360}
+budget=${DEVICE_CHECK_SECONDS:-420}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 logs=$(mktemp -d)
@@ -108,6 +110,16 @@ if [[ $launch_mode != none ]]; then
     --gtest_output="json:$logs/gtest/durability_test_on_cuda.json"
   step crash_test_on_cuda 60 "${on_gpu[@]}" "${launch[@]}" "$bundle/bin/crash_test" \
     --gtest_output="json:$logs/gtest/crash_test_on_cuda.json"
+  # The Python package's tests under this machine's torch (2.x, with CUDA:
+  # test_cuda.py's CUDA params), when the bundle has the extension built for
+  # its Python. Its servers run on the CPU, as in make test.
+  if [[ -d $bundle/python/shardopt ]]; then
+    py_libs=$bundle/lib
+    [[ $launch_mode == bundled-libstdc++ ]] && py_libs+=:$bundle/lib-cxx
+    step python_tests 200 env PYTHONPATH="$bundle/python" SHARDOPT_SERVER="$logs/shardopt-server" \
+      LD_LIBRARY_PATH="$py_libs$host_path" python3 -m pytest -q -p no:cacheprovider -rfEs \
+      --junitxml="$logs/pytest.xml" "$root/tests/python"
+  fi
   step kernel_bench 40 "${launch[@]}" "$bundle/bin/cuda_kernel_bench" --elements="$elements" --iterations=20
   # Issue 11's step against its ceilings, 64M params as on the development
   # machine: here the update has 16 cores, or the GPU, beside the transport.

@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import subprocess
+from xml.etree import ElementTree
 
 
 def tail(path, chars=3000):
@@ -60,6 +61,23 @@ def gtest_results(folder):
     return results
 
 
+def pytest_results(path):
+    """The same for pytest's JUnit XML: counts, and every test that did not pass."""
+    try:
+        root = ElementTree.parse(path).getroot()
+    except (OSError, ElementTree.ParseError):
+        return None
+    not_passed, total, failed = [], 0, 0
+    for case in root.iter("testcase"):
+        total += 1
+        for kind in ("failure", "error", "skipped"):
+            for element in case.findall(kind):
+                failed += kind != "skipped"
+                not_passed.append({"test": f"{case.get('classname')}.{case.get('name')}", "result": kind,
+                                   "failures": [(element.get("message") or "")[:1500]]})
+    return {"tests": total, "failures": failed, "not_passed": not_passed}
+
+
 def command(*argv):
     try:
         return subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout.strip()
@@ -97,6 +115,9 @@ def main():
         with open(os.path.join(args.out, bench["name"] + ".json"), "w") as f:
             json.dump(result, f, indent=1)
     tests = gtest_results(os.path.join(args.logs, "gtest"))
+    python_tests = pytest_results(os.path.join(args.logs, "pytest.xml"))
+    if python_tests is not None:
+        tests["python_tests"] = python_tests
 
     manifest = {}
     try:

@@ -28,8 +28,31 @@ for b in "${binaries[@]}"; do
   cp "$build/$b" "$bundle/bin/"
 done
 
-if ldd "$bundle"/bin/* | grep -q "not found"; then
-  ldd "$bundle"/bin/* >&2
+# The Python package, its extension built for the GPU machine's Python
+# (DEVICE_PYTHON, by default a python3.12 on PATH, as there: torch 2.x on
+# 3.12), so that device_check.sh runs tests/python there, test_cuda.py's CUDA
+# params included. Left out, with a note, where no such Python is here.
+device_python=${DEVICE_PYTHON:-}
+for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
+  [[ -z $device_python ]] || break
+  # The interpreter itself: a pyenv shim on PATH may not run 3.12.
+  device_python=$("$candidate" -c 'import sys; print(sys.executable)' 2>/dev/null) || device_python=
+done
+if [[ -n $device_python ]]; then
+  cmake -S "$root" -B "$build-python" -G Ninja -DSHARDOPT_PYTHON="$device_python" -DSHARDOPT_CUDA=OFF \
+    -DSHARDOPT_BUILD_TESTS=OFF -DSHARDOPT_BUILD_BENCH=OFF >/dev/null
+  ninja -C "$build-python" -j "${JOBS:-2}" shardopt_py
+  mkdir -p "$bundle/python"
+  cp -r "$build-python/python/shardopt" "$bundle/python/"
+else
+  echo "make_bundle: no python3.12 here (DEVICE_PYTHON), so the Python tests stay out of the bundle" >&2
+fi
+shopt -s nullglob  # no Python package: no extension in the list
+shared=("$bundle"/bin/* "$bundle"/python/shardopt/*.so)
+shopt -u nullglob
+
+if ldd "${shared[@]}" | grep -q "not found"; then
+  ldd "${shared[@]}" >&2
   echo "make_bundle: a library is missing here" >&2
   exit 1
 fi
@@ -39,8 +62,8 @@ fi
 # back on when the machine's own are too old.
 mkdir -p "$bundle/lib-cxx" "$bundle/lib-glibc"
 {
-  ldd "$bundle"/bin/* | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
-  ldd "$bundle"/bin/* | awk '$1 ~ /^\/.*ld-linux/ {n = split($1, p, "/"); print p[n], $1}'
+  ldd "${shared[@]}" | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
+  ldd "${shared[@]}" | awk '$1 ~ /^\/.*ld-linux/ {n = split($1, p, "/"); print p[n], $1}'
   # libcuda links these; in lib-glibc mode they must match the bundled libc.
   for lib in libdl.so.2 librt.so.1 libpthread.so.0; do
     echo "$lib $(ldconfig -p | awk -v l="$lib" '$1 == l && /x86-64/ {print $NF; exit}')"
