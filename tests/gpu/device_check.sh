@@ -11,8 +11,9 @@
 #     against real shardopt-server processes on --device=cuda
 #     (SHARDOPT_TEST_DEVICE), which compare the served bits with the
 #     reference and with uninterrupted runs;
-#   - tests/python under this machine's torch, CUDA params included, when the
-#     bundle holds the extension for its Python;
+#   - tests/python under this machine's torch, CUDA params included, against
+#     servers on --device=cuda, when the bundle holds the extension for its
+#     Python;
 #   - the kernel benchmark against copy bandwidth and, where torch with CUDA
 #     is present, torch's fused AdamW for comparison;
 #   - shardopt-bench e2e, whole steps through an in-process server on the
@@ -112,11 +113,12 @@ if [[ $launch_mode != none ]]; then
     --gtest_output="json:$logs/gtest/crash_test_on_cuda.json"
   # The Python package's tests under this machine's torch (2.x, with CUDA:
   # test_cuda.py's CUDA params), when the bundle has the extension built for
-  # its Python. Its servers run on the CPU, as in make test.
+  # its Python, against servers on the GPU (make test runs them on the CPU).
   if [[ -d $bundle/python/shardopt ]]; then
     py_libs=$bundle/lib
     [[ $launch_mode == bundled-libstdc++ ]] && py_libs+=:$bundle/lib-cxx
-    step python_tests 200 env PYTHONPATH="$bundle/python" SHARDOPT_SERVER="$logs/shardopt-server" \
+    step python_tests_on_cuda 200 env SHARDOPT_TEST_DEVICE=cuda PYTHONPATH="$bundle/python" \
+      SHARDOPT_SERVER="$logs/shardopt-server" \
       LD_LIBRARY_PATH="$py_libs$host_path" python3 -m pytest -q -p no:cacheprovider -rfEs \
       --junitxml="$logs/pytest.xml" "$root/tests/python"
   fi

@@ -117,7 +117,7 @@ def main():
     tests = gtest_results(os.path.join(args.logs, "gtest"))
     python_tests = pytest_results(os.path.join(args.logs, "pytest.xml"))
     if python_tests is not None:
-        tests["python_tests"] = python_tests
+        tests["python_tests_on_cuda"] = python_tests
 
     manifest = {}
     try:

@@ -1,5 +1,5 @@
 """Fixtures: real shardopt-server processes on 127.0.0.1 (ephemeral ports,
---device=cpu), killed when the tests end.
+--device=cpu or SHARDOPT_TEST_DEVICE's), killed when the tests end.
 
 The ctest entry (tests/python/CMakeLists.txt) sets SHARDOPT_SERVER to the
 server binary and PYTHONPATH to the build's python/ directory. Without them

@@ -13,6 +13,11 @@ def die_with_parent():
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+# --device=cpu, unless SHARDOPT_TEST_DEVICE names another: the GPU machine's
+# check (tests/gpu/device_check.sh) runs these tests against servers on cuda.
+DEVICE = os.environ.get("SHARDOPT_TEST_DEVICE") or "cpu"
+
+
 class ServerProcess:
     def __init__(self, binary, workdir, *args):
         self.binary, self.workdir, self.args = binary, str(workdir), list(args)
@@ -26,7 +31,7 @@ class ServerProcess:
         port = [f"--port={self.port}"] if getattr(self, "port", None) else ["--port=0"]
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(
-                [self.binary, "--host=127.0.0.1", *port, f"--port_file={port_file}", "--device=cpu", *self.args],
+                [self.binary, "--host=127.0.0.1", *port, f"--port_file={port_file}", f"--device={DEVICE}", *self.args],
                 stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)
         give_up = time.monotonic() + 20
         while time.monotonic() < give_up:
