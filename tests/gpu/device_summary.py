@@ -70,11 +70,14 @@ def pytest_results(path):
     not_passed, total, failed = [], 0, 0
     for case in root.iter("testcase"):
         total += 1
-        for kind in ("failure", "error", "skipped"):
-            for element in case.findall(kind):
-                failed += kind != "skipped"
-                not_passed.append({"test": f"{case.get('classname')}.{case.get('name')}", "result": kind,
-                                   "failures": [(element.get("message") or "")[:1500]]})
+        # A failure and an error of one case (a teardown after a failed
+        # body) count as one failed test.
+        problems = [e for kind in ("failure", "error", "skipped") for e in case.findall(kind)]
+        if not problems:
+            continue
+        failed += any(e.tag != "skipped" for e in problems)
+        not_passed.append({"test": f"{case.get('classname')}.{case.get('name')}", "result": problems[0].tag,
+                           "failures": [(e.get("message") or "")[:1500] for e in problems]})
     return {"tests": total, "failures": failed, "not_passed": not_passed}
 
 
@@ -118,6 +121,7 @@ def main():
     python_tests = pytest_results(os.path.join(args.logs, "pytest.xml"))
     if python_tests is not None:
         tests["python_tests_on_cuda"] = python_tests
+    python_absent = tail(os.path.join(args.logs, "python_absent")).strip()
 
     manifest = {}
     try:
@@ -155,6 +159,7 @@ def main():
         "kernel": kernel,
         "torch_fused_adamw": "absent" if torch_absent else torch,
         "e2e": e2e,
+        "python_tests": f"absent: {python_absent}" if python_absent else "run",
         "tests": tests,
         "steps": steps,
     }
@@ -163,6 +168,7 @@ def main():
     print(json.dumps({"ok": ok, "seconds": args.seconds, "launch_mode": args.launch_mode,
                       "steps": {s["name"]: s["rc"] for s in steps},
                       "not_passed": {k: [t["test"] for t in v["not_passed"]] for k, v in tests.items() if v["not_passed"]},
+                      "python_tests": summary["python_tests"],
                       "kernel": kernel, "torch_fused_adamw": summary["torch_fused_adamw"],
                       "e2e": {k: {f: v.get(f) for f in ("device", "step_seconds", "fraction_of_echo",
                                                        "fraction_of_serial_ceiling", "error")}

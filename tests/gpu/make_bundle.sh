@@ -6,9 +6,10 @@
 # statically, and next to them every shared library they need that is not the
 # C library or the driver's.
 #
-#   tests/gpu/make_bundle.sh        # -> device-bundle/{bin,lib,manifest.json}
+#   tests/gpu/make_bundle.sh   # -> device-bundle/{bin,lib,lib-cxx,lib-glibc,python,manifest.json}
 #
-# BUILD_DIR (default build-cuda) and JOBS (default 2) tune the build.
+# BUILD_DIR (default build-cuda; the extension goes to BUILD_DIR-python),
+# JOBS (default 2) and DEVICE_PYTHON tune the build.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -42,8 +43,11 @@ if [[ -n $device_python ]]; then
   cmake -S "$root" -B "$build-python" -G Ninja -DSHARDOPT_PYTHON="$device_python" -DSHARDOPT_CUDA=OFF \
     -DSHARDOPT_BUILD_TESTS=OFF -DSHARDOPT_BUILD_BENCH=OFF >/dev/null
   ninja -C "$build-python" -j "${JOBS:-2}" shardopt_py
-  mkdir -p "$bundle/python"
-  cp -r "$build-python/python/shardopt" "$bundle/python/"
+  # The sources and this Python's extension only: not one built earlier for
+  # another interpreter, nor bytecode.
+  suffix=$("$device_python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+  mkdir -p "$bundle/python/shardopt"
+  cp "$build-python/python/shardopt/"*.py "$build-python/python/shardopt/_C$suffix" "$bundle/python/shardopt/"
 else
   echo "make_bundle: no python3.12 here (DEVICE_PYTHON), so the Python tests stay out of the bundle" >&2
 fi
@@ -51,8 +55,11 @@ shopt -s nullglob  # no Python package: no extension in the list
 shared=("$bundle"/bin/* "$bundle"/python/shardopt/*.so)
 shopt -u nullglob
 
-if ldd "${shared[@]}" | grep -q "not found"; then
-  ldd "${shared[@]}" >&2
+# Not `ldd | grep -q`: under pipefail, ldd dying on the pipe grep closed
+# early would read as "nothing missing".
+deps=$(ldd "${shared[@]}" 2>&1)
+if grep -q "not found" <<<"$deps"; then
+  printf '%s\n' "$deps" >&2
   echo "make_bundle: a library is missing here" >&2
   exit 1
 fi
@@ -79,13 +86,13 @@ mkdir -p "$bundle/lib-cxx" "$bundle/lib-glibc"
   esac
 done
 
-# The newest glibc symbol version the binaries and lib/ need: the GPU
-# machine's glibc must be at least that, or lib-glibc/ is used.
-glibc=$(objdump -T "$bundle"/bin/* "$bundle"/lib/* | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)
-glibcxx=$(objdump -T "$bundle"/bin/* "$bundle"/lib/* | grep -o 'GLIBCXX_[0-9.]*' | sort -uV | tail -1)
+# The newest glibc symbol version the binaries, the extension and lib/ need:
+# the GPU machine's glibc must be at least that, or lib-glibc/ is used.
+glibc=$(objdump -T "${shared[@]}" "$bundle"/lib/* | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)
+glibcxx=$(objdump -T "${shared[@]}" "$bundle"/lib/* | grep -o 'GLIBCXX_[0-9.]*' | sort -uV | tail -1)
 cat >"$bundle/manifest.json" <<JSON
 {"commit": "$(git -C "$root" rev-parse HEAD 2>/dev/null || echo unknown)",
- "dirty": $(git -C "$root" diff --quiet HEAD -- kernels tests/gpu 2>/dev/null && echo false || echo true),
+ "dirty": $(git -C "$root" diff --quiet HEAD 2>/dev/null && echo false || echo true),
  "built": "$(date -u +%Y-%m-%dT%H:%M:%SZ)",
  "glibc_required": "${glibc#GLIBC_}",
  "glibcxx_required": "${glibcxx#GLIBCXX_}",
