@@ -244,7 +244,7 @@ absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t l
   // thread, takes the page faults of wherever it copies to (a restore's
   // fresh state). Read through the page cache (readahead) straight into
   // fresh state, the same restore ran at a third to a half of the disk
-  // here (README, "Measured").
+  // here (docs/measurements.md, "Checkpoint write and restore").
   const int fd = OpenMaybeDirect(path, O_RDONLY);
   if (fd < 0) {
     return errno == ENOENT ? absl::NotFoundError(ErrnoText("cannot open", path))
