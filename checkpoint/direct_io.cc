@@ -76,8 +76,8 @@ AlignedBytes BufferPool::Allocate(size_t bytes) {
   // A buffer of whole huge pages, where the kernel grants them, is mapped
   // in 4 faults instead of 2048 per 8 MiB, and an O_DIRECT call pins 4
   // pages of it instead of 2048: both the snapshot's copies into fresh
-  // buffers and the disk's reads and writes from them are faster (README,
-  // "Measured").
+  // buffers and the disk's reads and writes from them are faster
+  // (docs/measurements.md, "Checkpoint write and restore").
   void* p = nullptr;
   if (posix_memalign(&p, huge ? kHugePage : kDirectAlignment, bytes) != 0) std::abort();
   if (huge) madvise(p, bytes, MADV_HUGEPAGE);

@@ -199,7 +199,8 @@ class StateSink {
 
 // Faults the state's memory in, on a thread of its own, in the order the
 // data comes, while the disk reads: fresh memory cost this VM about as much
-// to fault in as the disk took to read into it (docs/measurements.md, "Checkpoint write and restore"), and the
+// to fault in as the disk took to read into it (docs/measurements.md,
+// "Checkpoint write and restore"), and the
 // sink's copies then find it mapped. It runs until done or destroyed.
 class Prefaulter {
  public:
