@@ -17,9 +17,10 @@ namespace shardopt {
 // Connect's: each server listed once, and CheckTlsPem.
 absl::Status CheckClientOptions(const ClientOptions& options);
 // TLS files as given (empty: not given): a client certificate and its key
-// together or neither, and each one PEM text. Otherwise INVALID_ARGUMENT
-// here, where gRPC would fail every call as UNAVAILABLE, as if the server
-// were down.
+// together or neither, each one PEM text that OpenSSL reads (a certificate
+// in the CA file and the client's, an unencrypted key), and the key that of
+// the client certificate. Otherwise INVALID_ARGUMENT here, where gRPC would
+// fail every call as UNAVAILABLE, as if the server were down.
 absl::Status CheckTlsPem(absl::string_view root_certs, absl::string_view cert_chain, absl::string_view private_key);
 // A bearer token as a file or the environment gives it: without the
 // surrounding whitespace (a file's trailing newline, which a Secret mounted

@@ -254,6 +254,8 @@ TEST(ClientChecksTest, ACertificateWithoutItsKeyOrTextThatIsNotPemIsRefusedAtCon
       {pem, "", "-----BEGIN PRIVATE KEY-----\n", "the key is given alone"},
       {"not a certificate", "", "", "the CA file is not PEM text"},
       {pem, "garbage", "garbage", "the client certificate is not PEM text"},
+      // PEM's frame around bytes that are no certificate (real files: tls_test).
+      {pem, "", "", "the CA file holds no certificate OpenSSL can read"},
   };
   for (const Case& c : cases) {
     ClientOptions options;
@@ -265,7 +267,6 @@ TEST(ClientChecksTest, ACertificateWithoutItsKeyOrTextThatIsNotPemIsRefusedAtCon
     EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << c.says << ": " << client.status();
     EXPECT_THAT(std::string(client.status().message()), ::testing::HasSubstr(c.says));
   }
-  EXPECT_TRUE(CheckTlsPem(pem, pem, "-----BEGIN PRIVATE KEY-----\n").ok());
   EXPECT_TRUE(CheckTlsPem("", "", "").ok());
 }
 

@@ -117,6 +117,42 @@ TEST(TlsTest, AMutualTlsServerServesOnlyClientsWithACertificateItsCaSigned) {
   EXPECT_EQ(StepOnce(server->address(), stranger, "c").code(), absl::StatusCode::kUnavailable);
 }
 
+// Files a client cannot use are INVALID_ARGUMENT at Connect, before any
+// server is asked (none listens here), not UNAVAILABLE at every call.
+TEST(TlsTest, TlsFilesTheClientCannotUseAreRefusedAtConnect) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
+  ASSERT_EQ(std::system(absl::StrCat("openssl pkey -in ", certs.path("client.key"), " -aes256 -passout pass:secret -out ",
+                                     certs.path("encrypted.key"), " 2>/dev/null")
+                            .c_str()),
+            0);
+  struct Case {
+    std::string ca, cert, key, says;
+  } cases[] = {
+      {"ca.pem", "client.pem", "stranger.key", "the client key does not match the client certificate"},
+      {"ca.pem", "client.key", "client.key", "the client certificate is not a certificate OpenSSL can read"},
+      {"ca.pem", "client.pem", "client.pem", "the client key is not a private key OpenSSL can read"},
+      {"ca.pem", "client.pem", "encrypted.key", "or it is encrypted"},
+      {"ca.key", "", "", "the CA file holds no certificate OpenSSL can read"},
+  };
+  for (const Case& c : cases) {
+    ClientOptions options;
+    options.servers = {"127.0.0.1:1"};
+    options.tls_root_certs = certs.pem(c.ca);
+    if (!c.cert.empty()) options.tls_cert_chain = certs.pem(c.cert);
+    if (!c.key.empty()) options.tls_private_key = certs.pem(c.key);
+    const auto client = Client::Connect(options);
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << c.says << ": " << client.status();
+    EXPECT_THAT(std::string(client.status().message()), ::testing::HasSubstr(c.says));
+  }
+  ClientOptions usable;
+  usable.servers = {"127.0.0.1:1"};
+  usable.tls_root_certs = certs.pem("ca.pem");
+  usable.tls_cert_chain = certs.pem("client.pem");
+  usable.tls_private_key = certs.pem("client.key");
+  EXPECT_TRUE(Client::Connect(usable).ok());
+}
+
 TEST(TlsTest, PlaintextOnANonLoopbackAddressIsRefusedUnlessInsecureIsGiven) {
   const pid_t refused = testing::SpawnProcess({SHARDOPT_SERVER_BINARY, "--host=0.0.0.0", "--port=0", "--device=cpu"});
   const auto status = testing::WaitProcess(refused, std::chrono::seconds(20));

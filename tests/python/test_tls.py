@@ -62,3 +62,12 @@ def test_a_mutual_tls_server_needs_the_trainers_certificate(server_binary, certs
             one_step(server.address, job + "-anonymous", tls_ca=str(certs / "ca.pem"))
     finally:
         server.stop()
+
+
+def test_a_key_that_is_not_the_certificates_is_refused_before_any_server_is_asked(certs, job):
+    """Not Unavailable at the first step, as if the server were down: the
+    address is one nobody listens on, so only a check at construction can
+    answer InvalidArgument."""
+    with pytest.raises(shardopt.InvalidArgument, match="does not match the client certificate"):
+        one_step("127.0.0.1:1", job, tls_ca=str(certs / "ca.pem"), tls_cert=str(certs / "client.pem"),
+                 tls_key=str(certs / "server.key"))
