@@ -25,9 +25,10 @@ from . import _C
 from ._errors import Error, InvalidArgument, ParamsChanged, UnsupportedDtype
 from ._checks import _check_hyper
 from ._overlap import _OverlapPush
+from ._safetensors import load_safetensors
 from ._state_dict import _StateDictIO
 
-__all__ = ["RemoteAdamW"]
+__all__ = ["RemoteAdamW", "load_safetensors"]
 
 # dtype -> whether the server treats the tensor as fp32 params (ParamType::kFp32).
 _FP32_PARAMS = {torch.bfloat16: False, torch.float32: True}

@@ -110,12 +110,14 @@ step torch_fused_adamw 45 python3 "$here/torch_fused_adamw_bench.py" --elements=
   --out="$out/torch_fused_adamw.json"
 
 if [[ $launch_mode != none ]]; then
-  # The integration tests start their servers through this wrapper, in the
-  # same launch mode, on the GPU. The export test is left out: it runs the
-  # CLI and a torch reader from the development machine's paths.
-  printf '#!/usr/bin/env bash\nexec %s "$@"\n' "$(printf '%q ' "${launch[@]}" "$bundle/bin/shardopt-server")" \
-    >"$logs/shardopt-server"
-  chmod +x "$logs/shardopt-server"
+  # The integration tests start their servers (and the Python tests the CLI)
+  # through these wrappers, in the same launch mode. durability_test's export
+  # test is left out: it runs the CLI and a torch reader from the development
+  # machine's paths.
+  for b in shardopt-server shardopt; do
+    printf '#!/usr/bin/env bash\nexec %s "$@"\n' "$(printf '%q ' "${launch[@]}" "$bundle/bin/$b")" >"$logs/$b"
+    chmod +x "$logs/$b"
+  done
   on_gpu=(env SHARDOPT_TEST_DEVICE=cuda SHARDOPT_TEST_SERVER_BINARY="$logs/shardopt-server")
   step service_test_on_cuda 120 "${on_gpu[@]}" "${launch[@]}" "$bundle/bin/service_test" \
     --gtest_output="json:$logs/gtest/service_test_on_cuda.json"
@@ -137,7 +139,7 @@ if [[ $launch_mode != none ]]; then
     py_libs=$bundle/lib
     [[ $launch_mode == bundled-libstdc++ ]] && py_libs+=:$bundle/lib-cxx
     step python_tests_on_cuda 200 env SHARDOPT_TEST_DEVICE=cuda PYTHONPATH="$bundle/python" \
-      SHARDOPT_SERVER="$logs/shardopt-server" \
+      SHARDOPT_SERVER="$logs/shardopt-server" SHARDOPT_CLI="$logs/shardopt" \
       LD_LIBRARY_PATH="$py_libs$host_path" python3 -m pytest -q -p no:cacheprovider -rfEs \
       --junitxml="$logs/pytest.xml" "$root/tests/python"
   fi

@@ -18,7 +18,7 @@ bundle=$root/device-bundle
 # Each target with its place in the build tree.
 binaries=(tests/gpu/cuda_parity_test tests/gpu/cuda_sticky_error_test tests/gpu/cuda_resume_test
   tests/gpu/cuda_availability_test tests/gpu/nccl_collective_test tests/gpu/cuda_kernel_bench
-  server/shardopt-server bench/shardopt-bench tests/service_test tests/durability_test tests/crash_test)
+  server/shardopt-server client/shardopt bench/shardopt-bench tests/service_test tests/durability_test tests/crash_test)
 
 cmake -S "$root" -B "$build" -G Ninja -DSHARDOPT_CUDA=ON -DSHARDOPT_BUILD_BENCH=ON >/dev/null
 ninja -C "$build" -j "${JOBS:-2}" "${binaries[@]##*/}"

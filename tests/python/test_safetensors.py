@@ -1,0 +1,78 @@
+"""shardopt.torch.load_safetensors: a `shardopt export` file loaded into torch
+without the safetensors package (Debian's torch 1.13 has none), bit for bit,
+and the README's reshape into the model."""
+import json
+import os
+import struct
+import subprocess
+
+import pytest
+import torch
+
+from shardopt.torch import RemoteAdamW, load_safetensors
+from models import make_model, param_groups, same_bits, train
+from servers import checkpointing_servers
+
+
+def write(path, header, data):
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data)
+
+
+def test_each_tensor_comes_back_in_its_dtype_and_shape_bit_for_bit(tmp_path):
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(2, 3, generator=g)
+    b = torch.randn(5, generator=g).to(torch.bfloat16)
+    a_bytes, b_bytes = a.numpy().tobytes(), b.view(torch.int16).numpy().tobytes()
+    header = {"__metadata__": {"job": "j", "step": "4"},
+              "a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]},
+              "b": {"dtype": "BF16", "shape": [5], "data_offsets": [24, 34]}}
+    write(tmp_path / "t.safetensors", header, a_bytes + b_bytes)
+    tensors, metadata = load_safetensors(tmp_path / "t.safetensors")
+    assert metadata == {"job": "j", "step": "4"}
+    assert set(tensors) == {"a", "b"}
+    assert tensors["a"].dtype == torch.float32 and tensors["a"].shape == (2, 3) and same_bits(tensors["a"], a)
+    assert tensors["b"].dtype == torch.bfloat16 and tensors["b"].shape == (5,) and same_bits(tensors["b"], b)
+
+
+@pytest.mark.parametrize("header, says", [
+    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, "needs 12 bytes"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, "of 12"),
+    ({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, "does not know"),
+])
+def test_a_file_that_does_not_hold_what_its_header_says_is_refused_naming_the_tensor(tmp_path, header, says):
+    write(tmp_path / "bad.safetensors", header, bytes(12))
+    with pytest.raises(ValueError, match=says):
+        load_safetensors(tmp_path / "bad.safetensors")
+
+
+def test_a_header_longer_than_the_file_is_refused(tmp_path):
+    with open(tmp_path / "short.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", 1000) + b"{}")
+    with pytest.raises(ValueError, match="header is said to be 1000 bytes"):
+        load_safetensors(tmp_path / "short.safetensors")
+
+
+def test_an_export_of_a_checkpoint_loads_into_the_model_as_the_readme_says(server_binary, tmp_path, job):
+    """An fp32 model, whose params are the servers' masters bit for bit:
+    3 steps, a checkpoint, `shardopt export`, then the README's reshape."""
+    cli = os.environ.get("SHARDOPT_CLI")
+    if not cli or not os.access(cli, os.X_OK):
+        pytest.fail("set SHARDOPT_CLI to the shardopt command line (ctest does)")
+    with checkpointing_servers(server_binary, tmp_path) as (procs, directory):
+        model = make_model(seed=3)
+        opt = RemoteAdamW(param_groups(model), servers=[p.address for p in procs], job=job, lr=1e-3)
+        train(model, opt, 3)
+        opt.checkpoint()
+        out = tmp_path / "export.safetensors"
+        subprocess.run([cli, "export", f"--checkpoint_dir={directory}", job, str(out)], check=True,
+                       capture_output=True, timeout=60)
+        loaded, metadata = load_safetensors(out)
+        assert metadata["step"] == "3"
+        state = {k: v.view_as(model.state_dict()[k]) for k, v in loaded.items()}
+        fresh = make_model(seed=4)
+        fresh.load_state_dict(state)
+        for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+            assert same_bits(p.detach(), q.detach()), name
+        opt.drop()
