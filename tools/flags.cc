@@ -7,6 +7,7 @@
 #include "absl/flags/internal/usage.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -59,14 +60,34 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   // asked for is a success. So the usage flags are handled here, through the
   // internal functions ParseCommandLine itself calls (absl 20220623, Debian
   // 12's, the version scripts/install-deps.sh pins).
+  //
+  // Abseil reads "-1" as a flag named 1, where a command's argument is a
+  // negative number ("Unknown command line flag '1'"). No flag's name starts
+  // with a digit, so such an argument is hidden from the parser as an empty
+  // string, which no flag is either, and put back among the positionals.
+  std::vector<char*> hidden(argv, argv + argc);
+  std::vector<char*> negatives;
+  static char kNegative[] = "";
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    if (arg.size() > 1 && arg[0] == '-' && absl::ascii_isdigit(static_cast<unsigned char>(arg[1]))) {
+      negatives.push_back(argv[i]);
+      hidden[i] = kNegative;
+    }
+  }
   const std::vector<char*> args = absl::flags_internal::ParseCommandLineImpl(
-      argc, argv, absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
+      argc, hidden.data(), absl::flags_internal::ArgvListAction::kRemoveParsedArgs,
       absl::flags_internal::UsageFlagsAction::kIgnoreUsage, absl::flags_internal::OnUndefinedFlag::kAbortIfUndefined);
   if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) {
     std::cout.flush();
     std::exit(0);
   }
-  return {args.begin() + 1, args.end()};  // args[0] is argv[0]
+  std::vector<std::string> positionals;
+  auto next_negative = negatives.begin();
+  for (auto it = args.begin() + 1; it != args.end(); ++it) {  // args[0] is argv[0]
+    positionals.emplace_back(*it == kNegative ? *next_negative++ : *it);
+  }
+  return positionals;
 }
 
 void UsageError(absl::string_view message) {

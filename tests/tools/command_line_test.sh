@@ -54,6 +54,9 @@ case $case_name in
     # Each is refused before any server is contacted.
     run 2 "$cli" read JOB T master abc && expect err 'abc' && expect_empty out
     run 2 "$cli" read JOB T master 0 12abc && expect err "12abc"
+    # A negative number is an argument, not a flag named by its digits.
+    run 2 "$cli" read JOB T master -1 && expect err "OFFSET must be a number of elements, got '-1'"
+    run 2 "$cli" read JOB T master 0 -5 --server=127.0.0.1:1 && expect err "COUNT must be a number of elements, got '-5'"
     run 2 "$cli" read JOB T momentum && expect err 'momentum'
     run 2 "$cli" read JOB T && expect err 'read'
     run 2 "$cli" describe && expect err 'describe'
