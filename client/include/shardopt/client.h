@@ -196,6 +196,8 @@ struct InitShare {
 };
 
 // Decide's rule, a pure function so that every rank and the tests agree.
+// world_size is the job's, at least 1 (a job of 0 ranks is refused before
+// any push; here it would divide by zero).
 Decision Decide(const PushResult& push, uint32_t world_size, const StepOptions& options);
 
 // Each server's part of each tensor: the placement of docs/design.md,
