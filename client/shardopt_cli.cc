@@ -208,8 +208,13 @@ int main(int argc, char** argv) {
     std::ifstream in(paths[i]);
     std::stringstream contents;
     contents << in.rdbuf();
-    if (!in || contents.str().empty()) return Fail(absl::NotFoundError(absl::StrCat(paths[i], " cannot be read")));
+    if (!in) return Fail(absl::NotFoundError(absl::StrCat(paths[i], " cannot be read")));
     text[i] = contents.str();
+    // An empty PEM file would mean no TLS at all: plaintext, to a server the
+    // caller meant to verify. (An empty token file is refused below.)
+    if (i < 3 && absl::StripAsciiWhitespace(text[i]).empty()) {
+      return Fail(absl::InvalidArgumentError(absl::StrCat(paths[i], " holds nothing (empty, or not a file): TLS needs its PEM text")));
+    }
   }
   if (absl::Status tls = shardopt::CheckTlsPem(text[0], text[1], text[2]); !tls.ok()) return Fail(tls);
   // The file's token, else the environment's. A file that holds none is a

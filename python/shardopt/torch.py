@@ -92,12 +92,19 @@ def _split_names(params):
     return groups, names
 
 
-def _read_pem(path):
-    """A PEM file's text, or "" for None."""
+def _read_pem(path, what):
+    """A PEM file's bytes, or b"" for None. An empty file is refused: passed
+    on as empty it would mean no TLS at all, and the trainer would talk
+    plaintext (its token in the clear) to a server it meant to verify. The
+    bytes go to the C++ client as they are, which refuses what is not PEM
+    text (a DER file) or not a usable certificate or key."""
     if path is None:
-        return ""
-    with open(path, "r", encoding="ascii") as f:
-        return f.read()
+        return b""
+    with open(path, "rb") as f:
+        pem = f.read()
+    if not pem.strip():
+        raise InvalidArgument(f"{what} {os.fspath(path)!r} is empty: TLS needs its PEM text")
+    return pem
 
 
 def _servers(servers, num_servers):
@@ -170,8 +177,10 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
             certificates (without it, the system's roots); ``tls_cert`` and
             ``tls_key`` are this trainer's certificate and key, given
             together, for servers started with --tls_client_ca (mutual TLS).
-            A file that is not PEM text, or one of the pair alone, raises
-            InvalidArgument before anything connects.
+            An empty file, one that is not PEM text, a certificate or key
+            OpenSSL cannot read (or an encrypted key), a key that is not the
+            certificate's, or one of the pair alone raises InvalidArgument
+            before anything connects.
         token: the bearer token for servers started with --tokens_file;
             None reads the environment variable SHARDOPT_TOKEN (unset: no
             token). Give servers TLS too, or the token crosses in the clear.
@@ -232,7 +241,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
         if overlap:
             self._check_params_free()
 
-        pem = [_read_pem(path) for path in (tls_ca, tls_cert, tls_key)]
+        pem = [_read_pem(path, what) for path, what in ((tls_ca, "tls_ca"), (tls_cert, "tls_cert"), (tls_key, "tls_key"))]
         if token is None:
             token = os.environ.get("SHARDOPT_TOKEN", "")
         # The periodic checkpoint is taken here, after step() or a skip

@@ -31,20 +31,50 @@ def test_each_tensor_comes_back_in_its_dtype_and_shape_bit_for_bit(tmp_path):
     write(tmp_path / "t.safetensors", header, a_bytes + b_bytes)
     tensors, metadata = load_safetensors(tmp_path / "t.safetensors")
     assert metadata == {"job": "j", "step": "4"}
+    empty = {"e": {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]}, "s": f32([], 0, 4)}
+    write(tmp_path / "e.safetensors", empty, bytes(4))
+    edge, _ = load_safetensors(tmp_path / "e.safetensors")
+    assert edge["e"].shape == (0, 3) and edge["s"].shape == () and edge["s"].item() == 0.0
     assert set(tensors) == {"a", "b"}
     assert tensors["a"].dtype == torch.float32 and tensors["a"].shape == (2, 3) and same_bits(tensors["a"], a)
     assert tensors["b"].dtype == torch.bfloat16 and tensors["b"].shape == (5,) and same_bits(tensors["b"], b)
 
 
+def f32(shape, begin, end):
+    return {"dtype": "F32", "shape": shape, "data_offsets": [begin, end]}
+
+
+# Each over 12 bytes of data.
 @pytest.mark.parametrize("header, says", [
-    ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, "needs 12 bytes"),
-    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, "of 12"),
-    ({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, "does not know"),
+    ({"a": f32([3], 0, 8)}, "'a' of shape .3. and dtype F32 needs 12 bytes"),
+    ({"a": f32([4], 0, 16)}, "'a' .* of 12"),
+    ({"a": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, "'a' has dtype 'C64'"),
+    ({"a": {"dtype": "F32", "data_offsets": [0, 12]}}, "'a': its entry needs dtype, shape and data_offsets"),
+    ({"a": 5}, "'a': its entry needs"),
+    ({"a": f32([-1, -3], 0, 12)}, "'a' has shape"),
+    ({"a": f32([3.0], 0, 12)}, "'a' has shape"),
+    ({"a": f32([True], 0, 4), "b": f32([2], 4, 12)}, "'a' has shape"),
+    ({"a": f32(["3"], 0, 12)}, "'a' has shape"),
+    ({"a": f32([2], 0, 8), "b": f32([2], 4, 12)}, "'b' starts at byte 4 .* overlap or leave a gap"),
+    ({"a": f32([1], 0, 4), "b": f32([1], 8, 12)}, "'b' starts at byte 8"),
+    ({"a": f32([2], 0, 8)}, "ends at byte 8, and 4 more bytes follow"),
+    ({"__metadata__": "x", "a": f32([3], 0, 12)}, "__metadata__ must map text to text"),
+    ({"__metadata__": {"step": 3}, "a": f32([3], 0, 12)}, "__metadata__ must map text to text"),
+    ([1, 2], "the header is a JSON list"),
 ])
 def test_a_file_that_does_not_hold_what_its_header_says_is_refused_naming_the_tensor(tmp_path, header, says):
     write(tmp_path / "bad.safetensors", header, bytes(12))
     with pytest.raises(ValueError, match=says):
         load_safetensors(tmp_path / "bad.safetensors")
+
+
+def test_a_name_given_twice_is_refused(tmp_path):
+    text = b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, ' \
+           b'"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}'
+    with open(tmp_path / "twice.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + bytes(8))
+    with pytest.raises(ValueError, match="names 'a' twice"):
+        load_safetensors(tmp_path / "twice.safetensors")
 
 
 def test_a_header_longer_than_the_file_is_refused(tmp_path):

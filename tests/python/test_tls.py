@@ -64,6 +64,23 @@ def test_a_mutual_tls_server_needs_the_trainers_certificate(server_binary, certs
         server.stop()
 
 
+def test_an_empty_or_binary_tls_file_is_refused_not_taken_as_no_tls(server_binary, certs, tmp_path, job):
+    """An empty tls_ca read as "" would mean plaintext: against a plaintext
+    server the step would succeed, the token in the clear. A DER file is not
+    PEM text."""
+    server = ServerProcess(server_binary, tmp_path)  # plaintext
+    try:
+        (tmp_path / "empty.pem").write_bytes(b"")
+        with pytest.raises(shardopt.InvalidArgument, match="tls_ca .*empty.pem.* is empty"):
+            one_step(server.address, job, tls_ca=str(tmp_path / "empty.pem"))
+        subprocess.run(["openssl", "x509", "-in", str(certs / "ca.pem"), "-outform", "DER", "-out",
+                        str(tmp_path / "ca.der")], check=True, capture_output=True)
+        with pytest.raises(shardopt.InvalidArgument, match="not PEM text"):
+            one_step(server.address, job, tls_ca=str(tmp_path / "ca.der"))
+    finally:
+        server.stop()
+
+
 def test_a_key_that_is_not_the_certificates_is_refused_before_any_server_is_asked(certs, job):
     """Not Unavailable at the first step, as if the server were down: the
     address is one nobody listens on, so only a check at construction can

@@ -72,6 +72,10 @@ case $case_name in
     # as no token; nothing listens on port 1, so a call would be UNAVAILABLE.
     printf ' \n' > "$dir/blank-token"
     run 1 "$cli" --server=127.0.0.1:1 --token_file="$dir/blank-token" describe JOB && expect err 'holds no token'
+    # An empty PEM file would otherwise mean plaintext to a server meant to be verified.
+    : > "$dir/empty.pem"
+    run 1 "$cli" --server=127.0.0.1:1 --tls_ca="$dir/empty.pem" describe JOB &&
+      expect err 'INVALID_ARGUMENT: .*empty.pem holds nothing'
     ;;
   server_bad_arguments)
     run 2 "$server" --port=abc && expect err 'port'
