@@ -200,8 +200,9 @@ absl::StatusOr<uint32_t> Job::LocateRange(const std::string& tensor, uint64_t of
   const int64_t si = shard_of_tensor[it->second];
   const uint64_t numel = spec.tensors(it->second).numel();
   if (offset > numel || count > numel - offset) {
-    return absl::OutOfRangeError(absl::StrCat("tensor ", Quote(tensor), " has ", numel, " elements; range ",
-                                              Range(offset, offset + count), " is past its end"));
+    // offset + count may not fit 64 bits: say the count rather than a wrapped end.
+    return absl::OutOfRangeError(absl::StrCat("tensor ", Quote(tensor), " has ", numel, " elements; ", count,
+                                              " from offset ", offset, " go past its end"));
   }
   if (si < 0) {
     return absl::OutOfRangeError(absl::StrCat("tensor '", tensor, "' has no shard on this server"));

@@ -585,6 +585,17 @@ TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
          r.set_tensor("w");
          return r;
        }(), [](const v1::StateChunk&) { return true; }), absl::StatusCode::kInvalidArgument, "read kind"},
+      // offset + count past 2^64: the message says the count, not a wrapped end.
+      {"read past 2^64", store_.Read([] {
+         v1::ReadRequest r;
+         r.set_job("bad");
+         r.set_tensor("w");
+         r.set_kind(v1::MASTER);
+         r.set_offset(100);
+         r.set_length(UINT64_MAX - 49);
+         return r;
+       }(), [](const v1::StateChunk&) { return true; }), absl::StatusCode::kOutOfRange,
+       "18446744073709551566 from offset 100 go past its end"},
   };
   for (const Case& c : cases) {
     EXPECT_EQ(c.status.code(), c.code) << c.what << ": " << c.status;

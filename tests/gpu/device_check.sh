@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command run on a GPU machine (docs/design.md, section 12, "Where
 # there is no GPU").
-# That machine has CUDA and PyTorch but no gRPC, GoogleTest, absl or network,
+# That machine has CUDA, NCCL and PyTorch but no gRPC, GoogleTest, absl or network,
 # so the binaries come prebuilt in device-bundle/ (tests/gpu/make_bundle.sh,
 # run on a development machine). Runs, each under a time limit and all within
 # DEVICE_CHECK_SECONDS (420: about 7 minutes with the summary; a step's limit
@@ -9,15 +9,17 @@
 # timed out):
 #   - the GPU tests: CUDA parity, sticky error, resume, availability, and the
 #     node group's NCCL collective (one rank per GPU);
-#   - the integration tests service_test, durability_test and crash_test
+#   - the kernel benchmark against copy bandwidth and, where torch with CUDA
+#     is present, torch's fused AdamW for comparison (these first, so that a
+#     hang later cannot cost their figures);
+#   - the integration tests service_test, durability_test (less its export
+#     test, which needs the development machine's paths) and crash_test
 #     against real shardopt-server processes on --device=cuda
 #     (SHARDOPT_TEST_DEVICE), which compare the served bits with the
 #     reference and with uninterrupted runs;
 #   - tests/python under this machine's torch, CUDA params included, against
 #     servers on --device=cuda, when the bundle holds the extension for its
-#     Python;
-#   - the kernel benchmark against copy bandwidth and, where torch with CUDA
-#     is present, torch's fused AdamW for comparison;
+#     Python (else recorded as absent, with why);
 #   - shardopt-bench e2e, whole steps through an in-process server on the
 #     CPU (this machine's cores) and on the GPU.
 # Writes into $OUT (or ./device-out) kernel_bench.json, torch_fused_adamw.json,

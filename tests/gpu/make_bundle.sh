@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Builds what tests/gpu/device_check.sh runs on a GPU machine, which has CUDA
-# and PyTorch but no gRPC, GoogleTest, absl or network: the GPU test binaries,
-# the kernel benchmark, and the server with the integration tests and
-# shardopt-bench that run it on the GPU end to end, with CUDA linked
-# statically, and next to them every shared library they need that is not the
-# C library or the driver's.
+# Builds what tests/gpu/device_check.sh runs on a GPU machine, which has CUDA,
+# NCCL and PyTorch but no gRPC, GoogleTest, absl or network: the GPU test
+# binaries, the kernel benchmark, and the server, the CLI, three integration
+# tests and shardopt-bench that run it on the GPU end to end, with CUDA linked
+# statically; the Python package with its extension built for that machine's
+# Python; and next to them every shared library they need but the driver's
+# and NCCL (the machine's own are used). libstdc++ (lib-cxx/) and the C
+# library with its loader (lib-glibc/) travel too, used only where the
+# machine's own are too old; manifest.json says what was built from what.
 #
 #   tests/gpu/make_bundle.sh   # -> device-bundle/{bin,lib,lib-cxx,lib-glibc,python,manifest.json}
 #
