@@ -7,7 +7,6 @@
 // export reads a complete checkpoint from disk, no server needed, and writes
 // each tensor's master: fp32 exactly (a BF16 group's bf16 master widened,
 // exactly), or rounded to bf16 with --dtype=bf16.
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -43,7 +42,7 @@ ABSL_FLAG(std::string, tls_key, "", "describe, drop, read: PEM private key of --
 ABSL_FLAG(std::string, token_file, "",
           "describe, drop, read: a file holding the bearer token for a server with --tokens_file; "
           "without it the environment variable SHARDOPT_TOKEN, if set");
-ABSL_FLAG(int, timeout_s, 60, "describe, drop, read: each call's deadline, in seconds");
+ABSL_FLAG(int, timeout_s, 60, "describe, drop, read: each call's deadline, in seconds, at least 1");
 ABSL_FLAG(std::string, checkpoint_dir, "", "export: the servers' --checkpoint_dir, where the checkpoint is");
 ABSL_FLAG(uint64_t, step, 0, "export: the checkpoint's step; 0 is the newest complete one");
 ABSL_FLAG(std::string, dtype, "fp32", "export: fp32 (the master exactly) or bf16 (rounded to nearest even)");
@@ -157,6 +156,9 @@ int main(int argc, char** argv) {
     shardopt::UsageError(absl::StrCat(verb->name, ": ", what, "\nusage: shardopt ", verb->synopsis));
   }
   const std::string command = verb->name;
+  if (absl::GetFlag(FLAGS_timeout_s) < 1) {
+    shardopt::UsageError(absl::StrCat("--timeout_s must be at least 1, got ", absl::GetFlag(FLAGS_timeout_s)));
+  }
 
   if (command == "help") {
     if (n == 0) {
@@ -235,7 +237,7 @@ int main(int argc, char** argv) {
   const auto context = [&] {
     contexts.push_back(std::make_unique<grpc::ClientContext>());
     contexts.back()->set_deadline(std::chrono::system_clock::now() +
-                                  std::chrono::seconds(std::max(1, absl::GetFlag(FLAGS_timeout_s))));
+                                  std::chrono::seconds(absl::GetFlag(FLAGS_timeout_s)));
     if (!token->empty()) contexts.back()->AddMetadata("authorization", "Bearer " + *token);
     return contexts.back().get();
   };
