@@ -282,7 +282,8 @@ namespace {
 
 // The manifest a load of `spec` from `committed` answers with: the job's
 // step and last commit, and, where a part has this very placement, that
-// part's sections and its sealed push's sums (which are per server).
+// part's sections, its sealed push's sums and its job's life (which are per
+// server; on another placement the trainers attach anew, to a new life).
 v1::PartManifest LoadedManifest(const Committed& committed, const v1::CreateJobRequest& spec, const PartHead* same) {
   v1::PartManifest m;
   *m.mutable_spec() = spec;
@@ -292,6 +293,7 @@ v1::PartManifest LoadedManifest(const Committed& committed, const v1::CreateJobR
     m.set_sealed_step(same->manifest.sealed_step());
     m.set_sealed_sum_squares(same->manifest.sealed_sum_squares());
     m.set_sealed_nonfinite(same->manifest.sealed_nonfinite());
+    m.set_incarnation(same->manifest.incarnation());
     *m.mutable_shards() = same->manifest.shards();
   }
   return m;

@@ -39,6 +39,13 @@ struct Client::Impl {
 
   JobOptions job;
   bool attached = false;
+  std::string dropped;  // the job this client's Drop dropped, until it attaches again
+  // [server]: the life of the job this client attached to there
+  // (CreateJobResponse.incarnation), echoed in each Push, Commit and Init so
+  // that a job dropped and made again under the name is not stepped as if it
+  // were this one. Set by CreateOrAttach, and by Reattach on that server's
+  // own fan-out thread, the only one that reads it while attached.
+  mutable std::vector<uint64_t> incarnation;
   uint64_t step = 0;
   uint64_t pushed_ahead = 0;  // Client::pushed_ahead, as the attach found it
   uint64_t chunk_bytes = 0;  // per streamed message, once attached (rpc/chunk_size.h)
@@ -58,8 +65,12 @@ struct Client::Impl {
   v1::DType grad_dtype(uint32_t tensor) const { return GradDType(job, job.tensors[tensor]); }
 
   absl::Status CheckAttached() const {
-    if (!attached) return absl::FailedPreconditionError("call CreateOrAttach first");
-    return absl::OkStatus();
+    if (attached) return absl::OkStatus();
+    if (!dropped.empty()) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", dropped, "' was dropped by this client (Drop): it ",
+                                                        "is attached to no job until CreateOrAttach makes one anew"));
+    }
+    return absl::FailedPreconditionError("this client is attached to no job: call CreateOrAttach first");
   }
 
   // A push's deadline: the barrier's wait on top of the call's own, so that
@@ -110,7 +121,10 @@ struct Client::Impl {
     v1::CreateJobResponse resp;
     SHARDOPT_RETURN_IF_ERROR(fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
                                           [&](grpc::ClientContext* ctx) { return stubs[s]->CreateJob(ctx, req, &resp); }));
-    if (resp.step() == step && (resp.restored() || !resp.created())) return absl::OkStatus();
+    if (resp.step() == step && (resp.restored() || !resp.created())) {
+      incarnation[s] = resp.incarnation();
+      return absl::OkStatus();
+    }
     if (resp.created() && !resp.restored()) {
       fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
                    [&](grpc::ClientContext* ctx) {
@@ -158,7 +172,9 @@ struct Client::Impl {
       auto next = [&](grpc::ByteBuffer* message) {
         if (request_sent) return wire::StreamCall::Ready::kEnd;
         request_sent = true;
-        *message = wire::HeadAndBorrowedBytes(req.SerializeAsString(), nullptr, 0);
+        v1::CommitRequest here = req;
+        here.set_incarnation(incarnation[s]);  // read at each attempt: a Reattach may have renewed it
+        *message = wire::HeadAndBorrowedBytes(here.SerializeAsString(), nullptr, 0);
         return wire::StreamCall::Ready::kMessage;
       };
       const grpc::Status gs = wire::StreamCall::Run(
@@ -283,6 +299,7 @@ struct Client::Impl {
           chunk.set_dtype(dtype);
           chunk.set_kind(kind);
           chunk.set_adam_step(adam_step);
+          chunk.set_incarnation(incarnation[s]);
           for (uint64_t off = p.offset; off < p.offset + p.length; off += per_chunk) {
             const uint64_t n = std::min(per_chunk, p.offset + p.length - off);
             chunk.set_offset(off);
@@ -353,6 +370,8 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     });
   });
   if (!st.ok()) return st;
+  im.incarnation.clear();
+  for (const v1::CreateJobResponse& answer : answers) im.incarnation.push_back(answer.incarnation());
   const std::vector<bool> holds_part = im.holds_part();
   // A step its trainer committed on some servers only is committed on the
   // others, as the trainer's own retry would have been, so that a restarted
@@ -382,6 +401,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     im.barrier_ms = said > 0 ? static_cast<uint32_t>(said) : 60000;
   }
   im.attached = true;
+  im.dropped.clear();
   return step;
 }
 
@@ -518,8 +538,11 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
       return a.grad_index < b.grad_index;
     });
     return im.UnlessServerBehind(s, step, im.Call(s, im.push_timeout_ms(), [&](grpc::ClientContext* ctx) {
-      // Made afresh for each attempt: a retried stream sends it all again.
-      PushMessages messages(head, sends, im.chunk_bytes, grad);
+      // Made afresh for each attempt: a retried stream sends it all again,
+      // with the life of the job a Reattach may have renewed.
+      v1::GradChunk first = head;
+      first.set_incarnation(im.incarnation[s]);
+      PushMessages messages(std::move(first), sends, im.chunk_bytes, grad);
       int answers = 0;
       auto received = [&](grpc::ByteBuffer* answer) -> grpc::Status {
         if (++answers > 1) return grpc::Status(grpc::StatusCode::INTERNAL, "the server answered a push twice");
@@ -743,7 +766,10 @@ absl::Status Client::Drop() {
         },
         /*reattach=*/false);
   });
-  if (st.ok()) im.attached = false;
+  if (st.ok()) {
+    im.attached = false;
+    im.dropped = im.job.name;
+  }
   return st;
 }
 

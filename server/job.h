@@ -75,6 +75,10 @@ class Job {
   absl::flat_hash_map<std::string, uint32_t> tensor_index;  // name -> spec.tensors index
   std::vector<int64_t> shard_of_tensor;                     // -1: not on this server
   std::vector<OwnedShard> shards;
+  // This life of the job (CreateJobResponse.incarnation): set once while the
+  // job is built, fresh or from its checkpoint, before the store publishes
+  // it; read without the lock from then on.
+  uint64_t incarnation = 0;
 
   const std::string& name() const { return spec.job(); }
   uint32_t world_size() const { return spec.world_size(); }

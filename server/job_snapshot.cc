@@ -90,6 +90,7 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
     }
     *m.mutable_spec() = job.spec;
     m.set_step(job.step);
+    m.set_incarnation(job.incarnation);
     v1::AppliedCommit* applied = m.mutable_applied();
     applied->set_step(job.step);
     applied->set_lr(job.applied.lr);
@@ -253,6 +254,7 @@ absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::L
   }
   job.uninitialized_shards = 0;
   job.step = m.step();
+  job.incarnation = m.incarnation();  // 0 from an older part: the store gives it a new one
   job.applied = {m.applied().lr(), m.applied().gscale(), m.applied().skip(),
                  {m.applied().group_lr().begin(), m.applied().group_lr().end()}};
   // A round sealed after the step (its push done, not yet committed) is

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <random>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -18,6 +19,20 @@
 #include "server/metrics.h"
 
 namespace shardopt {
+namespace {
+
+// A job's new life: random, so that one made again after a drop (on this
+// server or a restarted one) is told apart from any before it; never 0,
+// which a request uses for "not checked".
+uint64_t NewIncarnation() {
+  std::random_device entropy;
+  for (;;) {
+    const uint64_t id = (uint64_t{entropy()} << 32) ^ entropy();
+    if (id != 0) return id;
+  }
+}
+
+}  // namespace
 
 JobStore::JobStore(Backend* backend, JobStoreOptions options)
     : backend_(backend), options_(options),
@@ -44,6 +59,17 @@ absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name) con
   return it->second;
 }
 
+absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name, uint64_t incarnation) const {
+  SHARDOPT_ASSIGN_OR_RETURN(auto job, Find(name));
+  if (incarnation != 0 && incarnation != job->incarnation) {
+    // Not "no job": the client would make the job again (Reattach) and go
+    // on in this life as if it were the one it attached to.
+    return absl::NotFoundError(absl::StrCat("job ", Quote(name), " was dropped on this server and made again since ",
+                                            "this trainer attached to it: attach again to join the new one"));
+  }
+  return job;
+}
+
 
 absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1::CreateJobRequest& spec,
                                                        uint32_t rank) const {
@@ -58,6 +84,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1:
 
 void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobResponse* response) {
   response->set_step(job.step);
+  response->set_incarnation(job.incarnation);
   response->set_sealed_step(job.sealed_step);
   response->set_applied_lr(job.applied.lr);
   response->set_applied_gscale(job.applied.gscale);
@@ -188,6 +215,9 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   }
 
   absl::MutexLock lock(&mu_);
+  // A new life, unless restored from one that was not dropped here: trainers
+  // of a life dropped on purpose must not go on in the job made again.
+  if (job->incarnation == 0 || dropped_.contains(spec.job())) job->incarnation = NewIncarnation();
   jobs_.emplace(spec.job(), job);  // none of the name: this call was its one builder
   dropped_.erase(spec.job());       // made again: no longer a dropped one (its name may stay in the order)
   if (!restored) {
@@ -302,7 +332,7 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
 
 absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& chunk,
                                                           const std::function<void()>& wake) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(chunk.job()));
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(chunk.job(), chunk.incarnation()));
   Job& job = *found;
   SHARDOPT_ASSIGN_OR_RETURN(auto dtype, FromProto(chunk.dtype()));
   StateKind kind = StateKind::kMaster;
@@ -349,7 +379,7 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
 }
 
 absl::StatusOr<std::unique_ptr<PushSession>> JobStore::BeginPush(const v1::GradChunk& first) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(first.job()));
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(first.job(), first.incarnation()));
   return PushSession::Begin(std::move(found), first);
 }
 
@@ -368,13 +398,13 @@ absl::StatusOr<StepPhases> JobStore::LastStepPhases(const std::string& name) con
 
 absl::Status JobStore::Commit(const v1::CommitRequest& request,
                               const std::function<bool(const v1::ParamChunk&)>& emit) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job(), request.incarnation()));
   return CommitAndStream(std::move(found), request, {options_.stream_chunk_elements, draining_.load()}, emit);
 }
 
 absl::StatusOr<std::unique_ptr<ParamStream>> JobStore::OpenCommit(const v1::CommitRequest& request,
                                                                    const std::function<void()>& wake) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job(), request.incarnation()));
   return ParamStream::Open(std::move(found), request, {options_.stream_chunk_elements, draining_.load()}, wake);
 }
 

@@ -187,6 +187,11 @@ class JobStore {
 
  private:
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The same, for a caller that attached to life `incarnation` of the job
+  // (0: any): another life is NOT_FOUND "was dropped", as the job it
+  // attached to was.
+  absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& name, uint64_t incarnation) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::CreateJobResponse> Attach(const Job& job, const v1::CreateJobRequest& spec, uint32_t rank) const;
   // A CreateJob answer's step, sealed step, the arguments the step was
   // applied with, and whether the round holds some of `rank`'s push.

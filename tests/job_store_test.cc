@@ -786,6 +786,65 @@ TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
   EXPECT_TRUE(std::filesystem::exists(in_progress + "/part-0-50.bin"));
 }
 
+// A job's life (CreateJobResponse.incarnation): the same to every attach
+// and through its checkpoint's restore, so that trainers go on after a server
+// restarts; new when the job is dropped and made again, where a push, commit
+// or init of the old life is NOT_FOUND "was dropped" and changes nothing.
+TEST_F(CheckpointKeepTest, AJobMadeAgainAfterADropIsANewLifeAndARestoreKeepsTheOld) {
+  const v1::CreateJobRequest spec = JobRequest("life", 1, {{"w", 100}});
+  Create(spec);
+  auto first = store_.CreateJob(spec);  // attaches
+  ASSERT_TRUE(first.ok());
+  const uint64_t old_life = first->incarnation();
+  EXPECT_NE(old_life, 0u);
+  std::mt19937_64 rng(5);
+  StepAndCheckpoint("life", 1, 100, rng);
+  {  // a restarted server restores the same life
+    auto backend = MakeCpuBackend({});
+    JobStore fresh(backend.get(), Options0(dir_));
+    auto restored = fresh.CreateJob(spec);
+    ASSERT_TRUE(restored.ok()) << restored.status();
+    EXPECT_TRUE(restored->restored());
+    EXPECT_EQ(restored->incarnation(), old_life);
+  }
+  ASSERT_TRUE(store_.DropJob("life").ok());
+  auto again = store_.CreateJob(spec);  // restores step 1 from the checkpoint, as a new life
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_TRUE(again->restored());
+  EXPECT_NE(again->incarnation(), old_life);
+  const auto before = Snapshot("life");
+  v1::CommitRequest commit = CommitRequestFor("life", 2, 1e-3, 1.0f, false);
+  commit.set_incarnation(old_life);
+  v1::GradChunk push = Chunk("w", 0, RandomBf16(rng, 100, 0.3f).data(), 100);
+  push.set_job("life");
+  push.set_step(2);
+  push.set_incarnation(old_life);
+  v1::InitChunk init;
+  init.set_job("life");
+  init.set_tensor("w");
+  init.set_dtype(v1::FP32);
+  std::vector<float> values(100, 0.5f);
+  init.set_data(values.data(), 400);
+  init.set_incarnation(old_life);
+  const absl::Status refused[] = {
+      store_.Commit(commit, [](const v1::ParamChunk&) { return true; }),
+      store_.BeginPush(push).status(),
+      store_.Init(init).status(),
+  };
+  for (const absl::Status& st : refused) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("was dropped on this server and made again"));
+  }
+  EXPECT_EQ(Snapshot("life"), before);
+  // The new life's own, and a caller that names none (0), go on.
+  commit.set_step(1);  // a retried commit of the restored step: answered, nothing applied
+  commit.set_incarnation(again->incarnation());
+  EXPECT_TRUE(store_.Commit(commit, [](const v1::ParamChunk&) { return true; }).ok());
+  commit.set_incarnation(0);
+  EXPECT_TRUE(store_.Commit(commit, [](const v1::ParamChunk&) { return true; }).ok());
+  EXPECT_EQ(Snapshot("life"), before);
+}
+
 // This server's own part of a torn step newer than its job's is another
 // run's once the job goes on from its step: set aside at the job's first
 // seal, when every server of the job has taken that step's push, so that

@@ -969,6 +969,51 @@ TEST_F(ServiceTest, TwoJobsAreIsolated) {
   EXPECT_EQ(master, ra.p);
 }
 
+// A trainer still running when its job is dropped (by an admin, another
+// client) and made again by a new run under the same name must not step the
+// new run's job: its calls are NOT_FOUND "was dropped", and the new job is
+// left as it was. It used to be taken as the new job's next step.
+TEST_F(ServiceTest, ATrainerOfAJobDroppedAndMadeAgainIsRefusedNotMergedIntoTheNewOne) {
+  const JobOptions job = MakeJob("reused", 1, {{"w", 3000}});
+  auto old_run = Connect(server_->address());
+  ASSERT_TRUE(old_run->CreateOrAttach(job).ok());
+  auto init = RandomFloats(rng_, 3000, -1, 1);
+  ASSERT_TRUE(old_run->InitFp32("w", init.data()).ok());
+  std::vector<uint16_t> params(3000);
+  StepOptions so;
+  so.lr = 1e-2;
+  for (int step = 1; step <= 2; ++step) {
+    auto g = RandomBf16(rng_, 3000, 1.0f);
+    ASSERT_TRUE(old_run->Step({{"w", g.data()}}, so, {{"w", params.data()}}).ok());
+  }
+  auto admin = Connect(server_->address());
+  ASSERT_TRUE(admin->CreateOrAttach(job).ok());
+  ASSERT_TRUE(admin->Drop().ok());
+  auto new_run = Connect(server_->address());
+  ASSERT_EQ(new_run->CreateOrAttach(job).value_or(99), 0u);
+  auto fresh = RandomFloats(rng_, 3000, -1, 1);
+  ASSERT_TRUE(new_run->InitFp32("w", fresh.data()).ok());
+  for (int step = 1; step <= 2; ++step) {
+    auto g = RandomBf16(rng_, 3000, 1.0f);
+    ASSERT_TRUE(new_run->Step({{"w", g.data()}}, so, {{"w", params.data()}}).ok());
+  }
+  std::vector<float> before(3000), after(3000);
+  ASSERT_TRUE(new_run->Read("w", StateToRead::kMaster, 0, 3000, before.data()).ok());
+  auto g = RandomBf16(rng_, 3000, 1.0f);
+  const auto stepped = old_run->Step({{"w", g.data()}}, so, {{"w", params.data()}});
+  EXPECT_EQ(stepped.status().code(), absl::StatusCode::kNotFound) << stepped.status();
+  EXPECT_THAT(std::string(stepped.status().message()), HasSubstr("was dropped on this server and made again"));
+  EXPECT_EQ(old_run->InitFp32("w", init.data()).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(new_run->Read("w", StateToRead::kMaster, 0, 3000, after.data()).ok());
+  EXPECT_EQ(after, before);
+  auto described = new_run->Describe();
+  ASSERT_TRUE(described.ok());
+  EXPECT_EQ(described->front().step, 2u);
+  // The new run goes on, its step its own.
+  ASSERT_TRUE(new_run->Step({{"w", g.data()}}, so, {{"w", params.data()}}).ok());
+  EXPECT_EQ(new_run->step(), 3u);
+}
+
 TEST_F(ServiceTest, VerifyStateFailsWhenStateIsNotHeldAtTheAskedPrecision) {
   // Another trainer created the job with bf16 state; this one asks for fp32
   // and must be refused rather than silently train on bf16 state.

@@ -387,7 +387,11 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
         return self._client.describe()
 
     def drop(self):
-        """Deletes the job and its state from the servers."""
+        """Deletes the job and its state from the servers. This optimizer's
+        later calls then raise FailedPrecondition, and other trainers' get
+        NotFound. Checkpoints on disk stay: a later job of the same name on
+        servers with --checkpoint_dir restores the newest complete one, so
+        remove the job's directory there to start it afresh."""
         self._client.drop()
 
     @property

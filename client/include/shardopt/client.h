@@ -294,8 +294,9 @@ class Client {
   absl::Status VerifyState();
   // Drops the job on every server, with its state (another client's calls
   // then get NOT_FOUND "was dropped"). This client is then attached to
-  // nothing: its calls get FAILED_PRECONDITION until CreateOrAttach, which
-  // makes a new job of the name at step 0 (or restores its checkpoint).
+  // nothing: its calls get FAILED_PRECONDITION ("was dropped by this
+  // client") until CreateOrAttach, which makes a new job of the name at step
+  // 0, or restores its newest complete checkpoint: checkpoints on disk stay.
   absl::Status Drop();
   // Writes a checkpoint of the job's current step on every server (each
   // server its part, into a --checkpoint_dir they share). Fails with
