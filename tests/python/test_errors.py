@@ -97,6 +97,29 @@ def test_server_errors_carry_code_and_message(servers, job):
     assert isinstance(err.value, LookupError)
 
 
+def test_a_trainer_left_running_never_steps_the_job_made_again_under_its_name(servers, job):
+    """Dropped by another trainer and made again by a new run: the old
+    trainer's next step is NOT_FOUND, and the new run's job stays as it was
+    (it used to take the old trainer's push as its next step)."""
+    old_model = make_model()
+    old = RemoteAdamW(old_model.named_parameters(), servers=servers, job=job)
+    train(old_model, old, 2)
+    RemoteAdamW(make_model().named_parameters(), servers=servers, job=job).drop()
+    new_model = make_model(seed=5)
+    new = RemoteAdamW(new_model.named_parameters(), servers=servers, job=job)
+    train(new_model, new, 2)
+    masters = [new.master(p).clone() for p in new_model.parameters()]
+    tokens, targets = batch(7)
+    old_model(tokens, targets).backward()
+    with pytest.raises(shardopt.NotFound, match="made again"):
+        old.step()
+    assert new.job_step == 2
+    assert all(torch.equal(new.master(p), m) for p, m in zip(new_model.parameters(), masters))
+    train(new_model, new, 1, first=3)
+    assert new.job_step == 3
+    new.drop()
+
+
 def test_load_state_dict_after_steps_is_refused(servers, job):
     model = make_model()
     opt = RemoteAdamW(model.named_parameters(), servers=servers, job=job)
