@@ -225,6 +225,7 @@ struct Client::Impl {
         SHARDOPT_RETURN_IF_ERROR(Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
           v1::DescribeRequest req;
           req.set_job(job.name);
+          req.set_incarnation(incarnation[s]);
           req.set_tensor_offset(tensors.size());
           return stubs[s]->Describe(ctx, req, &page);
         }));
@@ -351,6 +352,7 @@ uint64_t Client::chunk_bytes() const { return impl_->chunk_bytes; }
 absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   Impl& im = *impl_;
   im.attached = false;  // until this job is: a failed attach leaves no half of it
+  im.dropped.clear();
   SHARDOPT_RETURN_IF_ERROR(CheckJobOptions(job, im.options.rank));
   im.job = job;
   im.tensor_index.clear();
@@ -401,7 +403,6 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     im.barrier_ms = said > 0 ? static_cast<uint32_t>(said) : 60000;
   }
   im.attached = true;
-  im.dropped.clear();
   return step;
 }
 
@@ -439,6 +440,7 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
       SHARDOPT_RETURN_IF_ERROR(im.Call(s, call_ms, [&](grpc::ClientContext* ctx) {
         v1::DescribeRequest req;
         req.set_job(im.job.name);
+        req.set_incarnation(im.incarnation[s]);
         req.set_max_tensors(1);  // only the job-wide fields are wanted
         return im.stubs[s]->Describe(ctx, req, &r);
       }));
@@ -647,6 +649,7 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
       req.set_length(end - begin);
       req.set_kind(ToProto(what));
       return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+        req.set_incarnation(im.incarnation[s]);  // at each attempt: a Reattach may have renewed it
         auto reader = im.stubs[s]->Read(ctx, req);
         v1::StateChunk chunk;
         uint64_t received = 0;
@@ -739,6 +742,7 @@ absl::Status Client::Checkpoint() {
       v1::CheckpointRequest req;
       req.set_job(im.job.name);
       req.set_step(im.step);
+      req.set_incarnation(im.incarnation[s]);
       return im.stubs[s]->Checkpoint(ctx, req, &responses[s]);
     });
   });
@@ -761,6 +765,7 @@ absl::Status Client::Drop() {
         [&](grpc::ClientContext* ctx) {
           v1::DropJobRequest req;
           req.set_job(im.job.name);
+          req.set_incarnation(im.incarnation[s]);  // not a job made again since
           v1::DropJobResponse resp;
           return im.stubs[s]->DropJob(ctx, req, &resp);
         },

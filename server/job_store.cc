@@ -61,13 +61,16 @@ absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name) con
 
 absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name, uint64_t incarnation) const {
   SHARDOPT_ASSIGN_OR_RETURN(auto job, Find(name));
-  if (incarnation != 0 && incarnation != job->incarnation) {
-    // Not "no job": the client would make the job again (Reattach) and go
-    // on in this life as if it were the one it attached to.
-    return absl::NotFoundError(absl::StrCat("job ", Quote(name), " was dropped on this server and made again since ",
-                                            "this trainer attached to it: attach again to join the new one"));
-  }
+  if (incarnation != 0 && incarnation != job->incarnation) return OtherLife(name);
   return job;
+}
+
+absl::Status JobStore::OtherLife(const std::string& name) {
+  // Not "no job": the client would make the job again (Reattach) and go on
+  // in this life as if it were the one it attached to.
+  return absl::NotFoundError(absl::StrCat("job ", Quote(name), " was dropped on this server and made again since ",
+                                          "this trainer attached to it: its job is gone, and the one of the name "
+                                          "now is another run's (CreateOrAttach would join that run at its step)"));
 }
 
 
@@ -216,8 +219,9 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
 
   absl::MutexLock lock(&mu_);
   // A new life, unless restored from one that was not dropped here: trainers
-  // of a life dropped on purpose must not go on in the job made again.
-  if (job->incarnation == 0 || dropped_.contains(spec.job())) job->incarnation = NewIncarnation();
+  // of a life dropped on purpose must not go on in the job made again, nor
+  // those of the run a restore_step that goes back starts anew.
+  if (job->incarnation == 0 || restore_step > 0 || dropped_.contains(spec.job())) job->incarnation = NewIncarnation();
   jobs_.emplace(spec.job(), job);  // none of the name: this call was its one builder
   dropped_.erase(spec.job());       // made again: no longer a dropped one (its name may stay in the order)
   if (!restored) {
@@ -235,12 +239,13 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   return response;
 }
 
-absl::Status JobStore::DropJob(const std::string& name) {
+absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation) {
   std::shared_ptr<Job> job;
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(name);
     if (it == jobs_.end()) return NoJob(name);
+    if (incarnation != 0 && incarnation != it->second->incarnation) return OtherLife(name);
     job = it->second;
     jobs_.erase(it);
     if (dropped_.insert(name).second) dropped_order_.push_back(name);
@@ -258,7 +263,7 @@ absl::Status JobStore::DropJob(const std::string& name) {
 }
 
 absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeRequest& request) const {
-  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job(), request.incarnation()));
   Job& job = *found;
   absl::MutexLock lock(&job.mu);
   v1::DescribeResponse r;
@@ -409,7 +414,7 @@ absl::StatusOr<std::unique_ptr<ParamStream>> JobStore::OpenCommit(const v1::Comm
 }
 
 absl::StatusOr<std::unique_ptr<JobStore::StateStream>> JobStore::OpenRead(const v1::ReadRequest& req) const {
-  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(req.job()));
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(req.job(), req.incarnation()));
   Job& job = *found;
   StateKind kind;
   switch (req.kind()) {

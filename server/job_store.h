@@ -101,7 +101,8 @@ class JobStore {
   // DEADLINE_EXCEEDED, not checkpointed: the others do not wait for it.
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> DrainAndCheckpoint(
       absl::Duration wait_for_steps = absl::Seconds(20)) ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status DropJob(const std::string& job) ABSL_LOCKS_EXCLUDED(mu_);
+  // `incarnation` as Find's: a caller of another life of the job drops nothing.
+  absl::Status DropJob(const std::string& job, uint64_t incarnation = 0) ABSL_LOCKS_EXCLUDED(mu_);
   // One page of the job's tensors on this server, at most kDescribePage.
   static constexpr uint32_t kDescribePage = 4096;
   absl::StatusOr<v1::DescribeResponse> Describe(const v1::DescribeRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -221,6 +222,8 @@ class JobStore {
   absl::flat_hash_set<std::string> dropped_ ABSL_GUARDED_BY(mu_);
   // NOT_FOUND for a job this server does not hold, saying whether it was dropped.
   absl::Status NoJob(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // NOT_FOUND for a caller of another life of the job `name` holds now.
+  static absl::Status OtherLife(const std::string& name);
   // Jobs being built by a CreateJob, outside the lock; `created_` is
   // signalled as each is done, in the map or failed.
   absl::flat_hash_set<std::string> creating_ ABSL_GUARDED_BY(mu_);

@@ -25,7 +25,7 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
   if (options_.checkpoint_dir.empty()) {
     return absl::FailedPreconditionError("this server has no --checkpoint_dir");
   }
-  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job()));
+  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job(), request.incarnation()));
   Job& job = *found;
   // One checkpoint of a job at a time here. A client whose deadline passed
   // during a slow one retries it while the first still writes: that retry

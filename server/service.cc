@@ -122,7 +122,7 @@ grpc::Status OptimizerService::Describe(grpc::ServerContext* context, const v1::
 grpc::Status OptimizerService::DropJob(grpc::ServerContext* context, const v1::DropJobRequest* req,
                                        v1::DropJobResponse*) {
   if (auto caller = Authorize(*context, Action::kDrop, req->job()); !caller.ok()) return ToGrpcStatus(caller.status());
-  return ToGrpcStatus(store_->DropJob(req->job()));
+  return ToGrpcStatus(store_->DropJob(req->job(), req->incarnation()));
 }
 
 grpc::Status OptimizerService::Checkpoint(grpc::ServerContext* context, const v1::CheckpointRequest* req,

@@ -836,6 +836,19 @@ TEST_F(CheckpointKeepTest, AJobMadeAgainAfterADropIsANewLifeAndARestoreKeepsTheO
     EXPECT_THAT(std::string(st.message()), HasSubstr("was dropped on this server and made again"));
   }
   EXPECT_EQ(Snapshot("life"), before);
+  EXPECT_EQ(store_.DropJob("life", old_life).code(), absl::StatusCode::kNotFound);  // a stale trainer's cleanup
+  // A restore_step that goes back starts a new run: a new life too.
+  {
+    auto backend = MakeCpuBackend({});
+    JobStore fresh(backend.get(), Options0(dir_));
+    v1::CreateJobRequest back = spec;
+    back.set_restore_step(1);
+    auto restored = fresh.CreateJob(back);
+    ASSERT_TRUE(restored.ok()) << restored.status();
+    EXPECT_EQ(restored->step(), 1u);
+    EXPECT_NE(restored->incarnation(), old_life);
+    EXPECT_NE(restored->incarnation(), again->incarnation());
+  }
   // The new life's own, and a caller that names none (0), go on.
   commit.set_step(1);  // a retried commit of the restored step: answered, nothing applied
   commit.set_incarnation(again->incarnation());

@@ -1004,6 +1004,11 @@ TEST_F(ServiceTest, ATrainerOfAJobDroppedAndMadeAgainIsRefusedNotMergedIntoTheNe
   EXPECT_EQ(stepped.status().code(), absl::StatusCode::kNotFound) << stepped.status();
   EXPECT_THAT(std::string(stepped.status().message()), HasSubstr("was dropped on this server and made again"));
   EXPECT_EQ(old_run->InitFp32("w", init.data()).code(), absl::StatusCode::kNotFound);
+  // Nor read it as its own, nor drop it (a trainer's cleanup at its end).
+  std::vector<float> read(3000);
+  EXPECT_EQ(old_run->Read("w", StateToRead::kMaster, 0, 3000, read.data()).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(old_run->Describe().status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(old_run->Drop().code(), absl::StatusCode::kNotFound);
   ASSERT_TRUE(new_run->Read("w", StateToRead::kMaster, 0, 3000, after.data()).ok());
   EXPECT_EQ(after, before);
   auto described = new_run->Describe();
