@@ -629,13 +629,8 @@ TEST_F(StoreTest, InitialValuesAreTakenOnlyAtStepZero) {
   ASSERT_TRUE(Push("late", 1, 0, {{"w", g}}).ok());
   ASSERT_TRUE(Commit("late", 1, 1e-3).ok());
   const std::string before = Snapshot("late");
-  v1::InitChunk c;
-  c.set_job("late");
-  c.set_tensor("w");
-  c.set_dtype(v1::FP32);
-  std::vector<float> v(100, 1.0f);
-  c.set_data(v.data(), 400);
-  EXPECT_EQ(store_.Init(c).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store_.Init(Fp32Init("late", "w", std::vector<float>(100, 1.0f))).status().code(),
+            absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(Snapshot("late"), before);
 }
 
@@ -819,12 +814,7 @@ TEST_F(CheckpointKeepTest, AJobMadeAgainAfterADropIsANewLifeAndARestoreKeepsTheO
   push.set_job("life");
   push.set_step(2);
   push.set_incarnation(old_life);
-  v1::InitChunk init;
-  init.set_job("life");
-  init.set_tensor("w");
-  init.set_dtype(v1::FP32);
-  std::vector<float> values(100, 0.5f);
-  init.set_data(values.data(), 400);
+  v1::InitChunk init = Fp32Init("life", "w", std::vector<float>(100, 0.5f));
   init.set_incarnation(old_life);
   const absl::Status refused[] = {
       store_.Commit(commit, [](const v1::ParamChunk&) { return true; }),

@@ -50,18 +50,23 @@ class StoreTest : public ::testing::Test {
     return r;
   }
 
+  // An Init message of fp32 master values for `tensor` from offset 0.
+  static v1::InitChunk Fp32Init(const std::string& job, const std::string& tensor, const std::vector<float>& values) {
+    v1::InitChunk c;
+    c.set_job(job);
+    c.set_tensor(tensor);
+    c.set_dtype(v1::FP32);
+    c.set_data(values.data(), values.size() * 4);
+    return c;
+  }
+
   // Creates the job and gives every tensor random initial values.
   std::map<std::string, std::vector<float>> Create(const v1::CreateJobRequest& r) {
     EXPECT_TRUE(store_.CreateJob(r).ok());
     std::map<std::string, std::vector<float>> init;
     for (const v1::TensorSpec& t : r.tensors()) {
       init[t.name()] = RandomFloats(rng_, t.numel(), -1, 1);
-      v1::InitChunk c;
-      c.set_job(r.job());
-      c.set_tensor(t.name());
-      c.set_dtype(v1::FP32);
-      c.set_data(init[t.name()].data(), t.numel() * 4);
-      auto written = store_.Init(c);
+      auto written = store_.Init(Fp32Init(r.job(), t.name(), init[t.name()]));
       EXPECT_EQ(written.value_or(0), t.numel()) << written.status();
     }
     return init;
