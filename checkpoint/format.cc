@@ -74,6 +74,22 @@ std::string StepDirectory(const std::string& root, const std::string& job, uint6
   return absl::StrFormat("%s/%s/step-%020u", root, JobDirectoryName(job), step);
 }
 
+namespace {
+std::string DroppedLifeName(uint64_t incarnation) { return absl::StrFormat("dropped-life-%016x", incarnation); }
+}  // namespace
+
+absl::Status MarkLifeDropped(const std::string& root, const std::string& job, uint64_t incarnation) {
+  const std::string dir = absl::StrCat(root, "/", JobDirectoryName(job));
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return absl::OkStatus();
+  return WriteFileAtomic(dir, DroppedLifeName(incarnation), {});
+}
+
+bool LifeDropped(const std::string& root, const std::string& job, uint64_t incarnation) {
+  std::error_code ec;
+  return fs::exists(absl::StrCat(root, "/", JobDirectoryName(job), "/", DroppedLifeName(incarnation)), ec);
+}
+
 absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& root, v1::PartManifest manifest,
                                                              bool written) {
   const v1::CreateJobRequest& spec = manifest.spec();

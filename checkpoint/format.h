@@ -74,6 +74,14 @@ std::string StepDirectory(const std::string& root, const std::string& job, uint6
 std::string JobDirectoryName(const std::string& job);
 inline constexpr size_t kMaxFileNameBytes = 255;
 
+// A life of a job (CreateJobResponse.incarnation) dropped on purpose, marked
+// in the job's directory: a job made again after the server restarted must
+// not restore the dropped life from a checkpoint, or that life's trainers
+// would go on in it. Nothing to mark where the job has no directory (no
+// checkpoint of it to restore).
+absl::Status MarkLifeDropped(const std::string& root, const std::string& job, uint64_t incarnation);
+bool LifeDropped(const std::string& root, const std::string& job, uint64_t incarnation);
+
 struct WriteResult {
   std::string directory;
   uint64_t part_bytes = 0;

@@ -217,11 +217,16 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     }
   }
 
+  // A new life, unless restored from one that was not dropped (here, or
+  // before this server restarted: marked on disk): trainers of a life
+  // dropped on purpose must not go on in the job made again, nor those of
+  // the run a restore_step that goes back starts anew.
+  const bool life_dropped =
+      restored && checkpoint::LifeDropped(options_.checkpoint_dir, spec.job(), job->incarnation);
   absl::MutexLock lock(&mu_);
-  // A new life, unless restored from one that was not dropped here: trainers
-  // of a life dropped on purpose must not go on in the job made again, nor
-  // those of the run a restore_step that goes back starts anew.
-  if (job->incarnation == 0 || restore_step > 0 || dropped_.contains(spec.job())) job->incarnation = NewIncarnation();
+  if (job->incarnation == 0 || restore_step > 0 || life_dropped || dropped_.contains(spec.job())) {
+    job->incarnation = NewIncarnation();
+  }
   jobs_.emplace(spec.job(), job);  // none of the name: this call was its one builder
   dropped_.erase(spec.job());       // made again: no longer a dropped one (its name may stay in the order)
   if (!restored) {
@@ -252,6 +257,15 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation) {
     if (dropped_order_.size() > kDroppedKept) {
       dropped_.erase(dropped_order_.front());
       dropped_order_.pop_front();
+    }
+  }
+  // Outside the store's lock: a write to disk.
+  if (!options_.checkpoint_dir.empty()) {
+    if (absl::Status marked = checkpoint::MarkLifeDropped(options_.checkpoint_dir, name, job->incarnation);
+        !marked.ok()) {
+      options_.checkpoint_log(absl::StrCat("could not mark the dropped life of job ", Quote(name),
+                                           " (a restart before it is made again would restore that life): ",
+                                           marked.message()));
     }
   }
   absl::MutexLock lock(&job->mu);
