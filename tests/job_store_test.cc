@@ -794,23 +794,25 @@ TEST_F(CheckpointKeepTest, AJobMadeAgainAfterADropIsANewLifeAndARestoreKeepsTheO
   EXPECT_NE(old_life, 0u);
   std::mt19937_64 rng(5);
   StepAndCheckpoint("life", 1, 100, rng);
-  {  // a restarted server restores the same life
-    auto backend = MakeCpuBackend({});
-    JobStore fresh(backend.get(), Options0(dir_));
-    auto restored = fresh.CreateJob(spec);
-    ASSERT_TRUE(restored.ok()) << restored.status();
-    EXPECT_TRUE(restored->restored());
-    EXPECT_EQ(restored->incarnation(), old_life);
-  }
-  ASSERT_TRUE(store_.DropJob("life").ok());
-  {  // the drop is marked on disk: a server restarted since does not restore the dropped life either
+  // The life a restarted server (another store on the directory) restores,
+  // at `restore_step` (0: the newest), or 0 if it restores nothing.
+  const auto restored_life = [&](uint64_t restore_step) -> uint64_t {
     auto backend = MakeCpuBackend({});
     JobStore restarted(backend.get(), Options0(dir_));
-    auto remade = restarted.CreateJob(spec);
-    ASSERT_TRUE(remade.ok()) << remade.status();
-    EXPECT_TRUE(remade->restored());
-    EXPECT_NE(remade->incarnation(), old_life);
-  }
+    v1::CreateJobRequest asked = spec;
+    asked.set_restore_step(restore_step);
+    auto answer = restarted.CreateJob(asked);
+    EXPECT_TRUE(answer.ok()) << answer.status();
+    EXPECT_EQ(answer.value_or(v1::CreateJobResponse()).step(), 1u);
+    return answer.ok() && answer->restored() ? answer->incarnation() : 0;
+  };
+  EXPECT_EQ(restored_life(0), old_life);
+  ASSERT_TRUE(store_.DropJob("life").ok());
+  // The drop is marked on disk: a server restarted since does not restore
+  // the dropped life either.
+  const uint64_t remade = restored_life(0);
+  EXPECT_NE(remade, 0u);
+  EXPECT_NE(remade, old_life);
   auto again = store_.CreateJob(spec);  // restores step 1 from the checkpoint, as a new life
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_TRUE(again->restored());
@@ -836,17 +838,10 @@ TEST_F(CheckpointKeepTest, AJobMadeAgainAfterADropIsANewLifeAndARestoreKeepsTheO
   EXPECT_EQ(Snapshot("life"), before);
   EXPECT_EQ(store_.DropJob("life", old_life).code(), absl::StatusCode::kNotFound);  // a stale trainer's cleanup
   // A restore_step that goes back starts a new run: a new life too.
-  {
-    auto backend = MakeCpuBackend({});
-    JobStore fresh(backend.get(), Options0(dir_));
-    v1::CreateJobRequest back = spec;
-    back.set_restore_step(1);
-    auto restored = fresh.CreateJob(back);
-    ASSERT_TRUE(restored.ok()) << restored.status();
-    EXPECT_EQ(restored->step(), 1u);
-    EXPECT_NE(restored->incarnation(), old_life);
-    EXPECT_NE(restored->incarnation(), again->incarnation());
-  }
+  const uint64_t back = restored_life(1);
+  EXPECT_NE(back, 0u);
+  EXPECT_NE(back, old_life);
+  EXPECT_NE(back, again->incarnation());
   // The new life's own, and a caller that names none (0), go on.
   commit.set_step(1);  // a retried commit of the restored step: answered, nothing applied
   commit.set_incarnation(again->incarnation());
