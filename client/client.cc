@@ -121,8 +121,19 @@ struct Client::Impl {
     v1::CreateJobResponse resp;
     SHARDOPT_RETURN_IF_ERROR(fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
                                           [&](grpc::ClientContext* ctx) { return stubs[s]->CreateJob(ctx, req, &resp); }));
-    if (resp.step() == step && (resp.restored() || !resp.created())) {
-      incarnation[s] = resp.incarnation();
+    // The job restored (or attached by another rank) must be this client's
+    // life too: a server that restored the checkpoint of a life dropped
+    // since answers the next one, whose job stays for the new run while
+    // this trainer, left running, is refused.
+    const bool kept = resp.restored() || !resp.created();
+    const bool same_life = incarnation[s] == 0 || resp.incarnation() == 0 || resp.incarnation() == incarnation[s];
+    if (kept && !same_life) {
+      return absl::NotFoundError(absl::StrCat("job '", job.name, "' was dropped and made again since this trainer ",
+                                              "attached to it: ", address(s), " restarted and holds the new run's ",
+                                              "job now, not this trainer's"));
+    }
+    if (kept && resp.step() == step) {
+      incarnation[s] = resp.incarnation();  // its own, or the first this client learns of a server without lives
       return absl::OkStatus();
     }
     if (resp.created() && !resp.restored()) {

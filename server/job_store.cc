@@ -21,15 +21,40 @@
 namespace shardopt {
 namespace {
 
-// A job's new life: random, so that one made again after a drop (on this
-// server or a restarted one) is told apart from any before it; never 0,
-// which a request uses for "not checked".
+// A job's lives (CreateJobResponse.incarnation) are never 0, which a
+// request uses for "not checked".
+
+// A new run's life: random, told apart from any before it.
 uint64_t NewIncarnation() {
   std::random_device entropy;
   for (;;) {
     const uint64_t id = (uint64_t{entropy()} << 32) ^ entropy();
     if (id != 0) return id;
   }
+}
+
+// splitmix64's finalizer: a fixed mix, the same in every process.
+uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15u;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9u;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebu;
+  x ^= x >> 31;
+  return x != 0 ? x : 1;
+}
+
+// The life after a dropped one, for a job made again from the dropped
+// life's checkpoint: a function of it, so that a server restarted before the
+// new run's first checkpoint gives the new run's trainers back their life
+// when they re-attach, while the dropped life's trainers are refused.
+uint64_t NextLife(uint64_t life) { return Mix(life ^ 0x6c69666521u); }
+
+// The life of a job restored from a part that names none (written before
+// lives existed, or another placement's): from the job and the step, the
+// same on every restart.
+uint64_t LifeOfUnnamedPart(const std::string& job, uint64_t step) {
+  uint64_t h = 0xcbf29ce484222325u;  // FNV-1a over the name
+  for (unsigned char c : job) h = (h ^ c) * 0x100000001b3u;
+  return Mix(h ^ Mix(step));
 }
 
 }  // namespace
@@ -172,12 +197,14 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
 
   // Outside the store's lock: reading a checkpoint must not stall other jobs.
   bool restored = false;
+  uint64_t restored_step = 0;
   if (!options_.checkpoint_dir.empty()) {
     absl::MutexLock job_lock(&job->mu);
     const auto t0 = std::chrono::steady_clock::now();
     const absl::Status loaded = Restore(options_.checkpoint_dir, restore_step, options_.checkpoint_log, *job);
     if (loaded.ok()) {
       restored = true;
+      restored_step = job->step;
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const uint64_t bytes = job->state->memory_use().state_bytes;
       metrics::Registry::Default().Observe("shardopt_checkpoint_seconds", {{"direction", "restore"}}, seconds);
@@ -217,16 +244,25 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     }
   }
 
-  // A new life, unless restored from one that was not dropped (here, or
-  // before this server restarted: marked on disk): trainers of a life
-  // dropped on purpose must not go on in the job made again, nor those of
-  // the run a restore_step that goes back starts anew.
-  const bool life_dropped =
-      restored && checkpoint::LifeDropped(options_.checkpoint_dir, spec.job(), job->incarnation);
-  absl::MutexLock lock(&mu_);
-  if (job->incarnation == 0 || restore_step > 0 || life_dropped || dropped_.contains(spec.job())) {
-    job->incarnation = NewIncarnation();
+  // The job's life. A fresh job, or the run a restore_step that goes back
+  // starts anew: a new one. A restore: the checkpoint's, unless that life
+  // was dropped on purpose (marked on disk, so also before this server
+  // restarted), whose trainers must not go on in the job made again: then
+  // the life after it, which a restart before the new run checkpoints
+  // gives again.
+  uint64_t life = job->incarnation;  // the part's, or 0
+  bool advanced = false;
+  if (restored) {
+    if (life == 0) life = LifeOfUnnamedPart(spec.job(), restored_step);
+    while (checkpoint::LifeDropped(options_.checkpoint_dir, spec.job(), life)) {
+      life = NextLife(life);
+      advanced = true;
+    }
   }
+  absl::MutexLock lock(&mu_);
+  // A drop whose mark could not be written is remembered here only.
+  if (restored && !advanced && dropped_.contains(spec.job())) life = NextLife(life);
+  job->incarnation = !restored || restore_step > 0 ? NewIncarnation() : life;
   jobs_.emplace(spec.job(), job);  // none of the name: this call was its one builder
   dropped_.erase(spec.job());       // made again: no longer a dropped one (its name may stay in the order)
   if (!restored) {

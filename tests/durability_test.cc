@@ -283,6 +283,49 @@ TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop
   EXPECT_EQ(*describe, 2 * kN);
 }
 
+// A trainer left running while its job is dropped, whose server then
+// restarts before anyone makes the job again: its call finds no job, and its
+// re-attach restores the dropped life's checkpoint. The drop's mark gives
+// that job the next life, which the trainer does not take as its own: it is
+// refused, and the job stays for the new run, which attaches to it (at the
+// checkpoint's step) and goes on through another restart. Before the mark
+// and the check, the dropped trainer took the job back and could step and
+// drop it under the new run.
+TEST(DurabilityTest, ATrainerOfADroppedJobDoesNotTakeItBackThroughARestart) {
+  const JobOptions job = DurableJob("retaken", {{"w", 3000}});
+  constexpr uint64_t kN = 3;
+  TempDir dir;
+  FixedPortServers servers(1, dir.path());
+  ClientOptions options;
+  options.servers = {servers.servers[0]->address()};
+  auto old_run = Client::Connect(options).value();
+  ScriptedTrainer trainer = Train(*old_run, job, kN);
+  ASSERT_TRUE(old_run->Checkpoint().ok());
+  auto admin = Client::Connect(options).value();
+  ASSERT_EQ(admin->CreateOrAttach(job).value(), kN);
+  ASSERT_TRUE(admin->Drop().ok());
+  servers.servers[0]->Stop(SIGKILL);
+  servers.Restart(0);
+
+  const auto stepped = trainer.Step(*old_run);
+  EXPECT_EQ(stepped.status().code(), absl::StatusCode::kNotFound) << stepped.status();
+  EXPECT_THAT(std::string(stepped.status().message()), HasSubstr("dropped and made again"));
+  auto new_run = Client::Connect(options).value();
+  ASSERT_EQ(new_run->CreateOrAttach(job).value(), kN);  // the checkpoint, not a step of the old run's
+  const auto before = Fingerprint(*new_run, job).value();
+  EXPECT_EQ(old_run->Drop().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(Fingerprint(*new_run, job).value(), before);
+  // The new run's life is a function of the dropped one: a restart before
+  // the new run checkpoints gives it back, and the new run steps on.
+  servers.servers[0]->Stop(SIGKILL);
+  servers.Restart(0);
+  ScriptedTrainer next(job);
+  const auto resumed = next.Step(*new_run);
+  ASSERT_TRUE(resumed.ok()) << resumed.status();
+  EXPECT_EQ(new_run->step(), kN + 1);
+  EXPECT_EQ(trainer.Step(*old_run).status().code(), absl::StatusCode::kNotFound);
+}
+
 // A server restarted with no checkpoint of the job: the re-attach finds a
 // fresh job at step 0, drops it again, and says why; every later call says
 // the same, not "was dropped" (the job the client itself dropped), which
