@@ -5,7 +5,6 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
-#include <random>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -13,52 +12,13 @@
 #include "checkpoint/format.h"
 #include "rpc/initial_values.h"
 #include "server/commit_stream.h"
+#include "server/job_life.h"
 #include "server/job_snapshot.h"
 #include "server/job_spec.h"
 #include "server/messages.h"
 #include "server/metrics.h"
 
 namespace shardopt {
-namespace {
-
-// A job's lives (CreateJobResponse.incarnation) are never 0, which a
-// request uses for "not checked".
-
-// A new run's life: random, told apart from any before it.
-uint64_t NewIncarnation() {
-  std::random_device entropy;
-  for (;;) {
-    const uint64_t id = (uint64_t{entropy()} << 32) ^ entropy();
-    if (id != 0) return id;
-  }
-}
-
-// splitmix64's finalizer: a fixed mix, the same in every process.
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15u;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9u;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebu;
-  x ^= x >> 31;
-  return x != 0 ? x : 1;
-}
-
-// The life after a dropped one, for a job made again from the dropped
-// life's checkpoint: a function of it, so that a server restarted before the
-// new run's first checkpoint gives the new run's trainers back their life
-// when they re-attach, while the dropped life's trainers are refused.
-uint64_t NextLife(uint64_t life) { return Mix(life ^ 0x6c69666521u); }
-
-// The life of a job restored from a part that names none (written before
-// lives existed, or another placement's): from the job and the step, the
-// same on every restart.
-uint64_t LifeOfUnnamedPart(const std::string& job, uint64_t step) {
-  uint64_t h = 0xcbf29ce484222325u;  // FNV-1a over the name
-  for (unsigned char c : job) h = (h ^ c) * 0x100000001b3u;
-  return Mix(h ^ Mix(step));
-}
-
-}  // namespace
-
 JobStore::JobStore(Backend* backend, JobStoreOptions options)
     : backend_(backend), options_(options),
       budget_(options.memory_limit > 0 ? options.memory_limit : MemoryBudget::DefaultLimit()) {
@@ -262,7 +222,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   absl::MutexLock lock(&mu_);
   // A drop whose mark could not be written is remembered here only.
   if (restored && !advanced && dropped_.contains(spec.job())) life = NextLife(life);
-  job->incarnation = !restored || restore_step > 0 ? NewIncarnation() : life;
+  job->incarnation = !restored || restore_step > 0 ? NewLife() : life;
   jobs_.emplace(spec.job(), job);  // none of the name: this call was its one builder
   dropped_.erase(spec.job());       // made again: no longer a dropped one (its name may stay in the order)
   if (!restored) {
