@@ -204,25 +204,19 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     }
   }
 
-  // The job's life. A fresh job, or the run a restore_step that goes back
-  // starts anew: a new one. A restore: the checkpoint's, unless that life
-  // was dropped on purpose (marked on disk, so also before this server
-  // restarted), whose trainers must not go on in the job made again: then
-  // the life after it, which a restart before the new run checkpoints
-  // gives again.
-  uint64_t life = job->incarnation;  // the part's, or 0
-  bool advanced = false;
-  if (restored) {
-    if (life == 0) life = LifeOfUnnamedPart(spec.job(), restored_step);
-    while (checkpoint::LifeDropped(options_.checkpoint_dir, spec.job(), life)) {
-      life = NextLife(life);
-      advanced = true;
-    }
+  // The job's life. A fresh job, or a run started from a restore_step the
+  // caller chose: a new one. A restore of the newest: the checkpoint's,
+  // unless that life was dropped on purpose (marked on disk, also before
+  // this server restarted), whose trainers must not go on in the job made
+  // again: then the life after it, which a restart before the new run
+  // checkpoints gives again.
+  uint64_t life = NewLife();
+  if (restored && restore_step == 0) {
+    life = job->incarnation != 0 ? job->incarnation : LifeOfUnnamedPart(spec.job(), restored_step);
+    while (checkpoint::LifeDropped(options_.checkpoint_dir, spec.job(), life)) life = NextLife(life);
   }
+  job->incarnation = life;
   absl::MutexLock lock(&mu_);
-  // A drop whose mark could not be written is remembered here only.
-  if (restored && !advanced && dropped_.contains(spec.job())) life = NextLife(life);
-  job->incarnation = !restored || restore_step > 0 ? NewLife() : life;
   jobs_.emplace(spec.job(), job);  // none of the name: this call was its one builder
   dropped_.erase(spec.job());       // made again: no longer a dropped one (its name may stay in the order)
   if (!restored) {
@@ -241,27 +235,26 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
 }
 
 absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation) {
-  std::shared_ptr<Job> job;
+  SHARDOPT_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Find(name, incarnation));
+  // The life is marked dropped on disk before the job goes, outside the
+  // store's lock: no job of the name can be made (and restore this life)
+  // while it is still here, and a drop that cannot be marked does not happen.
+  if (!options_.checkpoint_dir.empty()) {
+    if (absl::Status marked = checkpoint::MarkLifeDropped(options_.checkpoint_dir, name, job->incarnation);
+        !marked.ok()) {
+      return absl::Status(marked.code(), absl::StrCat("job ", Quote(name), " is not dropped: its life could not be ",
+                                                      "marked dropped in the checkpoint directory: ", marked.message()));
+    }
+  }
   {
     absl::MutexLock lock(&mu_);
     auto it = jobs_.find(name);
-    if (it == jobs_.end()) return NoJob(name);
-    if (incarnation != 0 && incarnation != it->second->incarnation) return OtherLife(name);
-    job = it->second;
+    if (it == jobs_.end() || it->second != job) return NoJob(name);  // another drop came first
     jobs_.erase(it);
     if (dropped_.insert(name).second) dropped_order_.push_back(name);
     if (dropped_order_.size() > kDroppedKept) {
       dropped_.erase(dropped_order_.front());
       dropped_order_.pop_front();
-    }
-  }
-  // Outside the store's lock: a write to disk.
-  if (!options_.checkpoint_dir.empty()) {
-    if (absl::Status marked = checkpoint::MarkLifeDropped(options_.checkpoint_dir, name, job->incarnation);
-        !marked.ok()) {
-      options_.checkpoint_log(absl::StrCat("could not mark the dropped life of job ", Quote(name),
-                                           " (a restart before it is made again would restore that life): ",
-                                           marked.message()));
     }
   }
   absl::MutexLock lock(&job->mu);
