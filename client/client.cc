@@ -39,7 +39,7 @@ struct Client::Impl {
 
   JobOptions job;
   bool attached = false;
-  std::string dropped;  // the job this client's Drop dropped, until it attaches again
+  bool dropped = false;  // by this client's Drop, the job named `job`, until it attaches again
   // [server]: the life of the job this client attached to there
   // (CreateJobResponse.incarnation), echoed in each Push, Commit and Init so
   // that a job dropped and made again under the name is not stepped as if it
@@ -66,8 +66,8 @@ struct Client::Impl {
 
   absl::Status CheckAttached() const {
     if (attached) return absl::OkStatus();
-    if (!dropped.empty()) {
-      return absl::FailedPreconditionError(absl::StrCat("job '", dropped, "' was dropped by this client (Drop): it ",
+    if (dropped) {
+      return absl::FailedPreconditionError(absl::StrCat("job '", job.name, "' was dropped by this client (Drop): it ",
                                                         "is attached to no job until CreateOrAttach makes one anew"));
     }
     return absl::FailedPreconditionError("this client is attached to no job: call CreateOrAttach first");
@@ -141,6 +141,7 @@ struct Client::Impl {
                    [&](grpc::ClientContext* ctx) {
                      v1::DropJobRequest drop;
                      drop.set_job(job.name);
+                     drop.set_incarnation(resp.incarnation());  // this fresh job, not one made meanwhile
                      v1::DropJobResponse unused;
                      return stubs[s]->DropJob(ctx, drop, &unused);
                    })
@@ -363,7 +364,7 @@ uint64_t Client::chunk_bytes() const { return impl_->chunk_bytes; }
 absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   Impl& im = *impl_;
   im.attached = false;  // until this job is: a failed attach leaves no half of it
-  im.dropped.clear();
+  im.dropped = false;
   SHARDOPT_RETURN_IF_ERROR(CheckJobOptions(job, im.options.rank));
   im.job = job;
   im.tensor_index.clear();
@@ -784,7 +785,7 @@ absl::Status Client::Drop() {
   });
   if (st.ok()) {
     im.attached = false;
-    im.dropped = im.job.name;
+    im.dropped = true;
   }
   return st;
 }
