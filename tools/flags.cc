@@ -32,6 +32,12 @@ namespace shardopt {
 
 std::string Version() { return SHARDOPT_VERSION; }
 
+namespace {
+bool IsNegativeNumber(absl::string_view arg) {
+  return arg.size() > 1 && arg[0] == '-' && absl::ascii_isdigit(static_cast<unsigned char>(arg[1]));
+}
+}  // namespace
+
 std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usage) {
   if (argc > 0) {
     const absl::string_view path = argv[0];
@@ -65,12 +71,17 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   // negative number ("Unknown command line flag '1'"). No flag's name starts
   // with a digit, so such an argument is hidden from the parser as an empty
   // string, which no flag is either, and put back among the positionals.
+  // Not one that follows a flag without '=': that may be the flag's value
+  // ("--timeout_s -5"), which the parser must see.
   std::vector<char*> hidden(argv, argv + argc);
   std::vector<char*> negatives;
   static char kNegative[] = "";
   for (int i = 1; i < argc; ++i) {
     const absl::string_view arg = argv[i];
-    if (arg.size() > 1 && arg[0] == '-' && absl::ascii_isdigit(static_cast<unsigned char>(arg[1]))) {
+    const absl::string_view before = argv[i - 1];
+    const bool may_be_a_value = i > 1 && absl::StartsWith(before, "-") && before != "--" &&
+                                !absl::StrContains(before, '=') && !IsNegativeNumber(before);
+    if (IsNegativeNumber(arg) && !may_be_a_value) {
       negatives.push_back(argv[i]);
       hidden[i] = kNegative;
     }

@@ -69,6 +69,8 @@ case $case_name in
     run 2 "$cli" --dtype=fp16 export --checkpoint_dir=/nonexistent JOB out.safetensors && expect err 'fp16'
     run 2 "$cli" export JOB out.safetensors && expect err 'checkpoint_dir'
     run 2 "$cli" --timeout_s=0 describe JOB && expect err 'timeout_s must be at least 1, got 0'
+    # A negative number right after a flag without '=' is that flag's value.
+    run 2 "$cli" --timeout_s -5 describe JOB && expect err 'timeout_s must be at least 1, got -5'
     # A token file of whitespace alone (an empty Secret) is refused, not sent
     # as no token; nothing listens on port 1, so a call would be UNAVAILABLE.
     printf ' \n' > "$dir/blank-token"
