@@ -75,8 +75,11 @@ std::string StepDirectory(const std::string& root, const std::string& job, uint6
 }
 
 namespace {
-std::string DroppedLifeName(uint64_t incarnation) { return absl::StrFormat("dropped-life-%016x", incarnation); }
+constexpr std::string_view kDroppedLifePrefix = "dropped-life-";
+std::string DroppedLifeName(uint64_t incarnation) { return absl::StrFormat("%s%016x", kDroppedLifePrefix, incarnation); }
 }  // namespace
+
+bool IsDroppedLifeMark(std::string_view file_name) { return file_name.substr(0, kDroppedLifePrefix.size()) == kDroppedLifePrefix; }
 
 absl::Status MarkLifeDropped(const std::string& root, const std::string& job, uint64_t incarnation) {
   const std::string dir = absl::StrCat(root, "/", JobDirectoryName(job));

@@ -81,6 +81,8 @@ inline constexpr size_t kMaxFileNameBytes = 255;
 // checkpoint of it to restore).
 absl::Status MarkLifeDropped(const std::string& root, const std::string& job, uint64_t incarnation);
 bool LifeDropped(const std::string& root, const std::string& job, uint64_t incarnation);
+// Whether a file name in a job's directory is such a mark.
+bool IsDroppedLifeMark(std::string_view file_name);
 
 struct WriteResult {
   std::string directory;

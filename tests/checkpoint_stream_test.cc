@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "checkpoint/format.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
@@ -322,7 +323,7 @@ TEST_F(StreamHoldsOffWritersTest, AJobDroppedMidStreamEndsItsCheckpointAndLeaves
   EXPECT_EQ(written.status().code(), absl::StatusCode::kNotFound) << written.status();
   EXPECT_LT(probe_.slices.load(), probe_.total);
   for (const auto& e : std::filesystem::recursive_directory_iterator(dir_)) {
-    EXPECT_TRUE(!e.is_regular_file() || e.path().filename().string().rfind("dropped-life-", 0) == 0) << e.path();
+    EXPECT_TRUE(!e.is_regular_file() || checkpoint::IsDroppedLifeMark(e.path().filename().string())) << e.path();
   }
 }
 
