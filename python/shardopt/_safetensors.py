@@ -17,11 +17,12 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 
 
 def _no_duplicates(pairs):
-    keys = [k for k, _ in pairs]
-    for k in keys:
-        if keys.count(k) > 1:
+    header = {}
+    for k, v in pairs:
+        if k in header:
             raise ValueError(f"the header names '{k}' twice")
-    return dict(pairs)
+        header[k] = v
+    return header
 
 
 def _entry(name, entry, data_bytes):
