@@ -262,7 +262,7 @@ void RemoveOverlappingParts(const std::string& dir, const std::string& own, cons
 // The complete checkpoint of `step`, or the newest one when step is 0.
 absl::StatusOr<Committed> FindCommitted(const std::string& root, const std::string& job, uint64_t step,
                                         const Log& log) {
-  const std::vector<uint64_t> steps = step > 0 ? std::vector<uint64_t>{step} : StepsNewestFirst(absl::StrCat(root, "/", JobDirectoryName(job)));
+  const std::vector<uint64_t> steps = step > 0 ? std::vector<uint64_t>{step} : StepsNewestFirst(JobDirectory(root, job));
   for (uint64_t t : steps) {
     Committed c;
     c.dir = StepDirectory(root, job, t);

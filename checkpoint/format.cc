@@ -70,8 +70,12 @@ void DecodeArray(const char* bytes, uint64_t count, v1::DType dtype, float* out)
   }
 }
 
+std::string JobDirectory(const std::string& root, const std::string& job) {
+  return absl::StrCat(root, "/", JobDirectoryName(job));
+}
+
 std::string StepDirectory(const std::string& root, const std::string& job, uint64_t step) {
-  return absl::StrFormat("%s/%s/step-%020u", root, JobDirectoryName(job), step);
+  return absl::StrFormat("%s/step-%020u", JobDirectory(root, job), step);
 }
 
 namespace {
@@ -82,7 +86,7 @@ std::string DroppedLifeName(uint64_t incarnation) { return absl::StrFormat("%s%0
 bool IsDroppedLifeMark(std::string_view file_name) { return file_name.substr(0, kDroppedLifePrefix.size()) == kDroppedLifePrefix; }
 
 absl::Status MarkLifeDropped(const std::string& root, const std::string& job, uint64_t incarnation) {
-  const std::string dir = absl::StrCat(root, "/", JobDirectoryName(job));
+  const std::string dir = JobDirectory(root, job);
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return absl::OkStatus();
   return WriteFileAtomic(dir, DroppedLifeName(incarnation), {});
@@ -90,7 +94,7 @@ absl::Status MarkLifeDropped(const std::string& root, const std::string& job, ui
 
 bool LifeDropped(const std::string& root, const std::string& job, uint64_t incarnation) {
   std::error_code ec;
-  return fs::exists(absl::StrCat(root, "/", JobDirectoryName(job), "/", DroppedLifeName(incarnation)), ec);
+  return fs::exists(absl::StrCat(JobDirectory(root, job), "/", DroppedLifeName(incarnation)), ec);
 }
 
 absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& root, v1::PartManifest manifest,
@@ -214,7 +218,7 @@ std::vector<std::string> Prune(const std::string& root, const std::string& job, 
   std::vector<std::string> removed;
   uint64_t complete = 0;
   std::error_code ec;
-  for (uint64_t step : StepsNewestFirst(absl::StrCat(root, "/", JobDirectoryName(job)))) {
+  for (uint64_t step : StepsNewestFirst(JobDirectory(root, job))) {
     const std::string dir = StepDirectory(root, job, step);
     if (complete >= keep) {
       // COMMIT first: a prune cut short (a crash) then leaves a torn step,
@@ -233,7 +237,7 @@ std::vector<std::string> Prune(const std::string& root, const std::string& job, 
 
 absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& root, const std::string& job,
                                                             uint64_t step) {
-  const std::string job_dir = absl::StrCat(root, "/", JobDirectoryName(job));
+  const std::string job_dir = JobDirectory(root, job);
   std::vector<uint64_t> newer = StepsNewestFirst(job_dir);
   newer.erase(std::find_if(newer.begin(), newer.end(), [step](uint64_t t) { return t <= step; }), newer.end());
   // Only a step that goes back, past a complete checkpoint, starts a new
@@ -267,7 +271,7 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
 
 absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
                                    const Log& log) {
-  const std::string job_dir = absl::StrCat(root, "/", JobDirectoryName(spec.job()));
+  const std::string job_dir = JobDirectory(root, spec.job());
   const std::string own = PartName(spec);
   bool moved = false;
   absl::Status status;

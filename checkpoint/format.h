@@ -68,10 +68,11 @@ inline uint64_t ArrayOffset(const std::vector<uint64_t>& sections, const v1::Par
 std::string_view EncodeArray(const float* values, uint64_t count, v1::DType dtype, std::string* scratch);
 void DecodeArray(const char* bytes, uint64_t count, v1::DType dtype, float* out);
 
-std::string StepDirectory(const std::string& root, const std::string& job, uint64_t step);
 // The job's directory under the root: its name %-escaped. It must fit in one
 // file name (kMaxFileNameBytes); CreateJob refuses job names whose form does not.
 std::string JobDirectoryName(const std::string& job);
+std::string JobDirectory(const std::string& root, const std::string& job);
+std::string StepDirectory(const std::string& root, const std::string& job, uint64_t step);
 inline constexpr size_t kMaxFileNameBytes = 255;
 
 // A life of a job (CreateJobResponse.incarnation) dropped on purpose, marked
