@@ -10,12 +10,11 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/strip.h"
 #include "bench/benches.h"
 #include "bench/common.h"
+#include "server/device.h"
 #include "tools/flags.h"
 
 using shardopt::bench::Count;
@@ -92,17 +91,10 @@ void CheckFlagsOf(const std::string& command, const std::vector<std::string>& ta
 // --device as a CUDA device's index, or -1 for the CPU (the default).
 int CudaDeviceFlag() {
   const std::string device = absl::GetFlag(FLAGS_device).value_or("cpu");
-  int cuda_device = -1;
-  absl::string_view index = device;
-  if (device == "cuda") {
-    cuda_device = 0;
-  } else if (absl::ConsumePrefix(&index, "cuda:")) {
-    if (!absl::SimpleAtoi(index, &cuda_device) || cuda_device < 0) cuda_device = -1;
-  }
-  if (device != "cpu" && cuda_device < 0) {
-    shardopt::UsageError(absl::StrCat("--device must be cpu, cuda or cuda:N, got '", device, "'"));
-  }
-  return cuda_device;
+  if (device == "cpu") return -1;
+  absl::StatusOr<int> index = shardopt::CudaDeviceIndex(device);
+  if (!index.ok()) shardopt::UsageError(absl::StrCat("--device must be cpu, cuda or cuda:N, got '", device, "'"));
+  return *index;
 }
 
 absl::StatusOr<nlohmann::json> Kernel() {

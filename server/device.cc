@@ -3,12 +3,23 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/gpu.h"
 #include "server/log.h"
 
 namespace shardopt {
+
+absl::StatusOr<int> CudaDeviceIndex(const std::string& device) {
+  if (device == "cuda") return 0;
+  absl::string_view index = device;
+  int n = -1;
+  if (!absl::ConsumePrefix(&index, "cuda:") || !absl::SimpleAtoi(index, &n) || n < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("not cuda or cuda:N: '", device, "'"));
+  }
+  return n;
+}
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, int cpu_threads,
                                                      bool auto_requires_gpu) {
@@ -37,11 +48,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const std::string& device, 
     return MakeCpuBackend(cpu);
   }
   if (device == "cuda" || absl::StartsWith(device, "cuda:")) {
-    int index = 0;
-    if (device != "cuda" && !absl::SimpleAtoi(device.substr(5), &index)) {
-      return absl::InvalidArgumentError(absl::StrCat("bad --device '", device, "'"));
-    }
-    return MakeCudaBackend(index);
+    absl::StatusOr<int> index = CudaDeviceIndex(device);
+    if (!index.ok()) return absl::InvalidArgumentError(absl::StrCat("bad --device '", device, "'"));
+    return MakeCudaBackend(*index);
   }
   return absl::InvalidArgumentError(absl::StrCat("--device must be auto, cpu, cuda or cuda:N; got '", device, "'"));
 }

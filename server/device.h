@@ -9,6 +9,10 @@
 
 namespace shardopt {
 
+// The device index of "cuda" (0) or "cuda:N" (N >= 0); anything else is
+// INVALID_ARGUMENT. The server's --device and the bench's share it.
+absl::StatusOr<int> CudaDeviceIndex(const std::string& device);
+
 // With `auto_requires_gpu` (what the GPU image passes), `auto` that finds no
 // usable GPU is FAILED_PRECONDITION instead of the CPU: a GPU pod that would
 // quietly run on its host's cores fails loudly. `cpu` still means the CPU.

@@ -445,7 +445,8 @@ TEST(LimitsTest, ACheckpointDirThatCannotBeWrittenStopsTheServer) {
 // or an abort in std::thread.
 TEST(LimitsTest, FlagsOutOfRangeAreUsageErrors) {
   for (const std::string flag : {"--metrics_port=70000", "--metrics_port=-1", "--health_port=65536",
-                                 "--threads=100000000", "--threads=-1", "--device=tpu", "--device=cuda:x"}) {
+                                 "--threads=100000000", "--threads=-1", "--device=tpu", "--device=cuda:x",
+                                 "--device=cuda:-1", "--device=cuda:"}) {
     std::string log;
     EXPECT_EQ(testing::ServerExitCode({flag}, &log), 2) << flag;
     EXPECT_THAT(log, HasSubstr(flag.substr(0, flag.find('=')))) << flag;
