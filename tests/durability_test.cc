@@ -5,6 +5,7 @@
 #include <sys/resource.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -671,6 +672,52 @@ TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServe
     EXPECT_EQ(client->CreateOrAttach(DurableJob("torn", {{"w", 2000}})).value(), 3u);
   }
   EXPECT_TRUE(good_trainer.Step(*good).ok());
+}
+
+// A part damaged on one server only: that server refuses the restore, and
+// the attach drops the job the other server restored, so that no server is
+// left holding it. With the damaged step moved away (as an operator would),
+// the next attach restores the step before on both, instead of finding one
+// server at the damaged step and the other at the one before.
+TEST(DurabilityTest, ADamagedPartOnOneServerLeavesTheJobOnNoServer) {
+  TempDir dir;
+  const JobOptions job = DurableJob("damaged", {{"w", 2000}, {"u", 3000}});
+  {
+    auto servers = StartServers(2, dir.path());
+    auto client = Connect(servers);
+    ScriptedTrainer trainer = Train(*client, job, 3);
+    ASSERT_TRUE(client->Checkpoint().ok());
+    for (int t = 0; t < 3; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
+    ASSERT_TRUE(client->Checkpoint().ok());
+  }
+  std::vector<std::string> parts;
+  for (const auto& e : fs::directory_iterator(StepDir(dir.path(), "damaged", 6))) {
+    if (e.path().filename().string().rfind("part-", 0) == 0) parts.push_back(e.path().string());
+  }
+  ASSERT_EQ(parts.size(), 2u);
+  std::sort(parts.begin(), parts.end());
+  FlipByte(parts[0], -100);
+
+  auto servers = StartServers(2, dir.path());
+  auto held = [&](int s) {
+    auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(servers[s]->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    v1::DescribeRequest req;
+    req.set_job("damaged");
+    v1::DescribeResponse resp;
+    return stub->Describe(&ctx, req, &resp).error_code() != grpc::StatusCode::NOT_FOUND;
+  };
+  auto client = Connect(servers);
+  auto refused = client->CreateOrAttach(job);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("data checksum mismatch"));
+  EXPECT_FALSE(held(0));
+  EXPECT_FALSE(held(1));
+
+  fs::rename(StepDir(dir.path(), "damaged", 6), dir.path() + "/damaged-step-6-set-aside");
+  EXPECT_EQ(client->CreateOrAttach(job).value(), 3u);
+  EXPECT_TRUE(held(0));
+  EXPECT_TRUE(held(1));
 }
 
 TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFromThem) {

@@ -131,6 +131,55 @@ TEST(LimitsTest, TheMemoryBudgetRefusesWhatDoesNotFitAndTheServerStaysUp) {
   ASSERT_TRUE(victim.Step().ok());
 }
 
+// A job one server refuses (its --max_world_size is lower) is not left
+// made on the others: the failed attach drops what it made there, which
+// would otherwise hold their memory until someone dropped it by hand.
+TEST(LimitsTest, AJobOneServerRefusesIsLeftOnNoneOfTheOthers) {
+  auto strict = ServerProcess::Start({"--max_world_size=1"});
+  auto lenient = ServerProcess::Start({});
+  ASSERT_NE(strict, nullptr);
+  ASSERT_NE(lenient, nullptr);
+  ClientOptions o;
+  o.servers = {strict->address(), lenient->address()};
+  o.max_attempts = 1;
+  auto client = Client::Connect(o).value();
+  JobOptions job = OneTensorJob("refused-by-one", 4096, 2);
+  job.tensors.push_back({"u", 4096, 0});
+  auto refused = client->CreateOrAttach(job);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  for (const auto* server : {strict.get(), lenient.get()}) {
+    auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    v1::DescribeRequest req;
+    req.set_job(job.name);
+    v1::DescribeResponse resp;
+    EXPECT_EQ(stub->Describe(&ctx, req, &resp).error_code(), grpc::StatusCode::NOT_FOUND) << server->address();
+  }
+  job.world_size = 1;
+  EXPECT_EQ(client->CreateOrAttach(job).value(), 0u);
+}
+
+// But a failure that may pass (a server not up yet) drops nothing: another
+// rank's attach, which may have found every server up, would lose its job.
+TEST(LimitsTest, AJobIsKeptWhereMadeWhenAnotherServerIsNotUpYet) {
+  auto up = ServerProcess::Start({});
+  ASSERT_NE(up, nullptr);
+  ClientOptions o;
+  o.servers = {up->address(), absl::StrCat("127.0.0.1:", testing::FreeLoopbackPort())};
+  o.max_attempts = 1;
+  o.rpc_timeout_ms = 2000;
+  auto client = Client::Connect(o).value();
+  JobOptions job = OneTensorJob("one-server-down", 4096);
+  job.tensors.push_back({"u", 4096, 0});
+  EXPECT_EQ(client->CreateOrAttach(job).status().code(), absl::StatusCode::kUnavailable);
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(up->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::DescribeRequest req;
+  req.set_job(job.name);
+  v1::DescribeResponse resp;
+  EXPECT_TRUE(stub->Describe(&ctx, req, &resp).ok());
+}
+
 // Case 4: streams held open took every server thread. Now a client's
 // streams are capped, and so are the server's; another client still steps.
 TEST(LimitsTest, StreamCapsPerClientAndPerServer) {
