@@ -100,6 +100,33 @@ struct Client::Impl {
     return fanout::FailFanout(fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt));
   }
 
+  std::vector<uint32_t> ServersWithParts() const {
+    std::vector<uint32_t> out;
+    for (uint32_t s = 0; s < servers(); ++s) {
+      if (!shards_of[s].empty()) out.push_back(s);
+    }
+    return out;
+  }
+
+  // missing[s], for each server s of `asked`: how many of its tensor parts
+  // of the job lack initial values (Describe's uninitialized_tensors). Each
+  // server's thread writes its own entry.
+  absl::Status CountMissingValues(const std::vector<uint32_t>& asked, uint32_t call_ms,
+                                  std::vector<uint32_t>& missing) const {
+    return fanout::ForEach(asked, [&](uint32_t s) {
+      v1::DescribeResponse r;
+      SHARDOPT_RETURN_IF_ERROR(Call(s, call_ms, [&](grpc::ClientContext* ctx) {
+        v1::DescribeRequest req;
+        req.set_job(job.name);
+        req.set_incarnation(incarnation[s]);
+        req.set_max_tensors(1);  // only the job-wide fields are wanted
+        return stubs[s]->Describe(ctx, req, &r);
+      }));
+      missing[s] = r.uninitialized_tensors();
+      return absl::OkStatus();
+    });
+  }
+
   // The rest of CreateOrAttach once every server answered its CreateJob.
   absl::StatusOr<uint64_t> Attach(std::vector<v1::CreateJobResponse>& answers);
   absl::Status DropCreated(const std::vector<v1::CreateJobResponse>& answers, const std::vector<char>& answered,
@@ -485,31 +512,17 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
   // A server whose parts all have values keeps them (they are taken only at
   // step 0, and never taken away), so only the others are asked again; and
   // ever less often, since every rank of the job asks every server.
-  std::vector<uint32_t> pending;
-  for (uint32_t s = 0; s < im.servers(); ++s) {
-    if (!im.shards_of[s].empty()) pending.push_back(s);
-  }
-  std::vector<uint32_t> missing(im.servers(), 0);  // each server's thread writes its own entry
+  std::vector<uint32_t> pending = im.ServersWithParts();
+  std::vector<uint32_t> missing(im.servers(), 0);
   for (auto pause = std::chrono::milliseconds(10);; pause = std::min(2 * pause, std::chrono::milliseconds(500))) {
-    SHARDOPT_RETURN_IF_ERROR(fanout::ForEach(pending, [&](uint32_t s) {
-      v1::DescribeResponse r;
-      // Each call within what is left, so that an unresponsive server keeps
-      // the wait near timeout_ms; but given a second at least, so that a
-      // short wait still hears the servers' count and can say what lacks.
-      const int64_t rpc_ms = im.options.rpc_timeout_ms;
-      const int64_t left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                               give_up - std::chrono::steady_clock::now()).count();
-      const uint32_t call_ms = static_cast<uint32_t>(std::clamp<int64_t>(left, std::min<int64_t>(1000, rpc_ms), rpc_ms));
-      SHARDOPT_RETURN_IF_ERROR(im.Call(s, call_ms, [&](grpc::ClientContext* ctx) {
-        v1::DescribeRequest req;
-        req.set_job(im.job.name);
-        req.set_incarnation(im.incarnation[s]);
-        req.set_max_tensors(1);  // only the job-wide fields are wanted
-        return im.stubs[s]->Describe(ctx, req, &r);
-      }));
-      missing[s] = r.uninitialized_tensors();
-      return absl::OkStatus();
-    }));
+    // Each call within what is left, so that an unresponsive server keeps
+    // the wait near timeout_ms; but given a second at least, so that a
+    // short wait still hears the servers' count and can say what lacks.
+    const int64_t rpc_ms = im.options.rpc_timeout_ms;
+    const int64_t left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now()).count();
+    const uint32_t call_ms = static_cast<uint32_t>(std::clamp<int64_t>(left, std::min<int64_t>(1000, rpc_ms), rpc_ms));
+    SHARDOPT_RETURN_IF_ERROR(im.CountMissingValues(pending, call_ms, missing));
     pending.erase(std::remove_if(pending.begin(), pending.end(), [&](uint32_t s) { return missing[s] == 0; }),
                   pending.end());
     if (pending.empty()) return absl::OkStatus();
@@ -521,6 +534,15 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
     std::this_thread::sleep_for(std::min(pause, std::chrono::duration_cast<std::chrono::milliseconds>(
                                                     give_up - std::chrono::steady_clock::now())));
   }
+}
+
+absl::StatusOr<bool> Client::HasInitialValues() {
+  Impl& im = *impl_;
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
+  const std::vector<uint32_t> servers = im.ServersWithParts();
+  std::vector<uint32_t> missing(im.servers(), 0);
+  SHARDOPT_RETURN_IF_ERROR(im.CountMissingValues(servers, im.options.rpc_timeout_ms, missing));
+  return std::all_of(servers.begin(), servers.end(), [&](uint32_t s) { return missing[s] == 0; });
 }
 
 absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,

@@ -146,6 +146,32 @@ def test_attach_resumes_from_the_servers(servers, job):
     opt.drop()
 
 
+def test_attach_at_step_0_pulls_the_values_the_job_holds(servers, job):
+    """A trainer attaching to a job that has its initial values but no step
+    yet (a process gave them and went away) takes the job's values, as at
+    any later step, rather than overwriting the masters with its own while
+    the job keeps its moments; and trains on bitwise as the first would."""
+    whole = make_model()
+    opt = RemoteAdamW(param_groups(whole), servers=servers, job=f"{job}-whole", lr=1e-3)
+    train(whole, opt, STEPS)
+    opt.drop()
+
+    first = make_model()
+    opt = RemoteAdamW(param_groups(first), servers=servers, job=job, lr=1e-3)
+    del opt  # the job stays at step 0, with first's values
+
+    model = make_model(seed=7)
+    assert not all(same_bits(p, q) for p, q in zip(model.parameters(), first.parameters()))
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3)
+    assert opt.resumed_step == 0
+    for (name, p), q in zip(model.named_parameters(), first.parameters()):
+        assert same_bits(p, q), name
+    train(model, opt, STEPS)
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        assert same_bits(p, q), name
+    opt.drop()
+
+
 def test_attaching_warns_of_a_push_a_dead_trainer_left(servers, job):
     """A trainer killed between its push and its commit leaves the push on
     the servers, which count a rank's push of a step once: the next
