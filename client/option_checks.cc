@@ -1,10 +1,5 @@
 #include "client/option_checks.h"
 
-#include <openssl/bio.h>
-#include <openssl/err.h>
-#include <openssl/evp.h>
-#include <openssl/pem.h>
-#include <openssl/x509.h>
 
 #include <cmath>
 #include <memory>
@@ -14,33 +9,9 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "rpc/job_limits.h"
+#include "rpc/tls_files.h"
 
 namespace shardopt {
-namespace {
-
-// OpenSSL's reason for its last failure, its queue left empty.
-std::string OpenSslReason() {
-  const unsigned long error = ERR_get_error();
-  ERR_clear_error();
-  if (error == 0) return "no reason given";
-  char text[256];
-  ERR_error_string_n(error, text, sizeof text);
-  return text;
-}
-
-std::unique_ptr<BIO, decltype(&BIO_free)> ReadOnly(absl::string_view pem) {
-  return {BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())), &BIO_free};
-}
-
-// The first certificate of PEM text (a chain's leaf), or null.
-std::unique_ptr<X509, decltype(&X509_free)> FirstCertificate(absl::string_view pem) {
-  return {PEM_read_bio_X509(ReadOnly(pem).get(), nullptr, nullptr, nullptr), &X509_free};
-}
-
-// Never asks for a passphrase: OpenSSL's default would read the terminal.
-int NoPassphrase(char*, int, int, void*) { return 0; }
-
-}  // namespace
 
 absl::Status CheckClientOptions(const ClientOptions& options) {
   if (options.servers.empty()) return absl::InvalidArgumentError("no servers given");
@@ -63,37 +34,7 @@ absl::Status CheckTlsPem(absl::string_view root_certs, absl::string_view cert_ch
                                                    cert_chain.empty() ? "the key" : "the certificate",
                                                    " is given alone)"));
   }
-  const std::pair<absl::string_view, const char*> given[] = {
-      {root_certs, "the CA file"}, {cert_chain, "the client certificate"}, {private_key, "the client key"}};
-  for (const auto& [pem, what] : given) {
-    if (!pem.empty() && !absl::StrContains(pem, "-----BEGIN ")) {
-      return absl::InvalidArgumentError(absl::StrCat(what, " is not PEM text (no '-----BEGIN' line)"));
-    }
-  }
-  // What gRPC would find only at the first handshake, each call then failing
-  // as UNAVAILABLE.
-  if (!root_certs.empty() && FirstCertificate(root_certs) == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("the CA file holds no certificate OpenSSL can read (",
-                                                   OpenSslReason(), ")"));
-  }
-  if (cert_chain.empty()) return absl::OkStatus();
-  const auto certificate = FirstCertificate(cert_chain);
-  if (certificate == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("the client certificate is not a certificate OpenSSL can read (",
-                                                   OpenSslReason(), ")"));
-  }
-  const std::unique_ptr<EVP_PKEY, decltype(&EVP_PKEY_free)> key(
-      PEM_read_bio_PrivateKey(ReadOnly(private_key).get(), nullptr, &NoPassphrase, nullptr), &EVP_PKEY_free);
-  if (key == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the client key is not a private key OpenSSL can read, or it is encrypted, which gRPC cannot use (",
-        OpenSslReason(), ")"));
-  }
-  if (X509_check_private_key(certificate.get(), key.get()) != 1) {
-    ERR_clear_error();
-    return absl::InvalidArgumentError("the client key does not match the client certificate (the first in its file)");
-  }
-  return absl::OkStatus();
+  return CheckTlsFiles(root_certs, cert_chain, private_key, {"the CA file", "the client certificate", "the client key"});
 }
 
 absl::StatusOr<std::string> CleanBearerToken(absl::string_view token) {

@@ -218,6 +218,8 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   job->incarnation = life;
   absl::MutexLock lock(&mu_);
   jobs_.emplace(spec.job(), job);  // none of the name: this call was its one builder
+  // From 0, so that an alert on its rate sees the job's first skip.
+  metrics::Registry::Default().Increment("shardopt_skipped_steps_total", {{"job", spec.job()}}, 0);
   dropped_.erase(spec.job());       // made again: no longer a dropped one (its name may stay in the order)
   if (!restored) {
     log::Info("job_created", {{"job", spec.job()},

@@ -41,9 +41,9 @@ std::shared_ptr<spdlog::logger> MakeLogger(Format format) {
 }
 
 // A text value: bare if it is one plain word, else quoted, with quotes and
-// backslashes escaped, a newline as a space and other control bytes as
-// \xHH: a name that a client chose (a job's) must not write escape
-// sequences to an operator's terminal.
+// backslashes escaped and control bytes as \xHH: a name that a client chose
+// (a job's) must not write escape sequences to an operator's terminal, nor
+// a newline that would read as "x fake" where the name was "x\nfake".
 std::string TextValue(const std::string& v) {
   bool plain = !v.empty();
   for (char c : v) plain = plain && c > ' ' && c != '"' && c != '=' && c != '\\' && c < 127;
@@ -51,9 +51,7 @@ std::string TextValue(const std::string& v) {
   std::string out = "\"";
   for (char c : v) {
     const auto u = static_cast<unsigned char>(c);
-    if (c == '\n') {
-      out += ' ';
-    } else if (u < 0x20 || u == 0x7f) {
+    if (u < 0x20 || u == 0x7f) {
       absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
     } else {
       if (c == '"' || c == '\\') out += '\\';

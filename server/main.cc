@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
+#include "google/protobuf/descriptor.h"
 #include "grpc/support/log.h"
 #include "grpcpp/grpcpp.h"
 #include "checkpoint/files.h"
@@ -33,7 +34,9 @@
 #include "server/metrics_http.h"
 #include "server/job_spec.h"
 #include "server/service.h"
+#include "shardopt/v1/optimizer.pb.h"
 #include "rpc/grpc_edge.h"
+#include "rpc/tls_files.h"
 #include "tools/flags.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0",
@@ -159,15 +162,15 @@ std::string FileIdentity(const std::string& path) {
   return absl::StrCat(st.st_ino, ":", st.st_size, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec);
 }
 
-// A PEM file's text; exits 1 naming the file if it cannot be read.
-std::string ReadPem(const std::string& flag, const std::string& path) {
+// A PEM file's text; "" for no file. FAILED_PRECONDITION naming the flag if
+// it cannot be read or is empty.
+absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
   if (path.empty()) return "";
   std::ifstream in(path);
   std::stringstream text;
   text << in.rdbuf();
   if (!in || text.str().empty()) {
-    std::cerr << "shardopt-server: --" << flag << "=" << path << " cannot be read\n";  // before the log starts
-    std::exit(1);
+    return absl::FailedPreconditionError(absl::StrCat("--", flag, "=", path, " cannot be read, or is empty"));
   }
   return text.str();
 }
@@ -277,9 +280,22 @@ int main(int argc, char** argv) {
   }
   shardopt::ServerOptions options;
   options.address = HostPort(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_port));
-  options.tls_cert_pem = ReadPem("tls_cert", absl::GetFlag(FLAGS_tls_cert));
-  options.tls_key_pem = ReadPem("tls_key", absl::GetFlag(FLAGS_tls_key));
-  options.tls_client_ca_pem = ReadPem("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca));
+  {
+    const auto cert = ReadPem("tls_cert", absl::GetFlag(FLAGS_tls_cert));
+    const auto key = ReadPem("tls_key", absl::GetFlag(FLAGS_tls_key));
+    const auto ca = ReadPem("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca));
+    for (const auto* read : {&cert, &key, &ca}) {
+      if (!read->ok()) return StartFailed(std::string(read->status().message()));
+    }
+    // Here, where gRPC would only fail to listen and say that of the port.
+    if (absl::Status usable = shardopt::CheckTlsFiles(*ca, *cert, *key, {"--tls_client_ca", "--tls_cert", "--tls_key"});
+        !usable.ok()) {
+      return StartFailed(std::string(usable.message()));
+    }
+    options.tls_cert_pem = *cert;
+    options.tls_key_pem = *key;
+    options.tls_client_ca_pem = *ca;
+  }
   options.reflection = absl::GetFlag(FLAGS_reflection);
   options.health_port = absl::GetFlag(FLAGS_health_port);
   options.service.idle_stream_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_idle_stream_timeout_ms));
@@ -304,6 +320,17 @@ int main(int argc, char** argv) {
   // checkpoint in two hours) sees a series on a server that has written none.
   for (const char* direction : {"write", "restore"}) {
     shardopt::metrics::Registry::Default().Increment("shardopt_checkpoint_bytes_total", {{"direction", direction}}, 0);
+  }
+  // Likewise the refusals the README's alerts watch, for every method: a
+  // series that first appears at 1 shows no increase, so an alert on its
+  // rate would miss the first refusal.
+  const google::protobuf::ServiceDescriptor* optimizer =
+      shardopt::v1::CreateJobRequest::descriptor()->file()->FindServiceByName("Optimizer");
+  for (int i = 0; i < optimizer->method_count(); ++i) {
+    for (const char* code : {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "UNAUTHENTICATED", "PERMISSION_DENIED"}) {
+      shardopt::metrics::Registry::Default().Increment(
+          "shardopt_refusals_total", {{"method", optimizer->method(i)->name()}, {"code", code}}, 0);
+    }
   }
   shardopt::metrics::Registry::Default().SetGauges([&store, &running, &backend, device] {
     std::vector<shardopt::metrics::Gauge> g;

@@ -86,14 +86,25 @@ TEST_F(LogsTest, GrpcsOwnLinesAreTheServersJsonLines) {
   EXPECT_EQ(Events(lines, "start_failed").size(), 1u) << log;
 }
 
-// The checkpoint counters are there from the start, at 0: an alert on their
-// increase sees a series on a server that has written no checkpoint.
-TEST_F(LogsTest, TheCheckpointCountersStartAtZero) {
+// The counters the README's alerts watch are there from the start, at 0:
+// an alert on their increase sees a series on a server that has written no
+// checkpoint, and the rate of a series that first appeared at 1 would miss
+// the first refusal or skipped step.
+TEST_F(LogsTest, TheCountersTheAlertsWatchStartAtZero) {
   const int port = testing::FreeLoopbackPort();
   auto server = ServerProcess::Start({absl::StrCat("--metrics_port=", port)});
-  const std::string metrics = testing::GetMetrics(port);
+  std::string metrics = testing::GetMetrics(port);
   EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoint_bytes_total{direction=\"write\"} 0\n"));
   EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoint_bytes_total{direction=\"restore\"} 0\n"));
+  for (const char* method : {"CreateJob", "Init", "Push", "Commit", "Read", "Describe", "DropJob", "Checkpoint"}) {
+    for (const char* code : {"RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "UNAUTHENTICATED", "PERMISSION_DENIED"}) {
+      EXPECT_THAT(metrics, ::testing::HasSubstr(absl::StrCat("\nshardopt_refusals_total{method=\"", method,
+                                                             "\",code=\"", code, "\"} 0\n")));
+    }
+  }
+  ASSERT_TRUE(Connect(server->address(), "")->CreateOrAttach(OneTensor4k("fresh")).ok());
+  metrics = testing::GetMetrics(port);
+  EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_skipped_steps_total{job=\"fresh\"} 0\n"));
 }
 
 // Connections that send nothing (a port scan, a stuck client) hold up no
@@ -230,12 +241,12 @@ TEST_F(LogsTest, RepeatedRefusalsAreRateLimitedAndTextLinesHaveTheirShape) {
   std::this_thread::sleep_for(std::chrono::milliseconds(1100));
   EXPECT_FALSE(conflicting->CreateOrAttach(other).ok());
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  // A job name a client chose, with a terminal escape and a tab in it.
-  ASSERT_TRUE(Connect(server->address(), "")->CreateOrAttach(OneTensor4k("red\x1b[31m\tjob")).ok());
+  // A job name a client chose, with a terminal escape, a tab and a newline in it.
+  ASSERT_TRUE(Connect(server->address(), "")->CreateOrAttach(OneTensor4k("red\x1b[31m\tjob\nfake")).ok());
   server->Stop(SIGTERM);
   const std::string log = server->log();
   EXPECT_EQ(log.find('\x1b'), std::string::npos) << "a raw escape byte in the log";
-  EXPECT_NE(log.find(R"(job="red\x1b[31m\x09job")"), std::string::npos) << log;
+  EXPECT_NE(log.find(R"(job="red\x1b[31m\x09job\x0afake")"), std::string::npos) << log;
   const std::regex shape(R"(^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (info|warning|error) +[a-z_]+( [a-z_]+=("([^"\\]|\\.)*"|\S+))*$)");
   int refused = 0;
   bool suppressed = false;

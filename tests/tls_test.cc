@@ -153,6 +153,33 @@ TEST(TlsTest, TlsFilesTheClientCannotUseAreRefusedAtConnect) {
   EXPECT_TRUE(Client::Connect(usable).ok());
 }
 
+// The server's own TLS files are read with OpenSSL at the start: one it
+// cannot use stops it (exit 1), logged as start_failed and exit naming the
+// flag, where a missing file was a bare line on stderr and a key of another
+// certificate was "cannot listen on" the port.
+TEST(TlsTest, TlsFilesTheServerCannotUseStopItsStartNamingTheFlag) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
+  struct Case {
+    std::string cert, key, ca, says;
+  } cases[] = {
+      {"server.pem", "stranger.key", "", "--tls_key does not match --tls_cert"},
+      {"server.key", "server.key", "", "--tls_cert is not a certificate OpenSSL can read"},
+      {"server.pem", "server.key", "ca.key", "--tls_client_ca holds no certificate OpenSSL can read"},
+      {"missing.pem", "server.key", "", "--tls_cert=" + certs.path("missing.pem") + " cannot be read"},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = {"--log_format=json", "--tls_cert=" + certs.path(c.cert),
+                                     "--tls_key=" + certs.path(c.key)};
+    if (!c.ca.empty()) args.push_back("--tls_client_ca=" + certs.path(c.ca));
+    std::string log;
+    EXPECT_EQ(testing::ServerExitCode(args, &log), 1) << c.says;
+    EXPECT_THAT(log, ::testing::HasSubstr("\"event\":\"start_failed\"")) << log;
+    EXPECT_THAT(log, ::testing::HasSubstr("\"event\":\"exit\"")) << log;
+    EXPECT_THAT(log, ::testing::HasSubstr(c.says)) << log;
+  }
+}
+
 TEST(TlsTest, PlaintextOnANonLoopbackAddressIsRefusedUnlessInsecureIsGiven) {
   const pid_t refused = testing::SpawnProcess({SHARDOPT_SERVER_BINARY, "--host=0.0.0.0", "--port=0", "--device=cpu"});
   const auto status = testing::WaitProcess(refused, std::chrono::seconds(20));

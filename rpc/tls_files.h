@@ -1,0 +1,28 @@
+// The TLS files a server or a client is given, read with OpenSSL before gRPC
+// gets them: gRPC finds a bad one only at the first handshake (a client's
+// calls then fail as UNAVAILABLE, as if the server were down) or when the
+// server starts listening (which it then reports as a port it cannot
+// listen on).
+#pragma once
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace shardopt {
+
+// What to call each file in a message: "the client key", "--tls_key".
+struct TlsFileNames {
+  const char* ca;
+  const char* certificate;
+  const char* key;
+};
+
+// Each file given (empty: not given) must be PEM text that OpenSSL reads:
+// a certificate in the CA file and in the certificate's, an unencrypted
+// private key (gRPC cannot ask for a passphrase), and that key the first
+// certificate's (its file's leaf). A certificate and a key come together.
+// INVALID_ARGUMENT naming the file otherwise.
+absl::Status CheckTlsFiles(absl::string_view ca, absl::string_view certificate, absl::string_view key,
+                           const TlsFileNames& names);
+
+}  // namespace shardopt
