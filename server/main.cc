@@ -5,6 +5,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <csignal>
 #include <cstdlib>
 #include <cstdio>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
@@ -174,6 +176,20 @@ absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& 
   }
   return text.str();
 }
+// Every flag whose value is not its default, whether the command line or a
+// --flagfile set it (a pod's come from a ConfigMap), as --name=value,
+// sorted: what the server runs with beyond its defaults.
+std::string FlagsSet() {
+  std::vector<std::string> set;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (!flag->IsRetired() && flag->CurrentValue() != flag->DefaultValue()) {
+      set.push_back(absl::StrCat("--", name, "=", flag->CurrentValue()));
+    }
+  }
+  std::sort(set.begin(), set.end());
+  return absl::StrJoin(set, " ");
+}
+
 // A start that fails says why, then ends with `exit` as every run does, so
 // that an alert on exit lines sees a crash-looping pod too. Exit code 1.
 int StartFailed(const std::string& error) {
@@ -378,7 +394,7 @@ int main(int argc, char** argv) {
                           {"metrics_port", metrics_server ? absl::StrCat(metrics_server->port()) : "off"},
                           {"health_port", (*running)->health_port > 0 ? absl::StrCat((*running)->health_port) : "off"},
                           {"checkpoint_dir", store_options.checkpoint_dir},
-                          {"flags", absl::StrJoin(argv + 1, argv + argc, " ")}});
+                          {"flags", FlagsSet()}});
   }
   if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
     const std::string tmp = path + ".tmp";  // renamed so a reader never sees a partial number

@@ -152,7 +152,11 @@ TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherConnectionsSendNothing) {
 }
 
 TEST_F(LogsTest, TheLinesAnOperatorNeedsAreThereAndNoTokenIs) {
-  auto server = ServerProcess::StartLogged(Flags());
+  // Some flags in a --flagfile, as a pod's ConfigMap gives them.
+  std::ofstream(dir_ + "/flags.txt") << "--checkpoint_keep=3\n--max_streams=77\n";
+  std::vector<std::string> flags = Flags();
+  flags.push_back("--flagfile=" + dir_ + "/flags.txt");
+  auto server = ServerProcess::StartLogged(flags);
   ASSERT_NE(server, nullptr);
   {
     auto client = Connect(server->address(), kToken);
@@ -181,6 +185,10 @@ TEST_F(LogsTest, TheLinesAnOperatorNeedsAreThereAndNoTokenIs) {
     EXPECT_TRUE(started[0].contains(key)) << key;
   }
   EXPECT_EQ(started[0]["level"], "info");
+  // The flags in effect, those of the flagfile too.
+  for (const std::string flag : {"--checkpoint_keep=3", "--max_streams=77", "--log_format=json"}) {
+    EXPECT_THAT(started[0]["flags"].get<std::string>(), ::testing::HasSubstr(flag));
+  }
   const auto created = Events(lines, "job_created");
   ASSERT_EQ(created.size(), 1u) << log;
   EXPECT_EQ(created[0]["job"], "team/job");
