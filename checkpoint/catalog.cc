@@ -41,9 +41,10 @@ absl::StatusOr<std::vector<PartHead>> ReadCommitted(const std::string& dir, cons
     }
     if (head->file_bytes != ref.bytes() || head->data_crc != ref.data_crc32c() ||
         head->manifest.step() != marker.step()) {
-      return absl::DataLossError(absl::StrCat(head->path, " is not the part COMMIT recorded (", head->file_bytes,
-                                              " bytes, step ", head->manifest.step(), "; COMMIT says ", ref.bytes(),
-                                              " bytes, step ", marker.step(), ")"));
+      return absl::DataLossError(absl::StrCat(
+          head->path, " is not the part COMMIT recorded (", head->file_bytes, " bytes, step ", head->manifest.step(),
+          ", data crc32c ", absl::Hex(head->data_crc, absl::kZeroPad8), "; COMMIT says ", ref.bytes(), " bytes, step ",
+          marker.step(), ", data crc32c ", absl::Hex(ref.data_crc32c(), absl::kZeroPad8), ")"));
     }
     parts.push_back(*std::move(head));
   }

@@ -601,7 +601,7 @@ void FlipByte(const std::string& path, std::streamoff offset) {
 
 TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServesOtherJobs) {
   TempDir dir;
-  const std::vector<std::string> cases = {"data", "manifest", "truncated", "version", "torn", "config"};
+  const std::vector<std::string> cases = {"data", "crc", "manifest", "truncated", "version", "torn", "config"};
   {
     auto servers = StartServers(1, dir.path());
     for (const std::string& name : cases) {
@@ -614,6 +614,7 @@ TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServe
     }
   }
   FlipByte(OnlyPart(StepDir(dir.path(), "data", 6)), -100);
+  FlipByte(OnlyPart(StepDir(dir.path(), "crc", 6)), -2);  // the data's crc32c, which COMMIT records too
   FlipByte(OnlyPart(StepDir(dir.path(), "manifest", 6)), 30);
   fs::resize_file(OnlyPart(StepDir(dir.path(), "truncated", 6)), 5000);
   {
@@ -635,6 +636,7 @@ TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServe
   };
   const std::vector<Want> wants = {
       {"data", absl::StatusCode::kDataLoss, "data checksum mismatch"},
+      {"crc", absl::StatusCode::kDataLoss, "data crc32c"},
       {"manifest", absl::StatusCode::kDataLoss, "manifest checksum mismatch"},
       {"truncated", absl::StatusCode::kDataLoss, "truncated"},
       {"version", absl::StatusCode::kFailedPrecondition, "format version 2; this build reads version 1"},
