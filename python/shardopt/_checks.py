@@ -22,9 +22,12 @@ def _check_hyper(g, where):
     if not 0.0 <= lr < float("inf"):
         raise ValueError(f"{where}Invalid learning rate: {lr}")
     # torch takes eps = 0; the servers do not (a zero gradient's update
-    # would be 0/0).
+    # would be 0/0). They hold eps as a float32, so one that rounds to 0
+    # or to inf there is refused here too.
     if not 0.0 < eps < float("inf"):
         raise ValueError(f"{where}Invalid epsilon value: {eps} (must be > 0)")
+    if not 0.0 < float(torch.tensor(eps, dtype=torch.float32)) < float("inf"):
+        raise ValueError(f"{where}Invalid epsilon value: {eps} (rounds to 0 or inf as the float32 the servers hold)")
     if not 0.0 <= beta1 < 1.0:
         raise ValueError(f"{where}Invalid beta parameter at index 0: {beta1}")
     if not 0.0 <= beta2 < 1.0:

@@ -170,6 +170,14 @@ def test_eps_zero_which_torch_takes_is_refused_before_any_server_is_asked(job):
         RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=["127.0.0.1:1"], job=job, eps=0.0)
 
 
+@pytest.mark.parametrize("eps", [1e-50, 1e39])
+def test_an_eps_the_servers_float32_cannot_hold_is_refused_before_any_server_is_asked(job, eps):
+    """torch takes it; as the float32 the servers hold it is 0 or inf."""
+    torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], eps=eps)
+    with pytest.raises(ValueError, match=r"Invalid epsilon value: .* \(rounds to 0 or inf"):
+        RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=["127.0.0.1:1"], job=job, eps=eps)
+
+
 @pytest.mark.parametrize("max_grad_norm", [-1.0, float("nan"), float("inf")])
 def test_a_bad_max_grad_norm_is_refused_at_construction(job, max_grad_norm):
     with pytest.raises(ValueError, match="max_grad_norm"):
