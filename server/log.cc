@@ -1,5 +1,9 @@
 #include "server/log.h"
 
+#include <algorithm>
+#include <utility>
+#include <vector>
+
 #include <chrono>
 #include <memory>
 
@@ -117,6 +121,20 @@ bool Allow(const std::string& key, Fields* fields, int per_second) {
   }
   if (s.buckets.size() > 10000) s.buckets.clear();  // keys a client invents must not grow without end
   return true;
+}
+
+void ReportSuppressed() {
+  State& s = state();
+  std::vector<std::pair<std::string, uint64_t>> owed;
+  {
+    absl::MutexLock lock(&s.mu);
+    for (auto& [key, b] : s.buckets) {
+      if (b.held > 0) owed.emplace_back(key, b.held);
+      b.held = 0;
+    }
+  }
+  std::sort(owed.begin(), owed.end());
+  for (const auto& [key, n] : owed) Warning("suppressed", {{"key", key}, {"suppressed", absl::StrCat(n)}});
 }
 
 }  // namespace shardopt::log

@@ -34,5 +34,9 @@ inline void Error(absl::string_view event, const Fields& fields = {}) { Write(Le
 // `per_second` calls per key each second. The first line let through after
 // some were held back carries how many, as suppressed=N in `fields`.
 bool Allow(const std::string& key, Fields* fields, int per_second = 5);
+// Logs, as one `suppressed` line per key (key=..., suppressed=N), the lines
+// Allow held back that no later line has counted yet: at the end of a run,
+// so that none goes uncounted.
+void ReportSuppressed();
 
 }  // namespace shardopt::log

@@ -459,11 +459,13 @@ int main(int argc, char** argv) {
     }
     if (failed > 0) {
       (*running)->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      log::ReportSuppressed();
       log::Error("exit", {{"code", "1"}, {"why", absl::StrCat(failed, " job checkpoints failed at the drain")}});
       return 1;
     }
   }
   (*running)->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  log::ReportSuppressed();
   log::Info("exit", {{"code", "0"}});
   return 0;
 }
