@@ -20,6 +20,7 @@
 #include "shardopt/client.h"
 #include "rpc/grpc_edge.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
+#include "tests/testing/describe_on.h"
 #include "tests/testing/scripted_trainer.h"
 #include "tests/testing/server_process.h"
 
@@ -32,6 +33,7 @@ using ::testing::AllOf;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using testing::Connect;
+using testing::DescribeOn;
 using testing::DurableJob;
 using testing::Fingerprint;
 using testing::ScriptedTrainer;
@@ -352,14 +354,6 @@ TEST(DurabilityTest, AServerThatLostTheJobKeepsSayingWhyNotThatItWasDropped) {
 }
 
 // Server `server`'s Describe of `job`, straight over gRPC.
-grpc::Status DescribeOn(const testing::ServerProcess& server, const std::string& job, v1::DescribeResponse* out) {
-  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server.address(), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  v1::DescribeRequest describe;
-  describe.set_job(job);
-  return stub->Describe(&ctx, describe, out);
-}
-
 // The same on two servers restarted at once (with a checkpoint directory,
 // but no checkpoint of the job): each re-attach makes a fresh job, and each
 // is dropped again, also the one whose re-attach ends after the other's
@@ -384,7 +378,7 @@ TEST(DurabilityTest, EveryServerDropsTheJobItsReattachMadeAfreshAgain) {
     EXPECT_EQ(stepped.status().code(), absl::StatusCode::kFailedPrecondition) << stepped.status();
     for (const auto& server : servers) {
       v1::DescribeResponse described;
-      EXPECT_EQ(DescribeOn(*server, job.name, &described).error_code(), grpc::StatusCode::NOT_FOUND)
+      EXPECT_EQ(DescribeOn(server->address(), job.name, &described).error_code(), grpc::StatusCode::NOT_FOUND)
           << server->address() << " holds the job at step " << described.step();
     }
   }
@@ -544,7 +538,7 @@ TEST(DurabilityTest, AServerThatRestoredAnOlderStepThanItsPeersIsCalledBehindByE
   }
   for (uint64_t s : {0, 1}) {
     v1::DescribeResponse described;
-    ASSERT_TRUE(DescribeOn(*servers[s], job.name, &described).ok());
+    ASSERT_TRUE(DescribeOn(servers[s]->address(), job.name, &described).ok());
     EXPECT_EQ(described.step(), s == 0 ? 3u : 2u) << servers[s]->address();
   }
 }
@@ -648,12 +642,7 @@ TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServe
     EXPECT_EQ(attached.status().code(), w.code);
     EXPECT_THAT(std::string(attached.status().message()), HasSubstr(w.message));
     // Nothing was loaded: the job is not on the server.
-    auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(servers[0]->address(), grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    v1::DescribeRequest req;
-    req.set_job(w.job);
-    v1::DescribeResponse resp;
-    EXPECT_EQ(stub->Describe(&ctx, req, &resp).error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(DescribeOn(servers[0]->address(), w.job).error_code(), grpc::StatusCode::NOT_FOUND);
     EXPECT_TRUE(good_trainer.Step(*good).ok());
   }
   {
@@ -702,12 +691,7 @@ TEST(DurabilityTest, ADamagedPartOnOneServerLeavesTheJobOnNoServer) {
 
   auto servers = StartServers(2, dir.path());
   auto held = [&](int s) {
-    auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(servers[s]->address(), grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    v1::DescribeRequest req;
-    req.set_job("damaged");
-    v1::DescribeResponse resp;
-    return stub->Describe(&ctx, req, &resp).error_code() != grpc::StatusCode::NOT_FOUND;
+    return DescribeOn(servers[s]->address(), "damaged").error_code() != grpc::StatusCode::NOT_FOUND;
   };
   auto client = Connect(servers);
   auto refused = client->CreateOrAttach(job);

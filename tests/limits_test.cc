@@ -26,6 +26,7 @@
 #include "shardopt/client.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tests/testing/client_helpers.h"
+#include "tests/testing/describe_on.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/server_process.h"
 
@@ -148,12 +149,8 @@ TEST(LimitsTest, AJobOneServerRefusesIsLeftOnNoneOfTheOthers) {
   auto refused = client->CreateOrAttach(job);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   for (const auto* server : {strict.get(), lenient.get()}) {
-    auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
-    grpc::ClientContext ctx;
-    v1::DescribeRequest req;
-    req.set_job(job.name);
-    v1::DescribeResponse resp;
-    EXPECT_EQ(stub->Describe(&ctx, req, &resp).error_code(), grpc::StatusCode::NOT_FOUND) << server->address();
+    EXPECT_EQ(testing::DescribeOn(server->address(), job.name).error_code(), grpc::StatusCode::NOT_FOUND)
+        << server->address();
   }
   job.world_size = 1;
   EXPECT_EQ(client->CreateOrAttach(job).value(), 0u);
@@ -172,12 +169,7 @@ TEST(LimitsTest, AJobIsKeptWhereMadeWhenAnotherServerIsNotUpYet) {
   JobOptions job = OneTensorJob("one-server-down", 4096);
   job.tensors.push_back({"u", 4096, 0});
   EXPECT_EQ(client->CreateOrAttach(job).status().code(), absl::StatusCode::kUnavailable);
-  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(up->address(), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  v1::DescribeRequest req;
-  req.set_job(job.name);
-  v1::DescribeResponse resp;
-  EXPECT_TRUE(stub->Describe(&ctx, req, &resp).ok());
+  EXPECT_TRUE(testing::DescribeOn(up->address(), job.name).ok());
 }
 
 // Case 4: streams held open took every server thread. Now a client's
