@@ -100,41 +100,6 @@ struct Client::Impl {
     return fanout::FailFanout(fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt));
   }
 
-  std::vector<uint32_t> ServersWithParts() const {
-    std::vector<uint32_t> out;
-    for (uint32_t s = 0; s < servers(); ++s) {
-      if (!shards_of[s].empty()) out.push_back(s);
-    }
-    return out;
-  }
-
-  // missing[s], for each server s of `asked`: how many of its tensor parts
-  // of the job lack initial values (Describe's uninitialized_tensors). Each
-  // server's thread writes its own entry.
-  absl::Status CountMissingValues(const std::vector<uint32_t>& asked, uint32_t call_ms,
-                                  std::vector<uint32_t>& missing) const {
-    return fanout::ForEach(asked, [&](uint32_t s) {
-      v1::DescribeResponse r;
-      SHARDOPT_RETURN_IF_ERROR(Call(s, call_ms, [&](grpc::ClientContext* ctx) {
-        v1::DescribeRequest req;
-        req.set_job(job.name);
-        req.set_incarnation(incarnation[s]);
-        req.set_max_tensors(1);  // only the job-wide fields are wanted
-        return stubs[s]->Describe(ctx, req, &r);
-      }));
-      missing[s] = r.uninitialized_tensors();
-      return absl::OkStatus();
-    });
-  }
-
-  // The rest of CreateOrAttach once every server answered its CreateJob.
-  absl::StatusOr<uint64_t> Attach(std::vector<v1::CreateJobResponse>& answers);
-  absl::Status DropCreated(const std::vector<v1::CreateJobResponse>& answers, const std::vector<char>& answered,
-                           bool restored_too, absl::Status failure) const;
-  // Drops the life `life` of the job on server s, which this client made
-  // there, ignoring the outcome.
-  void DropLife(uint32_t s, uint64_t life) const;
-
   // The job on a server that no longer holds it: a new process in its place
   // (a pod replaced in a rolling upgrade), which restores the job from the
   // newest complete checkpoint when asked to create it. Fine if it is then
@@ -171,7 +136,17 @@ struct Client::Impl {
       incarnation[s] = resp.incarnation();  // its own, or the first this client learns of a server without lives
       return absl::OkStatus();
     }
-    if (resp.created() && !resp.restored()) DropLife(s, resp.incarnation());  // a fresh job, with nothing in it
+    if (resp.created() && !resp.restored()) {
+      fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
+                   [&](grpc::ClientContext* ctx) {
+                     v1::DropJobRequest drop;
+                     drop.set_job(job.name);
+                     drop.set_incarnation(resp.incarnation());  // this fresh job, not one made meanwhile
+                     v1::DropJobResponse unused;
+                     return stubs[s]->DropJob(ctx, drop, &unused);
+                   })
+          .IgnoreError();  // a fresh job, with nothing in it
+    }
     const absl::Status failed = absl::FailedPreconditionError(absl::StrCat(
         why.message(), "; asked to create job '", job.name, "' again, it ",
         resp.restored() ? absl::StrCat("restored step ", resp.step()) : std::string("has no checkpoint of it"),
@@ -402,99 +377,46 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   for (ShardPlacement& p : PlaceTensors(job.tensors, im.servers())) im.shards_of[p.server].push_back(std::move(p));
 
   std::vector<v1::CreateJobResponse> answers(im.servers());
-  std::vector<char> answered(im.servers(), 0);  // [server]: its answer is in answers
   auto st = im.ForEachServer([&](uint32_t s) {
-    // Not cancelled by another server's failure: a job this call makes on a
-    // server must be known, to be dropped again if the attach fails.
-    const fanout::Detached detached;
     const v1::CreateJobRequest req = ToCreateJobRequest(job, im.shards_of[s], im.options.rank);
-    SHARDOPT_RETURN_IF_ERROR(im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+    return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       return im.stubs[s]->CreateJob(ctx, req, &answers[s]);
-    }));
-    answered[s] = 1;
-    return absl::OkStatus();
+    });
   });
-  if (!st.ok()) return im.DropCreated(answers, answered, /*restored_too=*/true, st);
-  absl::StatusOr<uint64_t> step = im.Attach(answers);
-  if (!step.ok()) return im.DropCreated(answers, answered, /*restored_too=*/false, step.status());
-  return step;
-}
-
-// The rest of an attach, once every server answered CreateJob.
-absl::StatusOr<uint64_t> Client::Impl::Attach(std::vector<v1::CreateJobResponse>& answers) {
-  incarnation.clear();
-  for (const v1::CreateJobResponse& answer : answers) incarnation.push_back(answer.incarnation());
-  const std::vector<bool> parts = holds_part();
+  if (!st.ok()) return st;
+  im.incarnation.clear();
+  for (const v1::CreateJobResponse& answer : answers) im.incarnation.push_back(answer.incarnation());
+  const std::vector<bool> holds_part = im.holds_part();
   // A step its trainer committed on some servers only is committed on the
   // others, as the trainer's own retry would have been, so that a restarted
   // trainer attaches at that step (their sealed round keeps its gradients:
   // nothing new is summed). Any other difference is refused below.
-  if (std::optional<HalfCommitted> half = FindHalfCommittedStep(answers, parts)) {
+  if (std::optional<HalfCommitted> half = FindHalfCommittedStep(answers, holds_part)) {
     half->commit.set_job(job.name);
     const std::vector<char*> discard(job.tensors.size(), nullptr);
     SHARDOPT_RETURN_IF_ERROR(
-        fanout::ForEach(half->behind, [&](uint32_t s) { return CommitOn(s, half->commit, discard); }));
+        fanout::ForEach(half->behind, [&](uint32_t s) { return im.CommitOn(s, half->commit, discard); }));
     for (uint32_t s : half->behind) answers[s].set_step(half->commit.step());
   }
-  SHARDOPT_ASSIGN_OR_RETURN(step, AgreedStep(answers, parts, options.servers, job.name));
-  pushed_ahead = PushedAhead(answers, step, parts, pushes_to);
+  SHARDOPT_ASSIGN_OR_RETURN(const uint64_t step, AgreedStep(answers, holds_part, im.options.servers, job.name));
+  im.step = step;
+  im.pushed_ahead = PushedAhead(answers, step, holds_part, im.pushes_to);
   std::vector<uint64_t> sent_to, barrier;  // the limits of the servers this job's messages go to
-  for (uint32_t s = 0; s < servers(); ++s) {
+  for (uint32_t s = 0; s < im.servers(); ++s) {
     barrier.push_back(answers[s].barrier_timeout_ms());
-    if (parts[s]) sent_to.push_back(answers[s].max_message_bytes());
+    if (holds_part[s]) sent_to.push_back(answers[s].max_message_bytes());
   }
-  chunk_bytes = ChunkBytesFor(options.chunk_bytes, job.world_size, sent_to);
+  im.chunk_bytes = ChunkBytesFor(im.options.chunk_bytes, job.world_size, sent_to);
   // The job's own deadline, or what its servers say it is when it gave none
   // (their --barrier_timeout_ms); servers too old to say default to 60 s.
-  barrier_ms = job.barrier_timeout_ms;
-  if (barrier_ms == 0) {
+  im.barrier_ms = job.barrier_timeout_ms;
+  if (im.barrier_ms == 0) {
     const uint64_t said = *std::max_element(barrier.begin(), barrier.end());
-    barrier_ms = said > 0 ? static_cast<uint32_t>(said) : 60000;
+    im.barrier_ms = said > 0 ? static_cast<uint32_t>(said) : 60000;
   }
-  attached = true;
+  im.attached = true;
   return step;
 }
-
-// A failed attach leaves no job that it made where that is safe. A job made
-// afresh is dropped again (its memory held for nobody), and so is one
-// restored from a checkpoint that another server of the job then refused to
-// load (a damaged part, say), so that the next attach finds the servers
-// alike rather than one holding the job and another not ("servers disagree
-// on the step"); the checkpoint stays on disk. A restored job is kept when
-// only the servers' steps disagreed: it has the life of the trainers that
-// were attached before its server restarted (docs/design.md), and a drop
-// would mark that life dropped for good. Nothing is dropped after a failure
-// that may pass (a server not yet up): another rank's attach, which may
-// already have succeeded, would lose its job. Best effort: the attach's own
-// error is what the caller needs.
-absl::Status Client::Impl::DropCreated(const std::vector<v1::CreateJobResponse>& answers,
-                                       const std::vector<char>& answered, bool restored_too,
-                                       absl::Status failure) const {
-  if (absl::IsUnavailable(failure) || absl::IsDeadlineExceeded(failure) || absl::IsCancelled(failure)) return failure;
-  std::vector<uint32_t> made;
-  for (uint32_t s = 0; s < servers(); ++s) {
-    if (answered[s] && answers[s].created() && (restored_too || !answers[s].restored())) made.push_back(s);
-  }
-  fanout::ForEach(made, [&](uint32_t s) {
-    const fanout::Detached detached;
-    DropLife(s, answers[s].incarnation());
-    return absl::OkStatus();
-  }).IgnoreError();
-  return failure;
-}
-
-void Client::Impl::DropLife(uint32_t s, uint64_t life) const {
-  fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
-               [&](grpc::ClientContext* ctx) {
-                 v1::DropJobRequest drop;
-                 drop.set_job(job.name);
-                 drop.set_incarnation(life);  // the job this client made, not one made meanwhile
-                 v1::DropJobResponse unused;
-                 return stubs[s]->DropJob(ctx, drop, &unused);
-               })
-      .IgnoreError();  // best effort: the caller reports its own failure
-}
-
 
 absl::Status Client::InitFp32(const std::string& tensor, const float* values, InitShare share) {
   SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, values, v1::FP32, v1::MASTER, share));
@@ -512,17 +434,31 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
   // A server whose parts all have values keeps them (they are taken only at
   // step 0, and never taken away), so only the others are asked again; and
   // ever less often, since every rank of the job asks every server.
-  std::vector<uint32_t> pending = im.ServersWithParts();
-  std::vector<uint32_t> missing(im.servers(), 0);
+  std::vector<uint32_t> pending;
+  for (uint32_t s = 0; s < im.servers(); ++s) {
+    if (!im.shards_of[s].empty()) pending.push_back(s);
+  }
+  std::vector<uint32_t> missing(im.servers(), 0);  // each server's thread writes its own entry
   for (auto pause = std::chrono::milliseconds(10);; pause = std::min(2 * pause, std::chrono::milliseconds(500))) {
-    // Each call within what is left, so that an unresponsive server keeps
-    // the wait near timeout_ms; but given a second at least, so that a
-    // short wait still hears the servers' count and can say what lacks.
-    const int64_t rpc_ms = im.options.rpc_timeout_ms;
-    const int64_t left =
-        std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now()).count();
-    const uint32_t call_ms = static_cast<uint32_t>(std::clamp<int64_t>(left, std::min<int64_t>(1000, rpc_ms), rpc_ms));
-    SHARDOPT_RETURN_IF_ERROR(im.CountMissingValues(pending, call_ms, missing));
+    SHARDOPT_RETURN_IF_ERROR(fanout::ForEach(pending, [&](uint32_t s) {
+      v1::DescribeResponse r;
+      // Each call within what is left, so that an unresponsive server keeps
+      // the wait near timeout_ms; but given a second at least, so that a
+      // short wait still hears the servers' count and can say what lacks.
+      const int64_t rpc_ms = im.options.rpc_timeout_ms;
+      const int64_t left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                               give_up - std::chrono::steady_clock::now()).count();
+      const uint32_t call_ms = static_cast<uint32_t>(std::clamp<int64_t>(left, std::min<int64_t>(1000, rpc_ms), rpc_ms));
+      SHARDOPT_RETURN_IF_ERROR(im.Call(s, call_ms, [&](grpc::ClientContext* ctx) {
+        v1::DescribeRequest req;
+        req.set_job(im.job.name);
+        req.set_incarnation(im.incarnation[s]);
+        req.set_max_tensors(1);  // only the job-wide fields are wanted
+        return im.stubs[s]->Describe(ctx, req, &r);
+      }));
+      missing[s] = r.uninitialized_tensors();
+      return absl::OkStatus();
+    }));
     pending.erase(std::remove_if(pending.begin(), pending.end(), [&](uint32_t s) { return missing[s] == 0; }),
                   pending.end());
     if (pending.empty()) return absl::OkStatus();
@@ -534,15 +470,6 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
     std::this_thread::sleep_for(std::min(pause, std::chrono::duration_cast<std::chrono::milliseconds>(
                                                     give_up - std::chrono::steady_clock::now())));
   }
-}
-
-absl::StatusOr<bool> Client::HasInitialValues() {
-  Impl& im = *impl_;
-  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
-  const std::vector<uint32_t> servers = im.ServersWithParts();
-  std::vector<uint32_t> missing(im.servers(), 0);
-  SHARDOPT_RETURN_IF_ERROR(im.CountMissingValues(servers, im.options.rpc_timeout_ms, missing));
-  return std::all_of(servers.begin(), servers.end(), [&](uint32_t s) { return missing[s] == 0; });
 }
 
 absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,

@@ -15,7 +15,9 @@ absl::StatusOr<int> CudaDeviceIndex(const std::string& device) {
   if (device == "cuda") return 0;
   absl::string_view index = device;
   int n = -1;
-  if (!absl::ConsumePrefix(&index, "cuda:") || !absl::SimpleAtoi(index, &n) || n < 0) {
+  // Digits only: SimpleAtoi would also take "+1" and " 1".
+  if (!absl::ConsumePrefix(&index, "cuda:") || index.empty() ||
+      index.find_first_not_of("0123456789") != absl::string_view::npos || !absl::SimpleAtoi(index, &n)) {
     return absl::InvalidArgumentError(absl::StrCat("not cuda or cuda:N: '", device, "'"));
   }
   return n;

@@ -253,6 +253,9 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation) {
     auto it = jobs_.find(name);
     if (it == jobs_.end() || it->second != job) return NoJob(name);  // another drop came first
     jobs_.erase(it);
+    // Under the store's lock, as a CreateJob's zero counters are made: a job
+    // of the name made again at once keeps its own series.
+    metrics::Registry::Default().ForgetJob(name);
     if (dropped_.insert(name).second) dropped_order_.push_back(name);
     if (dropped_order_.size() > kDroppedKept) {
       dropped_.erase(dropped_order_.front());
@@ -262,7 +265,6 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation) {
   absl::MutexLock lock(&job->mu);
   job->dropped = true;
   job->Notify();
-  metrics::Registry::Default().ForgetJob(name);
   log::Info("job_dropped", {{"job", name}, {"step", absl::StrCat(job->step)}});
   return absl::OkStatus();
 }

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -665,12 +666,14 @@ TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServe
   EXPECT_TRUE(good_trainer.Step(*good).ok());
 }
 
-// A part damaged on one server only: that server refuses the restore, and
-// the attach drops the job the other server restored, so that no server is
-// left holding it. With the damaged step moved away (as an operator would),
-// the next attach restores the step before on both, instead of finding one
-// server at the damaged step and the other at the one before.
-TEST(DurabilityTest, ADamagedPartOnOneServerLeavesTheJobOnNoServer) {
+// A part damaged on one server only: that server refuses the restore
+// (DATA_LOSS, naming the part), while the job's other server, whose own
+// part is whole, has restored it and holds it (each server reads only the
+// parts of its shards). As the docs say, the operator moves the damaged
+// step away and drops the job where a server holds it; the next attach
+// then restores the step before on both, where without the drop it finds
+// the servers at two steps.
+TEST(DurabilityTest, ADamagedPartOnOneServerIsRefusedThereAndTheStepBeforeRestoresOnBoth) {
   TempDir dir;
   const JobOptions job = DurableJob("damaged", {{"w", 2000}, {"u", 3000}});
   {
@@ -690,20 +693,37 @@ TEST(DurabilityTest, ADamagedPartOnOneServerLeavesTheJobOnNoServer) {
   FlipByte(parts[0], -100);
 
   auto servers = StartServers(2, dir.path());
-  auto held = [&](int s) {
-    return DescribeOn(servers[s]->address(), "damaged").error_code() != grpc::StatusCode::NOT_FOUND;
+  auto step_held = [&](int s) -> std::optional<uint64_t> {
+    v1::DescribeResponse described;
+    if (!DescribeOn(servers[s]->address(), "damaged", &described).ok()) return std::nullopt;
+    return described.step();
   };
   auto client = Connect(servers);
   auto refused = client->CreateOrAttach(job);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kDataLoss);
-  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("data checksum mismatch"));
-  EXPECT_FALSE(held(0));
-  EXPECT_FALSE(held(1));
+  EXPECT_THAT(std::string(refused.status().message()), AllOf(HasSubstr(parts[0]), HasSubstr("data checksum mismatch")));
+  std::vector<int> holding;
+  for (int s : {0, 1}) {
+    if (step_held(s).has_value()) {
+      EXPECT_EQ(*step_held(s), 6u);
+      holding.push_back(s);
+    }
+  }
+  EXPECT_EQ(holding.size(), 1u);  // the server whose part is whole
 
   fs::rename(StepDir(dir.path(), "damaged", 6), dir.path() + "/damaged-step-6-set-aside");
+  for (int s : holding) {
+    auto drop = Connect(servers);  // the operator's `shardopt drop`
+    v1::DropJobRequest req;
+    req.set_job("damaged");
+    v1::DropJobResponse unused;
+    grpc::ClientContext ctx;
+    auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(servers[s]->address(), grpc::InsecureChannelCredentials()));
+    ASSERT_TRUE(stub->DropJob(&ctx, req, &unused).ok());
+  }
   EXPECT_EQ(client->CreateOrAttach(job).value(), 3u);
-  EXPECT_TRUE(held(0));
-  EXPECT_TRUE(held(1));
+  EXPECT_EQ(step_held(0), std::optional<uint64_t>(3));
+  EXPECT_EQ(step_held(1), std::optional<uint64_t>(3));
 }
 
 TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFromThem) {

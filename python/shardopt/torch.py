@@ -267,13 +267,13 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
                           f"trainer of this rank that was killed after pushing it (or part of it), step {ahead} is "
                           "applied with that trainer's gradients where the servers hold them, not this process's "
                           "(the servers count a rank's push of a step once)", stacklevel=2)
-        # A job at step 0 whose every tensor has its values already (another
-        # process gave them, or a checkpoint of step 0 or a loaded state
-        # dict did) is attached to as at any later step: its values are
-        # pulled, not overwritten, or the masters would be this process's
-        # while the moments stayed the job's.
-        has_values = self.resumed_step == 0 and self._client.has_initial_values()
-        if self.resumed_step == 0 and not has_values:
+        # A job not yet stepped that holds Adam state (a state dict was
+        # loaded into it, then perhaps checkpointed and restored) keeps its
+        # masters, which go with those moments: every rank takes them, as
+        # at a later step, rather than rank 0 sending masters that the
+        # moments were not made for.
+        keeps_masters = self.resumed_step == 0 and any(self._client.adam_steps())
+        if self.resumed_step == 0 and not keeps_masters:
             # Rank 0's params are the job's initial values, as DDP broadcasts
             # rank 0's: it sends them (the servers take the model's bytes
             # once), and every other rank waits until they are in and takes
@@ -283,7 +283,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
                 for t in self._remote:
                     self._init_master(t, t.param)
             self._client.wait_for_initial_values(int(barrier_timeout * 1000))
-        if self.resumed_step != 0 or rank != 0 or has_values:
+        if self.resumed_step != 0 or rank != 0 or keeps_masters:
             self._pull_params()
         self._note_versions()
         self._client.verify_state()

@@ -202,9 +202,6 @@ class PyClient {
   void WaitForInitialValues(int64_t timeout_ms) {
     Exclusive([&] { Check(client_->WaitForInitialValues(timeout_ms)); });
   }
-  bool HasInitialValues() {
-    return Exclusive([&] { return Value(client_->HasInitialValues()); });
-  }
   void InitAdamState(const std::string& tensor, uintptr_t exp_avg, uintptr_t exp_avg_sq, uint64_t adam_step,
                      uint32_t share_index, uint32_t share_count) {
     Exclusive([&] {
@@ -412,7 +409,6 @@ PYBIND11_MODULE(_C, m) {
       .def("init_bf16", &PyClient::InitBf16, py::arg("tensor"), py::arg("values"), py::arg("share_index") = 0,
            py::arg("share_count") = 1)
       .def("wait_for_initial_values", &PyClient::WaitForInitialValues)
-      .def("has_initial_values", &PyClient::HasInitialValues)
       .def("init_adam_state", &PyClient::InitAdamState, py::arg("tensor"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
            py::arg("adam_step"), py::arg("share_index") = 0, py::arg("share_count") = 1)
       .def("step", &PyClient::Step, py::arg("grads"), py::arg("params"), py::arg("lr"), py::arg("group_lr"),

@@ -146,29 +146,37 @@ def test_attach_resumes_from_the_servers(servers, job):
     opt.drop()
 
 
-def test_attach_at_step_0_pulls_the_values_the_job_holds(servers, job):
-    """A trainer attaching to a job that has its initial values but no step
-    yet (a process gave them and went away) takes the job's values, as at
-    any later step, rather than overwriting the masters with its own while
-    the job keeps its moments; and trains on bitwise as the first would."""
-    whole = make_model()
-    opt = RemoteAdamW(param_groups(whole), servers=servers, job=f"{job}-whole", lr=1e-3)
-    train(whole, opt, STEPS)
-    opt.drop()
-
+def test_at_step_0_rank_0_sends_its_params_unless_the_job_holds_adam_state(servers, job):
+    """Before the job's first step, a relaunched rank 0 sends its params (the
+    weights it loaded since the last launch are the initial values); but
+    once a state dict was loaded into the job, its masters go with those
+    moments, and a rank 0 attaching then takes them, as at a later step."""
     first = make_model()
     opt = RemoteAdamW(param_groups(first), servers=servers, job=job, lr=1e-3)
-    del opt  # the job stays at step 0, with first's values
+    del opt  # the job stays at step 0 with first's values, and no Adam state
 
-    model = make_model(seed=7)
-    assert not all(same_bits(p, q) for p, q in zip(model.parameters(), first.parameters()))
-    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3)
+    relaunched = make_model(seed=7)
+    kept = [p.detach().clone() for p in relaunched.parameters()]
+    opt = RemoteAdamW(param_groups(relaunched), servers=servers, job=job, lr=1e-3)
     assert opt.resumed_step == 0
-    for (name, p), q in zip(model.named_parameters(), first.parameters()):
-        assert same_bits(p, q), name
-    train(model, opt, STEPS)
-    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
-        assert same_bits(p, q), name
+    for i, (p, q) in enumerate(zip(relaunched.parameters(), kept)):
+        assert same_bits(p, q), i  # its own, sent; not first's, pulled
+
+    # The state of another run's two steps, loaded: the job now holds Adam state.
+    donor = make_model(seed=3)
+    donor_opt = RemoteAdamW(param_groups(donor), servers=servers, job=f"{job}-donor", lr=1e-3)
+    train(donor, donor_opt, 2)
+    loaded = donor_opt.state_dict()
+    donor_opt.drop()
+    opt.load_state_dict(loaded)
+    del opt
+
+    other = make_model(seed=11)
+    opt = RemoteAdamW(param_groups(other), servers=servers, job=job, lr=1e-3)
+    assert opt.resumed_step == 0
+    for k, p in enumerate(p for g in opt.param_groups for p in g["params"]):
+        assert same_bits(p, loaded["state"][k]["master"].to(p.dtype)), k
+    assert_state_is(opt.state_dict(), loaded)
     opt.drop()
 
 

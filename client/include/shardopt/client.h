@@ -246,11 +246,6 @@ class Client {
   // DEADLINE_EXCEEDED after `timeout_ms`, naming a server and how many of
   // its tensor parts still lack values.
   absl::Status WaitForInitialValues(int64_t timeout_ms);
-  // Whether every server holding part of the job has initial values for all
-  // of it now (one question to each; no wait): an attach at step 0 finds
-  // a job that another process gave its values, or restored from a
-  // checkpoint of step 0, as well as one just made.
-  absl::StatusOr<bool> HasInitialValues();
   // Adam's moments and step count of a whole tensor, before step 1: resuming
   // from an optimizer's state dict. fp32, kept exactly in FP32 groups. With a
   // share, only this caller's slices are sent, as for InitFp32. Nothing
