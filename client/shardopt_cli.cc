@@ -91,7 +91,8 @@ std::string Usage() {
 
 uint64_t ParseCount(const Verb& verb, const char* what, const std::string& text) {
   uint64_t value = 0;
-  if (!absl::SimpleAtoi(text, &value)) {
+  // Digits only: SimpleAtoi would also take " 5" and "+5".
+  if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos || !absl::SimpleAtoi(text, &value)) {
     shardopt::UsageError(absl::StrCat(verb.name, ": ", what, " must be a number of elements, got '", text,
                                       "'\nusage: shardopt ", verb.synopsis));
   }
@@ -156,6 +157,9 @@ int main(int argc, char** argv) {
     shardopt::UsageError(absl::StrCat(verb->name, ": ", what, "\nusage: shardopt ", verb->synopsis));
   }
   const std::string command = verb->name;
+  if (absl::StripAsciiWhitespace(absl::GetFlag(FLAGS_server)).empty()) {
+    shardopt::UsageError("--server must name a server, HOST:PORT");
+  }
   if (absl::GetFlag(FLAGS_timeout_s) < 1) {
     shardopt::UsageError(absl::StrCat("--timeout_s must be at least 1, got ", absl::GetFlag(FLAGS_timeout_s)));
   }
@@ -255,6 +259,7 @@ int main(int argc, char** argv) {
       for (v1::TensorState& t : *resp.mutable_tensors()) *tensors.Add() = std::move(t);
     } while (static_cast<uint32_t>(tensors.size()) < resp.tensor_count());
     *resp.mutable_tensors() = std::move(tensors);
+    resp.set_tensor_offset(0);  // the pages joined: the answer starts at the first tensor
     std::string json;
     google::protobuf::util::JsonPrintOptions options;
     options.add_whitespace = true;

@@ -4,6 +4,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "checkpoint/format.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "server/messages.h"
@@ -123,8 +126,14 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   differ.ReportDifferencesToString(&diff);
   differ.IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
   if (!differ.Compare(existing, requested)) {
+    // The differencer's report, one line a field: the ignored fields' lines
+    // left out (they are not why), the rest on one line.
+    std::vector<absl::string_view> differences;
+    for (absl::string_view line : absl::StrSplit(diff, '\n', absl::SkipEmpty())) {
+      if (!absl::StartsWith(line, "ignored:")) differences.push_back(line);
+    }
     return absl::AlreadyExistsError(absl::StrCat("job '", requested.job(), "' exists with a different configuration (",
-                                                 diff, "); drop it or use another name"));
+                                                 absl::StrJoin(differences, "; "), "); drop it or use another name"));
   }
   return absl::OkStatus();
 }

@@ -33,6 +33,7 @@ namespace shardopt {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::CheckpointDirTest;
 using testing::RandomBf16;
 using testing::RandomFloats;
@@ -521,6 +522,23 @@ TEST_F(StoreTest, AnInitialValueThatRoundsToInfInABf16GroupIsRefused) {
   v[3] = 3.0e38f;  // rounds to a finite bf16
   c.set_data(v.data(), 40);
   EXPECT_TRUE(store_.Init(c).ok());
+}
+
+// A job of the name with another configuration is refused naming what
+// differs, on one line, and not the group names, which are for messages
+// only and were reported as an "ignored" difference.
+TEST_F(StoreTest, ADifferentConfigurationIsNamedOnOneLineWithoutTheIgnoredGroupName) {
+  v1::CreateJobRequest first = JobRequest("differs", 1, {{"w", 100}});
+  first.mutable_groups(0)->set_name("g");
+  ASSERT_TRUE(store_.CreateJob(first).ok());
+  v1::CreateJobRequest second = JobRequest("differs", 2, {{"w", 100}});
+  second.mutable_groups(0)->set_name("g");
+  const auto refused = store_.CreateJob(second);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kAlreadyExists);
+  const std::string message(refused.status().message());
+  EXPECT_THAT(message, HasSubstr("world_size"));
+  EXPECT_THAT(message, Not(HasSubstr("ignored")));
+  EXPECT_EQ(message.find('\n'), std::string::npos) << message;
 }
 
 TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {

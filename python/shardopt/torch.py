@@ -108,8 +108,12 @@ def _read_pem(path, what):
 
 
 def _servers(servers, num_servers):
+    pattern = isinstance(servers, str) and "{i}" in servers
+    if num_servers is not None and not pattern:
+        # It would be ignored, and a job meant for several servers would run on those listed.
+        raise ValueError(f"num_servers={num_servers!r} is for a pattern with {{i}}; servers={servers!r} is none")
     if isinstance(servers, str):
-        if "{i}" in servers:
+        if pattern:
             if not num_servers:
                 raise ValueError(f"servers={servers!r} is a pattern: give num_servers too")
             return _C.expand_server_pattern(servers, num_servers)

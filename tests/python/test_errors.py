@@ -136,6 +136,13 @@ def test_server_pattern_expands():
         shardopt.expand_server_pattern("no-pattern:50051", 2)
 
 
+@pytest.mark.parametrize("servers", ["127.0.0.1:1", ["127.0.0.1:1", "127.0.0.1:2"]])
+def test_num_servers_without_a_pattern_is_refused_not_ignored(job, servers):
+    """It would be ignored: a job meant for four servers would run on those listed."""
+    with pytest.raises(ValueError, match="num_servers=4 is for a pattern"):
+        RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=servers, num_servers=4, job=job)
+
+
 @pytest.mark.parametrize("key", ["amsgrad", "maximize", "state_precision"])
 def test_a_group_asking_for_what_the_servers_do_not_do_is_refused(servers, job, key):
     """amsgrad or maximize in a group, or an unknown state precision, is

@@ -57,6 +57,9 @@ case $case_name in
     # A negative number is an argument, not a flag named by its digits.
     run 2 "$cli" read JOB T master -1 && expect err "OFFSET must be a number of elements, got '-1'"
     run 2 "$cli" read JOB T master 0 -5 --server=127.0.0.1:1 && expect err "COUNT must be a number of elements, got '-5'"
+    run 2 "$cli" read JOB T master " 5" && expect err "OFFSET must be a number of elements, got ' 5'"
+    run 2 "$cli" read JOB T master +5 && expect err "OFFSET must be a number of elements, got '[+]5'"
+    run 2 "$cli" --server= describe JOB && expect err 'server must name a server'
     run 2 "$cli" read JOB T momentum && expect err 'momentum'
     run 2 "$cli" read JOB T && expect err 'read'
     run 2 "$cli" describe && expect err 'describe'
