@@ -236,8 +236,20 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   return response;
 }
 
-absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation) {
+absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation, bool only_if_empty) {
   SHARDOPT_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Find(name, incarnation));
+  if (only_if_empty) {
+    absl::MutexLock lock(&job->mu);
+    const bool holds_values = std::any_of(job->init_cover.begin(), job->init_cover.end(),
+                                          [](const IntervalSet& c) { return c.size() > 0; });
+    const bool holds_moments =
+        std::any_of(job->adam_steps.begin(), job->adam_steps.end(), [](uint64_t t) { return t > 0; });
+    if (job->step > 0 || holds_values || holds_moments) {
+      return absl::PermissionDeniedError(absl::StrCat("job ", Quote(name), " holds state: only an admin token may ",
+                                                      "drop it (a trainer may drop only a job it made that holds ",
+                                                      "nothing yet)"));
+    }
+  }
   // The life is marked dropped on disk before the job goes, outside the
   // store's lock: no job of the name can be made (and restore this life)
   // while it is still here, and a drop that cannot be marked does not happen.

@@ -102,7 +102,11 @@ class JobStore {
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> DrainAndCheckpoint(
       absl::Duration wait_for_steps = absl::Seconds(20)) ABSL_LOCKS_EXCLUDED(mu_);
   // `incarnation` as Find's: a caller of another life of the job drops nothing.
-  absl::Status DropJob(const std::string& job, uint64_t incarnation = 0) ABSL_LOCKS_EXCLUDED(mu_);
+  // With `only_if_empty`, a job that holds anything (a step done, any
+  // initial value or Adam state) is PERMISSION_DENIED and stays: a
+  // trainer's undo of a job it made afresh by mistake.
+  absl::Status DropJob(const std::string& job, uint64_t incarnation = 0, bool only_if_empty = false)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // One page of the job's tensors on this server, at most kDescribePage.
   static constexpr uint32_t kDescribePage = 4096;
   absl::StatusOr<v1::DescribeResponse> Describe(const v1::DescribeRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);

@@ -121,8 +121,18 @@ grpc::Status OptimizerService::Describe(grpc::ServerContext* context, const v1::
 
 grpc::Status OptimizerService::DropJob(grpc::ServerContext* context, const v1::DropJobRequest* req,
                                        v1::DropJobResponse*) {
-  if (auto caller = Authorize(*context, Action::kDrop, req->job()); !caller.ok()) return ToGrpcStatus(caller.status());
-  return ToGrpcStatus(store_->DropJob(req->job(), req->incarnation()));
+  auto caller = Identify(*context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  // A trainer may undo a create of its own: drop the life it names of a job
+  // of its prefixes that holds nothing yet (a client's re-attach that made
+  // the job afresh on a restarted server, where it found no checkpoint).
+  // Dropping state stays an admin's.
+  const bool undo = caller->role == Role::kTrainer && req->incarnation() != 0 &&
+                    caller->Allows(Action::kCreate, req->job()).ok();
+  if (!undo) {
+    if (absl::Status allowed = caller->Allows(Action::kDrop, req->job()); !allowed.ok()) return ToGrpcStatus(allowed);
+  }
+  return ToGrpcStatus(store_->DropJob(req->job(), req->incarnation(), /*only_if_empty=*/undo));
 }
 
 grpc::Status OptimizerService::Checkpoint(grpc::ServerContext* context, const v1::CheckpointRequest* req,

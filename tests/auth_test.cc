@@ -54,7 +54,7 @@ class Caller {
   Caller(std::shared_ptr<grpc::Channel> channel, std::string token)
       : stub_(v1::Optimizer::NewStub(std::move(channel))), token_(std::move(token)) {}
 
-  grpc::Status CreateJob(const std::string& job) {
+  grpc::Status CreateJob(const std::string& job, v1::CreateJobResponse* out = nullptr) {
     auto ctx = Context();
     v1::CreateJobRequest req;
     req.set_job(job);
@@ -67,7 +67,7 @@ class Caller {
     t->set_name("w");
     t->set_numel(kNumel);
     v1::CreateJobResponse resp;
-    return stub_->CreateJob(ctx.get(), req, &resp);
+    return stub_->CreateJob(ctx.get(), req, out != nullptr ? out : &resp);
   }
   grpc::Status Init(const std::string& job, const std::vector<float>& values) {
     auto ctx = Context();
@@ -141,10 +141,11 @@ class Caller {
     v1::CheckpointResponse resp;
     return stub_->Checkpoint(ctx.get(), req, &resp);
   }
-  grpc::Status Drop(const std::string& job) {
+  grpc::Status Drop(const std::string& job, uint64_t incarnation = 0) {
     auto ctx = Context();
     v1::DropJobRequest req;
     req.set_job(job);
+    req.set_incarnation(incarnation);
     v1::DropJobResponse resp;
     return stub_->DropJob(ctx.get(), req, &resp);
   }
@@ -281,6 +282,32 @@ TEST_F(AuthTest, EveryRpcAgainstEveryKindOfCaller) {
   EXPECT_TRUE(admin.CreateJob("anything/at-all").ok());
   EXPECT_TRUE(admin.Drop(job).ok());
   EXPECT_EQ(admin.Describe(job).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// A trainer may undo a create of its own, as a client's re-attach does with
+// a job it made afresh on a restarted server: the life it names of a job of
+// its prefixes that holds nothing yet. Anything else stays an admin's.
+TEST_F(AuthTest, ATrainerMayDropOnlyAnEmptyJobOfItsPrefixesNamingItsLife) {
+  Caller alice = As(Bearer(kAlice)), bob = As(Bearer(kBob));
+  v1::CreateJobResponse made;
+  ASSERT_TRUE(alice.CreateJob("team-a/fresh", &made).ok());
+  ASSERT_NE(made.incarnation(), 0u);
+  EXPECT_EQ(alice.Drop("team-a/fresh").error_code(), grpc::StatusCode::PERMISSION_DENIED);  // no life named
+  EXPECT_EQ(bob.Drop("team-a/fresh", made.incarnation()).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(alice.Drop("team-a/fresh", made.incarnation() ^ 1).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(alice.Describe("team-a/fresh").ok());
+  EXPECT_TRUE(alice.Drop("team-a/fresh", made.incarnation()).ok());
+  EXPECT_EQ(alice.Describe("team-a/fresh").error_code(), grpc::StatusCode::NOT_FOUND);
+
+  ASSERT_TRUE(alice.CreateJob("team-a/full", &made).ok());
+  const std::vector<float> init = RandomFloats(rng_, kNumel, -1, 1);
+  ASSERT_TRUE(alice.Init("team-a/full", init).ok());
+  const grpc::Status refused = alice.Drop("team-a/full", made.incarnation());
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_THAT(refused.error_message(), HasSubstr("holds state"));
+  std::vector<float> master;
+  ASSERT_TRUE(alice.Read("team-a/full", &master).ok());
+  EXPECT_EQ(master, init);
 }
 
 // SIGHUP reloads the tokens file: a removed token stops working and an added
