@@ -354,7 +354,6 @@ TEST(DurabilityTest, AServerThatLostTheJobKeepsSayingWhyNotThatItWasDropped) {
   }
 }
 
-// Server `server`'s Describe of `job`, straight over gRPC.
 // The same on two servers restarted at once (with a checkpoint directory,
 // but no checkpoint of the job): each re-attach makes a fresh job, and each
 // is dropped again, also the one whose re-attach ends after the other's
@@ -362,14 +361,27 @@ TEST(DurabilityTest, AServerThatLostTheJobKeepsSayingWhyNotThatItWasDropped) {
 // was never sent (or its CreateJob was cut off after the server made the
 // job), the server kept a job at step 0, and every later call was
 // OUT_OF_RANGE "push step 1". It failed in three runs of four: four rounds.
+// With tokens too: a trainer's token may drop the empty job its re-attach
+// made (an admin's alone could not, and the job stayed).
 TEST(DurabilityTest, EveryServerDropsTheJobItsReattachMadeAfreshAgain) {
   TempDir dir;  // never written: the job is never checkpointed
   FixedPortServers fixed(2, dir.path());
   auto& servers = fixed.servers;
-  for (int round = 0; round < 4; ++round) {
+  const std::string tokens = dir.path() + "/tokens";
+  std::ofstream(tokens) << "trainer trainer trainer-token-0123456789 lost-\n";
+  for (int round = 0; round < 6; ++round) {
     SCOPED_TRACE(round);
+    ClientOptions options;
+    if (round == 4) {  // the last two rounds with a trainer's token
+      for (int i = 0; i < 2; ++i) {
+        fixed.args[i].push_back("--tokens_file=" + tokens);
+        servers[i]->Stop(SIGKILL);
+        fixed.Restart(i);
+      }
+    }
+    if (round >= 4) options.token = "trainer-token-0123456789";
     const JobOptions job = DurableJob(absl::StrCat("lost-", round), {{"w", 3000}, {"b", 3000}});
-    auto client = Connect(servers);
+    auto client = Connect(servers, options);
     ScriptedTrainer trainer = Train(*client, job, 2);
     for (int i = 0; i < 2; ++i) {
       servers[i]->Stop(SIGKILL);
@@ -379,7 +391,8 @@ TEST(DurabilityTest, EveryServerDropsTheJobItsReattachMadeAfreshAgain) {
     EXPECT_EQ(stepped.status().code(), absl::StatusCode::kFailedPrecondition) << stepped.status();
     for (const auto& server : servers) {
       v1::DescribeResponse described;
-      EXPECT_EQ(DescribeOn(server->address(), job.name, &described).error_code(), grpc::StatusCode::NOT_FOUND)
+      EXPECT_EQ(DescribeOn(server->address(), job.name, &described, options.token).error_code(),
+                grpc::StatusCode::NOT_FOUND)
           << server->address() << " holds the job at step " << described.step();
     }
   }

@@ -10,10 +10,12 @@
 
 namespace shardopt::testing {
 
+// `token`: the bearer token to send, if the server asks for one.
 inline grpc::Status DescribeOn(const std::string& address, const std::string& job,
-                               v1::DescribeResponse* out = nullptr) {
+                               v1::DescribeResponse* out = nullptr, const std::string& token = "") {
   auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
+  if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
   v1::DescribeRequest req;
   req.set_job(job);
   v1::DescribeResponse unused;
