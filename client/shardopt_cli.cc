@@ -157,12 +157,6 @@ int main(int argc, char** argv) {
     shardopt::UsageError(absl::StrCat(verb->name, ": ", what, "\nusage: shardopt ", verb->synopsis));
   }
   const std::string command = verb->name;
-  if (absl::StripAsciiWhitespace(absl::GetFlag(FLAGS_server)).empty()) {
-    shardopt::UsageError("--server must name a server, HOST:PORT");
-  }
-  if (absl::GetFlag(FLAGS_timeout_s) < 1) {
-    shardopt::UsageError(absl::StrCat("--timeout_s must be at least 1, got ", absl::GetFlag(FLAGS_timeout_s)));
-  }
 
   if (command == "help") {
     if (n == 0) {
@@ -187,6 +181,12 @@ int main(int argc, char** argv) {
   }
 
   // Every argument is checked before the server is contacted.
+  if (absl::StripAsciiWhitespace(absl::GetFlag(FLAGS_server)).empty()) {
+    shardopt::UsageError("--server must name a server, HOST:PORT");
+  }
+  if (absl::GetFlag(FLAGS_timeout_s) < 1) {
+    shardopt::UsageError(absl::StrCat("--timeout_s must be at least 1, got ", absl::GetFlag(FLAGS_timeout_s)));
+  }
   v1::ReadRequest read;
   if (command == "read") {
     read.set_job(args[1]);

@@ -97,6 +97,10 @@ class Job {
   std::vector<uint64_t> adam_steps ABSL_GUARDED_BY(mu);  // per shard
   std::vector<IntervalSet> init_cover ABSL_GUARDED_BY(mu);
   size_t uninitialized_shards ABSL_GUARDED_BY(mu) = 0;
+  // Whether an Init has written any state (master or moments), or a restore
+  // has: a job without, at step 0, holds nothing (JobStore::DropJob's
+  // only_if_empty).
+  bool written ABSL_GUARDED_BY(mu) = false;
 
   // The barrier round of step `step + 1`. A round ends sealed (every rank
   // covered its shards) and then committed, or aborted at its deadline.

@@ -253,6 +253,7 @@ absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::L
     job.init_cover[si].Add(0, job.shards[si].length);
   }
   job.uninitialized_shards = 0;
+  job.written = true;
   job.step = m.step();
   job.incarnation = m.incarnation();  // 0 from an older part: the store gives it a new one
   job.applied = {m.applied().lr(), m.applied().gscale(), m.applied().skip(),

@@ -240,15 +240,14 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation, bo
   SHARDOPT_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Find(name, incarnation));
   if (only_if_empty) {
     absl::MutexLock lock(&job->mu);
-    const bool holds_values = std::any_of(job->init_cover.begin(), job->init_cover.end(),
-                                          [](const IntervalSet& c) { return c.size() > 0; });
-    const bool holds_moments =
-        std::any_of(job->adam_steps.begin(), job->adam_steps.end(), [](uint64_t t) { return t > 0; });
-    if (job->step > 0 || holds_values || holds_moments) {
+    if (job->step > 0 || job->written) {
       return absl::PermissionDeniedError(absl::StrCat("job ", Quote(name), " holds state: only an admin token may ",
-                                                      "drop it (a trainer may drop only a job it made that holds ",
-                                                      "nothing yet)"));
+                                                      "drop it (a trainer may drop only a job whose life it names ",
+                                                      "that holds nothing yet)"));
     }
+    // Dropped from here on, so that no Init writes into it in between: what
+    // goes is empty. Taken back below if the drop cannot be marked.
+    job->dropped = true;
   }
   // The life is marked dropped on disk before the job goes, outside the
   // store's lock: no job of the name can be made (and restore this life)
@@ -256,6 +255,10 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation, bo
   if (!options_.checkpoint_dir.empty()) {
     if (absl::Status marked = checkpoint::MarkLifeDropped(options_.checkpoint_dir, name, job->incarnation);
         !marked.ok()) {
+      if (only_if_empty) {
+        absl::MutexLock lock(&job->mu);
+        job->dropped = false;
+      }
       return absl::Status(marked.code(), absl::StrCat("job ", Quote(name), " is not dropped: its life could not be ",
                                                       "marked dropped in the checkpoint directory: ", marked.message()));
     }
@@ -393,6 +396,7 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
   const OwnedShard& s = job.shards[shard];
   const uint64_t local = chunk.offset() - s.offset;
   SHARDOPT_RETURN_IF_ERROR(job.state->WriteState(shard, kind, local, dtype, chunk.data().data(), count));
+  job.written = true;
   if (chunk.adam_step() != 0) job.adam_steps[shard] = chunk.adam_step();
   // Only the master makes a shard ready to step: moments default to zero.
   if (kind != StateKind::kMaster) return count;

@@ -69,7 +69,7 @@ class Caller {
     v1::CreateJobResponse resp;
     return stub_->CreateJob(ctx.get(), req, out != nullptr ? out : &resp);
   }
-  grpc::Status Init(const std::string& job, const std::vector<float>& values) {
+  grpc::Status Init(const std::string& job, const std::vector<float>& values, v1::StateKind kind = v1::MASTER) {
     auto ctx = Context();
     v1::InitResponse resp;
     auto writer = stub_->Init(ctx.get(), &resp);
@@ -77,7 +77,7 @@ class Caller {
     chunk.set_job(job);
     chunk.set_tensor("w");
     chunk.set_dtype(v1::FP32);
-    chunk.set_kind(v1::MASTER);
+    chunk.set_kind(kind);
     chunk.set_data(values.data(), values.size() * 4);
     writer->Write(chunk);
     writer->WritesDone();
@@ -308,6 +308,11 @@ TEST_F(AuthTest, ATrainerMayDropOnlyAnEmptyJobOfItsPrefixesNamingItsLife) {
   std::vector<float> master;
   ASSERT_TRUE(alice.Read("team-a/full", &master).ok());
   EXPECT_EQ(master, init);
+  // Moments alone (no Adam step given) are state too.
+  ASSERT_TRUE(alice.CreateJob("team-a/moments", &made).ok());
+  ASSERT_TRUE(alice.Init("team-a/moments", init, v1::EXP_AVG).ok());
+  EXPECT_EQ(alice.Drop("team-a/moments", made.incarnation()).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_TRUE(alice.Describe("team-a/moments").ok());
 }
 
 // SIGHUP reloads the tokens file: a removed token stops working and an added

@@ -60,6 +60,8 @@ case $case_name in
     run 2 "$cli" read JOB T master " 5" && expect err "OFFSET must be a number of elements, got ' 5'"
     run 2 "$cli" read JOB T master +5 && expect err "OFFSET must be a number of elements, got '[+]5'"
     run 2 "$cli" --server= describe JOB && expect err 'server must name a server'
+    # Verbs that reach no server do not need it.
+    run 0 "$cli" --server= help describe && expect out 'describe'
     run 2 "$cli" read JOB T momentum && expect err 'momentum'
     run 2 "$cli" read JOB T && expect err 'read'
     run 2 "$cli" describe && expect err 'describe'
