@@ -92,7 +92,12 @@ absl::StatusOr<PartHead> ReadPartHead(const std::string& path) {
   PartHead h;
   h.path = path;
   SHARDOPT_ASSIGN_OR_RETURN(auto offset, ReadFrame(path, &h.manifest));
-  h.data_offset = offset;
+  const uint32_t alignment = h.manifest.array_alignment();
+  if (alignment != 0 && alignment != kDirectAlignment) {
+    return absl::DataLossError(absl::StrCat(path, ": the manifest aligns its arrays to ", alignment,
+                                            " bytes; a part aligns them to ", kDirectAlignment, " or not at all"));
+  }
+  h.data_offset = AlignUp(offset, alignment);
   if (h.manifest.shards_size() != h.manifest.spec().shards_size()) {
     return absl::DataLossError(absl::StrCat(path, ": manifest has ", h.manifest.shards_size(), " sections for ",
                                             h.manifest.spec().shards_size(), " shards"));
@@ -119,9 +124,12 @@ absl::StatusOr<PartHead> ReadPartHead(const std::string& path) {
                                               " of tensor '", r.tensor(), "' as ", v1::DType_Name(dtype),
                                               ", which the manifest's job does not have"));
     }
-    // SectionBytes, checked: master, m and v, each of the section's dtype.
-    uint64_t section = 0;
-    if (__builtin_mul_overflow(r.length(), 3 * ElementBytes(dtype), &section) ||
+    // SectionBytes, checked: master, m and v, each of the section's dtype,
+    // each padded to the alignment. Lengths are at most 2^40 elements, so
+    // an array's padding cannot wrap once its bytes did not.
+    uint64_t array = 0, section = 0;
+    if (__builtin_mul_overflow(r.length(), ElementBytes(dtype), &array) || array > (uint64_t{1} << 62) ||
+        __builtin_mul_overflow(AlignUp(array, alignment), 3, &section) ||
         __builtin_add_overflow(data_bytes, section, &data_bytes)) {
       return absl::DataLossError(absl::StrCat(path, ": the manifest's sections add up past 2^64 bytes"));
     }
@@ -190,16 +198,18 @@ std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir) {
 
 // Streams a part's data to `sink`, checking its crc32c as it goes; the
 // mismatch, if any, is known after the last piece.
-absl::Status StreamPartData(const PartHead& p, const DataSink& sink) {
+absl::Status StreamPartData(const PartHead& p, const DataSink& sink, const DirectDestination& direct) {
   uint32_t crc = 0;
   uint64_t at = 0;
-  const absl::Status read = ReadSequential(p.path, p.data_offset, p.file_bytes - 4 - p.data_offset,
-                                           [&](const char* bytes, size_t n) {
-                                             crc = Crc32c(bytes, n, crc);
-                                             const uint64_t offset = at;
-                                             at += n;
-                                             return sink(offset, bytes, n);
-                                           });
+  const absl::Status read = ReadSequential(
+      p.path, p.data_offset, p.file_bytes - 4 - p.data_offset,
+      [&](const char* bytes, size_t n) {
+        crc = Crc32c(bytes, n, crc);
+        const uint64_t offset = at;
+        at += n;
+        return sink(offset, bytes, n);
+      },
+      direct);
   // The part was there when its head was read: gone now, the checkpoint is
   // damaged, not absent (NOT_FOUND would let a restore start the job afresh).
   if (read.code() == absl::StatusCode::kNotFound) {

@@ -35,7 +35,7 @@ absl::StatusOr<bool> Tiles(const std::vector<PartHead>& parts);
 std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir);
 // Streams a part's data to `sink` in ReadSequential's pieces, checking its
 // crc32c as it goes; the mismatch, if any, is known after the last piece.
-absl::Status StreamPartData(const PartHead& p, const DataSink& sink);
+absl::Status StreamPartData(const PartHead& p, const DataSink& sink, const DirectDestination& direct = nullptr);
 absl::StatusOr<std::string> ReadPartData(const PartHead& p);
 bool IsPartName(const std::string& file);
 // The file name of the part that a server with `spec`'s placement writes:

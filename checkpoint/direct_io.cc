@@ -238,7 +238,8 @@ absl::Status SequentialWriter::Close() {
 }
 
 absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t length,
-                            const std::function<absl::Status(const char* data, size_t n)>& sink) {
+                            const std::function<absl::Status(const char* data, size_t n)>& sink,
+                            const DirectDestination& direct) {
   // O_DIRECT into a few reused buffers, and the sink copies out: the disk
   // then streams into memory already mapped, while the sink, on its own
   // thread, takes the page faults of wherever it copies to (a restore's
@@ -268,22 +269,38 @@ absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t l
   std::thread reader([&] {
     for (uint64_t at = 0; at < length;) {
       Piece piece;
-      {
+      size_t want = static_cast<size_t>(std::min<uint64_t>(kDirectChunkBytes, length - at));
+      // Straight into the caller's memory, where everything is aligned: no
+      // buffer and no copy (the sink is handed the bytes where they lie).
+      char* to = nullptr;
+      if (direct) {
+        const auto [memory, room] = direct(at);
+        if (memory != nullptr && (offset + at) % kDirectAlignment == 0 &&
+            reinterpret_cast<uintptr_t>(memory) % kDirectAlignment == 0 && room >= kDirectAlignment &&
+            room % kDirectAlignment == 0 && RoundUp(std::min<uint64_t>(want, room)) <= room) {
+          to = memory;
+        }
+        if (room > 0) want = static_cast<size_t>(std::min<uint64_t>(want, room));
+      }
+      if (to == nullptr) {
         std::unique_lock<std::mutex> lock(mu);
         changed.wait(lock, [&] { return !spare.empty() || stop; });
         if (stop) return;
         piece.buffer = std::move(spare.back());
         spare.pop_back();
+        to = piece.buffer.get();
+      } else {
+        std::unique_lock<std::mutex> lock(mu);
+        if (stop) return;
       }
       // The piece's bytes within whole aligned blocks, as O_DIRECT reads
-      // them: at most kDirectChunkBytes + 2 blocks, which the buffer holds.
-      const size_t want = static_cast<size_t>(std::min<uint64_t>(kDirectChunkBytes, length - at));
+      // them: at most kDirectChunkBytes + 2 blocks, which a buffer holds.
       const uint64_t first = RoundDown(offset + at), end = RoundUp(offset + at + want);
       const size_t need = static_cast<size_t>(offset + at + want - first);
       size_t got = 0;
       while (got < need) {
         const size_t asked = static_cast<size_t>(end - first) - got;
-        const ssize_t n = pread(fd, piece.buffer.get() + got, asked, static_cast<off_t>(first + got));
+        const ssize_t n = pread(fd, to + got, asked, static_cast<off_t>(first + got));
         if (n < 0 && errno == EINTR) continue;
         if (n < 0 && errno == EINVAL && StopDirect(fd)) continue;  // the device wants larger blocks
         if (n < 0) piece.status = absl::DataLossError(ErrnoText("cannot read", path));
@@ -293,7 +310,7 @@ absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t l
       if (piece.status.ok() && got < need) {
         piece.status = absl::DataLossError(absl::StrCat(path, " is truncated: it ends before byte ", offset + length));
       }
-      piece.data = piece.buffer.get() + (offset + at - first);
+      piece.data = to + (offset + at - first);
       piece.n = want;
       at += want;
       const bool last = !piece.status.ok();
@@ -317,7 +334,7 @@ absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t l
     status = piece.status;
     if (status.ok()) status = sink(piece.data, piece.n);
     delivered += piece.n;
-    {
+    if (piece.buffer != nullptr) {
       std::lock_guard<std::mutex> lock(mu);
       spare.push_back(std::move(piece.buffer));
     }

@@ -138,7 +138,17 @@ class SequentialWriter {
 inline constexpr size_t kReadBuffers = 3;
 // A piece and the aligned blocks around it, in whole huge pages.
 inline constexpr size_t kReadBufferBytes = kDirectChunkBytes + (size_t{2} << 20);
+// Where the range's bytes from `at` on may be read straight to, and how many
+// of them: memory of the caller's that is the bytes' destination anyway (a
+// restore's state). Used where the file offset, the memory and the room
+// are all multiples of kDirectAlignment; the piece then ends within the
+// room, and the sink gets it where it was read. {nullptr, n}: the next n
+// bytes have no destination, and go through a buffer in pieces that end
+// there (so that a destination after them is not read past); n = 0: no
+// end is known.
+using DirectDestination = std::function<std::pair<char*, uint64_t>(uint64_t at)>;
 absl::Status ReadSequential(const std::string& path, uint64_t offset, uint64_t length,
-                            const std::function<absl::Status(const char* data, size_t n)>& sink);
+                            const std::function<absl::Status(const char* data, size_t n)>& sink,
+                            const DirectDestination& direct = nullptr);
 
 }  // namespace shardopt::checkpoint

@@ -144,9 +144,10 @@ absl::StatusOr<uint64_t> ReadFrame(const std::string& path, google::protobuf::Me
     return absl::DataLossError(absl::StrCat(path, " is not a shardopt checkpoint file (bad magic)"));
   }
   const uint32_t version = static_cast<uint32_t>(GetLE(head.data() + 8, 4));
-  if (version != kFormatVersion) {
+  if (version < kOldestReadableFormatVersion || version > kFormatVersion) {
     return absl::FailedPreconditionError(absl::StrCat(path, " has checkpoint format version ", version,
-                                                      "; this build reads version ", kFormatVersion));
+                                                      "; this build reads versions ", kOldestReadableFormatVersion,
+                                                      " to ", kFormatVersion));
   }
   const uint64_t length = GetLE(head.data() + 12, 8);
   SHARDOPT_ASSIGN_OR_RETURN(auto size, FileSize(path));

@@ -98,7 +98,10 @@ bool LifeDropped(const std::string& root, const std::string& job, uint64_t incar
 }
 
 absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& root, v1::PartManifest manifest,
-                                                             bool written) {
+                                                             bool written, uint32_t array_alignment) {
+  if (array_alignment != 0 && array_alignment != kDirectAlignment) {
+    return absl::InternalError(absl::StrCat("a checkpoint part aligns its arrays to ", kDirectAlignment, " or not"));
+  }
   const v1::CreateJobRequest& spec = manifest.spec();
   if (spec.shards_size() == 0 || manifest.shards_size() != spec.shards_size()) {
     return absl::InternalError("a checkpoint part needs shards and a section for each");
@@ -134,9 +137,16 @@ absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& 
   RemoveTemporaries(w->result_.directory, w->name_);
   w->tmp_ = TemporaryName(absl::StrCat(w->result_.directory, "/", w->name_));
   SHARDOPT_ASSIGN_OR_RETURN(w->file_, SequentialWriter::Create(w->tmp_));
+  w->alignment_ = array_alignment;
+  manifest.set_array_alignment(array_alignment);
   const std::string frame = Frame(manifest);
   w->file_->Append(frame.data(), frame.size());
-  w->frame_bytes_ = frame.size();
+  w->frame_bytes_ = AlignUp(frame.size(), array_alignment);
+  w->Pad(w->frame_bytes_ - frame.size(), /*data=*/false);
+  for (int si = 0; si < manifest.shards_size(); ++si) {
+    for (int a = 0; a < 3; ++a) w->arrays_.push_back(ArrayBytes(manifest, si));
+  }
+  w->array_left_ = w->arrays_.front();
   w->manifest_ = std::move(manifest);
   return w;
 }
@@ -150,9 +160,35 @@ PartWriter::~PartWriter() {
 
 void PartWriter::Append(const void* data, size_t n) {
   if (!file_) return;  // the step is complete already
-  crc_ = Crc32c(data, n, crc_);
-  data_bytes_ += n;
-  file_->Append(data, n);
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    // Past the last array (a caller's mistake) the bytes go on unpadded, and
+    // Finish refuses the part's size.
+    const size_t take = next_array_ < arrays_.size() ? static_cast<size_t>(std::min<uint64_t>(n, array_left_)) : n;
+    crc_ = Crc32c(p, take, crc_);
+    data_bytes_ += take;
+    file_->Append(p, take);
+    p += take;
+    n -= take;
+    array_left_ -= std::min<uint64_t>(array_left_, take);
+    if (next_array_ < arrays_.size() && array_left_ == 0) {
+      Pad(AlignUp(data_bytes_, alignment_) - data_bytes_, /*data=*/true);
+      if (++next_array_ < arrays_.size()) array_left_ = arrays_[next_array_];
+    }
+  }
+}
+
+void PartWriter::Pad(uint64_t n, bool data) {
+  static const char kZeros[kDirectAlignment] = {};
+  while (n > 0) {
+    const size_t take = static_cast<size_t>(std::min<uint64_t>(n, sizeof kZeros));
+    file_->Append(kZeros, take);
+    if (data) {
+      crc_ = Crc32c(kZeros, take, crc_);
+      data_bytes_ += take;
+    }
+    n -= take;
+  }
 }
 
 absl::StatusOr<WriteResult> PartWriter::Finish() {
@@ -317,6 +353,7 @@ v1::PartManifest LoadedManifest(const Committed& committed, const v1::CreateJobR
     m.set_sealed_sum_squares(same->manifest.sealed_sum_squares());
     m.set_sealed_nonfinite(same->manifest.sealed_nonfinite());
     m.set_incarnation(same->manifest.incarnation());
+    m.set_array_alignment(same->manifest.array_alignment());  // the data is the part's as it lies
     *m.mutable_shards() = same->manifest.shards();
   }
   return m;
@@ -445,7 +482,7 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
 absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
                                           const Log& log,
                                           const std::function<absl::Status(const v1::PartManifest&)>& begin,
-                                          const DataSink& sink) {
+                                          const DataSink& sink, const DirectDestination& direct) {
   SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
   SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir));
   // The same placement, as on a plain restart: the part's data is the answer
@@ -453,7 +490,7 @@ absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::Cre
   if (const PartHead* same = SamePlacement(committed, spec)) {
     v1::PartManifest manifest = LoadedManifest(committed, spec, same);
     SHARDOPT_RETURN_IF_ERROR(begin(manifest));
-    SHARDOPT_RETURN_IF_ERROR(StreamPartData(*same, sink));
+    SHARDOPT_RETURN_IF_ERROR(StreamPartData(*same, sink, direct));
     return manifest;
   }
   SHARDOPT_ASSIGN_OR_RETURN(Plan plan, PlanPlacement(committed, spec));

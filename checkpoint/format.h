@@ -8,9 +8,12 @@
 //   <root>/<job, %-escaped>/step-<step, 20 digits>/COMMIT
 // A part file is
 //   "SHOPTCK\n" | u32 format version | u64 manifest length L | PartManifest (L B)
-//   | u32 crc32c of everything before it | data | u32 crc32c of data
+//   | u32 crc32c of everything before it | zeros to a multiple of 4096 | data
+//   | u32 crc32c of data
 // (little-endian). The data holds, shard by shard in the manifest's order,
-// master, m and v back to back, each `length` elements of the shard's dtype.
+// master, m and v, each `length` elements of the shard's dtype followed by
+// zeros to a multiple of 4096 bytes (format version 2; in version 1 there
+// is no padding, and the arrays lie back to back from the frame's end).
 // COMMIT is the same frame around a CommitMarker, with no data.
 //
 // Every file is written to a temporary name, fsynced, renamed, and then its
@@ -35,7 +38,12 @@ namespace shardopt::checkpoint {
 
 namespace v1 = ::shardopt::v1;
 
-inline constexpr uint32_t kFormatVersion = 1;
+// Version 2 pads the data's start and each array to kDirectAlignment
+// (PartManifest.array_alignment). A version-1 reader must not take a
+// version-2 part: it would read the padding as data, and the data's crc32c,
+// which covers the padding, would still pass. Version 1 stays readable.
+inline constexpr uint32_t kFormatVersion = 2;
+inline constexpr uint32_t kOldestReadableFormatVersion = 1;
 
 
 // One placement's state at one step: the manifest and its data, as laid out
@@ -47,19 +55,28 @@ struct Part {
 
 // The data's layout, owned here alone: shard by shard in the manifest's
 // order, a section of three arrays (master, m, v), each `length` elements of
-// the shard's dtype (FP32, or BF16 for a BF16 group's state, exactly).
+// the shard's dtype (FP32, or BF16 for a BF16 group's state, exactly), and
+// in version 2 each padded with zeros to a multiple of array_alignment.
 enum class Array { kMaster = 0, kExpAvg = 1, kExpAvgSq = 2 };
 inline constexpr Array kArrays[] = {Array::kMaster, Array::kExpAvg, Array::kExpAvgSq};
 
-// Bytes of one element of a section of `dtype` (FP32, else BF16), of one
-// shard's section (master, m and v) and of one of its arrays.
+// `x` rounded up to a multiple of `alignment` (0 or 1: `x`).
+inline uint64_t AlignUp(uint64_t x, uint64_t alignment) {
+  return alignment <= 1 ? x : (x + alignment - 1) / alignment * alignment;
+}
+// Bytes of one element of a section of `dtype` (FP32, else BF16), of one of
+// a shard's arrays, of the room an array takes with its padding (its
+// stride), and of one shard's section (master, m and v).
 inline uint64_t ElementBytes(v1::DType dtype) { return dtype == v1::FP32 ? 4 : 2; }
 uint64_t ArrayBytes(const v1::PartManifest& m, int shard);
-inline uint64_t SectionBytes(const v1::PartManifest& m, int shard) { return 3 * ArrayBytes(m, shard); }
+inline uint64_t ArrayStride(const v1::PartManifest& m, int shard) {
+  return AlignUp(ArrayBytes(m, shard), m.array_alignment());
+}
+inline uint64_t SectionBytes(const v1::PartManifest& m, int shard) { return 3 * ArrayStride(m, shard); }
 // Where each shard's section starts in the data; the last entry is its size.
 std::vector<uint64_t> SectionOffsets(const v1::PartManifest& m);
 inline uint64_t ArrayOffset(const std::vector<uint64_t>& sections, const v1::PartManifest& m, int shard, Array a) {
-  return sections[shard] + static_cast<uint64_t>(a) * ArrayBytes(m, shard);
+  return sections[shard] + static_cast<uint64_t>(a) * ArrayStride(m, shard);
 }
 // One array's elements in the on-disk dtype, from floats that the dtype holds
 // exactly (a BF16 shard's state is bf16 values held as floats), and back.
@@ -105,8 +122,11 @@ class PartWriter {
   // not written again (a round sealed since may have changed the manifest,
   // and a peer may have listed the file as it is), and Finish only writes
   // COMMIT if the parts now tile.
+  // `array_alignment`: the data's start and each array's, padded with zeros
+  // (PartManifest.array_alignment); kDirectAlignment, or 0 for none.
   static absl::StatusOr<std::unique_ptr<PartWriter>> Open(const std::string& root, v1::PartManifest manifest,
-                                                          bool written = false);
+                                                          bool written = false,
+                                                          uint32_t array_alignment = kDirectAlignment);
   ~PartWriter();  // a part not finished leaves no file
   // False when there is no need to produce the data, which Append then
   // drops: the step's checkpoint is complete already, the part is kept, or
@@ -124,14 +144,21 @@ class PartWriter {
   PartWriter() = default;
   // Writes COMMIT if the step's parts, this one among them, tile every tensor.
   absl::StatusOr<WriteResult> CompleteIfTiled();
+  // Appends n zero bytes: the frame's padding, or (`data`) an array's,
+  // which the data's size and crc32c count.
+  void Pad(uint64_t n, bool data);
+  uint32_t alignment_ = kDirectAlignment;
   std::string root_, name_, tmp_;
   bool kept_ = false;    // the part is there already: nothing is written
   bool placed_ = false;  // see placed()
   v1::PartManifest manifest_;
   WriteResult result_;
   std::unique_ptr<SequentialWriter> file_;  // null once the step is complete already
-  uint64_t frame_bytes_ = 0, data_bytes_ = 0;
+  uint64_t frame_bytes_ = 0, data_bytes_ = 0;  // the frame with its padding; the data with the arrays'
   uint32_t crc_ = 0;
+  std::vector<uint64_t> arrays_;  // each array's bytes, in the data's order
+  size_t next_array_ = 0;         // the array Append is in
+  uint64_t array_left_ = 0;       // its bytes still to come
 };
 
 // Keeps the `keep` newest complete checkpoints of the job (keep >= 1) and
@@ -192,10 +219,12 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
 // layout. A piece may end anywhere, inside an array's element too
 // (ReadSequential's pieces end at multiples of 8 MiB of data).
 using DataSink = std::function<absl::Status(uint64_t data_offset, const char* bytes, size_t n)>;
+// `direct`, on a plain restart only: where the data's bytes may be read
+// straight to (ReadSequential); the sink then gets them where they lie.
 absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
                                           const Log& log,
                                           const std::function<absl::Status(const v1::PartManifest&)>& begin,
-                                          const DataSink& sink);
+                                          const DataSink& sink, const DirectDestination& direct = nullptr);
 
 // A complete checkpoint's step and job configuration, with every tensor whole
 // as the placement: what export loads.

@@ -137,7 +137,9 @@ class JobState {
   // Sets master, m or v. fp32 data into an FP32 shard is kept exactly; into a
   // BF16 shard it is rounded, which is that precision's meaning. Writing the
   // master also refreshes the bf16 params. `data` need not be aligned (a
-  // restore's pieces start wherever the part's frame ends).
+  // restore's pieces start wherever the part's frame ends); it may be the
+  // state's own memory (HostFp32State), already read into place, and then
+  // only the params are refreshed.
   virtual absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype,
                                   const void* data, uint64_t count) = 0;
   // Makes the host memory of elements [offset, offset + count) of `shard`'s
@@ -151,6 +153,11 @@ class JobState {
   // for a snapshot to write it from rather than through a buffer and a
   // copy; null where it is held otherwise (on a device, or in bf16).
   virtual char* HostFp32State(uint32_t /*shard*/, StateKind /*kind*/) { return nullptr; }
+  // How many bytes from HostFp32State(shard, kind) on may be written: the
+  // array's, or more where its memory is whole pages (a restore reads a
+  // checkpoint's page-padded array straight into it only if the padding
+  // fits). 0 where HostFp32State is null.
+  virtual uint64_t HostStateRoom(uint32_t /*shard*/, StateKind /*kind*/) const { return 0; }
   // Reads any state as fp32 (exact for both precisions) or the params as bf16.
   virtual absl::Status ReadState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count,
                                  DType dtype, void* out) const = 0;

@@ -66,7 +66,7 @@ absl::Status StreamState(Job& job, const std::vector<v1::DType>& dtypes, checkpo
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step,
-                                                                 absl::Time deadline,
+                                                                 absl::Time deadline, uint32_t array_alignment,
                                                                  const std::function<absl::Status()>& began,
                                                                  const std::function<void()>& after_slice) {
   v1::PartManifest m;
@@ -121,7 +121,7 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
     job.Notify();
   };
   SHARDOPT_RETURN_IF_ERROR(began());
-  SHARDOPT_ASSIGN_OR_RETURN(writer, checkpoint::PartWriter::Open(root, std::move(m), written));
+  SHARDOPT_ASSIGN_OR_RETURN(writer, checkpoint::PartWriter::Open(root, std::move(m), written, array_alignment));
   if (writer->wants_data()) SHARDOPT_RETURN_IF_ERROR(StreamState(job, dtypes, *writer, after_slice));
   return writer;
 }
@@ -143,6 +143,13 @@ class StateSink {
   absl::Status Take(uint64_t offset, const char* p, size_t n) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     while (n > 0) {
       SHARDOPT_ASSIGN_OR_RETURN(const Location at, Locate(offset));
+      if (at.in_array >= at.array_bytes) {  // an array's padding (format version 2): zeros, nothing to write
+        const size_t skip = static_cast<size_t>(std::min<uint64_t>(n, at.array_stride - at.in_array));
+        offset += skip;
+        p += skip;
+        n -= skip;
+        continue;
+      }
       const uint64_t esize = DTypeSize(at.dtype);
       const size_t take = static_cast<size_t>(std::min<uint64_t>(n, at.array_bytes - at.in_array));
       uint64_t element = at.in_array / esize;
@@ -169,7 +176,7 @@ class StateSink {
   struct Location {
     int shard;
     checkpoint::Array array;
-    uint64_t array_bytes, in_array;
+    uint64_t array_bytes, array_stride, in_array;  // in_array past array_bytes: in its padding
     DType dtype;
   };
   absl::StatusOr<Location> Locate(uint64_t offset) const {
@@ -180,9 +187,10 @@ class StateSink {
     Location at;
     at.shard = static_cast<int>(next - sections_.begin() - 1);
     at.array_bytes = checkpoint::ArrayBytes(m_, at.shard);
+    at.array_stride = checkpoint::ArrayStride(m_, at.shard);
     const uint64_t in_section = offset - sections_[at.shard];
-    at.array = static_cast<checkpoint::Array>(in_section / at.array_bytes);
-    at.in_array = in_section % at.array_bytes;
+    at.array = static_cast<checkpoint::Array>(in_section / at.array_stride);
+    at.in_array = in_section % at.array_stride;
     at.dtype = m_.shards(at.shard).dtype() == v1::BF16 ? DType::kBf16 : DType::kFp32;
     return at;
   }
@@ -232,10 +240,34 @@ class Prefaulter {
   std::thread thread_;
 };
 
+// Where the part's data from `at` on may be read straight to: the state
+// array it belongs to, when the part pads its arrays (format version 2),
+// the host holds that array as fp32 as the part does, and its memory has
+// room for the padding too (HostStateRoom). The sink then finds the bytes
+// in place (WriteState copies nothing). Otherwise {nullptr, the bytes to
+// the array's end}: read through a buffer, up to where the next array may
+// be read straight in.
+std::pair<char*, uint64_t> StateMemoryAt(const v1::PartManifest& m, const std::vector<uint64_t>& sections, Job& job,
+                                         uint64_t at) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (m.array_alignment() == 0 || at >= sections.back()) return {nullptr, 0};
+  const int shard = static_cast<int>(std::upper_bound(sections.begin(), sections.end(), at) - sections.begin() - 1);
+  const uint64_t stride = checkpoint::ArrayStride(m, shard);
+  const uint64_t in_section = at - sections[shard];
+  const StateKind kind = KindOf(static_cast<checkpoint::Array>(in_section / stride));
+  const uint64_t in_array = in_section % stride;
+  char* memory = m.shards(shard).dtype() == v1::FP32 ? job.state->HostFp32State(static_cast<uint32_t>(shard), kind)
+                                                     : nullptr;
+  if (memory == nullptr || job.state->HostStateRoom(static_cast<uint32_t>(shard), kind) < stride) {
+    return {nullptr, stride - in_array};
+  }
+  return {memory + in_array, stride - in_array};
+}
+
 }  // namespace
 
 absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::Log& log, Job& job) {
   v1::PartManifest layout;
+  std::vector<uint64_t> sections;
   std::optional<StateSink> sink;
   std::optional<Prefaulter> prefault;
   SHARDOPT_ASSIGN_OR_RETURN(
@@ -243,11 +275,13 @@ absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::L
                   root, job.spec, step, log,
                   [&](const v1::PartManifest& manifest) ABSL_NO_THREAD_SAFETY_ANALYSIS {
                     layout = manifest;
+                    sections = checkpoint::SectionOffsets(layout);
                     sink.emplace(layout, job);
                     prefault.emplace(layout, *job.state);
                     return absl::OkStatus();
                   },
-                  [&](uint64_t offset, const char* bytes, size_t n) { return sink->Take(offset, bytes, n); }));
+                  [&](uint64_t offset, const char* bytes, size_t n) { return sink->Take(offset, bytes, n); },
+                  [&](uint64_t at) ABSL_NO_THREAD_SAFETY_ANALYSIS { return StateMemoryAt(layout, sections, job, at); }));
   for (size_t si = 0; si < job.shards.size(); ++si) {
     job.adam_steps[si] = m.shards(static_cast<int>(si)).adam_step();
     job.init_cover[si].Add(0, job.shards[si].length);

@@ -26,8 +26,9 @@ namespace shardopt {
 // `began`) if the job is not at `step` or lacks initial values; NOT_FOUND
 // if it is dropped while streaming (the part, not finished, leaves no file).
 // `after_slice`, if set, runs after each slice, without the lock.
+// `array_alignment`: the part's (checkpoint::PartWriter::Open).
 absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const std::string& root, uint64_t step,
-                                                                 absl::Time deadline,
+                                                                 absl::Time deadline, uint32_t array_alignment,
                                                                  const std::function<absl::Status()>& began,
                                                                  const std::function<void()>& after_slice = nullptr)
     ABSL_LOCKS_EXCLUDED(job.mu);

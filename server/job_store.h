@@ -60,6 +60,10 @@ struct JobStoreOptions {
   uint32_t max_name_bytes = kMaxNameBytes;
   // Where checkpoints go and come from (checkpoint/format.h); empty: none.
   std::string checkpoint_dir;
+  // A seam for tests: checkpoint parts with their arrays back to back, as
+  // format version 1 wrote them (PartWriter::Open's array_alignment 0), so
+  // that the restore's path for such parts stays tested.
+  bool checkpoint_packed_arrays = false;
   // After a checkpoint completes, keep this many complete checkpoints of the
   // job and remove older steps (checkpoint::Prune); 0 keeps all.
   uint64_t checkpoint_keep = 0;

@@ -58,6 +58,7 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
   std::optional<std::chrono::steady_clock::time_point> t0;
   absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> writer = Snapshot(
       job, options_.checkpoint_dir, request.step(), deadline,
+      options_.checkpoint_packed_arrays ? 0 : checkpoint::kDirectAlignment,
       [&]() -> absl::Status {
         if (charged) {
           SHARDOPT_ASSIGN_OR_RETURN(buffers, budget_.Reserve(checkpoint::SequentialWriter::kMostBytes,

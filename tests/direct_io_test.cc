@@ -69,6 +69,46 @@ TEST_F(DirectIoTest, ARangeFromAnOddOffsetArrivesWholeInOrderCutAtWholeChunks) {
   EXPECT_TRUE(got == bytes_.substr(offset, length));  // not EXPECT_EQ: gtest would diff 25 MB strings
 }
 
+// With a destination for part of the range (aligned memory, a whole
+// number of blocks), those bytes are read straight into it and handed to
+// the sink where they lie; the rest, and an offer that is not aligned,
+// comes through the buffers. Every byte arrives once, in order, either way.
+TEST_F(DirectIoTest, BytesWithADestinationAreReadStraightIntoItAndTheRestThroughBuffers) {
+  const size_t offset = 2 * kDirectAlignment, length = 2 * kDirectChunkBytes + 5 * kDirectAlignment + 100;
+  const std::string path = WriteRandom("direct", offset + length);
+  // The destination takes data bytes [kDirectAlignment, + room), poisoned first.
+  const size_t room = kDirectChunkBytes + 3 * kDirectAlignment;
+  AlignedBytes memory = AllocateAligned(room);
+  std::memset(memory.get(), 0x5A, room);
+  for (const bool aligned : {true, false}) {
+    SCOPED_TRACE(aligned ? "aligned" : "not aligned");
+    char* const begin = memory.get() + (aligned ? 0 : 64);
+    std::string got;
+    size_t in_place = 0;
+    auto st = ReadSequential(
+        path, offset, length,
+        [&](const char* data, size_t n) {
+          if (data >= begin && data < begin + room) in_place += n;
+          got.append(data, n);
+          return absl::OkStatus();
+        },
+        [&](uint64_t at) -> std::pair<char*, uint64_t> {
+          if (at < kDirectAlignment) return {nullptr, kDirectAlignment - at};  // a buffer's piece stops there
+          if (at >= kDirectAlignment + room) return {nullptr, 0};
+          return {begin + (at - kDirectAlignment), room - (at - kDirectAlignment) - (aligned ? 0 : 64)};
+        });
+    ASSERT_TRUE(st.ok()) << st;
+    ASSERT_EQ(got.size(), length);
+    EXPECT_TRUE(got == bytes_.substr(offset, length));
+    if (aligned) {
+      EXPECT_EQ(in_place, room);
+      EXPECT_TRUE(std::memcmp(memory.get(), bytes_.data() + offset + kDirectAlignment, room) == 0);
+    } else {
+      EXPECT_EQ(in_place, 0u);
+    }
+  }
+}
+
 // The last block of a file whose size is not a multiple of the block: a
 // range ending at the file's end, and one ending a byte before it.
 TEST_F(DirectIoTest, ARangeEndingInTheFilesLastPartialBlockArrivesWhole) {

@@ -628,7 +628,7 @@ TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServe
   {
     std::fstream f(OnlyPart(StepDir(dir.path(), "version", 6)), std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(8);
-    f.put(2);
+    f.put(3);  // a version from a later build
   }
   fs::remove(StepDir(dir.path(), "torn", 6) + "/COMMIT");
 
@@ -647,7 +647,7 @@ TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServe
       {"crc", absl::StatusCode::kDataLoss, "data crc32c"},
       {"manifest", absl::StatusCode::kDataLoss, "manifest checksum mismatch"},
       {"truncated", absl::StatusCode::kDataLoss, "truncated"},
-      {"version", absl::StatusCode::kFailedPrecondition, "format version 2; this build reads version 1"},
+      {"version", absl::StatusCode::kFailedPrecondition, "format version 3; this build reads versions 1 to 2"},
   };
   for (const Want& w : wants) {
     SCOPED_TRACE(w.job);
@@ -737,6 +737,30 @@ TEST(DurabilityTest, ADamagedPartOnOneServerIsRefusedThereAndTheStepBeforeRestor
   EXPECT_EQ(client->CreateOrAttach(job).value(), 3u);
   EXPECT_EQ(step_held(0), std::optional<uint64_t>(3));
   EXPECT_EQ(step_held(1), std::optional<uint64_t>(3));
+}
+
+// Format version 1 (no padding), as a build before version 2 wrote it
+// (tests/data/checkpoint-format-v1: DurableJob "format-v1" on two servers,
+// three steps of the scripted trainer), still restores bitwise: onto the
+// same two servers (each streams its own part through the buffers) and
+// onto one (the other placement's path), then steps on as an uninterrupted
+// run does.
+TEST(DurabilityTest, AFormatVersion1CheckpointRestoresBitwise) {
+  const JobOptions job = DurableJob("format-v1", {{"w", 3000}, {"b", 1000}});
+  const auto [at_3, at_6] = AtNAnd2N(job, 3);
+  for (int count : {2, 1}) {
+    SCOPED_TRACE(count);
+    TempDir dir;
+    fs::copy(std::string(SHARDOPT_SOURCE_DIR) + "/tests/data/checkpoint-format-v1", dir.path(),
+             fs::copy_options::recursive);
+    auto servers = StartServers(count, dir.path());
+    auto client = Connect(servers);
+    ASSERT_EQ(client->CreateOrAttach(job).value(), 3u);
+    EXPECT_EQ(Fingerprint(*client, job).value(), at_3);
+    ScriptedTrainer trainer(job);
+    for (int t = 0; t < 3; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
+    EXPECT_EQ(Fingerprint(*client, job).value(), at_6);
+  }
 }
 
 TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFromThem) {

@@ -159,8 +159,9 @@ class CpuJobState final : public JobState {
     char* dst = StateBuffer(s, kind).data() + offset * s.state_elem_bytes;
     if (kind == StateKind::kMaster) SHARDOPT_RETURN_IF_ERROR(s.params.PrepareWrite(offset, count));
     if (dtype == DType::kFp32 && s.layout.precision == Precision::kFp32) {
-      // fp32 into fp32 (a restore's bulk): a copy, and the params from it.
-      std::memcpy(dst, data, count * 4);
+      // fp32 into fp32 (a restore's bulk): a copy, unless the data was read
+      // into place, and the params from it.
+      if (data != dst) std::memcpy(dst, data, count * 4);
       if (kind == StateKind::kMaster) {
         // From the copy, which is aligned: `data` need not be (a restore's
         // pieces start wherever the part's frame ends).
@@ -307,6 +308,14 @@ class CpuJobState final : public JobState {
     if (shard >= shards_.size() || kind == StateKind::kParamBf16) return nullptr;
     const CpuShard& s = shards_[shard];
     return s.state_elem_bytes == 4 ? StateBuffer(s, kind).data() : nullptr;
+  }
+
+  uint64_t HostStateRoom(uint32_t shard, StateKind kind) const override {
+    if (shard >= shards_.size() || kind == StateKind::kParamBf16 || shards_[shard].state_elem_bytes != 4) return 0;
+    const AlignedBuffer& buffer = StateBuffer(shards_[shard], kind);
+    // A mapping's last page is whole; a small buffer ends where it ends.
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    return buffer.mapped() ? (buffer.bytes() + page - 1) / page * page : buffer.bytes();
   }
 
   Precision held_precision(uint32_t shard) const override {

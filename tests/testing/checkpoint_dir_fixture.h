@@ -19,8 +19,9 @@ namespace shardopt::testing {
 
 // Keeps `kKeep` checkpoints per job (0: all), its log lines kept for the
 // test to read. `backend`: the CPU's when null; `after_snapshot_slice`: the
-// store's seam (JobStoreOptions).
-template <uint64_t kKeep>
+// store's seam (JobStoreOptions); `kPacked`: parts with their arrays back
+// to back, as format version 1 wrote them (JobStoreOptions).
+template <uint64_t kKeep, bool kPacked = false>
 class CheckpointDirTest : public StoreTest {
  protected:
   explicit CheckpointDirTest(std::unique_ptr<Backend> backend = nullptr,
@@ -36,6 +37,7 @@ class CheckpointDirTest : public StoreTest {
     o.checkpoint_keep = kKeep;
     o.checkpoint_log = [](const std::string& line) { log_.push_back(line); };
     o.after_snapshot_slice = std::move(after_snapshot_slice);
+    o.checkpoint_packed_arrays = kPacked;
     return o;
   }
   // Another store's options on the same directory, that keeps every checkpoint.

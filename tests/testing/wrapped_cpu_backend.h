@@ -34,6 +34,7 @@ class ForwardingJobState : public JobState {
     return cpu_->WriteState(shard, kind, offset, dtype, data, count);
   }
   char* HostFp32State(uint32_t shard, StateKind kind) override { return cpu_->HostFp32State(shard, kind); }
+  uint64_t HostStateRoom(uint32_t shard, StateKind kind) const override { return cpu_->HostStateRoom(shard, kind); }
   absl::Status ReadState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count, DType dtype,
                          void* out) const override {
     return cpu_->ReadState(shard, kind, offset, count, dtype, out);
