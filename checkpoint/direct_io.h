@@ -129,10 +129,12 @@ class SequentialWriter {
 };
 
 // Reads [offset, offset+length) of `path` in order, handing `sink` the
-// bytes in pieces that end at multiples of kDirectChunkBytes of the range
-// (so a piece may end inside an element: the sink keeps what it needs).
-// The reads are O_DIRECT in whole aligned blocks into kReadBuffers buffers
-// of its own, and the reader goes on while the sink works. DATA_LOSS if the
+// bytes in pieces of at most kDirectChunkBytes: without `direct`, pieces
+// that end at multiples of kDirectChunkBytes of the range (so a piece may
+// end inside an element: the sink keeps what it needs); with it, pieces
+// that also end where `direct` says (DirectDestination). The reads are
+// O_DIRECT in whole aligned blocks into kReadBuffers buffers of its own, or
+// straight into a destination, and the reader goes on while the sink works. DATA_LOSS if the
 // file is shorter, and the sink never gets a short piece; the sink's error
 // stops the read and is returned.
 inline constexpr size_t kReadBuffers = 3;

@@ -217,7 +217,8 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
 // data that must be thrown away.
 // `begin` gets the manifest before any data, so that the sink knows the
 // layout. A piece may end anywhere, inside an array's element too
-// (ReadSequential's pieces end at multiples of 8 MiB of data).
+// (ReadSequential's pieces end at multiples of 8 MiB of data, or where
+// `direct` says).
 using DataSink = std::function<absl::Status(uint64_t data_offset, const char* bytes, size_t n)>;
 // `direct`, on a plain restart only: where the data's bytes may be read
 // straight to (ReadSequential); the sink then gets them where they lie.

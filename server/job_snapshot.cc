@@ -128,10 +128,11 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
 
 namespace {
 
-// Writes a part's data, as it streams in, into the job's state. A piece
-// may end inside an element (the reader cuts at multiples of 8 MiB, and an
-// array may start at any even offset after a bf16 one): those bytes wait in
-// `partial_` for the rest of their element.
+// Writes a part's data, as it streams in, into the job's state, skipping
+// the arrays' padding. In a version-1 part a piece may end inside an
+// element (the reader cuts at multiples of 8 MiB, and an array may start at
+// any even offset after a bf16 one): those bytes wait in `partial_` for the
+// rest of their element. Bytes read straight into place are left there.
 class StateSink {
  public:
   StateSink(const v1::PartManifest& m, Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu)
@@ -240,34 +241,54 @@ class Prefaulter {
   std::thread thread_;
 };
 
-// Where the part's data from `at` on may be read straight to: the state
-// array it belongs to, when the part pads its arrays (format version 2),
-// the host holds that array as fp32 as the part does, and its memory has
-// room for the padding too (HostStateRoom). The sink then finds the bytes
-// in place (WriteState copies nothing). Otherwise {nullptr, the bytes to
-// the array's end}: read through a buffer, up to where the next array may
-// be read straight in.
-std::pair<char*, uint64_t> StateMemoryAt(const v1::PartManifest& m, const std::vector<uint64_t>& sections, Job& job,
-                                         uint64_t at) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-  if (m.array_alignment() == 0 || at >= sections.back()) return {nullptr, 0};
-  const int shard = static_cast<int>(std::upper_bound(sections.begin(), sections.end(), at) - sections.begin() - 1);
-  const uint64_t stride = checkpoint::ArrayStride(m, shard);
-  const uint64_t in_section = at - sections[shard];
-  const StateKind kind = KindOf(static_cast<checkpoint::Array>(in_section / stride));
-  const uint64_t in_array = in_section % stride;
-  char* memory = m.shards(shard).dtype() == v1::FP32 ? job.state->HostFp32State(static_cast<uint32_t>(shard), kind)
-                                                     : nullptr;
-  if (memory == nullptr || job.state->HostStateRoom(static_cast<uint32_t>(shard), kind) < stride) {
-    return {nullptr, stride - in_array};
+// The part's arrays that may be read straight into the state, by where
+// they start in the data: those the part pads (format version 2) and the
+// host holds as fp32, as the part does, with room for the padding too
+// (HostStateRoom). Made once the manifest is known, under the job's lock;
+// the reader thread then asks only this (At). The sink finds those bytes
+// in place, and WriteState copies nothing.
+class DirectArrays {
+ public:
+  DirectArrays() = default;
+  DirectArrays(const v1::PartManifest& m, JobState& state) {
+    if (m.array_alignment() == 0) return;
+    const std::vector<uint64_t> sections = checkpoint::SectionOffsets(m);
+    for (int si = 0; si < m.shards_size(); ++si) {
+      if (m.shards(si).dtype() != v1::FP32) continue;
+      const uint64_t stride = checkpoint::ArrayStride(m, si);
+      for (checkpoint::Array a : checkpoint::kArrays) {
+        char* memory = state.HostFp32State(static_cast<uint32_t>(si), KindOf(a));
+        if (memory == nullptr || state.HostStateRoom(static_cast<uint32_t>(si), KindOf(a)) < stride) continue;
+        arrays_.push_back({checkpoint::ArrayOffset(sections, m, si, a), stride, memory});
+      }
+    }
   }
-  return {memory + in_array, stride - in_array};
-}
+  // Where the data's bytes from `at` on go straight to, and how many; else
+  // {nullptr, the bytes up to the next array that does} ({nullptr, 0}: none
+  // after), so that the buffered pieces before it end there.
+  std::pair<char*, uint64_t> At(uint64_t at) const {
+    auto next = std::upper_bound(arrays_.begin(), arrays_.end(), at,
+                                 [](uint64_t x, const Array& a) { return x < a.offset; });
+    if (next != arrays_.begin()) {
+      const Array& in = *std::prev(next);
+      if (at < in.offset + in.stride) return {in.memory + (at - in.offset), in.offset + in.stride - at};
+    }
+    return {nullptr, next == arrays_.end() ? 0 : next->offset - at};
+  }
+
+ private:
+  struct Array {
+    uint64_t offset, stride;
+    char* memory;
+  };
+  std::vector<Array> arrays_;  // by offset
+};
 
 }  // namespace
 
 absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::Log& log, Job& job) {
   v1::PartManifest layout;
-  std::vector<uint64_t> sections;
+  DirectArrays direct;
   std::optional<StateSink> sink;
   std::optional<Prefaulter> prefault;
   SHARDOPT_ASSIGN_OR_RETURN(
@@ -275,13 +296,13 @@ absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::L
                   root, job.spec, step, log,
                   [&](const v1::PartManifest& manifest) ABSL_NO_THREAD_SAFETY_ANALYSIS {
                     layout = manifest;
-                    sections = checkpoint::SectionOffsets(layout);
+                    direct = DirectArrays(layout, *job.state);
                     sink.emplace(layout, job);
                     prefault.emplace(layout, *job.state);
                     return absl::OkStatus();
                   },
                   [&](uint64_t offset, const char* bytes, size_t n) { return sink->Take(offset, bytes, n); },
-                  [&](uint64_t at) ABSL_NO_THREAD_SAFETY_ANALYSIS { return StateMemoryAt(layout, sections, job, at); }));
+                  [&](uint64_t at) { return direct.At(at); }));
   for (size_t si = 0; si < job.shards.size(); ++si) {
     job.adam_steps[si] = m.shards(static_cast<int>(si)).adam_step();
     job.init_cover[si].Add(0, job.shards[si].length);
