@@ -284,8 +284,18 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
             # them from the servers, so ranks built from different seeds
             # still start alike.
             if rank == 0:
+                # Values there already came from an earlier launch: this
+                # rank's params replace them (weights loaded since count),
+                # but a rank that attached before now may have taken those.
+                earlier = world_size > 1 and all(s.uninitialized_tensors == 0 for s in self._client.describe())
                 for t in self._remote:
                     self._init_master(t, t.param)
+                if earlier:
+                    warnings.warn(f"job '{job}' held initial values from an earlier launch, and rank 0 has now sent "
+                                  "its own: a rank that attached before it took the earlier ones, and its first "
+                                  "step's gradients come from those weights (the ranks agree again from step 1's "
+                                  "params on); start the other ranks after rank 0, or restart them too",
+                                  stacklevel=2)
             self._client.wait_for_initial_values(int(barrier_timeout * 1000))
         if self.resumed_step != 0 or rank != 0 or keeps_masters:
             self._pull_params()

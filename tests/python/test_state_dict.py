@@ -180,6 +180,17 @@ def test_at_step_0_rank_0_sends_its_params_unless_the_job_holds_adam_state(serve
     opt.drop()
 
 
+def test_a_relaunched_rank_0_that_sends_over_an_earlier_launchs_values_warns(servers, job):
+    """With several ranks, a rank that attached before the relaunched rank 0
+    sent its params took the earlier launch's: rank 0 says so."""
+    first = RemoteAdamW(param_groups(make_model()), servers=servers, job=job, lr=1e-3, rank=0, world_size=2)
+    del first
+    with pytest.warns(UserWarning, match="held initial values from an earlier launch"):
+        opt = RemoteAdamW(param_groups(make_model(seed=7)), servers=servers, job=job, lr=1e-3, rank=0,
+                          world_size=2)
+    opt.drop()
+
+
 def test_attaching_warns_of_a_push_a_dead_trainer_left(servers, job):
     """A trainer killed between its push and its commit leaves the push on
     the servers, which count a rank's push of a step once: the next
