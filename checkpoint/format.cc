@@ -137,17 +137,13 @@ absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& 
   RemoveTemporaries(w->result_.directory, w->name_);
   w->tmp_ = TemporaryName(absl::StrCat(w->result_.directory, "/", w->name_));
   SHARDOPT_ASSIGN_OR_RETURN(w->file_, SequentialWriter::Create(w->tmp_));
-  w->alignment_ = array_alignment;
   manifest.set_array_alignment(array_alignment);
   const std::string frame = Frame(manifest);
   w->file_->Append(frame.data(), frame.size());
   w->frame_bytes_ = AlignUp(frame.size(), array_alignment);
   w->Pad(w->frame_bytes_ - frame.size(), /*data=*/false);
-  for (int si = 0; si < manifest.shards_size(); ++si) {
-    for (int a = 0; a < 3; ++a) w->arrays_.push_back(ArrayBytes(manifest, si));
-  }
-  w->array_left_ = w->arrays_.front();
   w->manifest_ = std::move(manifest);
+  w->array_left_ = ArrayBytes(w->manifest_, 0);
   return w;
 }
 
@@ -160,20 +156,22 @@ PartWriter::~PartWriter() {
 
 void PartWriter::Append(const void* data, size_t n) {
   if (!file_) return;  // the step is complete already
+  // The arrays in the data's order: master, m and v of each shard in turn.
+  const size_t arrays = 3 * static_cast<size_t>(manifest_.shards_size());
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
     // Past the last array (a caller's mistake) the bytes go on unpadded, and
     // Finish refuses the part's size.
-    const size_t take = next_array_ < arrays_.size() ? static_cast<size_t>(std::min<uint64_t>(n, array_left_)) : n;
+    const size_t take = next_array_ < arrays ? static_cast<size_t>(std::min<uint64_t>(n, array_left_)) : n;
     crc_ = Crc32c(p, take, crc_);
     data_bytes_ += take;
     file_->Append(p, take);
     p += take;
     n -= take;
     array_left_ -= std::min<uint64_t>(array_left_, take);
-    if (next_array_ < arrays_.size() && array_left_ == 0) {
-      Pad(AlignUp(data_bytes_, alignment_) - data_bytes_, /*data=*/true);
-      if (++next_array_ < arrays_.size()) array_left_ = arrays_[next_array_];
+    if (next_array_ < arrays && array_left_ == 0) {
+      Pad(AlignUp(data_bytes_, manifest_.array_alignment()) - data_bytes_, /*data=*/true);
+      if (++next_array_ < arrays) array_left_ = ArrayBytes(manifest_, static_cast<int>(next_array_ / 3));
     }
   }
 }

@@ -147,7 +147,6 @@ class PartWriter {
   // Appends n zero bytes: the frame's padding, or (`data`) an array's,
   // which the data's size and crc32c count.
   void Pad(uint64_t n, bool data);
-  uint32_t alignment_ = kDirectAlignment;
   std::string root_, name_, tmp_;
   bool kept_ = false;    // the part is there already: nothing is written
   bool placed_ = false;  // see placed()
@@ -156,9 +155,8 @@ class PartWriter {
   std::unique_ptr<SequentialWriter> file_;  // null once the step is complete already
   uint64_t frame_bytes_ = 0, data_bytes_ = 0;  // the frame with its padding; the data with the arrays'
   uint32_t crc_ = 0;
-  std::vector<uint64_t> arrays_;  // each array's bytes, in the data's order
-  size_t next_array_ = 0;         // the array Append is in
-  uint64_t array_left_ = 0;       // its bytes still to come
+  size_t next_array_ = 0;    // the array Append is in, in the data's order
+  uint64_t array_left_ = 0;  // its bytes still to come
 };
 
 // Keeps the `keep` newest complete checkpoints of the job (keep >= 1) and
