@@ -4,7 +4,6 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "checkpoint/format.h"
@@ -125,15 +124,12 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   google::protobuf::util::MessageDifferencer differ;
   differ.ReportDifferencesToString(&diff);
   differ.IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
+  differ.set_report_ignores(false);  // a group's name is not why: it is for messages only
   if (!differ.Compare(existing, requested)) {
-    // The differencer's report, one line a field: the ignored fields' lines
-    // left out (they are not why), the rest on one line.
-    std::vector<absl::string_view> differences;
-    for (absl::string_view line : absl::StrSplit(diff, '\n', absl::SkipEmpty())) {
-      if (!absl::StartsWith(line, "ignored:")) differences.push_back(line);
-    }
+    // The report is a line a field; the message, one line.
     return absl::AlreadyExistsError(absl::StrCat("job '", requested.job(), "' exists with a different configuration (",
-                                                 absl::StrJoin(differences, "; "), "); drop it or use another name"));
+                                                 absl::StrJoin(absl::StrSplit(diff, '\n', absl::SkipEmpty()), "; "),
+                                                 "); drop it or use another name"));
   }
   return absl::OkStatus();
 }
