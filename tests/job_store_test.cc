@@ -28,6 +28,7 @@
 #include "tests/testing/reference.h"
 #include "tests/testing/checkpoint_dir_fixture.h"
 #include "tests/testing/store_fixture.h"
+#include "tests/testing/wrapped_cpu_backend.h"
 
 namespace shardopt {
 namespace {
@@ -1120,10 +1121,28 @@ TEST_F(CheckpointAllTest, ACheckpointAskedForAgainKeepsThePartThisServerWrote) {
 // mapping) go through the read buffers. With the arrays back to back
 // (version 1's layout), everything goes through the buffers, and a piece
 // ends 2 bytes into one of c's elements.
+// Counts the state bytes a restore wrote that were in place already (read
+// straight into the state): WriteState given the state's own memory.
+class InPlaceCounter final : public testing::ForwardingJobState {
+ public:
+  InPlaceCounter(std::unique_ptr<JobState> cpu, std::atomic<uint64_t>* in_place)
+      : ForwardingJobState(std::move(cpu)), in_place_(in_place) {}
+  absl::Status WriteState(uint32_t shard, StateKind kind, uint64_t offset, DType dtype, const void* data,
+                          uint64_t count) override {
+    const char* state = HostFp32State(shard, kind);
+    if (state != nullptr && data == state + offset * 4) *in_place_ += count * 4;
+    return ForwardingJobState::WriteState(shard, kind, offset, dtype, data, count);
+  }
+
+ private:
+  std::atomic<uint64_t>* const in_place_;
+};
+
 template <typename Base>
 class RestoreAnywhereTest : public Base {
  protected:
-  void Run() {
+  // `in_place`: the bytes the restore must find read straight into place.
+  void Run(uint64_t in_place) {
     for (const std::string name : {"big", "big123"}) {
       v1::CreateJobRequest r = this->JobRequest(name, 1, {{"a", 2500001}});
       v1::Group* bf16 = r.add_groups();
@@ -1152,22 +1171,29 @@ class RestoreAnywhereTest : public Base {
       ASSERT_TRUE(written.ok()) << written.status();
       const std::string before = this->Snapshot(name);
 
-      auto backend = MakeCpuBackend({});
-      JobStore fresh(backend.get(), this->Options0(this->dir_));
+      std::atomic<uint64_t> counted{0};
+      // Described as the CPU backend is: Describe's device is in the snapshot.
+      testing::WrappedCpuBackend backend(MakeCpuBackend({})->Describe(), [&](std::unique_ptr<JobState> cpu) {
+        return std::make_unique<InPlaceCounter>(std::move(cpu), &counted);
+      });
+      JobStore fresh(&backend, this->Options0(this->dir_));
       auto restored = fresh.CreateJob(r);
       ASSERT_TRUE(restored.ok()) << restored.status();
       ASSERT_TRUE(restored->restored());
       // Not EXPECT_EQ: gtest would diff 60 MB strings.
       EXPECT_TRUE(this->Snapshot(fresh, name) == before) << "job " << name;
+      EXPECT_EQ(counted.load(), in_place) << "job " << name;
     }
   }
 };
 
 using PaddedRestoreTest = RestoreAnywhereTest<CheckpointDirTest<2>>;
-TEST_F(PaddedRestoreTest, StreamedRestoreIsBitwiseWhereverThePiecesEnd) { Run(); }
+// a's master, m and v, 10 MB each, are read straight in; c's, in a small
+// buffer each, and b's, BF16, are not.
+TEST_F(PaddedRestoreTest, StreamedRestoreIsBitwiseWhereverThePiecesEnd) { Run(3 * 2500001 * 4); }
 
 using PackedRestoreTest = RestoreAnywhereTest<CheckpointDirTest<2, /*kPacked=*/true>>;
-TEST_F(PackedRestoreTest, StreamedRestoreOfPackedArraysIsBitwiseWhereverThePiecesEnd) { Run(); }
+TEST_F(PackedRestoreTest, StreamedRestoreOfPackedArraysIsBitwiseWhereverThePiecesEnd) { Run(0); }
 
 }  // namespace
 }  // namespace shardopt

@@ -33,6 +33,9 @@ class ForwardingJobState : public JobState {
                           uint64_t count) override {
     return cpu_->WriteState(shard, kind, offset, dtype, data, count);
   }
+  void Prefault(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count) const override {
+    cpu_->Prefault(shard, kind, offset, count);
+  }
   char* HostFp32State(uint32_t shard, StateKind kind) override { return cpu_->HostFp32State(shard, kind); }
   uint64_t HostStateRoom(uint32_t shard, StateKind kind) const override { return cpu_->HostStateRoom(shard, kind); }
   absl::Status ReadState(uint32_t shard, StateKind kind, uint64_t offset, uint64_t count, DType dtype,
