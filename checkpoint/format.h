@@ -92,16 +92,6 @@ std::string JobDirectory(const std::string& root, const std::string& job);
 std::string StepDirectory(const std::string& root, const std::string& job, uint64_t step);
 inline constexpr size_t kMaxFileNameBytes = 255;
 
-// A life of a job (CreateJobResponse.incarnation) dropped on purpose, marked
-// in the job's directory: a job made again after the server restarted must
-// not restore the dropped life from a checkpoint, or that life's trainers
-// would go on in it. Nothing to mark where the job has no directory (no
-// checkpoint of it to restore).
-absl::Status MarkLifeDropped(const std::string& root, const std::string& job, uint64_t incarnation);
-bool LifeDropped(const std::string& root, const std::string& job, uint64_t incarnation);
-// Whether a file name in a job's directory is such a mark.
-bool IsDroppedLifeMark(std::string_view file_name);
-
 struct WriteResult {
   std::string directory;
   uint64_t part_bytes = 0;
@@ -159,42 +149,11 @@ class PartWriter {
   uint64_t array_left_ = 0;  // its bytes still to come
 };
 
-// Keeps the `keep` newest complete checkpoints of the job (keep >= 1) and
-// removes every older step directory, complete or torn. Steps newer than the
-// newest complete one may be in progress and are never touched, so the
-// newest complete checkpoint always stays. Returns the directories removed.
-std::vector<std::string> Prune(const std::string& root, const std::string& job, uint64_t keep);
-
-// A restore_step older than the newest complete checkpoint starts a new
-// run of the job from it, and the job's step directories newer than `step`
-// hold the old run's steps: a complete one would be taken for the new
-// run's (its step skipped as complete already, and loaded as the newest),
-// and a torn one could be tiled with the new run's part of that step. Each
-// is renamed to "abandoned-step-<step, 20 digits>-<nanoseconds>" beside
-// them: kept for the operator, never loaded or pruned. Nothing when no
-// newer step is complete (`step` is then the newest). Returns what was
-// done, for the log; INTERNAL if a directory could not be moved.
-absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& root, const std::string& job,
-                                                            uint64_t step);
 
 // What a restore passed over and why, and what was set aside, for the
 // server's log.
 using Log = std::function<void(const std::string&)>;
 
-// A server whose job goes on from step `step` (restored from it, or made
-// afresh at 0) runs a new run of its part: its own part in a newer torn
-// step is another run's (written before this server restarted, or by the
-// state it was dropped with), and the new run's parts of that step, written
-// beside it by its peers, would be tiled with it into a COMMIT of two runs.
-// Each such part (`spec`'s placement's file) is renamed to
-// "abandoned-<step directory>-<part>-<nanoseconds>" in the job's
-// directory: kept, never loaded or pruned. Peers' parts stay. Call it only
-// once no server of the job can hold the run the part is of (JobStore: at
-// the job's first seal); before that, a peer may still complete the part's
-// step with it. `log` is told of each part as it is moved; INTERNAL if one
-// could not be.
-absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
-                                   const Log& log);
 
 // The state of `spec`'s placement (spec.shards) from the job's newest
 // complete checkpoint, or from the one of `step` when step > 0. NOT_FOUND when

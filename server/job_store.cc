@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "checkpoint/format.h"
+#include "checkpoint/job_directory.h"
 #include "rpc/initial_values.h"
 #include "server/commit_stream.h"
 #include "server/job_life.h"

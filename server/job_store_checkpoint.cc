@@ -8,6 +8,7 @@
 #include "base/status_macros.h"
 #include "checkpoint/direct_io.h"
 #include "checkpoint/format.h"
+#include "checkpoint/job_directory.h"
 #include "server/job_snapshot.h"
 #include "server/job_store.h"
 #include "server/log.h"

@@ -18,6 +18,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "checkpoint/format.h"
+#include "checkpoint/job_directory.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"

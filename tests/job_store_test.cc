@@ -21,6 +21,7 @@
 
 #include "gmock/gmock.h"
 #include "checkpoint/format.h"
+#include "checkpoint/job_directory.h"
 #include "gtest/gtest.h"
 #include "server/metrics.h"
 #include "kernels/cpu/cpu_backend.h"
