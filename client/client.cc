@@ -339,12 +339,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   impl->options = options;
   impl->options.token = std::move(token);
   impl->pushes_to.assign(options.servers.size(), options.push_servers.empty());
-  for (uint32_t s : options.push_servers) {
-    if (s >= options.servers.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("push_servers names server ", s, " of ", options.servers.size()));
-    }
-    impl->pushes_to[s] = true;
-  }
+  for (uint32_t s : options.push_servers) impl->pushes_to[s] = true;  // each in range (CheckClientOptions)
   for (const std::string& address : options.servers) {
     grpc::ChannelArguments args;
     TuneChannelArguments(&args);

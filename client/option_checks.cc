@@ -5,16 +5,48 @@
 #include <memory>
 #include <utility>
 
+#include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 #include "rpc/job_limits.h"
 #include "rpc/tls_files.h"
 
 namespace shardopt {
 
+namespace {
+
+// A plain target (no scheme: gRPC then resolves it by DNS) names its port:
+// gRPC would otherwise take 443, which no shardopt server listens on by
+// default, and every call would fail as UNAVAILABLE as if the server were
+// down. A target with a scheme (dns:, ipv4:, unix:, ...) is gRPC's to read.
+absl::Status CheckServerAddress(const std::string& address) {
+  const size_t first = address.find(':');
+  if (first != std::string::npos && first > 0) {
+    const std::string before = address.substr(0, first), after = address.substr(first + 1);
+    const bool name = absl::ascii_isalpha(before[0]) && absl::c_all_of(before, absl::ascii_isalnum);
+    if (name && !after.empty() && !absl::c_all_of(after, absl::ascii_isdigit)) return absl::OkStatus();  // a scheme
+  }
+  const size_t last = address.rfind(':');
+  const std::string host = address.substr(0, last), port = last == std::string::npos ? "" : address.substr(last + 1);
+  // An IPv6 address is bracketed, so that its own colons are not the port's.
+  const bool host_ok = !host.empty() && (host.find(':') == std::string::npos ||
+                                         (host.front() == '[' && host.back() == ']'));
+  const bool port_ok = !port.empty() && port.size() <= 5 && absl::c_all_of(port, absl::ascii_isdigit) &&
+                       std::stoi(port) <= 65535;
+  if (!host_ok || !port_ok) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "server '", address, "' is not host:port ([address]:port for IPv6), nor a gRPC target with a scheme"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status CheckClientOptions(const ClientOptions& options) {
   if (options.servers.empty()) return absl::InvalidArgumentError("no servers given");
+  for (const std::string& address : options.servers) SHARDOPT_RETURN_IF_ERROR(CheckServerAddress(address));
   // Each server holds its own share of a job: one listed twice would be
   // asked for two shares under one name.
   for (size_t i = 0; i < options.servers.size(); ++i) {
@@ -25,6 +57,24 @@ absl::Status CheckClientOptions(const ClientOptions& options) {
       }
     }
   }
+  // A node group's rank pushes its part to each of its servers once.
+  for (size_t i = 0; i < options.push_servers.size(); ++i) {
+    const uint32_t s = options.push_servers[i];
+    if (s >= options.servers.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("push_servers names server ", s, " of ", options.servers.size()));
+    }
+    for (size_t j = 0; j < i; ++j) {
+      if (options.push_servers[j] == s) {
+        return absl::InvalidArgumentError(absl::StrCat("push_servers names server ", s, " twice"));
+      }
+    }
+  }
+  if (options.max_attempts < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_attempts must be at least 1 (1: no retry), got ", options.max_attempts));
+  }
+  // A deadline of 0 would fail every call at once, as DEADLINE_EXCEEDED.
+  if (options.rpc_timeout_ms == 0) return absl::InvalidArgumentError("rpc_timeout_ms must be at least 1");
   return CheckTlsPem(options.tls_root_certs, options.tls_cert_chain, options.tls_private_key);
 }
 

@@ -277,5 +277,49 @@ TEST(ClientChecksTest, AServerListedTwiceIsRefusedAtConnect) {
   EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << client.status();
 }
 
+// Options no call could go through with are refused at Connect, not met
+// later as a server that seems down (a port gRPC takes as 443, a deadline
+// of 0) or a share pushed twice.
+TEST(ClientChecksTest, OptionsNoCallCouldGoThroughWithAreRefusedAtConnect) {
+  struct Case {
+    std::vector<std::string> servers;
+    std::vector<uint32_t> push_servers;
+    int max_attempts;
+    uint32_t rpc_timeout_ms;
+    std::string says;
+  } cases[] = {
+      {{"127.0.0.1"}, {}, 5, 1000, "is not host:port"},
+      {{"shardopt-0.shardopt:"}, {}, 5, 1000, "is not host:port"},
+      {{"127.0.0.1:65536"}, {}, 5, 1000, "is not host:port"},
+      {{"::1:50051"}, {}, 5, 1000, "is not host:port"},
+      {{""}, {}, 5, 1000, "is not host:port"},
+      {{"127.0.0.1:1", "127.0.0.1:2"}, {1, 2}, 5, 1000, "push_servers names server 2 of 2"},
+      {{"127.0.0.1:1", "127.0.0.1:2"}, {1, 0, 1}, 5, 1000, "push_servers names server 1 twice"},
+      {{"127.0.0.1:1"}, {}, 0, 1000, "max_attempts must be at least 1"},
+      {{"127.0.0.1:1"}, {}, -3, 1000, "max_attempts must be at least 1"},
+      {{"127.0.0.1:1"}, {}, 5, 0, "rpc_timeout_ms must be at least 1"},
+  };
+  for (const Case& c : cases) {
+    ClientOptions options;
+    options.servers = c.servers;
+    options.push_servers = c.push_servers;
+    options.max_attempts = c.max_attempts;
+    options.rpc_timeout_ms = c.rpc_timeout_ms;
+    const auto client = Client::Connect(options);
+    EXPECT_EQ(client.status().code(), absl::StatusCode::kInvalidArgument) << c.says << ": " << client.status();
+    EXPECT_THAT(std::string(client.status().message()), ::testing::HasSubstr(c.says));
+  }
+  // What gRPC reads: host:port, a bracketed IPv6 address, targets with a
+  // scheme; and one attempt, no retry.
+  for (const std::string& target : {"shardopt-0.shardopt:50051", "[::1]:50051", "localhost:1", "dns:///localhost:50051",
+                                    "ipv4:127.0.0.1:50051", "unix:/tmp/shardopt.sock"}) {
+    ClientOptions options;
+    options.servers = {target};
+    options.max_attempts = 1;
+    options.rpc_timeout_ms = 1;
+    EXPECT_TRUE(Client::Connect(options).ok()) << target;
+  }
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -71,19 +71,21 @@ struct JobOptions {
 };
 
 struct ClientOptions {
-  // host:port of every server, in a fixed order that all ranks share; see
-  // ExpandServerPattern for a StatefulSet's. Each once: Connect refuses a
-  // server listed twice (INVALID_ARGUMENT).
+  // host:port of every server ([address]:port for IPv6, or a gRPC target
+  // with a scheme, such as unix:PATH), in a fixed order that all ranks
+  // share; see ExpandServerPattern for a StatefulSet's. Each once: Connect
+  // refuses a server listed twice, or without its port (INVALID_ARGUMENT).
   std::vector<std::string> servers;
   uint32_t rank = 0;
-  // Indices into `servers` that Push and Commit go to; empty means all. A
-  // node group splits the servers among its local ranks this way, so that
-  // each pushes one part of the node's reduced gradient. The other calls
-  // always go to every server.
+  // Indices into `servers` that Push and Commit go to, each once; empty
+  // means all. A node group splits the servers among its local ranks this
+  // way, so that each pushes one part of the node's reduced gradient. The
+  // other calls always go to every server.
   std::vector<uint32_t> push_servers;
-  // Attempts per RPC for UNAVAILABLE and DEADLINE_EXCEEDED, with backoff.
+  // Attempts per RPC for UNAVAILABLE and DEADLINE_EXCEEDED, with backoff;
+  // at least 1 (no retry).
   int max_attempts = 5;
-  // Deadline of an RPC, on top of the barrier's wait for a push.
+  // Deadline of an RPC, on top of the barrier's wait for a push; at least 1.
   uint32_t rpc_timeout_ms = 60000;
   // Bytes of gradient (and of initial values) per streamed message; 0: the
   // client chooses, from the job's world_size. Larger messages cost less
