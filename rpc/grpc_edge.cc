@@ -16,8 +16,21 @@ namespace shardopt {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
+  // The message travels as a header, which a client's gRPC refuses past its
+  // metadata limit (8 KiB by default), and the caller would see that
+  // RESOURCE_EXHAUSTED instead of the status: long messages are cut, at a
+  // character's first byte.
+  absl::string_view message = status.message();
+  std::string text;
+  if (message.size() > kMaxStatusMessageBytes) {
+    size_t cut = kMaxStatusMessageBytes;
+    while (cut > 0 && (static_cast<unsigned char>(message[cut]) & 0xc0) == 0x80) --cut;
+    text = absl::StrCat(message.substr(0, cut), "... (", message.size() - cut, " more bytes)");
+  } else {
+    text = std::string(message);
+  }
   // absl and gRPC share the canonical code numbering.
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), std::string(status.message()));
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), text);
 }
 
 absl::Status FromGrpcStatus(const grpc::Status& status, absl::string_view peer) {

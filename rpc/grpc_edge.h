@@ -24,6 +24,12 @@ class Message;
 
 namespace shardopt {
 
+// Status messages longer than this are cut (ToGrpcStatus): a client's gRPC
+// takes headers of up to 8 KiB by default, and the message is one,
+// percent-encoded (a byte outside printable ASCII takes three).
+inline constexpr size_t kMaxStatusMessageBytes = 2048;
+
+// The same code and message, the message cut to kMaxStatusMessageBytes.
 grpc::Status ToGrpcStatus(const absl::Status& status);
 // `peer` names the other side in the message, so a user of many servers sees
 // which one refused.

@@ -1,6 +1,9 @@
 #include "server/job_spec.h"
 
+#include <algorithm>
 #include <cmath>
+#include <string>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
@@ -126,10 +129,14 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   differ.IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
   differ.set_report_ignores(false);  // a group's name is not why: it is for messages only
   if (!differ.Compare(existing, requested)) {
-    // The report is a line a field; the message, one line.
+    // The report is a line a field; the message, one line, with the first
+    // few (a job of many tensors renamed has a line for each).
+    constexpr size_t kShown = 5;
+    std::vector<absl::string_view> lines = absl::StrSplit(diff, '\n', absl::SkipEmpty());
+    std::string shown = absl::StrJoin(lines.begin(), lines.begin() + std::min(kShown, lines.size()), "; ");
+    if (lines.size() > kShown) absl::StrAppend(&shown, "; and ", lines.size() - kShown, " more differences");
     return absl::AlreadyExistsError(absl::StrCat("job '", requested.job(), "' exists with a different configuration (",
-                                                 absl::StrJoin(absl::StrSplit(diff, '\n', absl::SkipEmpty()), "; "),
-                                                 "); drop it or use another name"));
+                                                 shown, "); drop it or use another name"));
   }
   return absl::OkStatus();
 }

@@ -1031,6 +1031,35 @@ TEST_F(ServiceTest, VerifyStateFailsWhenStateIsNotHeldAtTheAskedPrecision) {
   EXPECT_EQ(fp32_client->VerifyState().code(), absl::StatusCode::kFailedPrecondition);  // never attached
 }
 
+// A job of many tensors asked again under other names differs in every
+// one: the ALREADY_EXISTS names the first few, and its message fits in a
+// header, where before the client got RESOURCE_EXHAUSTED ("received
+// initial metadata size exceeds limit") instead.
+TEST_F(ServiceTest, AnAlreadyExistsOfManyDifferencesStaysAnAlreadyExists) {
+  std::vector<std::pair<std::string, uint64_t>> first, second;
+  for (int i = 0; i < 3000; ++i) {
+    first.emplace_back(absl::StrCat("layer.", i, ".weight.with.a.long.name"), 4);
+    second.emplace_back(absl::StrCat("block.", i, ".weight.with.a.long.name"), 4);
+  }
+  auto client = Connect(server_->address());
+  ASSERT_TRUE(client->CreateOrAttach(MakeJob("many", 1, first)).ok());
+  auto other = Connect(server_->address());
+  const absl::Status refused = other->CreateOrAttach(MakeJob("many", 1, second)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kAlreadyExists) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("more differences"));
+  EXPECT_LT(refused.message().size(), kMaxStatusMessageBytes + 200);
+}
+
+// Any message past the bound is cut at a character's first byte, saying
+// how much was left out.
+TEST(GrpcEdgeTest, ALongStatusMessageIsCutAtACharacter) {
+  const std::string long_text = std::string(kMaxStatusMessageBytes - 1, 'x') + "\xc3\xa9" + std::string(100, 'y');
+  const grpc::Status cut = ToGrpcStatus(absl::NotFoundError(long_text));
+  EXPECT_EQ(cut.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(cut.error_message(), std::string(kMaxStatusMessageBytes - 1, 'x') + "... (102 more bytes)");
+  EXPECT_EQ(ToGrpcStatus(absl::NotFoundError("short")).error_message(), "short");
+}
+
 TEST(ClientRetries, UnavailableIsRetriedUntilTheServerComes) {
   const int port = testing::FreeLoopbackPort();
   const std::string address = "127.0.0.1:" + std::to_string(port);
