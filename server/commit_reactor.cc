@@ -23,11 +23,11 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       : store_(store), slot_(std::move(slot)) {
     grpc::ByteBuffer copy = *request;  // shares the slices: ParseMessage reads it through
     if (absl::Status st = ParseMessage(&copy, &request_, "CommitRequest"); !st.ok()) {
-      Finish(ToGrpcStatus(st));
+      End(ToGrpcStatus(st));
       return;
     }
     if (absl::Status allowed = caller.Allows(Action::kCommit, request_.job()); !allowed.ok()) {
-      Finish(ToGrpcStatus(allowed));
+      End(ToGrpcStatus(allowed));
       return;
     }
     Open();
@@ -41,6 +41,13 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     Pump(lock);
   }
 
+  // The stream's slot goes back as the answer does, not at OnDone, which
+  // may come after the client has its answer and opened its next stream.
+  void End(const grpc::Status& status) {
+    slot_.reset();
+    Finish(status);
+  }
+
   void OnDone() override { delete this; }
 
  private:
@@ -51,7 +58,7 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   void Open() {
     auto stream = store_->OpenCommit(request_, [this] { hops_.Soon([this] { Open(); }); });
     if (!stream.ok()) {
-      Finish(ToGrpcStatus(stream.status()));
+      End(ToGrpcStatus(stream.status()));
       return;
     }
     if (*stream == nullptr) return;
@@ -86,7 +93,7 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       if (in_flight_) return;  // OnWriteDone goes on
     }
     lock.unlock();
-    Finish(*done);  // the last use of this reactor here: OnDone may delete it at once
+    End(*done);  // the last use of this reactor here: OnDone may delete it at once
   }
 
   void ApplyAhead(std::unique_lock<std::recursive_mutex>& lock) {

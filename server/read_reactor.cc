@@ -129,6 +129,9 @@ void ReadReactor::End(const grpc::Status& status) {
       break;
   }
   message_charge_.Release();
+  // The slot goes back as the answer does, not at OnDone, which may come
+  // after the client has its answer and opened its next stream.
+  slot_.reset();
   Finish(status);
 }
 

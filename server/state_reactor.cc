@@ -17,16 +17,16 @@ class StateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     grpc::ByteBuffer copy = *request;  // shares the slices: ParseMessage reads it through
     v1::ReadRequest parsed;
     if (absl::Status st = ParseMessage(&copy, &parsed, "ReadRequest"); !st.ok()) {
-      Finish(ToGrpcStatus(st));
+      End(ToGrpcStatus(st));
       return;
     }
     if (absl::Status allowed = caller.Allows(Action::kRead, parsed.job()); !allowed.ok()) {
-      Finish(ToGrpcStatus(allowed));
+      End(ToGrpcStatus(allowed));
       return;
     }
     auto stream = store->OpenRead(parsed);
     if (!stream.ok()) {
-      Finish(ToGrpcStatus(stream.status()));
+      End(ToGrpcStatus(stream.status()));
       return;
     }
     stream_ = *std::move(stream);
@@ -35,10 +35,17 @@ class StateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the caller stopped reading"));
+      End(grpc::Status(grpc::StatusCode::CANCELLED, "the caller stopped reading"));
       return;
     }
     WriteNext();
+  }
+
+  // The stream's slot goes back as the answer does, not at OnDone, which
+  // may come after the client has its answer and opened its next stream.
+  void End(const grpc::Status& status) {
+    slot_.reset();
+    Finish(status);
   }
 
   void OnDone() override { delete this; }
@@ -51,7 +58,7 @@ class StateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     auto pulled = stream_->Next(&chunk_, [this] { hops_.Soon([this] { WriteNext(); }); });
     if (pulled.ok() && *pulled == JobStore::StateStream::Pulled::kLater) return;
     if (!pulled.ok() || *pulled == JobStore::StateStream::Pulled::kEnd) {
-      Finish(pulled.ok() ? grpc::Status::OK : ToGrpcStatus(pulled.status()));
+      End(pulled.ok() ? grpc::Status::OK : ToGrpcStatus(pulled.status()));
       return;
     }
     static metrics::Counter* const sent =

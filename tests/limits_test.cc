@@ -170,8 +170,6 @@ TEST(LimitsTest, StreamCapsPerClientAndPerServer) {
   // The victim, another client, still steps (one push and one commit stream).
   EXPECT_TRUE(victim.Step().ok());
   // The server's cap: the victim holds three too, and then nobody gets one.
-  // Its step's streams give their slots back when the server is done with
-  // them, which may be just after the client has its answer.
   ASSERT_TRUE(AwaitOpenStreams(metrics, 3));
   for (int i = 0; i < 3; ++i) held.push_back(open(b));
   ASSERT_TRUE(AwaitOpenStreams(metrics, 6));
@@ -187,6 +185,60 @@ TEST(LimitsTest, StreamCapsPerClientAndPerServer) {
   ASSERT_TRUE(AwaitOpenStreams(metrics, 0));
   EXPECT_TRUE(victim.Step().ok());
   std::filesystem::remove_all(dir);
+}
+
+// A stream's slot goes back as the server answers, so a client that opens
+// one stream at a time (a step's push, then its commit) never meets its own
+// last one at a cap of 1. It did, in 2 commits of 10, while the slot went
+// back only once gRPC was done with the call, after the answer.
+TEST(LimitsTest, OneStreamAtATimeFitsACapOfOne) {
+  constexpr uint64_t kN = uint64_t{2} << 20, kChunk = 32768;
+  auto server = ServerProcess::Start({"--max_streams_per_client=1"});
+  ASSERT_NE(server, nullptr);
+  {
+    auto client = ConnectOnce(server->address());
+    ASSERT_TRUE(client->CreateOrAttach(OneTensorJob("one-at-a-time", kN)).ok());
+    std::mt19937_64 rng(std::random_device{}());
+    const auto init = RandomFloats(rng, kN, -1, 1);
+    ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  }
+  // The calls as a bare gRPC client makes them, each call's next at once.
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  const std::vector<uint16_t> g(kChunk, 0x3f00);  // 0.5
+  for (uint64_t t = 1; t <= 40; ++t) {
+    {
+      grpc::ClientContext ctx;
+      v1::PushResponse answer;
+      auto writer = stub->Push(&ctx, &answer);
+      v1::GradChunk chunk;
+      chunk.set_job("one-at-a-time");
+      chunk.set_step(t);
+      writer->Write(chunk);
+      for (uint64_t offset = 0; offset < kN; offset += kChunk) {
+        chunk.Clear();
+        chunk.set_tensor("w");
+        chunk.set_offset(offset);
+        chunk.set_dtype(v1::BF16);
+        chunk.set_data(g.data(), kChunk * 2);
+        writer->Write(chunk);
+      }
+      writer->WritesDone();
+      const grpc::Status pushed = writer->Finish();
+      ASSERT_TRUE(pushed.ok()) << "push " << t << ": " << pushed.error_message();
+    }
+    grpc::ClientContext ctx;
+    v1::CommitRequest request;
+    request.set_job("one-at-a-time");
+    request.set_step(t);
+    request.set_lr(1e-3);
+    request.set_gscale(1);
+    auto reader = stub->Commit(&ctx, request);
+    v1::ParamChunk params;
+    while (reader->Read(&params)) {
+    }
+    const grpc::Status committed = reader->Finish();
+    ASSERT_TRUE(committed.ok()) << "commit " << t << ": " << committed.error_message();
+  }
 }
 
 // An Init stream that sends nothing is cut at the idle timeout, saying how
