@@ -241,6 +241,37 @@ TEST(LimitsTest, OneStreamAtATimeFitsACapOfOne) {
   }
 }
 
+// A compressed message is refused before it is inflated: gRPC 1.51 inflated
+// it whole before checking --max_message_bytes, so a 64 KiB gzip of a
+// 64 MiB request, from a caller without a token, made the server hold the
+// 64 MiB (256 MiB held from 256 KiB sent, in a black-box probe).
+TEST(LimitsTest, ACompressedMessageIsRefusedUninflated) {
+  auto server = ServerProcess::Start({"--max_message_bytes=1048576"});
+  ASSERT_NE(server, nullptr);
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(1 << 30);
+  auto stub = v1::Optimizer::NewStub(
+      grpc::CreateCustomChannel(server->address(), grpc::InsecureChannelCredentials(), args));
+  v1::DescribeRequest bomb;
+  bomb.set_job(std::string(uint64_t{64} << 20, 'a'));
+  const uint64_t before = testing::PeakRssBytes(server->pid());
+  for (int i = 0; i < 3; ++i) {
+    grpc::ClientContext ctx;
+    ctx.set_compression_algorithm(GRPC_COMPRESS_GZIP);
+    v1::DescribeResponse response;
+    const grpc::Status refused = stub->Describe(&ctx, bomb, &response);
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNIMPLEMENTED) << refused.error_message();
+    EXPECT_THAT(refused.error_message(), HasSubstr("'gzip' is disabled"));
+  }
+  const uint64_t after = testing::PeakRssBytes(server->pid());
+  EXPECT_LT(after, before + (uint64_t{16} << 20)) << "peak RSS " << before << " B, then " << after << " B";
+  grpc::ClientContext ctx;
+  v1::DescribeRequest plain;
+  plain.set_job("nobody");
+  v1::DescribeResponse response;
+  EXPECT_EQ(stub->Describe(&ctx, plain, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
 // An Init stream that sends nothing is cut at the idle timeout, saying how
 // much it wrote; the job then takes the rest from another stream.
 TEST(LimitsTest, AnIdleInitStreamIsCut) {
