@@ -156,7 +156,7 @@ RunningServer::~RunningServer() {
 
 void RunningServer::SetServing(bool is_serving) {
   serving = is_serving;
-  server->GetHealthCheckService()->SetServingStatus(is_serving);
+  server->GetHealthCheckService()->SetServingStatus(is_serving);  // "" and shardopt.v1.Optimizer
 }
 
 namespace {
@@ -184,9 +184,11 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
   }
 };
 
-// The health port's one method, Check, whatever service it names: the
-// server's own status (HealthCheckResponse{status: SERVING} is 08 01,
-// NOT_SERVING 08 02). Anything else is UNIMPLEMENTED.
+// The health port's one method, Check, answered as the main port's default
+// health service answers it: for the server ("") and for its service
+// (shardopt.v1.Optimizer), the server's own status (HealthCheckResponse{status:
+// SERVING} is 08 01, NOT_SERVING 08 02); for another name, NOT_FOUND.
+// Anything else is UNIMPLEMENTED.
 class HealthOnly final : public grpc::CallbackGenericService {
  public:
   explicit HealthOnly(const std::atomic<bool>* serving) : serving_(serving) {}
@@ -205,6 +207,10 @@ class HealthOnly final : public grpc::CallbackGenericService {
       StartRead(&request_);
     }
     void OnReadDone(bool) override {
+      if (!KnownService(request_)) {
+        Finish(grpc::Status(grpc::StatusCode::NOT_FOUND, "service name unknown"));
+        return;
+      }
       grpc::Slice slice(std::string(serving_->load() ? "\x08\x01" : "\x08\x02", 2));
       response_ = grpc::ByteBuffer(&slice, 1);
       StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
@@ -212,6 +218,19 @@ class HealthOnly final : public grpc::CallbackGenericService {
     void OnDone() override { delete this; }
 
    private:
+    // HealthCheckRequest is one string field, service (1): absent, or
+    // 0a LENGTH NAME. Anything that does not parse names no service known.
+    static bool KnownService(const grpc::ByteBuffer& request) {
+      grpc::Slice whole;
+      if (!request.DumpToSingleSlice(&whole).ok()) return request.Length() == 0;
+      const std::string bytes(reinterpret_cast<const char*>(whole.begin()), whole.size());
+      if (bytes.empty()) return true;
+      const std::string known(v1::Optimizer::service_full_name());
+      if (bytes.size() < 2 || bytes[0] != '\x0a' || static_cast<unsigned char>(bytes[1]) != bytes.size() - 2) return false;
+      const std::string name = bytes.substr(2);
+      return name.empty() || name == known;
+    }
+
     const std::atomic<bool>* const serving_;
     grpc::ByteBuffer request_, response_;
   };
@@ -247,6 +266,8 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
   if (!running->server || running->port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.address));
   }
+  // The default health service knows "" only; a probe may name the service.
+  running->server->GetHealthCheckService()->SetServingStatus(v1::Optimizer::service_full_name(), true);
   if (options.health_port > 0) {
     // Its own server, so that the plaintext port has no other service on it.
     const std::string host = options.address.substr(0, options.address.rfind(':'));

@@ -1395,15 +1395,27 @@ TEST_F(ServiceTest, HealthIsServedAndReflectionOnlyWhenAsked) {
 
 // --health_port: a plaintext port with the health service alone, for probes
 // that cannot speak TLS (Kubernetes' gRPC probes); the optimizer's service
-// is not on it.
-TEST_F(ServiceTest, TheHealthPortServesHealthAlone) {
+// is not on it. Both ports answer a check alike: SERVING for the server
+// ("") and for shardopt.v1.Optimizer, NOT_FOUND for another name (the
+// health port said SERVING to any name, the main port NOT_FOUND to the
+// optimizer's own).
+TEST_F(ServiceTest, TheHealthPortServesHealthAloneAndAnswersAsTheMainPort) {
   const int port = testing::FreeLoopbackPort();
   auto server = ServerProcess::Start({absl::StrCat("--health_port=", port)});
   ASSERT_NE(server, nullptr);
   const std::string address = absl::StrCat("127.0.0.1:", port);
-  auto [health_status, health] = GenericUnary(address, "/grpc.health.v1.Health/Check", "");
-  ASSERT_TRUE(health_status.ok()) << health_status.error_message();
-  EXPECT_EQ(health, std::string("\x08\x01", 2));
+  const std::string optimizer = "shardopt.v1.Optimizer";
+  for (const std::string& at : {address, server->address()}) {
+    SCOPED_TRACE(at);
+    // HealthCheckRequest{service}: field 1, length-delimited.
+    for (const std::string& request : {std::string(), "\x0a" + std::string(1, char(optimizer.size())) + optimizer}) {
+      auto [health_status, health] = GenericUnary(at, "/grpc.health.v1.Health/Check", request);
+      ASSERT_TRUE(health_status.ok()) << health_status.error_message();
+      EXPECT_EQ(health, std::string("\x08\x01", 2));
+    }
+    auto [unknown, unused] = GenericUnary(at, "/grpc.health.v1.Health/Check", "\x0a\x03" "foo");
+    EXPECT_EQ(unknown.error_code(), grpc::StatusCode::NOT_FOUND) << unknown.error_message();
+  }
   auto [describe_status, unused] = GenericUnary(address, "/shardopt.v1.Optimizer/Describe", "");
   EXPECT_EQ(describe_status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << describe_status.error_message();
 }
