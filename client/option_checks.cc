@@ -92,7 +92,7 @@ absl::StatusOr<std::string> CleanBearerToken(absl::string_view token) {
   for (size_t i = 0; i < token.size(); ++i) {
     const unsigned char c = static_cast<unsigned char>(token[i]);
     if (c < 0x21 || c > 0x7e) {
-      return absl::InvalidArgumentError(absl::StrCat("the token's character ", i + 1, " of ", token.size(),
+      return absl::InvalidArgumentError(absl::StrCat("the token's character ", i + 1,
                                                      " is not printable ASCII, which a header cannot carry"));
     }
   }

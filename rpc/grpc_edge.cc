@@ -97,7 +97,7 @@ std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFor(const std::strin
 absl::Status ParseMessage(grpc::ByteBuffer* buffer, google::protobuf::Message* message, absl::string_view what) {
   grpc::ProtoBufferReader reader(buffer);  // ParseFromZeroCopyStream clears `message` first
   if (!reader.status().ok() || !message->ParseFromZeroCopyStream(&reader)) {
-    return absl::InvalidArgumentError(absl::StrCat("a ", what, " message does not parse; the stream is refused"));
+    return absl::InvalidArgumentError(absl::StrCat("the ", what, " message does not parse; the stream is refused"));
   }
   return absl::OkStatus();
 }

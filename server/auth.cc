@@ -88,6 +88,11 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {
     if (e.caller.role == Role::kTrainer && e.caller.prefixes.empty()) {
       return bad("a trainer without a job prefix (give '*' for every job)");
     }
+    // An admin may use every job: prefixes there would read as a scope that
+    // is not kept.
+    if (e.caller.role == Role::kAdmin && !e.caller.prefixes.empty()) {
+      return bad("an admin with job prefixes: an admin may use every job (make it a trainer to scope it)");
+    }
     if (auto [it, added] = names.emplace(e.caller.name, line_number); !added) {
       return bad(absl::StrCat("the name of line ", it->second, " again"));
     }

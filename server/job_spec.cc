@@ -37,8 +37,9 @@ absl::StatusOr<v1::CreateJobRequest> NormalizeJobSpec(const v1::CreateJobRequest
   v1::CreateJobRequest r = in;
   if (r.job().empty()) return absl::InvalidArgumentError("job name is empty");
   if (r.job().size() > kMaxNameBytes || checkpoint::JobDirectoryName(r.job()).size() > checkpoint::kMaxFileNameBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("job name ", Quote(r.job()), " is ", r.job().size(), " bytes; at most ",
-                                                   kMaxNameBytes, ", and ", checkpoint::kMaxFileNameBytes,
+    // Over 64 bytes, as every name refused here is, Quote gives the length.
+    return absl::InvalidArgumentError(absl::StrCat("job name ", Quote(r.job()), " is too long: at most ",
+                                                   kMaxNameBytes, " bytes, and ", checkpoint::kMaxFileNameBytes,
                                                    " once %-escaped for its checkpoint directory"));
   }
   if (r.world_size() < 1 || r.world_size() > kMaxWorldSize) {

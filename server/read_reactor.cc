@@ -13,7 +13,7 @@ ReadReactor::ReadReactor(const char* what, grpc::CallbackServerContext* context,
                          StreamSettings settings)
     : context_(context), what_(what), wakeups_(wakeups),
       idle_timeout_(absl::ToChronoNanoseconds(settings.idle_timeout)), slot_(std::move(settings.slot)),
-      budget_(settings.budget), charge_what_(absl::StrCat("a ", what, " message")),
+      budget_(settings.budget), charge_what_(absl::StrCat("one ", what, " message")),
       received_(metrics::Registry::Default().Series("shardopt_received_bytes_total", {{"method", what}})) {}
 
 void ReadReactor::Begin() {

@@ -382,6 +382,11 @@ TEST(TokenTableTest, RolesPrefixesAndErrors) {
   EXPECT_TRUE(absl::IsInvalidArgument(short_token.status()));
   EXPECT_THAT(short_token.status().message(), HasSubstr("line 1"));
   EXPECT_THAT(short_token.status().message(), ::testing::Not(HasSubstr("0123456789")));
+  // An admin may use every job: a prefix on its line is refused, not kept
+  // as a scope that nothing enforces.
+  auto scoped_admin = TokenTable::Parse(absl::StrCat("ops admin ", kAlice, " team-a/\n"));
+  EXPECT_TRUE(absl::IsInvalidArgument(scoped_admin.status())) << scoped_admin.status();
+  EXPECT_THAT(scoped_admin.status().message(), HasSubstr("an admin with job prefixes"));
 }
 
 // A line missing a column puts the token where a name or a role was
