@@ -61,19 +61,27 @@ std::vector<std::string> LimitFiles() {
   return files;
 }
 
-}  // namespace
-
-uint64_t MemoryBudget::DefaultLimit(std::string* found) {
+// What this process may use: the smaller of physical memory and the limits
+// of its cgroups, and which one that is.
+uint64_t UsableMemory(std::string* source) {
   const uint64_t physical = uint64_t(sysconf(_SC_PHYS_PAGES)) * uint64_t(sysconf(_SC_PAGE_SIZE));
   uint64_t total = physical;
-  std::string source = absl::StrCat("physical memory ", Gib(physical));
+  *source = absl::StrCat("physical memory ", Gib(physical));
   // v1's "no limit" is a huge number, larger than the machine: min() skips it.
   for (const std::string& path : LimitFiles()) {
     if (auto v = ReadLimit(path.c_str()); v && *v < total) {
       total = *v;
-      source = absl::StrCat("cgroup limit ", Gib(*v), " (", path, ")");
+      *source = absl::StrCat("cgroup limit ", Gib(*v), " (", path, ")");
     }
   }
+  return total;
+}
+
+}  // namespace
+
+uint64_t MemoryBudget::DefaultLimit(std::string* found) {
+  std::string source;
+  const uint64_t total = UsableMemory(&source);
   const uint64_t headroom = std::max<uint64_t>(uint64_t{256} << 20, total / 8);
   const uint64_t limit = total > headroom ? total - headroom : total / 2;
   if (found != nullptr) *found = absl::StrCat(source, " less ", Gib(total - limit), " headroom");
@@ -99,6 +107,14 @@ absl::StatusOr<uint64_t> MemoryBudget::ParseLimit(absl::string_view text, std::s
   if (!absl::SimpleAtoi(number, &v) || v == 0 || v > UINT64_MAX / unit) {
     return absl::InvalidArgumentError(absl::StrCat("memory limit '", text,
                                                    "' is not 'auto' or a positive byte count such as 20Gi or 512M"));
+  }
+  // A budget the process cannot have refuses nothing: the kernel (or the
+  // container's OOM killer) would stop the server first.
+  std::string source;
+  if (const uint64_t usable = UsableMemory(&source); v * unit > usable) {
+    return absl::InvalidArgumentError(absl::StrCat("memory limit '", text, "' is more than this process may use, the ",
+                                                   source, "; give less (it also needs headroom for what the budget "
+                                                   "does not charge) or 'auto'"));
   }
   return v * unit;
 }

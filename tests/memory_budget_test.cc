@@ -62,7 +62,7 @@ TEST(MemoryBudgetTest, ChargesGrowShrinkAndReturnWhenDestroyed) {
 }
 
 TEST(MemoryBudgetTest, ParsesKubernetesQuantitiesAndDefaultsBelowTheMachine) {
-  EXPECT_EQ(*MemoryBudget::ParseLimit("20Gi"), uint64_t{20} << 30);
+  EXPECT_EQ(*MemoryBudget::ParseLimit("2Gi"), uint64_t{2} << 30);
   EXPECT_EQ(*MemoryBudget::ParseLimit("512M"), uint64_t{512} * 1000 * 1000);
   EXPECT_EQ(*MemoryBudget::ParseLimit("4096"), 4096u);
   for (const char* bad : {"", "0", "-1", "12X", "Gi", "1.5Gi", "99999999999999999999"}) {
@@ -75,6 +75,11 @@ TEST(MemoryBudgetTest, ParsesKubernetesQuantitiesAndDefaultsBelowTheMachine) {
   EXPECT_LE(limit, physical - (uint64_t{256} << 20));
   EXPECT_THAT(found, HasSubstr("headroom"));
   EXPECT_EQ(*MemoryBudget::ParseLimit("auto"), limit);
+  // More than the machine (or the cgroup) gives is refused: such a budget
+  // would refuse nothing before the OOM killer stopped the server.
+  const auto too_much = MemoryBudget::ParseLimit(absl::StrCat(physical / 1000 + 1, "K"));
+  EXPECT_EQ(too_much.status().code(), absl::StatusCode::kInvalidArgument) << too_much.status();
+  EXPECT_THAT(std::string(too_much.status().message()), HasSubstr("is more than this process may use"));
 }
 
 class BudgetTest : public StoreTest {
