@@ -219,8 +219,12 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   job->incarnation = life;
   absl::MutexLock lock(&mu_);
   jobs_.emplace(spec.job(), job);  // none of the name: this call was its one builder
-  // From 0, so that an alert on its rate sees the job's first skip.
-  metrics::Registry::Default().Increment("shardopt_skipped_steps_total", {{"job", spec.job()}}, 0);
+  // From 0, so that an alert on their rates sees the job's first skip, or
+  // checkpoint, or failed checkpoint.
+  for (const char* family : {"shardopt_skipped_steps_total", "shardopt_checkpoints_total",
+                             "shardopt_checkpoint_failures_total"}) {
+    metrics::Registry::Default().Increment(family, {{"job", spec.job()}}, 0);
+  }
   dropped_.erase(spec.job());       // made again: no longer a dropped one (its name may stay in the order)
   if (!restored) {
     log::Info("job_created", {{"job", spec.job()},

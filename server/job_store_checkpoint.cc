@@ -83,9 +83,11 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
     log::Error("checkpoint_failed", {{"job", job.name()},
                                      {"step", absl::StrCat(request.step())},
                                      {"error", std::string(finished.status().message())}});
+    metrics::Registry::Default().Increment("shardopt_checkpoint_failures_total", {{"job", job.name()}});
     return finished.status();
   }
   const checkpoint::WriteResult& written = *finished;
+  metrics::Registry::Default().Increment("shardopt_checkpoints_total", {{"job", job.name()}});
   metrics::Registry::Default().Observe("shardopt_checkpoint_seconds", {{"direction", "write"}}, seconds);
   metrics::Registry::Default().Increment("shardopt_checkpoint_bytes_total", {{"direction", "write"}},
                                          static_cast<double>(written.part_bytes));
@@ -129,6 +131,7 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
           absl::StrCat("job '", name, "' is still applying a step after ",
                        absl::FormatDuration(wait_for_steps), ": its committer stopped reading the params; not checkpointed"));
       log::Error("checkpoint_failed", {{"job", name}, {"error", std::string(late.message())}});
+      metrics::Registry::Default().Increment("shardopt_checkpoint_failures_total", {{"job", name}});
       results.emplace_back(name, late);
       continue;
     }

@@ -92,7 +92,8 @@ TEST_F(LogsTest, GrpcsOwnLinesAreTheServersJsonLines) {
 // the first refusal or skipped step.
 TEST_F(LogsTest, TheCountersTheAlertsWatchStartAtZero) {
   const int port = testing::FreeLoopbackPort();
-  auto server = ServerProcess::Start({absl::StrCat("--metrics_port=", port)});
+  const std::string checkpoints = dir_ + "/ckpt";
+  auto server = ServerProcess::Start({absl::StrCat("--metrics_port=", port), "--checkpoint_dir=" + checkpoints});
   std::string metrics = testing::GetMetrics(port);
   EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoint_bytes_total{direction=\"write\"} 0\n"));
   EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoint_bytes_total{direction=\"restore\"} 0\n"));
@@ -102,9 +103,24 @@ TEST_F(LogsTest, TheCountersTheAlertsWatchStartAtZero) {
                                                              "\",code=\"", code, "\"} 0\n")));
     }
   }
-  ASSERT_TRUE(Connect(server->address(), "")->CreateOrAttach(OneTensor4k("fresh")).ok());
+  auto client = Connect(server->address(), "");
+  ASSERT_TRUE(client->CreateOrAttach(OneTensor4k("fresh")).ok());
   metrics = testing::GetMetrics(port);
-  EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_skipped_steps_total{job=\"fresh\"} 0\n"));
+  for (const char* family : {"shardopt_skipped_steps_total", "shardopt_checkpoints_total",
+                             "shardopt_checkpoint_failures_total"}) {
+    EXPECT_THAT(metrics, ::testing::HasSubstr(absl::StrCat("\n", family, "{job=\"fresh\"} 0\n")));
+  }
+  // A checkpoint written counts in one, and one that fails in the other
+  // (here its job's directory is a file).
+  const std::vector<float> values = testing::RandomFloats(rng_, 4096, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", values.data()).ok());
+  ASSERT_TRUE(client->Checkpoint().ok());
+  std::filesystem::remove_all(checkpoints + "/fresh");
+  std::ofstream(checkpoints + "/fresh") << "not a directory";
+  EXPECT_FALSE(client->Checkpoint().ok());
+  metrics = testing::GetMetrics(port);
+  EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoints_total{job=\"fresh\"} 1\n"));
+  EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoint_failures_total{job=\"fresh\"} 1\n"));
 }
 
 // Connections that send nothing (a port scan, a stuck client) hold up no
