@@ -62,6 +62,12 @@ constexpr Verb kVerbs[] = {
     {"describe", "[--server=HOST:PORT] describe JOB",
      "Prints the job as the server holds it (step, groups, tensors, memory, device) as JSON.", 1, 1},
     {"drop", "[--server=HOST:PORT] drop JOB", "Drops the job and its state from the server.", 1, 1},
+    {"checkpoint", "[--server=HOST:PORT] checkpoint JOB [STEP]",
+     "Writes the server's part of the job's checkpoint of STEP (default: the step the server holds), and\n"
+     "prints the answer as JSON. Run it on every server of the job, with the same STEP, while its trainers\n"
+     "are stopped: the server that writes the last part marks the checkpoint complete (\"complete\": true).\n"
+     "A server at another step refuses (FAILED_PRECONDITION).",
+     1, 2},
     {"read", "[--server=HOST:PORT] read JOB TENSOR master|exp_avg|exp_avg_sq|param [OFFSET [COUNT]]",
      "Prints one state array of the server's shard of TENSOR, one value per line: the master, Adam's m\n"
      "(exp_avg) or v (exp_avg_sq), as the job holds them, or the bf16 params of the last commit. OFFSET\n"
@@ -89,11 +95,21 @@ std::string Usage() {
   return usage;
 }
 
+// An answer as the CLI prints it: JSON, every field shown.
+void PrintJson(const google::protobuf::Message& message) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(message, &json, options);
+  std::cout << json;
+}
+
 uint64_t ParseCount(const Verb& verb, const char* what, const std::string& text) {
   uint64_t value = 0;
   // Digits only: SimpleAtoi would also take " 5" and "+5".
   if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos || !absl::SimpleAtoi(text, &value)) {
-    shardopt::UsageError(absl::StrCat(verb.name, ": ", what, " must be a number of elements, got '", text,
+    shardopt::UsageError(absl::StrCat(verb.name, ": ", what, " must be a whole number in digits, got '", text,
                                       "'\nusage: shardopt ", verb.synopsis));
   }
   return value;
@@ -260,12 +276,25 @@ int main(int argc, char** argv) {
     } while (static_cast<uint32_t>(tensors.size()) < resp.tensor_count());
     *resp.mutable_tensors() = std::move(tensors);
     resp.set_tensor_offset(0);  // the pages joined: the answer starts at the first tensor
-    std::string json;
-    google::protobuf::util::JsonPrintOptions options;
-    options.add_whitespace = true;
-    options.always_print_primitive_fields = true;
-    (void)google::protobuf::util::MessageToJsonString(resp, &json, options);
-    std::cout << json;
+    PrintJson(resp);
+    return 0;
+  }
+  if (command == "checkpoint") {
+    v1::CheckpointRequest req;
+    req.set_job(args[1]);
+    if (n > 1) {
+      req.set_step(ParseCount(*verb, "STEP", args[2]));
+    } else {
+      v1::DescribeRequest ask;
+      ask.set_job(args[1]);
+      ask.set_max_tensors(1);  // the step, not the tensors
+      v1::DescribeResponse held;
+      if (auto st = stub->Describe(context(), ask, &held); !st.ok()) return Fail(st);
+      req.set_step(held.step());
+    }
+    v1::CheckpointResponse resp;
+    if (auto st = stub->Checkpoint(context(), req, &resp); !st.ok()) return Fail(st);
+    PrintJson(resp);
     return 0;
   }
   if (command == "drop") {

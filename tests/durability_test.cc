@@ -807,5 +807,40 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
   EXPECT_THAT(std::string(st.message()), HasSubstr("tensor 'w' has 12000 bytes of F32; the job's has 3001 elements"));
 }
 
+// The CLI's checkpoint, as an operator takes one before rolling the
+// servers: each server writes its part, the last marks the step complete,
+// a server at another step refuses, and a restart restores the step.
+TEST(DurabilityTest, TheCliCheckpointsEachServersPartAndTheLastCompletesIt) {
+  const JobOptions job = DurableJob("by-cli", {{"w", 3000}, {"u", 2000}});
+  TempDir dir;
+  std::vector<uint32_t> trained;
+  {
+    auto servers = StartServers(2, dir.path());
+    auto client = Connect(servers);
+    Train(*client, job, 3);
+    trained = Fingerprint(*client, job).value();
+    const auto cli = [&](int s, const std::string& args, std::string* out) {
+      const std::string command =
+          absl::StrCat(SHARDOPT_CLI_BINARY, " --server=", servers[s]->address(), " checkpoint ", args, " 2>&1");
+      FILE* pipe = popen(command.c_str(), "r");
+      char buffer[4096];
+      out->clear();
+      for (size_t n; (n = fread(buffer, 1, sizeof buffer, pipe)) > 0;) out->append(buffer, n);
+      return pclose(pipe);
+    };
+    std::string out;
+    EXPECT_NE(cli(0, "by-cli 2", &out), 0) << out;  // not the step the server holds
+    EXPECT_THAT(out, HasSubstr("FAILED_PRECONDITION"));
+    ASSERT_EQ(cli(0, "by-cli", &out), 0) << out;  // the step it holds: 3
+    EXPECT_THAT(out, AllOf(HasSubstr("\"step\": \"3\""), HasSubstr("\"complete\": false")));
+    ASSERT_EQ(cli(1, "by-cli 3", &out), 0) << out;
+    EXPECT_THAT(out, HasSubstr("\"complete\": true"));
+  }
+  auto servers = StartServers(2, dir.path());
+  auto client = Connect(servers);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), 3u);
+  EXPECT_EQ(Fingerprint(*client, job).value(), trained);
+}
+
 }  // namespace
 }  // namespace shardopt

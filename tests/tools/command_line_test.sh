@@ -49,16 +49,17 @@ case $case_name in
     run 0 "$cli" help && expect out 'read JOB TENSOR' && expect out 'export'
     run 0 "$cli" help read && expect out 'read JOB TENSOR' && expect_empty err
     run 0 "$cli" help export && expect out '--checkpoint_dir'
+    run 0 "$cli" help checkpoint && expect out 'checkpoint JOB \[STEP\]' && expect out 'complete'
     ;;
   cli_bad_arguments)
     # Each is refused before any server is contacted.
     run 2 "$cli" read JOB T master abc && expect err 'abc' && expect_empty out
     run 2 "$cli" read JOB T master 0 12abc && expect err "12abc"
     # A negative number is an argument, not a flag named by its digits.
-    run 2 "$cli" read JOB T master -1 && expect err "OFFSET must be a number of elements, got '-1'"
-    run 2 "$cli" read JOB T master 0 -5 --server=127.0.0.1:1 && expect err "COUNT must be a number of elements, got '-5'"
-    run 2 "$cli" read JOB T master " 5" && expect err "OFFSET must be a number of elements, got ' 5'"
-    run 2 "$cli" read JOB T master +5 && expect err "OFFSET must be a number of elements, got '[+]5'"
+    run 2 "$cli" read JOB T master -1 && expect err "OFFSET must be a whole number in digits, got '-1'"
+    run 2 "$cli" read JOB T master 0 -5 --server=127.0.0.1:1 && expect err "COUNT must be a whole number in digits, got '-5'"
+    run 2 "$cli" read JOB T master " 5" && expect err "OFFSET must be a whole number in digits, got ' 5'"
+    run 2 "$cli" read JOB T master +5 && expect err "OFFSET must be a whole number in digits, got '[+]5'"
     run 2 "$cli" --server= describe JOB && expect err 'server must name a server'
     # Verbs that reach no server do not need it.
     run 0 "$cli" --server= help describe && expect out 'describe'
@@ -66,6 +67,7 @@ case $case_name in
     run 2 "$cli" read JOB T && expect err 'read'
     run 2 "$cli" describe && expect err 'describe'
     run 2 "$cli" describe JOB extra && expect err 'extra'
+    run 2 "$cli" checkpoint JOB 1x && expect err "STEP must be a whole number in digits, got '1x'"
     run 2 "$cli" frobnicate JOB && expect err 'frobnicate'
     run 2 "$cli" help frobnicate && expect err 'frobnicate'
     run 2 "$cli" && expect err 'usage'
