@@ -78,6 +78,9 @@ ABSL_FLAG(uint32_t, max_streams_per_client, 1024,
           "streams open at once per client (its token's name, or its address without --tokens_file); 0: no limit");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain of this server; with --tls_key, serve TLS only");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(uint32_t, tls_reload_seconds, 60,
+          "read --tls_cert, --tls_key and --tls_client_ca again this often, for new connections (a renewed "
+          "certificate, a rotated Kubernetes Secret); 0: only at start");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA certificates; with it every client must present a certificate they signed (mutual TLS)");
 ABSL_FLAG(bool, insecure, false,
@@ -175,6 +178,24 @@ absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& 
     return absl::FailedPreconditionError(absl::StrCat("--", flag, "=", path, " cannot be read, or is empty"));
   }
   return text.str();
+}
+
+// The TLS files changed: checks them as at start and says whether gRPC's
+// next reading (within `seconds`) gets files it can use.
+void LogTlsChange(const std::vector<std::string>& paths, unsigned seconds) {
+  const auto ca = ReadPem("tls_client_ca", paths[0]);
+  const auto cert = ReadPem("tls_cert", paths[1]);
+  const auto key = ReadPem("tls_key", paths[2]);
+  absl::Status usable = absl::OkStatus();
+  for (const auto* read : {&ca, &cert, &key}) {
+    if (usable.ok() && !read->ok()) usable = read->status();
+  }
+  if (usable.ok()) usable = shardopt::CheckTlsFiles(*ca, *cert, *key, {"--tls_client_ca", "--tls_cert", "--tls_key"});
+  if (usable.ok()) {
+    shardopt::log::Info("tls_reload", {{"result", absl::StrCat("new connections get them within ", seconds, " s")}});
+  } else {
+    shardopt::log::Error("tls_reload", {{"result", "not usable"}, {"error", std::string(usable.message())}});
+  }
 }
 // Every flag whose value is not its default, whether the command line or a
 // --flagfile set it (a pod's come from a ConfigMap), as --name=value,
@@ -311,6 +332,10 @@ int main(int argc, char** argv) {
     options.tls_cert_pem = *cert;
     options.tls_key_pem = *key;
     options.tls_client_ca_pem = *ca;
+    options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+    options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+    options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+    options.tls_reload_seconds = absl::GetFlag(FLAGS_tls_reload_seconds);
   }
   options.reflection = absl::GetFlag(FLAGS_reflection);
   options.health_port = absl::GetFlag(FLAGS_health_port);
@@ -417,6 +442,16 @@ int main(int argc, char** argv) {
   // SIGHUP.
   const std::string tokens_path = absl::GetFlag(FLAGS_tokens_file);
   std::string tokens_seen = FileIdentity(tokens_path);
+  // gRPC reads the TLS files again by itself (--tls_reload_seconds); the
+  // server checks each change as it did at start and logs what it found.
+  const std::vector<std::string> tls_paths = {absl::GetFlag(FLAGS_tls_client_ca), absl::GetFlag(FLAGS_tls_cert),
+                                              absl::GetFlag(FLAGS_tls_key)};
+  const auto tls_identity = [&] {
+    std::string id;
+    for (const std::string& path : tls_paths) absl::StrAppend(&id, FileIdentity(path), ";");
+    return id;
+  };
+  std::string tls_seen = options.tls_reload_seconds > 0 && !options.tls_cert_file.empty() ? tls_identity() : "";
   for (;;) {
     timespec wake;
     clock_gettime(CLOCK_REALTIME, &wake);
@@ -427,6 +462,12 @@ int main(int argc, char** argv) {
       if (std::string now = FileIdentity(tokens_path); now != tokens_seen) {
         tokens_seen = std::move(now);
         g_reload = 1;
+      }
+    }
+    if (!tls_seen.empty()) {
+      if (std::string now = tls_identity(); now != tls_seen) {
+        tls_seen = std::move(now);
+        LogTlsChange(tls_paths, options.tls_reload_seconds);
       }
     }
     if (g_reload) {

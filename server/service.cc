@@ -12,6 +12,9 @@
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/impl/server_builder_option.h"
 #include "grpcpp/impl/server_builder_plugin.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/security/tls_certificate_provider.h"
+#include "grpcpp/security/tls_credentials_options.h"
 #include "base/status_macros.h"
 #include "rpc/grpc_edge.h"
 #include "server/call_observer.h"
@@ -163,6 +166,19 @@ namespace {
 
 std::shared_ptr<grpc::ServerCredentials> Credentials(const ServerOptions& options) {
   if (options.tls_cert_pem.empty()) return grpc::InsecureServerCredentials();
+  if (options.tls_reload_seconds > 0 && !options.tls_cert_file.empty()) {
+    // gRPC's file watcher reads the files again every interval; the PEM
+    // text above was checked at start, and main checks each change.
+    auto files = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+        options.tls_key_file, options.tls_cert_file, options.tls_client_ca_file, options.tls_reload_seconds);
+    grpc::experimental::TlsServerCredentialsOptions tls(files);
+    tls.watch_identity_key_cert_pairs();
+    if (!options.tls_client_ca_file.empty()) tls.watch_root_certs();
+    tls.set_cert_request_type(options.tls_client_ca_file.empty()
+                                  ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                  : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+    return grpc::experimental::TlsServerCredentials(tls);
+  }
   grpc::SslServerCredentialsOptions ssl(options.tls_client_ca_pem.empty()
                                             ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
                                             : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);

@@ -80,6 +80,13 @@ struct ServerOptions {
   std::string tls_cert_pem;
   std::string tls_key_pem;
   std::string tls_client_ca_pem;
+  // The files those came from, and how often gRPC reads them again (0:
+  // never): then new connections take renewed certificates (a rotated
+  // Kubernetes Secret) without a restart. Connections open stay as they are.
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  std::string tls_client_ca_file;
+  unsigned tls_reload_seconds = 0;
   // gRPC server reflection, which lists the services to anyone who asks.
   bool reflection = false;
   // A second, plaintext port that serves only grpc.health.v1, for probes

@@ -7,6 +7,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <iostream>
+#include <chrono>
+#include <thread>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -115,6 +118,76 @@ TEST(TlsTest, AMutualTlsServerServesOnlyClientsWithACertificateItsCaSigned) {
   stranger.tls_cert_chain = certs.pem("stranger.pem");
   stranger.tls_private_key = certs.pem("stranger.key");
   EXPECT_EQ(StepOnce(server->address(), stranger, "c").code(), absl::StatusCode::kUnavailable);
+}
+
+// A renewed certificate (a rotated Kubernetes Secret: new files behind the
+// same paths) is taken by new connections without a restart, within
+// --tls_reload_seconds; the server logs each change it sees, checked as at
+// start. Before, only a restart took it, which tears the current step of a
+// job on several servers.
+TEST(TlsTest, RenewedCertificatesAreTakenWithoutARestart) {
+  Certificates old_set, new_set;
+  ASSERT_TRUE(old_set.ok() && new_set.ok()) << "openssl could not make the test certificates";
+  char tmpl[] = "/tmp/shardopt-tls-live-XXXXXX";
+  const std::string live = mkdtemp(tmpl);
+  // Each file replaced whole, as a Secret's update is.
+  const auto install = [&](const Certificates& from, const std::string& name, const std::string& as) {
+    std::filesystem::copy_file(from.path(name), live + "/" + as + ".tmp",
+                               std::filesystem::copy_options::overwrite_existing);
+    std::filesystem::rename(live + "/" + as + ".tmp", live + "/" + as);
+  };
+  const auto install_set = [&](const Certificates& from) {
+    install(from, "ca.pem", "ca.pem");
+    install(from, "server.key", "server.key");
+    install(from, "server.pem", "server.pem");
+  };
+  install_set(old_set);
+  auto server = ServerProcess::StartLogged({"--tls_cert=" + live + "/server.pem", "--tls_key=" + live + "/server.key",
+                                            "--tls_client_ca=" + live + "/ca.pem", "--tls_reload_seconds=1"});
+  ASSERT_NE(server, nullptr);
+  const auto client_of = [](const Certificates& set) {
+    ClientOptions options;
+    options.tls_root_certs = set.pem("ca.pem");
+    options.tls_cert_chain = set.pem("client.pem");
+    options.tls_private_key = set.pem("client.key");
+    return options;
+  };
+  ASSERT_TRUE(StepOnce(server->address(), client_of(old_set), "a").ok());
+  EXPECT_EQ(StepOnce(server->address(), client_of(new_set), "b").code(), absl::StatusCode::kUnavailable);
+
+  install_set(new_set);
+  bool taken = false;
+  for (const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+       !taken && std::chrono::steady_clock::now() < give_up;) {
+    taken = StepOnce(server->address(), client_of(new_set), "c").ok();
+    if (!taken) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_TRUE(taken) << "the renewed certificates were not taken in 15 s";
+  EXPECT_EQ(StepOnce(server->address(), client_of(old_set), "d").code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(server->log(), ::testing::HasSubstr("tls_reload"));
+
+  // A key that is not the certificate's: the server says so in its log,
+  // and gRPC takes the files as they are, so new connections fail until
+  // they are fixed (as the README says); then they are served again.
+  install(old_set, "server.key", "server.key");
+  bool logged = false;
+  for (const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+       !logged && std::chrono::steady_clock::now() < give_up;) {
+    logged = server->log().find("not usable") != std::string::npos;
+    if (!logged) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_TRUE(logged) << server->log();
+  std::this_thread::sleep_for(std::chrono::seconds(3));  // gRPC's watcher has read it by now
+  EXPECT_EQ(StepOnce(server->address(), client_of(new_set), "e").code(), absl::StatusCode::kUnavailable);
+  install(new_set, "server.key", "server.key");
+  taken = false;
+  for (const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(15);
+       !taken && std::chrono::steady_clock::now() < give_up;) {
+    taken = StepOnce(server->address(), client_of(new_set), "f").ok();
+    if (!taken) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_TRUE(taken) << "the fixed key was not taken in 15 s";
+  std::filesystem::remove_all(live);
 }
 
 // Files a client cannot use are INVALID_ARGUMENT at Connect, before any
