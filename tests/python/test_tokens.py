@@ -53,7 +53,7 @@ def test_a_token_a_header_cannot_carry_is_refused_without_echoing_it(job):
     """gRPC aborts the process on such a header value, printing it."""
     with pytest.raises(shardopt.InvalidArgument) as refused:
         make("127.0.0.1:1", job, token=TRAINER[:8] + "\n" + TRAINER[8:])
-    assert "character 9 of" in str(refused.value) and TRAINER[:8] not in str(refused.value)
+    assert "character 9 is" in str(refused.value) and TRAINER[:8] not in str(refused.value)
 
 
 def test_no_token_a_wrong_one_or_another_prefix_is_refused(server, job, monkeypatch):
