@@ -99,6 +99,7 @@ struct AdamWScalars {
   float bc2_sqrt;         // sqrt(1 - β2^t)
   float step_size;        // lr / (1 - β1^t)
   float eps;              // ε
+  float beta1;            // 1 - one_minus_beta1, in float (exact): torch's lerp's 1 - weight
 };
 
 // One element of AdamW, in exactly the order of docs/design.md, section 3.1.
@@ -106,7 +107,11 @@ struct AdamWScalars {
 SHARDOPT_HD void adamw_update(float grad, float& p, float& m, float& v, const AdamWScalars& s) {
   const float g = mul(grad, s.gscale);
   p = mul(p, s.decay);
-  m = add(m, mul(s.one_minus_beta1, sub(g, m)));
+  // torch's lerp(m, g, w) for w = 1 - β1: from m for w < 0.5, from g
+  // otherwise, where m + w*(g - m) would cancel m's small values away (with
+  // β1 = 0, g = 1e-6 after g = 100 gave m = 0 rather than 1e-6). One branch
+  // for the whole call: w is the same for every element.
+  m = s.one_minus_beta1 < 0.5f ? add(m, mul(s.one_minus_beta1, sub(g, m))) : sub(g, mul(sub(g, m), s.beta1));
   v = add(mul(v, s.beta2), mul(mul(s.one_minus_beta2, g), g));
   const float d = add(div(sqrt(v), s.bc2_sqrt), s.eps);
   p = sub(p, mul(s.step_size, div(m, d)));

@@ -19,6 +19,7 @@ math::AdamWScalars ComputeAdamWScalars(const AdamWHyper& hyper, double lr, float
   s.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
   s.step_size = static_cast<float>(lr_eff / bc1);
   s.eps = hyper.eps;
+  s.beta1 = 1.0f - s.one_minus_beta1;  // exact for one_minus_beta1 in [0.5, 1], where it is used
   return s;
 }
 

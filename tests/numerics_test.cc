@@ -169,10 +169,11 @@ TEST(CpuBackend, AgreesWithFloat64ReferenceWithinStatedBound) {
   EXPECT_LT(worst, 2e-5);
 }
 
+// Both of the lerp's forms (β1 of 0.9, and of 0.3, under 0.5).
 TEST(CpuBackend, BitwiseEqualToScalarReferenceForEveryThreadCountAndIsa) {
   constexpr int kSteps = 20;
   const std::vector<uint64_t> sizes = {1, 7, 4095, 4097, 100003};
-  const AdamWHyper h{0.9, 0.95, 1e-8f, 0.1, 1.0};
+  for (const AdamWHyper h : {AdamWHyper{0.9, 0.95, 1e-8f, 0.1, 1.0}, AdamWHyper{0.3, 0.95, 1e-8f, 0.1, 1.0}})
   for (Precision precision : {Precision::kFp32, Precision::kBf16}) {
     for (uint32_t world : {1u, 3u}) {
       std::mt19937_64 rng(21 + world);
@@ -198,7 +199,7 @@ TEST(CpuBackend, BitwiseEqualToScalarReferenceForEveryThreadCountAndIsa) {
       for (cpu::Isa isa : cpu::SupportedIsas()) {
         for (int threads : {1, 2, 3, 8}) {
           SCOPED_TRACE(::testing::Message() << cpu::IsaName(isa) << " threads=" << threads << " world=" << world
-                                          << " " << PrecisionName(precision));
+                                          << " " << PrecisionName(precision) << " beta1=" << h.beta1);
           Job job = MakeJob({threads, isa}, sizes, precision, world);
           for (size_t s = 0; s < sizes.size(); ++s) {
             ASSERT_TRUE(job.state->WriteState(s, StateKind::kMaster, 0, DType::kFp32, inits[s].data(), sizes[s]).ok());
@@ -225,6 +226,21 @@ TEST(CpuBackend, BitwiseEqualToScalarReferenceForEveryThreadCountAndIsa) {
       }
     }
   }
+}
+
+// With β1 under 0.5, m is torch's lerp taken from g: m + w*(g - m) would
+// cancel, and with β1 = 0 a gradient of 1e-6 after one of 100 left m at 0.
+TEST(CpuBackend, ASmallBeta1KeepsTheMomentsSmallValues) {
+  const AdamWHyper h{0.0, 0.999, 1e-8f, 0.0, 1.0};
+  Job job = MakeJob({}, {2}, Precision::kFp32, 1, DType::kFp32);
+  const std::vector<float> init = {0.5f, -0.25f};
+  ASSERT_TRUE(job.state->WriteState(0, StateKind::kMaster, 0, DType::kFp32, init.data(), 2).ok());
+  const std::vector<float> big = {100.0f, -100.0f}, small = {1e-6f, 3e-7f};
+  ASSERT_TRUE(job.state->WriteGrad(0, 0, 0, DType::kFp32, big.data(), 2).ok());
+  ASSERT_TRUE(job.state->Apply(WholeShardZero(ComputeAdamWScalars(h, 1e-3, 1.0f, 1))).ok());
+  ASSERT_TRUE(job.state->WriteGrad(0, 0, 0, DType::kFp32, small.data(), 2).ok());
+  ASSERT_TRUE(job.state->Apply(WholeShardZero(ComputeAdamWScalars(h, 1e-3, 1.0f, 2))).ok());
+  EXPECT_EQ(ReadFloats(*job.state, 0, StateKind::kExpAvg, 2), small);  // torch: exp_avg is the gradient
 }
 
 TEST(CpuBackend, UpdatingAShardInPiecesEqualsOneCall) {

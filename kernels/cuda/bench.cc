@@ -67,7 +67,7 @@ absl::StatusOr<GpuKernelBench> BenchCudaKernel(uint64_t elements, int device_ind
   SHARDOPT_RETURN_IF_ERROR(dev.Check(cudaMemsetAsync(arena.base, 0x3C, (job)->arena_bytes(), stream), "cudaMemsetAsync"));
   // Step 1 of AdamW at lr 1e-3 with torch's defaults. Literal, because
   // step_scalars.cc lives in shardopt_kernels, which links this library.
-  const math::AdamWScalars scalars{1.0f, 1.0f - 1e-5f, 0.1f, 0.999f, 0.001f, 0.0316227766f, 1e-2f, 1e-8f};
+  const math::AdamWScalars scalars{1.0f, 1.0f - 1e-5f, 0.1f, 0.999f, 0.001f, 0.0316227766f, 1e-2f, 1e-8f, 0.9f};
   const ShardStep step{{0, {0}}, scalars};
   // The first launch pays for module loading; it is not timed.
   SHARDOPT_RETURN_IF_ERROR((job)->Apply({&step, 1}));

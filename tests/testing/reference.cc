@@ -73,7 +73,8 @@ void ReferenceTensor::StepAggregated(const std::vector<float>& g, double lr, flo
     // fails the bitwise tests.
     const float gs = g[i] * s.gscale;
     p[i] = p[i] * s.decay;
-    m[i] = m[i] + s.one_minus_beta1 * (gs - m[i]);
+    const float w = s.one_minus_beta1;
+    m[i] = w < 0.5f ? m[i] + w * (gs - m[i]) : gs - (gs - m[i]) * (1.0f - w);
     v[i] = v[i] * s.beta2 + (s.one_minus_beta2 * gs) * gs;
     const float d = std::sqrt(v[i]) / s.bc2_sqrt + s.eps;
     p[i] = p[i] - s.step_size * (m[i] / d);
