@@ -36,3 +36,6 @@ def _check_hyper(g, where):
         raise ValueError(f"{where}Invalid weight_decay value: {wd}")
     if g.get("amsgrad") or g.get("maximize"):
         raise InvalidArgument(f"{where}RemoteAdamW does not implement amsgrad or maximize")
+    if g.get("capturable") or g.get("differentiable"):
+        raise InvalidArgument(f"{where}RemoteAdamW updates on the servers: capturable and differentiable are not "
+                              "supported")

@@ -82,6 +82,10 @@ class _StateDictIO:
             if theirs != hyper:
                 raise InvalidArgument(f"group {gi}: the state dict's (beta1, beta2, eps, weight_decay) {theirs} "
                                       f"differ from the job's {hyper}; construct RemoteAdamW with the same ones")
+            precision = saved.get("state_precision", self._precisions[gi])
+            if precision != self._precisions[gi]:
+                raise InvalidArgument(f"group {gi}: the state dict's state_precision {precision!r} differs from the "
+                                      f"job's {self._precisions[gi]!r}; construct RemoteAdamW with the same one")
         # Each tensor's master (None: the params' values) and, if saved, its
         # moments and Adam step, checked and in fp32; kept until sent, since
         # the client reads them by address.
@@ -96,9 +100,12 @@ class _StateDictIO:
                 moments = None
                 if "step" in entry:
                     step = entry["step"]
+                    step = float(step.item() if isinstance(step, torch.Tensor) else step)
+                    # A count of updates: the servers' bias corrections take whole steps.
+                    if not (step >= 0 and step == int(step)):
+                        raise ValueError(f"the state of {t.name!r} has step {step}; a step is a whole number >= 0")
                     moments = (self._checked(entry["exp_avg"], t, "exp_avg"),
-                               self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"),
-                               int(step.item() if isinstance(step, torch.Tensor) else step))
+                               self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"), int(step))
                 loads.append((t, master, moments))
         # torch's load replaces the state: a param the dict has no state for
         # has none after it. The servers cannot take a tensor's Adam step
@@ -175,6 +182,8 @@ class _StateDictIO:
         _C.check_initial_values(t.name, values.data_ptr(), values.numel(), self._bf16_state[t.group], what)
 
     def _checked(self, x, t, what):
-        if x.numel() != t.numel:
-            raise ValueError(f"{what} of {t.name!r} has {x.numel()} elements, the param {t.numel}")
+        # The param's shape, as torch's step needs: a transposed moment of
+        # the same size would otherwise be read in the wrong order.
+        if tuple(x.shape) != tuple(t.shape):
+            raise ValueError(f"{what} of {t.name!r} has shape {tuple(x.shape)}, the param {tuple(t.shape)}")
         return _host_fp32(x, f"{what} of {t.name!r}")

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from . import _C
-from ._errors import Error, InvalidArgument, ParamsChanged, UnsupportedDtype
+from ._errors import Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
 from ._checks import _check_hyper
 from ._overlap import _OverlapPush
 from ._safetensors import load_safetensors
@@ -204,14 +204,14 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
         groups, names = _split_names(params)
-        seen = set()
+        seen = {}
         for gi, g in enumerate(groups):
             for p in g["params"]:
                 # torch steps a param listed twice twice; the servers hold it once.
                 if id(p) in seen:
-                    raise ValueError(f"group {gi} lists param {names.get(id(p), '')!r} again: each param may appear "
-                                     "once")
-                seen.add(id(p))
+                    raise ValueError(f"group {gi} lists param {names.get(id(p), f'param.{seen[id(p)]}')!r} again: "
+                                     "each param may appear once")
+                seen[id(p)] = len(seen)
         # torch.optim.AdamW's keys too, so that code reading them finds them;
         # foreach and fused change nothing here (the servers run one fused
         # kernel), amsgrad and maximize are refused.
@@ -254,6 +254,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
         self._client = _C.Client(_servers(servers, num_servers), rank, max_attempts, int(rpc_timeout * 1000),
                                  chunk_bytes, 0, *pem, token=token)
         self._bf16_state = [precision == "bf16" for precision in precisions]
+        self._state_precision, self._precisions = state_precision, precisions
         job_groups = [(f"group.{gi}", b1, b2, eps_, wd, 1.0, precisions[gi] == "fp32")
                       for gi, (b1, b2, eps_, wd) in enumerate(self._hyper)]
         job_tensors = [(t.name, t.numel, t.group, t.fp32) for t in self._remote]
@@ -399,7 +400,13 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
 
     def verify_state(self):
         """Raises shardopt.FailedPrecondition if any group's state is not held
-        at the precision asked for."""
+        at the precision asked for: the group's "state_precision" now, which
+        the servers fixed when the job was made."""
+        for gi, g in enumerate(self.param_groups):
+            asked = g.get("state_precision", self._state_precision)
+            if asked != self._precisions[gi]:
+                raise FailedPrecondition(f"group {gi} asks for state_precision {asked!r}; the servers hold its state "
+                                         f"in {self._precisions[gi]!r}, fixed when the job was made")
         self._client.verify_state()
 
     def describe(self):
@@ -495,6 +502,10 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
                 raise InvalidArgument(f"group {gi}'s (beta1, beta2, eps, weight_decay) changed to "
                                       f"{self._group_hyper(g)}; the servers hold {self._hyper[gi]}, fixed at creation "
                                       "(only lr may change between steps)")
+            precision = g.get("state_precision", self._state_precision)
+            if precision != self._precisions[gi]:
+                raise InvalidArgument(f"group {gi}'s state_precision changed to {precision!r}; the servers hold "
+                                      f"{self._precisions[gi]!r}, fixed at creation")
         if k != len(self._tensors):
             raise ParamsChanged("the optimizer's params changed since its job was created")
 

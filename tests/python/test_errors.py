@@ -212,11 +212,22 @@ def test_torch_adamw_keywords_are_taken_and_kept_in_the_groups(servers, job):
     for g in opt.param_groups:
         assert g["amsgrad"] is False and g["maximize"] is False and g["capturable"] is False
     train(model, opt, 1)
-    # Set after construction, it is refused at the next step, not ignored.
-    opt.param_groups[0]["maximize"] = True
-    with pytest.raises(shardopt.InvalidArgument, match="maximize"):
-        train(model, opt, 1, first=2)
-    opt.param_groups[0]["maximize"] = False
+    # Set after construction, each is refused at the next step, not ignored
+    # (capturable, differentiable and state_precision were ignored before),
+    # and verify_state says that the state is not held as the group asks.
+    for key, value in (("maximize", True), ("capturable", True), ("differentiable", True),
+                       ("state_precision", "bf16")):
+        before = opt.param_groups[0].get(key)
+        opt.param_groups[0][key] = value
+        with pytest.raises(shardopt.InvalidArgument, match=key):
+            train(model, opt, 1, first=2)
+        if key == "state_precision":
+            with pytest.raises(shardopt.FailedPrecondition, match="state_precision 'bf16'"):
+                opt.verify_state()
+        opt.param_groups[0][key] = before
+    opt.param_groups[0].pop("state_precision")
+    opt.verify_state()
+    assert opt.job_step == 1
     opt.drop()
     for kwargs, error in ((dict(amsgrad=True), shardopt.InvalidArgument), (dict(capturable=True), ValueError),
                           (dict(differentiable=True), ValueError)):
@@ -229,7 +240,8 @@ def test_misuses_torch_refuses_or_that_would_train_otherwise_are_refused(job):
     with pytest.raises(TypeError, match="iterable of Tensors or dicts"):
         RemoteAdamW(p, servers=["127.0.0.1:1"], job=job)
     # torch would step a param listed twice twice; the servers hold it once.
-    with pytest.raises(ValueError, match="once"):
+    # Unnamed, it is called as its job would call it.
+    with pytest.raises(ValueError, match="lists param 'param.0' again"):
         RemoteAdamW([p, p], servers=["127.0.0.1:1"], job=job)
     with pytest.raises(ValueError, match="more than once"):
         RemoteAdamW([p], servers=["127.0.0.1:1", "127.0.0.1:1"], job=job)

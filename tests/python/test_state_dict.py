@@ -347,3 +347,30 @@ def test_a_state_dict_the_servers_would_refuse_is_refused_before_anything_is_sen
     held = first if precision == "fp32" else first.to(torch.bfloat16).float()
     assert same_bits(opt.master(next(fresh.parameters())), held)
     opt.drop()
+
+
+@pytest.mark.parametrize("case", ["exp_avg-transposed", "exp_avg_sq-flat", "step-fractional", "step-negative"])
+def test_a_state_dict_torch_could_not_step_with_is_refused_before_anything_is_sent(servers, job, case):
+    """Moments of another shape than the param's (a transposed kernel from
+    another framework; torch's step would fail on it) were read in flat
+    order, and a fractional step taken as its integer part; now each is a
+    ValueError and nothing is sent."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3)
+    train(model, opt, 2)
+    saved = opt.state_dict()
+    opt.drop()
+    index, entry = next((k, e) for k, e in saved["state"].items() if e["exp_avg"].dim() == 2
+                        and e["exp_avg"].shape[0] != e["exp_avg"].shape[1])
+    if case == "exp_avg-transposed":
+        entry["exp_avg"] = entry["exp_avg"].t().contiguous()
+    elif case == "exp_avg_sq-flat":
+        entry["exp_avg_sq"] = entry["exp_avg_sq"].reshape(-1)
+    else:
+        entry["step"] = torch.tensor(2.5 if case == "step-fractional" else -1.0)
+    fresh = make_model(seed=1)
+    opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
+    with pytest.raises(ValueError, match="shape" if "step" not in case else "whole number"):
+        opt.load_state_dict(saved)
+    assert opt.state_dict()["state"] == {}
+    opt.drop()
