@@ -220,11 +220,16 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   absl::MutexLock lock(&mu_);
   jobs_.emplace(spec.job(), job);  // none of the name: this call was its one builder
   // From 0, so that an alert on their rates sees the job's first skip, or
-  // checkpoint, or failed checkpoint.
-  for (const char* family : {"shardopt_skipped_steps_total", "shardopt_checkpoints_total",
-                             "shardopt_checkpoint_failures_total"}) {
-    metrics::Registry::Default().Increment(family, {{"job", spec.job()}}, 0);
+  // checkpoint, or failed checkpoint (where there are checkpoints); and
+  // when, so that one sees an event before the series' first scrape.
+  metrics::Registry& registry = metrics::Registry::Default();
+  registry.Increment("shardopt_skipped_steps_total", {{"job", spec.job()}}, 0);
+  if (!options_.checkpoint_dir.empty()) {
+    registry.Increment("shardopt_checkpoints_total", {{"job", spec.job()}}, 0);
+    registry.Increment("shardopt_checkpoint_failures_total", {{"job", spec.job()}}, 0);
   }
+  registry.SetGauge("shardopt_job_created_timestamp_seconds", {{"job", spec.job()}},
+                    absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
   dropped_.erase(spec.job());       // made again: no longer a dropped one (its name may stay in the order)
   if (!restored) {
     log::Info("job_created", {{"job", spec.job()},

@@ -206,6 +206,10 @@ class JobStore {
   // applied with, and whether the round holds some of `rank`'s push.
   static void SetStepFields(const Job& job, uint32_t rank, v1::CreateJobResponse* response)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+  // Adds one to the job's series of `family`, if the store still holds this
+  // job: a checkpoint that ends after its job was dropped would otherwise
+  // bring back the series the drop removed.
+  void CountForJob(const Job& job, const char* family) const ABSL_LOCKS_EXCLUDED(mu_);
   // Checkpoint, charging its buffers or not (the drain's: see DrainAndCheckpoint).
   absl::StatusOr<v1::CheckpointResponse> WriteCheckpoint(const v1::CheckpointRequest& request, bool charged,
                                                          absl::Time deadline)

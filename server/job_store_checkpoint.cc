@@ -83,11 +83,11 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
     log::Error("checkpoint_failed", {{"job", job.name()},
                                      {"step", absl::StrCat(request.step())},
                                      {"error", std::string(finished.status().message())}});
-    metrics::Registry::Default().Increment("shardopt_checkpoint_failures_total", {{"job", job.name()}});
+    CountForJob(job, "shardopt_checkpoint_failures_total");
     return finished.status();
   }
   const checkpoint::WriteResult& written = *finished;
-  metrics::Registry::Default().Increment("shardopt_checkpoints_total", {{"job", job.name()}});
+  CountForJob(job, "shardopt_checkpoints_total");
   metrics::Registry::Default().Observe("shardopt_checkpoint_seconds", {{"direction", "write"}}, seconds);
   metrics::Registry::Default().Increment("shardopt_checkpoint_bytes_total", {{"direction", "write"}},
                                          static_cast<double>(written.part_bytes));
@@ -108,6 +108,13 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
   response.set_part_bytes(written.part_bytes);
   response.set_complete(written.complete);
   return response;
+}
+
+void JobStore::CountForJob(const Job& job, const char* family) const {
+  absl::MutexLock lock(&mu_);  // as DropJob forgets the job's series
+  if (auto it = jobs_.find(job.name()); it != jobs_.end() && it->second.get() == &job) {
+    metrics::Registry::Default().Increment(family, {{"job", job.name()}});
+  }
 }
 
 std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobStore::DrainAndCheckpoint(absl::Duration wait_for_steps) {
@@ -131,7 +138,7 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
           absl::StrCat("job '", name, "' is still applying a step after ",
                        absl::FormatDuration(wait_for_steps), ": its committer stopped reading the params; not checkpointed"));
       log::Error("checkpoint_failed", {{"job", name}, {"error", std::string(late.message())}});
-      metrics::Registry::Default().Increment("shardopt_checkpoint_failures_total", {{"job", name}});
+      CountForJob(*job, "shardopt_checkpoint_failures_total");
       results.emplace_back(name, late);
       continue;
     }

@@ -373,6 +373,8 @@ int main(int argc, char** argv) {
           "shardopt_refusals_total", {{"method", optimizer->method(i)->name()}, {"code", code}}, 0);
     }
   }
+  shardopt::metrics::Registry::Default().SetGauge("process_start_time_seconds", {},
+                                                  absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
   shardopt::metrics::Registry::Default().SetGauges([&store, &running, &backend, device] {
     std::vector<shardopt::metrics::Gauge> g;
     g.push_back({"shardopt_build_info", {{"version", shardopt::Version()}, {"device", device}}, 1});

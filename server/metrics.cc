@@ -30,6 +30,8 @@ const std::vector<double> kCheckpointSeconds = {0.01, 0.05, 0.1, 0.5, 1, 5, 10, 
 const std::vector<Family>& Families() {
   static const auto* families = new std::vector<Family>{
       {"shardopt_build_info", Type::kGauge, "Always 1; the labels say the version and the device.", {}},
+      // Prometheus's own name for it, as its client libraries export it.
+      {"process_start_time_seconds", Type::kGauge, "When the server started, in seconds since the Unix epoch.", {}},
       {"shardopt_jobs", Type::kGauge, "Jobs held by this server.", {}},
       {"shardopt_open_streams", Type::kGauge, "Push, Init, Commit and Read streams open now.", {}},
       {"shardopt_memory_budget_bytes", Type::kGauge, "The server's memory budget (--memory_limit).", {}},
@@ -37,6 +39,9 @@ const std::vector<Family>& Families() {
       {"shardopt_job_state_bytes", Type::kGauge, "A job's master, m and v on this server.", {}},
       {"shardopt_job_staging_bytes", Type::kGauge, "A job's running sum, params out and window cap on this server.", {}},
       {"shardopt_job_step", Type::kGauge, "A job's last step done.", {}},
+      {"shardopt_job_created_timestamp_seconds", Type::kGauge,
+       "When this server made or restored the job (its per-job counters start then), seconds since the Unix epoch.",
+       {}},
       {"shardopt_device_memory_bytes", Type::kGauge, "CUDA device memory, by state=free|total (CUDA backend only).", {}},
       {"shardopt_received_bytes_total", Type::kCounter, "Bytes of Push and Init messages received, by method.", {}},
       {"shardopt_sent_bytes_total", Type::kCounter, "Bytes of Commit params and Read state sent, by method.", {}},
@@ -150,6 +155,12 @@ void Registry::ForgetJob(const std::string& job) {
   };
   forget(counters_);
   forget(histograms_);
+  forget(set_gauges_);
+}
+
+void Registry::SetGauge(absl::string_view name, const Labels& labels, double value) {
+  absl::MutexLock lock(&mu_);
+  set_gauges_[std::string(name)][RenderLabels(labels)] = value;
 }
 
 void Registry::SetGauges(std::function<std::vector<Gauge>()> gauges) {
@@ -181,6 +192,9 @@ std::string Registry::Render() const {
     if (f.type == Type::kGauge) {
       for (const Gauge& g : gauges) {
         if (g.name == f.name) absl::StrAppend(&out, f.name, RenderLabels(g.labels), " ", Number(g.value), "\n");
+      }
+      if (auto it = set_gauges_.find(f.name); it != set_gauges_.end()) {
+        for (const auto& [labels, v] : it->second) absl::StrAppend(&out, f.name, labels, " ", Number(v), "\n");
       }
     } else if (f.type == Type::kCounter) {
       if (auto it = counters_.find(f.name); it != counters_.end()) {

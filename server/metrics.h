@@ -66,6 +66,9 @@ class Registry {
 
   // Where the gauges come from at each scrape (main sets it once).
   void SetGauges(std::function<std::vector<Gauge>()> gauges) ABSL_LOCKS_EXCLUDED(mu_);
+  // A gauge series set where something happens rather than read at scrape
+  // time (a start time); ForgetJob removes those labelled with the job.
+  void SetGauge(absl::string_view name, const Labels& labels, double value) ABSL_LOCKS_EXCLUDED(mu_);
   // The whole exposition: every family's HELP and TYPE, then its series.
   std::string Render() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -82,6 +85,7 @@ class Registry {
   // By family, then by the rendered label set.
   std::map<std::string, std::map<std::string, Counter>> counters_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, std::map<std::string, Histogram>> histograms_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::map<std::string, double>> set_gauges_ ABSL_GUARDED_BY(mu_);
   std::function<std::vector<Gauge>()> gauges_ ABSL_GUARDED_BY(mu_);
 };
 

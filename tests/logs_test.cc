@@ -110,6 +110,10 @@ TEST_F(LogsTest, TheCountersTheAlertsWatchStartAtZero) {
                              "shardopt_checkpoint_failures_total"}) {
     EXPECT_THAT(metrics, ::testing::HasSubstr(absl::StrCat("\n", family, "{job=\"fresh\"} 0\n")));
   }
+  // And when the server started and the job was made, which the alerts use
+  // to see an event before a series' first scrape.
+  EXPECT_THAT(metrics, ::testing::HasSubstr("\nprocess_start_time_seconds 1"));
+  EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_job_created_timestamp_seconds{job=\"fresh\"} 1"));
   // A checkpoint written counts in one, and one that fails in the other
   // (here its job's directory is a file).
   const std::vector<float> values = testing::RandomFloats(rng_, 4096, -1, 1);
