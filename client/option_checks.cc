@@ -25,7 +25,11 @@ absl::Status CheckServerAddress(const std::string& address) {
   const size_t first = address.find(':');
   if (first != std::string::npos && first > 0) {
     const std::string before = address.substr(0, first), after = address.substr(first + 1);
-    const bool name = absl::ascii_isalpha(before[0]) && absl::c_all_of(before, absl::ascii_isalnum);
+    // RFC 3986's scheme: a letter, then letters, digits, '+', '-' or '.'
+    // (unix-abstract:, google-c2p:).
+    const bool name = absl::ascii_isalpha(before[0]) && absl::c_all_of(before, [](char c) {
+      return absl::ascii_isalnum(c) || c == '+' || c == '-' || c == '.';
+    });
     if (name && !after.empty() && !absl::c_all_of(after, absl::ascii_isdigit)) return absl::OkStatus();  // a scheme
   }
   const size_t last = address.rfind(':');

@@ -73,6 +73,10 @@ void TuneServerBuilder(grpc::ServerBuilder* builder, int max_message_bytes) {
   builder->AddChannelArgument("grpc.http2.lookahead_bytes", kServerLookaheadBytes);
   builder->SetMaxReceiveMessageSize(max_message_bytes);
   builder->SetMaxSendMessageSize(max_message_bytes);
+  RefuseCompressedMessages(builder);
+}
+
+void RefuseCompressedMessages(grpc::ServerBuilder* builder) {
   // gRPC 1.51 inflates a compressed message whole before it checks the
   // size: a 256 KiB gzip of zeros became 256 MiB held by the server, from
   // a caller without a token. Clients send bf16 and fp32, which do not

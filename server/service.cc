@@ -295,6 +295,10 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
     running->health_service = std::make_unique<HealthOnly>(&running->serving);
     health.RegisterCallbackGenericService(running->health_service.get());
     health.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    // It answers anyone, in plaintext: a check is a name, and nothing more
+    // than a few KiB, nor anything compressed, is read.
+    health.SetMaxReceiveMessageSize(4096);
+    RefuseCompressedMessages(&health);
     health.AddListeningPort(absl::StrCat(host, ":", options.health_port), grpc::InsecureServerCredentials(),
                             &running->health_port);
     running->health_server = health.BuildAndStart();

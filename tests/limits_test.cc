@@ -20,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/gpu.h"
@@ -246,7 +247,8 @@ TEST(LimitsTest, OneStreamAtATimeFitsACapOfOne) {
 // 64 MiB request, from a caller without a token, made the server hold the
 // 64 MiB (256 MiB held from 256 KiB sent, in a black-box probe).
 TEST(LimitsTest, ACompressedMessageIsRefusedUninflated) {
-  auto server = ServerProcess::Start({"--max_message_bytes=1048576"});
+  const int health_port = testing::FreeLoopbackPort();
+  auto server = ServerProcess::Start({"--max_message_bytes=1048576", absl::StrCat("--health_port=", health_port)});
   ASSERT_NE(server, nullptr);
   grpc::ChannelArguments args;
   args.SetMaxSendMessageSize(1 << 30);
@@ -262,6 +264,31 @@ TEST(LimitsTest, ACompressedMessageIsRefusedUninflated) {
     const grpc::Status refused = stub->Describe(&ctx, bomb, &response);
     EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNIMPLEMENTED) << refused.error_message();
     EXPECT_THAT(refused.error_message(), HasSubstr("'gzip' is disabled"));
+  }
+  // The plaintext health port too, which answers anyone: a health check
+  // naming a 64 MiB service, gzipped.
+  std::string check = "\x0a";  // HealthCheckRequest.service, then its length as a varint
+  for (uint64_t n = bomb.job().size(); ; n >>= 7) {
+    check.push_back(static_cast<char>((n & 0x7f) | (n >= 0x80 ? 0x80 : 0)));
+    if (n < 0x80) break;
+  }
+  check += bomb.job();
+  grpc::GenericStub health(grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", health_port),
+                                                     grpc::InsecureChannelCredentials(), args));
+  {
+    grpc::ClientContext ctx;
+    ctx.set_compression_algorithm(GRPC_COMPRESS_GZIP);
+    grpc::CompletionQueue cq;
+    grpc::Slice slice(check);
+    grpc::ByteBuffer send(&slice, 1), received;
+    auto call = health.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", send, &cq);
+    call->StartCall();
+    grpc::Status refused;
+    call->Finish(&received, &refused, reinterpret_cast<void*>(1));
+    void* tag;
+    bool ok;
+    ASSERT_TRUE(cq.Next(&tag, &ok));
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNIMPLEMENTED) << refused.error_message();
   }
   const uint64_t after = testing::PeakRssBytes(server->pid());
   EXPECT_LT(after, before + (uint64_t{16} << 20)) << "peak RSS " << before << " B, then " << after << " B";

@@ -2,11 +2,17 @@
 layout, read from and written to the servers in fp32. A mixin of RemoteAdamW
 (shardopt.torch), whose state it uses: its tensors, groups, client and
 locks."""
+import math
+
 import torch
 
 from . import _C
 from ._checks import _check_hyper, _host_fp32
 from ._errors import FailedPrecondition, InvalidArgument
+
+# torch.optim.AdamW's group keys that say how it ran its step, not what its
+# state is.
+_HOW_TORCH_STEPPED = ("capturable", "differentiable", "foreach", "fused")
 
 
 class _StateDictIO:
@@ -76,6 +82,11 @@ class _StateDictIO:
         if any(len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
             raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
                              "optimizer's group")
+        # Keys that say how torch ran its step (a capturable one, say), not
+        # what the state is: a torch.optim.AdamW state dict keeps them, and
+        # they are neither checked nor taken into the groups.
+        saved_groups = [{key: value for key, value in saved.items() if key not in _HOW_TORCH_STEPPED}
+                        for saved in saved_groups]
         for gi, (saved, hyper) in enumerate(zip(saved_groups, self._hyper)):
             _check_hyper({**self.param_groups[gi], **saved}, f"group {gi}: ")
             theirs = self._group_hyper({**self.param_groups[gi], **saved})
@@ -100,9 +111,9 @@ class _StateDictIO:
                 moments = None
                 if "step" in entry:
                     step = entry["step"]
-                    step = float(step.item() if isinstance(step, torch.Tensor) else step)
+                    step = step.item() if isinstance(step, torch.Tensor) else step
                     # A count of updates: the servers' bias corrections take whole steps.
-                    if not (step >= 0 and step == int(step)):
+                    if not (math.isfinite(step) and step >= 0 and step == int(step)):
                         raise ValueError(f"the state of {t.name!r} has step {step}; a step is a whole number >= 0")
                     moments = (self._checked(entry["exp_avg"], t, "exp_avg"),
                                self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"), int(step))

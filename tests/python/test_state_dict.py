@@ -349,7 +349,8 @@ def test_a_state_dict_the_servers_would_refuse_is_refused_before_anything_is_sen
     opt.drop()
 
 
-@pytest.mark.parametrize("case", ["exp_avg-transposed", "exp_avg_sq-flat", "step-fractional", "step-negative"])
+@pytest.mark.parametrize("case", ["exp_avg-transposed", "exp_avg_sq-flat", "step-fractional", "step-negative",
+                                  "step-inf"])
 def test_a_state_dict_torch_could_not_step_with_is_refused_before_anything_is_sent(servers, job, case):
     """Moments of another shape than the param's (a transposed kernel from
     another framework; torch's step would fail on it) were read in flat
@@ -367,10 +368,29 @@ def test_a_state_dict_torch_could_not_step_with_is_refused_before_anything_is_se
     elif case == "exp_avg_sq-flat":
         entry["exp_avg_sq"] = entry["exp_avg_sq"].reshape(-1)
     else:
-        entry["step"] = torch.tensor(2.5 if case == "step-fractional" else -1.0)
+        entry["step"] = torch.tensor({"step-fractional": 2.5, "step-negative": -1.0, "step-inf": float("inf")}[case])
     fresh = make_model(seed=1)
     opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
     with pytest.raises(ValueError, match="shape" if "step" not in case else "whole number"):
         opt.load_state_dict(saved)
     assert opt.state_dict()["state"] == {}
+    opt.drop()
+
+
+def test_a_torch_state_dict_saved_with_capturable_or_fused_loads(servers, job):
+    """capturable, differentiable, foreach and fused say how torch ran its
+    step, not what the state is: a torch.optim.AdamW state dict that has
+    them loads, and they do not come into the groups (where the next step
+    would refuse capturable)."""
+    model = make_model()
+    ref = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    train(model, ref, 2)
+    saved = ref.state_dict()
+    for g in saved["param_groups"]:
+        g.update(capturable=True, differentiable=False, foreach=True, fused=None)
+    opt = RemoteAdamW(model.parameters(), servers=servers, job=job, lr=1e-3)
+    opt.load_state_dict(saved)
+    assert all(not g["capturable"] for g in opt.param_groups)
+    train(model, opt, 1, first=3)
+    assert opt.job_step == 1
     opt.drop()
