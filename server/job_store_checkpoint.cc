@@ -132,17 +132,20 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
   std::vector<std::pair<std::string, uint64_t>> at;
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> results;
   for (const auto& [name, job] : jobs) {
-    absl::MutexLock job_lock(&job->mu);
-    if (!job->AwaitWholeStep(deadline)) {
-      const absl::Status late = absl::DeadlineExceededError(
-          absl::StrCat("job '", name, "' is still applying a step after ",
-                       absl::FormatDuration(wait_for_steps), ": its committer stopped reading the params; not checkpointed"));
-      log::Error("checkpoint_failed", {{"job", name}, {"error", std::string(late.message())}});
-      CountForJob(*job, "shardopt_checkpoint_failures_total");
-      results.emplace_back(name, late);
-      continue;
+    {
+      absl::MutexLock job_lock(&job->mu);
+      if (job->AwaitWholeStep(deadline)) {
+        if (!job->dropped && job->uninitialized_shards == 0) at.emplace_back(name, job->step);
+        continue;
+      }
     }
-    if (!job->dropped && job->uninitialized_shards == 0) at.emplace_back(name, job->step);
+    // Counted without the job's lock: the store's is taken before a job's.
+    const absl::Status late = absl::DeadlineExceededError(
+        absl::StrCat("job '", name, "' is still applying a step after ",
+                     absl::FormatDuration(wait_for_steps), ": its committer stopped reading the params; not checkpointed"));
+    log::Error("checkpoint_failed", {{"job", name}, {"error", std::string(late.message())}});
+    CountForJob(*job, "shardopt_checkpoint_failures_total");
+    results.emplace_back(name, late);
   }
   for (const auto& [name, step] : at) {
     v1::CheckpointRequest request;
