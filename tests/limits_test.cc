@@ -20,7 +20,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
-#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/gpu.h"
@@ -28,6 +27,7 @@
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tests/testing/client_helpers.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/generic_unary.h"
 #include "tests/testing/server_process.h"
 
 namespace shardopt {
@@ -273,23 +273,11 @@ TEST(LimitsTest, ACompressedMessageIsRefusedUninflated) {
     if (n < 0x80) break;
   }
   check += bomb.job();
-  grpc::GenericStub health(grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", health_port),
-                                                     grpc::InsecureChannelCredentials(), args));
-  {
-    grpc::ClientContext ctx;
-    ctx.set_compression_algorithm(GRPC_COMPRESS_GZIP);
-    grpc::CompletionQueue cq;
-    grpc::Slice slice(check);
-    grpc::ByteBuffer send(&slice, 1), received;
-    auto call = health.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", send, &cq);
-    call->StartCall();
-    grpc::Status refused;
-    call->Finish(&received, &refused, reinterpret_cast<void*>(1));
-    void* tag;
-    bool ok;
-    ASSERT_TRUE(cq.Next(&tag, &ok));
-    EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNIMPLEMENTED) << refused.error_message();
-  }
+  const grpc::Status refused =
+      testing::GenericUnary(absl::StrCat("127.0.0.1:", health_port), "/grpc.health.v1.Health/Check", check,
+                            GRPC_COMPRESS_GZIP)
+          .first;
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNIMPLEMENTED) << refused.error_message();
   const uint64_t after = testing::PeakRssBytes(server->pid());
   EXPECT_LT(after, before + (uint64_t{16} << 20)) << "peak RSS " << before << " B, then " << after << " B";
   grpc::ClientContext ctx;

@@ -29,10 +29,13 @@
 #include "rpc/grpc_edge.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/generic_unary.h"
 #include "tests/testing/server_process.h"
 
 namespace shardopt {
 namespace {
+
+using testing::GenericUnary;
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
@@ -1316,33 +1319,6 @@ TEST_F(ServiceTest, AnUnparseableStreamMessageIsInvalidArgumentAndChangesNothing
 
   // The refused push's gradient counts for nothing.
   ExpectTheNextStepIsItsPushAlone(*client, init, rng_);
-}
-
-// One unary call through the generic stub: its status and the answer's bytes.
-std::pair<grpc::Status, std::string> GenericUnary(const std::string& address, const std::string& method,
-                                                  const std::string& request) {
-  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
-  grpc::GenericStub generic(channel);
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    grpc::CompletionQueue cq;
-    grpc::Slice slice(request);
-    grpc::ByteBuffer send(&slice, 1), recv;
-    auto rpc = generic.PrepareUnaryCall(&ctx, method, send, &cq);
-    rpc->StartCall();
-    grpc::Status st;
-    rpc->Finish(&recv, &st, reinterpret_cast<void*>(1));
-    void* tag;
-    bool ok;
-    EXPECT_TRUE(cq.Next(&tag, &ok));
-    std::vector<grpc::Slice> slices;
-    std::string out;
-    if (st.ok() && recv.Dump(&slices).ok()) {
-      for (auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
-    }
-    return std::make_pair(st, out);
-  }
 }
 
 TEST_F(ServiceTest, HealthIsServedAndReflectionOnlyWhenAsked) {
