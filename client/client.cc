@@ -118,13 +118,15 @@ struct Client::Impl {
     const fanout::Detached detached;
     v1::CreateJobRequest req = ToCreateJobRequest(job, shards_of[s], options.rank);
     req.set_restore_step(0);  // this run's newest, whatever the launch asked for
+    req.set_incarnation(incarnation[s]);  // not if that life was dropped on purpose
     v1::CreateJobResponse resp;
     SHARDOPT_RETURN_IF_ERROR(fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
                                           [&](grpc::ClientContext* ctx) { return stubs[s]->CreateJob(ctx, req, &resp); }));
     // The job restored (or attached by another rank) must be this client's
-    // life too: a server that restored the checkpoint of a life dropped
-    // since answers the next one, whose job stays for the new run while
-    // this trainer, left running, is refused.
+    // life too: a server that holds the job of a new run made since (or
+    // restored its checkpoint, whose life is the next one) refuses this
+    // trainer, left running. One that holds no job and has this life
+    // marked dropped restores nothing and answers "was dropped".
     const bool kept = resp.restored() || !resp.created();
     const bool same_life = incarnation[s] == 0 || resp.incarnation() == 0 || resp.incarnation() == incarnation[s];
     if (kept && !same_life) {

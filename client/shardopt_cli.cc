@@ -35,14 +35,14 @@
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tools/flags.h"
 
-ABSL_FLAG(std::string, server, "localhost:50051", "describe, drop, read: the server, HOST:PORT");
-ABSL_FLAG(std::string, tls_ca, "", "describe, drop, read: PEM CA of the server's certificate; set it to use TLS");
-ABSL_FLAG(std::string, tls_cert, "", "describe, drop, read: PEM certificate of this client, for mutual TLS");
-ABSL_FLAG(std::string, tls_key, "", "describe, drop, read: PEM private key of --tls_cert");
+ABSL_FLAG(std::string, server, "localhost:50051", "describe, drop, checkpoint, read: the server, HOST:PORT");
+ABSL_FLAG(std::string, tls_ca, "", "describe, drop, checkpoint, read: PEM CA of the server's certificate; set it to use TLS");
+ABSL_FLAG(std::string, tls_cert, "", "describe, drop, checkpoint, read: PEM certificate of this client, for mutual TLS");
+ABSL_FLAG(std::string, tls_key, "", "describe, drop, checkpoint, read: PEM private key of --tls_cert");
 ABSL_FLAG(std::string, token_file, "",
-          "describe, drop, read: a file holding the bearer token for a server with --tokens_file; "
+          "describe, drop, checkpoint, read: a file holding the bearer token for a server with --tokens_file; "
           "without it the environment variable SHARDOPT_TOKEN, if set");
-ABSL_FLAG(int, timeout_s, 60, "describe, drop, read: each call's deadline, in seconds, at least 1");
+ABSL_FLAG(int, timeout_s, 60, "describe, drop, checkpoint, read: each call's deadline, in seconds, at least 1");
 ABSL_FLAG(std::string, checkpoint_dir, "", "export: the servers' --checkpoint_dir, where the checkpoint is");
 ABSL_FLAG(uint64_t, step, 0, "export: the checkpoint's step; 0 is the newest complete one");
 ABSL_FLAG(std::string, dtype, "fp32", "export: fp32 (the master exactly) or bf16 (rounded to nearest even)");

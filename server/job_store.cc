@@ -124,8 +124,10 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   SHARDOPT_ASSIGN_OR_RETURN(auto spec, NormalizeJobSpec(request, options_.default_barrier_timeout));
   const uint64_t restore_step = spec.restore_step();
   const uint32_t rank = spec.rank();
+  const uint64_t reattaching = spec.incarnation();
   spec.clear_restore_step();
   spec.clear_rank();
+  spec.clear_incarnation();
   {
     absl::MutexLock lock(&mu_);
     // Every rank creates the job at once: one builds it (and restores it)
@@ -145,6 +147,16 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     creating_.erase(spec.job());
     created_.SignalAll();
   };
+  // The old trainer of a life dropped on purpose, whose server restarted
+  // since (and so remembers no drop but the mark on disk): nothing is
+  // restored for it. A new run asks with no life and restores the newest
+  // checkpoint under a new one.
+  if (reattaching != 0 && !options_.checkpoint_dir.empty() &&
+      checkpoint::LifeDropped(options_.checkpoint_dir, spec.job(), reattaching)) {
+    return absl::NotFoundError(absl::StrCat("job ", Quote(spec.job()), " was dropped (its life ", reattaching,
+                                            " is marked dropped in --checkpoint_dir); not restored for its old "
+                                            "trainer: a new run makes it again"));
+  }
   if (restore_step > 0 && options_.checkpoint_dir.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("restore_step ", restore_step,
                                                       " asked for, but this server has no --checkpoint_dir"));

@@ -289,12 +289,13 @@ TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop
 
 // A trainer left running while its job is dropped, whose server then
 // restarts before anyone makes the job again: its call finds no job, and its
-// re-attach restores the dropped life's checkpoint. The drop's mark gives
-// that job the next life, which the trainer does not take as its own: it is
-// refused, and the job stays for the new run, which attaches to it (at the
-// checkpoint's step) and goes on through another restart. Before the mark
-// and the check, the dropped trainer took the job back and could step and
-// drop it under the new run.
+// re-attach names its life, which the drop marked on disk: the server
+// answers "was dropped" and restores nothing. (Before, it restored the
+// checkpoint under the next life, refused the trainer, and held a job
+// nobody ran.) The new run then restores it, at the checkpoint's step, and
+// goes on through another restart. Before the mark and the check, the
+// dropped trainer took the job back and could step and drop it under the
+// new run.
 TEST(DurabilityTest, ATrainerOfADroppedJobDoesNotTakeItBackThroughARestart) {
   const JobOptions job = DurableJob("retaken", {{"w", 3000}});
   constexpr uint64_t kN = 3;
@@ -313,7 +314,9 @@ TEST(DurabilityTest, ATrainerOfADroppedJobDoesNotTakeItBackThroughARestart) {
 
   const auto stepped = trainer.Step(*old_run);
   EXPECT_EQ(stepped.status().code(), absl::StatusCode::kNotFound) << stepped.status();
-  EXPECT_THAT(std::string(stepped.status().message()), HasSubstr("dropped and made again"));
+  EXPECT_THAT(std::string(stepped.status().message()), HasSubstr("was dropped"));
+  EXPECT_EQ(DescribeOn(servers.servers[0]->address(), job.name).error_code(), grpc::StatusCode::NOT_FOUND)
+      << "the old trainer's re-attach restored the dropped job";
   auto new_run = Client::Connect(options).value();
   ASSERT_EQ(new_run->CreateOrAttach(job).value(), kN);  // the checkpoint, not a step of the old run's
   const auto before = Fingerprint(*new_run, job).value();
