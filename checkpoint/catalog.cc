@@ -98,6 +98,15 @@ absl::StatusOr<PartHead> ReadPartHead(const std::string& path) {
                                             " bytes; a part aligns them to ", kDirectAlignment, " or not at all"));
   }
   h.data_offset = AlignUp(offset, alignment);
+  // The frame's padding up to the data: zeros, as written. No crc32c
+  // covers it, so it is checked here; anything else is not a part this
+  // build wrote.
+  if (h.data_offset > offset) {
+    SHARDOPT_ASSIGN_OR_RETURN(auto padding, ReadRange(path, offset, h.data_offset - offset));
+    if (padding.find_first_not_of('\0') != std::string::npos) {
+      return absl::DataLossError(absl::StrCat(path, ": the padding between its manifest and its data is not zeros"));
+    }
+  }
   if (h.manifest.shards_size() != h.manifest.spec().shards_size()) {
     return absl::DataLossError(absl::StrCat(path, ": manifest has ", h.manifest.shards_size(), " sections for ",
                                             h.manifest.spec().shards_size(), " shards"));

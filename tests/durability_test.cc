@@ -612,7 +612,8 @@ void FlipByte(const std::string& path, std::streamoff offset) {
 
 TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServesOtherJobs) {
   TempDir dir;
-  const std::vector<std::string> cases = {"data", "crc", "manifest", "truncated", "version", "torn", "config"};
+  const std::vector<std::string> cases = {"data",    "crc",  "manifest", "padding", "truncated",
+                                         "version", "torn", "config"};
   {
     auto servers = StartServers(1, dir.path());
     for (const std::string& name : cases) {
@@ -627,6 +628,7 @@ TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServe
   FlipByte(OnlyPart(StepDir(dir.path(), "data", 6)), -100);
   FlipByte(OnlyPart(StepDir(dir.path(), "crc", 6)), -2);  // the data's crc32c, which COMMIT records too
   FlipByte(OnlyPart(StepDir(dir.path(), "manifest", 6)), 30);
+  FlipByte(OnlyPart(StepDir(dir.path(), "padding", 6)), 4095);  // the frame's zeros before the data at 4096
   fs::resize_file(OnlyPart(StepDir(dir.path(), "truncated", 6)), 5000);
   {
     std::fstream f(OnlyPart(StepDir(dir.path(), "version", 6)), std::ios::in | std::ios::out | std::ios::binary);
@@ -649,6 +651,7 @@ TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServe
       {"data", absl::StatusCode::kDataLoss, "data checksum mismatch"},
       {"crc", absl::StatusCode::kDataLoss, "data crc32c"},
       {"manifest", absl::StatusCode::kDataLoss, "manifest checksum mismatch"},
+      {"padding", absl::StatusCode::kDataLoss, "padding between its manifest and its data is not zeros"},
       {"truncated", absl::StatusCode::kDataLoss, "truncated"},
       {"version", absl::StatusCode::kFailedPrecondition, "format version 3; this build reads versions 1 to 2"},
   };
