@@ -1,7 +1,6 @@
 // shardopt-server: one optimizer server process.
 #include <arpa/inet.h>
 #include <semaphore.h>
-#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -13,7 +12,6 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -36,9 +34,9 @@
 #include "server/metrics_http.h"
 #include "server/job_spec.h"
 #include "server/service.h"
+#include "server/watched_files.h"
 #include "shardopt/v1/optimizer.pb.h"
 #include "rpc/grpc_edge.h"
-#include "rpc/tls_files.h"
 #include "tools/flags.h"
 
 ABSL_FLAG(std::string, host, "0.0.0.0",
@@ -159,44 +157,6 @@ absl::Status CheckWritable(const std::string& dir) {
                  : absl::FailedPreconditionError(absl::StrCat("--checkpoint_dir=", dir, " is not a writable directory"));
 }
 
-// What tells a file's versions apart: its inode, size and modification
-// time, as stat sees them through any symlinks; empty if it cannot be read.
-std::string FileIdentity(const std::string& path) {
-  struct stat st;
-  if (path.empty() || stat(path.c_str(), &st) != 0) return "";
-  return absl::StrCat(st.st_ino, ":", st.st_size, ":", st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec);
-}
-
-// A PEM file's text; "" for no file. FAILED_PRECONDITION naming the flag if
-// it cannot be read or is empty.
-absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
-  if (path.empty()) return "";
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  if (!in || text.str().empty()) {
-    return absl::FailedPreconditionError(absl::StrCat("--", flag, "=", path, " cannot be read, or is empty"));
-  }
-  return text.str();
-}
-
-// The TLS files changed: checks them as at start and says whether gRPC's
-// next reading (within `seconds`) gets files it can use.
-void LogTlsChange(const std::vector<std::string>& paths, unsigned seconds) {
-  const auto ca = ReadPem("tls_client_ca", paths[0]);
-  const auto cert = ReadPem("tls_cert", paths[1]);
-  const auto key = ReadPem("tls_key", paths[2]);
-  absl::Status usable = absl::OkStatus();
-  for (const auto* read : {&ca, &cert, &key}) {
-    if (usable.ok() && !read->ok()) usable = read->status();
-  }
-  if (usable.ok()) usable = shardopt::CheckTlsFiles(*ca, *cert, *key, {"--tls_client_ca", "--tls_cert", "--tls_key"});
-  if (usable.ok()) {
-    shardopt::log::Info("tls_reload", {{"result", absl::StrCat("new connections get them within ", seconds, " s")}});
-  } else {
-    shardopt::log::Error("tls_reload", {{"result", "not usable"}, {"error", std::string(usable.message())}});
-  }
-}
 // Every flag whose value is not its default, whether the command line or a
 // --flagfile set it (a pod's come from a ConfigMap), as --name=value,
 // sorted: what the server runs with beyond its defaults.
@@ -317,24 +277,18 @@ int main(int argc, char** argv) {
   }
   shardopt::ServerOptions options;
   options.address = HostPort(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_port));
+  const shardopt::TlsFiles tls_paths{absl::GetFlag(FLAGS_tls_client_ca), absl::GetFlag(FLAGS_tls_cert),
+                                     absl::GetFlag(FLAGS_tls_key)};
   {
-    const auto cert = ReadPem("tls_cert", absl::GetFlag(FLAGS_tls_cert));
-    const auto key = ReadPem("tls_key", absl::GetFlag(FLAGS_tls_key));
-    const auto ca = ReadPem("tls_client_ca", absl::GetFlag(FLAGS_tls_client_ca));
-    for (const auto* read : {&cert, &key, &ca}) {
-      if (!read->ok()) return StartFailed(std::string(read->status().message()));
-    }
     // Here, where gRPC would only fail to listen and say that of the port.
-    if (absl::Status usable = shardopt::CheckTlsFiles(*ca, *cert, *key, {"--tls_client_ca", "--tls_cert", "--tls_key"});
-        !usable.ok()) {
-      return StartFailed(std::string(usable.message()));
-    }
-    options.tls_cert_pem = *cert;
-    options.tls_key_pem = *key;
-    options.tls_client_ca_pem = *ca;
-    options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
-    options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
-    options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+    absl::StatusOr<shardopt::TlsFiles> pem = shardopt::ReadTlsFiles(tls_paths);
+    if (!pem.ok()) return StartFailed(std::string(pem.status().message()));
+    options.tls_cert_pem = pem->cert;
+    options.tls_key_pem = pem->key;
+    options.tls_client_ca_pem = pem->client_ca;
+    options.tls_cert_file = tls_paths.cert;
+    options.tls_key_file = tls_paths.key;
+    options.tls_client_ca_file = tls_paths.client_ca;
     options.tls_reload_seconds = absl::GetFlag(FLAGS_tls_reload_seconds);
   }
   options.reflection = absl::GetFlag(FLAGS_reflection);
@@ -443,17 +397,10 @@ int main(int argc, char** argv) {
   // mounted Secret in place (a new file behind the same path) and sends no
   // SIGHUP.
   const std::string tokens_path = absl::GetFlag(FLAGS_tokens_file);
-  std::string tokens_seen = FileIdentity(tokens_path);
+  std::string tokens_seen = shardopt::FileIdentity(tokens_path);
   // gRPC reads the TLS files again by itself (--tls_reload_seconds); the
   // server checks each change as it did at start and logs what it found.
-  const std::vector<std::string> tls_paths = {absl::GetFlag(FLAGS_tls_client_ca), absl::GetFlag(FLAGS_tls_cert),
-                                              absl::GetFlag(FLAGS_tls_key)};
-  const auto tls_identity = [&] {
-    std::string id;
-    for (const std::string& path : tls_paths) absl::StrAppend(&id, FileIdentity(path), ";");
-    return id;
-  };
-  std::string tls_seen = options.tls_reload_seconds > 0 && !options.tls_cert_file.empty() ? tls_identity() : "";
+  shardopt::TlsFilesWatch tls_watch(tls_paths, options.tls_reload_seconds);
   for (;;) {
     timespec wake;
     clock_gettime(CLOCK_REALTIME, &wake);
@@ -461,17 +408,12 @@ int main(int argc, char** argv) {
     sem_timedwait(&g_wake, &wake);
     if (g_stop) break;
     if (auth != nullptr) {
-      if (std::string now = FileIdentity(tokens_path); now != tokens_seen) {
+      if (std::string now = shardopt::FileIdentity(tokens_path); now != tokens_seen) {
         tokens_seen = std::move(now);
         g_reload = 1;
       }
     }
-    if (!tls_seen.empty()) {
-      if (std::string now = tls_identity(); now != tls_seen) {
-        tls_seen = std::move(now);
-        LogTlsChange(tls_paths, options.tls_reload_seconds);
-      }
-    }
+    tls_watch.Poll();
     if (g_reload) {
       g_reload = 0;
       if (auth == nullptr) {

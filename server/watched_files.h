@@ -1,0 +1,44 @@
+// The files the server reads at start and again when they change: the
+// tokens file and the TLS files, which a Kubernetes Secret's update
+// replaces in place (a new file behind the same path) without a signal.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace shardopt {
+
+// What tells a file's versions apart: its inode, size and modification
+// time, as stat sees them through any symlinks; empty if it cannot be read.
+std::string FileIdentity(const std::string& path);
+
+// The server's TLS files as its flags name them; empty: not given.
+struct TlsFiles {
+  std::string client_ca, cert, key;
+};
+
+// Their PEM text, each read whole and checked with OpenSSL as gRPC would
+// use it (rpc/tls_files.h): FAILED_PRECONDITION or INVALID_ARGUMENT naming
+// the flag, where gRPC would only fail to listen, or fail each handshake.
+absl::StatusOr<TlsFiles> ReadTlsFiles(const TlsFiles& paths);
+
+// Notices a change of the TLS files, which gRPC reads again by itself for
+// new connections (ServerOptions::tls_reload_seconds), and checks it as at
+// start: logs tls_reload, at error level when the files are not usable.
+class TlsFilesWatch {
+ public:
+  // Inert without a certificate or with reload_seconds 0.
+  TlsFilesWatch(TlsFiles paths, unsigned reload_seconds);
+  // Called about once a second from the server's main loop.
+  void Poll();
+
+ private:
+  std::string Identity() const;
+
+  const TlsFiles paths_;
+  const unsigned reload_seconds_;
+  std::string seen_;  // empty: inert
+};
+
+}  // namespace shardopt
