@@ -402,12 +402,22 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
         """Raises shardopt.FailedPrecondition if any group's state is not held
         at the precision asked for: the group's "state_precision" now, which
         the servers fixed when the job was made."""
+        changed = self._precision_changed()
+        if changed is not None:
+            gi, asked = changed
+            raise FailedPrecondition(f"group {gi} asks for state_precision {asked!r}; the servers hold its state "
+                                     f"in {self._precisions[gi]!r}, fixed when the job was made")
+        self._client.verify_state()
+
+    def _precision_changed(self):
+        """(index, state_precision asked for) of the first group asking for
+        another precision than the servers hold, fixed at creation; None if
+        every group asks for its own."""
         for gi, g in enumerate(self.param_groups):
             asked = g.get("state_precision", self._state_precision)
             if asked != self._precisions[gi]:
-                raise FailedPrecondition(f"group {gi} asks for state_precision {asked!r}; the servers hold its state "
-                                         f"in {self._precisions[gi]!r}, fixed when the job was made")
-        self._client.verify_state()
+                return gi, asked
+        return None
 
     def describe(self):
         """Each server's address, device, step and state bytes."""
@@ -502,12 +512,13 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
                 raise InvalidArgument(f"group {gi}'s (beta1, beta2, eps, weight_decay) changed to "
                                       f"{self._group_hyper(g)}; the servers hold {self._hyper[gi]}, fixed at creation "
                                       "(only lr may change between steps)")
-            precision = g.get("state_precision", self._state_precision)
-            if precision != self._precisions[gi]:
-                raise InvalidArgument(f"group {gi}'s state_precision changed to {precision!r}; the servers hold "
-                                      f"{self._precisions[gi]!r}, fixed at creation")
         if k != len(self._tensors):
             raise ParamsChanged("the optimizer's params changed since its job was created")
+        changed = self._precision_changed()
+        if changed is not None:
+            gi, asked = changed
+            raise InvalidArgument(f"group {gi}'s state_precision changed to {asked!r}; the servers hold "
+                                  f"{self._precisions[gi]!r}, fixed at creation")
 
     def _param_targets(self):
         return [(t.name, self._param_target(t)) for t in self._remote]
