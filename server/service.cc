@@ -17,6 +17,7 @@
 #include "grpcpp/security/tls_credentials_options.h"
 #include "base/status_macros.h"
 #include "rpc/grpc_edge.h"
+#include "rpc/wire_format.h"
 #include "server/call_observer.h"
 #include "server/commit_reactor.h"
 #include "server/metrics.h"
@@ -234,17 +235,22 @@ class HealthOnly final : public grpc::CallbackGenericService {
     void OnDone() override { delete this; }
 
    private:
-    // HealthCheckRequest is one string field, service (1): absent, or
-    // 0a LENGTH NAME. Anything that does not parse names no service known.
+    // HealthCheckRequest's one field, service (1, a string); empty or
+    // absent names the server. A request that does not parse names no
+    // service known.
     static bool KnownService(const grpc::ByteBuffer& request) {
       grpc::Slice whole;
       if (!request.DumpToSingleSlice(&whole).ok()) return request.Length() == 0;
-      const std::string bytes(reinterpret_cast<const char*>(whole.begin()), whole.size());
-      if (bytes.empty()) return true;
-      const std::string known(v1::Optimizer::service_full_name());
-      if (bytes.size() < 2 || bytes[0] != '\x0a' || static_cast<unsigned char>(bytes[1]) != bytes.size() - 2) return false;
-      const std::string name = bytes.substr(2);
-      return name.empty() || name == known;
+      const Pieces message = Pieces::Own(std::string(reinterpret_cast<const char*>(whole.begin()), whole.size()));
+      std::vector<wire::Field> fields;
+      if (!wire::ScanFields(message, &fields)) return false;
+      std::string name;  // the last one, as protobuf's parser takes it
+      for (const wire::Field& f : fields) {
+        if (f.number != 1 || f.wire_type != wire::kLengthDelimited) continue;
+        name.resize(f.end - f.value);
+        message.Sub(f.value, f.end - f.value).CopyTo(name.data());
+      }
+      return name.empty() || name == v1::Optimizer::service_full_name();
     }
 
     const std::atomic<bool>* const serving_;
