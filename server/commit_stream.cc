@@ -117,6 +117,9 @@ class CommitStream {
     job_.last_phases = job_.applying_phases;
     job_.last_phases.params = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
     starts_apply_ = false;
+    // A drop marks the job under this lock before it forgets the job's
+    // series: a commit ending as its job goes does not make them again.
+    if (job_.dropped) return;
     metrics::Registry& m = metrics::Registry::Default();
     const metrics::Labels job = {{"job", job_.name()}};
     m.Increment("shardopt_commits_total", job);

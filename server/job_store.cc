@@ -290,6 +290,12 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation, bo
     auto it = jobs_.find(name);
     if (it == jobs_.end() || it->second != job) return NoJob(name);  // another drop came first
     jobs_.erase(it);
+    {
+      // Marked before its series go, under the job's lock, which counts a
+      // push or a commit: one ending now sees the mark and counts nothing.
+      absl::MutexLock job_lock(&job->mu);
+      job->dropped = true;
+    }
     // Under the store's lock, as a CreateJob's zero counters are made: a job
     // of the name made again at once keeps its own series.
     metrics::Registry::Default().ForgetJob(name);
@@ -300,7 +306,6 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation, bo
     }
   }
   absl::MutexLock lock(&job->mu);
-  job->dropped = true;
   job->Notify();
   log::Info("job_dropped", {{"job", name}, {"step", absl::StrCat(job->step)}});
   return absl::OkStatus();

@@ -43,7 +43,6 @@ class PushReactor final : public ReadReactor {
       }
       auto session = store_->BeginPush(chunk);
       if (!session.ok()) return Stop(ToGrpcStatus(session.status()));
-      job_ = chunk.job();
       session_ = *std::move(session);
     }
     if (!session_->ReadAhead()) return Taken(session_->Offer(std::move(chunk), std::move(data), Wake()));
@@ -126,7 +125,6 @@ class PushReactor final : public ReadReactor {
       return;
     }
     *response_ = SerializeMessage(**answer);
-    metrics::Registry::Default().Increment("shardopt_pushes_total", {{"job", job_}});
     Stop(grpc::Status::OK);
   }
 
@@ -143,7 +141,6 @@ class PushReactor final : public ReadReactor {
   JobStore* const store_;
   grpc::ByteBuffer* const response_;
   const Caller caller_;
-  std::string job_;  // the stream's, once its session began
   std::unique_ptr<PushSession> session_;
   Waiting waiting_ = Waiting::kNothing;
 };

@@ -8,6 +8,7 @@
 #include "base/status_macros.h"
 #include "rpc/chunk_size.h"
 #include "server/job_spec.h"
+#include "server/metrics.h"
 #include "server/messages.h"
 
 namespace shardopt {
@@ -320,7 +321,14 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::TrySeal(const Wake&
     absl::MutexLock lock(&job_->mu);
     // The stream's last read found its end: it holds nothing more.
     if (Hold(0)) job_->NotifyProgress();
-    return sealing_ ? AwaitSeal(wake) : Seal(wake);
+    auto sealed = sealing_ ? AwaitSeal(wake) : Seal(wake);
+    // Counted under the job's lock, which a drop takes to mark the job
+    // before it forgets the job's series: a push answered as its job goes
+    // does not make them again.
+    if (sealed.ok() && *sealed && !job_->dropped) {
+      metrics::Registry::Default().Increment("shardopt_pushes_total", {{"job", job_->name()}});
+    }
+    return sealed;
   }();
   if (answer.ok() && *answer) answered_ = true;
   refused_ = refused_ || !answer.ok();

@@ -716,6 +716,29 @@ TEST_F(DrainTest, ACommitterThatStoppedReadingCostsOnlyItsOwnJobsCheckpoint) {
   EXPECT_EQ(commits(), before + 1) << "a step applied by an abandoned stream is a commit too";
 }
 
+// A dropped job's metric series go with it (a job of the name made again
+// starts from zero), and a commit whose last piece was read as the job went
+// does not make them again when its stream ends.
+TEST_F(DrainTest, ACommitEndingAfterItsJobsDropMakesNoSeriesOfIt) {
+  auto stream = StallCommit("gone");  // its 5 pieces: one read
+  ASSERT_NE(stream, nullptr);
+  const auto series = [] {
+    const std::string text = metrics::Registry::Default().Render();
+    return text.find("{job=\"gone\"") != std::string::npos;
+  };
+  EXPECT_THAT(metrics::Registry::Default().Render(), HasSubstr("\nshardopt_pushes_total{job=\"gone\"} 1\n"));
+  for (int k = 1; k < 5; ++k) {
+    auto piece = stream->Next();
+    ASSERT_TRUE(piece.ok() && piece->has_value()) << k << ": " << piece.status();
+  }
+  ASSERT_TRUE(store_.DropJob("gone").ok());
+  EXPECT_FALSE(series());
+  auto end = stream->Next();
+  ASSERT_TRUE(end.ok()) << end.status();
+  EXPECT_FALSE(end->has_value());
+  EXPECT_FALSE(series()) << "the stream's end counted a commit of a dropped job";
+}
+
 // A Checkpoint call waits for a half-applied step only until its caller's
 // deadline: DEADLINE_EXCEEDED, naming the step, instead of holding its
 // thread for as long as the committer takes. Once the step is whole, the
