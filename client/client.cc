@@ -23,6 +23,7 @@
 #include "rpc/chunk_size.h"
 #include "rpc/grpc_edge.h"
 #include "rpc/initial_values.h"
+#include "rpc/learning_rates.h"
 #include "shardopt/safetensors.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 
@@ -255,6 +256,37 @@ struct Client::Impl {
     });
     if (!st.ok()) return st;
     return responses;
+  }
+
+  // What a commit sends, checked before anything is sent (a Step's push
+  // included): its learning rates, as the servers check them, and the
+  // tensors of `params`. Where each tensor's params go, by tensor index.
+  absl::StatusOr<std::vector<char*>> CommitTargets(double lr, absl::Span<const double> group_lr,
+                                                   absl::Span<const ParamView> params) const {
+    SHARDOPT_RETURN_IF_ERROR(CheckAttached());
+    SHARDOPT_RETURN_IF_ERROR(CheckLearningRates(lr, group_lr, job.groups.size(), job.name));
+    std::vector<char*> out(job.tensors.size(), nullptr);
+    for (const ParamView& p : params) {
+      SHARDOPT_RETURN_IF_ERROR(FindTensor(p.tensor).status());
+      out[tensor_index.at(p.tensor)] = static_cast<char*>(p.data);
+    }
+    return out;
+  }
+
+  // Commits `step` on every server it pushes to, each server's params
+  // written where CommitTargets said.
+  absl::Status CommitTo(uint64_t t, double lr, float gscale, bool skip, absl::Span<const double> group_lr,
+                        const std::vector<char*>& out) {
+    v1::CommitRequest req;
+    req.set_job(job.name);
+    req.set_step(t);
+    req.set_lr(lr);
+    req.set_gscale(gscale);
+    req.set_skip(skip);
+    for (double g : group_lr) req.add_group_lr(g);
+    SHARDOPT_RETURN_IF_ERROR(ForEachServer([&](uint32_t s) { return CommitOn(s, req, out); }, /*pushing=*/true));
+    step = std::max(step, t);
+    return absl::OkStatus();
   }
 
   // This caller's slice of a server's part of a tensor: every server gets
@@ -585,39 +617,23 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
 
 absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params,
                             absl::Span<const double> group_lr) {
-  Impl& im = *impl_;
-  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
-  if (!group_lr.empty() && group_lr.size() != im.job.groups.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("group_lr has ", group_lr.size(), " entries; job '", im.job.name,
-                                                   "' has ", im.job.groups.size(), " groups"));
-  }
-  std::vector<char*> out(im.job.tensors.size(), nullptr);
-  for (const ParamView& p : params) {
-    SHARDOPT_RETURN_IF_ERROR(im.FindTensor(p.tensor).status());
-    out[im.tensor_index[p.tensor]] = static_cast<char*>(p.data);
-  }
-  v1::CommitRequest req;
-  req.set_job(im.job.name);
-  req.set_step(step);
-  req.set_lr(lr);
-  req.set_gscale(gscale);
-  req.set_skip(skip);
-  for (double g : group_lr) req.add_group_lr(g);
-  auto st = im.ForEachServer([&](uint32_t s) { return im.CommitOn(s, req, out); }, /*pushing=*/true);
-  if (!st.ok()) return st;
-  im.step = std::max(im.step, step);
-  return absl::OkStatus();
+  SHARDOPT_ASSIGN_OR_RETURN(auto out, impl_->CommitTargets(lr, group_lr, params));
+  return impl_->CommitTo(step, lr, gscale, skip, group_lr, out);
 }
 
 absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const StepOptions& options,
                                         absl::Span<const ParamView> params) {
   SHARDOPT_RETURN_IF_ERROR(CheckStepOptions(options));
+  // Before the push: a Step refused after it would leave its gradients on
+  // the servers, and the caller's next Step would be taken as its retry.
+  SHARDOPT_ASSIGN_OR_RETURN(auto out, impl_->CommitTargets(options.lr, options.group_lr, params));
   const uint64_t t = impl_->step + 1;
   SHARDOPT_ASSIGN_OR_RETURN(auto push, Push(t, grads));
   StepResult result;
   result.step = t;
   result.decision = Decide(push, impl_->job.world_size, options);
-  SHARDOPT_RETURN_IF_ERROR(Commit(t, options.lr, result.decision.gscale, result.decision.skip, params, options.group_lr));
+  SHARDOPT_RETURN_IF_ERROR(
+      impl_->CommitTo(t, options.lr, result.decision.gscale, result.decision.skip, options.group_lr, out));
   const uint64_t every = impl_->options.checkpoint_every;
   if (every > 0 && impl_->options.rank == 0 && t % every == 0) {
     // Said so, since the caller's way out of a failed Step, calling it

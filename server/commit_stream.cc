@@ -10,26 +10,17 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "rpc/learning_rates.h"
 #include "server/metrics.h"
 
 namespace shardopt {
 namespace {
 
 absl::StatusOr<CommitArgs> CheckArgs(const Job& job, const v1::CommitRequest& req) {
-  if (!std::isfinite(req.lr()) || req.lr() < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("lr must be finite and >= 0, got ", req.lr()));
-  }
+  SHARDOPT_RETURN_IF_ERROR(CheckLearningRates(req.lr(), absl::MakeConstSpan(req.group_lr().data(), req.group_lr_size()),
+                                              job.spec.groups_size(), job.name()));
   if (!std::isfinite(req.gscale())) {
     return absl::InvalidArgumentError(absl::StrCat("gscale must be finite, got ", req.gscale()));
-  }
-  if (req.group_lr_size() != 0 && req.group_lr_size() != job.spec.groups_size()) {
-    return absl::InvalidArgumentError(absl::StrCat("group_lr has ", req.group_lr_size(), " entries; job '", job.name(),
-                                                   "' has ", job.spec.groups_size(), " groups"));
-  }
-  for (double lr : req.group_lr()) {
-    if (!std::isfinite(lr) || lr < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("every group_lr must be finite and >= 0, got ", lr));
-    }
   }
   return CommitArgs{req.lr(), req.gscale(), req.skip(), {req.group_lr().begin(), req.group_lr().end()}};
 }

@@ -679,6 +679,7 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
       {"oversize message", push({chunk(1, 0, "w", 0, 9 << 20)}), grpc::StatusCode::RESOURCE_EXHAUSTED, ""},
       {"incomplete push commit", commit(1, 1e-3, 1.0f), grpc::StatusCode::FAILED_PRECONDITION, "push is incomplete"},
       {"NaN gscale", commit(1, 1e-3, NAN), grpc::StatusCode::INVALID_ARGUMENT, "gscale"},
+      {"negative lr", commit(1, -1e-3, 1.0f), grpc::StatusCode::INVALID_ARGUMENT, "lr must be finite and >= 0"},
       {"unknown job", [&] {
          grpc::ClientContext ctx;
          v1::DescribeRequest r;
@@ -718,6 +719,54 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
     v1::DescribeResponse resp;
     EXPECT_EQ(stub->Describe(&ctx, r, &resp).error_code(), grpc::StatusCode::NOT_FOUND) << "a job was made";
   }
+}
+
+// A Step refused for what its commit would carry is refused before its
+// push: the servers would otherwise hold its gradients for the step, and
+// the caller's next Step, with fresh ones, would be answered as a retry of
+// that push and apply the refused call's gradients.
+TEST_F(ServiceTest, AStepRefusedForItsCommitsArgumentsPushesNothing) {
+  const JobOptions job = MakeJob("lr", 1, {{"w", 4096}});
+  auto client = Connect(server_->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  const auto init = RandomFloats(rng_, 4096, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  const std::vector<float> before = ReadAll(*client, job);
+  std::vector<uint16_t> params(4096);
+  const std::vector<ParamView> pv = {{"w", params.data()}};
+  const std::vector<ParamView> unknown = {{"v", params.data()}};
+  struct Case {
+    const char* what;
+    double lr;
+    std::vector<double> group_lr;
+    const std::vector<ParamView>* params;
+    absl::StatusCode code;
+  } cases[] = {
+      {"NaN lr", NAN, {}, &pv, absl::StatusCode::kInvalidArgument},
+      {"negative lr", -1e-3, {}, &pv, absl::StatusCode::kInvalidArgument},
+      {"infinite group_lr", 1e-3, {INFINITY}, &pv, absl::StatusCode::kInvalidArgument},
+      {"group_lr of two for one group", 1e-3, {1e-3, 1e-3}, &pv, absl::StatusCode::kInvalidArgument},
+      {"params of an unknown tensor", 1e-3, {}, &unknown, absl::StatusCode::kNotFound},
+  };
+  for (const Case& c : cases) {
+    const auto refused_grad = RandomBf16(rng_, 4096, 1.0f);
+    StepOptions so;
+    so.lr = c.lr;
+    so.group_lr = c.group_lr;
+    const auto refused = client->Step({{"w", refused_grad.data()}}, so, *c.params);
+    EXPECT_EQ(refused.status().code(), c.code) << c.what << ": " << refused.status();
+  }
+  EXPECT_EQ(client->step(), 0u);
+  EXPECT_EQ(ReadAll(*client, job), before);
+  // The next Step is a step of its own gradients.
+  ReferenceTensor ref(kHyper, init, false);
+  const auto grad = RandomBf16(rng_, 4096, 1.0f);
+  StepOptions so;
+  so.lr = 1e-2;
+  const auto stepped = client->Step({{"w", grad.data()}}, so, pv);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  ref.Step({grad.data()}, so.lr, stepped->decision.gscale);
+  EXPECT_EQ(params, ref.Params());
 }
 
 // A trainer attaching learns whether the server holds its rank's push of

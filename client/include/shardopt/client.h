@@ -266,7 +266,10 @@ class Client {
   // One whole step: push, decide, commit. If it fails, call it again with the
   // same gradients: step() advances only once the commit succeeded, and the
   // servers count a repeated push of a step once (new gradients for a step
-  // already pushed would be ignored).
+  // already pushed would be ignored). A Step refused for its own arguments
+  // (loss_scale, max_grad_norm, lr, group_lr, or params naming a tensor the
+  // job lacks) is refused before its push: nothing was sent, so fix them and
+  // call it again, with any gradients.
   absl::StatusOr<StepResult> Step(absl::Span<const GradView> grads, const StepOptions& options,
                                   absl::Span<const ParamView> params);
   // The phases of Step, for callers that combine decisions themselves.
