@@ -3,7 +3,7 @@
 # build to a temporary prefix, builds tests/install/consumer against it with
 # find_package(shardopt), and runs it against the installed shardopt-server
 # on 127.0.0.1 (an ephemeral port), then reads the job back with the
-# installed CLI.
+# installed CLI. The README's client block is compiled into the consumer.
 #   install_test.sh CMAKE BUILD_DIR CONSUMER_SOURCE_DIR GENERATOR CXX_COMPILER [COMPILER_LAUNCHER]
 set -euo pipefail
 cmake=$1 build=$2 consumer=$3 generator=$4 cxx=$5 launcher=${6:-}
@@ -22,8 +22,14 @@ for f in bin/shardopt-server bin/shardopt include/shardopt/client.h share/shardo
   [[ -e "$prefix/$f" ]] || { echo "FAIL: the install has no $f"; exit 1; }
 done
 
+# README.md's "Using the client" block, without its #include lines, which
+# consumer/readme_snippet.cc has.
+awk '/^## Using the client/ { section = 1 } section && /^```cpp/ { block = 1; next }
+     block && /^```/ { exit } block && !/^#include/' "$consumer/../../../README.md" >"$dir/readme_snippet.inc"
+grep -q 'client->Step(' "$dir/readme_snippet.inc" || { echo "FAIL: no client block in README.md"; exit 1; }
+
 "$cmake" -S "$consumer" -B "$dir/consumer" -G "$generator" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" ${launcher:+-DCMAKE_CXX_COMPILER_LAUNCHER="$launcher"}
+  -DSHARDOPT_README_SNIPPET="$dir/readme_snippet.inc" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_CXX_COMPILER="$cxx" ${launcher:+-DCMAKE_CXX_COMPILER_LAUNCHER="$launcher"}
 "$cmake" --build "$dir/consumer"
 
 "$prefix/bin/shardopt-server" --host=127.0.0.1 --port=0 --port_file="$dir/port" --device=cpu 2>"$dir/server.log" &
