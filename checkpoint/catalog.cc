@@ -10,6 +10,7 @@
 #include "checkpoint/crc32c.h"
 #include "checkpoint/direct_io.h"
 #include "checkpoint/files.h"
+#include "base/report_lines.h"
 #include "google/protobuf/util/message_differencer.h"
 
 namespace shardopt::checkpoint {
@@ -50,7 +51,7 @@ absl::StatusOr<std::vector<PartHead>> ReadCommitted(const std::string& dir, cons
   }
   if (parts.empty()) return absl::DataLossError(absl::StrCat(dir, "/COMMIT lists no parts"));
   for (const PartHead& p : parts) {
-    SHARDOPT_RETURN_IF_ERROR(SameJob(parts.front().manifest.spec(), p.manifest.spec(), p.path));
+    SHARDOPT_RETURN_IF_ERROR(SameJob(parts.front().manifest.spec(), p.manifest.spec(), p.path, "the step's first part's -> this part's"));
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto tiles, Tiles(parts));
   if (!tiles) return absl::DataLossError(absl::StrCat(dir, ": the parts COMMIT lists do not cover every tensor"));
@@ -59,13 +60,15 @@ absl::StatusOr<std::vector<PartHead>> ReadCommitted(const std::string& dir, cons
 
 }  // namespace
 
-absl::Status SameJob(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b, const std::string& where) {
+absl::Status SameJob(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b, const std::string& where,
+                     absl::string_view sides) {
   std::string diff;
   google::protobuf::util::MessageDifferencer differ;
   differ.ReportDifferencesToString(&diff);
   if (!differ.Compare(Identity(a), Identity(b))) {
     return absl::FailedPreconditionError(absl::StrCat(where, " holds job '", b.job(), "' with another configuration (",
-                                                      diff, "); move the checkpoint away or use another job name"));
+                                                      sides, ": ", OneLineReport(diff),
+                                                      "); move the checkpoint away or use another job name"));
   }
   return absl::OkStatus();
 }

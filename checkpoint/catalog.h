@@ -13,8 +13,10 @@
 namespace shardopt::checkpoint {
 
 // OK when `b` is the job `a` is (placement, barrier deadline, restore step
-// and group names aside), else FAILED_PRECONDITION naming `where`.
-absl::Status SameJob(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b, const std::string& where);
+// and group names aside), else FAILED_PRECONDITION naming `where` and the
+// differences, `sides` saying whose value each shows first ("a's -> b's").
+absl::Status SameJob(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b, const std::string& where,
+                     absl::string_view sides);
 bool SameShards(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b);
 int TensorIndex(const v1::CreateJobRequest& spec, const std::string& name);
 uint64_t DataBytes(const v1::PartManifest& m);

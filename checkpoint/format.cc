@@ -204,7 +204,7 @@ absl::StatusOr<WriteResult> PartWriter::CompleteIfTiled() {
   for (const auto& entry : fs::directory_iterator(result_.directory, ec)) {
     if (!IsPartName(entry.path().filename().string())) continue;
     SHARDOPT_ASSIGN_OR_RETURN(auto head, ReadPartHead(entry.path().string()));
-    SHARDOPT_RETURN_IF_ERROR(SameJob(spec, head.manifest.spec(), head.path));
+    SHARDOPT_RETURN_IF_ERROR(SameJob(spec, head.manifest.spec(), head.path, "the part being written's -> that file's"));
     parts.push_back(std::move(head));
   }
   // This part is there (renamed, or kept), unless the step's directory went.
@@ -349,11 +349,14 @@ absl::Status StreamPlan(const Committed& committed, const Plan& plan, const Data
   return absl::OkStatus();
 }
 
+// Whose value a restore's configuration differences show first.
+constexpr absl::string_view kAskedAndSaved = "this call's -> the checkpoint's";
+
 }  // namespace
 
 absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log) {
   SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
-  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir));
+  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir, kAskedAndSaved));
   Part out;
   if (const PartHead* same = SamePlacement(committed, spec)) {
     out.manifest = LoadedManifest(committed, spec, same);
@@ -375,7 +378,7 @@ absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::Cre
                                           const std::function<absl::Status(const v1::PartManifest&)>& begin,
                                           const DataSink& sink, const DirectDestination& direct) {
   SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
-  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir));
+  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir, kAskedAndSaved));
   // The same placement, as on a plain restart: the part's data is the answer
   // as it lies on disk, streamed.
   if (const PartHead* same = SamePlacement(committed, spec)) {

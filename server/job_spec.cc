@@ -10,6 +10,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "checkpoint/format.h"
+#include "base/report_lines.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "server/messages.h"
 
@@ -130,14 +131,9 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   differ.IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
   differ.set_report_ignores(false);  // a group's name is not why: it is for messages only
   if (!differ.Compare(existing, requested)) {
-    // The report is a line a field; the message, one line, with the first
-    // few (a job of many tensors renamed has a line for each).
-    constexpr size_t kShown = 5;
-    std::vector<absl::string_view> lines = absl::StrSplit(diff, '\n', absl::SkipEmpty());
-    std::string shown = absl::StrJoin(lines.begin(), lines.begin() + std::min(kShown, lines.size()), "; ");
-    if (lines.size() > kShown) absl::StrAppend(&shown, "; and ", lines.size() - kShown, " more differences");
-    return absl::AlreadyExistsError(absl::StrCat("job '", requested.job(), "' exists with a different configuration (",
-                                                 shown, "); drop it or use another name"));
+    return absl::AlreadyExistsError(absl::StrCat("job '", requested.job(), "' exists with a different configuration ",
+                                                 "(this server's -> this call's: ", OneLineReport(diff),
+                                                 "); drop it or use another name"));
   }
   return absl::OkStatus();
 }

@@ -47,16 +47,18 @@ absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name) con
 
 absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name, uint64_t incarnation) const {
   SHARDOPT_ASSIGN_OR_RETURN(auto job, Find(name));
-  if (incarnation != 0 && incarnation != job->incarnation) return OtherLife(name);
+  if (incarnation != 0 && incarnation != job->incarnation) return OtherLife(name, incarnation);
   return job;
 }
 
-absl::Status JobStore::OtherLife(const std::string& name) {
+absl::Status JobStore::OtherLife(const std::string& name, uint64_t incarnation) {
   // Not "no job": the client would make the job again (Reattach) and go on
-  // in this life as if it were the one it attached to.
-  return absl::NotFoundError(absl::StrCat("job ", Quote(name), " was dropped on this server and made again since ",
-                                          "this trainer attached to it: its job is gone, and the one of the name "
-                                          "now is another run's (CreateOrAttach would join that run at its step)"));
+  // in this life as if it were the one it attached to. The lives before
+  // are not kept, so a life that never was is answered alike, and said so.
+  return absl::NotFoundError(absl::StrCat("job ", Quote(name), " is not the life this call names (incarnation ",
+                                          incarnation, "): it was dropped on this server and made again since this ",
+                                          "trainer attached to it (or that was never its life), and the one of the "
+                                          "name now is another run's (CreateOrAttach would join that run at its step)"));
 }
 
 
@@ -110,7 +112,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                                      options_.max_world_size, " (--max_world_size)"));
   }
   const auto too_long = [&](const std::string& name, const std::string& what) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " ", Quote(name.substr(0, 64)), "... is ", name.size(),
+    return absl::InvalidArgumentError(absl::StrCat(what, " ", Quote(name.substr(0, 64)), name.size() > 64 ? "..." : "", " is ", name.size(),
                                                    " bytes; this server takes at most ", options_.max_name_bytes,
                                                    " (--max_name_bytes)"));
   };

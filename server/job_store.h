@@ -235,7 +235,7 @@ class JobStore {
   // NOT_FOUND for a job this server does not hold, saying whether it was dropped.
   absl::Status NoJob(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // NOT_FOUND for a caller of another life of the job `name` holds now.
-  static absl::Status OtherLife(const std::string& name);
+  static absl::Status OtherLife(const std::string& name, uint64_t incarnation);
   // Jobs being built by a CreateJob, outside the lock; `created_` is
   // signalled as each is done, in the map or failed.
   absl::flat_hash_set<std::string> creating_ ABSL_GUARDED_BY(mu_);

@@ -50,7 +50,8 @@ ABSL_FLAG(int, threads, 0, "CPU backend threads; 0: one per core");
 ABSL_FLAG(int, max_message_bytes, shardopt::kDefaultMaxMessageBytes, "largest gRPC message accepted");
 ABSL_FLAG(int, barrier_timeout_ms, 60000, "default barrier deadline for jobs that give none");
 ABSL_FLAG(uint64_t, staging_window_bytes, uint64_t{64} << 20,
-          "per job, the most bytes of gradient chunks held while they wait for earlier ranks (at most 4 MiB per rank)");
+          "per job, the most bytes of gradient chunks held while they wait for earlier ranks (at most 4 MiB per rank, at "
+          "least about 128 KiB: a smaller figure is raised to that)");
 ABSL_FLAG(std::string, checkpoint_dir, "",
           "checkpoints go here and jobs are restored from here; share it between a job's servers");
 ABSL_FLAG(uint32_t, max_tensors_per_job, 16384, "CreateJob of more tensors (or groups) is RESOURCE_EXHAUSTED");

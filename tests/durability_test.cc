@@ -670,7 +670,11 @@ TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServe
     auto other = DurableJob("config", {{"w", 2001}});
     auto attached = client->CreateOrAttach(other);
     EXPECT_EQ(attached.status().code(), absl::StatusCode::kFailedPrecondition);
-    EXPECT_THAT(std::string(attached.status().message()), HasSubstr("another configuration"));
+    // Which side each value is, on one line.
+    const std::string message(attached.status().message());
+    EXPECT_THAT(message, HasSubstr("another configuration (this call's -> the checkpoint's: modified: "
+                                   "tensors[0].numel: 2001 -> 2000)"));
+    EXPECT_EQ(message.find('\n'), std::string::npos) << message;
   }
   {
     // Torn: the newest has no COMMIT, so the one before it is loaded; named, it is refused.

@@ -538,7 +538,8 @@ TEST_F(StoreTest, ADifferentConfigurationIsNamedOnOneLineWithoutTheIgnoredGroupN
   const auto refused = store_.CreateJob(second);
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kAlreadyExists);
   const std::string message(refused.status().message());
-  EXPECT_THAT(message, HasSubstr("world_size"));
+  // Which side each value is: the server's first.
+  EXPECT_THAT(message, HasSubstr("(this server's -> this call's: modified: world_size: 1 -> 2)"));
   EXPECT_THAT(message, Not(HasSubstr("ignored")));
   EXPECT_EQ(message.find('\n'), std::string::npos) << message;
 }
@@ -880,6 +881,7 @@ TEST_F(CheckpointKeepTest, AJobMadeAgainAfterADropIsANewLifeAndARestoreKeepsTheO
   for (const absl::Status& st : refused) {
     EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
     EXPECT_THAT(std::string(st.message()), HasSubstr("was dropped on this server and made again"));
+    EXPECT_THAT(std::string(st.message()), HasSubstr(absl::StrCat("(incarnation ", old_life, ")")));
   }
   EXPECT_EQ(Snapshot("life"), before);
   EXPECT_EQ(store_.DropJob("life", old_life).code(), absl::StatusCode::kNotFound);  // a stale trainer's cleanup
