@@ -10,6 +10,11 @@ import torch
 from . import _C
 from ._errors import FailedPrecondition, InvalidArgument
 
+_ONE_GRADIENT = ("overlap pushes each gradient as backward produces it, so it takes one backward per step() and each "
+                 "param's gradient whole (torch.utils.checkpoint with use_reentrant=True gives a param used in two "
+                 "checkpointed segments, or in and out of one, its gradient in parts: pass use_reentrant=False); "
+                 "use overlap=False to accumulate gradients")
+
 # Each param's live RemoteAdamW(overlap=True): a second one's hooks would
 # fire in the same backward, and both would push that gradient. By id, as
 # tensors compare by value; an entry holds both weakly, so a new param
@@ -81,12 +86,19 @@ class _OverlapPush:
         self._push_step = self._client.step_count + 1
         self._client.start_push(self._push_step, self._order_names)
         self._seen, self._marked = [], {}
+        self._second_gradient = None
 
     def _on_grad_ready(self, k):
         with self._push_lock:
             if not self._client.pushing():
                 self._start_push()
         t = self._tensors[k]
+        if k in self._marked:
+            # torch has added it into p.grad, which the push may be reading
+            # still: the push is committed as a skip (_commit_push).
+            self._second_gradient = t.name
+            raise FailedPrecondition(f"RemoteAdamW(overlap=True): param {t.name!r} got a second gradient before "
+                                     f"step(); step {self._push_step} will be skipped: {_ONE_GRADIENT}")
         source, owner = self._grad_source(t)
         # What was pushed: a gradient changed after this (clipped, unscaled)
         # would not be what the servers apply (_finish_push checks). Held
@@ -96,17 +108,17 @@ class _OverlapPush:
         if t.device.type == "cuda":
             # The push reads the staging buffer as soon as it is marked.
             torch.cuda.current_stream(t.device).synchronize()
-        if not self._client.mark(self._position[k], source, owner):
-            raise RuntimeError(f"RemoteAdamW(overlap=True): param {t.name!r} got a second gradient before step(); "
-                               "overlap pushes each gradient as backward produces it, so it takes one backward "
-                               "per step (use overlap=False to accumulate gradients)")
+        self._client.mark(self._position[k], source, owner)  # its first this step: taken
         self._seen.append(k)
 
     def _commit_push(self, skip=False):
         """Finishes the running push and commits it, decided as
-        Client::Step decides (skip=True: as a skipped step)."""
+        Client::Step decides (skip=True: as a skipped step). A push that a
+        param's second gradient reached is committed as a skip: what it
+        read of that param's p.grad may be either gradient, or both."""
+        skip = skip or self._second_gradient is not None
         for retry in (False, True):
-            push = self._finish_push()  # on the retry: a new push, from p.grad
+            push = self._finish_push(check=not skip)  # on the retry: a new push, from p.grad
             decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
             try:
                 self._commit_pushed(decision.gscale, skip or decision.skip)
@@ -137,9 +149,11 @@ class _OverlapPush:
                 return False
         return True
 
-    def _finish_push(self):
+    def _finish_push(self, check=True):
         """Marks the gradients no hook delivered (set by hand, or None) and
-        waits for the push; learns the order backward produced them in."""
+        waits for the push; learns the order backward produced them in.
+        With `check`, refuses gradients changed since backward pushed them
+        (not needed of a push to be committed as a skip)."""
         if not self._client.pushing():  # no backward ran: push what p.grad holds
             self._start_push()
         seen = set(self._seen)
@@ -148,7 +162,7 @@ class _OverlapPush:
             # (A gradient set to None meanwhile is let go, and what was pushed
             # stands.)
             changed = []
-            for k, (pushed, version) in self._marked.items():
+            for k, (pushed, version) in self._marked.items() if check else ():
                 now = self._tensors[k].param.grad
                 if now is not None and (pushed is None or now is not pushed() or getattr(now, "_version", None) != version):
                     changed.append(self._tensors[k].name)

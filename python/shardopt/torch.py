@@ -313,6 +313,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
             # Backward runs roughly last to first.
             self._order = [k for k in reversed(range(len(self._tensors))) if self._tensors[k].numel > 0]
             self._set_order(self._order)
+            self._second_gradient = None  # the param that got one, while a push runs (_overlap.py)
             self._register_ready_hooks()
 
     # ---- the torch.optim.Optimizer interface ----
@@ -347,8 +348,9 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
         self._check_params()
         for gi, g in enumerate(self.param_groups):  # the lr a scheduler set, before it is sent
             _check_hyper(g, f"group {gi}: ")
+        second = self.overlap and self._second_gradient
         if self.overlap:
-            decision = self._commit_push()
+            decision = self._commit_push()  # a skip, after a second gradient
         else:
             self._check_unchanged()
             group_lr = [float(g["lr"]) for g in self.param_groups]
@@ -360,8 +362,13 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
             if not t.in_place():
                 t.param.copy_(t.host_param, non_blocking=True)
         self._note_versions()
-        self.last_decision = decision
+        if not second:
+            self.last_decision = decision
         self._checkpoint_if_due()
+        if second:
+            raise FailedPrecondition(f"RemoteAdamW(overlap=True): param {second!r} got a second gradient before this "
+                                     f"step() (backward raised), so step {self._client.step_count} was applied as a "
+                                     "skip: nothing moved. Call zero_grad() and run one backward per step()")
 
     def zero_grad(self, set_to_none=True):
         # A push running here had its backward but will get no step(): it is

@@ -84,7 +84,7 @@ def test_second_backward_before_step_is_refused_and_zero_grad_recovers(servers, 
     initial = [p.detach().clone() for p in model.parameters()]
     tokens, targets = batch(1)
     model(tokens, targets).backward()
-    with pytest.raises(RuntimeError, match="second gradient before step"):
+    with pytest.raises(shardopt.FailedPrecondition, match="second gradient before step"):
         model(tokens, targets).backward()
     opt.zero_grad()  # the pushed step is completed as a skip: nothing moves
     assert opt.job_step == 1
@@ -92,6 +92,70 @@ def test_second_backward_before_step_is_refused_and_zero_grad_recovers(servers, 
     train(model, opt, 2, first=2)
     assert opt.job_step == 3
     opt.drop()
+
+
+def test_a_step_after_a_refused_second_backward_is_a_skip_and_raises(servers, job):
+    """A step() called anyway after the refused backward (p.grad then holds
+    part of two backwards, and the push may have read either) applies
+    nothing: the step is a skip, and step() says so."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3, overlap=True)
+    initial = [p.detach().clone() for p in model.parameters()]
+    tokens, targets = batch(1)
+    model(tokens, targets).backward()
+    with pytest.raises(shardopt.FailedPrecondition, match="second gradient"):
+        model(tokens * 0 + 1, targets).backward()
+    with pytest.raises(shardopt.FailedPrecondition, match="step 1 was applied as a skip"):
+        opt.step()
+    assert opt.job_step == 1
+    assert all(same_bits(p, q) for p, q in zip(model.parameters(), initial))
+    opt.zero_grad()
+    train(model, opt, 2, first=2)
+    assert opt.job_step == 3
+    opt.drop()
+
+
+class _SharedInTwoSegments(torch.nn.Module):
+    """One layer used in two checkpointed segments, as a tied or shared
+    block is."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        torch.manual_seed(3)
+        self.shared = torch.nn.Linear(8, 8)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for _ in range(2):
+            x = checkpoint(lambda y: torch.tanh(self.shared(y)), x, use_reentrant=self.reentrant)
+        return x.square().sum()
+
+
+def test_reentrant_activation_checkpointing_is_named_and_the_other_kind_works(servers, job):
+    """A reentrant checkpoint gives a param used in two segments its
+    gradient in two parts, which overlap cannot push whole: backward raises
+    naming use_reentrant. With use_reentrant=False the gradient comes whole,
+    and the steps are bitwise those of overlap=False."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    model = _SharedInTwoSegments(reentrant=True)
+    opt = RemoteAdamW(model.parameters(), servers=servers, job=f"{job}-r", lr=1e-2, overlap=True)
+    with pytest.raises(shardopt.FailedPrecondition, match="use_reentrant=False"):
+        model(x.requires_grad_()).backward()
+    opt.zero_grad()
+    opt.drop()
+    finals = []
+    for overlap in (True, False):
+        model = _SharedInTwoSegments(reentrant=False)
+        opt = RemoteAdamW(model.parameters(), servers=servers, job=f"{job}-{overlap}", lr=1e-2, overlap=overlap)
+        for _ in range(3):
+            model(x).backward()
+            opt.step()
+            opt.zero_grad()
+        finals.append([p.detach().clone() for p in model.parameters()])
+        opt.drop()
+    assert all(same_bits(p, q) for p, q in zip(*finals))
+    assert not same_bits(finals[0][0], _SharedInTwoSegments(reentrant=False).shared.weight)
 
 
 def test_checkpoint_every_checkpoints_with_overlap(server_binary, job, tmp_path):
