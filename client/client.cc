@@ -5,6 +5,7 @@
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <thread>
 #include <utility>
 
@@ -47,6 +48,12 @@ struct Client::Impl {
   // were this one. Set by CreateOrAttach, and by Reattach on that server's
   // own fan-out thread, the only one that reads it while attached.
   mutable std::vector<uint64_t> incarnation;
+  // This client's id as a trainer (GradChunk.trainer: ClientOptions's, or
+  // random; nonzero), and [server] how many pushes the job had begun there when this client
+  // attached (CreateJobResponse.pushes), renewed as incarnation is: a push
+  // of this rank by another trainer since then is refused, not taken.
+  uint64_t trainer = 0;
+  mutable std::vector<uint64_t> attached_at;
   uint64_t step = 0;
   uint64_t pushed_ahead = 0;  // Client::pushed_ahead, as the attach found it
   uint64_t chunk_bytes = 0;  // per streamed message, once attached (rpc/chunk_size.h)
@@ -137,6 +144,7 @@ struct Client::Impl {
     }
     if (kept && resp.step() == step) {
       incarnation[s] = resp.incarnation();  // its own, or the first this client learns of a server without lives
+      attached_at[s] = resp.pushes();
       return absl::OkStatus();
     }
     if (resp.created() && !resp.restored()) {
@@ -372,6 +380,8 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->options.token = std::move(token);
+  impl->trainer = options.trainer;
+  for (std::random_device entropy; impl->trainer == 0;) impl->trainer = (uint64_t{entropy()} << 32) ^ entropy();
   impl->pushes_to.assign(options.servers.size(), options.push_servers.empty());
   for (uint32_t s : options.push_servers) impl->pushes_to[s] = true;  // each in range (CheckClientOptions)
   for (const std::string& address : options.servers) {
@@ -414,7 +424,11 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   });
   if (!st.ok()) return st;
   im.incarnation.clear();
-  for (const v1::CreateJobResponse& answer : answers) im.incarnation.push_back(answer.incarnation());
+  im.attached_at.clear();
+  for (const v1::CreateJobResponse& answer : answers) {
+    im.incarnation.push_back(answer.incarnation());
+    im.attached_at.push_back(answer.pushes());
+  }
   const std::vector<bool> holds_part = im.holds_part();
   // A step its trainer committed on some servers only is committed on the
   // others, as the trainer's own retry would have been, so that a restarted
@@ -585,6 +599,8 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
       // with the life of the job a Reattach may have renewed.
       v1::GradChunk first = head;
       first.set_incarnation(im.incarnation[s]);
+      first.set_trainer(im.trainer);
+      first.set_attached_at(im.attached_at[s]);
       PushMessages messages(std::move(first), sends, im.chunk_bytes, grad);
       int answers = 0;
       auto received = [&](grpc::ByteBuffer* answer) -> grpc::Status {

@@ -31,9 +31,10 @@ namespace {
 
 // The job's bookkeeping besides its state: per tensor its spec, name index
 // and shard entry, per group its spec and hyperparameters, and per rank the
-// round's session numbers; a generous bound, allocator overhead included.
+// round's session numbers and its last pusher; a generous bound, allocator
+// overhead included.
 uint64_t BookkeepingBytes(const v1::CreateJobRequest& spec) {
-  uint64_t bytes = 4096 + uint64_t{spec.world_size()} * sizeof(uint64_t);
+  uint64_t bytes = 4096 + uint64_t{spec.world_size()} * (sizeof(uint64_t) + sizeof(Job::RankPusher));
   for (const v1::TensorSpec& t : spec.tensors()) bytes += 512 + 3 * t.name().size();
   for (const v1::Group& g : spec.groups()) bytes += 256 + 2 * g.name().size();
   return bytes;
@@ -71,6 +72,7 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spe
   absl::MutexLock lock(&job->mu);
   job->state = std::move(state);
   job->adam_steps.assign(job->shards.size(), 0);
+  job->pushers.resize(spec.world_size());
   job->init_cover.resize(job->shards.size());
   job->uninitialized_shards = job->shards.size();
   return job;
@@ -225,6 +227,22 @@ absl::Status Job::CheckStepToPush(uint64_t t) const {
                                               " is in the future; push step ", step + 1));
   }
   return absl::OkStatus();
+}
+
+absl::Status Job::CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t attached_at) const {
+  const RankPusher& last = pushers[rank];
+  if (trainer == 0 || last.trainer == 0 || last.trainer == trainer || last.push <= attached_at) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "rank ", rank, " of job '", name(), "' has been pushed by another trainer since this one attached: two live ",
+      "trainers with rank ", rank, "? Each trainer needs its own rank (and world_size the number of trainers). A ",
+      "trainer started in place of this one has taken its rank over; to take it back, attach again"));
+}
+
+void Job::NotePush(uint32_t rank, uint64_t trainer) {
+  ++pushes_begun;
+  if (trainer != 0) pushers[rank] = {trainer, pushes_begun};
 }
 
 absl::Status Job::CheckNotDropped() const {

@@ -128,6 +128,14 @@ class Job {
   // what a job's pushes hold stays near the cap whatever the number of
   // ranks, and gRPC's flow control holds the rest back in the senders.
   uint64_t held_bytes ABSL_GUARDED_BY(mu) = 0;
+  // Push streams begun (CreateJobResponse.pushes), and per rank the trainer
+  // that began its last one (GradChunk.trainer) and that stream's number.
+  struct RankPusher {
+    uint64_t trainer = 0;
+    uint64_t push = 0;
+  };
+  uint64_t pushes_begun ABSL_GUARDED_BY(mu) = 0;
+  std::vector<RankPusher> pushers ABSL_GUARDED_BY(mu);  // [rank]
   // The phases of the last step done, and of the step being applied.
   StepPhases last_phases ABSL_GUARDED_BY(mu);
   StepPhases applying_phases ABSL_GUARDED_BY(mu);
@@ -209,6 +217,13 @@ class Job {
   absl::StatusOr<uint32_t> LocateRange(const std::string& tensor, uint64_t offset, uint64_t count) const;
   absl::Status CheckStepToPush(uint64_t t) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   absl::Status CheckNotDropped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // FAILED_PRECONDITION if a trainer other than `trainer` has begun a push
+  // of `rank` since `trainer` attached, when the job had begun
+  // `attached_at`: two live trainers of one rank. `trainer` 0: not checked.
+  absl::Status CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t attached_at) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Counts a push stream of `rank` begun, by `trainer` (0: not said).
+  void NotePush(uint32_t rank, uint64_t trainer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
  private:
   Job(const v1::CreateJobRequest& spec, uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget);

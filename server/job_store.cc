@@ -76,6 +76,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1:
 void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobResponse* response) {
   response->set_step(job.step);
   response->set_incarnation(job.incarnation);
+  response->set_pushes(job.pushes_begun);
   response->set_sealed_step(job.sealed_step);
   response->set_applied_lr(job.applied.lr);
   response->set_applied_gscale(job.applied.gscale);

@@ -24,6 +24,7 @@ absl::StatusOr<std::unique_ptr<PushSession>> PushSession::Begin(std::shared_ptr<
     return absl::InvalidArgumentError(absl::StrCat("rank ", first.rank(), " is out of range: job '", job->name(),
                                                    "' has world_size ", job->world_size()));
   }
+  SHARDOPT_RETURN_IF_ERROR(job->CheckRankTrainer(first.rank(), first.trainer(), first.attached_at()));
   const bool resealed = first.step() == job->step && job->sealed_step == job->step && job->step > 0;
   if (!resealed) {
     SHARDOPT_RETURN_IF_ERROR(job->CheckStepToPush(first.step()));
@@ -45,6 +46,7 @@ absl::StatusOr<std::unique_ptr<PushSession>> PushSession::Begin(std::shared_ptr<
       }
     }
   }
+  job->NotePush(first.rank(), first.trainer());
   return std::unique_ptr<PushSession>(new PushSession(job, first.step(), first.rank()));
 }
 

@@ -769,6 +769,53 @@ TEST_F(ServiceTest, AStepRefusedForItsCommitsArgumentsPushesNothing) {
   EXPECT_EQ(params, ref.Params());
 }
 
+// Two live trainers of one rank (a launch that forgot to give each its
+// rank): the second to push is refused, not taken for a retry of the
+// first's push with its own gradients dropped. A trainer started in place
+// of one (attached after its pushes) goes on, and the one it replaced is
+// refused from then on.
+TEST_F(ServiceTest, ASecondLiveTrainerOfARankIsRefusedAndAReplacementTakesTheRankOver) {
+  const JobOptions job = MakeJob("twins", 1, {{"w", 4096}});
+  auto first = Connect(server_->address());
+  auto second = Connect(server_->address());
+  ASSERT_TRUE(first->CreateOrAttach(job).ok());
+  ASSERT_TRUE(second->CreateOrAttach(job).ok());
+  const auto init = RandomFloats(rng_, 4096, -1, 1);
+  ASSERT_TRUE(first->InitFp32("w", init.data()).ok());
+  ReferenceTensor ref(kHyper, init, false);
+  std::vector<uint16_t> params(4096);
+  StepOptions so;
+  so.lr = 1e-2;
+  const auto step = [&](Client& c, const std::vector<uint16_t>& grad) {
+    return c.Step({{"w", grad.data()}}, so, {{"w", params.data()}});
+  };
+  const auto g1 = RandomBf16(rng_, 4096, 1.0f);
+  ASSERT_TRUE(step(*first, g1).ok());
+  ref.Step({g1.data()}, so.lr, 1.0f);
+  const std::vector<float> after_one = ReadAll(*first, job);
+  // The second trainer's step 1 would have been answered as a retry.
+  const auto twin = step(*second, RandomBf16(rng_, 4096, 1.0f));
+  EXPECT_EQ(twin.status().code(), absl::StatusCode::kFailedPrecondition) << twin.status();
+  EXPECT_THAT(std::string(twin.status().message()), HasSubstr("another trainer"));
+  EXPECT_EQ(ReadAll(*first, job), after_one);
+  const auto g2 = RandomBf16(rng_, 4096, 1.0f);
+  ASSERT_TRUE(step(*first, g2).ok());
+  ref.Step({g2.data()}, so.lr, 1.0f);
+  EXPECT_EQ(params, ref.Params());
+  // A replacement attaches after the first's pushes: its steps go through,
+  // and the trainer it replaced is refused, changing nothing.
+  auto replacement = Connect(server_->address());
+  ASSERT_EQ(replacement->CreateOrAttach(job).value(), 2u);
+  const auto g3 = RandomBf16(rng_, 4096, 1.0f);
+  ASSERT_TRUE(step(*replacement, g3).ok());
+  ref.Step({g3.data()}, so.lr, 1.0f);
+  EXPECT_EQ(params, ref.Params());
+  const std::vector<float> after_three = ReadAll(*replacement, job);
+  const auto replaced = step(*first, RandomBf16(rng_, 4096, 1.0f));
+  EXPECT_EQ(replaced.status().code(), absl::StatusCode::kFailedPrecondition) << replaced.status();
+  EXPECT_EQ(ReadAll(*replacement, job), after_three);
+}
+
 // A trainer attaching learns whether the server holds its rank's push of
 // the next step (CreateJobResponse.rank_pushed), which the server would use
 // in place of the trainer's own: a whole push of rank 1 waiting at the

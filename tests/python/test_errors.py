@@ -120,6 +120,27 @@ def test_a_trainer_left_running_never_steps_the_job_made_again_under_its_name(se
     new.drop()
 
 
+def test_two_live_trainers_that_forgot_their_ranks_are_told_so(servers, job):
+    """Two processes constructed with the default rank=0, world_size=1 on
+    one job: the second to step is refused (its push was taken for a retry
+    of the other's, its gradients dropped, and its step said ok), and the
+    job keeps the other's steps alone."""
+    first_model, second_model = make_model(), make_model()
+    first = RemoteAdamW(first_model.named_parameters(), servers=servers, job=job)
+    second = RemoteAdamW(second_model.named_parameters(), servers=servers, job=job)
+    train(first_model, first, 1)
+    masters = [first.master(p).clone() for p in first_model.parameters()]
+    tokens, targets = batch(7)
+    second_model(tokens, targets).backward()
+    with pytest.raises(shardopt.FailedPrecondition, match="another trainer"):
+        second.step()
+    assert first.job_step == 1
+    assert all(torch.equal(first.master(p), m) for p, m in zip(first_model.parameters(), masters))
+    train(first_model, first, 1, first=2)
+    assert first.job_step == 2
+    first.drop()
+
+
 def test_load_state_dict_after_steps_is_refused(servers, job):
     model = make_model()
     opt = RemoteAdamW(model.named_parameters(), servers=servers, job=job)

@@ -266,12 +266,18 @@ struct StepOneGradients {
   std::vector<GradView> views;
 };
 
+// The trainer id of the tests' world_size-1 trainer, whose clients stand
+// for one trainer.
+constexpr uint64_t kTrainer = 7;
+
 // Sets the job's initial values and does step 1 on server 0 alone, as a
-// world_size-1 trainer that died between its commits to two servers would.
+// world_size-1 trainer that died between its commits to two servers would
+// (or one whose commit to server 1 failed).
 void StepServerZeroAlone(const std::vector<std::string>& servers, const JobOptions& job) {
   ClientOptions options;
   options.servers = servers;
   options.push_servers = {0};
+  options.trainer = kTrainer;
   auto lopsided = Client::Connect(options).value();
   ASSERT_EQ(lopsided->CreateOrAttach(job).value(), 0u);
   for (uint32_t t = 0; t < job.tensors.size(); ++t) {
@@ -305,6 +311,7 @@ TEST(ScaleOut, AStepCommittedOnSomeServersIsCompletedByRetryingIt) {
   const JobOptions job = MakeJob("heal", 1, 10000);
   ClientOptions options;
   options.servers = cluster.addresses();
+  options.trainer = kTrainer;  // the same trainer, whose commit to server 1 failed
   auto trainer = Client::Connect(options).value();
   ASSERT_EQ(trainer->CreateOrAttach(job).value(), 0u);  // attached while both servers were at step 0
   ASSERT_NO_FATAL_FAILURE(StepServerZeroAlone(cluster.addresses(), job));

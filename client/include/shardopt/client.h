@@ -82,6 +82,12 @@ struct ClientOptions {
   // way, so that each pushes one part of the node's reduced gradient. The
   // other calls always go to every server.
   std::vector<uint32_t> push_servers;
+  // This client's id as a trainer, sent with its pushes: once another
+  // trainer has pushed this rank since this client attached, its pushes are
+  // FAILED_PRECONDITION (two live trainers of one rank; a trainer started
+  // in place of a dead one attaches after its pushes, and goes on). 0: a
+  // random one. Clients that stand for one trainer may share one.
+  uint64_t trainer = 0;
   // Attempts per RPC for UNAVAILABLE and DEADLINE_EXCEEDED, with backoff;
   // at least 1 (no retry).
   int max_attempts = 5;
