@@ -57,6 +57,10 @@ TEST(ClientReadTest, AServerThatSendsPartOfTheRangeIsDataLoss) {
   const absl::Status read = (*client)->Read("w", StateToRead::kMaster, 0, 100, out.data());
   EXPECT_EQ(read.code(), absl::StatusCode::kDataLoss) << read;
   EXPECT_NE(read.message().find("50 of the 100 elements"), std::string::npos) << read;
+  // A count of 0 asks no server (this one would answer 0 of 0 elements):
+  // OK up to the tensor's end, as client.h says, and OUT_OF_RANGE past it.
+  EXPECT_TRUE((*client)->Read("w", StateToRead::kMaster, 100, 0, nullptr).ok());
+  EXPECT_EQ((*client)->Read("w", StateToRead::kMaster, 101, 0, nullptr).code(), absl::StatusCode::kOutOfRange);
   server->Shutdown();
 }
 

@@ -294,7 +294,7 @@ class Client {
                       absl::Span<const double> group_lr = {});
 
   // Reads [offset, offset+count) of a tensor's state: float for master, m
-  // and v; bf16 bits for params.
+  // and v; bf16 bits for params. A count of 0 reads nothing (OK).
   absl::Status Read(const std::string& tensor, StateToRead what, uint64_t offset, uint64_t count, void* out);
   absl::StatusOr<std::vector<ServerState>> Describe();
   // Each tensor's own Adam step count, in JobOptions::tensors order.
