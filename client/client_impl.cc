@@ -1,0 +1,246 @@
+#include "client/client_impl.h"
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "client/commit_params.h"
+#include "client/wire.h"
+#include "rpc/initial_values.h"
+#include "rpc/learning_rates.h"
+
+namespace shardopt {
+
+absl::Status Client::Impl::CheckAttached() const {
+  if (attached) return absl::OkStatus();
+  if (dropped) {
+    return absl::FailedPreconditionError(absl::StrCat("job '", job.name, "' was dropped by this client (Drop): it ",
+                                                      "is attached to no job until CreateOrAttach makes one anew"));
+  }
+  return absl::FailedPreconditionError("this client is attached to no job: call CreateOrAttach first");
+}
+
+absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
+  // Nothing begun yet: a failed fan-out need not wait for a restore.
+  if (fanout::current != nullptr && fanout::current->failed()) {
+    return absl::CancelledError(absl::StrCat(address(s), ": another server's call failed"));
+  }
+  // From here not cancelled by another server's failure: a CreateJob cut
+  // off may have made the job afresh, and the drop that undoes it must be
+  // sent.
+  const fanout::Detached detached;
+  v1::CreateJobRequest req = ToCreateJobRequest(job, shards_of[s], options.rank);
+  req.set_restore_step(0);              // this run's newest, whatever the launch asked for
+  req.set_incarnation(incarnation[s]);  // not if that life was dropped on purpose
+  v1::CreateJobResponse resp;
+  SHARDOPT_RETURN_IF_ERROR(
+      fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
+                   [&](grpc::ClientContext* ctx) { return stubs[s]->CreateJob(ctx, req, &resp); }));
+  // The job restored (or attached by another rank) must be this client's
+  // life too: a server that holds the job of a new run made since (or
+  // restored its checkpoint, whose life is the next one) refuses this
+  // trainer, left running. One that holds no job and has this life
+  // marked dropped restores nothing and answers "was dropped".
+  const bool kept = resp.restored() || !resp.created();
+  const bool same_life = incarnation[s] == 0 || resp.incarnation() == 0 || resp.incarnation() == incarnation[s];
+  if (kept && !same_life) {
+    return absl::NotFoundError(absl::StrCat("job '", job.name, "' was dropped and made again since this trainer ",
+                                            "attached to it: ", address(s), " restarted and holds the new run's ",
+                                            "job now, not this trainer's"));
+  }
+  if (kept && resp.step() == step) {
+    incarnation[s] = resp.incarnation();  // its own, or the first this client learns of a server without lives
+    attached_at[s] = resp.pushes();
+    return absl::OkStatus();
+  }
+  if (resp.created() && !resp.restored()) {
+    fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
+                 [&](grpc::ClientContext* ctx) {
+                   v1::DropJobRequest drop;
+                   drop.set_job(job.name);
+                   drop.set_incarnation(resp.incarnation());  // this fresh job, not one made meanwhile
+                   v1::DropJobResponse unused;
+                   return stubs[s]->DropJob(ctx, drop, &unused);
+                 })
+        .IgnoreError();  // a fresh job, with nothing in it
+  }
+  const absl::Status failed = absl::FailedPreconditionError(absl::StrCat(
+      why.message(), "; asked to create job '", job.name, "' again, it ",
+      resp.restored() ? absl::StrCat("restored step ", resp.step()) : std::string("has no checkpoint of it"),
+      ", and this client is at step ", step, ": restore every server from one checkpoint (CreateOrAttach)"));
+  std::lock_guard<std::mutex> lock(lost_mu);
+  lost[s] = std::string(failed.message());
+  return failed;
+}
+
+absl::Status Client::Impl::UnlessServerBehind(uint32_t s, uint64_t t, absl::Status st) const {
+  if (!absl::IsOutOfRange(st) || !absl::StrContains(st.message(), " is in the future") || t != step + 1) return st;
+  // Without the server's own advice ("; push step N"), which pushing that
+  // step on one server only would follow.
+  absl::string_view said = st.message();
+  said = said.substr(0, said.rfind("; push step "));
+  return absl::FailedPreconditionError(absl::StrCat(
+      said, "; this trainer is at step ", step, ", so ", address(s),
+      " lost steps (it restarted and restored an older checkpoint, or none, while its peers went on) and the "
+      "job's servers disagree; nothing of step ",
+      t,
+      " was applied on it. To go on: stop the trainers, restart "
+      "every server of the job on its checkpoint directory so that each restores the same newest complete "
+      "checkpoint (the steps after it are lost; with no checkpoint, the job is), then start the trainers again"));
+}
+
+absl::Status Client::Impl::CommitOn(uint32_t s, const v1::CommitRequest& req, absl::Span<char* const> out) const {
+  return UnlessServerBehind(
+      s, req.step(), Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+        CommitParams received(job, tensor_index, shards_of[s], out, req.step());  // afresh for each attempt
+        bool request_sent = false;
+        auto next = [&](grpc::ByteBuffer* message) {
+          if (request_sent) return wire::StreamCall::Ready::kEnd;
+          request_sent = true;
+          v1::CommitRequest here = req;
+          here.set_incarnation(incarnation[s]);  // read at each attempt: a Reattach may have renewed it
+          *message = wire::HeadAndBorrowedBytes(here.SerializeAsString(), nullptr, 0);
+          return wire::StreamCall::Ready::kMessage;
+        };
+        const grpc::Status gs = wire::StreamCall::Run(
+            generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit", next, [] {},
+            [&](grpc::ByteBuffer* message) { return received.Take(message); });
+        return gs.ok() ? received.Whole() : gs;
+      }));
+}
+
+std::vector<bool> Client::Impl::holds_part() const {
+  std::vector<bool> holds(servers());
+  for (uint32_t s = 0; s < servers(); ++s) holds[s] = !shards_of[s].empty();
+  return holds;
+}
+
+absl::StatusOr<const TensorOptions*> Client::Impl::FindTensor(const std::string& name) const {
+  auto it = tensor_index.find(name);
+  if (it == tensor_index.end()) {
+    return absl::NotFoundError(absl::StrCat("job '", job.name, "' has no tensor '", name, "'"));
+  }
+  return &job.tensors[it->second];
+}
+
+absl::StatusOr<std::vector<v1::DescribeResponse>> Client::Impl::DescribeAll() const {
+  SHARDOPT_RETURN_IF_ERROR(CheckAttached());
+  std::vector<v1::DescribeResponse> responses(servers());
+  auto st = ForEachServer([&](uint32_t s) {
+    // Page by page: a server answers at most a page of tensors at a time.
+    google::protobuf::RepeatedPtrField<v1::TensorState> tensors;
+    do {
+      v1::DescribeResponse page;
+      SHARDOPT_RETURN_IF_ERROR(Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+        v1::DescribeRequest req;
+        req.set_job(job.name);
+        req.set_incarnation(incarnation[s]);
+        req.set_tensor_offset(tensors.size());
+        return stubs[s]->Describe(ctx, req, &page);
+      }));
+      if (page.tensors_size() == 0 && page.tensor_count() > static_cast<uint32_t>(tensors.size())) {
+        return absl::DataLossError(absl::StrCat(address(s), ": Describe answered an empty page"));
+      }
+      for (v1::TensorState& t : *page.mutable_tensors()) *tensors.Add() = std::move(t);
+      page.clear_tensors();
+      responses[s] = std::move(page);
+    } while (static_cast<uint32_t>(tensors.size()) < responses[s].tensor_count());
+    *responses[s].mutable_tensors() = std::move(tensors);
+    return absl::OkStatus();
+  });
+  if (!st.ok()) return st;
+  return responses;
+}
+
+absl::StatusOr<std::vector<char*>> Client::Impl::CommitTargets(double lr, absl::Span<const double> group_lr,
+                                                               absl::Span<const ParamView> params) const {
+  SHARDOPT_RETURN_IF_ERROR(CheckAttached());
+  SHARDOPT_RETURN_IF_ERROR(CheckLearningRates(lr, group_lr, job.groups.size(), job.name));
+  std::vector<char*> out(job.tensors.size(), nullptr);
+  for (const ParamView& p : params) {
+    SHARDOPT_RETURN_IF_ERROR(FindTensor(p.tensor).status());
+    out[tensor_index.at(p.tensor)] = static_cast<char*>(p.data);
+  }
+  return out;
+}
+
+absl::Status Client::Impl::CommitTo(uint64_t t, double lr, float gscale, bool skip, absl::Span<const double> group_lr,
+                                    const std::vector<char*>& out) {
+  v1::CommitRequest req;
+  req.set_job(job.name);
+  req.set_step(t);
+  req.set_lr(lr);
+  req.set_gscale(gscale);
+  req.set_skip(skip);
+  for (double g : group_lr) req.add_group_lr(g);
+  SHARDOPT_RETURN_IF_ERROR(ForEachServer([&](uint32_t s) { return CommitOn(s, req, out); }, /*pushing=*/true));
+  step = std::max(step, t);
+  return absl::OkStatus();
+}
+
+ShardPlacement Client::Impl::ShareOf(const ShardPlacement& placed, InitShare share) {
+  ShardPlacement p = placed;
+  p.offset = placed.offset + placed.length * share.index / share.count;
+  p.length = placed.offset + placed.length * (share.index + 1) / share.count - p.offset;
+  return p;
+}
+
+absl::Status Client::Impl::CheckInit(const std::string& tensor, const void* values, v1::DType dtype, v1::StateKind kind,
+                                     InitShare share) const {
+  SHARDOPT_RETURN_IF_ERROR(CheckAttached());
+  SHARDOPT_ASSIGN_OR_RETURN(const TensorOptions* t, FindTensor(tensor));
+  if (share.count == 0 || share.index >= share.count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("init share ", share.index, " of ", share.count, " is out of range: 0 <= index < count"));
+  }
+  if (values == nullptr) return absl::InvalidArgumentError(absl::StrCat("no values given for tensor '", tensor, "'"));
+  const bool bf16_state = job.groups[t->group].precision == StatePrecision::kBf16;
+  const InitialKind initial = kind == v1::EXP_AVG      ? InitialKind::kExpAvg
+                              : kind == v1::EXP_AVG_SQ ? InitialKind::kExpAvgSq
+                                                       : InitialKind::kMaster;
+  const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
+  for (uint32_t s = 0; s < servers(); ++s) {
+    for (const ShardPlacement& placed : shards_of[s]) {
+      if (placed.tensor != tensor) continue;
+      const ShardPlacement p = ShareOf(placed, share);
+      SHARDOPT_RETURN_IF_ERROR(CheckInitialValues(static_cast<const char*>(values) + p.offset * esize, p.length,
+                                                  dtype == v1::FP32, bf16_state, initial,
+                                                  absl::StrCat("'", tensor, "'"), p.offset));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Client::Impl::InitTensor(const std::string& tensor, const void* values, v1::DType dtype,
+                                      v1::StateKind kind, uint64_t adam_step, InitShare share) {
+  const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
+  const uint64_t per_chunk = std::max<uint64_t>(1, chunk_bytes / esize);
+  return ForEachServer([&](uint32_t s) -> absl::Status {
+    for (const ShardPlacement& placed : shards_of[s]) {
+      if (placed.tensor != tensor) continue;
+      const ShardPlacement p = ShareOf(placed, share);
+      if (p.length == 0) return absl::OkStatus();
+      return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+        v1::InitResponse resp;
+        auto writer = stubs[s]->Init(ctx, &resp);
+        v1::InitChunk chunk;
+        chunk.set_job(job.name);
+        chunk.set_tensor(tensor);
+        chunk.set_dtype(dtype);
+        chunk.set_kind(kind);
+        chunk.set_adam_step(adam_step);
+        chunk.set_incarnation(incarnation[s]);
+        for (uint64_t off = p.offset; off < p.offset + p.length; off += per_chunk) {
+          const uint64_t n = std::min(per_chunk, p.offset + p.length - off);
+          chunk.set_offset(off);
+          chunk.set_data(static_cast<const char*>(values) + off * esize, n * esize);
+          if (!writer->Write(chunk)) break;
+        }
+        writer->WritesDone();
+        return writer->Finish();
+      });
+    }
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace shardopt

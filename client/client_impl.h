@@ -1,0 +1,170 @@
+// Client's private half, as leveldb keeps DBImpl: the connection, the job
+// this client is attached to, and what every public method is built from:
+// one RPC with its retries and re-attach, the fan-out over the job's
+// servers, a commit's stream, and the checks made before anything is sent.
+// Only client/client*.cc include it.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/types/span.h"
+#include "base/status_macros.h"
+#include "client/fanout.h"
+#include "client/proto_convert.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
+#include "shardopt/client.h"
+#include "shardopt/v1/optimizer.grpc.pb.h"
+
+namespace shardopt {
+
+namespace v1 = ::shardopt::v1;
+
+struct Client::Impl {
+  ClientOptions options;
+  std::vector<std::unique_ptr<v1::Optimizer::Stub>> stubs;
+  std::vector<std::unique_ptr<grpc::GenericStub>> generic;  // the same channels, for the bulk paths
+  std::vector<std::shared_ptr<grpc::Channel>> channels;      // [server], for waiting on a reconnection
+
+  JobOptions job;
+  bool attached = false;
+  bool dropped = false;  // by this client's Drop, the job named `job`, until it attaches again
+  // [server]: the life of the job this client attached to there
+  // (CreateJobResponse.incarnation), echoed in each Push, Commit and Init so
+  // that a job dropped and made again under the name is not stepped as if it
+  // were this one. Set by CreateOrAttach, and by Reattach on that server's
+  // own fan-out thread, the only one that reads it while attached.
+  mutable std::vector<uint64_t> incarnation;
+  // This client's id as a trainer (GradChunk.trainer: ClientOptions's, or
+  // random; nonzero), and [server] how many pushes the job had begun there
+  // when this client attached (CreateJobResponse.pushes), renewed as
+  // incarnation is: a push of this rank by another trainer since then is
+  // refused, not taken.
+  uint64_t trainer = 0;
+  mutable std::vector<uint64_t> attached_at;
+  uint64_t step = 0;
+  uint64_t pushed_ahead = 0;  // Client::pushed_ahead, as the attach found it
+  uint64_t chunk_bytes = 0;  // per streamed message, once attached (rpc/chunk_size.h)
+  uint32_t barrier_ms = 0;   // the job's barrier deadline as its servers hold it, once attached
+  absl::flat_hash_map<std::string, uint32_t> tensor_index;
+  std::vector<std::vector<ShardPlacement>> shards_of;  // [server] in tensor order
+  std::vector<bool> pushes_to;                         // [server]: in push_servers
+  // [server]: why this client cannot go on with the job there (Reattach
+  // failed). The fresh job it dropped again is answered "was dropped" from
+  // then on, which would read as if someone had dropped the job.
+  mutable std::mutex lost_mu;
+  mutable std::vector<std::string> lost;  // guarded by lost_mu
+
+  uint32_t servers() const { return static_cast<uint32_t>(stubs.size()); }
+  const std::string& address(uint32_t s) const { return options.servers[s]; }
+  // Gradients come in the param's dtype for fp32 params, else in the job's.
+  v1::DType grad_dtype(uint32_t tensor) const { return GradDType(job, job.tensors[tensor]); }
+
+  absl::Status CheckAttached() const;
+
+  // A push's deadline: the barrier's wait on top of the call's own, so that
+  // the server's barrier ends first and its answer says which ranks it
+  // lacked.
+  uint32_t push_timeout_ms() const {
+    return static_cast<uint32_t>(
+        std::min<uint64_t>(uint64_t{barrier_ms} + options.rpc_timeout_ms, std::numeric_limits<uint32_t>::max()));
+  }
+
+  // Runs one RPC to server `server`, with retries (client/fanout.h). A
+  // server that answers that it holds no such job (it restarted) is given
+  // the job again (Reattach), and the RPC runs once more.
+  template <typename Attempt>
+  absl::Status Call(uint32_t server, uint32_t timeout_ms, const Attempt& attempt, bool reattach = true) const {
+    const absl::Status st = fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt);
+    if (absl::IsNotFound(st) && absl::StrContains(st.message(), "was dropped")) {
+      std::lock_guard<std::mutex> lock(lost_mu);
+      if (server < lost.size() && !lost[server].empty()) {
+        return fanout::FailFanout(absl::FailedPreconditionError(lost[server]));
+      }
+    }
+    if (!reattach || !attached || !absl::IsNotFound(st) || !absl::StrContains(st.message(), "no job ")) {
+      return fanout::FailFanout(st);
+    }
+    SHARDOPT_RETURN_IF_ERROR(fanout::FailFanout(Reattach(server, st)));
+    return fanout::FailFanout(fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt));
+  }
+
+  // The job on a server that no longer holds it: a new process in its place
+  // (a pod replaced in a rolling upgrade), which restores the job from the
+  // newest complete checkpoint when asked to create it. Fine if it is then
+  // at the step this client is at (or another rank attached it already);
+  // otherwise FAILED_PRECONDITION, and a job it made afresh is dropped
+  // again. A job dropped on purpose is answered "was dropped" instead, and
+  // never comes here.
+  absl::Status Reattach(uint32_t s, const absl::Status& why) const;
+
+  // A push or commit of this client's next step, t, that server `s` calls
+  // "in the future" (OUT_OF_RANGE): the server is behind the step its peers
+  // agreed on, so it lost steps (it restarted and restored an older
+  // checkpoint while they went on). No retry mends that, and the server's
+  // own words ("push step N") would send the trainer the wrong way.
+  absl::Status UnlessServerBehind(uint32_t s, uint64_t t, absl::Status st) const;
+
+  // One server's commit of `req`: its params of the step into out[tensor]
+  // (null: discarded), whole, or an error.
+  absl::Status CommitOn(uint32_t s, const v1::CommitRequest& req, absl::Span<char* const> out) const;
+
+  // Which servers hold part of the job.
+  std::vector<bool> holds_part() const;
+
+  // Runs fn(server) on every server that holds part of the job (only those
+  // in push_servers when `pushing`), at once. Each thread builds one chunk
+  // message at a time, so in flight per server there is one chunk plus what
+  // gRPC buffers within one HTTP/2 flow-control window.
+  template <typename Fn>
+  absl::Status ForEachServer(const Fn& fn, bool pushing = false) const {
+    std::vector<uint32_t> targets;
+    for (uint32_t s = 0; s < servers(); ++s) {
+      if (!shards_of[s].empty() && (!pushing || pushes_to[s])) targets.push_back(s);
+    }
+    return fanout::ForEach(targets, fn);
+  }
+
+  absl::StatusOr<const TensorOptions*> FindTensor(const std::string& name) const;
+
+  // Describe from every server that holds part of the job; empty entries
+  // for the others.
+  absl::StatusOr<std::vector<v1::DescribeResponse>> DescribeAll() const;
+
+  // What a commit sends, checked before anything is sent (a Step's push
+  // included): its learning rates, as the servers check them, and the
+  // tensors of `params`. Where each tensor's params go, by tensor index.
+  absl::StatusOr<std::vector<char*>> CommitTargets(double lr, absl::Span<const double> group_lr,
+                                                   absl::Span<const ParamView> params) const;
+
+  // Commits `step` on every server it pushes to, each server's params
+  // written where CommitTargets said.
+  absl::Status CommitTo(uint64_t t, double lr, float gscale, bool skip, absl::Span<const double> group_lr,
+                        const std::vector<char*>& out);
+
+  // This caller's slice of a server's part of a tensor: every server gets
+  // its bytes from every caller at once, and the slices tile the part.
+  static ShardPlacement ShareOf(const ShardPlacement& placed, InitShare share);
+
+  // What InitTensor would send of `values`, checked as the servers check it,
+  // before anything is sent: a call the servers refuse partway would leave
+  // the chunks before the refused one written.
+  absl::Status CheckInit(const std::string& tensor, const void* values, v1::DType dtype, v1::StateKind kind,
+                         InitShare share) const;
+
+  // Sends what CheckInit checked.
+  absl::Status InitTensor(const std::string& tensor, const void* values, v1::DType dtype,
+                          v1::StateKind kind = v1::MASTER, uint64_t adam_step = 0, InitShare share = {});
+};
+
+}  // namespace shardopt
