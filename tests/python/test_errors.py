@@ -108,16 +108,23 @@ def test_a_trainer_left_running_never_steps_the_job_made_again_under_its_name(se
     new_model = make_model(seed=5)
     new = RemoteAdamW(new_model.named_parameters(), servers=servers, job=job)
     train(new_model, new, 2)
-    masters = [new.master(p).clone() for p in new_model.parameters()]
+    assert_refused_and_the_job_kept(old_model, old, shardopt.NotFound, "made again", new_model, new)
+
+
+def assert_refused_and_the_job_kept(refused_model, refused, error, match, model, opt):
+    """refused.step() after a backward raises `error`; opt's job keeps its
+    step and masters, goes on, and is dropped."""
+    step = opt.job_step
+    masters = [opt.master(p).clone() for p in model.parameters()]
     tokens, targets = batch(7)
-    old_model(tokens, targets).backward()
-    with pytest.raises(shardopt.NotFound, match="made again"):
-        old.step()
-    assert new.job_step == 2
-    assert all(torch.equal(new.master(p), m) for p, m in zip(new_model.parameters(), masters))
-    train(new_model, new, 1, first=3)
-    assert new.job_step == 3
-    new.drop()
+    refused_model(tokens, targets).backward()
+    with pytest.raises(error, match=match):
+        refused.step()
+    assert opt.job_step == step
+    assert all(torch.equal(opt.master(p), m) for p, m in zip(model.parameters(), masters))
+    train(model, opt, 1, first=step + 1)
+    assert opt.job_step == step + 1
+    opt.drop()
 
 
 def test_two_live_trainers_that_forgot_their_ranks_are_told_so(servers, job):
@@ -129,16 +136,8 @@ def test_two_live_trainers_that_forgot_their_ranks_are_told_so(servers, job):
     first = RemoteAdamW(first_model.named_parameters(), servers=servers, job=job)
     second = RemoteAdamW(second_model.named_parameters(), servers=servers, job=job)
     train(first_model, first, 1)
-    masters = [first.master(p).clone() for p in first_model.parameters()]
-    tokens, targets = batch(7)
-    second_model(tokens, targets).backward()
-    with pytest.raises(shardopt.FailedPrecondition, match="another trainer"):
-        second.step()
-    assert first.job_step == 1
-    assert all(torch.equal(first.master(p), m) for p, m in zip(first_model.parameters(), masters))
-    train(first_model, first, 1, first=2)
-    assert first.job_step == 2
-    first.drop()
+    assert_refused_and_the_job_kept(second_model, second, shardopt.FailedPrecondition, "another trainer", first_model,
+                                    first)
 
 
 def test_load_state_dict_after_steps_is_refused(servers, job):
