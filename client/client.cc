@@ -77,7 +77,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   im.attached_at.clear();
   for (const v1::CreateJobResponse& answer : answers) {
     im.incarnation.push_back(answer.incarnation());
-    im.attached_at.push_back(answer.pushes());
+    im.attached_at.push_back(answer.push_clock());
   }
   const std::vector<bool> holds_part = im.holds_part();
   // A step its trainer committed on some servers only is committed on the

@@ -49,7 +49,7 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
   }
   if (kept && resp.step() == step) {
     incarnation[s] = resp.incarnation();  // its own, or the first this client learns of a server without lives
-    attached_at[s] = resp.pushes();
+    attached_at[s] = resp.push_clock();
     return absl::OkStatus();
   }
   if (resp.created() && !resp.restored()) {

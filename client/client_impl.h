@@ -46,10 +46,10 @@ struct Client::Impl {
   // own fan-out thread, the only one that reads it while attached.
   mutable std::vector<uint64_t> incarnation;
   // This client's id as a trainer (GradChunk.trainer: ClientOptions's, or
-  // random; nonzero), and [server] how many pushes the job had begun there
-  // when this client attached (CreateJobResponse.pushes), renewed as
-  // incarnation is: a push of this rank by another trainer since then is
-  // refused, not taken.
+  // random; nonzero), and [server] the job's push clock there when this
+  // client attached (CreateJobResponse.push_clock), renewed as incarnation
+  // is: a push of this rank by another trainer since then is refused, not
+  // taken.
   uint64_t trainer = 0;
   mutable std::vector<uint64_t> attached_at;
   uint64_t step = 0;

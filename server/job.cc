@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "server/job_spec.h"
 #include "server/messages.h"
@@ -73,6 +74,7 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spe
   job->state = std::move(state);
   job->adam_steps.assign(job->shards.size(), 0);
   job->pushers.resize(spec.world_size());
+  job->push_clock = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
   job->init_cover.resize(job->shards.size());
   job->uninitialized_shards = job->shards.size();
   return job;
@@ -236,13 +238,15 @@ absl::Status Job::CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t att
   }
   return absl::FailedPreconditionError(absl::StrCat(
       "rank ", rank, " of job '", name(), "' has been pushed by another trainer since this one attached: two live ",
-      "trainers with rank ", rank, "? Each trainer needs its own rank (and world_size the number of trainers). A ",
-      "trainer started in place of this one has taken its rank over; to take it back, attach again"));
+      "trainers with rank ", rank, "? Each trainer needs its own rank (and world_size the number of trainers): stop ",
+      "them, and start each with its own. (A trainer started in place of this one has taken its rank over.)"));
 }
 
 void Job::NotePush(uint32_t rank, uint64_t trainer) {
-  ++pushes_begun;
-  if (trainer != 0) pushers[rank] = {trainer, pushes_begun};
+  // Never behind the wall clock: a server restarted (its jobs restored)
+  // starts past what a trainer learnt from the process before.
+  push_clock = std::max(push_clock + 1, static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
+  if (trainer != 0) pushers[rank] = {trainer, push_clock};
 }
 
 absl::Status Job::CheckNotDropped() const {

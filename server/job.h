@@ -128,13 +128,13 @@ class Job {
   // what a job's pushes hold stays near the cap whatever the number of
   // ranks, and gRPC's flow control holds the rest back in the senders.
   uint64_t held_bytes ABSL_GUARDED_BY(mu) = 0;
-  // Push streams begun (CreateJobResponse.pushes), and per rank the trainer
-  // that began its last one (GradChunk.trainer) and that stream's number.
+  // The push clock (CreateJobResponse.push_clock), and per rank the trainer
+  // that began its last push stream (GradChunk.trainer) and the clock then.
   struct RankPusher {
     uint64_t trainer = 0;
     uint64_t push = 0;
   };
-  uint64_t pushes_begun ABSL_GUARDED_BY(mu) = 0;
+  uint64_t push_clock ABSL_GUARDED_BY(mu) = 0;
   std::vector<RankPusher> pushers ABSL_GUARDED_BY(mu);  // [rank]
   // The phases of the last step done, and of the step being applied.
   StepPhases last_phases ABSL_GUARDED_BY(mu);
@@ -222,7 +222,8 @@ class Job {
   // `attached_at`: two live trainers of one rank. `trainer` 0: not checked.
   absl::Status CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t attached_at) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // Counts a push stream of `rank` begun, by `trainer` (0: not said).
+  // Moves the push clock on for a push stream of `rank` begun, by `trainer`
+  // (0: not said, not recorded).
   void NotePush(uint32_t rank, uint64_t trainer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
  private:

@@ -76,7 +76,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1:
 void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobResponse* response) {
   response->set_step(job.step);
   response->set_incarnation(job.incarnation);
-  response->set_pushes(job.pushes_begun);
+  response->set_push_clock(job.push_clock);
   response->set_sealed_step(job.sealed_step);
   response->set_applied_lr(job.applied.lr);
   response->set_applied_gscale(job.applied.gscale);
@@ -113,9 +113,8 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                                      options_.max_world_size, " (--max_world_size)"));
   }
   const auto too_long = [&](const std::string& name, const std::string& what) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " ", Quote(name.substr(0, 64)), name.size() > 64 ? "..." : "", " is ", name.size(),
-                                                   " bytes; this server takes at most ", options_.max_name_bytes,
-                                                   " (--max_name_bytes)"));
+    return absl::InvalidArgumentError(absl::StrCat(what, " ", QuoteWithSize(name), " is longer than this server takes: ",
+                                                   "at most ", options_.max_name_bytes, " (--max_name_bytes)"));
   };
   if (request.job().size() > options_.max_name_bytes) return too_long(request.job(), "job name");
   for (const v1::Group& g : request.groups()) {

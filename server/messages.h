@@ -15,10 +15,16 @@ inline std::string Range(uint64_t begin, uint64_t end) { return absl::StrCat("["
 // A caller-supplied name, quoted and cut short: the message travels in gRPC's
 // metadata, which a long name would overflow (the caller would then see
 // RESOURCE_EXHAUSTED instead of the refusal).
+inline constexpr size_t kQuotedBytes = 64;
 inline std::string Quote(absl::string_view name) {
-  constexpr size_t kShown = 64;
-  if (name.size() <= kShown) return absl::StrCat("'", name, "'");
-  return absl::StrCat("'", name.substr(0, kShown), "...' (", name.size(), " bytes)");
+  if (name.size() <= kQuotedBytes) return absl::StrCat("'", name, "'");
+  return absl::StrCat("'", name.substr(0, kQuotedBytes), "...' (", name.size(), " bytes)");
+}
+
+// As Quote, with the name's size also when it is shown whole.
+inline std::string QuoteWithSize(absl::string_view name) {
+  if (name.size() > kQuotedBytes) return Quote(name);
+  return absl::StrCat(Quote(name), " (", name.size(), " bytes)");
 }
 
 }  // namespace shardopt

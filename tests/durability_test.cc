@@ -287,6 +287,40 @@ TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop
   EXPECT_EQ(*describe, 2 * kN);
 }
 
+// Two live trainers of one rank, both attached before their server
+// restarted, and the job restored by a third client that only reads: what
+// they learnt of the job's push clock from the earlier process reads as
+// before every push of the new one, so the second to push is still refused
+// (a count of pushes since the restore had it taken for a trainer started
+// in place of the first, and its gradients dropped as a retry's).
+TEST(DurabilityTest, TwoTrainersOfARankAttachedBeforeARestartAreStillTold) {
+  const JobOptions job = DurableJob("twins", {{"w", 5000}});
+  TempDir dir;
+  const int port = testing::FreeLoopbackPort();
+  const std::vector<std::string> args = {"--threads=1", absl::StrCat("--port=", port),
+                                         "--checkpoint_dir=" + dir.path()};
+  auto server = testing::ServerProcess::Start(args);
+  ASSERT_NE(server, nullptr);
+  ClientOptions options;
+  options.servers = {server->address()};
+  auto first = Client::Connect(options).value();
+  ScriptedTrainer trainer = Train(*first, job, 2);
+  auto second = Client::Connect(options).value();
+  ASSERT_EQ(second->CreateOrAttach(job).value(), 2u);
+  ASSERT_EQ(server->Stop(SIGTERM) >> 8, 0);  // its drain checkpoints step 2
+  server = testing::ServerProcess::Start(args);
+  ASSERT_NE(server, nullptr);
+  auto monitor = Client::Connect(options).value();
+  ASSERT_EQ(monitor->CreateOrAttach(job).value(), 2u);  // restores it
+  ASSERT_TRUE(trainer.Step(*first).ok());
+  const std::vector<uint32_t> at_3 = Fingerprint(*monitor, job).value();
+  ScriptedTrainer twin(job);
+  const auto refused = twin.Step(*second);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("another trainer"));
+  EXPECT_EQ(Fingerprint(*monitor, job).value(), at_3);
+}
+
 // A trainer left running while its job is dropped, whose server then
 // restarts before anyone makes the job again: its call finds no job, and its
 // re-attach names its life, which the drop marked on disk: the server

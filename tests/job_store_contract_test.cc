@@ -452,7 +452,7 @@ TEST_F(CapsTest, TensorsAndRanksOverTheServersCapsAreRefusedAndBuildNothing) {
   const auto long_job = store_.CreateJob(JobRequest("job-name-9", 1, {{"a", 10}}));
   EXPECT_EQ(long_job.status().code(), absl::StatusCode::kInvalidArgument);
   // Shown whole, so without an ellipsis.
-  EXPECT_THAT(std::string(long_job.status().message()), HasSubstr("job name 'job-name-9' is 10 bytes"));
+  EXPECT_THAT(std::string(long_job.status().message()), HasSubstr("job name 'job-name-9' (10 bytes) is longer"));
   EXPECT_EQ(store_.Describe("named").status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(store_.CreateJob(JobRequest("fits", 4, {{"a", 10}, {"b", 10}, {"c", 10}})).ok());
 }

@@ -108,34 +108,48 @@ class _OverlapPush:
         if t.device.type == "cuda":
             # The push reads the staging buffer as soon as it is marked.
             torch.cuda.current_stream(t.device).synchronize()
-        self._client.mark(self._position[k], source, owner)  # its first this step: taken
+        self._client.mark(self._position[k], source, owner)
         self._seen.append(k)
 
     def _commit_push(self, skip=False):
         """Finishes the running push and commits it, decided as
-        Client::Step decides (skip=True: as a skipped step). A push that a
+        Client::Step decides, and returns the decision; or (skip=True)
+        commits it as a skipped step, and returns None. A push that a
         param's second gradient reached is committed as a skip: what it
         read of that param's p.grad may be either gradient, or both."""
         skip = skip or self._second_gradient is not None
         for retry in (False, True):
             push = self._finish_push(check=not skip)  # on the retry: a new push, from p.grad
-            decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
             try:
-                self._commit_pushed(decision.gscale, skip or decision.skip)
+                if skip:
+                    self._commit_skip()
+                    self._second_gradient = None
+                    return None
+                decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
+                self._commit_pushed(decision.gscale, decision.skip)
                 return decision
             except FailedPrecondition as e:
                 # A server that restarted after the push was complete was
                 # given the job again and restored the step before, with no
-                # push of this one. If p.grad still holds what was pushed, it
-                # is pushed again from there and committed, once; else the
+                # push of this one. If p.grad still holds what was pushed (or
+                # the step is a skip, which applies no gradient), it is
+                # pushed again from there and committed, once; else the
                 # other servers' rounds hold other gradients, and it raises.
-                if retry or "its push is incomplete" not in e.message or not self._pushed_unchanged():
+                if retry or "its push is incomplete" not in e.message or not (skip or self._pushed_unchanged()):
                     raise
 
     def _commit_pushed(self, gscale, skip):
         """Commits the finished push's step at each group's current lr."""
         group_lr = [float(g["lr"]) for g in self.param_groups]
         self._client.commit(self._push_step, group_lr[0], gscale, skip, self._param_targets(), group_lr)
+
+    def _commit_skip(self):
+        """Commits the finished push's step as a skip, with the arguments
+        every skip of a push is committed with (the module's own, when an
+        optimizer goes with its push running): it applies nothing, so an lr
+        the loop has made invalid since must not refuse it, and other ranks
+        skipping the step ask the same."""
+        self._client.commit(self._push_step, 0.0, 1.0, True, self._param_targets(), [])
 
     def _pushed_unchanged(self):
         """Whether every param's p.grad is what the finished push took from
@@ -179,7 +193,7 @@ class _OverlapPush:
             for k in rest:
                 self._client.mark(self._position[k], 0, None)
             self._client.finish_push()
-            self._commit_pushed(1.0, skip=True)
+            self._commit_skip()
             raise
         for k in rest:
             self._client.mark(self._position[k], *sources[k])

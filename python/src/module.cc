@@ -79,16 +79,16 @@ class ReadyTable {
     data_.assign(n, nullptr);
     ready_.assign(n, false);
   }
-  // False if slot i was already marked this step.
-  bool Mark(size_t i, const void* data) {
+  // Slot i's data; a slot is marked once a step (the Python side refuses
+  // a second gradient before it gets here), and a second mark is ignored.
+  void Mark(size_t i, const void* data) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (ready_.at(i)) return false;
+      if (ready_.at(i)) return;
       data_[i] = data;
       ready_[i] = true;
     }
     cv_.notify_all();
-    return true;
   }
   // Marks every slot not yet marked as "no gradient".
   void MarkRest() {
@@ -248,9 +248,9 @@ class PyClient {
   // has ended, so that a gradient let go meanwhile (set to None, or the
   // optimizer and its staging dropped while backward raised) is not freed
   // under the push thread, which reads it by address.
-  bool Mark(size_t i, uintptr_t data, py::object owner) {
+  void Mark(size_t i, uintptr_t data, py::object owner) {
     held_.push_back(std::move(owner));
-    return table_.Mark(i, reinterpret_cast<const void*>(data));
+    table_.Mark(i, reinterpret_cast<const void*>(data));
   }
   bool Pushing() {
     py::gil_scoped_release nogil;

@@ -97,9 +97,38 @@ def test_a_second_backward_before_step_is_refused_and_its_step_skipped(servers, 
     opt.zero_grad()
     assert opt.job_step == 1
     assert all(same_bits(p, q) for p, q in zip(model.parameters(), initial))
-    train(model, opt, 2, first=2)
-    assert opt.job_step == 3
+    # A step of gradients set by hand (no backward) is a step, not a skip.
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.job_step == 2 and opt.last_decision is not None and not opt.last_decision.skip
+    assert not same_bits(next(model.parameters()), initial[0])
+    opt.zero_grad()
+    train(model, opt, 2, first=3)
+    assert opt.job_step == 4
     opt.drop()
+
+
+def test_a_skip_of_the_pushed_step_is_not_refused_for_an_lr_the_loop_made_invalid(servers, job):
+    """zero_grad() commits backward's push as a skip: it applies nothing,
+    so a NaN lr set meanwhile does not refuse it (it used to, leaving the
+    step pushed, and the next backward's step applied the old gradients).
+    The next step is then that of its own gradients, as without overlap."""
+    finals = []
+    for overlap in (True, False):
+        model = make_model()
+        opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-{overlap}", lr=1e-3, overlap=overlap)
+        tokens, targets = batch(1)
+        model(tokens, targets).backward()
+        for g in opt.param_groups:
+            g["lr"] = float("nan")
+        opt.zero_grad()
+        for g in opt.param_groups:
+            g["lr"] = 1e-3
+        train(model, opt, 1, first=2)
+        finals.append([p.detach().clone() for p in model.parameters()])
+        opt.drop()
+    assert all(same_bits(p, q) for p, q in zip(*finals))
 
 
 class _SharedInTwoSegments(torch.nn.Module):
