@@ -283,7 +283,9 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
 
 absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params,
                             absl::Span<const double> group_lr) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto out, impl_->CommitTargets(lr, group_lr, params));
+  // A skip sends none of its learning rates (CommitTo), so they are not checked.
+  SHARDOPT_ASSIGN_OR_RETURN(auto out, skip ? impl_->CommitTargets(0.0, {}, params)
+                                           : impl_->CommitTargets(lr, group_lr, params));
   return impl_->CommitTo(step, lr, gscale, skip, group_lr, out);
 }
 

@@ -168,10 +168,14 @@ absl::Status Client::Impl::CommitTo(uint64_t t, double lr, float gscale, bool sk
   v1::CommitRequest req;
   req.set_job(job.name);
   req.set_step(t);
-  req.set_lr(lr);
-  req.set_gscale(gscale);
   req.set_skip(skip);
-  for (double g : group_lr) req.add_group_lr(g);
+  // A skip's other arguments are the same for every skip (the server's
+  // too): ranks that skip a step for different reasons agree.
+  req.set_lr(skip ? 0.0 : lr);
+  req.set_gscale(skip ? 1.0f : gscale);
+  if (!skip) {
+    for (double g : group_lr) req.add_group_lr(g);
+  }
   SHARDOPT_RETURN_IF_ERROR(ForEachServer([&](uint32_t s) { return CommitOn(s, req, out); }, /*pushing=*/true));
   step = std::max(step, t);
   return absl::OkStatus();

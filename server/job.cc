@@ -19,6 +19,9 @@ bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 }  // namespace
 
 bool CommitArgs::operator==(const CommitArgs& o) const {
+  // Two skips are one commit, also where one was recorded before skips' arguments were made alike (a checkpoint
+  // of an older server).
+  if (skip && o.skip) return true;
   if (!SameBits(lr, o.lr) || !SameBits(gscale, o.gscale) || skip != o.skip) return false;
   return std::equal(group_lr.begin(), group_lr.end(), o.group_lr.begin(), o.group_lr.end(),
                     [](double a, double b) { return SameBits(a, b); });
@@ -29,6 +32,9 @@ Job::Job(const v1::CreateJobRequest& s, uint64_t window, Wakeups* wakeups, Memor
       budget_(budget), tracking_what_(absl::StrCat("the barrier tracking of job ", Quote(s.job()))) {}
 
 namespace {
+
+// The push clock's floor: nanoseconds since the Unix epoch (0 before it).
+uint64_t WallClockNanos() { return static_cast<uint64_t>(std::max<int64_t>(0, absl::ToUnixNanos(absl::Now()))); }
 
 // The job's bookkeeping besides its state: per tensor its spec, name index
 // and shard entry, per group its spec and hyperparameters, and per rank the
@@ -74,7 +80,7 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spe
   job->state = std::move(state);
   job->adam_steps.assign(job->shards.size(), 0);
   job->pushers.resize(spec.world_size());
-  job->push_clock = static_cast<uint64_t>(absl::ToUnixNanos(absl::Now()));
+  job->push_clock = WallClockNanos();
   job->init_cover.resize(job->shards.size());
   job->uninitialized_shards = job->shards.size();
   return job;
@@ -245,7 +251,7 @@ absl::Status Job::CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t att
 void Job::NotePush(uint32_t rank, uint64_t trainer) {
   // Never behind the wall clock: a server restarted (its jobs restored)
   // starts past what a trainer learnt from the process before.
-  push_clock = std::max(push_clock + 1, static_cast<uint64_t>(absl::ToUnixNanos(absl::Now())));
+  push_clock = std::max(push_clock + 1, WallClockNanos());
   if (trainer != 0) pushers[rank] = {trainer, push_clock};
 }
 

@@ -53,7 +53,7 @@ struct CommitArgs {
   std::vector<double> group_lr;  // empty: lr for every group
 
   double lr_of(uint32_t group) const { return group_lr.empty() ? lr : group_lr[group]; }
-  // Bitwise: a retry must carry the very same numbers.
+  // Bitwise: a retry must carry the very same numbers; any two skips are equal.
   bool operator==(const CommitArgs& other) const;
 };
 

@@ -300,6 +300,54 @@ TEST_F(ServiceTest, RanksMeetAtTheBarrierOverTheNetwork) {
   }
 }
 
+// Ranks that skip a step for different reasons agree: one whose Step
+// decided a skip (a NaN in its gradient), one whose loop skips it with its
+// own lr and gscale, and a hand-written commit of a skip with a NaN lr.
+// Every skip is the same commit (they were ABORTED, "ranks disagree"), and
+// none changes the state.
+TEST_F(ServiceTest, EverySkipOfAStepIsTheSameCommit) {
+  const JobOptions job = MakeJob("skips", 2, {{"w", 5000}});
+  auto c0 = Connect(server_->address(), 0), c1 = Connect(server_->address(), 1);
+  ASSERT_TRUE(c0->CreateOrAttach(job).ok());
+  ASSERT_TRUE(c1->CreateOrAttach(job).ok());
+  const auto init = RandomFloats(rng_, 5000, -1, 1);
+  ASSERT_TRUE(c0->InitFp32("w", init.data()).ok());
+  const std::vector<float> before = ReadAll(*c0, job);
+  auto g0 = RandomBf16(rng_, 5000, 1.0f);
+  g0[17] = 0x7FC0;  // NaN
+  const auto g1 = RandomBf16(rng_, 5000, 1.0f);
+  std::vector<uint16_t> p0(5000), p1(5000);
+  StepOptions so;
+  so.lr = 1e-2;
+  absl::Status skipped_by_loop;
+  std::thread t([&] {
+    const auto pushed = c1->Push(1, {{"w", g1.data()}});
+    skipped_by_loop = pushed.ok() ? c1->Commit(1, 3e-4, 0.25f, /*skip=*/true, {{"w", p1.data()}}, {7.0})
+                                  : pushed.status();
+  });
+  const auto decided = c0->Step({{"w", g0.data()}}, so, {{"w", p0.data()}});
+  t.join();
+  ASSERT_TRUE(decided.ok()) << decided.status();
+  EXPECT_TRUE(decided->decision.skip);
+  EXPECT_TRUE(skipped_by_loop.ok()) << skipped_by_loop;
+  auto stub = RawStub(server_->address());
+  grpc::ClientContext ctx;
+  v1::CommitRequest raw;
+  raw.set_job("skips");
+  raw.set_step(1);
+  raw.set_lr(NAN);
+  raw.set_gscale(NAN);
+  raw.set_skip(true);
+  auto reader = stub->Commit(&ctx, raw);
+  v1::ParamChunk chunk;
+  while (reader->Read(&chunk)) {
+  }
+  const grpc::Status hand_written = reader->Finish();
+  EXPECT_TRUE(hand_written.ok()) << hand_written.error_message();
+  EXPECT_EQ(ReadAll(*c0, job), before);
+  EXPECT_EQ(c0->AdamSteps().value(), std::vector<uint64_t>({0}));
+}
+
 TEST_F(ServiceTest, RetriedPushesAndCommitsOverGrpcCountOnce) {
   const JobOptions job = MakeJob("retries", 1, {{"w", 3000}});
   auto client = Connect(server_->address());

@@ -117,25 +117,24 @@ class _OverlapPush:
         commits it as a skipped step, and returns None. A push that a
         param's second gradient reached is committed as a skip: what it
         read of that param's p.grad may be either gradient, or both."""
-        skip = skip or self._second_gradient is not None
+        if skip or self._second_gradient is not None:
+            self._finish_push(skip=True)
+            self._commit_skip()
+            self._second_gradient = None
+            return None
         for retry in (False, True):
-            push = self._finish_push(check=not skip)  # on the retry: a new push, from p.grad
+            push = self._finish_push()  # on the retry: a new push, from p.grad
+            decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
             try:
-                if skip:
-                    self._commit_skip()
-                    self._second_gradient = None
-                    return None
-                decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
                 self._commit_pushed(decision.gscale, decision.skip)
                 return decision
             except FailedPrecondition as e:
                 # A server that restarted after the push was complete was
                 # given the job again and restored the step before, with no
-                # push of this one. If p.grad still holds what was pushed (or
-                # the step is a skip, which applies no gradient), it is
-                # pushed again from there and committed, once; else the
+                # push of this one. If p.grad still holds what was pushed, it
+                # is pushed again from there and committed, once; else the
                 # other servers' rounds hold other gradients, and it raises.
-                if retry or "its push is incomplete" not in e.message or not (skip or self._pushed_unchanged()):
+                if retry or "its push is incomplete" not in e.message or not self._pushed_unchanged():
                     raise
 
     def _commit_pushed(self, gscale, skip):
@@ -144,12 +143,21 @@ class _OverlapPush:
         self._client.commit(self._push_step, group_lr[0], gscale, skip, self._param_targets(), group_lr)
 
     def _commit_skip(self):
-        """Commits the finished push's step as a skip, with the arguments
-        every skip of a push is committed with (the module's own, when an
-        optimizer goes with its push running): it applies nothing, so an lr
-        the loop has made invalid since must not refuse it, and other ranks
-        skipping the step ask the same."""
-        self._client.commit(self._push_step, 0.0, 1.0, True, self._param_targets(), [])
+        """Commits the finished push's step as a skip. A skip applies
+        nothing, so its lr is not sent (an lr the loop has made invalid
+        since does not refuse it), and what it pushed does not matter: a
+        server that restarted after the push was complete (it restored the
+        step before, with no push of this one) is pushed the step again,
+        with no gradient, and the skip committed once more."""
+        for retry in (False, True):
+            try:
+                self._client.commit(self._push_step, 0.0, 1.0, True, self._param_targets(), [])
+                return
+            except FailedPrecondition as e:
+                if retry or "its push is incomplete" not in e.message:
+                    raise
+                self._start_push()
+                self._finish_push(skip=True)
 
     def _pushed_unchanged(self):
         """Whether every param's p.grad is what the finished push took from
@@ -163,20 +171,25 @@ class _OverlapPush:
                 return False
         return True
 
-    def _finish_push(self, check=True):
+    def _finish_push(self, skip=False):
         """Marks the gradients no hook delivered (set by hand, or None) and
-        waits for the push; learns the order backward produced them in.
-        With `check`, refuses gradients changed since backward pushed them
-        (not needed of a push to be committed as a skip)."""
+        waits for the push; learns the order backward produced them in, and
+        refuses gradients changed since backward pushed them. For a push
+        to be committed as a skip (`skip`), whose gradients do not matter,
+        the rest are marked as none and nothing is refused."""
         if not self._client.pushing():  # no backward ran: push what p.grad holds
             self._start_push()
         seen = set(self._seen)
         rest = [k for k in self._order if k not in seen]
+        if skip:
+            for k in rest:
+                self._client.mark(self._position[k], 0, None)
+            return self._client.finish_push()
         try:
             # (A gradient set to None meanwhile is let go, and what was pushed
             # stands.)
             changed = []
-            for k, (pushed, version) in self._marked.items() if check else ():
+            for k, (pushed, version) in self._marked.items():
                 now = self._tensors[k].param.grad
                 if now is not None and (pushed is None or now is not pushed() or getattr(now, "_version", None) != version):
                     changed.append(self._tensors[k].name)

@@ -368,3 +368,26 @@ def test_a_server_restarted_between_backward_and_step_costs_no_failed_call(serve
         assert opt.job_step == 4
         for (name, p), q in zip(model.named_parameters(), reference.parameters()):
             assert same_bits(p, q), name
+
+
+def test_a_skip_after_a_server_restarted_is_committed_on_its_first_call(server_binary, job, tmp_path):
+    """overlap=True: backward's push is complete, the server restarts (its
+    drain checkpoints the step before), and the loop skips the step
+    (zero_grad): the skip is pushed again, with no gradient, and committed.
+    Nothing moves, and the next step goes on."""
+    with checkpointing_servers(server_binary, tmp_path, count=1) as (procs, _):
+        model = make_model()
+        opt = RemoteAdamW(param_groups(model), servers=[procs[0].address], job=job, lr=1e-3, overlap=True)
+        train(model, opt, 2)
+        before = [p.detach().clone() for p in model.parameters()]
+        tokens, targets = batch(3)
+        model(tokens, targets).backward()
+        time.sleep(1.0)  # the push of a model this small is long complete
+        assert procs[0].stop(signal.SIGTERM) == 0
+        procs[0].start()
+        opt.zero_grad()
+        assert [s.step for s in opt.describe()] == [3]
+        assert all(same_bits(p, q) for p, q in zip(model.parameters(), before))
+        train(model, opt, 1, first=4)
+        assert opt.job_step == 4
+        opt.drop()
