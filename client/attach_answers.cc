@@ -32,19 +32,27 @@ std::optional<HalfCommitted> FindHalfCommittedStep(const std::vector<v1::CreateJ
       half.behind.push_back(static_cast<uint32_t>(s));
     } else if (applied == nullptr) {
       applied = &a;
-    } else if (!same_bits(a.applied_lr(), applied->applied_lr()) ||
-               !same_bits(a.applied_gscale(), applied->applied_gscale()) ||
-               a.applied_skip() != applied->applied_skip() ||
-               !std::equal(a.applied_group_lr().begin(), a.applied_group_lr().end(),
-                           applied->applied_group_lr().begin(), applied->applied_group_lr().end(), same_bits)) {
+    } else if (a.applied_skip() != applied->applied_skip() ||
+               // Any two skips are the same commit (an older server's may
+               // report the numbers it was sent).
+               (!a.applied_skip() &&
+                (!same_bits(a.applied_lr(), applied->applied_lr()) ||
+                 !same_bits(a.applied_gscale(), applied->applied_gscale()) ||
+                 !std::equal(a.applied_group_lr().begin(), a.applied_group_lr().end(),
+                             applied->applied_group_lr().begin(), applied->applied_group_lr().end(), same_bits)))) {
       return std::nullopt;
     }
   }
   half.commit.set_step(hi);
-  half.commit.set_lr(applied->applied_lr());
-  half.commit.set_gscale(applied->applied_gscale());
   half.commit.set_skip(applied->applied_skip());
-  *half.commit.mutable_group_lr() = applied->applied_group_lr();
+  if (applied->applied_skip()) {
+    half.commit.set_lr(0.0);  // a skip's arguments, as every skip is sent
+    half.commit.set_gscale(1.0f);
+  } else {
+    half.commit.set_lr(applied->applied_lr());
+    half.commit.set_gscale(applied->applied_gscale());
+    *half.commit.mutable_group_lr() = applied->applied_group_lr();
+  }
   return half;
 }
 

@@ -311,8 +311,11 @@ absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::L
   job.written = true;
   job.step = m.step();
   job.incarnation = m.incarnation();  // 0 from an older part: the store gives it a new one
-  job.applied = {m.applied().lr(), m.applied().gscale(), m.applied().skip(),
-                 {m.applied().group_lr().begin(), m.applied().group_lr().end()}};
+  // A skip as every skip is recorded now (CheckArgs in commit_stream.cc),
+  // also one an older server wrote with the numbers it was sent.
+  job.applied = m.applied().skip() ? CommitArgs{0.0, 1.0f, true, {}}
+                                   : CommitArgs{m.applied().lr(), m.applied().gscale(), false,
+                                                {m.applied().group_lr().begin(), m.applied().group_lr().end()}};
   // A round sealed after the step (its push done, not yet committed) is
   // not restored, only its sums: without its gradients it can be neither
   // committed nor answered, so the job keeps no sealed step.

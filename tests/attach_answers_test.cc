@@ -34,6 +34,25 @@ TEST(AttachAnswers, AHalfCommittedStepIsCompletedWithTheArgumentsItWasAppliedWit
   EXPECT_THAT(half->commit.group_lr(), ElementsAre(3e-4));
 }
 
+// Servers ahead that skipped the step agree whatever numbers they report
+// (an older server records a skip's lr and gscale as sent), and the servers
+// behind are sent a skip as every skip is sent; a skip and an applied step
+// still disagree.
+TEST(AttachAnswers, AHalfCommittedSkipIsCompletedAsASkipWhateverNumbersItWasSentWith) {
+  std::vector<v1::CreateJobResponse> answers = {At(5, 5, 3e-4), At(5, 5, 7.0), At(4, 5)};
+  answers[0].set_applied_skip(true);
+  answers[1].set_applied_skip(true);
+  const auto half = FindHalfCommittedStep(answers, {true, true, true});
+  ASSERT_TRUE(half.has_value());
+  EXPECT_THAT(half->behind, ElementsAre(2u));
+  EXPECT_TRUE(half->commit.skip());
+  EXPECT_EQ(half->commit.lr(), 0.0);
+  EXPECT_EQ(half->commit.gscale(), 1.0f);
+  EXPECT_TRUE(half->commit.group_lr().empty());
+  answers[1].set_applied_skip(false);
+  EXPECT_FALSE(FindHalfCommittedStep(answers, {true, true, true}).has_value());
+}
+
 TEST(AttachAnswers, NothingIsCompletedUnlessEveryServerKeepsTheStepsRoundAndTheArgumentsAgree) {
   const std::vector<bool> both = {true, true};
   EXPECT_FALSE(FindHalfCommittedStep({At(5, 5), At(5, 5)}, both).has_value());  // agreed

@@ -117,7 +117,7 @@ class _OverlapPush:
         commits it as a skipped step, and returns None. A push that a
         param's second gradient reached is committed as a skip: what it
         read of that param's p.grad may be either gradient, or both."""
-        if skip or self._second_gradient is not None:
+        if skip or self._second_gradient is not None or self._skip_owed == self._push_step:
             self._finish_push(skip=True)
             self._commit_skip()
             self._second_gradient = None
@@ -125,8 +125,11 @@ class _OverlapPush:
         for retry in (False, True):
             push = self._finish_push()  # on the retry: a new push, from p.grad
             decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
+            if decision.skip:
+                self._commit_skip()
+                return decision
             try:
-                self._commit_pushed(decision.gscale, decision.skip)
+                self._commit_pushed(decision.gscale, False)
                 return decision
             except FailedPrecondition as e:
                 # A server that restarted after the push was complete was
@@ -148,16 +151,28 @@ class _OverlapPush:
         since does not refuse it), and what it pushed does not matter: a
         server that restarted after the push was complete (it restored the
         step before, with no push of this one) is pushed the step again,
-        with no gradient, and the skip committed once more."""
+        with no gradient, and the skip committed once more. Until it is
+        committed on every server the step is owed as a skip: some servers
+        may hold it as one, so whatever the next step() pushed for it is
+        committed as a skip too (_commit_push)."""
+        self._skip_owed = self._push_step
         for retry in (False, True):
             try:
                 self._client.commit(self._push_step, 0.0, 1.0, True, self._param_targets(), [])
+                self._skip_owed = None
                 return
             except FailedPrecondition as e:
                 if retry or "its push is incomplete" not in e.message:
                     raise
-                self._start_push()
+                self._reopen_push()
                 self._finish_push(skip=True)
+
+    def _reopen_push(self):
+        """Opens the push of the step being skipped again, for a server that
+        lost it: with no check of the params, since a skip applies none."""
+        with self._push_lock:
+            self._client.start_push(self._push_step, self._order_names)
+            self._seen, self._marked = [], {}
 
     def _pushed_unchanged(self):
         """Whether every param's p.grad is what the finished push took from

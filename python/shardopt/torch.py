@@ -318,6 +318,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
             self._order = [k for k in reversed(range(len(self._tensors))) if self._tensors[k].numel > 0]
             self._set_order(self._order)
             self._second_gradient = None  # the param that got one, while a push runs (_overlap.py)
+            self._skip_owed = None  # a step some servers may hold as a skip (_overlap.py)
             self._register_ready_hooks()
 
     # ---- the torch.optim.Optimizer interface ----
@@ -354,7 +355,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
             _check_hyper(g, f"group {gi}: ")
         second = self.overlap and self._second_gradient
         if self.overlap:
-            decision = self._commit_push()  # a skip, after a second gradient
+            decision = self._commit_push()  # None: committed as a skip
         else:
             self._check_unchanged()
             group_lr = [float(g["lr"]) for g in self.param_groups]
@@ -366,13 +367,15 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
             if not t.in_place():
                 t.param.copy_(t.host_param, non_blocking=True)
         self._note_versions()
-        if not second:
+        if decision is not None:
             self.last_decision = decision
         self._checkpoint_if_due()
-        if second:
-            raise FailedPrecondition(f"RemoteAdamW(overlap=True): param {second!r} got a second gradient before this "
-                                     f"step() (backward raised), so step {self._client.step_count} was applied as a "
-                                     "skip: nothing moved. Call zero_grad() and run one backward per step()")
+        if decision is None:
+            why = (f"param {second!r} got a second gradient before this step() (backward raised)" if second else
+                   "an earlier call began committing it as a skip and failed partway")
+            raise FailedPrecondition(f"RemoteAdamW(overlap=True): {why}, so step {self._client.step_count} was "
+                                     "applied as a skip: nothing moved. Call zero_grad() and run one backward per "
+                                     "step()")
 
     def zero_grad(self, set_to_none=True):
         # A push running here had its backward but will get no step(): it is

@@ -391,3 +391,33 @@ def test_a_skip_after_a_server_restarted_is_committed_on_its_first_call(server_b
         train(model, opt, 1, first=4)
         assert opt.job_step == 4
         opt.drop()
+
+
+def test_a_skip_that_reached_some_servers_only_is_owed_by_the_next_step(server_binary, job, tmp_path):
+    """overlap=True: zero_grad()'s skip reaches server 0 and not server 1,
+    which is down (it raises Unavailable). Server 1 comes back (restoring
+    the step before, without the push). The next backward and step()
+    commit that step as a skip on both, as server 0 holds it, and step()
+    says so: the servers agree, nothing moved, and the loop goes on."""
+    with checkpointing_servers(server_binary, tmp_path, count=2) as (procs, _):
+        model = make_model()
+        opt = RemoteAdamW(param_groups(model), servers=[p.address for p in procs], job=job, lr=1e-3, overlap=True,
+                          max_attempts=2)  # a server down is Unavailable after one retry
+        train(model, opt, 2)
+        opt.checkpoint()  # both servers' parts of step 2, for server 1 to restore
+        before = [p.detach().clone() for p in model.parameters()]
+        tokens, targets = batch(3)
+        model(tokens, targets).backward()
+        time.sleep(1.0)  # the push of a model this small is long complete
+        assert procs[1].stop(signal.SIGTERM) == 0
+        with pytest.raises(shardopt.Unavailable):
+            opt.zero_grad()
+        procs[1].start()
+        model(tokens, targets).backward()
+        with pytest.raises(shardopt.FailedPrecondition, match="step 3 was applied as a skip"):
+            opt.step()
+        assert [s.step for s in opt.describe()] == [3, 3]
+        assert all(same_bits(p, q) for p, q in zip(model.parameters(), before))
+        train(model, opt, 1, first=4)
+        assert opt.job_step == 4
+        opt.drop()

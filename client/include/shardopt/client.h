@@ -290,6 +290,8 @@ class Client {
   absl::StatusOr<PushResult> PushInOrder(uint64_t step, absl::Span<const std::string> order,
                                          const std::function<const void*(size_t)>& grad);
   // group_lr: as StepOptions::group_lr; empty means `lr` for every group.
+  // A skip sends none of lr, gscale and group_lr, and checks none: every
+  // skip of a step is the same commit.
   absl::Status Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params,
                       absl::Span<const double> group_lr = {});
 
