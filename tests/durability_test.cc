@@ -257,18 +257,14 @@ TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop
   constexpr uint64_t kN = 4;
   const auto [at_n, at_2n] = AtNAnd2N(job, kN);
   TempDir dir;
-  const int port = testing::FreeLoopbackPort();
-  const std::vector<std::string> args = {"--threads=1", absl::StrCat("--port=", port),
-                                         "--checkpoint_dir=" + dir.path()};
-  auto server = testing::ServerProcess::Start(args);
-  ASSERT_NE(server, nullptr);
+  FixedPortServers fixed(1, dir.path());
+  if (HasFailure()) return;
   ClientOptions options;
-  options.servers = {server->address()};
+  options.servers = {fixed.servers[0]->address()};
   auto client = Client::Connect(options).value();
   ScriptedTrainer trainer = Train(*client, job, kN);
-  ASSERT_EQ(server->Stop(SIGTERM) >> 8, 0);  // its drain checkpoints step N
-  server = testing::ServerProcess::Start(args);
-  ASSERT_NE(server, nullptr);
+  ASSERT_EQ(fixed.servers[0]->Stop(SIGTERM) >> 8, 0);  // its drain checkpoints step N
+  ASSERT_NO_FATAL_FAILURE(fixed.Restart(0));
   for (uint64_t t = kN; t < 2 * kN; ++t) {
     const auto stepped = trainer.Step(*client);
     ASSERT_TRUE(stepped.ok()) << "step " << t + 1 << ": " << stepped.status();
@@ -296,20 +292,16 @@ TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop
 TEST(DurabilityTest, TwoTrainersOfARankAttachedBeforeARestartAreStillTold) {
   const JobOptions job = DurableJob("twins", {{"w", 5000}});
   TempDir dir;
-  const int port = testing::FreeLoopbackPort();
-  const std::vector<std::string> args = {"--threads=1", absl::StrCat("--port=", port),
-                                         "--checkpoint_dir=" + dir.path()};
-  auto server = testing::ServerProcess::Start(args);
-  ASSERT_NE(server, nullptr);
+  FixedPortServers fixed(1, dir.path());
+  if (HasFailure()) return;
   ClientOptions options;
-  options.servers = {server->address()};
+  options.servers = {fixed.servers[0]->address()};
   auto first = Client::Connect(options).value();
   ScriptedTrainer trainer = Train(*first, job, 2);
   auto second = Client::Connect(options).value();
   ASSERT_EQ(second->CreateOrAttach(job).value(), 2u);
-  ASSERT_EQ(server->Stop(SIGTERM) >> 8, 0);  // its drain checkpoints step 2
-  server = testing::ServerProcess::Start(args);
-  ASSERT_NE(server, nullptr);
+  ASSERT_EQ(fixed.servers[0]->Stop(SIGTERM) >> 8, 0);  // its drain checkpoints step 2
+  ASSERT_NO_FATAL_FAILURE(fixed.Restart(0));
   auto monitor = Client::Connect(options).value();
   ASSERT_EQ(monitor->CreateOrAttach(job).value(), 2u);  // restores it
   ASSERT_TRUE(trainer.Step(*first).ok());
