@@ -129,7 +129,7 @@ class _OverlapPush:
                 self._commit_skip()
                 return decision
             try:
-                self._commit_pushed(decision.gscale, False)
+                self._commit_pushed(decision.gscale)
                 return decision
             except FailedPrecondition as e:
                 # A server that restarted after the push was complete was
@@ -140,10 +140,11 @@ class _OverlapPush:
                 if retry or "its push is incomplete" not in e.message or not self._pushed_unchanged():
                     raise
 
-    def _commit_pushed(self, gscale, skip):
-        """Commits the finished push's step at each group's current lr."""
+    def _commit_pushed(self, gscale):
+        """Commits the finished push's step, not a skip, at each group's
+        current lr."""
         group_lr = [float(g["lr"]) for g in self.param_groups]
-        self._client.commit(self._push_step, group_lr[0], gscale, skip, self._param_targets(), group_lr)
+        self._client.commit(self._push_step, group_lr[0], gscale, False, self._param_targets(), group_lr)
 
     def _commit_skip(self):
         """Commits the finished push's step as a skip. A skip applies
