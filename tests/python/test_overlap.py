@@ -275,6 +275,29 @@ def test_a_second_live_overlap_optimizer_of_the_same_params_is_refused_before_an
     plain.drop()
 
 
+def test_a_push_abandoned_after_a_server_restarted_is_skipped_on_every_server(server_binary, job, tmp_path):
+    """As below, with server 1 restarted after the push (it restored the
+    step before, without the push): the skip is pushed there again, with no
+    gradient, and committed, so that a trainer attaching later finds the
+    servers at one step, not "servers disagree"."""
+    with checkpointing_servers(server_binary, tmp_path, count=2) as (procs, _):
+        model = make_model()
+        addresses = [p.address for p in procs]
+        opt = RemoteAdamW(param_groups(model), servers=addresses, job=job, lr=1e-3, overlap=True)
+        train(model, opt, 2)
+        opt.checkpoint()  # both servers' parts of step 2, for server 1 to restore
+        tokens, targets = batch(3)
+        model(tokens, targets).backward()
+        time.sleep(1.0)  # the push of a model this small is long complete
+        assert procs[1].stop(signal.SIGTERM) == 0
+        procs[1].start()
+        del opt
+        gc.collect()
+        again = RemoteAdamW(param_groups(make_model()), servers=addresses, job=job, lr=1e-3)
+        assert again.resumed_step == 3  # the skip, on both
+        again.drop()
+
+
 def test_a_push_abandoned_with_its_optimizer_is_committed_as_a_skip(servers, job):
     """An optimizer dropped after backward (backward or the loop raised, and
     the trainer went away) ends its push and commits that step as a skip.
