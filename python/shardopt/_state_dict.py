@@ -20,7 +20,8 @@ class _StateDictIO:
         """torch.optim.AdamW's layout, read from the servers: per param
         ``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master``, all fp32 (for
         bf16 params too). Params that never had a step have no state, as in
-        torch, and neither have params with zero elements. One step's state:
+        torch (but for moments this process loaded at step 0), and neither
+        have params with zero elements. One step's state:
         read between this process's steps, and refused (FailedPrecondition)
         if the job stepped meanwhile all the same."""
         with self._step_lock:
@@ -45,7 +46,7 @@ class _StateDictIO:
     def _read_state(self, steps):
         state = {}
         for k, t in enumerate(self._tensors):
-            if steps.get(t.name, 0) == 0:
+            if steps.get(t.name, 0) == 0 and t.name not in self._zero_step_moments:
                 continue
             entry = {"step": torch.tensor(float(steps[t.name]))}
             for key, what in (("exp_avg", _C.StateToRead.EXP_AVG), ("exp_avg_sq", _C.StateToRead.EXP_AVG_SQ),
@@ -129,6 +130,11 @@ class _StateDictIO:
                     f"param '{t.name}' has Adam state on the servers from an earlier load_state_dict (step "
                     f"{held[t.name]}), and this state dict has none for it, which the servers cannot clear: drop "
                     "the job (drop()) and construct the optimizer again, then load this state dict")
+        # Moments an earlier load gave at step 0 are cleared, as torch's load
+        # would leave none: at step 0 zeros are no state.
+        loads = [(t, master, (torch.zeros(t.numel), torch.zeros(t.numel), 0)
+                  if moments is None and t.name in self._zero_step_moments else moments)
+                 for t, master, moments in loads]
         for t, master, moments in loads:
             self._check_initial(t, t.param if master is None else master, "master")
             if moments is not None:
@@ -166,6 +172,11 @@ class _StateDictIO:
                                              f"({why}); the job's state is incomplete: drop the job and load again")
         for g, saved in zip(self.param_groups, saved_groups):
             g.update({key: value for key, value in saved.items() if key != "params"})
+        # State at Adam step 0 (moments given with step 0) is the servers'
+        # like any other, but their Adam step does not say so: state_dict()
+        # shows it from this set until the tensor steps.
+        self._zero_step_moments = {t.name for t, _, moments in loads if moments is not None and moments[2] == 0
+                                   and (moments[0].any() or moments[1].any())}
         self._note_versions()
 
     def _load_share(self):

@@ -308,6 +308,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
         self._client.verify_state()
 
         self._hooks = []
+        self._zero_step_moments = set()  # params a load gave moments at Adam step 0 (_state_dict.py)
         # Held by step() and state_dict(), which another thread may call.
         self._step_lock = threading.RLock()
         # Backward runs a model's hooks on one autograd thread per device:

@@ -394,3 +394,38 @@ def test_a_torch_state_dict_saved_with_capturable_or_fused_loads(servers, job):
     train(model, opt, 1, first=3)
     assert opt.job_step == 1
     opt.drop()
+
+
+def test_moments_loaded_at_adam_step_zero_are_state_until_a_load_clears_them(servers, job):
+    """A state dict whose entries have step 0 and moments (a warm start):
+    the servers hold the moments though their Adam step says 0, so
+    state_dict() shows them, where it used to leave them out (a save right
+    after the load lost them). A later load without state for those params
+    clears them, as torch's load would, where they used to stay: the next
+    step is then a fresh job's."""
+    model = make_model()
+    opt = RemoteAdamW(model.named_parameters(), servers=servers, job=job, lr=1e-3)
+    generator = torch.Generator().manual_seed(11)
+    warm = opt.state_dict()
+    warm["state"] = {i: {"step": torch.tensor(0.0),
+                         "exp_avg": torch.randn(p.shape, generator=generator) * 1e-3,
+                         "exp_avg_sq": torch.rand(p.shape, generator=generator) * 1e-6}
+                     for i, p in enumerate(model.parameters())}
+    opt.load_state_dict(warm)
+    shown = opt.state_dict()["state"]
+    assert sorted(shown) == sorted(warm["state"])
+    for i, entry in warm["state"].items():
+        assert shown[i]["step"].item() == 0
+        assert torch.equal(shown[i]["exp_avg"], entry["exp_avg"]) and torch.equal(shown[i]["exp_avg_sq"],
+                                                                                   entry["exp_avg_sq"])
+    cold = dict(warm, state={})
+    opt.load_state_dict(cold)
+    assert opt.state_dict()["state"] == {}
+    fresh_model = make_model()
+    fresh = RemoteAdamW(fresh_model.named_parameters(), servers=servers, job=f"{job}-fresh", lr=1e-3)
+    train(model, opt, 1)
+    train(fresh_model, fresh, 1)
+    for (name, p), q in zip(model.named_parameters(), fresh_model.parameters()):
+        assert same_bits(p, q), name
+    opt.drop()
+    fresh.drop()
