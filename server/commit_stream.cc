@@ -17,11 +17,8 @@ namespace shardopt {
 namespace {
 
 absl::StatusOr<CommitArgs> CheckArgs(const Job& job, const v1::CommitRequest& req) {
-  // A skip applies nothing, so its other arguments mean nothing: every skip
-  // of a step is the same commit, whichever way a rank came to skip it
-  // (Decide's nonfinite gradients, a loop's zero_grad, an older client's
-  // arguments), and ranks that all skip it agree.
-  if (req.skip()) return CommitArgs{0.0, 1.0f, true, {}};
+  // Before anything is checked: an older client's skip carries its lr.
+  if (req.skip()) return CommitArgs::Skip();
   SHARDOPT_RETURN_IF_ERROR(CheckLearningRates(req.lr(), absl::MakeConstSpan(req.group_lr().data(), req.group_lr_size()),
                                               job.spec.groups_size(), job.name()));
   if (!std::isfinite(req.gscale())) {

@@ -19,9 +19,6 @@ bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
 }  // namespace
 
 bool CommitArgs::operator==(const CommitArgs& o) const {
-  // Two skips are one commit, also where one was recorded before skips' arguments were made alike (a checkpoint
-  // of an older server).
-  if (skip && o.skip) return true;
   if (!SameBits(lr, o.lr) || !SameBits(gscale, o.gscale) || skip != o.skip) return false;
   return std::equal(group_lr.begin(), group_lr.end(), o.group_lr.begin(), o.group_lr.end(),
                     [](double a, double b) { return SameBits(a, b); });

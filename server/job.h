@@ -52,8 +52,13 @@ struct CommitArgs {
   bool skip = false;
   std::vector<double> group_lr;  // empty: lr for every group
 
+  // How every skip is recorded: a skip applies nothing, so its other
+  // arguments mean nothing, and ranks that skip a step for different
+  // reasons (Decide's nonfinite gradients, a loop's zero_grad) agree.
+  static CommitArgs Skip() { return {0.0, 1.0f, true, {}}; }
+
   double lr_of(uint32_t group) const { return group_lr.empty() ? lr : group_lr[group]; }
-  // Bitwise: a retry must carry the very same numbers; any two skips are equal.
+  // Bitwise: a retry must carry the very same numbers.
   bool operator==(const CommitArgs& other) const;
 };
 

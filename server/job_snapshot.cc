@@ -311,9 +311,9 @@ absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::L
   job.written = true;
   job.step = m.step();
   job.incarnation = m.incarnation();  // 0 from an older part: the store gives it a new one
-  // A skip as every skip is recorded now (CheckArgs in commit_stream.cc),
-  // also one an older server wrote with the numbers it was sent.
-  job.applied = m.applied().skip() ? CommitArgs{0.0, 1.0f, true, {}}
+  // A skip as every skip is recorded, also one an older server wrote with
+  // the numbers it was sent: compared with a retry's, they must be alike.
+  job.applied = m.applied().skip() ? CommitArgs::Skip()
                                    : CommitArgs{m.applied().lr(), m.applied().gscale(), false,
                                                 {m.applied().group_lr().begin(), m.applied().group_lr().end()}};
   // A round sealed after the step (its push done, not yet committed) is
