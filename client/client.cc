@@ -286,7 +286,19 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
   // A skip sends none of its learning rates (CommitTo), so they are not checked.
   SHARDOPT_ASSIGN_OR_RETURN(auto out, skip ? impl_->CommitTargets(0.0, {}, params)
                                            : impl_->CommitTargets(lr, group_lr, params));
+  if (skip) return CommitSkip(step, out);
   return impl_->CommitTo(step, lr, gscale, skip, group_lr, out);
+}
+
+absl::Status Client::CommitSkip(uint64_t t, const std::vector<char*>& out) {
+  const absl::Status skipped = impl_->CommitTo(t, 0.0, 1.0f, /*skip=*/true, {}, out);
+  // A server restarted after the push restored the step before, with no
+  // push of it; the others answer the push again as a retry.
+  if (!absl::IsFailedPrecondition(skipped) || !absl::StrContains(skipped.message(), "its push is incomplete")) {
+    return skipped;
+  }
+  SHARDOPT_RETURN_IF_ERROR(PushInOrder(t, {}, [](size_t) -> const void* { return nullptr; }).status());
+  return impl_->CommitTo(t, 0.0, 1.0f, /*skip=*/true, {}, out);
 }
 
 absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const StepOptions& options,
@@ -300,8 +312,9 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
   StepResult result;
   result.step = t;
   result.decision = Decide(push, impl_->job.world_size, options);
-  SHARDOPT_RETURN_IF_ERROR(
-      impl_->CommitTo(t, options.lr, result.decision.gscale, result.decision.skip, options.group_lr, out));
+  SHARDOPT_RETURN_IF_ERROR(result.decision.skip
+                               ? CommitSkip(t, out)
+                               : impl_->CommitTo(t, options.lr, result.decision.gscale, false, options.group_lr, out));
   const uint64_t every = impl_->options.checkpoint_every;
   if (every > 0 && impl_->options.rank == 0 && t % every == 0) {
     // Said so, since the caller's way out of a failed Step, calling it

@@ -149,31 +149,15 @@ class _OverlapPush:
     def _commit_skip(self):
         """Commits the finished push's step as a skip. A skip applies
         nothing, so its lr is not sent (an lr the loop has made invalid
-        since does not refuse it), and what it pushed does not matter: a
-        server that restarted after the push was complete (it restored the
-        step before, with no push of this one) is pushed the step again,
-        with no gradient, and the skip committed once more. Until it is
-        committed on every server the step is owed as a skip: some servers
-        may hold it as one, so whatever the next step() pushed for it is
-        committed as a skip too (_commit_push)."""
+        since does not refuse it), and what it pushed does not matter (a
+        server that lost the push is pushed the step again with none:
+        Client::Commit). Until it is committed on every server the step is
+        owed as a skip: some servers may hold it as one, so whatever the
+        next step() pushed for it is committed as a skip too
+        (_commit_push)."""
         self._skip_owed = self._push_step
-        for retry in (False, True):
-            try:
-                self._client.commit(self._push_step, 0.0, 1.0, True, self._param_targets(), [])
-                self._skip_owed = None
-                return
-            except FailedPrecondition as e:
-                if retry or "its push is incomplete" not in e.message:
-                    raise
-                self._reopen_push()
-                self._finish_push(skip=True)
-
-    def _reopen_push(self):
-        """Opens the push of the step being skipped again, for a server that
-        lost it: with no check of the params, since a skip applies none."""
-        with self._push_lock:
-            self._client.start_push(self._push_step, self._order_names)
-            self._seen, self._marked = [], {}
+        self._client.commit(self._push_step, 0.0, 1.0, True, self._param_targets(), [])
+        self._skip_owed = None
 
     def _pushed_unchanged(self):
         """Whether every param's p.grad is what the finished push took from

@@ -17,7 +17,6 @@
 #include <utility>
 #include <vector>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "rpc/initial_values.h"
 #include "shardopt/client.h"
@@ -167,15 +166,9 @@ class PyClient {
       table_.MarkRest();
       push_thread_.join();
       if (push_result_ && push_result_->ok()) {
-        const absl::Status skipped = client_->Commit(push_step_, 0.0, 1.0f, /*skip=*/true, {}, {});
-        // A server that restarted after the push restored the step before,
-        // with no push of it: it is pushed the step again with no gradient
-        // (a skip applies none), and the skip committed once more, so that
-        // the servers are not left a step apart.
-        if (absl::IsFailedPrecondition(skipped) && absl::StrContains(skipped.message(), "its push is incomplete") &&
-            client_->PushInOrder(push_step_, push_order_, [](size_t) -> const void* { return nullptr; }).ok()) {
-          client_->Commit(push_step_, 0.0, 1.0f, /*skip=*/true, {}, {}).IgnoreError();
-        }
+        // (A server that restarted after the push is pushed the step
+        // again, with no gradient: Client::Commit.)
+        client_->Commit(push_step_, 0.0, 1.0f, /*skip=*/true, {}, {}).IgnoreError();
       }
     }
   }

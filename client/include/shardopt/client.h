@@ -291,7 +291,9 @@ class Client {
                                          const std::function<const void*(size_t)>& grad);
   // group_lr: as StepOptions::group_lr; empty means `lr` for every group.
   // A skip sends none of lr, gscale and group_lr, and checks none: every
-  // skip of a step is the same commit.
+  // skip of a step is the same commit. A server that lost the step's push
+  // (it restarted after it) is pushed the step again with no gradient, as a
+  // skip applies none, and the skip committed once more.
   absl::Status Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params,
                       absl::Span<const double> group_lr = {});
 
@@ -336,6 +338,8 @@ class Client {
  private:
   struct Impl;
   explicit Client(std::unique_ptr<Impl> impl);
+  // Commits step t as a skip, params into out; see Commit.
+  absl::Status CommitSkip(uint64_t t, const std::vector<char*>& out);
   std::unique_ptr<Impl> impl_;
 };
 
