@@ -24,7 +24,9 @@ import torch
 from . import _C
 from ._errors import Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
 from ._checks import _check_hyper
+from ._connect import _read_pem, _servers
 from ._overlap import _OverlapPush
+from ._param_watch import _ParamWatch
 from ._safetensors import load_safetensors
 from ._state_dict import _StateDictIO
 
@@ -92,42 +94,7 @@ def _split_names(params):
     return groups, names
 
 
-def _read_pem(path, what):
-    """A PEM file's bytes, or b"" for None. An empty file is refused: passed
-    on as empty it would mean no TLS at all, and the trainer would talk
-    plaintext (its token in the clear) to a server it meant to verify. The
-    bytes go to the C++ client as they are, which refuses what is not PEM
-    text (a DER file) or not a usable certificate or key."""
-    if path is None:
-        return b""
-    with open(path, "rb") as f:
-        pem = f.read()
-    if not pem.strip():
-        raise InvalidArgument(f"{what} {os.fspath(path)!r} is empty: TLS needs its PEM text")
-    return pem
-
-
-def _servers(servers, num_servers):
-    pattern = isinstance(servers, str) and "{i}" in servers
-    if num_servers is not None and not pattern:
-        # It would be ignored, and a job meant for several servers would run on those listed.
-        raise ValueError(f"num_servers={num_servers!r} is for a pattern with {{i}}; servers={servers!r} is none")
-    if isinstance(servers, str):
-        if pattern:
-            if not num_servers:
-                raise ValueError(f"servers={servers!r} is a pattern: give num_servers too")
-            return _C.expand_server_pattern(servers, num_servers)
-        return [servers]
-    servers = list(servers)
-    if not servers:
-        raise ValueError("no servers given")
-    repeated = sorted({s for s in servers if servers.count(s) > 1})
-    if repeated:
-        raise ValueError(f"servers {repeated} appear more than once; each server holds its own share of the job")
-    return servers
-
-
-class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
+class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer):
     """AdamW on shardopt servers, with torch.optim.AdamW's update rule.
 
     Args:
@@ -424,16 +391,6 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
                                      f"in {self._precisions[gi]!r}, fixed when the job was made")
         self._client.verify_state()
 
-    def _precision_changed(self):
-        """(index, state_precision asked for) of the first group asking for
-        another precision than the servers hold, fixed at creation; None if
-        every group asks for its own."""
-        for gi, g in enumerate(self.param_groups):
-            asked = g.get("state_precision", self._state_precision)
-            if asked != self._precisions[gi]:
-                return gi, asked
-        return None
-
     def describe(self):
         """Each server's address, device, step and state bytes."""
         return self._client.describe()
@@ -459,81 +416,6 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, torch.optim.Optimizer):
         raise KeyError("not a param of this optimizer")
 
     # ---- internals ----
-
-    @staticmethod
-    def _group_hyper(g):
-        b1, b2 = g["betas"]
-        return (float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]))
-
-    def _note_versions(self):
-        """Remembers each param's version counter (bumped by every in-place
-        change) once the optimizer has written or sent it."""
-        for t in self._remote:
-            t.version = getattr(t.param, "_version", None)
-            t.data_ptr = t.param.data_ptr()
-
-    def _check_unchanged(self):
-        """A param changed in place since the optimizer last wrote or sent it
-        (model.load_state_dict after the optimizer was built, say) would be
-        overwritten with the servers' master at the next commit. Before the
-        job's first step, one process sends the new values as the master
-        (several ranks must agree on them: they raise); after it,
-        ParamsChanged. Values equal to the master (its bf16 rounding for bf16
-        params) are kept, before and after."""
-        changed = [t for t in self._remote
-                   if (t.version is not None and t.param._version != t.version) or t.param.data_ptr() != t.data_ptr]
-        if not changed:
-            return
-        first = self._client.step_count == 0
-        # Values written back as they were (an EMA swapped in and out, the
-        # master copied back after a ParamsChanged) are not a change.
-        differ = [t for t in changed if not self._matches_master(t)]
-        if differ and first and self.world_size == 1:
-            for t in differ:
-                self._init_master(t, t.param)
-            differ = []
-        if differ:
-            names = ", ".join(repr(t.name) for t in differ[:3]) + (", ..." if len(differ) > 3 else "")
-            how = ("load the model before constructing RemoteAdamW on every rank" if first else
-                   "to train from other values, load them before constructing the optimizer (a new job), or "
-                   "load a state dict into a new job with load_state_dict()")
-            raise ParamsChanged(f"params {names} changed outside step() since the servers took them (e.g. "
-                                f"model.load_state_dict after the optimizer was built); the servers' master would "
-                                f"overwrite them at the next step: {how}")
-        self._note_versions()
-
-    def _matches_master(self, t):
-        """Whether the param holds the servers' master (bf16 params: its
-        rounding), bit for bit."""
-        master = self._read_fp32(t, _C.StateToRead.MASTER)
-        ours = t.param.detach().to("cpu").contiguous()
-        if t.dtype == torch.float32:
-            return torch.equal(master.view(torch.int32), ours.view(torch.int32))
-        return torch.equal(master.to(torch.bfloat16).view(torch.int16), ours.view(torch.int16))
-
-    def _check_params(self):
-        k = 0
-        for gi, g in enumerate(self.param_groups):
-            for p in g["params"]:
-                t = self._tensors[k] if k < len(self._tensors) else None
-                if t is None or p is not t.param or t.group != gi:
-                    raise ParamsChanged("the optimizer's params changed since its job was created; build a new "
-                                        "optimizer (and job) for a different set of params")
-                if p.shape != t.shape or p.dtype != t.dtype or p.device != t.device:
-                    raise ParamsChanged(f"param {t.name!r} is now {p.dtype} {tuple(p.shape)} on {p.device}; its job "
-                                        f"has {t.dtype} {tuple(t.shape)} on {t.device}")
-                k += 1
-            if self._group_hyper(g) != self._hyper[gi]:
-                raise InvalidArgument(f"group {gi}'s (beta1, beta2, eps, weight_decay) changed to "
-                                      f"{self._group_hyper(g)}; the servers hold {self._hyper[gi]}, fixed at creation "
-                                      "(only lr may change between steps)")
-        if k != len(self._tensors):
-            raise ParamsChanged("the optimizer's params changed since its job was created")
-        changed = self._precision_changed()
-        if changed is not None:
-            gi, asked = changed
-            raise InvalidArgument(f"group {gi}'s state_precision changed to {asked!r}; the servers hold "
-                                  f"{self._precisions[gi]!r}, fixed at creation")
 
     def _param_targets(self):
         return [(t.name, self._param_target(t)) for t in self._remote]
