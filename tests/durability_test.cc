@@ -61,6 +61,12 @@ struct FixedPortServers {
     servers[i] = testing::ServerProcess::Start(args[i]);
     ASSERT_NE(servers[i], nullptr);
   }
+  // A client's options for every server, whose addresses outlive restarts.
+  ClientOptions Options() const {
+    ClientOptions options;
+    for (const auto& server : servers) options.servers.push_back(server->address());
+    return options;
+  }
 };
 
 // The fingerprints of one uninterrupted run after N and after 2N steps.
@@ -259,8 +265,7 @@ TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop
   TempDir dir;
   FixedPortServers fixed(1, dir.path());
   if (HasFailure()) return;
-  ClientOptions options;
-  options.servers = {fixed.servers[0]->address()};
+  const ClientOptions options = fixed.Options();
   auto client = Client::Connect(options).value();
   ScriptedTrainer trainer = Train(*client, job, kN);
   ASSERT_EQ(fixed.servers[0]->Stop(SIGTERM) >> 8, 0);  // its drain checkpoints step N
@@ -294,8 +299,7 @@ TEST(DurabilityTest, TwoTrainersOfARankAttachedBeforeARestartAreStillTold) {
   TempDir dir;
   FixedPortServers fixed(1, dir.path());
   if (HasFailure()) return;
-  ClientOptions options;
-  options.servers = {fixed.servers[0]->address()};
+  const ClientOptions options = fixed.Options();
   auto first = Client::Connect(options).value();
   ScriptedTrainer trainer = Train(*first, job, 2);
   auto second = Client::Connect(options).value();
@@ -327,8 +331,7 @@ TEST(DurabilityTest, ATrainerOfADroppedJobDoesNotTakeItBackThroughARestart) {
   constexpr uint64_t kN = 3;
   TempDir dir;
   FixedPortServers servers(1, dir.path());
-  ClientOptions options;
-  options.servers = {servers.servers[0]->address()};
+  const ClientOptions options = servers.Options();
   auto old_run = Client::Connect(options).value();
   ScriptedTrainer trainer = Train(*old_run, job, kN);
   ASSERT_TRUE(old_run->Checkpoint().ok());

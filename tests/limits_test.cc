@@ -26,6 +26,7 @@
 #include "shardopt/client.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tests/testing/client_helpers.h"
+#include "tests/testing/raw_commit.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/generic_unary.h"
 #include "tests/testing/server_process.h"
@@ -227,17 +228,12 @@ TEST(LimitsTest, OneStreamAtATimeFitsACapOfOne) {
       const grpc::Status pushed = writer->Finish();
       ASSERT_TRUE(pushed.ok()) << "push " << t << ": " << pushed.error_message();
     }
-    grpc::ClientContext ctx;
     v1::CommitRequest request;
     request.set_job("one-at-a-time");
     request.set_step(t);
     request.set_lr(1e-3);
     request.set_gscale(1);
-    auto reader = stub->Commit(&ctx, request);
-    v1::ParamChunk params;
-    while (reader->Read(&params)) {
-    }
-    const grpc::Status committed = reader->Finish();
+    const grpc::Status committed = testing::CommitAndDrain(*stub, request);
     ASSERT_TRUE(committed.ok()) << "commit " << t << ": " << committed.error_message();
   }
 }

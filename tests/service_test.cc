@@ -30,6 +30,7 @@
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/generic_unary.h"
+#include "tests/testing/raw_commit.h"
 #include "tests/testing/server_process.h"
 
 namespace shardopt {
@@ -330,19 +331,13 @@ TEST_F(ServiceTest, EverySkipOfAStepIsTheSameCommit) {
   ASSERT_TRUE(decided.ok()) << decided.status();
   EXPECT_TRUE(decided->decision.skip);
   EXPECT_TRUE(skipped_by_loop.ok()) << skipped_by_loop;
-  auto stub = RawStub(server_->address());
-  grpc::ClientContext ctx;
   v1::CommitRequest raw;
   raw.set_job("skips");
   raw.set_step(1);
   raw.set_lr(NAN);
   raw.set_gscale(NAN);
   raw.set_skip(true);
-  auto reader = stub->Commit(&ctx, raw);
-  v1::ParamChunk chunk;
-  while (reader->Read(&chunk)) {
-  }
-  const grpc::Status hand_written = reader->Finish();
+  const grpc::Status hand_written = testing::CommitAndDrain(*RawStub(server_->address()), raw);
   EXPECT_TRUE(hand_written.ok()) << hand_written.error_message();
   EXPECT_EQ(ReadAll(*c0, job), before);
   EXPECT_EQ(c0->AdamSteps().value(), std::vector<uint64_t>({0}));
@@ -700,17 +695,12 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
     return c;
   };
   auto commit = [&](uint64_t step, double lr, float gscale) {
-    grpc::ClientContext ctx;
     v1::CommitRequest r;
     r.set_job("bad");
     r.set_step(step);
     r.set_lr(lr);
     r.set_gscale(gscale);
-    auto reader = stub->Commit(&ctx, r);
-    v1::ParamChunk pc;
-    while (reader->Read(&pc)) {
-    }
-    return reader->Finish();
+    return testing::CommitAndDrain(*stub, r);
   };
   struct Case {
     const char* what;
