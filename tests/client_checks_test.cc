@@ -311,7 +311,7 @@ TEST(ClientChecksTest, OptionsNoCallCouldGoThroughWithAreRefusedAtConnect) {
   }
   // What gRPC reads: host:port, a bracketed IPv6 address, targets with a
   // scheme; and one attempt, no retry.
-  for (const std::string& target : {"shardopt-0.shardopt:50051", "[::1]:50051", "localhost:1", "dns:///localhost:50051",
+  for (const std::string target : {"shardopt-0.shardopt:50051", "[::1]:50051", "localhost:1", "dns:///localhost:50051",
                                     "ipv4:127.0.0.1:50051", "unix:/tmp/shardopt.sock",
                                     "unix-abstract:shardopt"}) {
     ClientOptions options;

@@ -7,14 +7,19 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <optional>
+#include <random>
+#include <thread>
 
+#include "absl/strings/match.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -22,6 +27,7 @@
 #include "rpc/grpc_edge.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tests/testing/describe_on.h"
+#include "tests/testing/reference.h"
 #include "tests/testing/scripted_trainer.h"
 #include "tests/testing/server_process.h"
 
@@ -49,10 +55,16 @@ struct FixedPortServers {
   std::vector<std::vector<std::string>> args;
   std::vector<std::unique_ptr<testing::ServerProcess>> servers;
 
-  FixedPortServers(int n, const std::string& checkpoint_dir) {
+  std::vector<int> metrics_ports;  // with `metrics`: each server's /metrics
+
+  FixedPortServers(int n, const std::string& checkpoint_dir, bool metrics = false) {
     for (int i = 0; i < n; ++i) {
       args.push_back({"--threads=1", absl::StrCat("--port=", testing::FreeLoopbackPort()),
                       "--checkpoint_dir=" + checkpoint_dir});
+      if (metrics) {
+        metrics_ports.push_back(testing::FreeLoopbackPort());
+        args.back().push_back(absl::StrCat("--metrics_port=", metrics_ports.back()));
+      }
       servers.push_back(nullptr);
       Restart(i);
     }
@@ -286,6 +298,144 @@ TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop
   auto describe = other->CreateOrAttach(job);  // the checkpoint is there: attaching again restores it, on purpose
   ASSERT_TRUE(describe.ok()) << describe.status();
   EXPECT_EQ(*describe, 2 * kN);
+}
+
+// Two ranks' steps of a job whose tensor "a" is on server 0 and "gain" on
+// server 1. Rank 1 pushes step 2 through PushInOrder, its "gain" held back
+// until `hold` returns, and commits it apart: a trainer of the low-level
+// calls, which pushes a step again itself when a commit finds its push lost.
+class TwoRanks {
+ public:
+  explicit TwoRanks(const ClientOptions& options) {
+    job_ = DurableJob("between", {{"a", 4096}});  // 4096 + 64: one block each
+    job_.world_size = 2;
+    for (uint32_t r = 0; r < 2; ++r) {
+      ClientOptions o = options;
+      o.rank = r;
+      clients_.push_back(Client::Connect(o).value());
+      EXPECT_TRUE(clients_[r]->CreateOrAttach(job_).ok());
+    }
+    EXPECT_TRUE(ScriptedTrainer(job_).Init(*clients_[0]).ok());
+  }
+  const JobOptions& job() const { return job_; }
+  Client& client(uint32_t r) { return *clients_[r]; }
+
+  absl::Status Step(uint32_t r, std::vector<uint16_t>* params) {
+    Grads g(r, clients_[r]->step() + 1);
+    params->assign(kParams, 0xFFFF);  // poisoned: the commit must write every one
+    return clients_[r]->Step(g.views, options_, Views(*params)).status();
+  }
+  absl::Status PushAndCommitHolding(const std::function<void()>& hold, std::vector<uint16_t>* params) {
+    const uint64_t t = clients_[1]->step() + 1;
+    Grads g(1, t);
+    params->assign(kParams, 0xFFFF);
+    auto pushed = clients_[1]->PushInOrder(t, {"a", "gain"}, [&](size_t i) {
+      if (i == 1) hold();
+      return g.views[i].data;
+    });
+    if (!pushed.ok()) return pushed.status();
+    absl::Status committed = Commit(t, *pushed, *params);
+    if (!absl::IsFailedPrecondition(committed) || !absl::StrContains(committed.message(), "its push is incomplete")) {
+      return committed;
+    }
+    pushed = clients_[1]->Push(t, g.views);
+    return pushed.ok() ? Commit(t, *pushed, *params) : pushed.status();
+  }
+
+ private:
+  static constexpr size_t kParams = 4096 + 64;
+  struct Grads {
+    Grads(uint32_t rank, uint64_t t) {
+      std::mt19937_64 rng(100 * t + rank);
+      a = testing::RandomBf16(rng, 4096, 1.0f);
+      gain = testing::RandomBf16(rng, 64, 1.0f);
+      views = {{"a", a.data()}, {"gain", gain.data()}};
+    }
+    std::vector<uint16_t> a, gain;
+    std::vector<GradView> views;
+  };
+  static std::vector<ParamView> Views(std::vector<uint16_t>& params) {
+    return {{"a", params.data()}, {"gain", params.data() + 4096}};
+  }
+  absl::Status Commit(uint64_t t, const PushResult& pushed, std::vector<uint16_t>& params) {
+    const Decision d = Decide(pushed, 2, options_);
+    return clients_[1]->Commit(t, options_.lr, d.gscale, d.skip, Views(params));
+  }
+  JobOptions job_;
+  StepOptions options_;
+  std::vector<std::unique_ptr<Client>> clients_;
+};
+
+// A server restarted between a Step's push and its commit has restored the
+// step before, which holds no push. The Step pushes the step again, from
+// the caller's gradients, and commits it, in the same call (before, it
+// failed with FAILED_PRECONDITION "its push is incomplete", and the caller
+// had to call it again); the run is bitwise the uninterrupted one. Rank 0's
+// Step has sealed step 2 on server 0 and waits at server 1's barrier for
+// rank 1 while server 0 is stopped and started again, at the job's
+// checkpoint of step 1.
+TEST(DurabilityTest, AStepWhoseServerRestartedBetweenItsPushAndItsCommitPushesAgainInTheSameCall) {
+  std::vector<uint16_t> want0, want1, got0, got1;
+  std::vector<uint32_t> want;
+  {
+    TempDir dir;
+    auto servers = StartServers(2, dir.path());
+    ClientOptions options;
+    for (const auto& s : servers) options.servers.push_back(s->address());
+    TwoRanks ranks(options);
+    for (int t = 1; t <= 2; ++t) {
+      std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &want1).ok()); });
+      ASSERT_TRUE(ranks.Step(0, &want0).ok());
+      one.join();
+    }
+    want = Fingerprint(ranks.client(0), ranks.job()).value();
+  }
+
+  TempDir dir;
+  FixedPortServers fixed(2, dir.path(), /*metrics=*/true);
+  if (HasFailure()) return;
+  TwoRanks ranks(fixed.Options());
+  std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &got1).ok()); });
+  ASSERT_TRUE(ranks.Step(0, &got0).ok());
+  one.join();
+  ASSERT_TRUE(ranks.client(0).Checkpoint().ok());  // step 1 on both: what server 0 restores
+
+  std::mutex mu;
+  std::condition_variable changed;
+  bool released = false;
+  absl::Status rank1;
+  std::thread held([&] {
+    rank1 = ranks.PushAndCommitHolding(
+        [&] {
+          std::unique_lock<std::mutex> lock(mu);
+          changed.wait(lock, [&] { return released; });
+        },
+        &got1);
+  });
+  absl::Status rank0;
+  std::thread stepping([&] { rank0 = ranks.Step(0, &got0); });
+  // Both ranks' pushes of step 2 answered on server 0 (two of step 1's): sealed.
+  const std::string sealed = "\nshardopt_pushes_total{job=\"between\"} 4\n";
+  bool seen = false;
+  for (int i = 0; i < 400 && !seen; ++i) {
+    seen = absl::StrContains(testing::GetMetrics(fixed.metrics_ports[0]), sealed);
+    if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_TRUE(seen) << "server 0 did not seal step 2 in 10 s";
+  EXPECT_EQ(fixed.servers[0]->Stop(SIGTERM) >> 8, 0);
+  fixed.Restart(0);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    released = true;
+  }
+  changed.notify_all();
+  stepping.join();
+  held.join();
+  ASSERT_TRUE(rank0.ok()) << rank0;
+  ASSERT_TRUE(rank1.ok()) << rank1;
+  EXPECT_EQ(got0, want0);
+  EXPECT_EQ(got1, want1);
+  EXPECT_EQ(Fingerprint(ranks.client(0), ranks.job()).value(), want);
 }
 
 // Two live trainers of one rank, both attached before their server

@@ -166,7 +166,9 @@ TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherConnectionsSendNothing) {
     ASSERT_GT(got, 0);
     const std::string reply(buf, static_cast<size_t>(got));
     EXPECT_THAT(reply, ::testing::StartsWith("HTTP/1.1 " + status + " ")) << request;
-    if (status == "405") EXPECT_THAT(reply, ::testing::HasSubstr("\r\nAllow: GET, HEAD\r\n"));
+    if (status == "405") {
+      EXPECT_THAT(reply, ::testing::HasSubstr("\r\nAllow: GET, HEAD\r\n"));
+    }
   }
   for (int fd : idle) close(fd);
 }

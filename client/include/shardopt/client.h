@@ -275,7 +275,9 @@ class Client {
   // already pushed would be ignored). A Step refused for its own arguments
   // (loss_scale, max_grad_norm, lr, group_lr, or params naming a tensor the
   // job lacks) is refused before its push: nothing was sent, so fix them and
-  // call it again, with any gradients.
+  // call it again, with any gradients. A server that restarted between the
+  // push and the commit, and so lost the push, is pushed the step again and
+  // the step committed in the same call.
   absl::StatusOr<StepResult> Step(absl::Span<const GradView> grads, const StepOptions& options,
                                   absl::Span<const ParamView> params);
   // The phases of Step, for callers that combine decisions themselves.
@@ -293,7 +295,9 @@ class Client {
   // A skip sends none of lr, gscale and group_lr, and checks none: every
   // skip of a step is the same commit. A server that lost the step's push
   // (it restarted after it) is pushed the step again with no gradient, as a
-  // skip applies none, and the skip committed once more.
+  // skip applies none, and the skip committed once more. Any other commit
+  // refused that way (FAILED_PRECONDITION, "its push is incomplete") needs
+  // the step pushed again, with the same gradients, and committed again.
   absl::Status Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params,
                       absl::Span<const double> group_lr = {});
 
