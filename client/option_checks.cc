@@ -15,12 +15,6 @@
 
 namespace shardopt {
 
-namespace {
-
-// A plain target (no scheme: gRPC then resolves it by DNS) names its port:
-// gRPC would otherwise take 443, which no shardopt server listens on by
-// default, and every call would fail as UNAVAILABLE as if the server were
-// down. A target with a scheme (dns:, ipv4:, unix:, ...) is gRPC's to read.
 absl::Status CheckServerAddress(const std::string& address) {
   const size_t first = address.find(':');
   if (first != std::string::npos && first > 0) {
@@ -45,8 +39,6 @@ absl::Status CheckServerAddress(const std::string& address) {
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::Status CheckClientOptions(const ClientOptions& options) {
   if (options.servers.empty()) return absl::InvalidArgumentError("no servers given");

@@ -14,7 +14,13 @@
 
 namespace shardopt {
 
-// Connect's: each server listed once, and CheckTlsPem.
+// A plain target (no scheme: gRPC then resolves it by DNS) names its port:
+// gRPC would otherwise take 443, which no shardopt server listens on by
+// default, and every call would fail as UNAVAILABLE as if the server were
+// down. A target with a scheme (dns:, ipv4:, unix:, ...) is gRPC's to read.
+absl::Status CheckServerAddress(const std::string& address);
+// Connect's: each server listed once, each a CheckServerAddress, and
+// CheckTlsPem.
 absl::Status CheckClientOptions(const ClientOptions& options);
 // TLS files as given (empty: not given): a client certificate and its key
 // together or neither, each one PEM text that OpenSSL reads (a certificate

@@ -200,6 +200,9 @@ int main(int argc, char** argv) {
   if (absl::StripAsciiWhitespace(absl::GetFlag(FLAGS_server)).empty()) {
     shardopt::UsageError("--server must name a server, HOST:PORT");
   }
+  if (absl::Status st = shardopt::CheckServerAddress(absl::GetFlag(FLAGS_server)); !st.ok()) {
+    shardopt::UsageError(absl::StrCat("--server: ", st.message()));
+  }
   if (absl::GetFlag(FLAGS_timeout_s) < 1) {
     shardopt::UsageError(absl::StrCat("--timeout_s must be at least 1, got ", absl::GetFlag(FLAGS_timeout_s)));
   }

@@ -43,7 +43,9 @@ absl::StatusOr<v1::CreateJobRequest> NormalizeJobSpec(const v1::CreateJobRequest
                                                    kMaxNameBytes, " bytes, and ", checkpoint::kMaxFileNameBytes,
                                                    " once %-escaped for its checkpoint directory"));
   }
-  if (r.world_size() < 1 || r.world_size() > kMaxWorldSize) {
+  // (A server's --max_world_size, lower, is checked apart: RESOURCE_EXHAUSTED.)
+  if (r.world_size() < 1) return absl::InvalidArgumentError("world_size is 0: a job has at least one rank");
+  if (r.world_size() > kMaxWorldSize) {
     return absl::InvalidArgumentError(absl::StrCat("world_size must be in [1, ", kMaxWorldSize, "], got ", r.world_size()));
   }
   if (r.rank() >= r.world_size()) {

@@ -92,7 +92,14 @@ void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobRespons
                             r.sum != nullptr && (r.sum->finished(rank) || r.sum->folded(rank)));
 }
 
+absl::Status JobStore::RefuseWhileDraining(absl::string_view what, const std::string& job) const {
+  if (!draining_) return absl::OkStatus();
+  return absl::UnavailableError(absl::StrCat("the server is shutting down (SIGTERM) and checkpointing its jobs; ", what,
+                                             " job ", Quote(job), " on the restarted server"));
+}
+
 absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobRequest& request) {
+  SHARDOPT_RETURN_IF_ERROR(RefuseWhileDraining("create or attach", request.job()));
   // Before anything is built from the request: a small request must not make
   // the server build a large job.
   if (static_cast<uint64_t>(request.tensors_size()) > options_.max_tensors_per_job) {
@@ -388,6 +395,7 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
 
 absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& chunk,
                                                           const std::function<void()>& wake) {
+  SHARDOPT_RETURN_IF_ERROR(RefuseWhileDraining("send the initial values of", chunk.job()));
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(chunk.job(), chunk.incarnation()));
   Job& job = *found;
   SHARDOPT_ASSIGN_OR_RETURN(auto dtype, FromProto(chunk.dtype()));

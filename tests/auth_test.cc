@@ -382,6 +382,12 @@ TEST(TokenTableTest, RolesPrefixesAndErrors) {
   EXPECT_TRUE(absl::IsInvalidArgument(short_token.status()));
   EXPECT_THAT(short_token.status().message(), HasSubstr("line 1"));
   EXPECT_THAT(short_token.status().message(), ::testing::Not(HasSubstr("0123456789")));
+  // A byte no client can send in a header: the token would load and never
+  // match, its holder locked out without a word.
+  auto unsendable = TokenTable::Parse("alice trainer 0123\xc3\xa9" "456789abcdef team-a/\n");
+  EXPECT_TRUE(absl::IsInvalidArgument(unsendable.status())) << unsendable.status();
+  EXPECT_THAT(unsendable.status().message(), HasSubstr("not printable ASCII"));
+  EXPECT_THAT(unsendable.status().message(), ::testing::Not(HasSubstr("0123")));
   // An admin may use every job: a prefix on its line is refused, not kept
   // as a scope that nothing enforces.
   auto scoped_admin = TokenTable::Parse(absl::StrCat("ops admin ", kAlice, " team-a/\n"));

@@ -766,7 +766,7 @@ TEST_F(DrainTest, ACheckpointOfAHalfAppliedStepWaitsOnlyUntilItsDeadline) {
   EXPECT_TRUE(written->complete());
 }
 
-TEST_F(DrainTest, DrainCheckpointsAppliedStepsSkipsUninitializedJobsAndRefusesNewCommitsWithUnavailable) {
+TEST_F(DrainTest, DrainCheckpointsAppliedStepsSkipsUninitializedJobsAndRefusesNewCommitsJobsAndInitsWithUnavailable) {
   Create(JobRequest("a", 1, {{"w", 100}}));
   ASSERT_TRUE(store_.CreateJob(JobRequest("waiting for Init", 1, {{"w", 100}})).ok());
   std::mt19937_64 rng(5);
@@ -787,6 +787,21 @@ TEST_F(DrainTest, DrainCheckpointsAppliedStepsSkipsUninitializedJobsAndRefusesNe
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("shutting down"));
   EXPECT_EQ(Commit("a", 1, 1e-3).value(), *applied);  // a retry of what was applied still answers
+  // What the drain's checkpoints would not keep: a job made now (a new one,
+  // or one attached to), initial values written now.
+  for (const char* job : {"a", "new"}) {
+    auto made = store_.CreateJob(JobRequest(job, 1, {{"w", 100}}));
+    EXPECT_EQ(made.status().code(), absl::StatusCode::kUnavailable) << job << ": " << made.status();
+    EXPECT_THAT(std::string(made.status().message()), HasSubstr("on the restarted server"));
+  }
+  EXPECT_EQ(store_.Describe("new").status().code(), absl::StatusCode::kNotFound);
+  v1::InitChunk init;
+  init.set_job("waiting for Init");
+  init.set_tensor("w");
+  init.set_dtype(v1::FP32);
+  init.set_data(std::string(400, '\0'));
+  EXPECT_EQ(store_.Init(init).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(store_.Describe("waiting for Init")->uninitialized_tensors(), 1u);
 }
 
 // --checkpoint_keep: the newest complete checkpoints stay, older steps go,

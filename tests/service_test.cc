@@ -738,6 +738,17 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
          v1::CreateJobResponse resp;
          return stub->CreateJob(&ctx, r, &resp);
        }(), grpc::StatusCode::INVALID_ARGUMENT, "rank 2 is out of range for world_size 2"},
+      {"CreateJob world_size 0", [&] {
+         grpc::ClientContext ctx;
+         v1::CreateJobRequest r;
+         r.set_job("bad-rank");
+         r.add_groups();
+         v1::TensorSpec* t = r.add_tensors();
+         t->set_name("w");
+         t->set_numel(10);
+         v1::CreateJobResponse resp;
+         return stub->CreateJob(&ctx, r, &resp);
+       }(), grpc::StatusCode::INVALID_ARGUMENT, "world_size is 0: a job has at least one rank"},
   };
   for (const Case& c : cases) {
     EXPECT_EQ(c.status.error_code(), c.code) << c.what << ": " << c.status.error_message();

@@ -61,6 +61,8 @@ case $case_name in
     run 2 "$cli" read JOB T master " 5" && expect err "OFFSET must be a whole number in digits, got ' 5'"
     run 2 "$cli" read JOB T master +5 && expect err "OFFSET must be a whole number in digits, got '[+]5'"
     run 2 "$cli" --server= describe JOB && expect err 'server must name a server'
+    # gRPC would dial port 0 (or 443) and call the server down.
+    run 2 "$cli" --server=127.0.0.1 describe JOB && expect err "server '127.0.0.1' is not host:port"
     # Verbs that reach no server do not need it.
     run 0 "$cli" --server= help describe && expect out 'describe'
     run 2 "$cli" read JOB T momentum && expect err 'momentum'
