@@ -39,3 +39,52 @@ def _check_hyper(g, where):
     if g.get("capturable") or g.get("differentiable"):
         raise InvalidArgument(f"{where}RemoteAdamW updates on the servers: capturable and differentiable are not "
                               "supported")
+
+
+def _check_disjoint(params):
+    """Refuses params (name, tensor) whose memory overlaps another's (two
+    Parameters made from one tensor, or overlapping views of it): torch
+    would apply both updates to that memory, where the servers hold a master
+    for each and would leave it with one of them. Views at disjoint places
+    of one buffer (params carved out of a flat buffer, the column blocks of
+    a fused matrix) are taken."""
+    by_device = {}
+    for name, p in params:
+        by_device.setdefault(p.device, []).append((*_span(p), name, p))
+    for spans in by_device.values():
+        # Sorted by where they begin, a span meets only the ones after it
+        # that begin before it ends.
+        spans.sort(key=lambda span: span[0])
+        for i, (_, end, name, p) in enumerate(spans):
+            j = i + 1
+            while j < len(spans) and spans[j][0] < end:
+                _, _, other_name, other = spans[j]
+                if _share_bytes(p, other):
+                    raise ValueError(f"params {name!r} and {other_name!r} share memory (one tensor's data, or "
+                                     "overlapping views of it): torch would apply both updates to it, while the "
+                                     "servers hold a master for each; give each param memory of its own")
+                j += 1
+
+
+def _span(p):
+    """The bytes [first, end) that p's elements lie within (from data_ptr,
+    sizes and strides: the same on torch 1.13 and 2.x; strides are never
+    negative)."""
+    first = p.data_ptr()
+    return first, first + (sum((n - 1) * s for n, s in zip(p.shape, p.stride())) + 1) * p.element_size()
+
+
+def _share_bytes(p, q):
+    """Whether p and q, non-empty on one device, have a byte in common: each
+    marks its bytes in a host mask of their spans, so that interleaved views
+    whose spans meet (column blocks) are told apart from overlapping ones."""
+    (p_first, p_end), (q_first, q_end) = _span(p), _span(q)
+    first = min(p_first, q_first)
+    mask = torch.zeros(max(p_end, q_end) - first, dtype=torch.bool)
+
+    def marks(x):
+        size = x.element_size()
+        return mask.as_strided((*x.shape, size), (*(s * size for s in x.stride()), 1), x.data_ptr() - first)
+
+    marks(p).fill_(True)
+    return bool(marks(q).any())

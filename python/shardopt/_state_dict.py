@@ -13,6 +13,8 @@ from ._errors import FailedPrecondition, InvalidArgument
 # torch.optim.AdamW's group keys that say how it ran its step, not what its
 # state is.
 _HOW_TORCH_STEPPED = ("capturable", "differentiable", "foreach", "fused")
+# A param's Adam state in torch.optim.AdamW's layout: all of it, or none.
+_ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 
 
 class _StateDictIO:
@@ -23,7 +25,10 @@ class _StateDictIO:
         torch (but for moments this process loaded at step 0), and neither
         have params with zero elements. One step's state:
         read between this process's steps, and refused (FailedPrecondition)
-        if the job stepped meanwhile all the same."""
+        if the job stepped meanwhile all the same. Each group records its
+        state precision ("state_precision"), the constructor's where the
+        group set none, so that load_state_dict() into a job holding state
+        at another precision is refused."""
         with self._step_lock:
             self._check_params()
             adam_steps = self._client.adam_steps()
@@ -36,8 +41,9 @@ class _StateDictIO:
                 raise FailedPrecondition("the job stepped while its state was read; call state_dict() between "
                                          "steps")
         groups, k = [], 0
-        for g in self.param_groups:
+        for g, precision in zip(self.param_groups, self._precisions):
             saved = {key: value for key, value in g.items() if key != "params"}
+            saved["state_precision"] = precision
             saved["params"] = list(range(k, k + len(g["params"])))
             k += len(g["params"])
             groups.append(saved)
@@ -110,7 +116,12 @@ class _StateDictIO:
                 master = entry.get("master")
                 master = None if master is None else self._checked(master, t, "master")
                 moments = None
-                if "step" in entry:
+                missing = [key for key in _ADAM_STATE if key not in entry]
+                if 0 < len(missing) < len(_ADAM_STATE):
+                    raise ValueError(f"the state of {t.name!r} has no {' or '.join(missing)}: a param's Adam state "
+                                     "is step, exp_avg and exp_avg_sq together (or none, for one that never "
+                                     "stepped)")
+                if not missing:
                     step = entry["step"]
                     step = step.item() if isinstance(step, torch.Tensor) else step
                     # A count of updates: the servers' bias corrections take whole steps.

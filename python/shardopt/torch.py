@@ -13,7 +13,9 @@ Supported param dtypes: ``torch.bfloat16`` and ``torch.float32`` (anything
 else, fp16 included, raises ``shardopt.UnsupportedDtype``: fp16 gradients
 would need a loss scale that this optimizer does not manage). Params may live
 on the CPU (used in place, no copy) or on a CUDA device (staged through
-pinned host buffers with non-blocking copies).
+pinned host buffers with non-blocking copies); params on any other device
+(meta included) raise ``shardopt.InvalidArgument``. Two params whose memory
+overlaps raise ValueError; views at disjoint places of one buffer are taken.
 """
 import os
 import threading
@@ -23,7 +25,7 @@ import torch
 
 from . import _C
 from ._errors import Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
-from ._checks import _check_hyper
+from ._checks import _check_disjoint, _check_hyper
 from ._connect import _read_pem, _servers
 from ._overlap import _OverlapPush
 from ._param_watch import _ParamWatch
@@ -34,6 +36,7 @@ __all__ = ["RemoteAdamW", "load_safetensors"]
 
 # dtype -> whether the server treats the tensor as fp32 params (ParamType::kFp32).
 _FP32_PARAMS = {torch.bfloat16: False, torch.float32: True}
+_DEVICE_TYPES = ("cpu", "cuda")  # where _Tensor reads and writes params
 _STATE_PRECISIONS = ("fp32", "bf16")
 
 
@@ -105,7 +108,11 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             pattern such as ``"shardopt-{i}.shardopt:50051"`` with
             ``num_servers``. Every rank gives the same list in the same order.
         job: the job's name on the servers. A job that exists is attached to
-            and resumed from the servers' state (its settings must match).
+            and resumed from the servers' state. Its settings must match
+            (else AlreadyExists): world_size, the params (names, sizes,
+            dtypes, groups), each group's betas, eps, weight_decay and
+            state_precision, and barrier_timeout; lr, max_grad_norm,
+            chunk_bytes and rpc_timeout may differ.
         rank, world_size: data parallelism without DDP: every rank pushes its
             gradients, the servers average them, every rank gets the same
             params back. A new job's initial values are rank 0's params (as
@@ -133,7 +140,9 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         rpc_timeout, max_attempts: each server call's deadline in seconds, and
             attempts for UNAVAILABLE and DEADLINE_EXCEEDED.
         barrier_timeout: seconds the servers wait for every rank's gradients,
-            and a new job's ranks wait for each other's initial values.
+            and a new job's ranks wait for each other's initial values. Part
+            of the job's settings: attaching with another one raises
+            AlreadyExists.
         checkpoint_every: rank 0 asks for a checkpoint after every step that
             is a multiple of this (servers need --checkpoint_dir), with
             overlap too; 0: only on ``checkpoint()``. If that checkpoint
@@ -198,16 +207,23 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         self._tensors = []
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
+                name = names.get(id(p), f"param.{len(self._tensors)}")
                 if p.dtype not in _FP32_PARAMS:
-                    raise UnsupportedDtype(f"param {names.get(id(p), len(self._tensors))!r} is {p.dtype}; "
-                                           "RemoteAdamW takes torch.bfloat16 and torch.float32 params")
-                self._tensors.append(_Tensor(names.get(id(p), f"param.{len(self._tensors)}"), p, gi))
+                    raise UnsupportedDtype(f"param {name!r} is {p.dtype}; RemoteAdamW takes torch.bfloat16 and "
+                                           "torch.float32 params")
+                if p.device.type not in _DEVICE_TYPES:
+                    why = (" (a meta tensor has no values to send: materialize the model first, e.g. to_empty() "
+                           "then load or initialize its weights)" if p.device.type == "meta" else "")
+                    raise InvalidArgument(f"param {name!r} is on {p.device}; RemoteAdamW takes params on the CPU or "
+                                          f"a CUDA device{why}")
+                self._tensors.append(_Tensor(name, p, gi))
         # A param with no elements has nothing to optimize: it stays in its
         # group, as in torch, but not in the job (servers hold no empty
         # tensor), and it gets no state.
         self._remote = [t for t in self._tensors if t.numel > 0]
         if not self._remote:
             raise ValueError("every param has zero elements: there is nothing to optimize")
+        _check_disjoint([(t.name, t.param) for t in self._remote])
         self._hyper = [self._group_hyper(g) for g in self.param_groups]
         self.rank, self.world_size = rank, world_size
         self.max_grad_norm, self.overlap = float(max_grad_norm), overlap

@@ -267,6 +267,36 @@ def test_misuses_torch_refuses_or_that_would_train_otherwise_are_refused(job):
         RemoteAdamW([p], servers=["127.0.0.1:1", "127.0.0.1:1"], job=job)
 
 
+def assert_no_job_was_made(servers, job):
+    """The servers hold no job `job`: one with other params is made under its
+    name (an existing one would be AlreadyExists)."""
+    RemoteAdamW([torch.nn.Parameter(torch.ones(5))], servers=servers, job=job).drop()
+
+
+@pytest.mark.parametrize("case", ["one-tensors-data", "overlapping-views", "transposed-view"])
+def test_params_sharing_memory_are_refused_before_anything_is_sent(servers, job, case):
+    """Two Parameters over the same memory used to get a master each, and the
+    memory then held one of them where torch applies both updates to it;
+    now they are refused, naming both, before the job is made."""
+    buffer = torch.randn(4, 4)
+    first, second = {"one-tensors-data": lambda: (buffer, buffer),
+                     "overlapping-views": lambda: (buffer[:2], buffer[1:3]),
+                     "transposed-view": lambda: (buffer[:, :1], buffer.t()[0])}[case]()
+    a, b = torch.nn.Parameter(first), torch.nn.Parameter(second)
+    with pytest.raises(ValueError, match="params 'a' and 'b' share memory"):
+        RemoteAdamW([("a", a), ("b", b)], servers=servers, job=job)
+    assert_no_job_was_made(servers, job)
+
+
+def test_params_on_the_meta_device_are_refused_before_anything_is_sent(servers, job):
+    """A meta param used to fail in torch's copy of its (absent) values, with
+    its job made on the servers already."""
+    model = make_model().to("meta")
+    with pytest.raises(shardopt.InvalidArgument, match="is on meta; RemoteAdamW takes params on the CPU or a CUDA"):
+        RemoteAdamW(model.named_parameters(), servers=servers, job=job)
+    assert_no_job_was_made(servers, job)
+
+
 def test_describe_shows_each_servers_fields(servers, job):
     opt = RemoteAdamW(make_model().named_parameters(), servers=servers, job=job)
     states = opt.describe()

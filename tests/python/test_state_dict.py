@@ -268,6 +268,32 @@ def test_a_group_holds_the_state_precision_it_asks_for(servers, job):
         assert (sum(low) == 0) == (gi == 1), (gi, low)
 
 
+@pytest.mark.parametrize("saved_precision, job_precision", [("fp32", "bf16"), ("bf16", "fp32")])
+def test_a_state_dict_of_another_state_precision_is_refused(servers, job, saved_precision, job_precision):
+    """The constructor's state_precision, with no group setting its own: the
+    state dict used not to record it, and loaded into a job of the other
+    precision silently (fp32 moments and masters rounded to bf16, or bf16
+    ones taken as fp32 state). Now each group records it, and the load is
+    refused before anything is sent; a torch.optim.AdamW state dict, which
+    has no such key, still loads."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3, state_precision=saved_precision)
+    train(model, opt, 2)
+    saved = opt.state_dict()
+    opt.drop()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-b", lr=1e-3, state_precision=job_precision)
+    with pytest.raises(shardopt.InvalidArgument, match=f"state_precision {saved_precision!r} differs from the "
+                                                       f"job's {job_precision!r}"):
+        opt.load_state_dict(saved)
+    assert opt.state_dict()["state"] == {}
+    assert [g["state_precision"] for g in saved["param_groups"]] == [saved_precision] * len(saved["param_groups"])
+    ref = torch.optim.AdamW(unnamed(param_groups(model)), lr=1e-3, foreach=False)
+    train(model, ref, 1)
+    opt.load_state_dict(ref.state_dict())
+    assert sorted(opt.state_dict()["state"]) == sorted(ref.state_dict()["state"])
+    opt.drop()
+
+
 def test_a_second_thread_may_checkpoint_and_read_while_the_first_trains(server_binary, job, tmp_path):
     """The extension's calls release the GIL, so a checkpointing or
     monitoring thread can call in while the training loop steps. Each call
@@ -349,13 +375,21 @@ def test_a_state_dict_the_servers_would_refuse_is_refused_before_anything_is_sen
     opt.drop()
 
 
-@pytest.mark.parametrize("case", ["exp_avg-transposed", "exp_avg_sq-flat", "step-fractional", "step-negative",
-                                  "step-inf"])
+# Each case's state dict, and what its refusal says.
+UNSTEPPABLE = {"exp_avg-transposed": "shape", "exp_avg_sq-flat": "shape", "step-fractional": "whole number",
+               "step-negative": "whole number", "step-inf": "whole number", "step-missing": "has no step",
+               "exp_avg-missing": "has no exp_avg:", "exp_avg_sq-missing": "has no exp_avg_sq",
+               "exp_avg-fp64": "fp32 or bf16 needed"}
+
+
+@pytest.mark.parametrize("case", list(UNSTEPPABLE))
 def test_a_state_dict_torch_could_not_step_with_is_refused_before_anything_is_sent(servers, job, case):
     """Moments of another shape than the param's (a transposed kernel from
     another framework; torch's step would fail on it) were read in flat
-    order, and a fractional step taken as its integer part; now each is a
-    ValueError and nothing is sent."""
+    order, a fractional step taken as its integer part, an entry without
+    exp_avg or exp_avg_sq raised a bare KeyError, and one without step
+    dropped its moments silently; now each is a ValueError (fp64 moments:
+    UnsupportedDtype, a ValueError too) and nothing is sent."""
     model = make_model()
     opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3)
     train(model, opt, 2)
@@ -367,11 +401,15 @@ def test_a_state_dict_torch_could_not_step_with_is_refused_before_anything_is_se
         entry["exp_avg"] = entry["exp_avg"].t().contiguous()
     elif case == "exp_avg_sq-flat":
         entry["exp_avg_sq"] = entry["exp_avg_sq"].reshape(-1)
+    elif case.endswith("-missing"):
+        del entry[case[:-len("-missing")]]
+    elif case == "exp_avg-fp64":
+        entry["exp_avg"] = entry["exp_avg"].double()
     else:
         entry["step"] = torch.tensor({"step-fractional": 2.5, "step-negative": -1.0, "step-inf": float("inf")}[case])
     fresh = make_model(seed=1)
     opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
-    with pytest.raises(ValueError, match="shape" if "step" not in case else "whole number"):
+    with pytest.raises(shardopt.UnsupportedDtype if case == "exp_avg-fp64" else ValueError, match=UNSTEPPABLE[case]):
         opt.load_state_dict(saved)
     assert opt.state_dict()["state"] == {}
     opt.drop()

@@ -205,6 +205,33 @@ def test_contiguous_cpu_tensors_are_not_copied_and_others_are_staged(servers, jo
     opt.drop()
 
 
+def test_params_as_disjoint_views_of_one_buffer_train_as_separate_ones(servers, job):
+    """Params carved out of one flat buffer with gaps, and the column blocks
+    of one matrix (interleaved: their spans meet, their memory does not),
+    are taken (only params whose memory overlaps are refused) and train
+    bitwise as params of their own; the gaps keep their values."""
+    g = torch.Generator().manual_seed(7)
+    flat, matrix = torch.randn(40, generator=g), torch.randn(6, 8, generator=g)
+    views = [flat[0:12].view(3, 4), flat[16:24], flat[30:40], matrix[:, :3], matrix[:, 3:]]
+    gaps = torch.cat([flat[12:16], flat[24:30]]).clone()
+    ours = [torch.nn.Parameter(v) for v in views]
+    own = [torch.nn.Parameter(v.clone()) for v in views]
+    before = [v.clone() for v in views]
+    opt = RemoteAdamW(ours, servers=servers, job=f"{job}-views", lr=1e-2)
+    ref = RemoteAdamW(own, servers=servers, job=f"{job}-own", lr=1e-2)
+    for _ in range(3):
+        for p, q in zip(ours, own):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q, v, b in zip(ours, own, views, before):
+        assert same_bits(p, q) and same_bits(v, q) and not torch.equal(v, b)
+    assert same_bits(torch.cat([flat[12:16], flat[24:30]]), gaps)
+    opt.drop()
+    ref.drop()
+
+
 def test_params_without_grad_are_skipped(servers, job):
     """As in torch: a param whose grad is None keeps its value, its step count
     and (no) state; weight decay does not touch it either."""
