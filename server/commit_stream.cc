@@ -82,11 +82,11 @@ class CommitStream {
     } else {
       const CommitArgs& a = t_ == job_.step ? job_.applied : job_.apply_args;
       if (!(a == args_)) {
-        return absl::AbortedError(absl::StrCat("step ", t_, " was applied with lr=", a.lr, " gscale=", a.gscale,
-                                               " skip=", a.skip, " and ", a.group_lr.size(),
-                                               " group lrs; this commit asks lr=", args_.lr, " gscale=", args_.gscale,
-                                               " skip=", args_.skip, " and ", args_.group_lr.size(),
-                                               " group lrs: ranks disagree"));
+        return absl::AbortedError(absl::StrCat("step ", t_, " was ", a.skip ? "skipped" : "applied",
+                                               " with other arguments than this commit's (",
+                                               a.FirstDifference(args_),
+                                               "): ranks disagree, or a retry changed them; a step is applied once, "
+                                               "and a retry must carry the very same numbers"));
       }
     }
     // The step's per-shard scalars, needed only by a commit that may apply.

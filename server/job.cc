@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "base/shortest_number.h"
 #include "base/status_macros.h"
 #include "server/job_spec.h"
 #include "server/messages.h"
@@ -22,6 +23,24 @@ bool CommitArgs::operator==(const CommitArgs& o) const {
   if (!SameBits(lr, o.lr) || !SameBits(gscale, o.gscale) || skip != o.skip) return false;
   return std::equal(group_lr.begin(), group_lr.end(), o.group_lr.begin(), o.group_lr.end(),
                     [](double a, double b) { return SameBits(a, b); });
+}
+
+std::string CommitArgs::FirstDifference(const CommitArgs& asked) const {
+  if (skip != asked.skip) return skip ? "skipped -> applied" : "applied -> skipped";
+  if (!SameBits(lr, asked.lr)) return absl::StrCat("lr: ", ShortestNumber(lr), " -> ", ShortestNumber(asked.lr));
+  if (!SameBits(gscale, asked.gscale)) {
+    return absl::StrCat("gscale: ", ShortestNumber(gscale), " -> ", ShortestNumber(asked.gscale));
+  }
+  if (group_lr.size() != asked.group_lr.size()) {
+    return absl::StrCat("group lrs: ", group_lr.size(), " -> ", asked.group_lr.size());
+  }
+  for (size_t g = 0; g < group_lr.size(); ++g) {
+    if (!SameBits(group_lr[g], asked.group_lr[g])) {
+      return absl::StrCat("group ", g, "'s lr: ", ShortestNumber(group_lr[g]), " -> ",
+                          ShortestNumber(asked.group_lr[g]));
+    }
+  }
+  return "";
 }
 
 Job::Job(const v1::CreateJobRequest& s, uint64_t window, Wakeups* wakeups, MemoryBudget* budget)

@@ -60,6 +60,9 @@ struct CommitArgs {
   double lr_of(uint32_t group) const { return group_lr.empty() ? lr : group_lr[group]; }
   // Bitwise: a retry must carry the very same numbers.
   bool operator==(const CommitArgs& other) const;
+  // The first difference from `asked`, these first, every bit of the
+  // numbers ("lr: 0.01 -> 0.010000000000000002"); empty when equal.
+  std::string FirstDifference(const CommitArgs& asked) const;
 };
 
 class Job {

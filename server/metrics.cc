@@ -1,10 +1,9 @@
 #include "server/metrics.h"
 
 #include <cmath>
-#include <cstdlib>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
+#include "base/shortest_number.h"
 
 namespace shardopt::metrics {
 namespace {
@@ -85,16 +84,10 @@ std::string Escape(const std::string& v) {
 std::string Number(double v) {
   if (std::isinf(v)) return v > 0 ? "+Inf" : "-Inf";
   if (std::isnan(v)) return "NaN";
-  // Every bit, in the fewest digits that give it back: StrCat keeps 6
-  // significant digits, which turns a byte counter past a million into a
-  // staircase for rate(), and %.17g alone would turn le="0.1" into
+  // Every bit: 6 digits would turn a byte counter past a million into a
+  // staircase for rate(), and %.17g would turn le="0.1" into
   // le="0.10000000000000001", renaming the buckets' series.
-  std::string shortest;
-  for (int digits = 15; digits <= 17; ++digits) {
-    shortest = absl::StrFormat("%.*g", digits, v);
-    if (std::strtod(shortest.c_str(), nullptr) == v) break;
-  }
-  return shortest;
+  return ShortestNumber(v);
 }
 
 // `rendered` ({...} or empty) with one more label.

@@ -4,8 +4,8 @@
 #include <sys/resource.h>
 
 #include <algorithm>
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
@@ -25,6 +25,7 @@
 #include "gtest/gtest.h"
 #include "server/metrics.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "server/job.h"
 #include "server/job_store.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/checkpoint_dir_fixture.h"
@@ -150,8 +151,29 @@ TEST_F(StoreTest, CommitIsIdempotentAndRefusesDifferentArguments) {
   auto differs = Commit("idem", 1, 2e-3, 0.5f);
   EXPECT_EQ(differs.status().code(), absl::StatusCode::kAborted);
   EXPECT_THAT(std::string(differs.status().message()), HasSubstr("ranks disagree"));
-  EXPECT_EQ(Commit("idem", 1, 1e-3, 0.5f, true).status().code(), absl::StatusCode::kAborted);
+  // The difference, named with every bit of its numbers: six digits made
+  // these two lrs, and two gscales, read the same.
+  EXPECT_THAT(std::string(differs.status().message()), HasSubstr("(lr: 0.001 -> 0.002)"));
+  auto ulp = Commit("idem", 1, std::nextafter(1e-3, 1.0), 0.5f);
+  EXPECT_EQ(ulp.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(std::string(ulp.status().message()), HasSubstr("(lr: 0.001 -> 0.0010000000000000002)"));
+  auto gscale = Commit("idem", 1, 1e-3, std::nextafter(0.5f, 1.0f));
+  EXPECT_THAT(std::string(gscale.status().message()), HasSubstr("(gscale: 0.5 -> 0.50000006)"));
+  auto skip = Commit("idem", 1, 1e-3, 0.5f, true);
+  EXPECT_EQ(skip.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(std::string(skip.status().message()), HasSubstr("(applied -> skipped)"));
   EXPECT_EQ(Snapshot("idem"), before);
+}
+
+// Group lrs are told apart by group, as lr is.
+TEST(CommitArgsTest, TheFirstDifferenceNamesTheGroupWhoseLrDiffers) {
+  const CommitArgs applied{1e-3, 1.0f, false, {1e-3, 2e-3}};
+  CommitArgs asked = applied;
+  EXPECT_EQ(applied.FirstDifference(asked), "");
+  asked.group_lr[1] = std::nextafter(2e-3, 0.0);
+  EXPECT_EQ(applied.FirstDifference(asked), "group 1's lr: 0.002 -> 0.0019999999999999996");
+  asked.group_lr.pop_back();
+  EXPECT_EQ(applied.FirstDifference(asked), "group lrs: 2 -> 1");
 }
 
 // A commit refused while another commit of the same step is applying it
