@@ -255,6 +255,11 @@ def check_render(repo, build):
         assert annotations.get("prometheus.io/scrape") == "true"
         assert annotations.get("prometheus.io/port") == flags["metrics_port"]
         assert annotations.get("prometheus.io/path") == "/metrics"
+        # deploy/prometheus's scrape job keeps the pods of this label, at this port's name.
+        with open(os.path.join(repo, "deploy", "prometheus", "prometheus.yml")) as f:
+            scrape = next(j for j in yaml.safe_load(f)["scrape_configs"] if j["job_name"] == "shardopt")
+        label, port_name = scrape["relabel_configs"][0]["regex"].split(";")
+        assert labels.get("app.kubernetes.io/name") == label and port_name in ports, (labels, ports, label, port_name)
         svc = only(objects, "Service")
         assert svc["metadata"]["name"] == sts["spec"]["serviceName"] and svc["spec"]["clusterIP"] == "None"
         assert selects(svc["spec"]["selector"])

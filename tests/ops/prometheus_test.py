@@ -3,6 +3,12 @@ steps; the test then asks Prometheus's HTTP API for a rate and a histogram
 quantile of the server's metrics, and checks the exposition's names and
 types. Skips (exit 77) with a message where the prometheus binary is missing.
 
+Prometheus runs deploy/prometheus/prometheus.yml, its alerting rules loaded,
+with one change: Debian's Prometheus has no Kubernetes discovery, so the
+`shardopt` job's pods come from a file holding the labels that discovery
+gives a pod's ports (the server's metrics port, and its gRPC port, which the
+job's relabelling must drop), and the shipped relabelling picks the target.
+
 usage: prometheus_test.py SHARDOPT_SERVER DEMO_TRAINER"""
 import json
 import os
@@ -14,6 +20,10 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
+
+import yaml
+
+DEPLOY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "deploy", "prometheus")
 
 
 def free_port():
@@ -47,6 +57,27 @@ def query(prom, expr):
     return body["data"]["result"]
 
 
+def write_config(tmp, ports):
+    """deploy/prometheus's configuration, scraping every second, its pods
+    from a file: one target per named container port of pod shardopt-0, as
+    Kubernetes discovery gives them."""
+    with open(os.path.join(DEPLOY, "prometheus.yml")) as f:
+        config = yaml.safe_load(f)
+    config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+    config["rule_files"] = [os.path.join(DEPLOY, r) for r in config["rule_files"]]
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "shardopt")
+    assert [list(sd) for sd in job.pop("kubernetes_sd_configs")] == [["role"]], "pod discovery, as documented"
+    pods = [{"targets": [f"127.0.0.1:{port}"],
+             "labels": {"__meta_kubernetes_namespace": "training", "__meta_kubernetes_pod_name": "shardopt-0",
+                        "__meta_kubernetes_pod_label_app_kubernetes_io_name": "shardopt",
+                        "__meta_kubernetes_pod_container_port_name": name}} for name, port in ports.items()]
+    with open(f"{tmp}/pods.json", "w") as f:
+        json.dump(pods, f)
+    job["file_sd_configs"] = [{"files": [f"{tmp}/pods.json"]}]
+    with open(f"{tmp}/prometheus.yml", "w") as f:
+        yaml.safe_dump(config, f)
+
+
 def main():
     server_bin, trainer_bin = sys.argv[1], sys.argv[2]
     prometheus = shutil.which("prometheus")
@@ -65,10 +96,7 @@ def main():
         for line in ("# TYPE shardopt_commits_total counter", "# TYPE shardopt_apply_seconds histogram",
                      "# TYPE shardopt_memory_budget_bytes gauge", "shardopt_build_info{version="):
             assert line in text, line
-        with open(f"{tmp}/prometheus.yml", "w") as f:
-            f.write("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-                    "scrape_configs:\n  - job_name: shardopt\n    static_configs:\n"
-                    f"      - targets: ['127.0.0.1:{metrics_port}']\n")
+        write_config(tmp, {"metrics": metrics_port, "grpc": grpc_port})
         prom = subprocess.Popen([prometheus, f"--config.file={tmp}/prometheus.yml", f"--storage.tsdb.path={tmp}/data",
                                  f"--web.listen-address=127.0.0.1:{prom_port}"],
                                 stdout=subprocess.DEVNULL, stderr=open(f"{tmp}/prometheus.log", "w"))
@@ -79,7 +107,14 @@ def main():
                                     "--print_every=1000000", f"--csv={tmp}/curves.csv"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         procs.append(trainer)
-        wait_for("the target up", lambda: query(prom_port, 'up{job="shardopt"} == 1'), 30)
+        up = wait_for("the target up", lambda: query(prom_port, 'up{job="shardopt"} == 1'), 30)
+        # One target: the gRPC port's was dropped by the shipped relabelling.
+        targets = json.loads(get(f"http://127.0.0.1:{prom_port}/api/v1/targets"))["data"]["activeTargets"]
+        assert [t["labels"] for t in targets] == [{"instance": f"127.0.0.1:{metrics_port}", "job": "shardopt",
+                                                    "namespace": "training", "pod": "shardopt-0"}], targets
+        assert up[0]["metric"]["pod"] == "shardopt-0", up
+        rules = json.loads(get(f"http://127.0.0.1:{prom_port}/api/v1/rules"))["data"]["groups"]
+        assert any(r["name"] == "ShardoptServerDown" for g in rules for r in g["rules"]), rules
         rate = wait_for("a commit rate", lambda: [r for r in query(prom_port, "rate(shardopt_commits_total[5s])")
                                                   if float(r["value"][1]) > 0], 40)
         quantile = wait_for("an apply-time median", lambda: [
