@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "client/after_step.h"
 #include "client/attach_answers.h"
 #include "client/client_impl.h"
 #include "client/option_checks.h"
@@ -332,14 +333,7 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
   SHARDOPT_RETURN_IF_ERROR(committed);
   const uint64_t every = impl_->options.checkpoint_every;
   if (every > 0 && impl_->options.rank == 0 && t % every == 0) {
-    // Said so, since the caller's way out of a failed Step, calling it
-    // again, would here apply the next step with the same gradients.
-    if (absl::Status st = Checkpoint(); !st.ok()) {
-      return absl::Status(st.code(), absl::StrCat("step ", t, " was applied and its params returned (step() is ", t,
-                                                  "; do not repeat it), but its checkpoint (checkpoint_every) failed; "
-                                                  "call Checkpoint() for it: ",
-                                                  st.message()));
-    }
+    if (absl::Status st = Checkpoint(); !st.ok()) return CheckpointAfterStepFailed(t, st);
   }
   return result;
 }

@@ -1,9 +1,13 @@
 #include "shardopt/node_group.h"
 
 #include <cstdint>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "client/after_step.h"
+#include "client/option_checks.h"
+#include "rpc/learning_rates.h"
 
 namespace shardopt {
 namespace {
@@ -22,6 +26,25 @@ T* TensorBase(T* owned_data, uint64_t owned_begin, uint64_t tensor_begin) {
                               (owned_begin - tensor_begin) * sizeof(T));
 }
 
+// What a Step that failed after its push needs: the servers count a step's
+// push once, so new gradients for it would be ignored.
+constexpr char kRetry[] = "; call Step again with the same gradients";
+
+// A Step's options folded into an integer below 2^53 (FNV-1a over their
+// bits): as a double it passes an all-reduce whose other terms are zeros
+// exactly, so the local ranks can compare theirs.
+double OptionsFingerprint(const StepOptions& o) {
+  uint64_t h = 14695981039346656037ull;
+  const auto mix = [&](double v) {
+    unsigned char bytes[sizeof v];
+    std::memcpy(bytes, &v, sizeof v);
+    for (unsigned char b : bytes) h = (h ^ b) * 1099511628211ull;
+  };
+  for (double v : {o.lr, o.max_grad_norm, o.loss_scale, static_cast<double>(o.group_lr.size())}) mix(v);
+  for (double v : o.group_lr) mix(v);
+  return static_cast<double>(h >> 11);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<NodeGroup>> NodeGroup::Create(const NodeGroupOptions& options,
@@ -36,14 +59,26 @@ absl::StatusOr<std::unique_ptr<NodeGroup>> NodeGroup::Create(const NodeGroupOpti
     client_options.push_servers.push_back(s);
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto client, Client::Connect(client_options));
-  return std::unique_ptr<NodeGroup>(new NodeGroup(std::move(client), collective, servers));
+  return std::unique_ptr<NodeGroup>(new NodeGroup(std::move(client), collective, options));
 }
 
 absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
+  absl::StatusOr<uint64_t> step = 0;
   if (job.grad_type != GradType::kFp32) {
-    return absl::InvalidArgumentError("a node group pushes its nodes' fp32 sums: set JobOptions::grad_type to kFp32");
+    step = absl::InvalidArgumentError("a node group pushes its nodes' fp32 sums: set JobOptions::grad_type to kFp32");
   }
-  SHARDOPT_ASSIGN_OR_RETURN(auto step, client_->CreateOrAttach(job));
+  for (const TensorOptions& t : job.tensors) {
+    // A commit returns such a tensor's params as fp32, which the bf16 flat
+    // buffers have no room for.
+    if (step.ok() && t.param_type != ParamType::kBf16) {
+      step = absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has fp32 params; a node group returns "
+                                                     "every tensor's params in one bf16 buffer: make it kBf16"));
+    }
+  }
+  if (step.ok()) step = client_->CreateOrAttach(job);
+  // A local rank refused alone (another job's settings) would leave the
+  // others waiting in their first Step's collective.
+  SHARDOPT_RETURN_IF_ERROR(Agree(step.status(), absl::StrCat("CreateOrAttach of job '", job.name, "'")));
   job_ = job;
   offsets_ = FlatOffsets(job.tensors);
   const std::vector<uint64_t> bounds = ServerBounds(job.tensors, servers_);
@@ -54,24 +89,59 @@ absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
   }
   grads_.assign(owned().size(), 0.f);
   params_.assign(owned().size(), 0);
-  step_ = step;
+  step_ = *step;
   return step_;
 }
 
-absl::Status NodeGroup::Agree(const absl::Status& mine, const char* phase) {
+absl::Status NodeGroup::Agree(const absl::Status& mine, const std::string& what, const std::string& then) {
   double failed = mine.ok() ? 0 : 1;
   SHARDOPT_RETURN_IF_ERROR(collective_->AllReduceSum(&failed, 1));
   if (!mine.ok()) return mine;
-  if (failed > 0) {
-    return absl::AbortedError(absl::StrCat(phase, " of step ", step_ + 1, " failed on ", failed,
-                                           " other local rank(s); the step can be retried"));
+  if (failed > 0) return absl::AbortedError(absl::StrCat(what, " failed on ", failed, " other local rank(s)", then));
+  return absl::OkStatus();
+}
+
+absl::Status NodeGroup::CheckStep(const uint16_t* flat_grads, const uint16_t* flat_params,
+                                  const StepOptions& options) {
+  // Before anything is sent: a local rank refused alone would leave its
+  // servers without the step that the others' servers applied, and local
+  // ranks with different options would each apply theirs on the servers
+  // they own.
+  absl::Status checked = CheckStepOptions(options);
+  if (checked.ok()) checked = CheckLearningRates(options.lr, options.group_lr, job_.groups.size(), job_.name);
+  if (checked.ok() && (flat_grads == nullptr || flat_params == nullptr)) {
+    checked = absl::InvalidArgumentError("NodeGroup::Step needs flat_grads and flat_params");
+  }
+  SHARDOPT_RETURN_IF_ERROR(Agree(checked, absl::StrCat("the check of step ", step_ + 1, "'s arguments"),
+                                 "; nothing was sent"));
+  const uint32_t g = collective_->size(), j = collective_->rank();
+  std::vector<double> fingerprints(g, 0.0);  // [r]: local rank r's alone
+  fingerprints[j] = OptionsFingerprint(options);
+  SHARDOPT_RETURN_IF_ERROR(collective_->AllReduceSum(fingerprints.data(), g));
+  for (uint32_t r = 0; r < g; ++r) {
+    if (fingerprints[r] != fingerprints[j]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "local ranks ", j, " and ", r, " step with different options (lr, group_lr, max_grad_norm or "
+          "loss_scale): every local rank of a node group passes the same; nothing was sent"));
+    }
   }
   return absl::OkStatus();
+}
+
+absl::Status NodeGroup::Checkpoint() {
+  if (offsets_.empty()) return absl::FailedPreconditionError("call CreateOrAttach first");
+  // The first local rank that pushes part of the model: its client commits,
+  // so it is at the job's step, where one that pushes nothing is not.
+  uint32_t writer = 0;
+  while (ranges_[writer].size() == 0) ++writer;
+  absl::Status mine = collective_->rank() == writer ? client_->Checkpoint() : absl::OkStatus();
+  return Agree(mine, absl::StrCat("the checkpoint of step ", step_));
 }
 
 absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t* flat_params,
                                            const StepOptions& options) {
   if (offsets_.empty()) return absl::FailedPreconditionError("call CreateOrAttach first");
+  SHARDOPT_RETURN_IF_ERROR(CheckStep(flat_grads, flat_params, options));
   const FlatRange mine = owned();
   SHARDOPT_RETURN_IF_ERROR(collective_->ReduceScatter(flat_grads, grads_.data(), ranges_));
 
@@ -88,7 +158,7 @@ absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t*
   const uint64_t t = step_ + 1;
   absl::StatusOr<PushResult> pushed = PushResult{};
   if (mine.size() > 0) pushed = client_->Push(t, grad_views);
-  SHARDOPT_RETURN_IF_ERROR(Agree(pushed.status(), "push"));
+  SHARDOPT_RETURN_IF_ERROR(Agree(pushed.status(), absl::StrCat("the push of step ", t), kRetry));
 
   // Each server's partial comes from exactly one local rank and is zero on
   // the others, so the all-reduce's sums are exact whatever its order.
@@ -110,9 +180,12 @@ absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t*
                                 options.group_lr);
   }
   if (committed.ok()) committed = collective_->FromHost(params_.data(), flat_params + mine.begin, mine.size() * 2);
-  SHARDOPT_RETURN_IF_ERROR(Agree(committed, "commit"));
+  SHARDOPT_RETURN_IF_ERROR(Agree(committed, absl::StrCat("the commit of step ", t), kRetry));
   SHARDOPT_RETURN_IF_ERROR(collective_->AllGather(flat_params, ranges_));
   step_ = t;
+  if (checkpoint_every_ > 0 && node_ == 0 && t % checkpoint_every_ == 0) {
+    if (absl::Status st = Checkpoint(); !st.ok()) return CheckpointAfterStepFailed(t, st);
+  }
   return result;
 }
 

@@ -1,7 +1,13 @@
 // Node groups over the CPU collective (threads) against real server
 // processes: G = 1, 2 and 4 local ranks of one node, and two nodes of 2.
+#include <stdlib.h>
+
+#include <chrono>
+#include <filesystem>
+#include <functional>
 #include <thread>
 
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw_math.h"
 #include "shardopt/node_group.h"
@@ -13,6 +19,7 @@ namespace shardopt::scale {
 namespace {
 
 using testing::ServerProcess;
+using ::testing::HasSubstr;
 
 // (nodes, local ranks per node)
 class NodeGroupTest : public ::testing::TestWithParam<std::pair<uint32_t, uint32_t>> {};
@@ -220,6 +227,219 @@ TEST(NodeGroup, EachGroupStepsAtItsOwnLr) {
       EXPECT_NE(m, init[t]) << job.tensors[t].name;
     }
   }
+}
+
+// Two local ranks of one node over `servers` servers, their collectives
+// failing a rank that does not come within 5 s (a test that hangs fails).
+struct TwoLocalRanks {
+  explicit TwoLocalRanks(uint32_t servers, const std::vector<std::string>& flags = {}, uint64_t checkpoint_every = 0)
+      : collectives(MakeCpuCollectives(2, std::chrono::seconds(5))) {
+    NodeGroupOptions options;
+    options.client.checkpoint_every = checkpoint_every;
+    for (uint32_t s = 0; s < servers; ++s) {
+      std::vector<std::string> args = {"--threads=1"};
+      args.insert(args.end(), flags.begin(), flags.end());
+      processes.push_back(ServerProcess::Start(args));
+      if (processes.back() == nullptr) return;
+      options.client.servers.push_back(processes.back()->address());
+    }
+    for (uint32_t j = 0; j < 2; ++j) groups.push_back(NodeGroup::Create(options, collectives[j].get()).value());
+  }
+  bool ok() const { return groups.size() == 2; }
+  // fn(local rank) on a thread each; their results.
+  template <typename Fn>
+  auto OnBoth(const Fn& fn) {
+    std::vector<decltype(fn(0u))> out(2);
+    std::thread one([&] { out[1] = fn(1u); });
+    out[0] = fn(0u);
+    one.join();
+    return out;
+  }
+  std::vector<std::unique_ptr<ServerProcess>> processes;
+  std::vector<std::unique_ptr<Collective>> collectives;
+  std::vector<std::unique_ptr<NodeGroup>> groups;
+};
+
+JobOptions Fp32GradJob(const std::string& name) {
+  JobOptions job = MakeJob(name, 1, 10000);
+  job.grad_type = GradType::kFp32;
+  return job;
+}
+
+// Local rank r's gradients of `step`, drawn from `seed`, as one flat buffer.
+std::vector<uint16_t> FlatGradients(const JobOptions& job, uint64_t seed, uint64_t step, uint32_t r) {
+  const std::vector<uint64_t> offsets = FlatOffsets(job.tensors);
+  std::vector<uint16_t> flat(offsets.back(), 0);
+  for (uint32_t t = 0; t < job.tensors.size(); ++t) {
+    const auto g = Gradient(seed, step, r, t, job.tensors[t].numel);
+    std::copy(g.begin(), g.end(), flat.begin() + offsets[t]);
+  }
+  return flat;
+}
+
+// A Step refused on one local rank for its own arguments, or with options
+// that differ between the local ranks, is refused on both before anything is
+// sent: then a Step with other gradients applies those. (Before, the other
+// local rank pushed and committed: its servers applied the step, the
+// refused rank's did not, and the next Step's new gradients were answered
+// as a retry of the old push on the servers that held it.)
+TEST(NodeGroup, ArgumentsRefusedOnOneLocalRankOrDifferingBetweenThemAreRefusedOnBothBeforeAnythingIsSent) {
+  TwoLocalRanks node(2);
+  ASSERT_TRUE(node.ok());
+  const JobOptions job = Fp32GradJob("args");
+  for (const auto& st : node.OnBoth([&](uint32_t j) { return node.groups[j]->CreateOrAttach(job).status(); })) {
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  for (uint32_t t = 0; t < job.tensors.size(); ++t) {
+    const auto init = InitialValues(5, t, job.tensors[t].numel);
+    ASSERT_TRUE(node.groups[0]->client().InitFp32(job.tensors[t].name, init.data()).ok());
+  }
+  const uint64_t flat = FlatOffsets(job.tensors).back();
+  std::vector<std::vector<uint16_t>> params(2, std::vector<uint16_t>(flat, 0xFFFF));
+  const auto step_with = [&](uint64_t seed, const std::function<StepOptions(uint32_t)>& options,
+                             bool null_params_on_1 = false) {
+    return node.OnBoth([&](uint32_t j) {
+      const auto grads = FlatGradients(job, seed, node.groups[j]->step() + 1, j);
+      uint16_t* out = null_params_on_1 && j == 1 ? nullptr : params[j].data();
+      return node.groups[j]->Step(grads.data(), out, options(j)).status();
+    });
+  };
+  StepOptions good;
+  good.lr = kLr;
+  struct Case {
+    const char* what;
+    std::function<StepOptions(uint32_t)> options;
+    bool null_params = false;
+    absl::StatusCode rank0, rank1;
+    const char* says;  // in rank 1's message
+  };
+  const auto on_1 = [&](const std::function<void(StepOptions&)>& change) {
+    return [=](uint32_t j) {
+      StepOptions o = good;
+      if (j == 1) change(o);
+      return o;
+    };
+  };
+  const Case cases[] = {
+      {"NaN lr on rank 1", on_1([](StepOptions& o) { o.lr = NAN; }), false, absl::StatusCode::kAborted,
+       absl::StatusCode::kInvalidArgument, "lr must be finite"},
+      {"a group_lr of the wrong size on rank 1", on_1([](StepOptions& o) { o.group_lr = {kLr, kLr}; }), false,
+       absl::StatusCode::kAborted, absl::StatusCode::kInvalidArgument, "group_lr has 2 entries"},
+      {"loss_scale 0 on both", [&](uint32_t) { StepOptions o = good; o.loss_scale = 0; return o; }, false,
+       absl::StatusCode::kInvalidArgument, absl::StatusCode::kInvalidArgument, "loss_scale"},
+      {"max_grad_norm -1 on both", [&](uint32_t) { StepOptions o = good; o.max_grad_norm = -1; return o; }, false,
+       absl::StatusCode::kInvalidArgument, absl::StatusCode::kInvalidArgument, "max_grad_norm"},
+      {"another lr on rank 1", on_1([](StepOptions& o) { o.lr = 2 * kLr; }), false,
+       absl::StatusCode::kInvalidArgument, absl::StatusCode::kInvalidArgument, "different options"},
+      {"no params buffer on rank 1", [&](uint32_t) { return good; }, true, absl::StatusCode::kAborted,
+       absl::StatusCode::kInvalidArgument, "flat_params"},
+  };
+  std::vector<float> gscales;  // each step's, as every local rank decided it
+  const auto first = node.OnBoth([&](uint32_t j) -> absl::StatusOr<StepResult> {
+    const auto grads = FlatGradients(job, 5, 1, j);
+    return node.groups[j]->Step(grads.data(), params[j].data(), good);
+  });
+  ASSERT_TRUE(first[0].ok() && first[1].ok()) << first[0].status() << " / " << first[1].status();
+  gscales.push_back(first[0]->decision.gscale);
+  for (const Case& c : cases) {
+    const auto refused = step_with(99, c.options, c.null_params);  // gradients the servers must never see
+    EXPECT_EQ(refused[0].code(), c.rank0) << c.what << ": " << refused[0];
+    EXPECT_EQ(refused[1].code(), c.rank1) << c.what << ": " << refused[1];
+    EXPECT_THAT(std::string(refused[1].message()), HasSubstr(c.says)) << c.what;
+  }
+  for (uint32_t j = 0; j < 2; ++j) EXPECT_EQ(node.groups[j]->step(), 1u);
+  const auto second = node.OnBoth([&](uint32_t j) -> absl::StatusOr<StepResult> {
+    const auto grads = FlatGradients(job, 5, 2, j);
+    return node.groups[j]->Step(grads.data(), params[j].data(), good);
+  });
+  ASSERT_TRUE(second[0].ok() && second[1].ok()) << second[0].status() << " / " << second[1].status();
+  gscales.push_back(second[0]->decision.gscale);
+  std::vector<float> masters;
+  for (const TensorOptions& t : job.tensors) {
+    std::vector<float> m(t.numel);
+    ASSERT_TRUE(node.groups[0]->client().Read(t.name, StateToRead::kMaster, 0, m.size(), m.data()).ok());
+    masters.insert(masters.end(), m.begin(), m.end());
+  }
+  EXPECT_EQ(masters, ReferenceMasters(MakeJob("args", 2, 10000), 5, gscales));
+}
+
+// A CreateOrAttach refused on one local rank is refused on the other too
+// (ABORTED), at once: before, the other attached and its first Step waited
+// in the collective for the whole timeout (5 minutes by default). So is a
+// job with fp32 params, whose params the bf16 flat buffer cannot take
+// (before, the commit wrote them past its end).
+TEST(NodeGroup, ACreateOrAttachRefusedOnOneLocalRankIsRefusedOnBothAtOnce) {
+  TwoLocalRanks node(2);
+  ASSERT_TRUE(node.ok());
+  EXPECT_EQ(node.groups[0]->owned().size(), 0u);  // nothing yet, and no read past the ranges
+  const JobOptions job = Fp32GradJob("attach");
+  ClientOptions plain;  // made first, so that local rank 1's settings are the ones refused
+  for (const auto& server : node.processes) plain.servers.push_back(server->address());
+  ASSERT_TRUE(Client::Connect(plain).value()->CreateOrAttach(job).ok());
+  const auto began = std::chrono::steady_clock::now();
+  const auto attached = node.OnBoth([&](uint32_t j) {
+    JobOptions mine = job;
+    if (j == 1) mine.barrier_timeout_ms += 1;  // another job's settings under the same name
+    return node.groups[j]->CreateOrAttach(mine).status();
+  });
+  EXPECT_EQ(attached[0].code(), absl::StatusCode::kAborted) << attached[0];
+  EXPECT_EQ(attached[1].code(), absl::StatusCode::kAlreadyExists) << attached[1];
+  const std::vector<uint16_t> grads(FlatOffsets(job.tensors).back(), 0);
+  std::vector<uint16_t> params(grads.size());
+  for (const auto& st : node.OnBoth([&](uint32_t j) {
+         return node.groups[j]->Step(grads.data(), params.data(), StepOptions{}).status();
+       })) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(4));
+
+  JobOptions fp32_params = Fp32GradJob("fp32-params");
+  fp32_params.tensors[0].param_type = ParamType::kFp32;
+  for (const auto& st : node.OnBoth([&](uint32_t j) { return node.groups[j]->CreateOrAttach(fp32_params).status(); })) {
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()), HasSubstr("fp32 params"));
+  }
+}
+
+// checkpoint_every is the group's: after steps 1 and 2, two complete
+// checkpoints, written by the local rank that pushes (with one server, local
+// rank 0 pushes nothing, and its client stays at step 0). Before, node
+// groups ignored it.
+TEST(NodeGroup, CheckpointEveryChecksPointsFromTheLocalRankThatPushes) {
+  char dir_template[] = "/tmp/shardopt-node-ckpt-XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  {
+    TwoLocalRanks node(1, {"--checkpoint_dir=" + dir}, /*checkpoint_every=*/1);
+    ASSERT_TRUE(node.ok());
+    const JobOptions job = Fp32GradJob("every");
+    for (const auto& st : node.OnBoth([&](uint32_t j) { return node.groups[j]->CreateOrAttach(job).status(); })) {
+      ASSERT_TRUE(st.ok()) << st;
+    }
+    EXPECT_EQ(node.groups[0]->owned().size(), 0u);
+    for (uint32_t t = 0; t < job.tensors.size(); ++t) {
+      const auto init = InitialValues(5, t, job.tensors[t].numel);
+      ASSERT_TRUE(node.groups[0]->client().InitFp32(job.tensors[t].name, init.data()).ok());
+    }
+    for (uint64_t step = 1; step <= 2; ++step) {
+      for (const auto& st : node.OnBoth([&](uint32_t j) {
+             const auto grads = FlatGradients(job, 5, step, j);
+             std::vector<uint16_t> params(grads.size());
+             return node.groups[j]->Step(grads.data(), params.data(), StepOptions{}).status();
+           })) {
+        ASSERT_TRUE(st.ok()) << st;
+      }
+    }
+    EXPECT_EQ(node.groups[0]->step(), 2u);
+    EXPECT_EQ(node.groups[0]->client().step(), 0u);
+    for (const auto& st : node.OnBoth([&](uint32_t j) { return node.groups[j]->Checkpoint(); })) {
+      EXPECT_TRUE(st.ok()) << st;  // step 2 again: written already
+    }
+  }
+  int complete = 0;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) complete += e.path().filename() == "COMMIT";
+  EXPECT_EQ(complete, 2);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(NodeGroup, RefusesBf16GradientsWithAClearError) {

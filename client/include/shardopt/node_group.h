@@ -16,12 +16,24 @@
 // association differs from plain aggregation over N*G ranks, so results
 // agree to fp32 rounding, not bitwise. NCCL's reduction order is its own.
 //
+// Failures: every call that reaches the servers (CreateOrAttach, Step,
+// Checkpoint) is agreed among the local ranks through the Collective, so a
+// call that fails on one fails on all (ABORTED on the others, naming how
+// many failed) and none is left waiting. A Step's own arguments are checked
+// on every local rank before anything is sent, and must be the same on
+// every local rank. A Step that failed after its push is called again with
+// the same gradients, as Client::Step is: the servers count a step's push
+// once. A collective that failed (a local rank that never came, within the
+// collective's timeout) fails every later call: make new collectives and
+// node groups, and CreateOrAttach again.
+//
 // Thread safety: one NodeGroup per local rank, each used from one thread; the
 // local ranks' NodeGroups run at once and meet in their Collective.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -33,7 +45,10 @@ namespace shardopt {
 // Every node of the job has the same G and the same server list: the
 // gradient is averaged over nodes x G ranks.
 struct NodeGroupOptions {
-  ClientOptions client;  // servers and tuning; the group sets rank and push_servers
+  // Servers and tuning; the group sets rank and push_servers. Its
+  // checkpoint_every is the group's: node 0 checkpoints after every step
+  // that is a multiple of it, as Checkpoint() does.
+  ClientOptions client;
   uint32_t node = 0;     // this node's index: its rank in the job
 };
 
@@ -43,32 +58,54 @@ class NodeGroup {
   static absl::StatusOr<std::unique_ptr<NodeGroup>> Create(const NodeGroupOptions& options, Collective* collective);
 
   // job.world_size is the number of nodes, and job.grad_type must be kFp32:
-  // a node pushes fp32 partial sums.
+  // a node pushes fp32 partial sums. Every tensor's param_type must be
+  // kBf16 (INVALID_ARGUMENT otherwise): the params come back in one bf16
+  // flat buffer.
   absl::StatusOr<uint64_t> CreateOrAttach(const JobOptions& job);
 
   // One step over flat buffers in the collective's memory, each
   // FlatOffsets(job.tensors).back() elements with tensor t at FlatOffsets[t]:
-  // every tensor has a gradient. `flat_params` receives every tensor's params.
+  // every tensor has a gradient. `flat_params` receives every tensor's
+  // params, and zeros in the gaps between tensors. Both buffers are needed,
+  // and `options` are checked as Client::Step checks them and must be equal
+  // on every local rank (INVALID_ARGUMENT, nothing sent, on every local
+  // rank; ABORTED on those whose own were fine but another's were not).
   // With NCCL, the gradients must be written by the time the device's legacy
   // default stream (PyTorch's default stream) reaches this call: work queued
   // on another stream must be synchronized with it first.
   absl::StatusOr<StepResult> Step(const uint16_t* flat_grads, uint16_t* flat_params, const StepOptions& options);
+  // Writes a checkpoint of the job's step on every server (as
+  // Client::Checkpoint), from the first local rank that pushes part of the
+  // model; every local rank calls it and gets the outcome.
+  absl::Status Checkpoint();
 
+  // The job's step, the last one this group stepped or attached at.
+  // (client().step() of a local rank that pushes nothing stays at the step
+  // it attached at: its client never commits.)
+  uint64_t step() const { return step_; }
   // For Init, Read and Describe, which go to every server.
   Client& client() { return *client_; }
-  // The flat range this local rank pushes and commits.
-  FlatRange owned() const { return ranges_[collective_->rank()]; }
+  // The flat range this local rank pushes and commits (empty before
+  // CreateOrAttach).
+  FlatRange owned() const { return ranges_.empty() ? FlatRange{} : ranges_[collective_->rank()]; }
 
  private:
-  NodeGroup(std::unique_ptr<Client> client, Collective* collective, uint32_t servers)
-      : client_(std::move(client)), collective_(collective), servers_(servers) {}
+  NodeGroup(std::unique_ptr<Client> client, Collective* collective, const NodeGroupOptions& options)
+      : client_(std::move(client)), collective_(collective),
+        servers_(static_cast<uint32_t>(options.client.servers.size())), node_(options.node),
+        checkpoint_every_(options.client.checkpoint_every) {}
   // Every local rank learns whether any failed, so none waits in a collective
-  // that another has left.
-  absl::Status Agree(const absl::Status& mine, const char* phase);
+  // that another has left. The others' ABORTED says that `what` failed on
+  // how many, then `then`.
+  absl::Status Agree(const absl::Status& mine, const std::string& what, const std::string& then = "");
+  // Step's arguments, checked on every local rank and compared among them.
+  absl::Status CheckStep(const uint16_t* flat_grads, const uint16_t* flat_params, const StepOptions& options);
 
   std::unique_ptr<Client> client_;
   Collective* collective_;
   uint32_t servers_;
+  uint32_t node_;
+  uint64_t checkpoint_every_;
   JobOptions job_;
   std::vector<uint64_t> offsets_;
   std::vector<FlatRange> ranges_;  // [local rank]
