@@ -1,7 +1,8 @@
-// A number written in the fewest significant digits that read back as its
-// every bit. absl::StrCat keeps 6, which tells two numbers apart only down
-// to there (an error saying "0.01 differs from 0.01"), and %.17g writes 0.1
-// as 0.10000000000000001.
+// A number in as few significant digits as read back as its every bit,
+// trying 15, 16 and 17 (6 to 9 for a float): absl::StrCat keeps 6, which
+// tells two numbers apart only down to there (an error saying "0.01 differs
+// from 0.01"), and %.17g writes 0.1 as 0.10000000000000001. (Fewer than 15
+// are not tried, so 5e-324 comes out as 4.94065645841247e-324.)
 #pragma once
 
 #include <cstdlib>

@@ -7,7 +7,6 @@
 #include <thread>
 #include <utility>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/after_step.h"
 #include "client/attach_answers.h"
@@ -18,6 +17,7 @@
 #include "rpc/chunk_size.h"
 #include "rpc/grpc_edge.h"
 #include "rpc/initial_values.h"
+#include "rpc/push_incomplete.h"
 #include "shardopt/safetensors.h"
 
 namespace shardopt {
@@ -292,18 +292,9 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
   return impl_->CommitTo(step, lr, gscale, skip, group_lr, out);
 }
 
-namespace {
-// A commit refused by a server that lost the step's push: it restarted after
-// the push and restored the step before, with no push of it. Pushed again,
-// the other servers answer the push as a retry, from the sums they kept.
-bool PushLost(const absl::Status& committed) {
-  return absl::IsFailedPrecondition(committed) && absl::StrContains(committed.message(), "its push is incomplete");
-}
-}  // namespace
-
 absl::Status Client::CommitSkip(uint64_t t, const std::vector<char*>& out) {
   const absl::Status skipped = impl_->CommitTo(t, 0.0, 1.0f, /*skip=*/true, {}, out);
-  if (!PushLost(skipped)) return skipped;
+  if (!IsPushIncomplete(skipped, t)) return skipped;
   SHARDOPT_RETURN_IF_ERROR(PushInOrder(t, {}, [](size_t) -> const void* { return nullptr; }).status());
   return impl_->CommitTo(t, 0.0, 1.0f, /*skip=*/true, {}, out);
 }
@@ -315,21 +306,31 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
   // the servers, and the caller's next Step would be taken as its retry.
   SHARDOPT_ASSIGN_OR_RETURN(auto out, impl_->CommitTargets(options.lr, options.group_lr, params));
   const uint64_t t = impl_->step + 1;
+  SHARDOPT_ASSIGN_OR_RETURN(auto push, Push(t, grads));
   StepResult result;
   result.step = t;
-  auto push_and_commit = [&]() -> absl::Status {
-    SHARDOPT_ASSIGN_OR_RETURN(auto push, Push(t, grads));
-    result.decision = Decide(push, impl_->job.world_size, options);
+  result.decision = Decide(push, impl_->job.world_size, options);
+  const auto commit = [&] {
     return result.decision.skip
                ? CommitSkip(t, out)
                : impl_->CommitTo(t, options.lr, result.decision.gscale, false, options.group_lr, out);
   };
-  absl::Status committed = push_and_commit();
-  // The caller's gradients are still at hand: a server that lost the push is
-  // pushed them again, once, and the step decided again from the answers
-  // (the same, as every server then sums the same gradients). A skip's
-  // commit has done so already.
-  if (!result.decision.skip && PushLost(committed)) committed = push_and_commit();
+  absl::Status committed = commit();
+  // A server that lost the push is pushed the caller's gradients again, once
+  // (a skip's commit has done so already). Its answer must decide the step
+  // as before: the other servers may have applied it so.
+  if (!result.decision.skip && IsPushIncomplete(committed, t)) {
+    SHARDOPT_ASSIGN_OR_RETURN(auto again, Push(t, grads));
+    const Decision redecided = Decide(again, impl_->job.world_size, options);
+    if (redecided.skip || redecided.gscale != result.decision.gscale) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", t, " was pushed again to a server that lost its push, and the answers now decide it otherwise (",
+          redecided.skip ? "a skip" : absl::StrCat("gscale ", redecided.gscale), " where gscale ",
+          result.decision.gscale, " was committed elsewhere): another rank pushed other gradients; nothing more "
+          "was committed: ", committed.message()));
+    }
+    committed = commit();
+  }
   SHARDOPT_RETURN_IF_ERROR(committed);
   const uint64_t every = impl_->options.checkpoint_every;
   if (every > 0 && impl_->options.rank == 0 && t % every == 0) {

@@ -2,15 +2,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <memory>
 #include <optional>
-#include <cmath>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "rpc/learning_rates.h"
+#include "rpc/push_incomplete.h"
 #include "server/metrics.h"
 
 namespace shardopt {
@@ -72,8 +73,7 @@ class CommitStream {
       }
       job_.ExpireIfLate(std::chrono::steady_clock::now());
       if (!job_.round.sealed) {
-        return absl::FailedPreconditionError(absl::StrCat("cannot commit step ", t_, ": its push is incomplete: ",
-                                                          job_.MissingSummary()));
+        return absl::FailedPreconditionError(absl::StrCat(PushIncomplete(t_), ": ", job_.MissingSummary()));
       }
       job_.applying = true;
       job_.apply_args = args_;
@@ -82,7 +82,8 @@ class CommitStream {
     } else {
       const CommitArgs& a = t_ == job_.step ? job_.applied : job_.apply_args;
       if (!(a == args_)) {
-        return absl::AbortedError(absl::StrCat("step ", t_, " was ", a.skip ? "skipped" : "applied",
+        return absl::AbortedError(absl::StrCat("step ", t_, t_ == job_.step ? " was " : " is being ",
+                                               a.skip ? "skipped" : "applied",
                                                " with other arguments than this commit's (",
                                                a.FirstDifference(args_),
                                                "): ranks disagree, or a retry changed them; a step is applied once, "

@@ -92,14 +92,14 @@ void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobRespons
                             r.sum != nullptr && (r.sum->finished(rank) || r.sum->folded(rank)));
 }
 
-absl::Status JobStore::RefuseWhileDraining(absl::string_view what, const std::string& job) const {
+absl::Status JobStore::RefuseWhileDraining(absl::string_view what) const {
   if (!draining_) return absl::OkStatus();
   return absl::UnavailableError(absl::StrCat("the server is shutting down (SIGTERM) and checkpointing its jobs; ", what,
-                                             " job ", Quote(job), " on the restarted server"));
+                                             " once it is back"));
 }
 
 absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobRequest& request) {
-  SHARDOPT_RETURN_IF_ERROR(RefuseWhileDraining("create or attach", request.job()));
+  SHARDOPT_RETURN_IF_ERROR(RefuseWhileDraining(absl::StrCat("create or attach job ", Quote(request.job()), " again")));
   // Before anything is built from the request: a small request must not make
   // the server build a large job.
   if (static_cast<uint64_t>(request.tensors_size()) > options_.max_tensors_per_job) {
@@ -395,7 +395,6 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
 
 absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& chunk,
                                                           const std::function<void()>& wake) {
-  SHARDOPT_RETURN_IF_ERROR(RefuseWhileDraining("send the initial values of", chunk.job()));
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(chunk.job(), chunk.incarnation()));
   Job& job = *found;
   SHARDOPT_ASSIGN_OR_RETURN(auto dtype, FromProto(chunk.dtype()));
@@ -423,6 +422,11 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
                                               Quote(chunk.tensor()), chunk.offset()));
   SHARDOPT_RETURN_IF_ERROR(CheckAdamStep(chunk.adam_step(), Quote(chunk.tensor())));
   absl::MutexLock lock(&job.mu);
+  // Under the job's lock, which the drain takes after it began, to see
+  // whether the job's initial values are in: a value written after that
+  // would be in neither its decision nor its checkpoint.
+  SHARDOPT_RETURN_IF_ERROR(RefuseWhileDraining(absl::StrCat(
+      "call CreateOrAttach for job ", Quote(chunk.job()), " and send its initial values again")));
   if (!job.StateWritable(wake)) return std::nullopt;  // a checkpoint streaming step 0 keeps the values it began with
   SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
   if (job.step != 0 || job.applying) {

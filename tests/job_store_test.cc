@@ -814,7 +814,7 @@ TEST_F(DrainTest, DrainCheckpointsAppliedStepsSkipsUninitializedJobsAndRefusesNe
   for (const char* job : {"a", "new"}) {
     auto made = store_.CreateJob(JobRequest(job, 1, {{"w", 100}}));
     EXPECT_EQ(made.status().code(), absl::StatusCode::kUnavailable) << job << ": " << made.status();
-    EXPECT_THAT(std::string(made.status().message()), HasSubstr("on the restarted server"));
+    EXPECT_THAT(std::string(made.status().message()), HasSubstr("again once it is back"));
   }
   EXPECT_EQ(store_.Describe("new").status().code(), absl::StatusCode::kNotFound);
   v1::InitChunk init;

@@ -741,7 +741,7 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
       {"CreateJob world_size 0", [&] {
          grpc::ClientContext ctx;
          v1::CreateJobRequest r;
-         r.set_job("bad-rank");
+         r.set_job("bad-world");
          r.add_groups();
          v1::TensorSpec* t = r.add_tensors();
          t->set_name("w");

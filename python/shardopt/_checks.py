@@ -50,6 +50,9 @@ def _check_disjoint(params):
     a fused matrix) are taken."""
     by_device = {}
     for name, p in params:
+        if any(n > 1 and stride == 0 for n, stride in zip(p.shape, p.stride())):
+            raise ValueError(f"param {name!r} overlaps itself (an expanded tensor, with a stride of 0): each of its "
+                             "elements needs memory of its own; clone() it")
         by_device.setdefault(p.device, []).append((*_span(p), name, p))
     for spans in by_device.values():
         # Sorted by where they begin, a span meets only the ones after it

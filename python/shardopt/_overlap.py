@@ -137,7 +137,8 @@ class _OverlapPush:
                 # push of this one. If p.grad still holds what was pushed, it
                 # is pushed again from there and committed, once; else the
                 # other servers' rounds hold other gradients, and it raises.
-                if retry or "its push is incomplete" not in e.message or not self._pushed_unchanged():
+                lost = f"cannot commit step {self._push_step}: its push is incomplete"  # rpc/push_incomplete.h
+                if retry or lost not in e.message or not self._pushed_unchanged():
                     raise
 
     def _commit_pushed(self, gscale):

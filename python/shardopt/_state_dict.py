@@ -103,7 +103,9 @@ class _StateDictIO:
             precision = saved.get("state_precision", self._precisions[gi])
             if precision != self._precisions[gi]:
                 raise InvalidArgument(f"group {gi}: the state dict's state_precision {precision!r} differs from the "
-                                      f"job's {self._precisions[gi]!r}; construct RemoteAdamW with the same one")
+                                      f"job's {self._precisions[gi]!r}; construct RemoteAdamW with the same one, "
+                                      "or delete the key from the state dict's param_groups to load its state into "
+                                      "this precision (rounded to bf16, or widened to fp32)")
         # Each tensor's master (None: the params' values) and, if saved, its
         # moments and Adam step, checked and in fp32; kept until sent, since
         # the client reads them by address.

@@ -273,17 +273,21 @@ def assert_no_job_was_made(servers, job):
     RemoteAdamW([torch.nn.Parameter(torch.ones(5))], servers=servers, job=job).drop()
 
 
-@pytest.mark.parametrize("case", ["one-tensors-data", "overlapping-views", "transposed-view"])
+@pytest.mark.parametrize("case", ["one-tensors-data", "overlapping-views", "transposed-view", "expanded"])
 def test_params_sharing_memory_are_refused_before_anything_is_sent(servers, job, case):
     """Two Parameters over the same memory used to get a master each, and the
     memory then held one of them where torch applies both updates to it;
-    now they are refused, naming both, before the job is made."""
+    now they are refused, naming both, before the job is made. So is an
+    expanded param, whose elements share memory (its job used to be made,
+    and its first step failed in torch's copy)."""
     buffer = torch.randn(4, 4)
     first, second = {"one-tensors-data": lambda: (buffer, buffer),
                      "overlapping-views": lambda: (buffer[:2], buffer[1:3]),
-                     "transposed-view": lambda: (buffer[:, :1], buffer.t()[0])}[case]()
+                     "transposed-view": lambda: (buffer[:, :1], buffer.t()[0]),
+                     "expanded": lambda: (buffer[:1, :1].expand(4, 4), torch.randn(3))}[case]()
     a, b = torch.nn.Parameter(first), torch.nn.Parameter(second)
-    with pytest.raises(ValueError, match="params 'a' and 'b' share memory"):
+    says = "param 'a' overlaps itself" if case == "expanded" else "params 'a' and 'b' share memory"
+    with pytest.raises(ValueError, match=says):
         RemoteAdamW([("a", a), ("b", b)], servers=servers, job=job)
     assert_no_job_was_made(servers, job)
 

@@ -388,8 +388,9 @@ def test_a_state_dict_torch_could_not_step_with_is_refused_before_anything_is_se
     another framework; torch's step would fail on it) were read in flat
     order, a fractional step taken as its integer part, an entry without
     exp_avg or exp_avg_sq raised a bare KeyError, and one without step
-    dropped its moments silently; now each is a ValueError (fp64 moments:
-    UnsupportedDtype, a ValueError too) and nothing is sent."""
+    dropped its moments silently; now each is a ValueError and nothing is
+    sent. (fp64 moments were refused before, with UnsupportedDtype, a
+    ValueError too: the case keeps the README's word for it.)"""
     model = make_model()
     opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3)
     train(model, opt, 2)
