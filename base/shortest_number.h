@@ -7,26 +7,23 @@
 
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "absl/strings/str_format.h"
 
 namespace shardopt {
 
 // Finite values; NaN and Inf come out as printf writes them.
-inline std::string ShortestNumber(double v) {
+template <typename T>
+std::string ShortestNumber(T v) {
+  static_assert(std::is_same_v<T, double> || std::is_same_v<T, float>);
+  constexpr bool kFloat = std::is_same_v<T, float>;
   std::string out;
-  for (int digits = 15; digits <= 17; ++digits) {
+  for (int digits = kFloat ? 6 : 15; digits <= (kFloat ? 9 : 17); ++digits) {
     out = absl::StrFormat("%.*g", digits, v);
-    if (std::strtod(out.c_str(), nullptr) == v) break;
-  }
-  return out;
-}
-
-inline std::string ShortestNumber(float v) {
-  std::string out;
-  for (int digits = 6; digits <= 9; ++digits) {
-    out = absl::StrFormat("%.*g", digits, v);
-    if (std::strtof(out.c_str(), nullptr) == v) break;
+    // strtof for a float: strtod then a cast would round twice.
+    const T back = kFloat ? std::strtof(out.c_str(), nullptr) : std::strtod(out.c_str(), nullptr);
+    if (back == v) break;
   }
   return out;
 }

@@ -702,6 +702,21 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
     r.set_gscale(gscale);
     return testing::CommitAndDrain(*stub, r);
   };
+  // A one-tensor job's CreateJob, by hand: what the client library refuses
+  // before sending.
+  const auto create = [&](const std::string& name, uint32_t world_size, uint32_t rank) {
+    grpc::ClientContext ctx;
+    v1::CreateJobRequest r;
+    r.set_job(name);
+    r.set_world_size(world_size);
+    r.set_rank(rank);
+    r.add_groups();
+    v1::TensorSpec* t = r.add_tensors();
+    t->set_name("w");
+    t->set_numel(10);
+    v1::CreateJobResponse resp;
+    return stub->CreateJob(&ctx, r, &resp);
+  };
   struct Case {
     const char* what;
     grpc::Status status;
@@ -725,30 +740,10 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
          v1::DescribeResponse resp;
          return stub->Describe(&ctx, r, &resp);
        }(), grpc::StatusCode::NOT_FOUND, "no job 'nobody'"},
-      {"CreateJob rank out of range", [&] {
-         grpc::ClientContext ctx;
-         v1::CreateJobRequest r;
-         r.set_job("bad-rank");
-         r.set_world_size(2);
-         r.set_rank(2);
-         r.add_groups();
-         v1::TensorSpec* t = r.add_tensors();
-         t->set_name("w");
-         t->set_numel(10);
-         v1::CreateJobResponse resp;
-         return stub->CreateJob(&ctx, r, &resp);
-       }(), grpc::StatusCode::INVALID_ARGUMENT, "rank 2 is out of range for world_size 2"},
-      {"CreateJob world_size 0", [&] {
-         grpc::ClientContext ctx;
-         v1::CreateJobRequest r;
-         r.set_job("bad-world");
-         r.add_groups();
-         v1::TensorSpec* t = r.add_tensors();
-         t->set_name("w");
-         t->set_numel(10);
-         v1::CreateJobResponse resp;
-         return stub->CreateJob(&ctx, r, &resp);
-       }(), grpc::StatusCode::INVALID_ARGUMENT, "world_size is 0: a job has at least one rank"},
+      {"CreateJob rank out of range", create("bad-rank", 2, 2), grpc::StatusCode::INVALID_ARGUMENT,
+       "rank 2 is out of range for world_size 2"},
+      {"CreateJob world_size 0", create("bad-world", 0, 0), grpc::StatusCode::INVALID_ARGUMENT,
+       "world_size is 0: a job has at least one rank"},
   };
   for (const Case& c : cases) {
     EXPECT_EQ(c.status.error_code(), c.code) << c.what << ": " << c.status.error_message();
