@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/shortest_number.h"
 #include "client/after_step.h"
 #include "client/attach_answers.h"
 #include "client/client_impl.h"
@@ -324,10 +325,11 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
     const Decision redecided = Decide(again, impl_->job.world_size, options);
     if (redecided.skip || redecided.gscale != result.decision.gscale) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "step ", t, " was pushed again to a server that lost its push, and the answers now decide it otherwise (",
-          redecided.skip ? "a skip" : absl::StrCat("gscale ", redecided.gscale), " where gscale ",
-          result.decision.gscale, " was committed elsewhere): another rank pushed other gradients; nothing more "
-          "was committed: ", committed.message()));
+          "step ", t, " was pushed again to a server that restarted and lost its push, and the answers now decide "
+          "it otherwise (", redecided.skip ? "a skip" : absl::StrCat("gscale ", ShortestNumber(redecided.gscale)),
+          " where gscale ", ShortestNumber(result.decision.gscale), " may have been applied on the other servers): "
+          "another rank pushed other gradients for it, and nothing more was committed. Calling Step again would "
+          "apply the new decision there: drop the job and attach with restore_step at its last checkpoint"));
     }
     committed = commit();
   }

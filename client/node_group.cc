@@ -30,20 +30,22 @@ T* TensorBase(T* owned_data, uint64_t owned_begin, uint64_t tensor_begin) {
 // push once, so new gradients for it would be ignored.
 constexpr char kRetry[] = "; call Step again with the same gradients";
 
-// A Step's options folded into an integer below 2^53 (FNV-1a over their
-// bits): as a double it passes an all-reduce whose other terms are zeros
-// exactly, so the local ranks can compare theirs.
-double OptionsFingerprint(const StepOptions& o) {
-  uint64_t h = 14695981039346656037ull;
-  const auto mix = [&](double v) {
-    unsigned char bytes[sizeof v];
-    std::memcpy(bytes, &v, sizeof v);
-    for (unsigned char b : bytes) h = (h ^ b) * 1099511628211ull;
-  };
-  for (double v : {o.lr, o.max_grad_norm, o.loss_scale, static_cast<double>(o.group_lr.size())}) mix(v);
-  for (double v : o.group_lr) mix(v);
-  return static_cast<double>(h >> 11);
-}
+// FNV-1a over what a local rank was given, folded below 2^53: as a double
+// it passes an all-reduce whose other terms are zeros exactly, so the local
+// ranks can compare theirs (SameOnEveryLocalRank).
+class Fingerprint {
+ public:
+  Fingerprint& Add(const void* data, size_t bytes) {
+    for (size_t i = 0; i < bytes; ++i) h_ = (h_ ^ static_cast<const unsigned char*>(data)[i]) * 1099511628211ull;
+    return *this;
+  }
+  Fingerprint& Add(double v) { return Add(&v, sizeof v); }
+  Fingerprint& Add(const std::string& s) { return Add(static_cast<double>(s.size())).Add(s.data(), s.size()); }
+  double value() const { return static_cast<double>(h_ >> 11); }
+
+ private:
+  uint64_t h_ = 14695981039346656037ull;
+};
 
 }  // namespace
 
@@ -63,6 +65,8 @@ absl::StatusOr<std::unique_ptr<NodeGroup>> NodeGroup::Create(const NodeGroupOpti
 }
 
 absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
+  offsets_.clear();  // attached to nothing unless this succeeds
+  ranges_.clear();
   absl::StatusOr<uint64_t> step = 0;
   if (job.grad_type != GradType::kFp32) {
     step = absl::InvalidArgumentError("a node group pushes its nodes' fp32 sums: set JobOptions::grad_type to kFp32");
@@ -75,10 +79,20 @@ absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
                                                      "every tensor's params in one bf16 buffer: make it kBf16"));
     }
   }
-  if (step.ok()) step = client_->CreateOrAttach(job);
+  const std::string what = absl::StrCat("CreateOrAttach of job '", job.name, "'");
+  SHARDOPT_RETURN_IF_ERROR(Agree(step.status(), what, "; nothing was sent"));
+  // The group's settings, which each local rank took from its own options:
+  // local ranks of other nodes, servers or jobs, or another checkpoint_every,
+  // would call the collectives apart (the servers tell none of it).
+  Fingerprint settings;
+  settings.Add(options_.node).Add(options_.client.checkpoint_every).Add(job.name).Add(job.world_size);
+  settings.Add(FlatOffsets(job.tensors).back());
+  for (const std::string& server : options_.client.servers) settings.Add(server);
+  SHARDOPT_RETURN_IF_ERROR(SameOnEveryLocalRank(settings.value(), "node, servers, checkpoint_every or job"));
+  step = client_->CreateOrAttach(job);
   // A local rank refused alone (another job's settings) would leave the
   // others waiting in their first Step's collective.
-  SHARDOPT_RETURN_IF_ERROR(Agree(step.status(), absl::StrCat("CreateOrAttach of job '", job.name, "'")));
+  SHARDOPT_RETURN_IF_ERROR(Agree(step.status(), what));
   job_ = job;
   offsets_ = FlatOffsets(job.tensors);
   const std::vector<uint64_t> bounds = ServerBounds(job.tensors, servers_);
@@ -114,15 +128,22 @@ absl::Status NodeGroup::CheckStep(const uint16_t* flat_grads, const uint16_t* fl
   }
   SHARDOPT_RETURN_IF_ERROR(Agree(checked, absl::StrCat("the check of step ", step_ + 1, "'s arguments"),
                                  "; nothing was sent"));
+  Fingerprint given;
+  given.Add(options.lr).Add(options.max_grad_norm).Add(options.loss_scale).Add(options.group_lr.size());
+  for (double lr : options.group_lr) given.Add(lr);
+  return SameOnEveryLocalRank(given.value(), "StepOptions (lr, group_lr, max_grad_norm, loss_scale)");
+}
+
+absl::Status NodeGroup::SameOnEveryLocalRank(double fingerprint, const std::string& what) {
   const uint32_t g = collective_->size(), j = collective_->rank();
-  std::vector<double> fingerprints(g, 0.0);  // [r]: local rank r's alone
-  fingerprints[j] = OptionsFingerprint(options);
-  SHARDOPT_RETURN_IF_ERROR(collective_->AllReduceSum(fingerprints.data(), g));
+  std::vector<double> slots(g, 0.0);  // [r]: local rank r's alone
+  slots[j] = fingerprint;
+  SHARDOPT_RETURN_IF_ERROR(collective_->AllReduceSum(slots.data(), g));
   for (uint32_t r = 0; r < g; ++r) {
-    if (fingerprints[r] != fingerprints[j]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "local ranks ", j, " and ", r, " step with different options (lr, group_lr, max_grad_norm or "
-          "loss_scale): every local rank of a node group passes the same; nothing was sent"));
+    if (slots[r] != fingerprint) {
+      return absl::InvalidArgumentError(absl::StrCat("local ranks ", j, " and ", r, " were given different ", what,
+                                                     ": every local rank of a node group takes the same, bit for "
+                                                     "bit; nothing was sent"));
     }
   }
   return absl::OkStatus();
@@ -183,7 +204,7 @@ absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t*
   SHARDOPT_RETURN_IF_ERROR(Agree(committed, absl::StrCat("the commit of step ", t), kRetry));
   SHARDOPT_RETURN_IF_ERROR(collective_->AllGather(flat_params, ranges_));
   step_ = t;
-  if (checkpoint_every_ > 0 && node_ == 0 && t % checkpoint_every_ == 0) {
+  if (const uint64_t every = options_.client.checkpoint_every; every > 0 && options_.node == 0 && t % every == 0) {
     if (absl::Status st = Checkpoint(); !st.ok()) return CheckpointAfterStepFailed(t, st);
   }
   return result;

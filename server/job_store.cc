@@ -422,12 +422,15 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
                                               Quote(chunk.tensor()), chunk.offset()));
   SHARDOPT_RETURN_IF_ERROR(CheckAdamStep(chunk.adam_step(), Quote(chunk.tensor())));
   absl::MutexLock lock(&job.mu);
-  // Under the job's lock, which the drain takes after it began, to see
-  // whether the job's initial values are in: a value written after that
-  // would be in neither its decision nor its checkpoint.
-  SHARDOPT_RETURN_IF_ERROR(RefuseWhileDraining(absl::StrCat(
-      "call CreateOrAttach for job ", Quote(chunk.job()), " and send its initial values again")));
   if (!job.StateWritable(wake)) return std::nullopt;  // a checkpoint streaming step 0 keeps the values it began with
+  // Under the job's lock, held from here to the write (StateWritable may
+  // have let it go while it waited), which the drain takes after it began,
+  // to see whether the job's initial values are in: a value written after
+  // that would be in neither its decision nor its checkpoint.
+  if (draining_) {
+    return RefuseWhileDraining(
+        absl::StrCat("call CreateOrAttach for job ", Quote(chunk.job()), " and send its initial values again"));
+  }
   SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
   if (job.step != 0 || job.applying) {
     return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,

@@ -122,9 +122,20 @@ class _OverlapPush:
             self._commit_skip()
             self._second_gradient = None
             return None
+        first = None
         for retry in (False, True):
             push = self._finish_push()  # on the retry: a new push, from p.grad
             decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
+            if first is not None and (decision.skip or decision.gscale != first.gscale):
+                # The other servers may have applied the first decision (as
+                # Client::Step refuses the same).
+                raise FailedPrecondition(
+                    f"step {self._push_step} was pushed again to a server that restarted and lost its push, and "
+                    f"the answers now decide it otherwise ({'a skip' if decision.skip else decision.gscale} where "
+                    f"gscale {first.gscale} may have been applied on the other servers): another rank pushed "
+                    "other gradients for it, and nothing more was committed; drop the job and attach with "
+                    "restore_step at its last checkpoint")
+            first = decision
             if decision.skip:
                 self._commit_skip()
                 return decision

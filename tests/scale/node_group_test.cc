@@ -7,6 +7,7 @@
 #include <functional>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/adamw_math.h"
@@ -232,7 +233,9 @@ TEST(NodeGroup, EachGroupStepsAtItsOwnLr) {
 // Two local ranks of one node over `servers` servers, their collectives
 // failing a rank that does not come within 5 s (a test that hangs fails).
 struct TwoLocalRanks {
-  explicit TwoLocalRanks(uint32_t servers, const std::vector<std::string>& flags = {}, uint64_t checkpoint_every = 0)
+  // `tweak`: a local rank's options made to differ from the other's.
+  explicit TwoLocalRanks(uint32_t servers, const std::vector<std::string>& flags = {}, uint64_t checkpoint_every = 0,
+                         const std::function<void(uint32_t, NodeGroupOptions&)>& tweak = nullptr)
       : collectives(MakeCpuCollectives(2, std::chrono::seconds(5))) {
     NodeGroupOptions options;
     options.client.checkpoint_every = checkpoint_every;
@@ -243,7 +246,14 @@ struct TwoLocalRanks {
       if (processes.back() == nullptr) return;
       options.client.servers.push_back(processes.back()->address());
     }
-    for (uint32_t j = 0; j < 2; ++j) groups.push_back(NodeGroup::Create(options, collectives[j].get()).value());
+    for (uint32_t j = 0; j < 2; ++j) {
+      NodeGroupOptions mine = options;
+      if (tweak) tweak(j, mine);
+      auto group = NodeGroup::Create(mine, collectives[j].get());
+      EXPECT_TRUE(group.ok()) << group.status();
+      if (!group.ok()) return;
+      groups.push_back(*std::move(group));
+    }
   }
   bool ok() const { return groups.size() == 2; }
   // fn(local rank) on a thread each; their results.
@@ -259,6 +269,15 @@ struct TwoLocalRanks {
   std::vector<std::unique_ptr<Collective>> collectives;
   std::vector<std::unique_ptr<NodeGroup>> groups;
 };
+
+// Whether the local ranks made job `name` (world_size 2) on the servers: a
+// job of world_size 1 under the name is then ALREADY_EXISTS.
+bool JobMade(const TwoLocalRanks& node, const std::string& name) {
+  ClientOptions plain;
+  for (const auto& server : node.processes) plain.servers.push_back(server->address());
+  auto client = Client::Connect(plain);
+  return client.ok() && absl::IsAlreadyExists((*client)->CreateOrAttach(MakeJob(name, 1, 10000)).status());
+}
 
 JobOptions Fp32GradJob(const std::string& name) {
   JobOptions job = MakeJob(name, 1, 10000);
@@ -330,7 +349,7 @@ TEST(NodeGroup, ArgumentsRefusedOnOneLocalRankOrDifferingBetweenThemAreRefusedOn
       {"max_grad_norm -1 on both", [&](uint32_t) { StepOptions o = good; o.max_grad_norm = -1; return o; }, false,
        absl::StatusCode::kInvalidArgument, absl::StatusCode::kInvalidArgument, "max_grad_norm"},
       {"another lr on rank 1", on_1([](StepOptions& o) { o.lr = 2 * kLr; }), false,
-       absl::StatusCode::kInvalidArgument, absl::StatusCode::kInvalidArgument, "different options"},
+       absl::StatusCode::kInvalidArgument, absl::StatusCode::kInvalidArgument, "were given different StepOptions"},
       {"no params buffer on rank 1", [&](uint32_t) { return good; }, true, absl::StatusCode::kAborted,
        absl::StatusCode::kInvalidArgument, "flat_params"},
   };
@@ -393,6 +412,25 @@ TEST(NodeGroup, ACreateOrAttachRefusedOnOneLocalRankIsRefusedOnBothAtOnce) {
   }
   EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(4));
 
+  // Local ranks given other nodes, or another checkpoint_every, would call
+  // the collectives apart: refused before anything is sent.
+  for (const auto& tweak : std::vector<std::function<void(uint32_t, NodeGroupOptions&)>>{
+           [](uint32_t j, NodeGroupOptions& o) { o.node = j; },
+           [](uint32_t j, NodeGroupOptions& o) { o.client.checkpoint_every = j; }}) {
+    TwoLocalRanks apart(1, {}, 0, tweak);
+    ASSERT_TRUE(apart.ok());
+    const JobOptions two_nodes = [&] {
+      JobOptions j = Fp32GradJob("apart");
+      j.world_size = 2;
+      return j;
+    }();
+    for (const auto& st : apart.OnBoth([&](uint32_t j) { return apart.groups[j]->CreateOrAttach(two_nodes).status(); })) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_THAT(std::string(st.message()), HasSubstr("were given different node, servers, checkpoint_every"));
+    }
+    EXPECT_FALSE(JobMade(apart, "apart"));
+  }
+
   JobOptions fp32_params = Fp32GradJob("fp32-params");
   fp32_params.tensors[0].param_type = ParamType::kFp32;
   for (const auto& st : node.OnBoth([&](uint32_t j) { return node.groups[j]->CreateOrAttach(fp32_params).status(); })) {
@@ -409,6 +447,7 @@ TEST(NodeGroup, CheckpointEveryChecksPointsFromTheLocalRankThatPushes) {
   char dir_template[] = "/tmp/shardopt-node-ckpt-XXXXXX";
   ASSERT_NE(mkdtemp(dir_template), nullptr);
   const std::string dir = dir_template;
+  const absl::Cleanup removed = [&] { std::filesystem::remove_all(dir); };  // also when an ASSERT returns
   {
     TwoLocalRanks node(1, {"--checkpoint_dir=" + dir}, /*checkpoint_every=*/1);
     ASSERT_TRUE(node.ok());
@@ -439,7 +478,6 @@ TEST(NodeGroup, CheckpointEveryChecksPointsFromTheLocalRankThatPushes) {
   int complete = 0;
   for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) complete += e.path().filename() == "COMMIT";
   EXPECT_EQ(complete, 2);
-  std::filesystem::remove_all(dir);
 }
 
 TEST(NodeGroup, RefusesBf16GradientsWithAClearError) {

@@ -277,7 +277,9 @@ class Client {
   // job lacks) is refused before its push: nothing was sent, so fix them and
   // call it again, with any gradients. A server that restarted between the
   // push and the commit, and so lost the push, is pushed the step again and
-  // the step committed in the same call.
+  // the step committed in the same call, if the answers decide it as the
+  // first push's did (else FAILED_PRECONDITION: another rank pushed other
+  // gradients for it, and the servers that applied it hold the first).
   absl::StatusOr<StepResult> Step(absl::Span<const GradView> grads, const StepOptions& options,
                                   absl::Span<const ParamView> params);
   // The phases of Step, for callers that combine decisions themselves.

@@ -19,13 +19,17 @@
 // Failures: every call that reaches the servers (CreateOrAttach, Step,
 // Checkpoint) is agreed among the local ranks through the Collective, so a
 // call that fails on one fails on all (ABORTED on the others, naming how
-// many failed) and none is left waiting. A Step's own arguments are checked
-// on every local rank before anything is sent, and must be the same on
-// every local rank. A Step that failed after its push is called again with
-// the same gradients, as Client::Step is: the servers count a step's push
-// once. A collective that failed (a local rank that never came, within the
-// collective's timeout) fails every later call: make new collectives and
-// node groups, and CreateOrAttach again.
+// many failed). A Step's own arguments are checked on every local rank
+// before anything is sent, and must be the same, bit for bit, on every
+// local rank, as must each one's node, servers, checkpoint_every and job at
+// CreateOrAttach. A Step that failed after its push is called again with the
+// same gradients, as Client::Step is (the servers count a step's push
+// once), unless step() advanced: then the step was applied and only its
+// checkpoint_every checkpoint failed. A CpuCollective fails a local rank
+// that does not come within its timeout, and then every later call: make
+// new collectives and node groups, and CreateOrAttach again; keep that
+// timeout above max_attempts x (barrier + rpc timeout), the longest a push
+// may retry. The NCCL collective has no timeout.
 //
 // Thread safety: one NodeGroup per local rank, each used from one thread; the
 // local ranks' NodeGroups run at once and meet in their Collective.
@@ -91,21 +95,22 @@ class NodeGroup {
 
  private:
   NodeGroup(std::unique_ptr<Client> client, Collective* collective, const NodeGroupOptions& options)
-      : client_(std::move(client)), collective_(collective),
-        servers_(static_cast<uint32_t>(options.client.servers.size())), node_(options.node),
-        checkpoint_every_(options.client.checkpoint_every) {}
+      : client_(std::move(client)), collective_(collective), options_(options),
+        servers_(static_cast<uint32_t>(options.client.servers.size())) {}
   // Every local rank learns whether any failed, so none waits in a collective
   // that another has left. The others' ABORTED says that `what` failed on
   // how many, then `then`.
   absl::Status Agree(const absl::Status& mine, const std::string& what, const std::string& then = "");
   // Step's arguments, checked on every local rank and compared among them.
   absl::Status CheckStep(const uint16_t* flat_grads, const uint16_t* flat_params, const StepOptions& options);
+  // INVALID_ARGUMENT on every local rank unless each passed the same
+  // `fingerprint` of what it was given (`what`, for the message).
+  absl::Status SameOnEveryLocalRank(double fingerprint, const std::string& what);
 
   std::unique_ptr<Client> client_;
   Collective* collective_;
-  uint32_t servers_;
-  uint32_t node_;
-  uint64_t checkpoint_every_;
+  const NodeGroupOptions options_;
+  const uint32_t servers_;
   JobOptions job_;
   std::vector<uint64_t> offsets_;
   std::vector<FlatRange> ranges_;  // [local rank]
