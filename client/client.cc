@@ -302,7 +302,7 @@ absl::Status Client::CommitSkip(uint64_t t, const std::vector<char*>& out) {
 
 absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const StepOptions& options,
                                         absl::Span<const ParamView> params) {
-  SHARDOPT_RETURN_IF_ERROR(CheckStepOptions(options));
+  SHARDOPT_RETURN_IF_ERROR(CheckStepOptions(options, impl_->job.world_size));
   // Before the push: a Step refused after it would leave its gradients on
   // the servers, and the caller's next Step would be taken as its retry.
   SHARDOPT_ASSIGN_OR_RETURN(auto out, impl_->CommitTargets(options.lr, options.group_lr, params));
@@ -347,7 +347,7 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
   SHARDOPT_ASSIGN_OR_RETURN(auto t, im.FindTensor(tensor));
   if (out == nullptr && count > 0) return absl::InvalidArgumentError("Read needs a buffer to read into");
   if (offset > (t)->numel || count > (t)->numel - offset) {
-    return absl::OutOfRangeError(absl::StrCat("range past tensor '", tensor, "''s ", (t)->numel, " elements"));
+    return absl::OutOfRangeError(absl::StrCat("range past the ", (t)->numel, " elements of tensor '", tensor, "'"));
   }
   const uint64_t esize = what == StateToRead::kParamBf16 ? 2 : 4;
   // Every chunk, from every server, must be of one step, or the caller would

@@ -158,7 +158,12 @@ absl::StatusOr<std::vector<char*>> Client::Impl::CommitTargets(double lr, absl::
   std::vector<char*> out(job.tensors.size(), nullptr);
   for (const ParamView& p : params) {
     SHARDOPT_RETURN_IF_ERROR(FindTensor(p.tensor).status());
-    out[tensor_index.at(p.tensor)] = static_cast<char*>(p.data);
+    char*& target = out[tensor_index.at(p.tensor)];
+    // One buffer would be written and the other left as it was, the call OK.
+    if (target != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", p.tensor, "' is given two params buffers"));
+    }
+    target = static_cast<char*>(p.data);
   }
   return out;
 }

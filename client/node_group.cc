@@ -121,7 +121,7 @@ absl::Status NodeGroup::CheckStep(const uint16_t* flat_grads, const uint16_t* fl
   // servers without the step that the others' servers applied, and local
   // ranks with different options would each apply theirs on the servers
   // they own.
-  absl::Status checked = CheckStepOptions(options);
+  absl::Status checked = CheckStepOptions(options, uint64_t{job_.world_size} * collective_->size());
   if (checked.ok()) checked = CheckLearningRates(options.lr, options.group_lr, job_.groups.size(), job_.name);
   if (checked.ok() && (flat_grads == nullptr || flat_params == nullptr)) {
     checked = absl::InvalidArgumentError("NodeGroup::Step needs flat_grads and flat_params");

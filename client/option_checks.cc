@@ -124,9 +124,17 @@ absl::Status CheckJobOptions(const JobOptions& job, uint32_t rank) {
   return absl::OkStatus();
 }
 
-absl::Status CheckStepOptions(const StepOptions& options) {
+absl::Status CheckStepOptions(const StepOptions& options, uint64_t ranks) {
   if (!(options.loss_scale > 0) || !std::isfinite(options.loss_scale)) {
     return absl::InvalidArgumentError(absl::StrCat("loss_scale must be finite and > 0, got ", options.loss_scale));
+  }
+  // Decide's gscale, 1 / (loss_scale x ranks) at most, goes to the servers
+  // as a float, which the servers refuse when it is infinite: only at the
+  // commit, after the push.
+  if (!std::isfinite(static_cast<float>(1.0 / (options.loss_scale * static_cast<double>(ranks))))) {
+    return absl::InvalidArgumentError(absl::StrCat("loss_scale ", options.loss_scale, " over ", ranks,
+                                                   " rank(s) is too small: 1 / (loss_scale x ranks) must be a finite "
+                                                   "float (loss_scale x ranks >= 2.9e-39)"));
   }
   if (!(options.max_grad_norm >= 0) || !std::isfinite(options.max_grad_norm)) {
     return absl::InvalidArgumentError(absl::StrCat("max_grad_norm must be finite and >= 0 (0: no clipping), got ",

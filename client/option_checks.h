@@ -41,6 +41,8 @@ absl::Status CheckJobOptions(const JobOptions& job, uint32_t rank);
 // Step's, before its push: refused after it, by the servers at the commit,
 // the step could never go through (and a negative loss scale would move the
 // params the wrong way).
-absl::Status CheckStepOptions(const StepOptions& options);
+// `ranks`: what the gradients are averaged over (world_size, times G in a
+// node group).
+absl::Status CheckStepOptions(const StepOptions& options, uint64_t ranks);
 
 }  // namespace shardopt

@@ -27,8 +27,8 @@ std::vector<uint64_t> ServerBounds(absl::Span<const TensorOptions> tensors, uint
   // while another holds two or more blocks.
   if (servers == 0) return {};
   const uint64_t blocks = FlatOffsets(tensors).back() / kAlign;
-  std::vector<uint64_t> bounds(servers + 1);
-  for (uint32_t s = 0; s <= servers; ++s) {
+  std::vector<uint64_t> bounds(uint64_t{servers} + 1);
+  for (uint64_t s = 0; s <= servers; ++s) {  // (a uint32_t s would never pass UINT32_MAX)
     bounds[s] = static_cast<uint64_t>(static_cast<unsigned __int128>(s) * blocks / servers) * kAlign;
   }
   return bounds;
@@ -44,8 +44,12 @@ std::vector<ShardPlacement> PlaceTensors(absl::Span<const TensorOptions> tensors
     const uint64_t end = begin + tensors[i].numel;
     uint32_t server = 0;
     for (uint64_t pos = begin; pos < end;) {
-      while (bounds[server + 1] <= pos) ++server;
+      // Bounded both ways for a flat space that wrapped (numel past what a
+      // job may hold): no server past the last, no piece that ends before
+      // it begins.
+      while (server + 1 < servers && bounds[server + 1] <= pos) ++server;
       const uint64_t server_end = std::min(end, bounds[server + 1]);
+      if (server_end <= pos) break;
       out.push_back({server, tensors[i].name, pos - begin, server_end - pos});
       pos = server_end;
     }

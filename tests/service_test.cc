@@ -779,24 +779,34 @@ TEST_F(ServiceTest, AStepRefusedForItsCommitsArgumentsPushesNothing) {
   std::vector<uint16_t> params(4096);
   const std::vector<ParamView> pv = {{"w", params.data()}};
   const std::vector<ParamView> unknown = {{"v", params.data()}};
+  std::vector<uint16_t> other(4096);
+  const std::vector<ParamView> twice = {{"w", params.data()}, {"w", other.data()}};
   struct Case {
     const char* what;
     double lr;
     std::vector<double> group_lr;
     const std::vector<ParamView>* params;
     absl::StatusCode code;
+    double loss_scale = 1;
   } cases[] = {
       {"NaN lr", NAN, {}, &pv, absl::StatusCode::kInvalidArgument},
       {"negative lr", -1e-3, {}, &pv, absl::StatusCode::kInvalidArgument},
       {"infinite group_lr", 1e-3, {INFINITY}, &pv, absl::StatusCode::kInvalidArgument},
       {"group_lr of two for one group", 1e-3, {1e-3, 1e-3}, &pv, absl::StatusCode::kInvalidArgument},
       {"params of an unknown tensor", 1e-3, {}, &unknown, absl::StatusCode::kNotFound},
+      // Found by a black-box probe: each was refused only at the commit, or
+      // applied infinities, or left a buffer unwritten with the call OK.
+      {"lr past the float range (every param inf)", 1e39, {}, &pv, absl::StatusCode::kInvalidArgument},
+      {"loss_scale whose 1/loss_scale is no float (gscale inf)", 1e-3, {}, &pv, absl::StatusCode::kInvalidArgument,
+       1e-39},
+      {"two params buffers for one tensor", 1e-3, {}, &twice, absl::StatusCode::kInvalidArgument},
   };
   for (const Case& c : cases) {
     const auto refused_grad = RandomBf16(rng_, 4096, 1.0f);
     StepOptions so;
     so.lr = c.lr;
     so.group_lr = c.group_lr;
+    so.loss_scale = c.loss_scale;
     const auto refused = client->Step({{"w", refused_grad.data()}}, so, *c.params);
     EXPECT_EQ(refused.status().code(), c.code) << c.what << ": " << refused.status();
   }

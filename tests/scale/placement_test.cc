@@ -44,6 +44,17 @@ TEST(Placement, FiveBlocksOnFourServersLeaveNoneEmpty) {
   EXPECT_TRUE(ServerBounds({{"w", 5 * 4096, 0}}, 0).empty());
 }
 
+// Past what a job may hold, the flat space wraps: the placement is then
+// meaningless, but names only servers that exist (it read past its bounds
+// and crashed, found by a black-box probe).
+TEST(Placement, AWrappedFlatSpaceNamesOnlyServersThatExist) {
+  for (const std::vector<TensorOptions>& tensors :
+       {std::vector<TensorOptions>{{"h", ~uint64_t{0} - 4095}, {"h2", 100}},
+        std::vector<TensorOptions>{{"a", uint64_t{1} << 63}, {"b", uint64_t{1} << 63}}}) {
+    for (const ShardPlacement& p : PlaceTensors(tensors, 2)) EXPECT_LT(p.server, 2u) << p.tensor;
+  }
+}
+
 TEST(ServerPattern, ExpandsAStatefulSetsNames) {
   EXPECT_THAT(ExpandServerPattern("shardopt-{i}.shardopt:50051", 3).value(),
               ElementsAre("shardopt-0.shardopt:50051", "shardopt-1.shardopt:50051", "shardopt-2.shardopt:50051"));

@@ -44,7 +44,7 @@ struct GroupOptions {
   double beta2 = 0.999;
   float eps = 1e-8f;
   double weight_decay = 0.01;
-  double lr_multiplier = 1.0;
+  double lr_multiplier = 1.0;  // 0 is taken as 1 (the proto's default); freeze a group with group_lr 0
   StatePrecision precision = StatePrecision::kFp32;
 };
 
@@ -217,6 +217,10 @@ struct ShardPlacement {
   uint64_t offset;
   uint64_t length;
 };
+// For a job the servers take: each numel in [1, 2^40] (as CreateOrAttach
+// checks), at most --max_tensors_per_job tensors, at most 65536 servers; past
+// that the flat space's arithmetic wraps, and the result is meaningless
+// (though never out of bounds).
 std::vector<ShardPlacement> PlaceTensors(absl::Span<const TensorOptions> tensors, uint32_t servers);
 // Where each tensor starts in that flat space, and (last entry) its size.
 std::vector<uint64_t> FlatOffsets(absl::Span<const TensorOptions> tensors);
@@ -304,7 +308,7 @@ class Client {
                       absl::Span<const double> group_lr = {});
 
   // Reads [offset, offset+count) of a tensor's state: float for master, m
-  // and v; bf16 bits for params. A count of 0 reads nothing (OK).
+  // and v; bf16 bits for params. A count of 0 at an offset up to numel reads nothing (OK).
   absl::Status Read(const std::string& tensor, StateToRead what, uint64_t offset, uint64_t count, void* out);
   absl::StatusOr<std::vector<ServerState>> Describe();
   // Each tensor's own Adam step count, in JobOptions::tensors order.
