@@ -1,7 +1,6 @@
 #include "shardopt/node_group.h"
 
 #include <cstdint>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -29,6 +28,8 @@ T* TensorBase(T* owned_data, uint64_t owned_begin, uint64_t tensor_begin) {
 // What a Step that failed after its push needs: the servers count a step's
 // push once, so new gradients for it would be ignored.
 constexpr char kRetry[] = "; call Step again with the same gradients";
+// What a call refused before it reached a server says.
+constexpr char kNothingSent[] = "; nothing was sent";
 
 // FNV-1a over what a local rank was given, folded below 2^53: as a double
 // it passes an all-reduce whose other terms are zeros exactly, so the local
@@ -79,8 +80,6 @@ absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
                                                      "every tensor's params in one bf16 buffer: make it kBf16"));
     }
   }
-  const std::string what = absl::StrCat("CreateOrAttach of job '", job.name, "'");
-  SHARDOPT_RETURN_IF_ERROR(Agree(step.status(), what, "; nothing was sent"));
   // The group's settings, which each local rank took from its own options:
   // local ranks of other nodes, servers or jobs, or another checkpoint_every,
   // would call the collectives apart (the servers tell none of it).
@@ -88,7 +87,9 @@ absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
   settings.Add(options_.node).Add(options_.client.checkpoint_every).Add(job.name).Add(job.world_size);
   settings.Add(FlatOffsets(job.tensors).back());
   for (const std::string& server : options_.client.servers) settings.Add(server);
-  SHARDOPT_RETURN_IF_ERROR(SameOnEveryLocalRank(settings.value(), "node, servers, checkpoint_every or job"));
+  const std::string what = absl::StrCat("CreateOrAttach of job '", job.name, "'");
+  SHARDOPT_RETURN_IF_ERROR(AgreeAlike(step.status(), settings.value(), "node, servers, checkpoint_every or job", what,
+                                      kNothingSent));
   step = client_->CreateOrAttach(job);
   // A local rank refused alone (another job's settings) would leave the
   // others waiting in their first Step's collective.
@@ -108,11 +109,7 @@ absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
 }
 
 absl::Status NodeGroup::Agree(const absl::Status& mine, const std::string& what, const std::string& then) {
-  double failed = mine.ok() ? 0 : 1;
-  SHARDOPT_RETURN_IF_ERROR(collective_->AllReduceSum(&failed, 1));
-  if (!mine.ok()) return mine;
-  if (failed > 0) return absl::AbortedError(absl::StrCat(what, " failed on ", failed, " other local rank(s)", then));
-  return absl::OkStatus();
+  return AgreeAlike(mine, /*fingerprint=*/0, "", what, then);  // every fingerprint 0: alike
 }
 
 absl::Status NodeGroup::CheckStep(const uint16_t* flat_grads, const uint16_t* flat_params,
@@ -126,22 +123,27 @@ absl::Status NodeGroup::CheckStep(const uint16_t* flat_grads, const uint16_t* fl
   if (checked.ok() && (flat_grads == nullptr || flat_params == nullptr)) {
     checked = absl::InvalidArgumentError("NodeGroup::Step needs flat_grads and flat_params");
   }
-  SHARDOPT_RETURN_IF_ERROR(Agree(checked, absl::StrCat("the check of step ", step_ + 1, "'s arguments"),
-                                 "; nothing was sent"));
   Fingerprint given;
   given.Add(options.lr).Add(options.max_grad_norm).Add(options.loss_scale).Add(options.group_lr.size());
   for (double lr : options.group_lr) given.Add(lr);
-  return SameOnEveryLocalRank(given.value(), "StepOptions (lr, group_lr, max_grad_norm, loss_scale)");
+  return AgreeAlike(checked, given.value(), "StepOptions (lr, group_lr, max_grad_norm, loss_scale)",
+                    absl::StrCat("the check of step ", step_ + 1, "'s arguments"), kNothingSent);
 }
 
-absl::Status NodeGroup::SameOnEveryLocalRank(double fingerprint, const std::string& what) {
+absl::Status NodeGroup::AgreeAlike(const absl::Status& mine, double fingerprint, const std::string& given,
+                                   const std::string& what, const std::string& then) {
+  // One all-reduce: [0] how many local ranks failed, [1 + r] local rank r's
+  // fingerprint alone.
   const uint32_t g = collective_->size(), j = collective_->rank();
-  std::vector<double> slots(g, 0.0);  // [r]: local rank r's alone
-  slots[j] = fingerprint;
-  SHARDOPT_RETURN_IF_ERROR(collective_->AllReduceSum(slots.data(), g));
+  std::vector<double> votes(1 + g, 0.0);
+  votes[0] = mine.ok() ? 0 : 1;
+  votes[1 + j] = fingerprint;
+  SHARDOPT_RETURN_IF_ERROR(collective_->AllReduceSum(votes.data(), votes.size()));
+  if (!mine.ok()) return mine;
+  if (votes[0] > 0) return absl::AbortedError(absl::StrCat(what, " failed on ", votes[0], " other local rank(s)", then));
   for (uint32_t r = 0; r < g; ++r) {
-    if (slots[r] != fingerprint) {
-      return absl::InvalidArgumentError(absl::StrCat("local ranks ", j, " and ", r, " were given different ", what,
+    if (votes[1 + r] != fingerprint) {
+      return absl::InvalidArgumentError(absl::StrCat("local ranks ", j, " and ", r, " were given different ", given,
                                                      ": every local rank of a node group takes the same, bit for "
                                                      "bit; nothing was sent"));
     }

@@ -103,9 +103,11 @@ class NodeGroup {
   absl::Status Agree(const absl::Status& mine, const std::string& what, const std::string& then = "");
   // Step's arguments, checked on every local rank and compared among them.
   absl::Status CheckStep(const uint16_t* flat_grads, const uint16_t* flat_params, const StepOptions& options);
-  // INVALID_ARGUMENT on every local rank unless each passed the same
-  // `fingerprint` of what it was given (`what`, for the message).
-  absl::Status SameOnEveryLocalRank(double fingerprint, const std::string& what);
+  // Agree, and then INVALID_ARGUMENT on every local rank unless each passed
+  // the same `fingerprint` of what it was `given` (named in the message):
+  // one collective for both, as a Step's arguments need.
+  absl::Status AgreeAlike(const absl::Status& mine, double fingerprint, const std::string& given,
+                          const std::string& what, const std::string& then);
 
   std::unique_ptr<Client> client_;
   Collective* collective_;
