@@ -10,6 +10,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "rpc/bearer_token.h"
 #include "rpc/job_limits.h"
 #include "rpc/tls_files.h"
 
@@ -86,8 +87,7 @@ absl::Status CheckTlsPem(absl::string_view root_certs, absl::string_view cert_ch
 absl::StatusOr<std::string> CleanBearerToken(absl::string_view token) {
   token = absl::StripAsciiWhitespace(token);
   for (size_t i = 0; i < token.size(); ++i) {
-    const unsigned char c = static_cast<unsigned char>(token[i]);
-    if (c < 0x21 || c > 0x7e) {
+    if (!SendableTokenByte(token[i])) {
       return absl::InvalidArgumentError(absl::StrCat("the token's character ", i + 1,
                                                      " is not printable ASCII, which a header cannot carry"));
     }

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "rpc/bearer_token.h"
 #include "server/messages.h"
 
 namespace shardopt {
@@ -86,9 +87,7 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {
     if (e.token.size() < kMinTokenBytes) {
       return bad(absl::StrCat("the token (third field) is shorter than ", kMinTokenBytes, " characters"));
     }
-    // A header carries printable ASCII only, and clients refuse any other
-    // byte in a token: such a token would load and never match.
-    if (!std::all_of(e.token.begin(), e.token.end(), [](char c) { return c >= 0x21 && c <= 0x7e; })) {
+    if (!std::all_of(e.token.begin(), e.token.end(), SendableTokenByte)) {
       return bad("the token (third field) holds a byte that is not printable ASCII, which no client can send");
     }
     for (size_t i = 3; i < fields.size(); ++i) e.caller.prefixes.emplace_back(fields[i]);

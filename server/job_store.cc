@@ -92,14 +92,13 @@ void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobRespons
                             r.sum != nullptr && (r.sum->finished(rank) || r.sum->folded(rank)));
 }
 
-absl::Status JobStore::RefuseWhileDraining(absl::string_view what) const {
-  if (!draining_) return absl::OkStatus();
+absl::Status JobStore::Draining(absl::string_view what) {
   return absl::UnavailableError(absl::StrCat("the server is shutting down (SIGTERM) and checkpointing its jobs; ", what,
                                              " once it is back"));
 }
 
 absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobRequest& request) {
-  SHARDOPT_RETURN_IF_ERROR(RefuseWhileDraining(absl::StrCat("create or attach job ", Quote(request.job()), " again")));
+  if (draining_) return Draining(absl::StrCat("create or attach job ", Quote(request.job()), " again"));
   // Before anything is built from the request: a small request must not make
   // the server build a large job.
   if (static_cast<uint64_t>(request.tensors_size()) > options_.max_tensors_per_job) {
@@ -428,8 +427,7 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
   // to see whether the job's initial values are in: a value written after
   // that would be in neither its decision nor its checkpoint.
   if (draining_) {
-    return RefuseWhileDraining(
-        absl::StrCat("call CreateOrAttach for job ", Quote(chunk.job()), " and send its initial values again"));
+    return Draining(absl::StrCat("call CreateOrAttach for job ", Quote(chunk.job()), " and send its initial values again"));
   }
   SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
   if (job.step != 0 || job.applying) {

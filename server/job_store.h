@@ -236,11 +236,11 @@ class JobStore {
   absl::Status NoJob(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // NOT_FOUND for a caller of another life of the job `name` holds now.
   static absl::Status OtherLife(const std::string& name, uint64_t incarnation);
-  // UNAVAILABLE once the drain has begun, saying to `what` once the server
-  // is back: a job made, or initial values written, now could come after
-  // the drain's checkpoint of it, and would be lost with the process while
-  // the caller was told they were in.
-  absl::Status RefuseWhileDraining(absl::string_view what) const;
+  // The refusal once the drain has begun (draining_), saying to `what` once
+  // the server is back: a job made, or initial values written, now could
+  // come after the drain's checkpoint of it, and would be lost with the
+  // process while the caller was told they were in.
+  static absl::Status Draining(absl::string_view what);
   // Jobs being built by a CreateJob, outside the lock; `created_` is
   // signalled as each is done, in the map or failed.
   absl::flat_hash_set<std::string> creating_ ABSL_GUARDED_BY(mu_);
