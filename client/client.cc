@@ -8,7 +8,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "base/shortest_number.h"
 #include "client/after_step.h"
 #include "client/attach_answers.h"
 #include "client/client_impl.h"
@@ -324,12 +323,7 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
     SHARDOPT_ASSIGN_OR_RETURN(auto again, Push(t, grads));
     const Decision redecided = Decide(again, impl_->job.world_size, options);
     if (redecided.skip || redecided.gscale != result.decision.gscale) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "step ", t, " was pushed again to a server that restarted and lost its push, and the answers now decide "
-          "it otherwise (", redecided.skip ? "a skip" : absl::StrCat("gscale ", ShortestNumber(redecided.gscale)),
-          " where gscale ", ShortestNumber(result.decision.gscale), " may have been applied on the other servers): "
-          "another rank pushed other gradients for it, and nothing more was committed. Calling Step again would "
-          "apply the new decision there: drop the job and attach with restore_step at its last checkpoint"));
+      return RepushDecidedOtherwise(t, result.decision.gscale, redecided);
     }
     committed = commit();
   }

@@ -58,11 +58,11 @@ def _check_disjoint(params):
         # Sorted by where they begin, a span meets only the ones after it
         # that begin before it ends.
         spans.sort(key=lambda span: span[0])
-        for i, (_, end, name, p) in enumerate(spans):
+        for i, (first, end, name, p) in enumerate(spans):
             j = i + 1
             while j < len(spans) and spans[j][0] < end:
-                _, _, other_name, other = spans[j]
-                if _share_bytes(p, other):
+                other_first, other_end, other_name, other = spans[j]
+                if _share_bytes(p, other, min(first, other_first), max(end, other_end)):
                     raise ValueError(f"params {name!r} and {other_name!r} share memory (one tensor's data, or "
                                      "overlapping views of it): torch would apply both updates to it, while the "
                                      "servers hold a master for each; give each param memory of its own")
@@ -77,13 +77,12 @@ def _span(p):
     return first, first + (sum((n - 1) * s for n, s in zip(p.shape, p.stride())) + 1) * p.element_size()
 
 
-def _share_bytes(p, q):
-    """Whether p and q, non-empty on one device, have a byte in common: each
-    marks its bytes in a host mask of their spans, so that interleaved views
-    whose spans meet (column blocks) are told apart from overlapping ones."""
-    (p_first, p_end), (q_first, q_end) = _span(p), _span(q)
-    first = min(p_first, q_first)
-    mask = torch.zeros(max(p_end, q_end) - first, dtype=torch.bool)
+def _share_bytes(p, q, first, end):
+    """Whether p and q, non-empty on one device and within the bytes
+    [first, end), have a byte in common: each marks its bytes in a host mask
+    of those, so that interleaved views whose spans meet (column blocks) are
+    told apart from overlapping ones."""
+    mask = torch.zeros(end - first, dtype=torch.bool)
 
     def marks(x):
         size = x.element_size()

@@ -127,14 +127,8 @@ class _OverlapPush:
             push = self._finish_push()  # on the retry: a new push, from p.grad
             decision = _C.decide(push, self.world_size, self.max_grad_norm, 1.0)
             if first is not None and (decision.skip or decision.gscale != first.gscale):
-                # The other servers may have applied the first decision (as
-                # Client::Step refuses the same).
-                raise FailedPrecondition(
-                    f"step {self._push_step} was pushed again to a server that restarted and lost its push, and "
-                    f"the answers now decide it otherwise ({'a skip' if decision.skip else decision.gscale} where "
-                    f"gscale {first.gscale} may have been applied on the other servers): another rank pushed "
-                    "other gradients for it, and nothing more was committed; drop the job and attach with "
-                    "restore_step at its last checkpoint")
+                # The other servers may have applied the first decision.
+                _C.refuse_redecided(self._push_step, first.gscale, decision)
             first = decision
             if decision.skip:
                 self._commit_skip()
@@ -148,8 +142,7 @@ class _OverlapPush:
                 # push of this one. If p.grad still holds what was pushed, it
                 # is pushed again from there and committed, once; else the
                 # other servers' rounds hold other gradients, and it raises.
-                lost = f"cannot commit step {self._push_step}: its push is incomplete"  # rpc/push_incomplete.h
-                if retry or lost not in e.message or not self._pushed_unchanged():
+                if retry or _C.push_incomplete(self._push_step) not in e.message or not self._pushed_unchanged():
                     raise
 
     def _commit_pushed(self, gscale):

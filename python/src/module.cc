@@ -18,7 +18,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/after_step.h"
 #include "rpc/initial_values.h"
+#include "rpc/push_incomplete.h"
 #include "shardopt/client.h"
 
 namespace py = pybind11;
@@ -393,6 +395,17 @@ PYBIND11_MODULE(_C, m) {
                                            initial, absl::StrCat("'", tensor, "'"), 0));
       },
       py::arg("tensor"), py::arg("data"), py::arg("count"), py::arg("bf16_state"), py::arg("kind"));
+  // The start of the servers' refusal of a commit whose push they lost
+  // (rpc/push_incomplete.h), which the overlap path pushes again for.
+  m.def("push_incomplete", &shardopt::PushIncomplete, py::arg("step"));
+  // Raises what Client::Step does when that push, pushed again, decided
+  // the step otherwise (client/after_step.h).
+  m.def(
+      "refuse_redecided",
+      [](uint64_t step, float first_gscale, const shardopt::Decision& redecided) {
+        Check(shardopt::RepushDecidedOtherwise(step, first_gscale, redecided));
+      },
+      py::arg("step"), py::arg("first_gscale"), py::arg("redecided"));
   m.def(
       "expand_server_pattern",
       [](const std::string& pattern, uint32_t count) { return Value(shardopt::ExpandServerPattern(pattern, count)); },
