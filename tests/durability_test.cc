@@ -304,10 +304,13 @@ TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop
 // Two ranks' steps of a job whose tensor "a" is on server 0 and "gain" on
 // server 1. Rank 1 pushes step 2 through PushInOrder, its "gain" held back
 // until `hold` returns, and commits it apart: a trainer of the low-level
-// calls, which pushes a step again itself when a commit finds its push lost.
+// calls, which pushes a step again itself when a commit finds its push lost
+// (with `other_gradients_again`, other gradients than the first time).
 class TwoRanks {
  public:
-  explicit TwoRanks(const ClientOptions& options) {
+  explicit TwoRanks(const ClientOptions& options, double max_grad_norm = 0, bool other_gradients_again = false)
+      : other_gradients_again_(other_gradients_again) {
+    options_.max_grad_norm = max_grad_norm;
     job_ = DurableJob("between", {{"a", 4096}});  // 4096 + 64: one block each
     job_.world_size = 2;
     for (uint32_t r = 0; r < 2; ++r) {
@@ -337,7 +340,8 @@ class TwoRanks {
     if (!pushed.ok()) return pushed.status();
     absl::Status committed = Commit(t, *pushed, *params);
     if (!IsPushIncomplete(committed, t)) return committed;
-    pushed = clients_[1]->Push(t, g.views);
+    Grads other(7, t);
+    pushed = clients_[1]->Push(t, (other_gradients_again_ ? other : g).views);
     return pushed.ok() ? Commit(t, *pushed, *params) : pushed.status();
   }
 
@@ -360,10 +364,52 @@ class TwoRanks {
     const Decision d = Decide(pushed, 2, options_);
     return clients_[1]->Commit(t, options_.lr, d.gscale, d.skip, Views(params));
   }
+  const bool other_gradients_again_;
   JobOptions job_;
   StepOptions options_;
   std::vector<std::unique_ptr<Client>> clients_;
 };
+
+// Step 2 of both ranks (rank 0 through Step, rank 1 through
+// PushAndCommitHolding), with server 0 stopped and started again once it
+// has sealed step 2 and before rank 1's push lets server 1 seal it: each
+// rank's outcome.
+std::pair<absl::Status, absl::Status> StepTwoAcrossARestartOfServer0(FixedPortServers& fixed, TwoRanks& ranks,
+                                                                      std::vector<uint16_t>* got0,
+                                                                      std::vector<uint16_t>* got1) {
+  std::mutex mu;
+  std::condition_variable changed;
+  bool released = false;
+  absl::Status rank1;
+  std::thread held([&] {
+    rank1 = ranks.PushAndCommitHolding(
+        [&] {
+          std::unique_lock<std::mutex> lock(mu);
+          changed.wait(lock, [&] { return released; });
+        },
+        got1);
+  });
+  absl::Status rank0;
+  std::thread stepping([&] { rank0 = ranks.Step(0, got0); });
+  // Both ranks' pushes of step 2 answered on server 0 (two of step 1's): sealed.
+  const std::string sealed = "\nshardopt_pushes_total{job=\"between\"} 4\n";
+  bool seen = false;
+  for (int i = 0; i < 400 && !seen; ++i) {
+    seen = absl::StrContains(testing::GetMetrics(fixed.metrics_ports[0]), sealed);
+    if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  EXPECT_TRUE(seen) << "server 0 did not seal step 2 in 10 s";
+  EXPECT_EQ(fixed.servers[0]->Stop(SIGTERM) >> 8, 0);
+  fixed.Restart(0);  // (a failure to start is reported, and the steps then fail)
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    released = true;
+  }
+  changed.notify_all();
+  stepping.join();
+  held.join();
+  return {rank0, rank1};
+}
 
 // A server restarted between a Step's push and its commit has restored the
 // step before, which holds no push. The Step pushes the step again, from
@@ -400,43 +446,35 @@ TEST(DurabilityTest, AStepWhoseServerRestartedBetweenItsPushAndItsCommitPushesAg
   one.join();
   if (HasFailure()) return;
   ASSERT_TRUE(ranks.client(0).Checkpoint().ok());  // step 1 on both: what server 0 restores
-
-  std::mutex mu;
-  std::condition_variable changed;
-  bool released = false;
-  absl::Status rank1;
-  std::thread held([&] {
-    rank1 = ranks.PushAndCommitHolding(
-        [&] {
-          std::unique_lock<std::mutex> lock(mu);
-          changed.wait(lock, [&] { return released; });
-        },
-        &got1);
-  });
-  absl::Status rank0;
-  std::thread stepping([&] { rank0 = ranks.Step(0, &got0); });
-  // Both ranks' pushes of step 2 answered on server 0 (two of step 1's): sealed.
-  const std::string sealed = "\nshardopt_pushes_total{job=\"between\"} 4\n";
-  bool seen = false;
-  for (int i = 0; i < 400 && !seen; ++i) {
-    seen = absl::StrContains(testing::GetMetrics(fixed.metrics_ports[0]), sealed);
-    if (!seen) std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
-  EXPECT_TRUE(seen) << "server 0 did not seal step 2 in 10 s";
-  EXPECT_EQ(fixed.servers[0]->Stop(SIGTERM) >> 8, 0);
-  fixed.Restart(0);  // (a failure to start is reported, and the steps then fail)
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    released = true;
-  }
-  changed.notify_all();
-  stepping.join();
-  held.join();
+  const auto [rank0, rank1] = StepTwoAcrossARestartOfServer0(fixed, ranks, &got0, &got1);
   ASSERT_TRUE(rank0.ok()) << rank0;
   ASSERT_TRUE(rank1.ok()) << rank1;
   EXPECT_EQ(got0, want0);
   EXPECT_EQ(got1, want1);
   EXPECT_EQ(Fingerprint(ranks.client(0), ranks.job()).value(), want);
+}
+
+// The same, but rank 1 pushes other gradients when it pushes step 2 again
+// (clipping on, so that they change the decision): rank 0's Step, whose
+// first decision server 1 applied, must not commit the new one on server
+// 0. It is refused, saying what to do (before this check, it committed it,
+// and the job's servers held two decisions of one step).
+TEST(DurabilityTest, AStepWhosePushAgainDecidesOtherwiseIsRefusedAndCommitsNothingMore) {
+  TempDir dir;
+  FixedPortServers fixed(2, dir.path(), /*metrics=*/true);
+  if (HasFailure()) return;
+  TwoRanks ranks(fixed.Options(), /*max_grad_norm=*/1e-3, /*other_gradients_again=*/true);
+  std::vector<uint16_t> got0, got1;
+  std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &got1).ok()); });
+  EXPECT_TRUE(ranks.Step(0, &got0).ok());
+  one.join();
+  if (HasFailure()) return;
+  ASSERT_TRUE(ranks.client(0).Checkpoint().ok());
+  const auto [rank0, rank1] = StepTwoAcrossARestartOfServer0(fixed, ranks, &got0, &got1);
+  EXPECT_EQ(rank0.code(), absl::StatusCode::kFailedPrecondition) << rank0;
+  EXPECT_THAT(std::string(rank0.message()), HasSubstr("the answers now decide it otherwise"));
+  EXPECT_THAT(std::string(rank0.message()), HasSubstr("restore_step"));
+  EXPECT_EQ(ranks.client(0).step(), 1u);  // nothing more committed by rank 0
 }
 
 // Two live trainers of one rank, both attached before their server
