@@ -96,11 +96,11 @@ absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
   SHARDOPT_RETURN_IF_ERROR(Agree(step.status(), what));
   job_ = job;
   offsets_ = FlatOffsets(job.tensors);
-  const std::vector<uint64_t> bounds = ServerBounds(job.tensors, servers_);
+  const std::vector<uint64_t> bounds = ServerBounds(job.tensors, servers());
   const uint32_t g = collective_->size();
   ranges_.clear();
   for (uint32_t j = 0; j < g; ++j) {
-    ranges_.push_back({bounds[FirstOwnedServer(j, g, servers_)], bounds[FirstOwnedServer(j + 1, g, servers_)]});
+    ranges_.push_back({bounds[FirstOwnedServer(j, g, servers())], bounds[FirstOwnedServer(j + 1, g, servers())]});
   }
   grads_.assign(owned().size(), 0.f);
   params_.assign(owned().size(), 0);
@@ -185,14 +185,14 @@ absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t*
 
   // Each server's partial comes from exactly one local rank and is zero on
   // the others, so the all-reduce's sums are exact whatever its order.
-  std::vector<double> partials(2 * servers_, 0.0);
+  std::vector<double> partials(2 * servers(), 0.0);
   for (uint32_t s = 0; s < pushed->partials.size(); ++s) {
     partials[2 * s] = pushed->partials[s].sum_squares;
     partials[2 * s + 1] = pushed->partials[s].nonfinite ? 1 : 0;
   }
   SHARDOPT_RETURN_IF_ERROR(collective_->AllReduceSum(partials.data(), partials.size()));
-  std::vector<PushPartial> combined(servers_);
-  for (uint32_t s = 0; s < servers_; ++s) combined[s] = {partials[2 * s], partials[2 * s + 1] > 0};
+  std::vector<PushPartial> combined(servers());
+  for (uint32_t s = 0; s < servers(); ++s) combined[s] = {partials[2 * s], partials[2 * s + 1] > 0};
   StepResult result;
   result.step = t;
   result.decision = Decide(CombinePartials(std::move(combined)), job_.world_size * collective_->size(), options);

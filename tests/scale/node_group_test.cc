@@ -443,7 +443,7 @@ TEST(NodeGroup, ACreateOrAttachRefusedOnOneLocalRankIsRefusedOnBothAtOnce) {
 // checkpoints, written by the local rank that pushes (with one server, local
 // rank 0 pushes nothing, and its client stays at step 0). Before, node
 // groups ignored it.
-TEST(NodeGroup, CheckpointEveryChecksPointsFromTheLocalRankThatPushes) {
+TEST(NodeGroup, CheckpointEveryIsWrittenByTheLocalRankThatPushes) {
   char dir_template[] = "/tmp/shardopt-node-ckpt-XXXXXX";
   ASSERT_NE(mkdtemp(dir_template), nullptr);
   const std::string dir = dir_template;

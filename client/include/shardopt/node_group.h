@@ -95,8 +95,8 @@ class NodeGroup {
 
  private:
   NodeGroup(std::unique_ptr<Client> client, Collective* collective, const NodeGroupOptions& options)
-      : client_(std::move(client)), collective_(collective), options_(options),
-        servers_(static_cast<uint32_t>(options.client.servers.size())) {}
+      : client_(std::move(client)), collective_(collective), options_(options) {}
+  uint32_t servers() const { return static_cast<uint32_t>(options_.client.servers.size()); }
   // Every local rank learns whether any failed, so none waits in a collective
   // that another has left. The others' ABORTED says that `what` failed on
   // how many, then `then`.
@@ -112,7 +112,6 @@ class NodeGroup {
   std::unique_ptr<Client> client_;
   Collective* collective_;
   const NodeGroupOptions options_;
-  const uint32_t servers_;
   JobOptions job_;
   std::vector<uint64_t> offsets_;
   std::vector<FlatRange> ranges_;  // [local rank]
