@@ -34,6 +34,7 @@
 #include "server/metrics_http.h"
 #include "server/job_spec.h"
 #include "server/service.h"
+#include "server/tls_copies.h"
 #include "server/watched_files.h"
 #include "shardopt/v1/optimizer.pb.h"
 #include "rpc/grpc_edge.h"
@@ -280,6 +281,7 @@ int main(int argc, char** argv) {
   options.address = HostPort(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_port));
   const shardopt::TlsFiles tls_paths{absl::GetFlag(FLAGS_tls_client_ca), absl::GetFlag(FLAGS_tls_cert),
                                      absl::GetFlag(FLAGS_tls_key)};
+  std::unique_ptr<shardopt::TlsCopies> tls_copies;  // outlives the server, which reads them
   {
     // Here, where gRPC would only fail to listen and say that of the port.
     absl::StatusOr<shardopt::TlsFiles> pem = shardopt::ReadTlsFiles(tls_paths);
@@ -287,10 +289,16 @@ int main(int argc, char** argv) {
     options.tls_cert_pem = pem->cert;
     options.tls_key_pem = pem->key;
     options.tls_client_ca_pem = pem->client_ca;
-    options.tls_cert_file = tls_paths.cert;
-    options.tls_key_file = tls_paths.key;
-    options.tls_client_ca_file = tls_paths.client_ca;
     options.tls_reload_seconds = absl::GetFlag(FLAGS_tls_reload_seconds);
+    if (!pem->cert.empty() && options.tls_reload_seconds > 0) {
+      // gRPC reads checked copies, never the files themselves (server/tls_copies.h).
+      absl::StatusOr<std::unique_ptr<shardopt::TlsCopies>> copies = shardopt::TlsCopies::Create(*pem);
+      if (!copies.ok()) return StartFailed(std::string(copies.status().message()));
+      tls_copies = *std::move(copies);
+      options.tls_cert_file = tls_copies->paths().cert;
+      options.tls_key_file = tls_copies->paths().key;
+      options.tls_client_ca_file = tls_copies->paths().client_ca;
+    }
   }
   options.reflection = absl::GetFlag(FLAGS_reflection);
   options.health_port = absl::GetFlag(FLAGS_health_port);
@@ -399,9 +407,10 @@ int main(int argc, char** argv) {
   // SIGHUP.
   const std::string tokens_path = absl::GetFlag(FLAGS_tokens_file);
   std::string tokens_seen = shardopt::FileIdentity(tokens_path);
-  // gRPC reads the TLS files again by itself (--tls_reload_seconds); the
-  // server checks each change as it did at start and logs what it found.
-  shardopt::TlsFilesWatch tls_watch(tls_paths, options.tls_reload_seconds);
+  // The server checks each change of the TLS files as it did at start and
+  // hands gRPC, which reads them again every --tls_reload_seconds, only the
+  // usable ones.
+  shardopt::TlsFilesWatch tls_watch(tls_paths, options.tls_reload_seconds, tls_copies.get());
   for (;;) {
     timespec wake;
     clock_gettime(CLOCK_REALTIME, &wake);

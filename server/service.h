@@ -80,9 +80,9 @@ struct ServerOptions {
   std::string tls_cert_pem;
   std::string tls_key_pem;
   std::string tls_client_ca_pem;
-  // The files those came from, and how often gRPC reads them again (0:
-  // never): then new connections take renewed certificates (a rotated
-  // Kubernetes Secret) without a restart. Connections open stay as they are.
+  // Files gRPC reads again every `tls_reload_seconds` (0: never), for new
+  // connections; connections open stay as they are. gRPC takes them as they
+  // are, so shardopt-server names its checked copies here (server/tls_copies.h).
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_client_ca_file;

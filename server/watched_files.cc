@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "rpc/tls_files.h"
 #include "server/log.h"
+#include "server/tls_copies.h"
 
 namespace shardopt {
 namespace {
@@ -51,8 +52,8 @@ absl::StatusOr<TlsFiles> ReadTlsFiles(const TlsFiles& paths) {
   return pem;
 }
 
-TlsFilesWatch::TlsFilesWatch(TlsFiles paths, unsigned reload_seconds)
-    : paths_(std::move(paths)), reload_seconds_(reload_seconds) {
+TlsFilesWatch::TlsFilesWatch(TlsFiles paths, unsigned reload_seconds, TlsCopies* copies)
+    : paths_(std::move(paths)), reload_seconds_(reload_seconds), copies_(copies) {
   if (reload_seconds_ > 0 && !paths_.cert.empty()) seen_ = Identity();
 }
 
@@ -66,10 +67,13 @@ void TlsFilesWatch::Poll() {
   std::string now = Identity();
   if (now == seen_) return;
   seen_ = std::move(now);
-  if (absl::StatusOr<TlsFiles> read = ReadTlsFiles(paths_); read.ok()) {
+  absl::StatusOr<TlsFiles> read = ReadTlsFiles(paths_);
+  absl::Status taken = read.ok() ? copies_->Replace(*read) : read.status();
+  if (taken.ok()) {
     log::Info("tls_reload", {{"result", absl::StrCat("new connections get them within ", reload_seconds_, " s")}});
   } else {
-    log::Error("tls_reload", {{"result", "not usable"}, {"error", std::string(read.status().message())}});
+    log::Error("tls_reload", {{"result", "not usable; new connections still get the last usable files"},
+                              {"error", std::string(taken.message())}});
   }
 }
 

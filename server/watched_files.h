@@ -23,13 +23,17 @@ struct TlsFiles {
 // the flag, where gRPC would only fail to listen, or fail each handshake.
 absl::StatusOr<TlsFiles> ReadTlsFiles(const TlsFiles& paths);
 
-// Notices a change of the TLS files, which gRPC reads again by itself for
-// new connections (ServerOptions::tls_reload_seconds), and checks it as at
-// start: logs tls_reload, at error level when the files are not usable.
+class TlsCopies;
+
+// Notices a change of the TLS files and checks it as at start: usable files
+// go into `copies`, which gRPC reads again by itself for new connections
+// (ServerOptions::tls_reload_seconds), and are logged as tls_reload; files
+// that are not are logged at error level and leave the copies as they were.
 class TlsFilesWatch {
  public:
-  // Inert without a certificate or with reload_seconds 0.
-  TlsFilesWatch(TlsFiles paths, unsigned reload_seconds);
+  // Inert without a certificate or with reload_seconds 0 (then `copies`
+  // may be null); else `copies` outlives the watch.
+  TlsFilesWatch(TlsFiles paths, unsigned reload_seconds, TlsCopies* copies);
   // Called about once a second from the server's main loop.
   void Poll();
 
@@ -38,6 +42,7 @@ class TlsFilesWatch {
 
   const TlsFiles paths_;
   const unsigned reload_seconds_;
+  TlsCopies* const copies_;
   std::string seen_;  // empty: inert
 };
 
