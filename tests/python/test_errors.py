@@ -292,6 +292,34 @@ def test_params_sharing_memory_are_refused_before_anything_is_sent(servers, job,
     assert_no_job_was_made(servers, job)
 
 
+@pytest.mark.parametrize("grad", ["shorter-view", "one-element", "longer", "same-numel-other-shape"])
+def test_a_gradient_not_of_its_params_shape_is_refused_and_nothing_moves(servers, job, grad):
+    """`p.grad.data = other` skips torch's shape check. The push read the
+    param's numel elements from `other`'s memory: a shorter gradient's
+    neighbours were applied, or the read ran past its end."""
+    model = make_model()
+    opt = RemoteAdamW(model.named_parameters(), servers=servers, job=job)
+    train(model, opt, 1)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state_before = opt.state_dict()["state"]
+    opt.zero_grad()
+    model(*batch(2)).backward()
+    w = model.head.weight
+    backing = torch.full((2 * w.numel(),), 7.0)
+    w.grad.data = {"shorter-view": lambda: backing[:w.numel() - 1], "one-element": lambda: torch.ones(1),
+                   "longer": lambda: backing, "same-numel-other-shape": lambda: torch.ones(w.numel())}[grad]()
+    with pytest.raises(shardopt.InvalidArgument, match=r"param 'head.weight' has a gradient of shape .* not the param's"):
+        opt.step()
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    after = opt.state_dict()["state"]
+    for k, v in state_before.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(torch.as_tensor(after[k][key]), torch.as_tensor(v[key])), (k, key)
+    train(model, opt, 1, first=2)  # a right gradient steps again
+    opt.drop()
+
+
 def test_params_on_the_meta_device_are_refused_before_anything_is_sent(servers, job):
     """A meta param used to fail in torch's copy of its (absent) values, with
     its job made on the servers already."""
