@@ -160,14 +160,18 @@ class PyClient {
   ~PyClient() {
     // A push left running (backward raised, the optimizer was dropped) must
     // end before the client it uses: its remaining tensors go as "no grad".
-    // Its step is then committed as a skip: left sealed, it would answer
-    // the push of that step by a trainer that attaches to the job later,
-    // whose commit would apply this partial gradient instead of its own.
+    // With one rank, its step is then committed as a skip: left sealed, it
+    // would answer the push of that step by a trainer that attaches to the
+    // job later, whose commit would apply this partial gradient instead of
+    // its own. With several, nothing is committed: the other ranks' commits
+    // apply the step, and a skip from this one would disagree with them
+    // (every server keeps the commit that reached it first and refuses the
+    // other for good, so the job could not go on).
     if (push_thread_.joinable()) {
       py::gil_scoped_release nogil;
       table_.MarkRest();
       push_thread_.join();
-      if (push_result_ && push_result_->ok()) {
+      if (world_size_ == 1 && push_result_ && push_result_->ok()) {
         // (A server that restarted after the push is pushed the step
         // again, with no gradient: Client::Commit.)
         client_->Commit(push_step_, 0.0, 1.0f, /*skip=*/true, {}, {}).IgnoreError();
@@ -194,6 +198,7 @@ class PyClient {
     job.grad_type = fp32_grads ? shardopt::GradType::kFp32 : shardopt::GradType::kBf16;
     job.barrier_timeout_ms = barrier_timeout_ms;
     job.restore_step = restore_step;
+    world_size_ = world_size;
     return Exclusive([&] { return Value(client_->CreateOrAttach(job)); });
   }
 
@@ -315,6 +320,7 @@ class PyClient {
   ReadyTable table_;
   std::vector<std::string> push_order_;
   uint64_t push_step_ = 0;
+  uint32_t world_size_ = 1;  // the job's (~PyClient)
   std::optional<absl::StatusOr<shardopt::PushResult>> push_result_;
   std::vector<py::object> held_;  // the marked gradients' tensors, until the push ends (Mark)
   std::thread push_thread_;

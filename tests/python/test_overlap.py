@@ -325,6 +325,39 @@ def test_a_push_abandoned_with_its_optimizer_is_committed_as_a_skip(servers, job
     ref.drop()
 
 
+def test_a_rank_whose_optimizer_is_dropped_after_backward_leaves_the_step_to_the_others(servers, job):
+    """With several ranks, an optimizer dropped after backward (the loop
+    raised) commits nothing: the other ranks apply the step. It used to
+    commit a skip, which the servers kept, and every commit of the other
+    ranks was then refused ("ranks disagree") for good. Both ranks live in
+    this process: with overlap, backward only starts a push, so neither
+    waits for the other here."""
+    models = [make_model(), make_model()]
+    opts = [RemoteAdamW(param_groups(m), servers=servers, job=job, lr=1e-3, overlap=True, rank=r, world_size=2)
+            for r, m in enumerate(models)]
+    for m in models:
+        m(*batch(1)).backward()
+    assert all(o._client.pushing() for o in opts)
+    dropped = weakref.ref(opts.pop())  # rank 1's loop raised: its optimizer goes, its push ends
+    gc.collect()
+    assert dropped() is None
+    opts[0].step()  # refused with Aborted before
+    assert not opts[0].last_decision.skip
+
+    models[1] = make_model(seed=5)  # relaunched: it takes the job's values
+    opts.append(RemoteAdamW(param_groups(models[1]), servers=servers, job=job, lr=1e-3, overlap=True, rank=1,
+                            world_size=2))
+    assert opts[1].resumed_step == 1
+    for m in models:
+        m.zero_grad()
+        m(*batch(2)).backward()
+    for o in opts:
+        o.step()
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert same_bits(p, q), name
+    opts[0].drop()
+
+
 def test_hooks_on_two_autograd_threads_start_one_push(servers, job):
     """Backward runs a model's hooks on one autograd thread per device (a
     model over two GPUs): hooks that come at once from two threads start one
