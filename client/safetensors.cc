@@ -74,32 +74,49 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   json.append((8 - json.size() % 8) % 8, ' ');  // the format pads the header with spaces to 8 bytes
   // A regular file (or none yet) is written beside and renamed over, after
   // an fsync: a failure (a full disk) leaves the file that was there, not
-  // half of a new one. Anything else (a symlink, a FIFO, /dev/stdout) is
-  // written in place, as it is.
+  // half of a new one. A symlink's final target is replaced so, the link
+  // kept. Anything else (a FIFO, /dev/stdout) is written in place, as it is.
   std::error_code ec;
-  const auto kind = std::filesystem::symlink_status(path, ec).type();
+  std::string target = path;
+  if (std::filesystem::is_symlink(std::filesystem::symlink_status(path, ec))) {
+    target = std::filesystem::weakly_canonical(path, ec).string();
+    if (ec) return absl::InternalError(absl::StrCat("cannot write ", path, ": ", ec.message()));
+  }
+  const auto kind = std::filesystem::status(target, ec).type();
   const bool replace = kind == std::filesystem::file_type::not_found || kind == std::filesystem::file_type::regular;
   static std::atomic<uint64_t> counter{0};
-  const std::string tmp = replace ? absl::StrCat(path, ".tmp.", getpid(), ".", counter++) : path;
-  std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-  if (!out.is_open()) {  // the operating system's reason, from the open
-    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
-  }
+  const std::string tmp = replace ? absl::StrCat(target, ".tmp.", getpid(), ".", counter++) : target;
+  const auto failed = [&](int error) {
+    if (replace) std::remove(tmp.c_str());
+    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(error)));
+  };
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
   const uint64_t n = json.size();
   char length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<char>(n >> (8 * i));
-  out.write(length, 8);
-  out.write(json.data(), static_cast<std::streamsize>(json.size()));
-  for (const SafetensorsTensor& t : tensors) out.write(t.data.data(), static_cast<std::streamsize>(t.data.size()));
-  out.close();
-  if (!replace) return out ? absl::OkStatus() : absl::InternalError(absl::StrCat("cannot write ", path));
-  const int fd = out ? open(tmp.c_str(), O_RDONLY) : -1;
-  const bool synced = fd >= 0 && fsync(fd) == 0;
-  if (fd >= 0) close(fd);
-  if (!synced || std::rename(tmp.c_str(), path.c_str()) != 0) {
-    std::remove(tmp.c_str());
-    return absl::InternalError(absl::StrCat("cannot write ", path));
+  std::vector<std::pair<const char*, size_t>> pieces = {{length, 8}, {json.data(), json.size()}};
+  for (const SafetensorsTensor& t : tensors) pieces.push_back({t.data.data(), t.data.size()});
+  for (auto [data, size] : pieces) {
+    while (size > 0) {
+      const ssize_t wrote = write(fd, data, size);
+      if (wrote < 0 && errno == EINTR) continue;
+      if (wrote <= 0) {
+        const int error = wrote < 0 ? errno : ENOSPC;
+        close(fd);
+        return failed(error);
+      }
+      data += wrote;
+      size -= static_cast<size_t>(wrote);
+    }
   }
+  if (replace && fsync(fd) != 0) {
+    const int error = errno;
+    close(fd);
+    return failed(error);
+  }
+  if (close(fd) != 0) return failed(errno);
+  if (replace && std::rename(tmp.c_str(), target.c_str()) != 0) return failed(errno);
   return absl::OkStatus();
 }
 

@@ -7,7 +7,9 @@
 // export reads a complete checkpoint from disk, no server needed, and writes
 // each tensor's master: fp32 exactly (a BF16 group's bf16 master widened,
 // exactly), or rounded to bf16 with --dtype=bf16.
+#include <csignal>
 #include <chrono>
+#include <filesystem>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -21,6 +23,7 @@
 #include <map>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -122,8 +125,23 @@ int Fail(const absl::Status& st) {
 
 int Fail(const grpc::Status& st) { return Fail(shardopt::FromGrpcStatus(st)); }
 
+// Whether `out` (through any symlinks) names a place in `job`'s checkpoint
+// directory under `dir`: an export there could replace a file of the very
+// checkpoint it reads, and the servers' restore would lose it.
+bool InsideTheJobsCheckpoints(const std::string& dir, const std::string& job, const std::string& out) {
+  std::error_code ec;
+  const std::string job_dir = std::filesystem::weakly_canonical(shardopt::checkpoint::JobDirectory(dir, job), ec);
+  const std::string target = std::filesystem::weakly_canonical(out, ec);
+  return !ec && absl::StartsWith(target, job_dir + "/");
+}
+
 int Export(const std::string& dir, uint64_t step, bool bf16, const std::string& job, const std::string& out) {
   const auto log = [](const std::string& line) { std::cerr << "shardopt: " << line << "\n"; };
+  if (InsideTheJobsCheckpoints(dir, job, out)) {
+    return Fail(absl::InvalidArgumentError(absl::StrCat(
+        out, " lies in job '", job, "''s checkpoint directory, whose files export reads and the servers restore; "
+        "write it elsewhere")));
+  }
   auto at = shardopt::checkpoint::WholeJob(dir, job, step, log);
   if (!at.ok()) return Fail(at.status());
   auto part = shardopt::checkpoint::Load(dir, at->spec, at->step, log);
@@ -160,6 +178,10 @@ int Export(const std::string& dir, uint64_t step, bool bf16, const std::string& 
 }  // namespace
 
 int main(int argc, char** argv) {
+  // A file-size limit (ulimit -f) then fails export's write with EFBIG,
+  // which is reported and its temporary file removed, instead of killing
+  // the process with nothing said.
+  signal(SIGXFSZ, SIG_IGN);
   const std::string usage = Usage();
   const std::vector<std::string> args = shardopt::ParseFlags(argc, argv, usage);
   if (args.empty()) shardopt::UsageError(absl::StrCat("no verb given\n", usage));

@@ -1013,6 +1013,33 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
                            expected.path() + " " + dtype + " 5").c_str()),
               0);
   }
+  // An OUT in the job's checkpoint directory, here a file of the very
+  // checkpoint export reads, is refused and the file stays as it was: it
+  // used to be replaced (exit 0), and neither export nor a restore could
+  // read that checkpoint again.
+  std::string part;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir.path())) {
+    if (entry.is_regular_file() && entry.path().parent_path().filename().string().rfind("step-", 0) == 0) {
+      part = entry.path().string();
+      break;
+    }
+  }
+  ASSERT_FALSE(part.empty());
+  const std::string part_bytes = testing::ReadText(part);
+  const std::string cli_export = std::string(SHARDOPT_CLI_BINARY) + " export --checkpoint_dir=" + dir.path() + " export ";
+  EXPECT_EQ(WEXITSTATUS(std::system((cli_export + part + " 2>" + expected.path() + "/refused").c_str())), 1);
+  EXPECT_THAT(testing::ReadText(expected.path() + "/refused"), HasSubstr("lies in job 'export''s checkpoint directory"));
+  EXPECT_EQ(testing::ReadText(part), part_bytes);
+  // Under a file-size limit the write fails with EFBIG, said and cleaned
+  // up; SIGXFSZ used to kill the CLI with nothing said and its temporary
+  // file left behind.
+  const std::string limited = expected.path() + "/limited";
+  std::filesystem::create_directory(limited);
+  const int status = std::system(
+      ("ulimit -f 4; " + cli_export + limited + "/out.safetensors 2>" + expected.path() + "/too-large").c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  EXPECT_THAT(testing::ReadText(expected.path() + "/too-large"), HasSubstr("File too large"));
+  EXPECT_TRUE(std::filesystem::is_empty(limited)) << "a temporary file was left behind";
 
   JobOptions imported = job;
   imported.name = "imported";

@@ -74,6 +74,32 @@ TEST_F(SafetensorsTest, AFailedWriteLeavesTheOldFileWhole) {
   EXPECT_EQ((*read)[0].data, old[0].data);
 }
 
+// Through a symlink, the link's target is replaced the same way, and the
+// link kept: it used to be written in place, so a failed write left the
+// target truncated.
+TEST_F(SafetensorsTest, ASymlinksTargetIsReplacedWholeOrNotAtAll) {
+  const std::string target = path_ + ".target";
+  const std::vector<SafetensorsTensor> old = {{"a", "F32", {1}, std::string("\x01\x02\x03\x04", 4)}};
+  ASSERT_TRUE(WriteSafetensors(target, old, {}).ok());
+  std::filesystem::create_symlink(target, path_);
+  std::vector<std::string> blockers;
+  for (int i = 0; i < 16; ++i) blockers.push_back(target + ".tmp." + std::to_string(getpid()) + "." + std::to_string(i));
+  for (const std::string& b : blockers) std::filesystem::create_directory(b);
+  const absl::Status st = WriteSafetensors(path_, {{"b", "F32", {2}, std::string(8, '\x05')}}, {});
+  for (const std::string& b : blockers) std::filesystem::remove(b);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  auto read = ReadSafetensors(target);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ((*read)[0].data, old[0].data);
+
+  ASSERT_TRUE(WriteSafetensors(path_, {{"b", "F32", {2}, std::string(8, '\x05')}}, {}).ok());
+  EXPECT_TRUE(std::filesystem::is_symlink(path_));
+  read = ReadSafetensors(target);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ((*read)[0].name, "b");
+  std::filesystem::remove(target);
+}
+
 TEST_F(SafetensorsTest, ADirectoryIsRefusedNotThrown) {
   const auto read = ReadSafetensors(std::filesystem::temp_directory_path().string());
   EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument) << read.status();
