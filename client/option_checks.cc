@@ -84,13 +84,20 @@ absl::Status CheckTlsPem(absl::string_view root_certs, absl::string_view cert_ch
   return CheckTlsFiles(root_certs, cert_chain, private_key, {"the CA file", "the client certificate", "the client key"});
 }
 
-absl::StatusOr<std::string> CleanBearerToken(absl::string_view token) {
-  token = absl::StripAsciiWhitespace(token);
+absl::StatusOr<std::string> CleanBearerToken(absl::string_view given) {
+  const absl::string_view token = absl::StripAsciiWhitespace(given);
+  if (token.empty() && !given.empty()) {
+    // A mistake (an empty Secret), not a wish to call without a token.
+    return absl::InvalidArgumentError("the token is only whitespace; to call without a token, give none");
+  }
   for (size_t i = 0; i < token.size(); ++i) {
-    if (!SendableTokenByte(token[i])) {
-      return absl::InvalidArgumentError(absl::StrCat("the token's character ", i + 1,
-                                                     " is not printable ASCII, which a header cannot carry"));
-    }
+    if (SendableTokenByte(token[i])) continue;
+    const char c = token[i];
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the token's character ", i + 1, " is ",
+        c == ' '                ? "a space: a token is one word (give it without 'Bearer ')"
+        : c == '\n' || c == '\r' ? "a line break: give one token, on one line"
+                                : "not printable ASCII, which a header cannot carry"));
   }
   return std::string(token);
 }

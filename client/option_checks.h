@@ -30,10 +30,12 @@ absl::Status CheckClientOptions(const ClientOptions& options);
 absl::Status CheckTlsPem(absl::string_view root_certs, absl::string_view cert_chain, absl::string_view private_key);
 // A bearer token as a file or the environment gives it: without the
 // surrounding whitespace (a file's trailing newline, which a Secret mounted
-// as an environment variable keeps). Any other byte outside printable ASCII
-// is INVALID_ARGUMENT, naming its position, never the token: gRPC aborts
-// the process on a header value it cannot send, and prints the header.
-absl::StatusOr<std::string> CleanBearerToken(absl::string_view token);
+// as an environment variable keeps). Any other byte outside printable ASCII,
+// the space included, is INVALID_ARGUMENT, naming its position and what it
+// is, never the token: gRPC aborts the process on a header value it cannot
+// send, and prints the header. Whitespace alone is INVALID_ARGUMENT too; ""
+// is no token.
+absl::StatusOr<std::string> CleanBearerToken(absl::string_view given);
 // CreateOrAttach's: a name, tensors of numel in [1, 2^40] (rpc/job_limits.h,
 // as the servers check it, before the placement's arithmetic), a world_size
 // of at least 1 that holds `rank`, enum values that name something.

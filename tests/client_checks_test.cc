@@ -237,6 +237,15 @@ TEST(ClientChecksTest, ATokenLosesItsSurroundingWhitespaceAndOtherControlBytesAr
   const auto bad = CleanBearerToken("01234567\n89abcdef");
   EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
   EXPECT_THAT(std::string(bad.status().message()), ::testing::Not(::testing::HasSubstr("0123")));
+  EXPECT_THAT(std::string(bad.status().message()), ::testing::HasSubstr("character 9 is a line break"));
+  // What each byte is, not "not printable ASCII" for a space, which is.
+  const auto bearer = CleanBearerToken("Bearer 0123456789abcdef");
+  EXPECT_THAT(std::string(bearer.status().message()),
+              ::testing::HasSubstr("character 7 is a space: a token is one word (give it without 'Bearer ')"));
+  // Whitespace alone (an empty Secret in SHARDOPT_TOKEN) is a mistake, not
+  // "no token": it used to call without one, unsaid.
+  EXPECT_EQ(CleanBearerToken(" \n").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CleanBearerToken("").value(), "");
   ClientOptions options;
   options.servers = {"127.0.0.1:1"};
   options.token = "01234567\x01" "89abcdef";  // gRPC would abort the process on it
