@@ -64,9 +64,10 @@ class _StateDictIO:
     def load_state_dict(self, state_dict, shared=False):
         """Loads a state dict of this class or of torch.optim.AdamW into the
         servers, exactly: fp32 state stays fp32 whatever the params' dtype.
-        Only for a job that has not stepped yet (a trainer that attached to a
-        running job already has the servers' state; see resumed_step). The
-        params are set from the master (for a torch.optim.AdamW state dict,
+        A trainer that attached to a job that has stepped already has the
+        servers' state (see resumed_step): the state dict of that step then
+        only sets the param groups' keys (lr, as a resumed scheduler needs),
+        and one of any other step is FailedPrecondition. The params are set from the master (for a torch.optim.AdamW state dict,
         which has none, the master is the params' current values, so load the
         model's state_dict first). Everything is checked before anything is
         sent.
@@ -80,9 +81,6 @@ class _StateDictIO:
         check together that torch.distributed's ranks are theirs, and raise
         ValueError alike if not."""
         self._check_params()
-        if self._client.step_count != 0:
-            raise FailedPrecondition(f"the job is at step {self._client.step_count}: the servers already hold its "
-                                     "state, so there is nothing to load (a restarted trainer resumes from them)")
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
@@ -106,6 +104,8 @@ class _StateDictIO:
                                       f"job's {self._precisions[gi]!r}; construct RemoteAdamW with the same one, "
                                       "or delete the key from the state dict's param_groups to load its state into "
                                       "this precision (rounded to bf16, or widened to fp32)")
+        if self._client.step_count != 0:
+            return self._take_groups_of_held_state(state_dict, saved_groups)
         # Each tensor's master (None: the params' values) and, if saved, its
         # moments and Adam step, checked and in fp32; kept until sent, since
         # the client reads them by address.
@@ -191,6 +191,31 @@ class _StateDictIO:
         self._zero_step_moments = {t.name for t, _, moments in loads if moments is not None and moments[2] == 0
                                    and (moments[0].any() or moments[1].any())}
         self._note_versions()
+
+    def _take_groups_of_held_state(self, state_dict, saved_groups):
+        """A job that has stepped: the servers hold its state, and a
+        restarted trainer resumes from them. A state dict of that very state
+        (every tensor's Adam step the servers') gives the groups its lr and
+        other keys, as torch's load does, so that a resumed loop (with its
+        scheduler's load_state_dict) steps at the lr it left off at; any
+        other is refused, since its state cannot replace the servers'."""
+        held = dict(zip((t.name for t in self._remote), self._client.adam_steps()))
+        tensors = iter(self._tensors)
+        for saved in saved_groups:
+            for index in saved["params"]:
+                t = next(tensors)
+                step = state_dict["state"].get(index, {}).get("step", 0)
+                step = step.item() if isinstance(step, torch.Tensor) else step
+                step = int(step) if float(step).is_integer() else step  # torch keeps it as a float
+                if step != held.get(t.name, 0):
+                    raise FailedPrecondition(
+                        f"the job is at step {self._client.step_count} and the servers hold its state, which this "
+                        f"state dict is not (param {t.name!r} is at Adam step {step} in it, "
+                        f"{held.get(t.name, 0)} on the servers): a restarted trainer resumes from the servers, and "
+                        "loads only the state dict of the step they hold (for its param groups' lr); to start "
+                        "from this one, drop the job and load it into a new one")
+        for g, saved in zip(self.param_groups, saved_groups):
+            g.update({key: value for key, value in saved.items() if key != "params"})
 
     def _load_share(self):
         """This rank's share (index, count) of a shared load_state_dict, once

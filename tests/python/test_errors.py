@@ -140,12 +140,16 @@ def test_two_live_trainers_that_forgot_their_ranks_are_told_so(servers, job):
                                     first)
 
 
-def test_load_state_dict_after_steps_is_refused(servers, job):
+def test_a_state_dict_of_another_step_than_the_servers_is_refused(servers, job):
     model = make_model()
     opt = RemoteAdamW(model.named_parameters(), servers=servers, job=job)
     train(model, opt, 1)
-    with pytest.raises(shardopt.FailedPrecondition, match="step 1"):
-        opt.load_state_dict(opt.state_dict())
+    earlier = opt.state_dict()
+    train(model, opt, 1, first=2)
+    earlier["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(shardopt.FailedPrecondition, match=r"the job is at step 2 .* Adam step 1 in it, 2 on the"):
+        opt.load_state_dict(earlier)
+    assert opt.param_groups[0]["lr"] != 0.5
     opt.drop()
 
 

@@ -146,6 +146,41 @@ def test_attach_resumes_from_the_servers(servers, job):
     opt.drop()
 
 
+def test_a_restarted_trainer_loading_its_state_dict_resumes_its_schedulers_lr(servers, job):
+    """The torch way to resume: load the model's, the optimizer's and the
+    scheduler's state dicts. The servers hold the state; the optimizer's
+    state dict of their step gives the groups the lr the scheduler had
+    reached (a scheduler's own load_state_dict sets no group's lr). It used
+    to be refused, and the loop then ran at the constructor's lr, unsaid."""
+    def scheduled(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+    whole = make_model()
+    opt = RemoteAdamW(param_groups(whole), servers=servers, job=f"{job}-whole", lr=1e-3)
+    train(whole, opt, 2 * STEPS, scheduler=scheduled(opt))
+    opt.drop()
+
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3)
+    scheduler = scheduled(opt)
+    train(model, opt, STEPS, scheduler=scheduler)
+    saved = {"model": model.state_dict(), "opt": opt.state_dict(), "scheduler": scheduler.state_dict()}
+    del opt, model, scheduler  # the trainer dies; the job stays on the servers
+
+    model = make_model(seed=7)
+    model.load_state_dict(saved["model"])
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3)
+    assert opt.resumed_step == STEPS
+    opt.load_state_dict(saved["opt"])
+    scheduler = scheduled(opt)
+    scheduler.load_state_dict(saved["scheduler"])
+    assert [g["lr"] for g in opt.param_groups] == [1e-3 * 0.5 ** STEPS] * len(opt.param_groups)
+    train(model, opt, STEPS, first=STEPS + 1, scheduler=scheduler)
+    for (name, p), q in zip(model.named_parameters(), whole.parameters()):
+        assert same_bits(p, q), name
+    opt.drop()
+
+
 def test_at_step_0_rank_0_sends_its_params_unless_the_job_holds_adam_state(servers, job):
     """Before the job's first step, a relaunched rank 0 sends its params (the
     weights it loaded since the last launch are the initial values); but
