@@ -205,14 +205,15 @@ absl::Status Client::InitFromSafetensors(const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView> grads) {
+absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView> grads, const StepOptions* intent) {
   std::vector<std::string> order;
   for (const GradView& g : grads) order.push_back(g.tensor);
-  return PushInOrder(step, order, [&](size_t i) { return grads[i].data; });
+  return PushInOrder(step, order, [&](size_t i) { return grads[i].data; }, intent);
 }
 
 absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const std::string> order,
-                                               const std::function<const void*(size_t)>& grad) {
+                                               const std::function<const void*(size_t)>& grad,
+                                               const StepOptions* intent) {
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   std::vector<int64_t> position(im.job.tensors.size(), -1);  // [tensor]: its index in `order`
@@ -235,6 +236,13 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
     head.set_job(im.job.name);
     head.set_step(step);
     head.set_rank(im.options.rank);
+    if (intent != nullptr) {
+      v1::StepIntent& said = *head.mutable_intent();
+      said.set_lr(intent->lr);
+      for (double lr : intent->group_lr) said.add_group_lr(lr);
+      said.set_max_grad_norm(intent->max_grad_norm);
+      said.set_loss_scale(intent->loss_scale);
+    }
     for (const ShardPlacement& p : im.shards_of[s]) {
       const uint32_t t = im.tensor_index[p.tensor];
       if (position[t] < 0) {
@@ -306,7 +314,7 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
   // the servers, and the caller's next Step would be taken as its retry.
   SHARDOPT_ASSIGN_OR_RETURN(auto out, impl_->CommitTargets(options.lr, options.group_lr, params));
   const uint64_t t = impl_->step + 1;
-  SHARDOPT_ASSIGN_OR_RETURN(auto push, Push(t, grads));
+  SHARDOPT_ASSIGN_OR_RETURN(auto push, Push(t, grads, &options));
   StepResult result;
   result.step = t;
   result.decision = Decide(push, impl_->job.world_size, options);
@@ -320,7 +328,7 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
   // (a skip's commit has done so already). Its answer must decide the step
   // as before: the other servers may have applied it so.
   if (!result.decision.skip && IsPushIncomplete(committed, t)) {
-    SHARDOPT_ASSIGN_OR_RETURN(auto again, Push(t, grads));
+    SHARDOPT_ASSIGN_OR_RETURN(auto again, Push(t, grads, &options));
     const Decision redecided = Decide(again, impl_->job.world_size, options);
     if (redecided.skip || redecided.gscale != result.decision.gscale) {
       return RepushDecidedOtherwise(t, result.decision.gscale, redecided);

@@ -75,6 +75,14 @@ class CommitStream {
       if (!job_.round.sealed) {
         return absl::FailedPreconditionError(absl::StrCat(PushIncomplete(t_), ": ", job_.MissingSummary()));
       }
+      if (!args_.skip) {
+        if (std::string differ = job_.intents.Disagreement(t_); !differ.empty()) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "the ranks of job '", job_.name(), "' pushed step ", t_, " to be applied differently (", differ,
+              "); nothing was applied: every rank must step with the same lr, group "
+              "lrs, max_grad_norm and loss_scale (a rank that pushes the step again says its settings anew)"));
+        }
+      }
       job_.applying = true;
       job_.apply_args = args_;
       job_.apply_progress = 0;

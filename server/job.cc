@@ -1,23 +1,17 @@
 #include "server/job.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
+#include "base/same_bits.h"
 #include "base/shortest_number.h"
 #include "base/status_macros.h"
 #include "server/job_spec.h"
 #include "server/messages.h"
 
 namespace shardopt {
-namespace {
-
-bool SameBits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; }
-bool SameBits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0; }
-
-}  // namespace
 
 bool CommitArgs::operator==(const CommitArgs& o) const {
   if (!SameBits(lr, o.lr) || !SameBits(gscale, o.gscale) || skip != o.skip) return false;
@@ -57,7 +51,9 @@ uint64_t WallClockNanos() { return static_cast<uint64_t>(std::max<int64_t>(0, ab
 // round's session numbers and its last pusher; a generous bound, allocator
 // overhead included.
 uint64_t BookkeepingBytes(const v1::CreateJobRequest& spec) {
-  uint64_t bytes = 4096 + uint64_t{spec.world_size()} * (sizeof(uint64_t) + sizeof(Job::RankPusher));
+  // An intent (GradChunk.intent) is a few numbers and a group's lr each.
+  const uint64_t intent = 128 + 8 * uint64_t(spec.groups_size());
+  uint64_t bytes = 4096 + uint64_t{spec.world_size()} * (sizeof(uint64_t) + sizeof(Job::RankPusher) + intent);
   for (const v1::TensorSpec& t : spec.tensors()) bytes += 512 + 3 * t.name().size();
   for (const v1::Group& g : spec.groups()) bytes += 256 + 2 * g.name().size();
   return bytes;
@@ -96,6 +92,7 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spe
   job->state = std::move(state);
   job->adam_steps.assign(job->shards.size(), 0);
   job->pushers.resize(spec.world_size());
+  job->intents = StepIntents(spec.world_size());
   job->push_clock = WallClockNanos();
   job->init_cover.resize(job->shards.size());
   job->uninitialized_shards = job->shards.size();

@@ -23,6 +23,7 @@
 #include "server/memory_budget.h"
 #include "server/wakeups.h"
 #include "server/running_sum.h"
+#include "server/step_intents.h"
 #include "shardopt/v1/optimizer.pb.h"
 
 namespace shardopt {
@@ -144,6 +145,8 @@ class Job {
   };
   uint64_t push_clock ABSL_GUARDED_BY(mu) = 0;
   std::vector<RankPusher> pushers ABSL_GUARDED_BY(mu);  // [rank]
+  // How each rank's latest push of a step says it will commit it.
+  StepIntents intents ABSL_GUARDED_BY(mu);
   // The phases of the last step done, and of the step being applied.
   StepPhases last_phases ABSL_GUARDED_BY(mu);
   StepPhases applying_phases ABSL_GUARDED_BY(mu);

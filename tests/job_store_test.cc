@@ -27,6 +27,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "server/job.h"
 #include "server/job_store.h"
+#include "server/step_intents.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/checkpoint_dir_fixture.h"
 #include "tests/testing/store_fixture.h"
@@ -164,6 +165,71 @@ TEST_F(StoreTest, CommitIsIdempotentAndRefusesDifferentArguments) {
   EXPECT_EQ(skip.status().code(), absl::StatusCode::kAborted);
   EXPECT_THAT(std::string(skip.status().message()), HasSubstr("(applied -> skipped)"));
   EXPECT_EQ(Snapshot("idem"), before);
+}
+
+// Ranks that push a step meaning to commit it differently (here with other
+// lrs) had each commit applied by whichever servers it reached first, the
+// step torn across servers for good. Now a commit that applies it is
+// refused while their latest pushes disagree, and applies nothing; a rank
+// that pushes the step again says its settings anew.
+TEST_F(StoreTest, ACommitOfAStepWhoseRanksMeantToApplyItDifferentlyIsRefusedAndAppliesNothing) {
+  Create(JobRequest("intent", 2, {{"w", 3000}}));
+  const std::vector<uint16_t> g = RandomBf16(rng_, 3000, 1.0f);
+  v1::StepIntent meant;
+  meant.set_lr(1e-2);
+  meant.set_loss_scale(1);
+  v1::StepIntent other = meant;
+  other.set_lr(2e-2);
+  std::vector<absl::Status> pushed(2);
+  {
+    std::thread rank1([&] { pushed[1] = Push("intent", 1, 1, {{"w", g}}, 1000, 0, {}, 0, &other).status(); });
+    pushed[0] = Push("intent", 1, 0, {{"w", g}}, 1000, 0, {}, 0, &meant).status();
+    rank1.join();
+  }
+  ASSERT_TRUE(pushed[0].ok() && pushed[1].ok()) << pushed[0] << pushed[1];
+  const std::string before = Snapshot("intent");
+  for (double lr : {1e-2, 2e-2}) {
+    auto refused = Commit("intent", 1, lr);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()),
+                HasSubstr("pushed step 1 to be applied differently (rank 0 pushed it with lr 0.01, rank 1 with lr "
+                          "0.02); nothing was applied"));
+  }
+  EXPECT_EQ(Snapshot("intent"), before);
+  ASSERT_TRUE(Push("intent", 1, 1, {{"w", g}}, 1000, 0, {}, 0, &meant).ok());
+  ASSERT_TRUE(Commit("intent", 1, 1e-2).ok());
+  EXPECT_NE(Snapshot("intent"), before);
+}
+
+TEST(StepIntentsTest, TheFirstDifferenceNamesBothRanksAndOnlyThatStepsPushesCount) {
+  StepIntents intents(3);
+  v1::StepIntent a;
+  a.set_lr(1e-3);
+  a.add_group_lr(1e-3);
+  a.add_group_lr(2e-3);
+  a.set_max_grad_norm(1.0);
+  a.set_loss_scale(1.0);
+  intents.Note(0, 5, a);
+  intents.Note(2, 5, a);
+  v1::StepIntent b = a;
+  b.set_lr(7.0);
+  intents.Note(1, 4, b);  // a push of another step
+  EXPECT_EQ(intents.Disagreement(5), "");
+  b = a;
+  b.set_group_lr(1, std::nextafter(2e-3, 0.0));
+  intents.Note(2, 5, b);
+  EXPECT_EQ(intents.Disagreement(5),
+            "rank 0 pushed it with group lrs [0.001, 0.002], rank 2 with group lrs [0.001, 0.0019999999999999996]");
+  b = a;
+  b.set_max_grad_norm(0.0);
+  intents.Note(2, 5, b);
+  EXPECT_EQ(intents.Disagreement(5), "rank 0 pushed it with max_grad_norm 1, rank 2 with max_grad_norm 0");
+  b = a;
+  b.set_loss_scale(1024);
+  intents.Note(2, 5, b);
+  EXPECT_EQ(intents.Disagreement(5), "rank 0 pushed it with loss_scale 1, rank 2 with loss_scale 1024");
+  intents.Note(2, 5, a);
+  EXPECT_EQ(intents.Disagreement(5), "");
 }
 
 // Group lrs are told apart by group, as lr is.

@@ -112,7 +112,10 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             (else AlreadyExists): world_size, the params (names, sizes,
             dtypes, groups), each group's betas, eps, weight_decay and
             state_precision, and barrier_timeout; lr, max_grad_norm,
-            chunk_bytes and rpc_timeout may differ.
+            chunk_bytes and rpc_timeout may differ (but every rank must
+            step with the same lr and max_grad_norm: a step whose ranks'
+            pushes disagree on them is refused, FailedPrecondition, on every
+            server, and nothing is applied).
         rank, world_size: data parallelism without DDP: every rank pushes its
             gradients, the servers average them, every rank gets the same
             params back. A new job's initial values are rank 0's params (as

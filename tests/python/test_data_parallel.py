@@ -161,3 +161,50 @@ def test_a_rank_that_cannot_send_its_share_fails_every_rank_at_once(servers, job
     assert errors[1] == "RuntimeError: injected: this rank's share cannot be sent"
     assert errors[0].startswith("FailedPrecondition:"), errors[0]
     assert "load_state_dict(shared=True): rank 1 could not send its share (RuntimeError: injected" in errors[0]
+
+
+def test_ranks_stepping_with_different_lrs_are_refused_alike_and_nothing_moves(servers, job):
+    """Two ranks whose step() used different lrs each had their commit applied
+    by whichever of the two servers it reached first: the step torn across
+    servers, and every later retry refused. Now each push says how its rank
+    will commit, and both ranks are refused on every server, nothing applied;
+    once they agree, the step applies. Both ranks are in this process, on
+    threads (each step() waits for the other's push)."""
+    import threading
+
+    import shardopt
+    models = [make_model(), make_model()]
+    opts = [RemoteAdamW(param_groups(m), servers=servers, job=job, lr=lr, rank=r, world_size=2, barrier_timeout=20)
+            for r, (m, lr) in enumerate(zip(models, [1e-2, 2e-2]))]
+    before = [p.detach().clone() for p in models[0].parameters()]
+    for m in models:
+        m(*batch(1)).backward()
+
+    def step_both():
+        errors = [None, None]
+
+        def step(r):
+            try:
+                opts[r].step()
+            except shardopt.Error as e:
+                errors[r] = e
+        threads = [threading.Thread(target=step, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return errors
+
+    for error in step_both():
+        assert isinstance(error, shardopt.FailedPrecondition), error
+        assert "pushed step 1 to be applied differently (rank 0 pushed it with lr 0.01, rank 1 with lr 0.02)" in str(error)
+    for m in models:
+        for p, q in zip(m.parameters(), before):
+            assert same_bits(p, q)
+    for g in opts[1].param_groups:
+        g["lr"] = 1e-2
+    assert step_both() == [None, None]
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert same_bits(p, q), name
+    assert not all(same_bits(p, q) for p, q in zip(models[0].parameters(), before))
+    opts[0].drop()

@@ -112,7 +112,8 @@ class StoreTest : public ::testing::Test {
   absl::StatusOr<v1::PushResponse> Push(const std::string& job, uint64_t step, uint32_t rank,
                                         const std::map<std::string, std::vector<uint16_t>>& grads,
                                         uint64_t chunk = 1000, uint64_t order = 0,
-                                        const std::vector<std::string>& no_grad = {}, uint64_t scatter = 0) {
+                                        const std::vector<std::string>& no_grad = {}, uint64_t scatter = 0,
+                                        const v1::StepIntent* intent = nullptr) {
     std::vector<v1::GradChunk> chunks;
     for (const auto& [name, g] : grads) {
       for (uint64_t off = 0; off < g.size(); off += chunk) {
@@ -125,6 +126,7 @@ class StoreTest : public ::testing::Test {
     head.set_step(step);
     head.set_rank(rank);
     for (const auto& n : no_grad) head.add_no_grad(n);
+    if (intent != nullptr) *head.mutable_intent() = *intent;
     auto session = store_.BeginPush(head);
     if (!session.ok()) return session.status();
     if (auto st = (*session)->Add(head); !st.ok()) return st;

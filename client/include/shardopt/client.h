@@ -287,7 +287,13 @@ class Client {
   absl::StatusOr<StepResult> Step(absl::Span<const GradView> grads, const StepOptions& options,
                                   absl::Span<const ParamView> params);
   // The phases of Step, for callers that combine decisions themselves.
-  absl::StatusOr<PushResult> Push(uint64_t step, absl::Span<const GradView> grads);
+  // `intent`: the options the step will be committed with if it applies it
+  // (Step passes its own). The servers refuse, with FAILED_PRECONDITION, a
+  // commit that applies a step whose ranks' pushes said different ones, on
+  // every server alike, where each would otherwise apply whichever rank's
+  // commit reached it first; nullptr says none, and is not compared.
+  absl::StatusOr<PushResult> Push(uint64_t step, absl::Span<const GradView> grads,
+                                  const StepOptions* intent = nullptr);
   // A push whose gradients become ready over time, for overlapping it with
   // the backward pass: each server's stream sends the tensors in `order`,
   // calling grad(i) for order[i] when it gets there. grad may block until
@@ -296,7 +302,8 @@ class Client {
   // thread per server at once, and again for a retried stream. A tensor
   // named twice (in `order`, or in Push's `grads`) is INVALID_ARGUMENT.
   absl::StatusOr<PushResult> PushInOrder(uint64_t step, absl::Span<const std::string> order,
-                                         const std::function<const void*(size_t)>& grad);
+                                         const std::function<const void*(size_t)>& grad,
+                                         const StepOptions* intent = nullptr);
   // group_lr: as StepOptions::group_lr; empty means `lr` for every group.
   // A skip sends none of lr, gscale and group_lr, and checks none: every
   // skip of a step is the same commit. A server that lost the step's push
