@@ -2,6 +2,7 @@
 layout, read from and written to the servers in fp32. A mixin of RemoteAdamW
 (shardopt.torch), whose state it uses: its tensors, groups, client and
 locks."""
+import hashlib
 import math
 
 import torch
@@ -16,6 +17,20 @@ _HOW_TORCH_STEPPED = ("capturable", "differentiable", "foreach", "fused")
 # A param's Adam state in torch.optim.AdamW's layout: all of it, or none.
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 
+
+
+def _sampled_digest(loads, samples=4096):
+    """A digest of what a load would send: each tensor's name and Adam step,
+    and up to `samples` evenly spaced values of each of its arrays."""
+    h = hashlib.sha256()
+    for t, master, moments in loads:
+        h.update(f"{t.name}:{None if moments is None else moments[2]}".encode())
+        arrays = [t.param if master is None else master] + ([] if moments is None else list(moments[:2]))
+        for a in arrays:
+            flat = a.detach().reshape(-1)
+            picked = flat[::max(1, flat.numel() // samples)]
+            h.update(picked.to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 class _StateDictIO:
     def state_dict(self):
@@ -153,7 +168,7 @@ class _StateDictIO:
             if moments is not None:
                 self._check_initial(t, moments[0], "exp_avg")
                 self._check_initial(t, moments[1], "exp_avg_sq")
-        share = self._load_share() if shared else (0, 1)
+        share = self._load_share(loads) if shared else (0, 1)
         error = None
         try:
             for t, master, moments in loads:
@@ -217,21 +232,30 @@ class _StateDictIO:
         for g, saved in zip(self.param_groups, saved_groups):
             g.update({key: value for key, value in saved.items() if key != "params"})
 
-    def _load_share(self):
+    def _load_share(self, loads):
         """This rank's share (index, count) of a shared load_state_dict, once
-        every rank has seen that torch.distributed's ranks are RemoteAdamW's:
-        raises ValueError on every rank if not."""
+        every rank has seen that torch.distributed's ranks are RemoteAdamW's
+        and that every rank loads the same state (`loads`, by a sample of
+        it: two state dicts of one model differ nearly everywhere): raises
+        ValueError on every rank if not. Each rank used to send its share of
+        whatever it was given, and the servers held a mix."""
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("load_state_dict(shared=True) needs torch.distributed initialized on every rank")
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"load_state_dict(shared=True): torch.distributed has {dist.get_world_size()} ranks, "
                              f"the job {self.world_size}")
-        ranks = [None] * self.world_size
-        dist.all_gather_object(ranks, self.rank)
+        said = [None] * self.world_size
+        dist.all_gather_object(said, (self.rank, _sampled_digest(loads)))
+        ranks = [rank for rank, _ in said]
         if ranks != list(range(self.world_size)):
             raise ValueError(f"load_state_dict(shared=True): RemoteAdamW's ranks by torch.distributed rank are "
                              f"{ranks}, not 0 ... {self.world_size - 1}")
+        differ = [rank for rank, digest in said if digest != said[0][1]]
+        if differ:
+            raise ValueError(f"load_state_dict(shared=True): rank {differ[0]} loads another state than rank 0 (its "
+                             "state dict, or its model's params where the state dict has no master, differ); every "
+                             "rank must load the same one. Nothing was sent")
         return (self.rank, self.world_size)
 
     def _check_initial(self, t, x, what):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
 import torch
 
 from shardopt.torch import RemoteAdamW
@@ -161,6 +162,43 @@ def test_a_rank_that_cannot_send_its_share_fails_every_rank_at_once(servers, job
     assert errors[1] == "RuntimeError: injected: this rank's share cannot be sent"
     assert errors[0].startswith("FailedPrecondition:"), errors[0]
     assert "load_state_dict(shared=True): rank 1 could not send its share (RuntimeError: injected" in errors[0]
+
+
+def test_ranks_loading_different_state_dicts_with_shared_are_refused_alike(servers, job, tmp_path):
+    """load_state_dict(shared=True) with rank 0 given step 1's state dict and
+    rank 1 step 2's: each sent its share of its own, and the servers held a
+    mix of the two, unsaid. Now every rank raises ValueError before anything
+    of them is sent."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-first", lr=1e-3)
+    checkpoints = []
+    for step in (1, 2):
+        opt.zero_grad()
+        model(*batch(step)).backward()
+        opt.step()
+        checkpoints.append(tmp_path / f"step{step}.pt")
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoints[-1])
+    opt.drop()
+
+    outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
+    ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "workers.py"), "resume_dp", "--servers",
+                               ",".join(servers), "--job", f"{job}-dp", "--rank", str(r), "--world_size", "2",
+                               "--store", str(tmp_path / "store"), "--checkpoint", ",".join(map(str, checkpoints)),
+                               "--steps", "1", "--out", str(outs[r])]) for r in range(2)]
+    try:
+        assert [p.wait(timeout=60) for p in ranks] == [3, 3]
+    finally:
+        for p in ranks:
+            p.kill()
+    for out in outs:
+        error = torch.load(out)["error"]
+        assert error.startswith("ValueError: load_state_dict(shared=True): rank 1 loads another state than rank 0"), \
+            error
+    with pytest.warns(UserWarning, match="held initial values from an earlier launch"):  # the ranks' own
+        opt = RemoteAdamW(param_groups(make_model()), servers=servers, job=f"{job}-dp", lr=1e-3, world_size=2,
+                          barrier_timeout=20)
+    assert set(opt._client.adam_steps()) == {0}, "some of a state dict was sent"
+    opt.drop()
 
 
 def test_ranks_stepping_with_different_lrs_are_refused_alike_and_nothing_moves(servers, job):

@@ -5,7 +5,7 @@ continuing from a saved state dict).
 
     workers.py resume --servers A,B --job J --checkpoint F --first T --steps N --out OUT
     workers.py dp --servers A,B --job J --rank R --world_size W --steps N --out OUT
-    workers.py resume_dp --servers A,B --job J --rank R --world_size W --store S --checkpoint F --first T
+    workers.py resume_dp --servers A,B --job J --rank R --world_size W --store S --checkpoint F[,F1...] --first T
         --steps N --out OUT [--fail_rank R]
     workers.py push_and_die --servers A,B --job J --steps N
 
@@ -66,7 +66,8 @@ def resume_dp(args):
     (load_state_dict(shared=True))."""
     torch.distributed.init_process_group("gloo", init_method=f"file://{args.store}", rank=args.rank,
                                          world_size=args.world_size)
-    saved = torch.load(args.checkpoint)
+    checkpoints = args.checkpoint.split(",")  # one for every rank, or one for each
+    saved = torch.load(checkpoints[args.rank % len(checkpoints)])
     model = make_model(seed=99)  # other initial values: all come from the checkpoint
     model.load_state_dict(saved["model"])
     opt = RemoteAdamW(param_groups(model), servers=args.servers.split(","), job=args.job, lr=1e-3, rank=args.rank,
