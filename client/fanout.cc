@@ -54,12 +54,17 @@ absl::Status WithRetryAdvice(absl::Status st, int attempts) {
                                                "the server is down, unreachable or stopping, or refused the TLS "
                                                "handshake: this RPC is safe to retry once the server is back)"));
   }
-  // gRPC's own: no answer in time. A server's DEADLINE_EXCEEDED (a
-  // barrier's) says what to do itself.
+  // gRPC's own: no answer in time.
   if (absl::IsDeadlineExceeded(st) && absl::EndsWith(st.message(), ": Deadline Exceeded")) {
     return absl::DeadlineExceededError(absl::StrCat(st.message(), tries,
                                                     "no answer within the call's deadline: the server may be "
                                                     "overloaded or hung: this RPC is safe to retry)"));
+  }
+  // A server's (a barrier's) says what to do itself; but each attempt waited
+  // the whole barrier, so the caller waited that many times over.
+  if (absl::IsDeadlineExceeded(st) && attempts > 1) {
+    return absl::DeadlineExceededError(
+        absl::StrCat(st.message(), tries, "each waited out the barrier's deadline for the ranks named)"));
   }
   return st;
 }

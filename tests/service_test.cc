@@ -1000,6 +1000,16 @@ TEST_F(ServiceTest, PushAfterTheBarrierDeadlineIsRefusedAndChangesNothing) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_THAT(std::string(r.status().message()), HasSubstr("ranks {1} of 2"));
   EXPECT_EQ(ReadAll(*client, job), before);
+  // Each retry waits out the barrier again: the caller waited that many
+  // deadlines, which the message now says (it read as one).
+  o.max_attempts = 2;
+  auto retrying = Client::Connect(o).value();
+  ASSERT_TRUE(retrying->CreateOrAttach(job).ok());
+  r = retrying->Push(1, {{"w", g.data()}});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(r.status().message()),
+              HasSubstr("(2 attempts; each waited out the barrier's deadline for the ranks named)"));
+  EXPECT_EQ(ReadAll(*client, job), before);
 }
 
 // A job that leaves its barrier deadline to the server's flag: the client
