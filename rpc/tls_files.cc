@@ -77,4 +77,25 @@ absl::Status CheckTlsFiles(absl::string_view ca, absl::string_view certificate, 
   return absl::OkStatus();
 }
 
+absl::Status CheckCertificateDates(absl::string_view pem, absl::string_view what) {
+  const auto leaf = FirstCertificate(pem);
+  if (leaf == nullptr) return absl::OkStatus();  // CheckTlsFiles says why
+  const auto when = [](const ASN1_TIME* t) {
+    std::unique_ptr<BIO, decltype(&BIO_free)> out(BIO_new(BIO_s_mem()), &BIO_free);
+    ASN1_TIME_print(out.get(), t);
+    char* text = nullptr;
+    const long n = BIO_get_mem_data(out.get(), &text);
+    return std::string(text, static_cast<size_t>(n));
+  };
+  if (X509_cmp_current_time(X509_get0_notAfter(leaf.get())) < 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " expired on ", when(X509_get0_notAfter(leaf.get())), ": peers refuse it"));
+  }
+  if (X509_cmp_current_time(X509_get0_notBefore(leaf.get())) > 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(what, " is not valid before ", when(X509_get0_notBefore(leaf.get())), ": peers refuse it"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace shardopt

@@ -25,4 +25,10 @@ struct TlsFileNames {
 absl::Status CheckTlsFiles(absl::string_view ca, absl::string_view certificate, absl::string_view key,
                            const TlsFileNames& names);
 
+// FAILED_PRECONDITION naming `what` and the date if the first certificate of
+// `pem` (a chain's leaf, read as CheckTlsFiles reads it) has expired or is
+// not valid yet: every peer would refuse the handshake, with nothing said
+// on this side.
+absl::Status CheckCertificateDates(absl::string_view pem, absl::string_view what);
+
 }  // namespace shardopt

@@ -26,6 +26,7 @@
 #include "checkpoint/files.h"
 #include "kernels/gpu.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "rpc/tls_files.h"
 #include "server/auth.h"
 #include "server/device.h"
 #include "server/log.h"
@@ -286,6 +287,11 @@ int main(int argc, char** argv) {
     // Here, where gRPC would only fail to listen and say that of the port.
     absl::StatusOr<shardopt::TlsFiles> pem = shardopt::ReadTlsFiles(tls_paths);
     if (!pem.ok()) return StartFailed(std::string(pem.status().message()));
+    // Only told: a clock that is off may be what is wrong, and the server
+    // still serves clients that skip the check.
+    if (absl::Status dates = shardopt::CheckCertificateDates(pem->cert, "--tls_cert"); !dates.ok()) {
+      log::Warning("tls_certificate", {{"problem", std::string(dates.message())}});
+    }
     options.tls_cert_pem = pem->cert;
     options.tls_key_pem = pem->key;
     options.tls_client_ca_pem = pem->client_ca;

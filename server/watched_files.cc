@@ -68,7 +68,8 @@ void TlsFilesWatch::Poll() {
   if (now == seen_) return;
   seen_ = std::move(now);
   absl::StatusOr<TlsFiles> read = ReadTlsFiles(paths_);
-  absl::Status taken = read.ok() ? copies_->Replace(*read) : read.status();
+  absl::Status taken = !read.ok() ? read.status() : CheckCertificateDates(read->cert, "--tls_cert");
+  if (taken.ok()) taken = copies_->Replace(*read);
   if (taken.ok()) {
     log::Info("tls_reload", {{"result", absl::StrCat("new connections get them within ", reload_seconds_, " s")}});
   } else {
