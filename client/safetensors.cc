@@ -133,9 +133,29 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= uint64_t{static_cast<uint8_t>(bytes[i])} << (8 * i);
   if (n > bytes.size() - 8) return bad(absl::StrCat("header of ", n, " bytes does not fit in the file"));
+  // JSON keeps the last of two equal keys; a header naming a tensor twice
+  // is refused, naming it, as Python's reader does (its data would else be
+  // told as a gap).
+  std::set<std::string> top_keys;
+  std::string repeated;
+  const nlohmann::json::parser_callback_t note_keys = [&](int depth, nlohmann::json::parse_event_t event,
+                                                          nlohmann::json& parsed) {
+    if (depth == 1 && event == nlohmann::json::parse_event_t::key && !top_keys.insert(parsed.get<std::string>()).second &&
+        repeated.empty()) {
+      repeated = parsed.get<std::string>();
+    }
+    return true;
+  };
   const nlohmann::json header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<int64_t>(n),
-                                                      nullptr, /*allow_exceptions=*/false);
+                                                      note_keys, /*allow_exceptions=*/false);
   if (!header.is_object()) return bad("header is not a JSON object");
+  if (!repeated.empty()) return bad(absl::StrCat("the header names '", repeated, "' twice"));
+  if (header.contains("__metadata__")) {
+    const nlohmann::json& metadata = header["__metadata__"];
+    bool text = metadata.is_object();
+    for (auto it = metadata.begin(); text && it != metadata.end(); ++it) text = it->is_string();
+    if (!text) return bad("__metadata__ must map text to text");
+  }
   const uint64_t base = 8 + n;
   std::vector<SafetensorsTensor> out;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;  // each tensor's data, to check that they tile it

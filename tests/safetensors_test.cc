@@ -100,6 +100,19 @@ TEST_F(SafetensorsTest, ASymlinksTargetIsReplacedWholeOrNotAtAll) {
   std::filesystem::remove(target);
 }
 
+// As Python's reader refuses them: a tensor named twice (JSON kept the
+// last, and the first's data was told as "a gap"), and metadata that is not
+// text to text, as the format has it.
+TEST_F(SafetensorsTest, ATensorNamedTwiceAndMetadataNotTextAreRefused) {
+  const std::string entry = R"({"dtype":"F32","shape":[1],"data_offsets":[0,4]})";
+  EXPECT_THAT(Refusal(R"({"tiny":)" + entry + R"(,"tiny":)" + entry + "}", std::string(4, '\0')),
+              ::testing::HasSubstr("the header names 'tiny' twice"));
+  EXPECT_THAT(Refusal(R"({"__metadata__":{"job":5},"tiny":)" + entry + "}", std::string(4, '\0')),
+              ::testing::HasSubstr("__metadata__ must map text to text"));
+  WriteRaw(R"({"__metadata__":{"job":"j"},"tiny":)" + entry + "}", std::string(4, '\0'));
+  EXPECT_TRUE(ReadSafetensors(path_).ok());
+}
+
 TEST_F(SafetensorsTest, ADirectoryIsRefusedNotThrown) {
   const auto read = ReadSafetensors(std::filesystem::temp_directory_path().string());
   EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument) << read.status();
