@@ -17,6 +17,7 @@ pinned host buffers with non-blocking copies); params on any other device
 (meta included) raise ``shardopt.InvalidArgument``. Two params whose memory
 overlaps raise ValueError; views at disjoint places of one buffer are taken.
 """
+import numbers
 import os
 import threading
 import warnings
@@ -184,6 +185,12 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (0: no clipping)")
         if state_precision not in _STATE_PRECISIONS:
             raise ValueError(f"state_precision must be one of {_STATE_PRECISIONS}, not {state_precision!r}")
+        for what, number in (("rank", rank), ("world_size", world_size), ("checkpoint_every", checkpoint_every),
+                             ("restore_step", restore_step), ("chunk_bytes", chunk_bytes),
+                             ("max_attempts", max_attempts)):
+            # (bool is an int, and 2.0 is not: pybind's TypeError only lists signatures.)
+            if isinstance(number, bool) or not isinstance(number, numbers.Integral):
+                raise TypeError(f"{what} must be an int, not {type(number).__name__} {number!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
         groups, names = _split_names(params)

@@ -269,6 +269,9 @@ def test_misuses_torch_refuses_or_that_would_train_otherwise_are_refused(job):
         RemoteAdamW([p, p], servers=["127.0.0.1:1"], job=job)
     with pytest.raises(ValueError, match="more than once"):
         RemoteAdamW([p], servers=["127.0.0.1:1", "127.0.0.1:1"], job=job)
+    # pybind's own TypeError only listed the extension's signatures.
+    with pytest.raises(TypeError, match="world_size must be an int, not float 2.0"):
+        RemoteAdamW([p], servers=["127.0.0.1:1"], job=job, rank=1, world_size=2.0)
 
 
 def assert_no_job_was_made(servers, job):
