@@ -133,13 +133,17 @@ bool IsLoopback(const std::string& host) {
 
 // gRPC's own log lines (a failed TLS handshake, a port it cannot bind) as
 // the server's: with --log_format=json every line of stderr is then JSON.
+// At most 5 a second from each line of gRPC's source, as refusals are: any
+// peer can cause a failed handshake per connection, 13711 lines in 3 s.
 void LogFromGrpc(gpr_log_func_args* args) {
   const shardopt::log::Level level = args->severity == GPR_LOG_SEVERITY_ERROR ? shardopt::log::Level::kError
                                      : args->severity == GPR_LOG_SEVERITY_DEBUG || args->severity == GPR_LOG_SEVERITY_INFO
                                          ? shardopt::log::Level::kInfo
                                          : shardopt::log::Level::kWarning;
-  shardopt::log::Write(level, "grpc", {{"source", absl::StrCat(args->file, ":", args->line)},
-                                       {"message", args->message}});
+  const std::string source = absl::StrCat(args->file, ":", args->line);
+  shardopt::log::Fields fields = {{"source", source}, {"message", args->message}};
+  if (!shardopt::log::Allow("grpc " + source, &fields)) return;
+  shardopt::log::Write(level, "grpc", fields);
 }
 
 // A --checkpoint_dir the server cannot write fails the start (exit 1): found

@@ -2,12 +2,17 @@
 // the openssl command for each run: who can reach a TLS server, who a
 // mutual-TLS one, the refusal of plaintext on a non-loopback address, and
 // IPv6 loopback.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
+#include <map>
 #include <chrono>
 #include <thread>
 #include <fstream>
@@ -118,6 +123,45 @@ TEST(TlsTest, AMutualTlsServerServesOnlyClientsWithACertificateItsCaSigned) {
   stranger.tls_cert_chain = certs.pem("stranger.pem");
   stranger.tls_private_key = certs.pem("stranger.key");
   EXPECT_EQ(StepOnce(server->address(), stranger, "c").code(), absl::StatusCode::kUnavailable);
+}
+
+// Any peer can fail a handshake per connection, and gRPC logs each: at most
+// 5 such lines a second from each line of gRPC's source, the rest counted
+// (suppressed=N), as refusals are. 300 plaintext connections to a TLS port
+// logged 300 lines.
+TEST(TlsTest, FailedHandshakesAreLoggedAtMostFiveASecondEach) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
+  auto server = ServerProcess::StartLogged({"--tls_cert=" + certs.path("server.pem"),
+                                            "--tls_key=" + certs.path("server.key")});
+  ASSERT_NE(server, nullptr);
+  const auto started = std::chrono::steady_clock::now();
+  for (int i = 0; i < 300; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(server->port()));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0) {
+      const char request[] = "GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+      ASSERT_GT(write(fd, request, sizeof request - 1), 0);
+      char buffer[64];
+      (void)read(fd, buffer, sizeof buffer);  // until the server closes it
+    }
+    close(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  const std::string log = server->log();
+  std::map<std::string, int> lines;  // by source
+  for (size_t at = log.find(" grpc "); at != std::string::npos; at = log.find(" grpc ", at + 1)) {
+    const size_t source = log.find("source=", at);
+    lines[log.substr(source, log.find(' ', source) - source)]++;
+  }
+  ASSERT_FALSE(lines.empty()) << log;
+  for (const auto& [source, n] : lines) EXPECT_LE(n, 5 * (static_cast<int>(seconds) + 2)) << source;
+  server->Stop(SIGTERM);  // the run's end counts what was held back
+  EXPECT_THAT(server->log(), ::testing::HasSubstr("suppressed="));
 }
 
 // A renewed certificate (a rotated Kubernetes Secret: new files behind the
