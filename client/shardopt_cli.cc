@@ -123,7 +123,18 @@ int Fail(const absl::Status& st) {
   return 1;
 }
 
-int Fail(const grpc::Status& st) { return Fail(shardopt::FromGrpcStatus(st)); }
+// A server's error, named by --server; no answer in time also says that a
+// call that changes the job may or may not have taken effect.
+int Fail(const grpc::Status& st) {
+  absl::Status said = shardopt::FromGrpcStatus(st, absl::GetFlag(FLAGS_server));
+  if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+    said = absl::DeadlineExceededError(absl::StrCat(
+        said.message(), " (no answer within --timeout_s=", absl::GetFlag(FLAGS_timeout_s),
+        ": the server may be hung, stopped or overloaded; whether a drop or checkpoint took effect is unknown: "
+        "describe the job to see)"));
+  }
+  return Fail(said);
+}
 
 // Whether `out` (through any symlinks) names a place in `job`'s checkpoint
 // directory under `dir`: an export there could replace a file of the very

@@ -2,8 +2,12 @@
 // resume give the bits of an uninterrupted run; SIGTERM checkpoints and exits
 // 0; a checkpoint restores onto another server count; bad files are refused
 // with a clear status while the server goes on serving.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -1056,6 +1060,30 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
   const absl::Status st = client->InitFromSafetensors(dir.path() + "/export-fp32.safetensors");
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(st.message()), HasSubstr("tensor 'w' has 12000 bytes of F32; the job's has 3001 elements"));
+}
+
+// A CLI call no server answers in time names the server, and says that a
+// drop or checkpoint may or may not have taken effect: it printed only
+// "DEADLINE_EXCEEDED: Deadline Exceeded". (A socket that listens and never
+// speaks: the connection is made, the call never answered.)
+TEST(DurabilityTest, ACliCallNoServerAnswersNamesItAndSaysTheOutcomeIsUnknown) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(listen(listener, 4), 0);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  TempDir dir;
+  const std::string server = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
+  const int status = std::system(absl::StrCat(SHARDOPT_CLI_BINARY, " --server=", server, " --timeout_s=1 drop j 2>",
+                                              dir.path(), "/said").c_str());
+  close(listener);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  const std::string said = testing::ReadText(dir.path() + "/said");
+  EXPECT_THAT(said, HasSubstr("DEADLINE_EXCEEDED: " + server + ": "));
+  EXPECT_THAT(said, HasSubstr("whether a drop or checkpoint took effect is unknown"));
 }
 
 // The CLI's checkpoint, as an operator takes one before rolling the
