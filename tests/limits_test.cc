@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -516,6 +517,19 @@ TEST(LimitsTest, AutoRequiresGpuFailsLoudlyWithoutOne) {
   EXPECT_THAT(log, HasSubstr("found no usable GPU"));
   EXPECT_THAT(log, HasSubstr("pass --device=cpu"));
   EXPECT_NE(ServerProcess::Start({"--device=cpu", "--auto_requires_gpu"}), nullptr);
+}
+
+// A --flagfile with Windows line ends gave every value a trailing carriage
+// return, and the refusal showed none: "--device must be auto, cpu, cuda or
+// cuda:N; got 'cpu'". It is now named (exit 2).
+TEST(LimitsTest, AFlagfileWithWindowsLineEndsIsNamed) {
+  const std::string path = (std::filesystem::temp_directory_path() / ("shardopt-crlf-" + std::to_string(getpid()))).string();
+  std::ofstream(path) << "--device=cpu\r\n--max_streams=7\r\n";
+  std::string log;
+  EXPECT_EQ(testing::ServerExitCode({"--flagfile=" + path}, &log), 2);
+  EXPECT_THAT(log, HasSubstr("value holds a carriage return"));
+  EXPECT_THAT(log, HasSubstr("Windows line ends (CRLF)"));
+  std::remove(path.c_str());
 }
 
 // A --port_file that cannot be written stops the server (exit 1, naming

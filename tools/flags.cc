@@ -5,6 +5,7 @@
 
 #include "absl/flags/internal/parse.h"
 #include "absl/flags/internal/usage.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/ascii.h"
@@ -92,6 +93,14 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
   if (absl::flags_internal::HandleUsageFlags(std::cout, absl::ProgramUsageMessage()) != -1) {
     std::cout.flush();
     std::exit(0);
+  }
+  // A --flagfile saved with Windows line ends gives each value a trailing
+  // carriage return, which no message shows ("must be cpu ...; got 'cpu'").
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::StrContains(flag->CurrentValue(), '\r')) {
+      UsageError(absl::StrCat("--", name, "'s value holds a carriage return (\\r): a --flagfile with Windows line "
+                              "ends (CRLF)? Save it with Unix ones (LF)"));
+    }
   }
   std::vector<std::string> positionals;
   auto next_negative = negatives.begin();
