@@ -48,15 +48,19 @@ const char* ActionName(Action a) {
 
 absl::Status Caller::Allows(Action action, const std::string& job) const {
   if (role == Role::kAdmin) return absl::OkStatus();
+  bool of_its_prefixes = false;
+  for (const std::string& p : prefixes) of_its_prefixes = of_its_prefixes || p == "*" || absl::StartsWith(job, p);
+  if (!of_its_prefixes) {
+    return absl::PermissionDeniedError(absl::StrCat("'", name, "' may not ", ActionName(action), " job ", Quote(job),
+                                                    ": it is outside the token's job prefixes"));
+  }
   if (action == Action::kDrop) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("'", name, "' is a trainer; only an admin token may DropJob (job ", Quote(job), ")"));
+    return absl::PermissionDeniedError(absl::StrCat(
+        "'", name, "' is a trainer; only an admin token may DropJob (job ", Quote(job),
+        "), but for a job of the trainer's prefixes that holds nothing yet, dropped naming its life "
+        "(DropJobRequest.incarnation)"));
   }
-  for (const std::string& p : prefixes) {
-    if (p == "*" || absl::StartsWith(job, p)) return absl::OkStatus();
-  }
-  return absl::PermissionDeniedError(absl::StrCat("'", name, "' may not ", ActionName(action), " job ", Quote(job),
-                                                  ": it is outside the token's job prefixes"));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {

@@ -367,6 +367,13 @@ TEST(TokenTableTest, RolesPrefixesAndErrors) {
   EXPECT_TRUE(alice->Allows(Action::kPush, "team-c/x").ok());
   EXPECT_TRUE(absl::IsPermissionDenied(alice->Allows(Action::kPush, "team-b/x")));
   EXPECT_TRUE(absl::IsPermissionDenied(alice->Allows(Action::kDrop, "team-a/x")));
+  // Each refused drop says why: the exception for a trainer's own empty job
+  // is named, and a job of other prefixes is told as such (it read as the
+  // admin-only rule too).
+  EXPECT_THAT(std::string(alice->Allows(Action::kDrop, "team-a/x").message()),
+              HasSubstr("but for a job of the trainer's prefixes that holds nothing yet"));
+  EXPECT_THAT(std::string(alice->Allows(Action::kDrop, "team-b/x").message()),
+              HasSubstr("outside the token's job prefixes"));
   auto all = table->Authenticate(absl::StrCat("Bearer ", kBob));
   ASSERT_TRUE(all.ok());
   EXPECT_TRUE(all->Allows(Action::kRead, "whatever").ok());
