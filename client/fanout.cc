@@ -62,7 +62,7 @@ absl::Status WithRetryAdvice(absl::Status st, int attempts) {
   }
   // A server's (a barrier's) says what to do itself; but each attempt waited
   // the whole barrier, so the caller waited that many times over.
-  if (absl::IsDeadlineExceeded(st) && attempts > 1) {
+  if (absl::IsDeadlineExceeded(st) && attempts > 1 && absl::StrContains(st.message(), "barrier of step ")) {
     return absl::DeadlineExceededError(
         absl::StrCat(st.message(), tries, "each waited out the barrier's deadline for the ranks named)"));
   }

@@ -180,7 +180,7 @@ absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t*
   }
   const uint64_t t = step_ + 1;
   absl::StatusOr<PushResult> pushed = PushResult{};
-  if (mine.size() > 0) pushed = client_->Push(t, grad_views);
+  if (mine.size() > 0) pushed = client_->Push(t, grad_views, &options);
   SHARDOPT_RETURN_IF_ERROR(Agree(pushed.status(), absl::StrCat("the push of step ", t), kRetry));
 
   // Each server's partial comes from exactly one local rank and is zero on

@@ -74,23 +74,25 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   json.append((8 - json.size() % 8) % 8, ' ');  // the format pads the header with spaces to 8 bytes
   // A regular file (or none yet) is written beside and renamed over, after
   // an fsync: a failure (a full disk) leaves the file that was there, not
-  // half of a new one. A symlink's final target is replaced so, the link
-  // kept. Anything else (a FIFO, /dev/stdout) is written in place, as it is.
+  // half of a new one. A symlink's existing target is replaced so, the link
+  // kept. Anything else (a FIFO, /dev/stdout, a dangling link, which has no
+  // old file to keep) is written in place, through any link.
   std::error_code ec;
   std::string target = path;
-  if (std::filesystem::is_symlink(std::filesystem::symlink_status(path, ec))) {
-    target = std::filesystem::weakly_canonical(path, ec).string();
+  const bool link = std::filesystem::is_symlink(std::filesystem::symlink_status(path, ec));
+  const auto kind = std::filesystem::status(path, ec).type();  // through the links
+  if (link && kind == std::filesystem::file_type::regular) {
+    target = std::filesystem::canonical(path, ec).string();
     if (ec) return absl::InternalError(absl::StrCat("cannot write ", path, ": ", ec.message()));
   }
-  const auto kind = std::filesystem::status(target, ec).type();
-  const bool replace = kind == std::filesystem::file_type::not_found || kind == std::filesystem::file_type::regular;
+  const bool replace = kind == std::filesystem::file_type::regular || (!link && kind == std::filesystem::file_type::not_found);
   static std::atomic<uint64_t> counter{0};
   const std::string tmp = replace ? absl::StrCat(target, ".tmp.", getpid(), ".", counter++) : target;
   const auto failed = [&](int error) {
     if (replace) std::remove(tmp.c_str());
     return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(error)));
   };
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);  // less the umask
   if (fd < 0) return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
   const uint64_t n = json.size();
   char length[8];

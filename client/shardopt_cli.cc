@@ -140,10 +140,14 @@ int Fail(const grpc::Status& st) {
 // directory under `dir`: an export there could replace a file of the very
 // checkpoint it reads, and the servers' restore would lose it.
 bool InsideTheJobsCheckpoints(const std::string& dir, const std::string& job, const std::string& out) {
-  std::error_code ec;
-  const std::string job_dir = std::filesystem::weakly_canonical(shardopt::checkpoint::JobDirectory(dir, job), ec);
-  const std::string target = std::filesystem::weakly_canonical(out, ec);
-  return !ec && absl::StartsWith(target, job_dir + "/");
+  // Absolute first: weakly_canonical leaves a relative path whose first
+  // part does not exist relative.
+  std::error_code job_ec, out_ec;
+  const std::string job_dir = std::filesystem::weakly_canonical(
+      std::filesystem::absolute(shardopt::checkpoint::JobDirectory(dir, job), job_ec), job_ec);
+  const std::string target =
+      std::filesystem::weakly_canonical(std::filesystem::absolute(out, out_ec), out_ec);
+  return !job_ec && !out_ec && absl::StartsWith(target, job_dir + "/");
 }
 
 int Export(const std::string& dir, uint64_t step, bool bf16, const std::string& job, const std::string& out) {

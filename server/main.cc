@@ -287,6 +287,7 @@ int main(int argc, char** argv) {
   const shardopt::TlsFiles tls_paths{absl::GetFlag(FLAGS_tls_client_ca), absl::GetFlag(FLAGS_tls_cert),
                                      absl::GetFlag(FLAGS_tls_key)};
   std::unique_ptr<shardopt::TlsCopies> tls_copies;  // outlives the server, which reads them
+  const std::string tls_identity = shardopt::TlsFilesIdentity(tls_paths);  // before they are read (TlsFilesWatch)
   {
     // Here, where gRPC would only fail to listen and say that of the port.
     absl::StatusOr<shardopt::TlsFiles> pem = shardopt::ReadTlsFiles(tls_paths);
@@ -420,7 +421,7 @@ int main(int argc, char** argv) {
   // The server checks each change of the TLS files as it did at start and
   // hands gRPC, which reads them again every --tls_reload_seconds, only the
   // usable ones.
-  shardopt::TlsFilesWatch tls_watch(tls_paths, options.tls_reload_seconds, tls_copies.get());
+  shardopt::TlsFilesWatch tls_watch(tls_paths, options.tls_reload_seconds, tls_copies.get(), tls_identity);
   for (;;) {
     timespec wake;
     clock_gettime(CLOCK_REALTIME, &wake);

@@ -46,14 +46,11 @@ absl::StatusOr<std::unique_ptr<PushSession>> PushSession::Begin(std::shared_ptr<
       }
     }
   }
-  if (first.has_intent()) {
-    const int lrs = first.intent().group_lr_size();
-    if (lrs != 0 && lrs != job->spec.groups_size()) {
-      return absl::InvalidArgumentError(absl::StrCat("the push's intent has ", lrs, " group lrs; job '", job->name(),
-                                                     "' has ", job->spec.groups_size(), " groups"));
-    }
-    job->intents.Note(first.rank(), first.step(), first.intent());
+  if (const int lrs = first.intent().group_lr_size(); lrs != 0 && lrs != job->spec.groups_size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the push's intent has ", lrs, " group lrs; job '", job->name(),
+                                                   "' has ", job->spec.groups_size(), " groups"));
   }
+  job->intents.Note(first.rank(), first.step(), first.has_intent() ? &first.intent() : nullptr);
   job->NotePush(first.rank(), first.trainer());
   return std::unique_ptr<PushSession>(new PushSession(job, first.step(), first.rank()));
 }

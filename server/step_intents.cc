@@ -34,8 +34,8 @@ std::pair<std::string, std::pair<std::string, std::string>> FirstDifference(cons
 
 }  // namespace
 
-void StepIntents::Note(uint32_t rank, uint64_t step, const v1::StepIntent& intent) {
-  latest_[rank] = {step, intent};
+void StepIntents::Note(uint32_t rank, uint64_t step, const v1::StepIntent* intent) {
+  latest_[rank] = intent == nullptr ? Said{} : Said{step, *intent};
 }
 
 std::string StepIntents::Disagreement(uint64_t step) const {

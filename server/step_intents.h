@@ -17,8 +17,9 @@ class StepIntents {
   StepIntents() = default;
   explicit StepIntents(uint32_t world_size) : latest_(world_size) {}
 
-  // The intent of `rank`'s push of `step`, replacing what it said before.
-  void Note(uint32_t rank, uint64_t step, const v1::StepIntent& intent);
+  // The intent of `rank`'s push of `step`, replacing what it said before;
+  // null: the push said none, and the rank is not compared.
+  void Note(uint32_t rank, uint64_t step, const v1::StepIntent* intent);
   // Empty when the ranks that said how they will commit `step` agree, bit
   // for bit; else the first difference, naming both ranks ("rank 0 pushed
   // it with lr 0.01, rank 1 with lr 0.02").

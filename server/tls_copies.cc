@@ -60,18 +60,34 @@ TlsCopies::~TlsCopies() {
 }
 
 absl::Status TlsCopies::Replace(const TlsFiles& pem) {
+  // Every new copy made before any is swapped in: a failure leaves all
+  // three as they were, never a new certificate with the old key.
+  int fresh[3] = {-1, -1, -1};
+  const auto close_fresh = [&] {
+    for (int fd : fresh) {
+      if (fd >= 0) close(fd);
+    }
+  };
   for (int i = 0; i < 3; ++i) {
     if (fds_[i] < 0) continue;  // no --tls_client_ca
-    const int fresh = MemoryFile(*Texts(pem, i));
-    if (fresh < 0) return Errno("memfd_create for a TLS file");
-    // dup2 swaps the file behind the number at once: a reader opening
-    // /proc/self/fd/N gets the whole old file or the whole new one.
-    const bool swapped = dup3(fresh, fds_[i], O_CLOEXEC) >= 0;
-    const int saved = errno;
-    close(fresh);
-    errno = saved;
-    if (!swapped) return Errno("dup3 of a TLS file");
+    fresh[i] = MemoryFile(*Texts(pem, i));
+    if (fresh[i] < 0) {
+      const absl::Status failed = Errno("memfd_create for a TLS file");
+      close_fresh();
+      return failed;
+    }
   }
+  for (int i = 0; i < 3; ++i) {
+    // dup3 swaps the file behind the number at once: a reader opening
+    // /proc/self/fd/N gets the whole old file or the whole new one. (It
+    // does not fail for a valid, open pair of descriptors.)
+    if (fresh[i] >= 0 && dup3(fresh[i], fds_[i], O_CLOEXEC) < 0) {
+      const absl::Status failed = Errno("dup3 of a TLS file");
+      close_fresh();
+      return failed;
+    }
+  }
+  close_fresh();
   return absl::OkStatus();
 }
 

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "rpc/tls_files.h"
 #include "server/log.h"
 #include "server/tls_copies.h"
@@ -52,28 +53,30 @@ absl::StatusOr<TlsFiles> ReadTlsFiles(const TlsFiles& paths) {
   return pem;
 }
 
-TlsFilesWatch::TlsFilesWatch(TlsFiles paths, unsigned reload_seconds, TlsCopies* copies)
-    : paths_(std::move(paths)), reload_seconds_(reload_seconds), copies_(copies) {
-  if (reload_seconds_ > 0 && !paths_.cert.empty()) seen_ = Identity();
+std::string TlsFilesIdentity(const TlsFiles& paths) {
+  return absl::StrCat(FileIdentity(paths.client_ca), ";", FileIdentity(paths.cert), ";", FileIdentity(paths.key));
 }
 
-std::string TlsFilesWatch::Identity() const {
-  // Never empty, so that an inert watch stays told apart.
-  return absl::StrCat(FileIdentity(paths_.client_ca), ";", FileIdentity(paths_.cert), ";", FileIdentity(paths_.key));
+TlsFilesWatch::TlsFilesWatch(TlsFiles paths, unsigned reload_seconds, TlsCopies* copies, std::string seen)
+    : paths_(std::move(paths)), reload_seconds_(reload_seconds), copies_(copies) {
+  if (reload_seconds_ > 0 && !paths_.cert.empty()) seen_ = std::move(seen);
 }
 
 void TlsFilesWatch::Poll() {
   if (seen_.empty()) return;
-  std::string now = Identity();
-  if (now == seen_) return;
+  std::string now = TlsFilesIdentity(paths_);
+  if (now == seen_ && !(unusable_ && absl::Now() >= check_again_)) return;
   seen_ = std::move(now);
   absl::StatusOr<TlsFiles> read = ReadTlsFiles(paths_);
   absl::Status taken = !read.ok() ? read.status() : CheckCertificateDates(read->cert, "--tls_cert");
   if (taken.ok()) taken = copies_->Replace(*read);
+  unusable_ = !taken.ok();
   if (taken.ok()) {
     log::Info("tls_reload", {{"result", absl::StrCat("new connections get them within ", reload_seconds_, " s")}});
   } else {
-    log::Error("tls_reload", {{"result", "not usable; new connections still get the last usable files"},
+    check_again_ = absl::Now() + absl::Seconds(reload_seconds_);
+    log::Error("tls_reload", {{"result", absl::StrCat("not usable; new connections still get the last usable files; "
+                                                      "checked again in ", reload_seconds_, " s")},
                               {"error", std::string(taken.message())}});
   }
 }

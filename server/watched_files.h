@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace shardopt {
 
@@ -23,27 +24,34 @@ struct TlsFiles {
 // the flag, where gRPC would only fail to listen, or fail each handshake.
 absl::StatusOr<TlsFiles> ReadTlsFiles(const TlsFiles& paths);
 
+// The three files' FileIdentity together; never empty.
+std::string TlsFilesIdentity(const TlsFiles& paths);
+
 class TlsCopies;
 
 // Notices a change of the TLS files and checks it as at start: usable files
 // go into `copies`, which gRPC reads again by itself for new connections
 // (ServerOptions::tls_reload_seconds), and are logged as tls_reload; files
-// that are not are logged at error level and leave the copies as they were.
+// that are not are logged at error level and leave the copies as they were,
+// and are checked again every reload_seconds until usable (a certificate
+// not valid yet becomes so, and the files need not change again).
 class TlsFilesWatch {
  public:
-  // Inert without a certificate or with reload_seconds 0 (then `copies`
-  // may be null); else `copies` outlives the watch.
-  TlsFilesWatch(TlsFiles paths, unsigned reload_seconds, TlsCopies* copies);
+  // `seen`: TlsFilesIdentity(paths) before the files in use were read, so
+  // that a change while they were is noticed. Inert without a certificate
+  // or with reload_seconds 0 (then `copies` may be null); else `copies`
+  // outlives the watch.
+  TlsFilesWatch(TlsFiles paths, unsigned reload_seconds, TlsCopies* copies, std::string seen);
   // Called about once a second from the server's main loop.
   void Poll();
 
  private:
-  std::string Identity() const;
-
   const TlsFiles paths_;
   const unsigned reload_seconds_;
   TlsCopies* const copies_;
   std::string seen_;  // empty: inert
+  bool unusable_ = false;  // the files seen_ names were not taken
+  absl::Time check_again_;
 };
 
 }  // namespace shardopt

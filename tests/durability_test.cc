@@ -1034,6 +1034,10 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
   EXPECT_EQ(WEXITSTATUS(std::system((cli_export + part + " 2>" + expected.path() + "/refused").c_str())), 1);
   EXPECT_THAT(testing::ReadText(expected.path() + "/refused"), HasSubstr("lies in job 'export''s checkpoint directory"));
   EXPECT_EQ(testing::ReadText(part), part_bytes);
+  // So is a relative OUT there, whose first part does not exist yet.
+  const std::string job_dir = std::filesystem::path(part).parent_path().parent_path().string();
+  EXPECT_EQ(WEXITSTATUS(std::system(("cd " + job_dir + " && " + cli_export + "new.safetensors 2>/dev/null").c_str())), 1);
+  EXPECT_FALSE(std::filesystem::exists(job_dir + "/new.safetensors"));
   // Under a file-size limit the write fails with EFBIG, said and cleaned
   // up; SIGXFSZ used to kill the CLI with nothing said and its temporary
   // file left behind.

@@ -209,26 +209,28 @@ TEST(StepIntentsTest, TheFirstDifferenceNamesBothRanksAndOnlyThatStepsPushesCoun
   a.add_group_lr(2e-3);
   a.set_max_grad_norm(1.0);
   a.set_loss_scale(1.0);
-  intents.Note(0, 5, a);
-  intents.Note(2, 5, a);
+  intents.Note(0, 5, &a);
+  intents.Note(2, 5, &a);
   v1::StepIntent b = a;
   b.set_lr(7.0);
-  intents.Note(1, 4, b);  // a push of another step
+  intents.Note(1, 4, &b);  // a push of another step
   EXPECT_EQ(intents.Disagreement(5), "");
   b = a;
   b.set_group_lr(1, std::nextafter(2e-3, 0.0));
-  intents.Note(2, 5, b);
+  intents.Note(2, 5, &b);
   EXPECT_EQ(intents.Disagreement(5),
             "rank 0 pushed it with group lrs [0.001, 0.002], rank 2 with group lrs [0.001, 0.0019999999999999996]");
   b = a;
   b.set_max_grad_norm(0.0);
-  intents.Note(2, 5, b);
+  intents.Note(2, 5, &b);
   EXPECT_EQ(intents.Disagreement(5), "rank 0 pushed it with max_grad_norm 1, rank 2 with max_grad_norm 0");
   b = a;
   b.set_loss_scale(1024);
-  intents.Note(2, 5, b);
+  intents.Note(2, 5, &b);
   EXPECT_EQ(intents.Disagreement(5), "rank 0 pushed it with loss_scale 1, rank 2 with loss_scale 1024");
-  intents.Note(2, 5, a);
+  intents.Note(2, 5, nullptr);  // a push that said none: not compared
+  EXPECT_EQ(intents.Disagreement(5), "");
+  intents.Note(2, 5, &a);
   EXPECT_EQ(intents.Disagreement(5), "");
 }
 

@@ -97,6 +97,13 @@ TEST_F(SafetensorsTest, ASymlinksTargetIsReplacedWholeOrNotAtAll) {
   read = ReadSafetensors(target);
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_EQ((*read)[0].name, "b");
+  // A link to no file yet is written through, the link kept.
+  std::filesystem::remove(target);
+  ASSERT_TRUE(WriteSafetensors(path_, old, {}).ok());
+  EXPECT_TRUE(std::filesystem::is_symlink(path_));
+  read = ReadSafetensors(target);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ((*read)[0].name, "a");
   std::filesystem::remove(target);
 }
 

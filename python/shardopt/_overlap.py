@@ -84,8 +84,10 @@ class _OverlapPush:
         the gradients."""
         self._check_unchanged()
         self._push_step = self._client.step_count + 1
-        group_lr = [float(g["lr"]) for g in self.param_groups]  # as backward finds them; compared across ranks
-        self._client.start_push(self._push_step, self._order_names, group_lr[0], group_lr, self.max_grad_norm)
+        # Says nothing of how the step will be committed (GradChunk.intent):
+        # its lr may still change before step(), as a loop may set it after
+        # backward.
+        self._client.start_push(self._push_step, self._order_names)
         self._seen, self._marked = [], {}
         self._second_gradient = None
 

@@ -18,7 +18,6 @@ _HOW_TORCH_STEPPED = ("capturable", "differentiable", "foreach", "fused")
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 
 
-
 def _sampled_digest(loads, samples=4096):
     """A digest of what a load would send: each tensor's name and Adam step,
     and up to `samples` evenly spaced values of each of its arrays."""
@@ -31,6 +30,7 @@ def _sampled_digest(loads, samples=4096):
             picked = flat[::max(1, flat.numel() // samples)]
             h.update(picked.to(device="cpu", dtype=torch.float32).contiguous().numpy().tobytes())
     return h.hexdigest()
+
 
 class _StateDictIO:
     def state_dict(self):

@@ -469,7 +469,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             # `p.grad.data = other` skips torch's own check, and the push
             # would read numel elements from `other`'s memory, past its end.
             raise InvalidArgument(f"param {t.name!r} has a gradient of shape {tuple(g.shape)}, not the param's "
-                                  f"{tuple(t.param.shape)}; nothing was pushed")
+                                  f"{tuple(t.param.shape)}; RemoteAdamW takes gradients of their params' shapes")
         if g.device.type == "cpu" and g.is_contiguous() and g.dtype == t.dtype:
             return g.data_ptr(), g
         if t.host_grad is None:

@@ -242,19 +242,14 @@ class PyClient {
 
   // Starts PushInOrder(step, order) on a thread of its own; Mark fills the
   // gradients as they become ready, FinishPush joins.
-  // lr, group_lr, max_grad_norm: what the step will be committed with, as
-  // the push says (Client::PushInOrder's intent).
-  void StartPush(uint64_t step, std::vector<std::string> order, double lr, std::vector<double> group_lr,
-                 double max_grad_norm) {
+  void StartPush(uint64_t step, std::vector<std::string> order) {
     Exclusive([&] {
       table_.Reset(order.size());
       push_order_ = std::move(order);
       push_step_ = step;
-      push_intent_ = MakeStepOptions(lr, std::move(group_lr), max_grad_norm, 1.0);
       push_result_.reset();
       push_thread_ = std::thread([this, step] {
-        push_result_ =
-            client_->PushInOrder(step, push_order_, [this](size_t i) { return table_.Wait(i); }, &push_intent_);
+        push_result_ = client_->PushInOrder(step, push_order_, [this](size_t i) { return table_.Wait(i); });
       });
     });
   }
@@ -325,7 +320,6 @@ class PyClient {
   ReadyTable table_;
   std::vector<std::string> push_order_;
   uint64_t push_step_ = 0;
-  shardopt::StepOptions push_intent_;
   uint32_t world_size_ = 1;  // the job's (~PyClient)
   std::optional<absl::StatusOr<shardopt::PushResult>> push_result_;
   std::vector<py::object> held_;  // the marked gradients' tensors, until the push ends (Mark)
@@ -441,8 +435,7 @@ PYBIND11_MODULE(_C, m) {
       .def("step", &PyClient::Step, py::arg("grads"), py::arg("params"), py::arg("lr"), py::arg("group_lr"),
            py::arg("max_grad_norm"), py::arg("loss_scale"))
       .def("timed_steps", &PyClient::TimedSteps)
-      .def("start_push", &PyClient::StartPush, py::arg("step"), py::arg("order"), py::arg("lr"), py::arg("group_lr"),
-           py::arg("max_grad_norm"))
+      .def("start_push", &PyClient::StartPush)
       .def("mark", &PyClient::Mark)
       .def("pushing", &PyClient::Pushing)
       .def("finish_push", &PyClient::FinishPush)
