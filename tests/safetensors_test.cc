@@ -35,6 +35,19 @@ class SafetensorsTest : public ::testing::Test {
     EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument) << header;
     return std::string(read.status().message());
   }
+  // A write to `path` of a new file while its temporaries cannot be made
+  // (a directory stands where each would go): it fails partway.
+  static absl::Status WriteBlockedAt(const std::string& path, const std::string& temporaries_of) {
+    // The process's count of temporaries is at most a few here.
+    std::vector<std::string> blockers;
+    for (int i = 0; i < 16; ++i) {
+      blockers.push_back(temporaries_of + ".tmp." + std::to_string(getpid()) + "." + std::to_string(i));
+    }
+    for (const std::string& b : blockers) std::filesystem::create_directory(b);
+    const absl::Status st = WriteSafetensors(path, {{"b", "F32", {2}, std::string(8, '\x05')}}, {});
+    for (const std::string& b : blockers) std::filesystem::remove(b);
+    return st;
+  }
   const std::string path_ = std::filesystem::temp_directory_path() / ("shardopt-st-" + std::to_string(getpid()));
 };
 
@@ -58,13 +71,7 @@ TEST_F(SafetensorsTest, ARoundTripKeepsEveryByte) {
 TEST_F(SafetensorsTest, AFailedWriteLeavesTheOldFileWhole) {
   const std::vector<SafetensorsTensor> old = {{"a", "F32", {1}, std::string("\x01\x02\x03\x04", 4)}};
   ASSERT_TRUE(WriteSafetensors(path_, old, {}).ok());
-  // Directories where the next writes' temporaries would go (the process's
-  // count of them is at most a few here).
-  std::vector<std::string> blockers;
-  for (int i = 0; i < 16; ++i) blockers.push_back(path_ + ".tmp." + std::to_string(getpid()) + "." + std::to_string(i));
-  for (const std::string& b : blockers) std::filesystem::create_directory(b);
-  const absl::Status st = WriteSafetensors(path_, {{"b", "F32", {2}, std::string(8, '\x05')}}, {});
-  for (const std::string& b : blockers) std::filesystem::remove(b);
+  const absl::Status st = WriteBlockedAt(path_, path_);
   EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
   EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("Is a directory")) << "the reason the open failed";
   auto read = ReadSafetensors(path_);
@@ -82,11 +89,7 @@ TEST_F(SafetensorsTest, ASymlinksTargetIsReplacedWholeOrNotAtAll) {
   const std::vector<SafetensorsTensor> old = {{"a", "F32", {1}, std::string("\x01\x02\x03\x04", 4)}};
   ASSERT_TRUE(WriteSafetensors(target, old, {}).ok());
   std::filesystem::create_symlink(target, path_);
-  std::vector<std::string> blockers;
-  for (int i = 0; i < 16; ++i) blockers.push_back(target + ".tmp." + std::to_string(getpid()) + "." + std::to_string(i));
-  for (const std::string& b : blockers) std::filesystem::create_directory(b);
-  const absl::Status st = WriteSafetensors(path_, {{"b", "F32", {2}, std::string(8, '\x05')}}, {});
-  for (const std::string& b : blockers) std::filesystem::remove(b);
+  const absl::Status st = WriteBlockedAt(path_, target);
   EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
   auto read = ReadSafetensors(target);
   ASSERT_TRUE(read.ok()) << read.status();

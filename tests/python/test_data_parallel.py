@@ -132,6 +132,22 @@ def test_ranks_joined_by_torch_distributed_load_a_state_dict_once_between_them(s
     assert_ranks_match(outs, digests, ref)
 
 
+def failed_shared_loads(servers, job, tmp_path, checkpoints, *extra):
+    """Two resume_dp ranks whose load_state_dict(shared=True) must fail:
+    each one's error, once both have exited 3."""
+    outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
+    ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "workers.py"), "resume_dp", "--servers",
+                               ",".join(servers), "--job", job, "--rank", str(r), "--world_size", "2",
+                               "--store", str(tmp_path / "store"), "--checkpoint", checkpoints, "--steps", "1",
+                               "--out", str(outs[r]), *extra]) for r in range(2)]
+    try:
+        assert [p.wait(timeout=60) for p in ranks] == [3, 3]
+    finally:
+        for p in ranks:
+            p.kill()
+    return [torch.load(out)["error"] for out in outs]
+
+
 def test_a_rank_that_cannot_send_its_share_fails_every_rank_at_once(servers, job, tmp_path):
     """load_state_dict(shared=True) where rank 1 cannot send its share (an
     injected failure): rank 1 raises its error, and rank 0 raises
@@ -148,17 +164,7 @@ def test_a_rank_that_cannot_send_its_share_fails_every_rank_at_once(servers, job
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint)
     opt.drop()
 
-    outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
-    ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "workers.py"), "resume_dp", "--servers",
-                               ",".join(servers), "--job", f"{job}-dp", "--rank", str(r), "--world_size", "2",
-                               "--store", str(tmp_path / "store"), "--checkpoint", str(checkpoint), "--steps", "1",
-                               "--fail_rank", "1", "--out", str(outs[r])]) for r in range(2)]
-    try:
-        assert [p.wait(timeout=60) for p in ranks] == [3, 3]
-    finally:
-        for p in ranks:
-            p.kill()
-    errors = [torch.load(out)["error"] for out in outs]
+    errors = failed_shared_loads(servers, f"{job}-dp", tmp_path, str(checkpoint), "--fail_rank", "1")
     assert errors[1] == "RuntimeError: injected: this rank's share cannot be sent"
     assert errors[0].startswith("FailedPrecondition:"), errors[0]
     assert "load_state_dict(shared=True): rank 1 could not send its share (RuntimeError: injected" in errors[0]
@@ -180,18 +186,7 @@ def test_ranks_loading_different_state_dicts_with_shared_are_refused_alike(serve
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoints[-1])
     opt.drop()
 
-    outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
-    ranks = [subprocess.Popen([sys.executable, os.path.join(HERE, "workers.py"), "resume_dp", "--servers",
-                               ",".join(servers), "--job", f"{job}-dp", "--rank", str(r), "--world_size", "2",
-                               "--store", str(tmp_path / "store"), "--checkpoint", ",".join(map(str, checkpoints)),
-                               "--steps", "1", "--out", str(outs[r])]) for r in range(2)]
-    try:
-        assert [p.wait(timeout=60) for p in ranks] == [3, 3]
-    finally:
-        for p in ranks:
-            p.kill()
-    for out in outs:
-        error = torch.load(out)["error"]
+    for error in failed_shared_loads(servers, f"{job}-dp", tmp_path, ",".join(map(str, checkpoints))):
         assert error.startswith("ValueError: load_state_dict(shared=True): rank 1 loads another state than rank 0"), \
             error
     with pytest.warns(UserWarning, match="held initial values from an earlier launch"):  # the ranks' own
