@@ -236,13 +236,7 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
     head.set_job(im.job.name);
     head.set_step(step);
     head.set_rank(im.options.rank);
-    if (intent != nullptr) {
-      v1::StepIntent& said = *head.mutable_intent();
-      said.set_lr(intent->lr);
-      for (double lr : intent->group_lr) said.add_group_lr(lr);
-      said.set_max_grad_norm(intent->max_grad_norm);
-      said.set_loss_scale(intent->loss_scale);
-    }
+    if (intent != nullptr) *head.mutable_intent() = ToProto(*intent);
     for (const ShardPlacement& p : im.shards_of[s]) {
       const uint32_t t = im.tensor_index[p.tensor];
       if (position[t] < 0) {

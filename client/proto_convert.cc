@@ -58,4 +58,13 @@ ServerState FromProto(const std::string& address, const v1::DescribeResponse& r)
           r.memory_used_bytes(), r.uninitialized_tensors()};
 }
 
+v1::StepIntent ToProto(const StepOptions& options) {
+  v1::StepIntent intent;
+  intent.set_lr(options.lr);
+  for (double lr : options.group_lr) intent.add_group_lr(lr);
+  intent.set_max_grad_norm(options.max_grad_norm);
+  intent.set_loss_scale(options.loss_scale);
+  return intent;
+}
+
 }  // namespace shardopt

@@ -20,6 +20,8 @@ v1::DType GradDType(const JobOptions& job, const TensorOptions& tensor);
 // The dtype a group's state is held in when it is held as asked.
 v1::DType StateDType(StatePrecision precision);
 v1::StateKind ToProto(StateToRead what);
+// A push's intent: how the step will be committed if it applies (GradChunk.intent).
+v1::StepIntent ToProto(const StepOptions& options);
 
 ServerState FromProto(const std::string& address, const v1::DescribeResponse& response);
 

@@ -1,5 +1,7 @@
 """Checks RemoteAdamW makes before anything reaches a server, with torch's
 messages where torch makes the same check."""
+import numbers
+
 import torch
 
 from ._errors import InvalidArgument, UnsupportedDtype
@@ -11,6 +13,25 @@ def _host_fp32(x, what):
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise UnsupportedDtype(f"{what} is {x.dtype}; fp32 or bf16 needed")
     return x.detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+
+def _check_ints(**named):
+    """TypeError naming an argument that is not an int (bool is one, and 2.0
+    is not): pybind's own TypeError only lists the extension's signatures."""
+    for what, number in named.items():
+        if isinstance(number, bool) or not isinstance(number, numbers.Integral):
+            raise TypeError(f"{what} must be an int, not {type(number).__name__} {number!r}")
+
+
+def _check_gradient(name, g, shape):
+    """A gradient the push can read: dense, and of its param's shape, which
+    `p.grad.data = other` skips torch's own check of (the push would read
+    numel elements from `other`'s memory, past its end)."""
+    if g.is_sparse:
+        raise InvalidArgument(f"param {name!r} has a sparse gradient; RemoteAdamW needs dense ones")
+    if g.shape != shape:
+        raise InvalidArgument(f"param {name!r} has a gradient of shape {tuple(g.shape)}, not the param's "
+                              f"{tuple(shape)}; RemoteAdamW takes gradients of their params' shapes")
 
 
 def _check_hyper(g, where):

@@ -17,7 +17,6 @@ pinned host buffers with non-blocking copies); params on any other device
 (meta included) raise ``shardopt.InvalidArgument``. Two params whose memory
 overlaps raise ValueError; views at disjoint places of one buffer are taken.
 """
-import numbers
 import os
 import threading
 import warnings
@@ -26,7 +25,7 @@ import torch
 
 from . import _C
 from ._errors import Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
-from ._checks import _check_disjoint, _check_hyper
+from ._checks import _check_disjoint, _check_gradient, _check_hyper, _check_ints
 from ._connect import _read_pem, _servers
 from ._overlap import _OverlapPush
 from ._param_watch import _ParamWatch
@@ -185,12 +184,8 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (0: no clipping)")
         if state_precision not in _STATE_PRECISIONS:
             raise ValueError(f"state_precision must be one of {_STATE_PRECISIONS}, not {state_precision!r}")
-        for what, number in (("rank", rank), ("world_size", world_size), ("checkpoint_every", checkpoint_every),
-                             ("restore_step", restore_step), ("chunk_bytes", chunk_bytes),
-                             ("max_attempts", max_attempts)):
-            # (bool is an int, and 2.0 is not: pybind's TypeError only lists signatures.)
-            if isinstance(number, bool) or not isinstance(number, numbers.Integral):
-                raise TypeError(f"{what} must be an int, not {type(number).__name__} {number!r}")
+        _check_ints(rank=rank, world_size=world_size, checkpoint_every=checkpoint_every, restore_step=restore_step,
+                    chunk_bytes=chunk_bytes, max_attempts=max_attempts)
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
         groups, names = _split_names(params)
@@ -463,13 +458,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         g = t.param.grad
         if g is None:
             return 0, None
-        if g.is_sparse:
-            raise InvalidArgument(f"param {t.name!r} has a sparse gradient; RemoteAdamW needs dense ones")
-        if g.shape != t.param.shape:
-            # `p.grad.data = other` skips torch's own check, and the push
-            # would read numel elements from `other`'s memory, past its end.
-            raise InvalidArgument(f"param {t.name!r} has a gradient of shape {tuple(g.shape)}, not the param's "
-                                  f"{tuple(t.param.shape)}; RemoteAdamW takes gradients of their params' shapes")
+        _check_gradient(t.name, g, t.param.shape)
         if g.device.type == "cpu" and g.is_contiguous() and g.dtype == t.dtype:
             return g.data_ptr(), g
         if t.host_grad is None:
