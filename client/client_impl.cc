@@ -43,9 +43,10 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
   const bool kept = resp.restored() || !resp.created();
   const bool same_life = incarnation[s] == 0 || resp.incarnation() == 0 || resp.incarnation() == incarnation[s];
   if (kept && !same_life) {
-    return absl::NotFoundError(absl::StrCat("job '", job.name, "' was dropped and made again since this trainer ",
-                                            "attached to it: ", address(s), " restarted and holds the new run's ",
-                                            "job now, not this trainer's"));
+    return absl::NotFoundError(absl::StrCat("job '", job.name, "' on ", address(s), " is not the one this "
+                                            "trainer attached to: the server restarted and holds another life of "
+                                            "it, made since (by a new run, or by another trainer's attach while "
+                                            "the server had no checkpoint of this one)"));
   }
   if (kept && resp.step() == step) {
     incarnation[s] = resp.incarnation();  // its own, or the first this client learns of a server without lives
@@ -80,12 +81,12 @@ absl::Status Client::Impl::UnlessServerBehind(uint32_t s, uint64_t t, absl::Stat
   said = said.substr(0, said.rfind("; push step "));
   return absl::FailedPreconditionError(absl::StrCat(
       said, "; this trainer is at step ", step, ", so ", address(s),
-      " lost steps (it restarted and restored an older checkpoint, or none, while its peers went on) and the "
-      "job's servers disagree; nothing of step ",
-      t,
-      " was applied on it. To go on: stop the trainers, restart "
-      "every server of the job on its checkpoint directory so that each restores the same newest complete "
-      "checkpoint (the steps after it are lost; with no checkpoint, the job is), then start the trainers again"));
+      " lost steps (it restarted and restored an older checkpoint, or none); nothing of step ", t,
+      " was applied on it. To go on: if every server of the job is at that step (shardopt describe on each: all "
+      "restored one checkpoint), restart the trainers, which resume from it (the steps after it are lost); if "
+      "the servers disagree, stop the trainers, restart every server of the job on its checkpoint directory so "
+      "that each restores the same newest complete checkpoint (with no checkpoint, the job is lost), then start "
+      "the trainers again"));
 }
 
 absl::Status Client::Impl::CommitOn(uint32_t s, const v1::CommitRequest& req, absl::Span<char* const> out) const {
