@@ -396,6 +396,14 @@ int main(int argc, char** argv) {
                           {"health_port", (*running)->health_port > 0 ? absl::StrCat((*running)->health_port) : "off"},
                           {"checkpoint_dir", store_options.checkpoint_dir},
                           {"flags", FlagsSet()}});
+    // Flags given that do nothing here: told, as an operator expects them
+    // to act.
+    if (store_options.checkpoint_keep > 0 && store_options.checkpoint_dir.empty()) {
+      log::Warning("flag_ignored", {{"flag", "--checkpoint_keep"}, {"why", "no --checkpoint_dir: nothing to prune"}});
+    }
+    if (absl::GetFlag(FLAGS_tls_reload_seconds) != 60 && options.tls_cert_pem.empty()) {
+      log::Warning("flag_ignored", {{"flag", "--tls_reload_seconds"}, {"why", "no --tls_cert: no TLS files to reload"}});
+    }
   }
   if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
     const std::string tmp = path + ".tmp";  // renamed so a reader never sees a partial number

@@ -308,6 +308,17 @@ TEST_F(LogsTest, RepeatedRefusalsAreRateLimitedAndTextLinesHaveTheirShape) {
 }  // namespace
 // A start that fails logs why and still ends with `exit`, so that an alert
 // on exit lines sees a crash-looping pod.
+// Flags that do nothing without another are told at start (they were taken
+// silently): an operator who set --checkpoint_keep expects pruning.
+TEST_F(LogsTest, FlagsThatDoNothingHereAreSaidToBeIgnored) {
+  auto server = ServerProcess::StartLogged({"--checkpoint_keep=3", "--tls_reload_seconds=5"});
+  ASSERT_NE(server, nullptr);
+  ASSERT_TRUE(WIFEXITED(server->Stop(SIGTERM)));
+  const std::string log = server->log();
+  EXPECT_THAT(log, ::testing::HasSubstr("flag_ignored flag=--checkpoint_keep"));
+  EXPECT_THAT(log, ::testing::HasSubstr("flag_ignored flag=--tls_reload_seconds"));
+}
+
 TEST_F(LogsTest, AFailedStartEndsWithAnExitLine) {
   std::string log;
   ASSERT_EQ(testing::ServerExitCode({"--log_format=json", "--checkpoint_dir=/proc/self/no-such-dir"}, &log), 1);
