@@ -278,7 +278,15 @@ int main(int argc, char** argv) {
       return Fail(absl::InvalidArgumentError(absl::StrCat(paths[i], " holds nothing (empty, or not a file): TLS needs its PEM text")));
     }
   }
-  if (absl::Status tls = shardopt::CheckTlsPem(text[0], text[1], text[2]); !tls.ok()) return Fail(tls);
+  if (absl::Status tls = shardopt::CheckTlsPem(text[0], text[1], text[2]); !tls.ok()) {
+    // CheckTlsPem names each file by its role; here its path is known too.
+    std::string given;
+    const char* flags[3] = {"--tls_ca", "--tls_cert", "--tls_key"};
+    for (int i = 0; i < 3; ++i) {
+      if (!paths[i].empty()) absl::StrAppend(&given, given.empty() ? "" : ", ", flags[i], "=", paths[i]);
+    }
+    return Fail(absl::Status(tls.code(), absl::StrCat(tls.message(), " (", given, ")")));
+  }
   // The file's token, else the environment's. A file that holds none is a
   // mistake (an empty Secret), not a wish to call without a token.
   if (!paths[3].empty() && absl::StripAsciiWhitespace(text[3]).empty()) {

@@ -1074,7 +1074,7 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
 // drop or checkpoint may or may not have taken effect: it printed only
 // "DEADLINE_EXCEEDED: Deadline Exceeded". (A socket that listens and never
 // speaks: the connection is made, the call never answered.)
-TEST(DurabilityTest, ACliCallNoServerAnswersNamesItAndSaysTheOutcomeIsUnknown) {
+TEST(DurabilityTest, TheCliNamesAServerThatDoesNotAnswerAndATlsFileItCannotUse) {
   const int listener = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
@@ -1092,6 +1092,14 @@ TEST(DurabilityTest, ACliCallNoServerAnswersNamesItAndSaysTheOutcomeIsUnknown) {
   const std::string said = testing::ReadText(dir.path() + "/said");
   EXPECT_THAT(said, HasSubstr("DEADLINE_EXCEEDED: " + server + ": "));
   EXPECT_THAT(said, HasSubstr("whether a drop or checkpoint took effect is unknown"));
+  // A TLS file the CLI cannot use is named by its path too, not only its
+  // role ("the CA file is not PEM text").
+  std::ofstream(dir.path() + "/ca.der") << "not pem";
+  const int refused = std::system(absl::StrCat(SHARDOPT_CLI_BINARY, " --server=", server, " --tls_ca=", dir.path(),
+                                               "/ca.der describe j 2>", dir.path(), "/tls").c_str());
+  EXPECT_TRUE(WIFEXITED(refused) && WEXITSTATUS(refused) == 1) << refused;
+  EXPECT_THAT(testing::ReadText(dir.path() + "/tls"),
+              HasSubstr("the CA file is not PEM text (no '-----BEGIN' line) (--tls_ca=" + dir.path() + "/ca.der)"));
 }
 
 // The CLI's checkpoint, as an operator takes one before rolling the
