@@ -7,6 +7,7 @@
 // export reads a complete checkpoint from disk, no server needed, and writes
 // each tensor's master: fp32 exactly (a BF16 group's bf16 master widened,
 // exactly), or rounded to bf16 with --dtype=bf16.
+#include <cmath>
 #include <csignal>
 #include <chrono>
 #include <filesystem>
@@ -175,9 +176,16 @@ int Export(const std::string& dir, uint64_t step, bool bf16, const std::string& 
     if (!bf16) {
       std::memcpy(t.data.data(), master.data(), n * 4);
     } else {
+      uint64_t overflowed = 0;  // finite masters past bf16's largest finite value
       for (uint64_t i = 0; i < n; ++i) {
         const uint16_t h = shardopt::math::float_to_bf16(master[i]);
+        overflowed += std::isfinite(master[i]) && (h & 0x7fff) == 0x7f80;
         std::memcpy(t.data.data() + 2 * i, &h, 2);
+      }
+      if (overflowed > 0) {
+        log(absl::StrCat("warning: ", overflowed, " finite masters of tensor '", t.name,
+                         "' round to infinity in bf16 (past its largest finite value, about 3.39e38), which an "
+                         "import refuses; export them as fp32"));
       }
     }
     tensors.push_back(std::move(t));

@@ -106,3 +106,23 @@ def test_an_export_of_a_checkpoint_loads_into_the_model_as_the_readme_says(serve
         for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
             assert same_bits(p.detach(), q.detach()), name
         opt.drop()
+
+
+def test_a_bf16_export_that_rounds_finite_masters_to_infinity_says_so(server_binary, tmp_path, job):
+    """A master past bf16's largest finite value rounds to infinity in a bf16
+    export, as documented, which an import then refuses: said on stderr (it
+    was silent), and the file still written."""
+    cli = os.environ.get("SHARDOPT_CLI")
+    if not cli or not os.access(cli, os.X_OK):
+        pytest.fail("set SHARDOPT_CLI to the shardopt command line (ctest does)")
+    with checkpointing_servers(server_binary, tmp_path) as (procs, directory):
+        w = torch.nn.Parameter(torch.tensor([1.0, 3.4e38, -3.4e38, 2.0]))
+        opt = RemoteAdamW([("w", w)], servers=[p.address for p in procs], job=job, lr=1e-3)
+        opt.checkpoint()
+        out = tmp_path / "export.safetensors"
+        done = subprocess.run([cli, "export", f"--checkpoint_dir={directory}", "--dtype=bf16", job, str(out)],
+                              check=True, capture_output=True, text=True, timeout=60)
+        assert "warning: 2 finite masters of tensor 'w' round to infinity in bf16" in done.stderr, done.stderr
+        loaded, _ = load_safetensors(out)
+        assert torch.isinf(loaded["w"].float()).sum().item() == 2
+        opt.drop()
