@@ -6,6 +6,7 @@
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 
+#include <ctime>
 #include <memory>
 #include <string>
 #include <utility>
@@ -96,6 +97,16 @@ absl::Status CheckCertificateDates(absl::string_view pem, absl::string_view what
         absl::StrCat(what, " is not valid before ", when(X509_get0_notBefore(leaf.get())), ": peers refuse it"));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> CertificateNotAfter(absl::string_view pem) {
+  const auto leaf = FirstCertificate(pem);
+  if (leaf == nullptr) return absl::InvalidArgumentError("no certificate OpenSSL can read");
+  tm when{};
+  if (ASN1_TIME_to_tm(X509_get0_notAfter(leaf.get()), &when) != 1) {
+    return absl::InvalidArgumentError("the certificate's notAfter cannot be read");
+  }
+  return static_cast<int64_t>(timegm(&when));
 }
 
 }  // namespace shardopt

@@ -5,7 +5,10 @@
 // listen on).
 #pragma once
 
+#include <cstdint>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
 namespace shardopt {
@@ -30,5 +33,9 @@ absl::Status CheckTlsFiles(absl::string_view ca, absl::string_view certificate, 
 // not valid yet: every peer would refuse the handshake, with nothing said
 // on this side.
 absl::Status CheckCertificateDates(absl::string_view pem, absl::string_view what);
+
+// When the first certificate of `pem` expires, in seconds since the Unix
+// epoch; INVALID_ARGUMENT if there is none OpenSSL can read.
+absl::StatusOr<int64_t> CertificateNotAfter(absl::string_view pem);
 
 }  // namespace shardopt

@@ -297,6 +297,7 @@ int main(int argc, char** argv) {
     if (absl::Status dates = shardopt::CheckCertificateDates(pem->cert, "--tls_cert"); !dates.ok()) {
       log::Warning("tls_certificate", {{"problem", std::string(dates.message())}});
     }
+    if (!pem->cert.empty()) shardopt::ExportCertificateExpiry(pem->cert);
     options.tls_cert_pem = pem->cert;
     options.tls_key_pem = pem->key;
     options.tls_client_ca_pem = pem->client_ca;

@@ -41,6 +41,10 @@ const std::vector<Family>& Families() {
       {"shardopt_job_created_timestamp_seconds", Type::kGauge,
        "When this server made or restored the job (its per-job counters start then), seconds since the Unix epoch.",
        {}},
+      {"shardopt_tls_certificate_expiry_timestamp_seconds", Type::kGauge,
+       "When the certificate new connections get (--tls_cert's first) expires, seconds since the Unix epoch; "
+       "TLS only.",
+       {}},
       {"shardopt_device_memory_bytes", Type::kGauge, "CUDA device memory, by state=free|total (CUDA backend only).", {}},
       {"shardopt_received_bytes_total", Type::kCounter, "Bytes of Push and Init messages received, by method.", {}},
       {"shardopt_sent_bytes_total", Type::kCounter, "Bytes of Commit params and Read state sent, by method.", {}},

@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "rpc/tls_files.h"
 #include "server/log.h"
+#include "server/metrics.h"
 #include "server/tls_copies.h"
 
 namespace shardopt {
@@ -53,6 +54,13 @@ absl::StatusOr<TlsFiles> ReadTlsFiles(const TlsFiles& paths) {
   return pem;
 }
 
+void ExportCertificateExpiry(const std::string& cert_pem) {
+  if (absl::StatusOr<int64_t> expires = CertificateNotAfter(cert_pem); expires.ok()) {
+    metrics::Registry::Default().SetGauge("shardopt_tls_certificate_expiry_timestamp_seconds", {},
+                                          static_cast<double>(*expires));
+  }
+}
+
 std::string TlsFilesIdentity(const TlsFiles& paths) {
   return absl::StrCat(FileIdentity(paths.client_ca), ";", FileIdentity(paths.cert), ";", FileIdentity(paths.key));
 }
@@ -72,6 +80,7 @@ void TlsFilesWatch::Poll() {
   if (taken.ok()) taken = copies_->Replace(*read);
   unusable_ = !taken.ok();
   if (taken.ok()) {
+    ExportCertificateExpiry(read->cert);
     log::Info("tls_reload", {{"result", absl::StrCat("new connections get them within ", reload_seconds_, " s")}});
   } else {
     check_again_ = absl::Now() + absl::Seconds(reload_seconds_);

@@ -24,6 +24,10 @@ struct TlsFiles {
 // the flag, where gRPC would only fail to listen, or fail each handshake.
 absl::StatusOr<TlsFiles> ReadTlsFiles(const TlsFiles& paths);
 
+// Sets the metric shardopt_tls_certificate_expiry_timestamp_seconds to when
+// `cert_pem`'s first certificate, the one new connections get, expires.
+void ExportCertificateExpiry(const std::string& cert_pem);
+
 // The three files' FileIdentity together; never empty.
 std::string TlsFilesIdentity(const TlsFiles& paths);
 

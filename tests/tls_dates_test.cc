@@ -6,6 +6,7 @@
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 
+#include <ctime>
 #include <memory>
 #include <string>
 
@@ -44,6 +45,16 @@ TEST(TlsDatesTest, AnExpiredOrNotYetValidCertificateIsNamedWithItsDate) {
   const absl::Status early = CheckCertificateDates(Certificate(3600, 7200), "--tls_cert");
   EXPECT_EQ(early.code(), absl::StatusCode::kFailedPrecondition) << early;
   EXPECT_THAT(std::string(early.message()), ::testing::HasSubstr("--tls_cert is not valid before "));
+}
+
+// The metric shardopt_tls_certificate_expiry_timestamp_seconds, to the second.
+TEST(TlsDatesTest, TheExpiryIsTheCertificatesNotAfter) {
+  const int64_t now = static_cast<int64_t>(std::time(nullptr));
+  const absl::StatusOr<int64_t> expires = CertificateNotAfter(Certificate(-60, 86400));
+  ASSERT_TRUE(expires.ok()) << expires.status();
+  EXPECT_GE(*expires, now + 86400);
+  EXPECT_LE(*expires, now + 86400 + 5);
+  EXPECT_EQ(CertificateNotAfter("no certificate").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

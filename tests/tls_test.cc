@@ -170,7 +170,9 @@ TEST(TlsTest, FailedHandshakesAreLoggedAtMostFiveASecondEach) {
 // start. Before, only a restart took it, which tears the current step of a
 // job on several servers.
 TEST(TlsTest, RenewedCertificatesAreTakenWithoutARestart) {
-  Certificates old_set, new_set;
+  Certificates old_set;
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));  // so that new_set's certificates expire later
+  Certificates new_set;
   ASSERT_TRUE(old_set.ok() && new_set.ok()) << "openssl could not make the test certificates";
   char tmpl[] = "/tmp/shardopt-tls-live-XXXXXX";
   const std::string live = mkdtemp(tmpl);
@@ -186,8 +188,10 @@ TEST(TlsTest, RenewedCertificatesAreTakenWithoutARestart) {
     install(from, "server.pem", "server.pem");
   };
   install_set(old_set);
+  const int metrics_port = testing::FreeLoopbackPort();
   auto server = ServerProcess::StartLogged({"--tls_cert=" + live + "/server.pem", "--tls_key=" + live + "/server.key",
-                                            "--tls_client_ca=" + live + "/ca.pem", "--tls_reload_seconds=1"});
+                                            "--tls_client_ca=" + live + "/ca.pem", "--tls_reload_seconds=1",
+                                            "--metrics_port=" + std::to_string(metrics_port)});
   ASSERT_NE(server, nullptr);
   const auto client_of = [](const Certificates& set) {
     ClientOptions options;
@@ -208,8 +212,17 @@ TEST(TlsTest, RenewedCertificatesAreTakenWithoutARestart) {
     }
     return false;
   };
+  const std::string expiry = "shardopt_tls_certificate_expiry_timestamp_seconds ";
+  const auto exported_expiry = [&] {
+    const std::string metrics = testing::GetMetrics(metrics_port);
+    const size_t at = metrics.find("\n" + expiry);
+    return at == std::string::npos ? std::string() : metrics.substr(at + 1 + expiry.size(), metrics.find('\n', at + 1) - at - 1 - expiry.size());
+  };
+  const std::string old_expiry = exported_expiry();
+  EXPECT_FALSE(old_expiry.empty()) << testing::GetMetrics(metrics_port);
   install_set(new_set);
   EXPECT_TRUE(served_soon(new_set, "c")) << "the renewed certificates were not taken in 15 s";
+  EXPECT_NE(exported_expiry(), old_expiry) << "the metric still shows the old certificate's expiry";
   EXPECT_EQ(StepOnce(server->address(), client_of(old_set), "d").code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(server->log(), ::testing::HasSubstr("tls_reload"));
 
