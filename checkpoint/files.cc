@@ -4,12 +4,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "absl/time/clock.h"
 #include "base/status_macros.h"
 #include "checkpoint/crc32c.h"
 #include "checkpoint/format.h"
@@ -57,44 +55,11 @@ absl::Status FsyncDirectory(const std::string& dir) {
   return absl::OkStatus();
 }
 
-std::string TemporaryName(const std::string& path) {
-  static std::atomic<uint64_t> counter{0};
-  return absl::StrCat(path, ".tmp.", getpid(), ".", absl::ToUnixNanos(absl::Now()), ".", counter++);
-}
-
-// Temp name, write, fsync, rename, fsync the directory: after a crash the
-// file is either whole or absent. Concurrent writers of one file (servers
-// completing a step at once) never share a temporary name.
+// Concurrent writers of one file (servers completing a step at once) never
+// share a temporary name.
 absl::Status WriteFileAtomic(const std::string& dir, const std::string& name,
                              std::initializer_list<std::string_view> pieces) {
-  const std::string path = absl::StrCat(dir, "/", name);
-  const std::string tmp = TemporaryName(path);
-  {
-    Fd fd(open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
-    if (fd.get() < 0) return absl::InternalError(ErrnoText("cannot create", tmp));
-    for (std::string_view piece : pieces) {
-      for (size_t done = 0; done < piece.size();) {
-        const ssize_t n = write(fd.get(), piece.data() + done, piece.size() - done);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-          const absl::Status st = absl::InternalError(ErrnoText("cannot write", tmp));
-          unlink(tmp.c_str());
-          return st;
-        }
-        done += static_cast<size_t>(n);
-      }
-    }
-    if (fsync(fd.get()) != 0) {
-      const absl::Status st = absl::InternalError(ErrnoText("cannot fsync", tmp));
-      unlink(tmp.c_str());
-      return st;
-    }
-  }
-  if (rename(tmp.c_str(), path.c_str()) != 0) {
-    const absl::Status st = absl::InternalError(ErrnoText("cannot rename into", path));
-    unlink(tmp.c_str());
-    return st;
-  }
+  SHARDOPT_RETURN_IF_ERROR(WriteFileWhole(absl::StrCat(dir, "/", name), {pieces.begin(), pieces.size()}));
   return FsyncDirectory(dir);
 }
 

@@ -10,6 +10,7 @@
 #include <string_view>
 
 #include "absl/status/statusor.h"
+#include "base/whole_file.h"
 
 namespace google::protobuf {
 class Message;
@@ -25,13 +26,8 @@ uint64_t GetLE(const char* p, int bytes);
 std::string ErrnoText(const std::string& what, const std::string& path);
 
 absl::Status FsyncDirectory(const std::string& dir);
-// A temporary name beside `path` that no other writer picks: the process
-// id, the time in nanoseconds and a counter (a server in a pod is always
-// pid 1, and its counter starts at 0 again after a restart; two servers on
-// a shared directory may both be pid 1).
-std::string TemporaryName(const std::string& path);
-// Temp name, write, fsync, rename, fsync the directory: after a crash the
-// file is either whole or absent.
+// WriteFileWhole (base/whole_file.h, which also has TemporaryName), then
+// the directory's fsync: after a crash the file is either whole or absent.
 absl::Status WriteFileAtomic(const std::string& dir, const std::string& name,
                              std::initializer_list<std::string_view> pieces);
 // NOT_FOUND when the file is missing, DATA_LOSS when it is shorter.

@@ -4,17 +4,17 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
-#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <set>
+#include <string_view>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/whole_file.h"
 #include "nlohmann/json.hpp"
 
 namespace shardopt {
@@ -86,39 +86,16 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
     if (ec) return absl::InternalError(absl::StrCat("cannot write ", path, ": ", ec.message()));
   }
   const bool replace = kind == std::filesystem::file_type::regular || (!link && kind == std::filesystem::file_type::not_found);
-  static std::atomic<uint64_t> counter{0};
-  const std::string tmp = replace ? absl::StrCat(target, ".tmp.", getpid(), ".", counter++) : target;
-  const auto failed = [&](int error) {
-    if (replace) std::remove(tmp.c_str());
-    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(error)));
-  };
-  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);  // less the umask
-  if (fd < 0) return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(errno)));
   const uint64_t n = json.size();
   char length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<char>(n >> (8 * i));
-  std::vector<std::pair<const char*, size_t>> pieces = {{length, 8}, {json.data(), json.size()}};
-  for (const SafetensorsTensor& t : tensors) pieces.push_back({t.data.data(), t.data.size()});
-  for (auto [data, size] : pieces) {
-    while (size > 0) {
-      const ssize_t wrote = write(fd, data, size);
-      if (wrote < 0 && errno == EINTR) continue;
-      if (wrote <= 0) {
-        const int error = wrote < 0 ? errno : ENOSPC;
-        close(fd);
-        return failed(error);
-      }
-      data += wrote;
-      size -= static_cast<size_t>(wrote);
-    }
-  }
-  if (replace && fsync(fd) != 0) {
-    const int error = errno;
-    close(fd);
-    return failed(error);
-  }
-  if (close(fd) != 0) return failed(errno);
-  if (replace && std::rename(tmp.c_str(), target.c_str()) != 0) return failed(errno);
+  std::vector<std::string_view> pieces = {{length, 8}, json};
+  for (const SafetensorsTensor& t : tensors) pieces.push_back(t.data);
+  if (replace) return WriteFileWhole(target, pieces);
+  const int fd = open(target.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  int error = fd < 0 ? errno : WriteAll(fd, pieces);
+  if (fd >= 0 && close(fd) != 0 && error == 0) error = errno;
+  if (error != 0) return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(error)));
   return absl::OkStatus();
 }
 

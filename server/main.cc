@@ -23,7 +23,7 @@
 #include "google/protobuf/descriptor.h"
 #include "grpc/support/log.h"
 #include "grpcpp/grpcpp.h"
-#include "checkpoint/files.h"
+#include "base/whole_file.h"
 #include "kernels/gpu.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "rpc/tls_files.h"
@@ -154,7 +154,7 @@ absl::Status CheckWritable(const std::string& dir) {
   std::filesystem::create_directories(dir, ec);
   // A name of its own: the servers sharing the directory start at once, and
   // in their pods each is pid 1.
-  const std::string probe = shardopt::checkpoint::TemporaryName(dir + "/.shardopt-write-probe");
+  const std::string probe = shardopt::TemporaryName(dir + "/.shardopt-write-probe");
   std::ofstream out(probe);
   out << "probe";
   out.close();

@@ -4,7 +4,10 @@
 // are refused on read, naming why.
 #include "shardopt/safetensors.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <cstdint>
 #include <filesystem>
@@ -35,17 +38,18 @@ class SafetensorsTest : public ::testing::Test {
     EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument) << header;
     return std::string(read.status().message());
   }
-  // A write to `path` of a new file while its temporaries cannot be made
-  // (a directory stands where each would go): it fails partway.
-  static absl::Status WriteBlockedAt(const std::string& path, const std::string& temporaries_of) {
-    // The process's count of temporaries is at most a few here.
-    std::vector<std::string> blockers;
-    for (int i = 0; i < 16; ++i) {
-      blockers.push_back(temporaries_of + ".tmp." + std::to_string(getpid()) + "." + std::to_string(i));
-    }
-    for (const std::string& b : blockers) std::filesystem::create_directory(b);
+  // A write to `path` of a new file that fails partway: a file-size limit
+  // of 16 bytes stops it (SIGXFSZ ignored, so the write fails with EFBIG).
+  static absl::Status WriteStoppedPartway(const std::string& path) {
+    rlimit before;
+    getrlimit(RLIMIT_FSIZE, &before);
+    const auto handler = signal(SIGXFSZ, SIG_IGN);
+    rlimit small = before;
+    small.rlim_cur = 16;
+    setrlimit(RLIMIT_FSIZE, &small);
     const absl::Status st = WriteSafetensors(path, {{"b", "F32", {2}, std::string(8, '\x05')}}, {});
-    for (const std::string& b : blockers) std::filesystem::remove(b);
+    setrlimit(RLIMIT_FSIZE, &before);
+    signal(SIGXFSZ, handler);
     return st;
   }
   const std::string path_ = std::filesystem::temp_directory_path() / ("shardopt-st-" + std::to_string(getpid()));
@@ -66,14 +70,17 @@ TEST_F(SafetensorsTest, ARoundTripKeepsEveryByte) {
   }
 }
 
-// A write that fails partway (here its temporary file cannot be made)
-// leaves the file that was there as it was, not a truncated new one.
+// A write that fails partway leaves the file that was there as it was, not
+// a truncated new one, and no temporary file beside it.
 TEST_F(SafetensorsTest, AFailedWriteLeavesTheOldFileWhole) {
   const std::vector<SafetensorsTensor> old = {{"a", "F32", {1}, std::string("\x01\x02\x03\x04", 4)}};
   ASSERT_TRUE(WriteSafetensors(path_, old, {}).ok());
-  const absl::Status st = WriteBlockedAt(path_, path_);
+  const absl::Status st = WriteStoppedPartway(path_);
   EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
-  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("Is a directory")) << "the reason the open failed";
+  EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("File too large")) << "the reason the write failed";
+  for (const auto& entry : std::filesystem::directory_iterator(std::filesystem::path(path_).parent_path())) {
+    EXPECT_NE(entry.path().string().rfind(path_ + ".tmp.", 0), 0u) << "left behind: " << entry.path();
+  }
   auto read = ReadSafetensors(path_);
   ASSERT_TRUE(read.ok()) << read.status();
   ASSERT_EQ(read->size(), 1u);
@@ -89,7 +96,7 @@ TEST_F(SafetensorsTest, ASymlinksTargetIsReplacedWholeOrNotAtAll) {
   const std::vector<SafetensorsTensor> old = {{"a", "F32", {1}, std::string("\x01\x02\x03\x04", 4)}};
   ASSERT_TRUE(WriteSafetensors(target, old, {}).ok());
   std::filesystem::create_symlink(target, path_);
-  const absl::Status st = WriteBlockedAt(path_, target);
+  const absl::Status st = WriteStoppedPartway(path_);
   EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
   auto read = ReadSafetensors(target);
   ASSERT_TRUE(read.ok()) << read.status();

@@ -1,0 +1,52 @@
+#include "base/whole_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+
+namespace shardopt {
+
+std::string TemporaryName(const std::string& path) {
+  static std::atomic<uint64_t> counter{0};
+  return absl::StrCat(path, ".tmp.", getpid(), ".", absl::ToUnixNanos(absl::Now()), ".", counter++);
+}
+
+int WriteAll(int fd, absl::Span<const std::string_view> pieces) {
+  for (std::string_view piece : pieces) {
+    for (size_t done = 0; done < piece.size();) {
+      const ssize_t n = write(fd, piece.data() + done, piece.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return n < 0 ? errno : ENOSPC;
+      done += static_cast<size_t>(n);
+    }
+  }
+  return 0;
+}
+
+absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::string_view> pieces) {
+  const std::string tmp = TemporaryName(path);
+  const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) return absl::InternalError(absl::StrCat("cannot create ", tmp, ": ", std::strerror(errno)));
+  std::string what = absl::StrCat("cannot write ", tmp);
+  int error = WriteAll(fd, pieces);
+  if (error == 0 && fsync(fd) != 0) {
+    error = errno;
+    what = absl::StrCat("cannot fsync ", tmp);
+  }
+  if (close(fd) != 0 && error == 0) error = errno;
+  if (error == 0 && rename(tmp.c_str(), path.c_str()) != 0) {
+    error = errno;
+    what = absl::StrCat("cannot rename into ", path);
+  }
+  if (error == 0) return absl::OkStatus();
+  unlink(tmp.c_str());
+  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(error)));
+}
+
+}  // namespace shardopt

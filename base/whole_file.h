@@ -1,0 +1,31 @@
+// A file written so that a reader, or a crash, finds the old file or the new
+// one whole, never part of one: the bytes go to a temporary name beside it,
+// are fsynced, and the name is renamed over it. The checkpoint's files and
+// export's safetensors are written so.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+
+namespace shardopt {
+
+// A temporary name beside `path` that no other writer picks: the process
+// id, the time in nanoseconds and a counter (a server in a pod is always
+// pid 1, and its counter starts at 0 again after a restart; two servers on
+// a shared directory may both be pid 1).
+std::string TemporaryName(const std::string& path);
+
+// Writes every piece to `fd`, in order, through short writes and EINTR: 0,
+// or the errno of the write that failed.
+int WriteAll(int fd, absl::Span<const std::string_view> pieces);
+
+// Temporary name, write, fsync, rename over `path` (mode 0666 less the
+// umask). INTERNAL naming the file and the system's reason on failure, the
+// temporary removed. The directory is not fsynced: a caller whose rename
+// must outlive a crash does that.
+absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::string_view> pieces);
+
+}  // namespace shardopt
