@@ -167,10 +167,14 @@ absl::Status CheckWritable(const std::string& dir) {
 // Every flag whose value is not its default, whether the command line or a
 // --flagfile set it (a pod's come from a ConfigMap), as --name=value,
 // sorted: what the server runs with beyond its defaults.
+// Whether a flag is not at its default: given, by the command line or a
+// --flagfile.
+bool Given(const absl::CommandLineFlag& flag) { return flag.CurrentValue() != flag.DefaultValue(); }
+
 std::string FlagsSet() {
   std::vector<std::string> set;
   for (const auto& [name, flag] : absl::GetAllFlags()) {
-    if (!flag->IsRetired() && flag->CurrentValue() != flag->DefaultValue()) {
+    if (!flag->IsRetired() && Given(*flag)) {
       set.push_back(absl::StrCat("--", name, "=", flag->CurrentValue()));
     }
   }
@@ -402,7 +406,7 @@ int main(int argc, char** argv) {
     if (store_options.checkpoint_keep > 0 && store_options.checkpoint_dir.empty()) {
       log::Warning("flag_ignored", {{"flag", "--checkpoint_keep"}, {"why", "no --checkpoint_dir: nothing to prune"}});
     }
-    if (absl::GetFlag(FLAGS_tls_reload_seconds) != 60 && options.tls_cert_pem.empty()) {
+    if (Given(absl::GetFlagReflectionHandle(FLAGS_tls_reload_seconds)) && options.tls_cert_pem.empty()) {
       log::Warning("flag_ignored", {{"flag", "--tls_reload_seconds"}, {"why", "no --tls_cert: no TLS files to reload"}});
     }
   }

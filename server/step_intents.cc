@@ -1,6 +1,6 @@
 #include "server/step_intents.h"
 
-#include <utility>
+#include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "base/same_bits.h"
@@ -15,21 +15,24 @@ std::string Lrs(const v1::StepIntent& i) {
   return out + "]";
 }
 
-// The first field in which `b` differs from `a`, as "what: a's, b's";
+// How rank `rb`'s intent first differs from rank `ra`'s, naming both;
 // empty when they are the same bits.
-std::pair<std::string, std::pair<std::string, std::string>> FirstDifference(const v1::StepIntent& a,
-                                                                            const v1::StepIntent& b) {
-  if (!SameBits(a.lr(), b.lr())) return {"lr", {ShortestNumber(a.lr()), ShortestNumber(b.lr())}};
-  bool same_groups = a.group_lr_size() == b.group_lr_size();
-  for (int g = 0; same_groups && g < a.group_lr_size(); ++g) same_groups = SameBits(a.group_lr(g), b.group_lr(g));
-  if (!same_groups) return {"group lrs", {Lrs(a), Lrs(b)}};
+std::string FirstDifference(const v1::StepIntent& a, size_t ra, const v1::StepIntent& b, size_t rb) {
+  const auto differ = [&](const char* what, const std::string& x, const std::string& y) {
+    return absl::StrCat("rank ", ra, " pushed it with ", what, " ", x, ", rank ", rb, " with ", what, " ", y);
+  };
+  if (!SameBits(a.lr(), b.lr())) return differ("lr", ShortestNumber(a.lr()), ShortestNumber(b.lr()));
+  if (!std::equal(a.group_lr().begin(), a.group_lr().end(), b.group_lr().begin(), b.group_lr().end(),
+                  SameBits<double>)) {
+    return differ("group lrs", Lrs(a), Lrs(b));
+  }
   if (!SameBits(a.max_grad_norm(), b.max_grad_norm())) {
-    return {"max_grad_norm", {ShortestNumber(a.max_grad_norm()), ShortestNumber(b.max_grad_norm())}};
+    return differ("max_grad_norm", ShortestNumber(a.max_grad_norm()), ShortestNumber(b.max_grad_norm()));
   }
   if (!SameBits(a.loss_scale(), b.loss_scale())) {
-    return {"loss_scale", {ShortestNumber(a.loss_scale()), ShortestNumber(b.loss_scale())}};
+    return differ("loss_scale", ShortestNumber(a.loss_scale()), ShortestNumber(b.loss_scale()));
   }
-  return {};
+  return "";
 }
 
 }  // namespace
@@ -39,17 +42,15 @@ void StepIntents::Note(uint32_t rank, uint64_t step, const v1::StepIntent* inten
 }
 
 std::string StepIntents::Disagreement(uint64_t step) const {
-  const Said* first = nullptr;
+  size_t first = latest_.size();  // the first rank that said how
   for (size_t r = 0; r < latest_.size(); ++r) {
     if (latest_[r].step != step) continue;
-    if (first == nullptr) {
-      first = &latest_[r];
-      continue;
+    if (first == latest_.size()) {
+      first = r;
+    } else if (std::string differ = FirstDifference(latest_[first].intent, first, latest_[r].intent, r);
+               !differ.empty()) {
+      return differ;
     }
-    const auto [what, values] = FirstDifference(first->intent, latest_[r].intent);
-    if (what.empty()) continue;
-    return absl::StrCat("rank ", first - latest_.data(), " pushed it with ", what, " ", values.first, ", rank ", r,
-                        " with ", what, " ", values.second);
   }
   return "";
 }
