@@ -18,6 +18,11 @@ _HOW_TORCH_STEPPED = ("capturable", "differentiable", "foreach", "fused")
 _ADAM_STATE = ("step", "exp_avg", "exp_avg_sq")
 
 
+def _number(x):
+    """A state dict's number, which torch may keep as a one-element tensor."""
+    return x.item() if isinstance(x, torch.Tensor) else x
+
+
 def _sampled_digest(loads, samples=4096):
     """A digest of what a load would send: each tensor's name and Adam step,
     and up to `samples` evenly spaced values of each of its arrays."""
@@ -82,8 +87,9 @@ class _StateDictIO:
         A trainer that attached to a job that has stepped already has the
         servers' state (see resumed_step): the state dict of that step then
         only sets the param groups' keys (lr, as a resumed scheduler needs),
-        and one of any other step is FailedPrecondition. The params are set from the master (for a torch.optim.AdamW state dict,
-        which has none, the master is the params' current values, so load the
+        and one of any other step is FailedPrecondition. The params are set
+        from the master (for a torch.optim.AdamW state dict, which has none,
+        the master is the params' current values, so load the
         model's state_dict first). Everything is checked before anything is
         sent.
 
@@ -125,28 +131,23 @@ class _StateDictIO:
         # moments and Adam step, checked and in fp32; kept until sent, since
         # the client reads them by address.
         loads = []
-        tensors = iter(self._tensors)
-        for saved in saved_groups:
-            for index in saved["params"]:
-                t = next(tensors)
-                entry = state_dict["state"].get(index, {})
-                master = entry.get("master")
-                master = None if master is None else self._checked(master, t, "master")
-                moments = None
-                missing = [key for key in _ADAM_STATE if key not in entry]
-                if 0 < len(missing) < len(_ADAM_STATE):
-                    raise ValueError(f"the state of {t.name!r} has no {' or '.join(missing)}: a param's Adam state "
-                                     "is step, exp_avg and exp_avg_sq together (or none, for one that never "
-                                     "stepped)")
-                if not missing:
-                    step = entry["step"]
-                    step = step.item() if isinstance(step, torch.Tensor) else step
-                    # A count of updates: the servers' bias corrections take whole steps.
-                    if not (math.isfinite(step) and step >= 0 and step == int(step)):
-                        raise ValueError(f"the state of {t.name!r} has step {step}; a step is a whole number >= 0")
-                    moments = (self._checked(entry["exp_avg"], t, "exp_avg"),
-                               self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"), int(step))
-                loads.append((t, master, moments))
+        for t, entry in self._entries(state_dict, saved_groups):
+            master = entry.get("master")
+            master = None if master is None else self._checked(master, t, "master")
+            moments = None
+            missing = [key for key in _ADAM_STATE if key not in entry]
+            if 0 < len(missing) < len(_ADAM_STATE):
+                raise ValueError(f"the state of {t.name!r} has no {' or '.join(missing)}: a param's Adam state "
+                                 "is step, exp_avg and exp_avg_sq together (or none, for one that never "
+                                 "stepped)")
+            if not missing:
+                step = _number(entry["step"])
+                # A count of updates: the servers' bias corrections take whole steps.
+                if not (math.isfinite(step) and step >= 0 and step == int(step)):
+                    raise ValueError(f"the state of {t.name!r} has step {step}; a step is a whole number >= 0")
+                moments = (self._checked(entry["exp_avg"], t, "exp_avg"),
+                           self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"), int(step))
+            loads.append((t, master, moments))
         # torch's load replaces the state: a param the dict has no state for
         # has none after it. The servers cannot take a tensor's Adam step
         # back to 0, so state an earlier load gave them is refused here
@@ -198,8 +199,7 @@ class _StateDictIO:
                 if why is not None:
                     raise FailedPrecondition(f"load_state_dict(shared=True): rank {r} could not send its share "
                                              f"({why}); the job's state is incomplete: drop the job and load again")
-        for g, saved in zip(self.param_groups, saved_groups):
-            g.update({key: value for key, value in saved.items() if key != "params"})
+        self._take_group_keys(saved_groups)
         # State at Adam step 0 (moments given with step 0) is the servers'
         # like any other, but their Adam step does not say so: state_dict()
         # shows it from this set until the tensor steps.
@@ -215,20 +215,28 @@ class _StateDictIO:
         scheduler's load_state_dict) steps at the lr it left off at; any
         other is refused, since its state cannot replace the servers'."""
         held = dict(zip((t.name for t in self._remote), self._client.adam_steps()))
+        for t, entry in self._entries(state_dict, saved_groups):
+            step = _number(entry.get("step", 0))
+            step = int(step) if float(step).is_integer() else step  # torch keeps it as a float
+            if step != held.get(t.name, 0):
+                raise FailedPrecondition(
+                    f"the job is at step {self._client.step_count} and the servers hold its state, which this "
+                    f"state dict is not (param {t.name!r} is at Adam step {step} in it, "
+                    f"{held.get(t.name, 0)} on the servers): a restarted trainer resumes from the servers, and "
+                    "loads only the state dict of the step they hold (for its param groups' lr); to start "
+                    "from this one, drop the job and load it into a new one")
+        self._take_group_keys(saved_groups)
+
+    def _entries(self, state_dict, saved_groups):
+        """Each param's tensor and its entry in the state dict's state ({}
+        for none), in the groups' order."""
         tensors = iter(self._tensors)
         for saved in saved_groups:
             for index in saved["params"]:
-                t = next(tensors)
-                step = state_dict["state"].get(index, {}).get("step", 0)
-                step = step.item() if isinstance(step, torch.Tensor) else step
-                step = int(step) if float(step).is_integer() else step  # torch keeps it as a float
-                if step != held.get(t.name, 0):
-                    raise FailedPrecondition(
-                        f"the job is at step {self._client.step_count} and the servers hold its state, which this "
-                        f"state dict is not (param {t.name!r} is at Adam step {step} in it, "
-                        f"{held.get(t.name, 0)} on the servers): a restarted trainer resumes from the servers, and "
-                        "loads only the state dict of the step they hold (for its param groups' lr); to start "
-                        "from this one, drop the job and load it into a new one")
+                yield next(tensors), state_dict["state"].get(index, {})
+
+    def _take_group_keys(self, saved_groups):
+        """The saved groups' keys but their params, as torch's load takes them."""
         for g, saved in zip(self.param_groups, saved_groups):
             g.update({key: value for key, value in saved.items() if key != "params"})
 
