@@ -3,6 +3,7 @@
 #include <string>
 
 #include "absl/strings/match.h"
+#include "rpc/barrier_timeout.h"
 
 namespace shardopt::fanout {
 
@@ -62,7 +63,7 @@ absl::Status WithRetryAdvice(absl::Status st, int attempts) {
   }
   // A server's (a barrier's) says what to do itself; but each attempt waited
   // the whole barrier, so the caller waited that many times over.
-  if (absl::IsDeadlineExceeded(st) && attempts > 1 && absl::StrContains(st.message(), "barrier of step ")) {
+  if (attempts > 1 && IsBarrierTimeout(st)) {
     return absl::DeadlineExceededError(
         absl::StrCat(st.message(), tries, "each waited out the barrier's deadline for the ranks named)"));
   }

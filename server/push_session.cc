@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "rpc/barrier_timeout.h"
 #include "rpc/chunk_size.h"
 #include "server/job_spec.h"
 #include "server/metrics.h"
@@ -483,7 +484,7 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::AwaitSeal(const Wak
   // Our own deadline: end the round for everyone.
   const std::string missing = job_->MissingSummary();
   job_->EndRound("its barrier deadline passed");
-  return absl::DeadlineExceededError(absl::StrCat("barrier of step ", step_, " timed out after ",
+  return absl::DeadlineExceededError(absl::StrCat(BarrierTimedOut(step_), " after ",
                                                   absl::FormatDuration(job_->barrier_timeout), ": ", missing,
                                                   "; nothing was applied: push step ", step_, " again"));
 }

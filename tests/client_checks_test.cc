@@ -17,6 +17,7 @@
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
 #include "client/option_checks.h"
+#include "rpc/barrier_timeout.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "shardopt/client.h"
@@ -329,6 +330,16 @@ TEST(ClientChecksTest, OptionsNoCallCouldGoThroughWithAreRefusedAtConnect) {
     options.rpc_timeout_ms = 1;
     EXPECT_TRUE(Client::Connect(options).ok()) << target;
   }
+}
+
+// Only a barrier's own DEADLINE_EXCEEDED is told as one, whose every retry
+// waited out the barrier: not another deadline of the server's (a
+// checkpoint still being written), nor the same words under another code.
+TEST(ClientChecksTest, ABarrierTimeoutIsToldFromTheServersOtherDeadlines) {
+  EXPECT_TRUE(IsBarrierTimeout(absl::DeadlineExceededError(
+      absl::StrCat("127.0.0.1:5: ", BarrierTimedOut(3), " after 5s: ranks {1} of 2 ..."))));
+  EXPECT_FALSE(IsBarrierTimeout(absl::DeadlineExceededError("127.0.0.1:5: a checkpoint of step 3 is still being written")));
+  EXPECT_FALSE(IsBarrierTimeout(absl::UnavailableError(BarrierTimedOut(3))));
 }
 
 }  // namespace
