@@ -1,7 +1,6 @@
 #include "server/auth.h"
 
 #include <algorithm>
-
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -48,9 +47,8 @@ const char* ActionName(Action a) {
 
 absl::Status Caller::Allows(Action action, const std::string& job) const {
   if (role == Role::kAdmin) return absl::OkStatus();
-  bool of_its_prefixes = false;
-  for (const std::string& p : prefixes) of_its_prefixes = of_its_prefixes || p == "*" || absl::StartsWith(job, p);
-  if (!of_its_prefixes) {
+  if (std::none_of(prefixes.begin(), prefixes.end(),
+                   [&](const std::string& p) { return p == "*" || absl::StartsWith(job, p); })) {
     return absl::PermissionDeniedError(absl::StrCat("'", name, "' may not ", ActionName(action), " job ", Quote(job),
                                                     ": it is outside the token's job prefixes"));
   }

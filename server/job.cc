@@ -15,8 +15,7 @@ namespace shardopt {
 
 bool CommitArgs::operator==(const CommitArgs& o) const {
   if (!SameBits(lr, o.lr) || !SameBits(gscale, o.gscale) || skip != o.skip) return false;
-  return std::equal(group_lr.begin(), group_lr.end(), o.group_lr.begin(), o.group_lr.end(),
-                    [](double a, double b) { return SameBits(a, b); });
+  return std::equal(group_lr.begin(), group_lr.end(), o.group_lr.begin(), o.group_lr.end(), SameBits<double>);
 }
 
 std::string CommitArgs::FirstDifference(const CommitArgs& asked) const {
