@@ -75,8 +75,9 @@ constexpr Verb kVerbs[] = {
     {"read", "[--server=HOST:PORT] read JOB TENSOR master|exp_avg|exp_avg_sq|param [OFFSET [COUNT]]",
      "Prints one state array of the server's shard of TENSOR, one value per line: the master, Adam's m\n"
      "(exp_avg) or v (exp_avg_sq), as the job holds them, or the bf16 params of the last commit. OFFSET\n"
-     "(default 0) is the tensor's element to start at, which must lie in the server's shard (`describe`\n"
-     "shows each tensor's shard); COUNT (default 0) is how many, 0 meaning to the shard's end.",
+     "is the tensor's element to start at, which must lie in the server's shard (`describe` shows each\n"
+     "tensor's shard; default: the shard's start); COUNT (default 0) is how many, 0 meaning to the\n"
+     "shard's end.",
      3, 5},
     {"export", "export --checkpoint_dir=DIR [--step=N] [--dtype=fp32|bf16] JOB OUT.safetensors",
      "Writes each tensor's master from a complete checkpoint under DIR (the newest, or step N) to a\n"
@@ -318,20 +319,24 @@ int main(int argc, char** argv) {
     return contexts.back().get();
   };
 
-  if (command == "describe") {
-    // Every page of the job's tensors, as one answer.
-    v1::DescribeResponse resp;
+  // Every page of the job's tensors, as one answer.
+  const auto describe = [&](v1::DescribeResponse* resp) {
     google::protobuf::RepeatedPtrField<v1::TensorState> tensors;
     do {
       v1::DescribeRequest req;
       req.set_job(args[1]);
       req.set_tensor_offset(tensors.size());
-      if (auto st = stub->Describe(context(), req, &resp); !st.ok()) return Fail(st);
-      if (resp.tensors_size() == 0) break;
-      for (v1::TensorState& t : *resp.mutable_tensors()) *tensors.Add() = std::move(t);
-    } while (static_cast<uint32_t>(tensors.size()) < resp.tensor_count());
-    *resp.mutable_tensors() = std::move(tensors);
-    resp.set_tensor_offset(0);  // the pages joined: the answer starts at the first tensor
+      if (auto st = stub->Describe(context(), req, resp); !st.ok()) return st;
+      if (resp->tensors_size() == 0) break;
+      for (v1::TensorState& t : *resp->mutable_tensors()) *tensors.Add() = std::move(t);
+    } while (static_cast<uint32_t>(tensors.size()) < resp->tensor_count());
+    *resp->mutable_tensors() = std::move(tensors);
+    resp->set_tensor_offset(0);  // the pages joined: the answer starts at the first tensor
+    return grpc::Status::OK;
+  };
+  if (command == "describe") {
+    v1::DescribeResponse resp;
+    if (auto st = describe(&resp); !st.ok()) return Fail(st);
     PrintJson(resp);
     return 0;
   }
@@ -361,7 +366,15 @@ int main(int argc, char** argv) {
     std::cout << "dropped " << args[1] << "\n";
     return 0;
   }
-  // read
+  // read. Without an OFFSET, from the start of this server's shard, which
+  // is the tensor's start on one server only.
+  if (n <= 3) {
+    v1::DescribeResponse held;
+    if (auto st = describe(&held); !st.ok()) return Fail(st);
+    for (const v1::TensorState& t : held.tensors()) {
+      if (t.name() == read.tensor()) read.set_offset(t.shard().offset());
+    }
+  }
   auto reader = stub->Read(context(), read);
   v1::StateChunk chunk;
   while (reader->Read(&chunk)) {

@@ -24,6 +24,9 @@
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "base/same_bits.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -1102,6 +1105,17 @@ TEST(DurabilityTest, TheCliNamesAServerThatDoesNotAnswerAndATlsFileItCannotUse) 
               HasSubstr("the CA file is not PEM text (no '-----BEGIN' line) (--tls_ca=" + dir.path() + "/ca.der)"));
 }
 
+// Runs the CLI against `server`; its stdout and stderr into `out`, its wait
+// status returned.
+int RunCli(const std::string& server, const std::string& args, std::string* out) {
+  const std::string command = absl::StrCat(SHARDOPT_CLI_BINARY, " --server=", server, " ", args, " 2>&1");
+  FILE* pipe = popen(command.c_str(), "r");
+  char buffer[4096];
+  out->clear();
+  for (size_t n; (n = fread(buffer, 1, sizeof buffer, pipe)) > 0;) out->append(buffer, n);
+  return pclose(pipe);
+}
+
 // The CLI's checkpoint, as an operator takes one before rolling the
 // servers: each server writes its part, the last marks the step complete,
 // a server at another step refuses, and a restart restores the step.
@@ -1115,13 +1129,7 @@ TEST(DurabilityTest, TheCliCheckpointsEachServersPartAndTheLastCompletesIt) {
     Train(*client, job, 3);
     trained = Fingerprint(*client, job).value();
     const auto cli = [&](int s, const std::string& args, std::string* out) {
-      const std::string command =
-          absl::StrCat(SHARDOPT_CLI_BINARY, " --server=", servers[s]->address(), " checkpoint ", args, " 2>&1");
-      FILE* pipe = popen(command.c_str(), "r");
-      char buffer[4096];
-      out->clear();
-      for (size_t n; (n = fread(buffer, 1, sizeof buffer, pipe)) > 0;) out->append(buffer, n);
-      return pclose(pipe);
+      return RunCli(servers[s]->address(), "checkpoint " + args, out);
     };
     std::string out;
     EXPECT_NE(cli(0, "by-cli 2", &out), 0) << out;  // not the step the server holds
@@ -1135,6 +1143,39 @@ TEST(DurabilityTest, TheCliCheckpointsEachServersPartAndTheLastCompletesIt) {
   auto client = Connect(servers);
   ASSERT_EQ(client->CreateOrAttach(job).value(), 3u);
   EXPECT_EQ(Fingerprint(*client, job).value(), trained);
+}
+
+// `read` without an OFFSET prints the server's own shard of the tensor,
+// wherever it starts: the default of 0 used to be OUT_OF_RANGE on every
+// server but the one holding the tensor's start. Each value is the state's
+// float, bit for bit (%.9g round-trips a float).
+TEST(DurabilityTest, TheCliReadsEachServersShardWithoutAnOffset) {
+  const JobOptions job = DurableJob("read-by-cli", {{"w", 9000}});
+  TempDir dir;
+  auto servers = StartServers(2, dir.path());
+  auto client = Connect(servers);
+  Train(*client, job, 2);
+  int shards_of_w = 0;
+  for (const ShardPlacement& shard : PlaceTensors(job.tensors, 2)) {
+    if (shard.tensor != "w") continue;
+    ++shards_of_w;
+    SCOPED_TRACE(shard.server);
+    std::vector<float> held(shard.length);
+    ASSERT_TRUE(client->Read("w", StateToRead::kExpAvg, shard.offset, shard.length, held.data()).ok());
+    std::string out;
+    ASSERT_EQ(RunCli(servers[shard.server]->address(), "read read-by-cli w exp_avg", &out), 0) << out;
+    const std::vector<std::string> lines = absl::StrSplit(absl::StripSuffix(out, "\n"), '\n');
+    ASSERT_EQ(lines.size(), shard.length);
+    for (size_t i = 0; i < lines.size(); ++i) {
+      ASSERT_TRUE(SameBits(std::strtof(lines[i].c_str(), nullptr), held[i]))
+          << "element " << shard.offset + i << ": " << lines[i];
+    }
+  }
+  ASSERT_EQ(shards_of_w, 2);  // w lies on both servers
+  // An OFFSET given is the tensor's element, as before.
+  std::string out;
+  EXPECT_NE(RunCli(servers[1]->address(), "read read-by-cli w master 0", &out), 0);
+  EXPECT_THAT(out, HasSubstr("OUT_OF_RANGE"));
 }
 
 }  // namespace
