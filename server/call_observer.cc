@@ -16,7 +16,15 @@ class CallObserver final : public grpc::experimental::Interceptor {
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
-      const grpc::Status st = methods->GetSendStatus();
+      grpc::Status st = methods->GetSendStatus();
+      if (st.error_code() == grpc::StatusCode::INTERNAL && st.error_message().empty() && Unary()) {
+        // gRPC's own parse of a synchronous RPC's request failed (the
+        // service's INTERNALs all say what broke): the caller's mistake.
+        st = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                          absl::StrCat("the ", method_, "Request message does not parse (malformed, or a string "
+                                       "field that is not UTF-8); nothing was done"));
+        methods->ModifySendStatus(st);
+      }
       if (!st.ok()) {
         const std::string code = std::string(absl::StatusCodeToString(
             static_cast<absl::StatusCode>(st.error_code())));
@@ -29,6 +37,12 @@ class CallObserver final : public grpc::experimental::Interceptor {
   }
 
  private:
+  // Whether gRPC parses this RPC's request itself (the streams parse their
+  // own: init_reactor.h).
+  bool Unary() const {
+    return method_ == "CreateJob" || method_ == "Describe" || method_ == "DropJob" || method_ == "Checkpoint";
+  }
+
   const std::string method_;  // the RPC's name, without the service
 };
 

@@ -2,7 +2,9 @@
 // whichever API serves it (sync or callback): a refusal is counted in
 // shardopt_refusals_total{method, code} and logged at warning level with
 // its code and message (which names the job), rate-limited per method and
-// code so that a client cannot flood the log.
+// code so that a client cannot flood the log. A unary request gRPC could not
+// parse, which gRPC answers INTERNAL with no message, is answered
+// INVALID_ARGUMENT naming the request instead.
 #pragma once
 
 #include <memory>

@@ -21,6 +21,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/descriptor.h"
+#include "google/protobuf/stubs/logging.h"
 #include "grpc/support/log.h"
 #include "grpcpp/grpcpp.h"
 #include "base/whole_file.h"
@@ -146,6 +147,18 @@ void LogFromGrpc(gpr_log_func_args* args) {
   shardopt::log::Write(level, "grpc", fields);
 }
 
+// Protobuf's own log lines, the same way: any client can cause one per
+// request (a string field that is not UTF-8).
+void LogFromProtobuf(google::protobuf::LogLevel level, const char* file, int line, const std::string& message) {
+  const std::string source = absl::StrCat(file, ":", line);
+  shardopt::log::Fields fields = {{"source", source}, {"message", message}};
+  if (!shardopt::log::Allow("protobuf " + source, &fields)) return;
+  shardopt::log::Write(level >= google::protobuf::LOGLEVEL_ERROR    ? shardopt::log::Level::kError
+                       : level == google::protobuf::LOGLEVEL_WARNING ? shardopt::log::Level::kWarning
+                                                                      : shardopt::log::Level::kInfo,
+                       "protobuf", fields);
+}
+
 // A --checkpoint_dir the server cannot write fails the start (exit 1): found
 // only at the drain, it would cost every job its checkpoint, and the pod
 // its state.
@@ -252,6 +265,7 @@ int main(int argc, char** argv) {
   namespace log = shardopt::log;
   log::Init(absl::GetFlag(FLAGS_log_format) == "json" ? log::Format::kJson : log::Format::kText);
   gpr_set_log_function(LogFromGrpc);
+  google::protobuf::SetLogHandler(LogFromProtobuf);
 
   auto backend = shardopt::MakeBackend(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_threads),
                                        absl::GetFlag(FLAGS_auto_requires_gpu));

@@ -25,6 +25,7 @@
 #include "nlohmann/json.hpp"
 #include "shardopt/client.h"
 #include "tests/testing/client_helpers.h"
+#include "tests/testing/generic_unary.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/server_process.h"
 
@@ -84,6 +85,27 @@ TEST_F(LogsTest, GrpcsOwnLinesAreTheServersJsonLines) {
   const std::vector<nlohmann::json> lines = JsonLines(log);
   EXPECT_FALSE(Events(lines, "grpc").empty()) << log;
   EXPECT_EQ(Events(lines, "start_failed").size(), 1u) << log;
+}
+
+// Protobuf's own lines (here: a request whose job name is not UTF-8, which
+// any client can send) come through the server's log too, as JSON, and at
+// most a few a second: before, each request wrote a raw line to stderr.
+TEST_F(LogsTest, ProtobufsOwnLinesAreTheServersJsonLinesAndRateLimited) {
+  auto server = ServerProcess::StartLogged({"--log_format=json"});
+  ASSERT_NE(server, nullptr);
+  const std::string not_utf8("\x0a\x02\xff\xfe", 4);  // DescribeRequest.job
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 100; ++i) {
+    EXPECT_EQ(testing::GenericUnary(server->address(), "/shardopt.v1.Optimizer/Describe", not_utf8).first.error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  server->Stop(SIGTERM);
+  const std::vector<nlohmann::json> lines = JsonLines(server->log());
+  const std::vector<nlohmann::json> protobuf = Events(lines, "protobuf");
+  ASSERT_FALSE(protobuf.empty()) << server->log();
+  EXPECT_THAT(protobuf[0].value("message", ""), ::testing::HasSubstr("invalid UTF-8"));
+  EXPECT_LE(protobuf.size(), 5 * (static_cast<size_t>(seconds) + 2)) << server->log();
 }
 
 // The counters the README's alerts watch are there from the start, at 0:

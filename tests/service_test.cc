@@ -1481,6 +1481,26 @@ TEST_F(ServiceTest, AnUnparseableStreamMessageIsInvalidArgumentAndChangesNothing
   ExpectTheNextStepIsItsPushAlone(*client, init, rng_);
 }
 
+// A unary request gRPC cannot parse (here a job name that is not UTF-8,
+// which proto3 refuses in a string field) is INVALID_ARGUMENT saying so, not
+// the INTERNAL with no message that gRPC's own parse answers.
+TEST_F(ServiceTest, AnUnparseableUnaryRequestIsInvalidArgument) {
+  const JobOptions job = MakeJob("unicode", 1, {{"w", 64}});
+  auto client = Connect(server_->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  // Field 1 (job), 2 bytes that are not UTF-8: every one of these requests
+  // has its job name there.
+  const std::string not_utf8("\x0a\x02\xff\xfe", 4);
+  for (const char* method : {"CreateJob", "Describe", "DropJob", "Checkpoint"}) {
+    SCOPED_TRACE(method);
+    auto [status, answer] = GenericUnary(server_->address(), absl::StrCat("/shardopt.v1.Optimizer/", method), not_utf8);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+    EXPECT_THAT(status.error_message(), HasSubstr(absl::StrCat(method, "Request message does not parse")));
+  }
+  // Nothing changed: the job is there, at step 0.
+  EXPECT_EQ(client->CreateOrAttach(job).value(), 0u);
+}
+
 TEST_F(ServiceTest, HealthIsServedAndReflectionOnlyWhenAsked) {
   // grpc.health.v1.HealthCheckResponse{status: SERVING} is the bytes 08 01.
   auto [health_status, health] = GenericUnary(server_->address(), "/grpc.health.v1.Health/Check", "");
