@@ -1,6 +1,7 @@
 #include "server/auth.h"
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -140,6 +141,10 @@ absl::StatusOr<std::unique_ptr<Authenticator>> Authenticator::FromFile(std::stri
 }
 
 absl::Status Authenticator::Reload() {
+  // A directory opens and reads as empty: "has no token" would mislead.
+  if (std::error_code ec; std::filesystem::is_directory(path_, ec)) {
+    return absl::InvalidArgumentError(absl::StrCat(path_, " is a directory, not a tokens file"));
+  }
   std::ifstream in(path_);
   std::stringstream text;
   text << in.rdbuf();

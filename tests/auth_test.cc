@@ -354,6 +354,11 @@ TEST_F(AuthTest, AnUnusableTokensFileStopsTheServer) {
     EXPECT_EQ(testing::ServerExitCode({"--tokens_file=" + path}), 1) << text;
   }
   EXPECT_EQ(testing::ServerExitCode({"--tokens_file=" + dir_ + "/missing"}), 1);
+  // A directory (a Secret mounted where its file was meant) is named as
+  // such, not as a file that "has no token".
+  std::string log;
+  EXPECT_EQ(testing::ServerExitCode({"--tokens_file=" + dir_}, &log), 1);
+  EXPECT_THAT(log, HasSubstr(dir_ + " is a directory, not a tokens file")) << log;
 }
 
 // The table alone: roles, prefixes, the '*' prefix, and what errors say.
