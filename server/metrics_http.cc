@@ -1,7 +1,6 @@
 #include "server/metrics_http.h"
 
 #include <arpa/inet.h>
-#include <netdb.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -14,6 +13,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "server/listen_tcp.h"
 
 namespace shardopt {
 namespace {
@@ -64,25 +64,11 @@ std::string Answer(const std::string& head, const metrics::Registry& registry) {
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& host, int port,
                                                                      const metrics::Registry* registry) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE;
-  addrinfo* found = nullptr;
-  const std::string service = absl::StrCat(port);
-  if (getaddrinfo(host.c_str(), service.c_str(), &hints, &found) != 0 || found == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("--metrics_port: cannot resolve ", host));
+  absl::StatusOr<int> listening = ListenTcp(host, port, 16);
+  if (!listening.ok()) {
+    return absl::Status(listening.status().code(), absl::StrCat("--metrics_port: ", listening.status().message()));
   }
-  const int fd = socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  const int one = 1;
-  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  const bool bound = fd >= 0 && bind(fd, found->ai_addr, found->ai_addrlen) == 0 && listen(fd, 16) == 0;
-  freeaddrinfo(found);
-  if (!bound) {
-    const std::string why = strerror(errno);
-    if (fd >= 0) close(fd);
-    return absl::UnavailableError(absl::StrCat("--metrics_port: cannot listen on ", host, ":", port, ": ", why));
-  }
+  const int fd = *listening;
   sockaddr_storage addr{};
   socklen_t len = sizeof addr;
   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);

@@ -19,6 +19,7 @@
 #include "rpc/grpc_edge.h"
 #include "rpc/wire_format.h"
 #include "server/call_observer.h"
+#include "server/listen_tcp.h"
 #include "server/commit_reactor.h"
 #include "server/metrics.h"
 #include "server/init_reactor.h"
@@ -286,7 +287,8 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
   builder.experimental().SetInterceptorCreators(std::move(observers));
   running->server = builder.BuildAndStart();
   if (!running->server || running->port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.address));
+    const std::string why = WhyCannotListen(options.address);
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.address, why.empty() ? "" : ": ", why));
   }
   // The default health service knows "" only; a probe may name the service.
   running->server->GetHealthCheckService()->SetServingStatus(v1::Optimizer::service_full_name(), true);
@@ -309,7 +311,9 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
                             &running->health_port);
     running->health_server = health.BuildAndStart();
     if (!running->health_server || running->health_port == 0) {
-      return absl::UnavailableError(absl::StrCat("cannot listen on ", host, ":", options.health_port, " (--health_port)"));
+      const std::string why = WhyCannotListen(absl::StrCat(host, ":", options.health_port));
+      return absl::UnavailableError(absl::StrCat("cannot listen on ", host, ":", options.health_port,
+                                                 " (--health_port)", why.empty() ? "" : ": ", why));
     }
   }
   return running;
