@@ -65,6 +65,17 @@ class _Tensor:
         return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
 
 
+def _mark_changed(param):
+    """Tells autograd that `param` changed in place, as torch's optimizers'
+    own in-place writes do: a backward through a graph that saved its old
+    values then raises instead of using the new ones. (The servers' values
+    were written through its data pointer, which autograd does not see.) An
+    in-place op on none of its elements bumps the version counter that
+    every view and detach() of it shares."""
+    with torch.no_grad():
+        param.detach().as_strided((0,), (1,)).zero_()
+
+
 def _is_named(item):
     return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
 
@@ -355,6 +366,8 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         for t in self._remote:
             if not t.in_place():
                 t.param.copy_(t.host_param, non_blocking=True)
+            else:
+                _mark_changed(t.param)
         self._note_versions()
         if decision is not None:
             self.last_decision = decision

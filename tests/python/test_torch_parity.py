@@ -205,6 +205,32 @@ def test_contiguous_cpu_tensors_are_not_copied_and_others_are_staged(servers, jo
     opt.drop()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_autograd_sees_that_step_changed_the_params(servers, job, overlap):
+    """step() changes the params in place, as torch.optim.AdamW's does, and
+    autograd is told so: a backward through a graph that saved a param's old
+    values raises, in place (contiguous) or staged, where it used to use
+    the new values in the old graph without a word."""
+    g = torch.Generator().manual_seed(11)
+    contiguous = torch.nn.Parameter(torch.randn(6, 4, generator=g))
+    transposed = torch.nn.Parameter(torch.randn(4, 6, generator=g).t())
+    x = torch.randn(6, 4, generator=g)
+    opt = RemoteAdamW([("contiguous", contiguous), ("transposed", transposed)], servers=servers, job=job, lr=1e-2,
+                      overlap=overlap)
+    for p in (contiguous, transposed):
+        loss = (p * p * x).sum()  # saves p
+        loss.backward(retain_graph=True)
+        contiguous.grad = contiguous.grad if contiguous.grad is not None else torch.randn(6, 4, generator=g)
+        transposed.grad = transposed.grad if transposed.grad is not None else torch.randn(6, 4, generator=g)
+        before = p._version
+        opt.step()
+        assert p._version > before
+        opt.zero_grad()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+    opt.drop()
+
+
 def test_params_as_disjoint_views_of_one_buffer_train_as_separate_ones(servers, job):
     """Params carved out of one flat buffer with gaps, and the column blocks
     of one matrix (interleaved: their spans meet, their memory does not),
