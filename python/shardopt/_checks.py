@@ -23,6 +23,17 @@ def _check_ints(**named):
             raise TypeError(f"{what} must be an int, not {type(number).__name__} {number!r}")
 
 
+def _check_seconds(**named):
+    """A duration in seconds: a finite real number of at least a millisecond
+    (they go to the extension in whole milliseconds, where 0 would mean the
+    servers' default and infinity does not convert)."""
+    for what, seconds in named.items():
+        if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+            raise TypeError(f"{what} must be a number of seconds, not {type(seconds).__name__} {seconds!r}")
+        if not 0.001 <= seconds < float("inf"):
+            raise ValueError(f"{what} must be a finite number of seconds, at least 0.001, not {seconds!r}")
+
+
 def _check_gradient(name, g, shape):
     """A gradient the push can read: dense, and of its param's shape, which
     `p.grad.data = other` skips torch's own check of (the push would read

@@ -1,6 +1,7 @@
 """Where RemoteAdamW connects: its servers (a list, or a StatefulSet's
 pattern with num_servers) and its TLS files, checked as the constructor
 takes them."""
+import collections.abc
 import os
 
 from . import _C
@@ -23,6 +24,9 @@ def _read_pem(path, what):
 
 
 def _servers(servers, num_servers):
+    if not isinstance(servers, str) and not isinstance(servers, collections.abc.Iterable):
+        raise TypeError(f"servers must be a list of 'host:port', one 'host:port' or a pattern with {{i}}, not "
+                        f"{type(servers).__name__} {servers!r}")
     pattern = isinstance(servers, str) and "{i}" in servers
     if num_servers is not None and not pattern:
         # It would be ignored, and a job meant for several servers would run on those listed.

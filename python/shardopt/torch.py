@@ -17,6 +17,7 @@ pinned host buffers with non-blocking copies); params on any other device
 (meta included) raise ``shardopt.InvalidArgument``. Two params whose memory
 overlaps raise ValueError; views at disjoint places of one buffer are taken.
 """
+import numbers
 import os
 import threading
 import warnings
@@ -25,87 +26,17 @@ import torch
 
 from . import _C
 from ._errors import Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
-from ._checks import _check_disjoint, _check_gradient, _check_hyper, _check_ints
+from ._checks import _check_disjoint, _check_gradient, _check_hyper, _check_ints, _check_seconds
 from ._connect import _read_pem, _servers
 from ._overlap import _OverlapPush
 from ._param_watch import _ParamWatch
+from ._params import _Tensor, _mark_changed, _split_names
 from ._safetensors import load_safetensors
 from ._state_dict import _StateDictIO
 
 __all__ = ["RemoteAdamW", "load_safetensors"]
 
-# dtype -> whether the server treats the tensor as fp32 params (ParamType::kFp32).
-_FP32_PARAMS = {torch.bfloat16: False, torch.float32: True}
-_DEVICE_TYPES = ("cpu", "cuda")  # where _Tensor reads and writes params
 _STATE_PRECISIONS = ("fp32", "bf16")
-
-
-class _Tensor:
-    """One param as the job knows it, and its host staging buffers (only for
-    params that are not contiguous host memory)."""
-
-    __slots__ = ("name", "param", "group", "shape", "dtype", "device", "numel", "host_param", "host_grad", "version",
-                 "data_ptr")
-
-    def __init__(self, name, param, group):
-        self.name, self.param, self.group = name, param, group
-        self.shape, self.dtype, self.device, self.numel = param.shape, param.dtype, param.device, param.numel()
-        self.host_param = self.host_grad = None
-        self.version = None  # the param's version counter when the optimizer last wrote or sent it
-        self.data_ptr = None  # and where its values were: `p.data = other` swaps them without a version bump
-
-    @property
-    def fp32(self):
-        return _FP32_PARAMS[self.dtype]
-
-    def in_place(self):
-        return self.param.device.type == "cpu" and self.param.is_contiguous()
-
-    def staging(self):
-        return torch.empty(self.shape, dtype=self.dtype, pin_memory=self.device.type == "cuda")
-
-
-def _mark_changed(param):
-    """Tells autograd that `param` changed in place, as torch's optimizers'
-    own in-place writes do: a backward through a graph that saved its old
-    values then raises instead of using the new ones. (The servers' values
-    were written through its data pointer, which autograd does not see.) An
-    in-place op on none of its elements bumps the version counter that
-    every view and detach() of it shares."""
-    with torch.no_grad():
-        param.detach().as_strided((0,), (1,)).zero_()
-
-
-def _is_named(item):
-    return isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-
-
-def _split_names(params):
-    """Param groups for torch.optim.Optimizer, and {id(param): name} when the
-    params came with names (model.named_parameters(), or groups of them)."""
-    if isinstance(params, torch.Tensor):
-        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but "
-                        f"got {torch.typename(params)}")
-    items = list(params)
-    if not items:
-        raise ValueError("optimizer got an empty parameter list")
-    groups = [dict(g) for g in items] if isinstance(items[0], dict) else [{"params": items}]
-    names, unnamed = {}, 0
-    for group in groups:
-        ps = group["params"]
-        ps = [ps] if isinstance(ps, torch.Tensor) or _is_named(ps) else list(ps)
-        plain = []
-        for item in ps:
-            if _is_named(item):
-                names[id(item[1])] = item[0]
-                plain.append(item[1])
-            else:
-                unnamed += 1
-                plain.append(item)
-        group["params"] = plain
-    if names and unnamed:
-        raise ValueError("give every param a name (model.named_parameters()) or none")
-    return groups, names
 
 
 class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer):
@@ -136,8 +67,9 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             params.
         lr, betas, eps, weight_decay: torch.optim.AdamW's defaults for groups
             that do not set their own.
-        max_grad_norm: global-norm clipping over the averaged gradient (0:
-            none), decided alike on every rank from the servers' partial norms.
+        max_grad_norm: global-norm clipping over the averaged gradient (0 or
+            None: none), decided alike on every rank from the servers'
+            partial norms.
         state_precision: "fp32" (default) or "bf16" (the comparison arm:
             master and moments in bf16, as torch.optim.AdamW keeps them on
             bf16 params; not bitwise torch's: the servers' arithmetic is
@@ -151,12 +83,13 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             torch.utils.checkpoint pass use_reentrant=False; do not modify
             gradients between backward and step; use max_grad_norm instead
             of clipping them yourself; not with DDP).
-        rpc_timeout, max_attempts: each server call's deadline in seconds, and
-            attempts for UNAVAILABLE and DEADLINE_EXCEEDED.
-        barrier_timeout: seconds the servers wait for every rank's gradients,
-            and a new job's ranks wait for each other's initial values. Part
-            of the job's settings: attaching with another one raises
-            AlreadyExists.
+        rpc_timeout, max_attempts: each server call's deadline in seconds (at
+            least 0.001, finite), and attempts for UNAVAILABLE and
+            DEADLINE_EXCEEDED.
+        barrier_timeout: seconds (at least 0.001, finite) the servers wait
+            for every rank's gradients, and a new job's ranks wait for each
+            other's initial values. Part of the job's settings: attaching
+            with another one raises AlreadyExists.
         checkpoint_every: rank 0 asks for a checkpoint after every step that
             is a multiple of this (servers need --checkpoint_dir), with
             overlap too; 0: only on ``checkpoint()``. If that checkpoint
@@ -191,12 +124,22 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
         if capturable or differentiable:
             raise ValueError("RemoteAdamW updates on the servers: capturable and differentiable are not supported")
+        if max_grad_norm is None:  # as other APIs spell no clipping
+            max_grad_norm = 0.0
+        if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, numbers.Real):
+            raise TypeError(f"max_grad_norm must be a number (0 or None: no clipping), not "
+                            f"{type(max_grad_norm).__name__} {max_grad_norm!r}")
         if not 0.0 <= max_grad_norm < float("inf"):
             raise ValueError(f"Invalid max_grad_norm: {max_grad_norm} (0: no clipping)")
         if state_precision not in _STATE_PRECISIONS:
             raise ValueError(f"state_precision must be one of {_STATE_PRECISIONS}, not {state_precision!r}")
+        if not isinstance(job, str) or not job:
+            raise TypeError(f"job must be the job's name, a non-empty str, not {type(job).__name__} {job!r}")
         _check_ints(rank=rank, world_size=world_size, checkpoint_every=checkpoint_every, restore_step=restore_step,
                     chunk_bytes=chunk_bytes, max_attempts=max_attempts)
+        _check_seconds(rpc_timeout=rpc_timeout, barrier_timeout=barrier_timeout)
+        if chunk_bytes < 0:
+            raise ValueError(f"chunk_bytes must be at least 0 (0: the client chooses), not {chunk_bytes}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
         groups, names = _split_names(params)
@@ -224,14 +167,6 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 name = names.get(id(p), f"param.{len(self._tensors)}")
-                if p.dtype not in _FP32_PARAMS:
-                    raise UnsupportedDtype(f"param {name!r} is {p.dtype}; RemoteAdamW takes torch.bfloat16 and "
-                                           "torch.float32 params")
-                if p.device.type not in _DEVICE_TYPES:
-                    why = (" (a meta tensor has no values to send: materialize the model first, e.g. to_empty() "
-                           "then load or initialize its weights)" if p.device.type == "meta" else "")
-                    raise InvalidArgument(f"param {name!r} is on {p.device}; RemoteAdamW takes params on the CPU or "
-                                          f"a CUDA device{why}")
                 self._tensors.append(_Tensor(name, p, gi))
         # A param with no elements has nothing to optimize: it stays in its
         # group, as in torch, but not in the job (servers hold no empty

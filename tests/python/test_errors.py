@@ -272,6 +272,58 @@ def test_misuses_torch_refuses_or_that_would_train_otherwise_are_refused(job):
     # pybind's own TypeError only listed the extension's signatures.
     with pytest.raises(TypeError, match="world_size must be an int, not float 2.0"):
         RemoteAdamW([p], servers=["127.0.0.1:1"], job=job, rank=1, world_size=2.0)
+    # torch refuses a set: its order, which names unnamed params on the
+    # servers, differs between processes.
+    q = torch.nn.Parameter(torch.ones(3))
+    with pytest.raises(TypeError, match="not a set"):
+        RemoteAdamW({p, q}, servers=["127.0.0.1:1"], job=job)
+    with pytest.raises(TypeError, match="not a set"):
+        RemoteAdamW([{"params": {p, q}}], servers=["127.0.0.1:1"], job=job)
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(job=None), TypeError, "job must be the job's name, a non-empty str, not NoneType"),
+    (dict(job=123), TypeError, "job must be the job's name"),
+    (dict(servers=None), TypeError, "servers must be a list of 'host:port'"),
+    (dict(rpc_timeout=-1), ValueError, "rpc_timeout must be a finite number of seconds, at least 0.001, not -1"),
+    (dict(rpc_timeout=float("inf")), ValueError, "rpc_timeout must be a finite number of seconds"),
+    (dict(rpc_timeout=1e-4), ValueError, "rpc_timeout must be .* at least 0.001"),
+    (dict(rpc_timeout="60"), TypeError, "rpc_timeout must be a number of seconds, not str"),
+    (dict(barrier_timeout=0), ValueError, "barrier_timeout must be .* at least 0.001, not 0"),
+    (dict(barrier_timeout=float("inf")), ValueError, "barrier_timeout must be a finite number of seconds"),
+    (dict(chunk_bytes=-1), ValueError, "chunk_bytes must be at least 0"),
+    (dict(max_grad_norm="1"), TypeError, "max_grad_norm must be a number"),
+])
+def test_bad_arguments_are_refused_naming_the_argument(job, kwargs, error, match):
+    """Each used to reach the extension: pybind's list of its signatures,
+    an OverflowError of infinity, rpc_timeout spoken of in milliseconds, or
+    a barrier_timeout under a millisecond taken as the servers' default."""
+    args = dict(servers=["127.0.0.1:1"], job=job)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        RemoteAdamW([torch.nn.Parameter(torch.ones(3))], **args)
+
+
+def test_max_grad_norm_none_means_no_clipping(servers, job):
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = RemoteAdamW([p], servers=servers, job=job, max_grad_norm=None)
+    assert opt.max_grad_norm == 0.0
+    p.grad = torch.full((3,), 1e6)
+    opt.step()
+    assert opt.last_decision.gscale == 1.0
+    opt.drop()
+
+
+def test_tensor_subclasses_are_refused_before_anything_is_sent(job):
+    """A DTensor (FSDP2, tensor parallelism) is a tensor subclass whose
+    memory holds a shard, not the param; torch 1.13 has none, so a subclass
+    of our own stands for it."""
+    class Sharded(torch.Tensor):
+        pass
+
+    p = torch.ones(3).as_subclass(Sharded).requires_grad_()
+    with pytest.raises(shardopt.InvalidArgument, match="is a Sharded, a tensor subclass"):
+        RemoteAdamW([p], servers=["127.0.0.1:1"], job=job)
 
 
 def assert_no_job_was_made(servers, job):
