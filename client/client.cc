@@ -99,7 +99,17 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   std::vector<uint64_t> sent_to, barrier;  // the limits of the servers this job's messages go to
   for (uint32_t s = 0; s < im.servers(); ++s) {
     barrier.push_back(answers[s].barrier_timeout_ms());
-    if (holds_part[s]) sent_to.push_back(answers[s].max_message_bytes());
+    if (!holds_part[s]) continue;
+    const uint64_t max = answers[s].max_message_bytes();
+    sent_to.push_back(max);
+    // A size the caller chose is kept as given, so one that cannot fit is
+    // said here, not as gRPC's "Sent message larger than max" at each push.
+    if (const uint64_t asked = im.options.chunk_bytes; asked > 0 && max > 0 && asked > max / 2) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ClientOptions::chunk_bytes is ", asked, ", more than half of server ", im.options.servers[s],
+          "'s --max_message_bytes (", max, "), which a message must leave room in for its other fields: give at "
+          "most ", max / 2, ", or 0 to let the client choose"));
+    }
   }
   im.chunk_bytes = ChunkBytesFor(im.options.chunk_bytes, job.world_size, sent_to);
   // The job's own deadline, or what its servers say it is when it gave none

@@ -100,6 +100,8 @@ struct ClientOptions {
   // 2 ranks, 8 MiB shared out over the ranks above that, and 256 KiB from
   // 32 ranks on; and never more than half the smallest message a server of
   // the job takes (its --max_message_bytes). chunk_bytes() says what it is.
+  // A size given here is kept as given: one above that half is refused by
+  // CreateOrAttach (INVALID_ARGUMENT, naming the server and its limit).
   // docs/design.md, section 10.2.
   uint64_t chunk_bytes = 0;
   // Keeps freed MiB-sized buffers in the process (mallopt); see
