@@ -1,25 +1,42 @@
 #include "client/attach_answers.h"
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "base/same_bits.h"
 
 namespace shardopt {
 
-std::optional<HalfCommitted> FindHalfCommittedStep(const std::vector<v1::CreateJobResponse>& answers,
-                                                   const std::vector<bool>& holds_part) {
+namespace {
+
+// The lowest and highest step of the servers holding a part; lo > hi if
+// none does.
+std::pair<uint64_t, uint64_t> StepSpan(const std::vector<v1::CreateJobResponse>& answers,
+                                       const std::vector<bool>& holds_part) {
   uint64_t lo = std::numeric_limits<uint64_t>::max(), hi = 0;
   for (size_t s = 0; s < answers.size(); ++s) {
     if (!holds_part[s]) continue;
     lo = std::min(lo, answers[s].step());
     hi = std::max(hi, answers[s].step());
   }
-  if (lo > hi || hi != lo + 1) return std::nullopt;  // (lo > hi: no server holds a part)
-  const auto same_bits = [](double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0; };
+  return {lo, hi};
+}
+
+}  // namespace
+
+bool OneStepApart(const std::vector<v1::CreateJobResponse>& answers, const std::vector<bool>& holds_part) {
+  const auto [lo, hi] = StepSpan(answers, holds_part);
+  return lo <= hi && hi == lo + 1;
+}
+
+std::optional<HalfCommitted> FindHalfCommittedStep(const std::vector<v1::CreateJobResponse>& answers,
+                                                   const std::vector<bool>& holds_part) {
+  if (!OneStepApart(answers, holds_part)) return std::nullopt;
+  const uint64_t hi = StepSpan(answers, holds_part).second;
   const v1::CreateJobResponse* applied = nullptr;
   HalfCommitted half;
   for (size_t s = 0; s < answers.size(); ++s) {
@@ -28,7 +45,7 @@ std::optional<HalfCommitted> FindHalfCommittedStep(const std::vector<v1::CreateJ
     // Every server keeps step hi's sealed round: those behind, to apply it
     // from; the others, past it, since hi was the last one sealed.
     if (a.sealed_step() != hi) return std::nullopt;
-    if (a.step() == lo) {
+    if (a.step() != hi) {
       half.behind.push_back(static_cast<uint32_t>(s));
     } else if (applied == nullptr) {
       applied = &a;
@@ -36,10 +53,10 @@ std::optional<HalfCommitted> FindHalfCommittedStep(const std::vector<v1::CreateJ
                // Any two skips are the same commit (an older server's may
                // report the numbers it was sent).
                (!a.applied_skip() &&
-                (!same_bits(a.applied_lr(), applied->applied_lr()) ||
-                 !same_bits(a.applied_gscale(), applied->applied_gscale()) ||
+                (!SameBits(a.applied_lr(), applied->applied_lr()) ||
+                 !SameBits(a.applied_gscale(), applied->applied_gscale()) ||
                  !std::equal(a.applied_group_lr().begin(), a.applied_group_lr().end(),
-                             applied->applied_group_lr().begin(), applied->applied_group_lr().end(), same_bits)))) {
+                             applied->applied_group_lr().begin(), applied->applied_group_lr().end(), SameBits<double>)))) {
       return std::nullopt;
     }
   }

@@ -30,6 +30,11 @@ struct HalfCommitted {
 std::optional<HalfCommitted> FindHalfCommittedStep(const std::vector<v1::CreateJobResponse>& answers,
                                                    const std::vector<bool>& holds_part);
 
+// Whether the servers holding a part are exactly one step apart: a view
+// that may be torn (each server answered at its own moment while another
+// trainer sealed and applied that step), so worth asking again.
+bool OneStepApart(const std::vector<v1::CreateJobResponse>& answers, const std::vector<bool>& holds_part);
+
 // The step every server holding a part is at, or FAILED_PRECONDITION
 // naming each server's (`addresses`) and what to do.
 absl::StatusOr<uint64_t> AgreedStep(const std::vector<v1::CreateJobResponse>& answers,

@@ -67,33 +67,45 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   }
   for (ShardPlacement& p : PlaceTensors(job.tensors, im.servers())) im.shards_of[p.server].push_back(std::move(p));
 
-  std::vector<v1::CreateJobResponse> answers(im.servers());
-  auto st = im.ForEachServer([&](uint32_t s) {
-    const v1::CreateJobRequest req = ToCreateJobRequest(job, im.shards_of[s], im.options.rank);
-    return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-      return im.stubs[s]->CreateJob(ctx, req, &answers[s]);
-    });
-  });
-  if (!st.ok()) return st;
+  const std::vector<bool> holds_part = im.holds_part();
+  std::vector<v1::CreateJobResponse> answers;
+  std::optional<HalfCommitted> half;
+  // Servers one step apart that cannot be completed may be a torn view:
+  // each answered at its own moment while another trainer's push sealed
+  // that step and its commit applied it. Asked again (1.5 s in all), they
+  // agree, or can be completed; a difference that stays is refused below.
+  int asked = 0;
+  for (auto pause = std::chrono::milliseconds(100);; pause *= 2) {
+    SHARDOPT_RETURN_IF_ERROR(im.AskCreateJob(job, &answers));
+    ++asked;
+    half = FindHalfCommittedStep(answers, holds_part);
+    if (half || !OneStepApart(answers, holds_part) || pause > std::chrono::milliseconds(800)) break;
+    std::this_thread::sleep_for(pause);
+  }
   im.incarnation.clear();
   im.attached_at.clear();
   for (const v1::CreateJobResponse& answer : answers) {
     im.incarnation.push_back(answer.incarnation());
     im.attached_at.push_back(answer.push_clock());
   }
-  const std::vector<bool> holds_part = im.holds_part();
   // A step its trainer committed on some servers only is committed on the
   // others, as the trainer's own retry would have been, so that a restarted
   // trainer attaches at that step (their sealed round keeps its gradients:
   // nothing new is summed). Any other difference is refused below.
-  if (std::optional<HalfCommitted> half = FindHalfCommittedStep(answers, holds_part)) {
+  if (half) {
     half->commit.set_job(job.name);
     const std::vector<char*> discard(job.tensors.size(), nullptr);
     SHARDOPT_RETURN_IF_ERROR(
         fanout::ForEach(half->behind, [&](uint32_t s) { return im.CommitOn(s, half->commit, discard); }));
     for (uint32_t s : half->behind) answers[s].set_step(half->commit.step());
   }
-  SHARDOPT_ASSIGN_OR_RETURN(const uint64_t step, AgreedStep(answers, holds_part, im.options.servers, job.name));
+  absl::StatusOr<uint64_t> agreed = AgreedStep(answers, holds_part, im.options.servers, job.name);
+  if (!agreed.ok() && asked > 1) {
+    return absl::Status(agreed.status().code(),
+                        absl::StrCat(agreed.status().message(), " (asked ", asked, " times over 1.5 s: not a step "
+                                     "another trainer was committing meanwhile)"));
+  }
+  SHARDOPT_ASSIGN_OR_RETURN(const uint64_t step, std::move(agreed));
   im.step = step;
   im.pushed_ahead = PushedAhead(answers, step, holds_part, im.pushes_to);
   std::vector<uint64_t> sent_to, barrier;  // the limits of the servers this job's messages go to

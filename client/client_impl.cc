@@ -115,6 +115,16 @@ std::vector<bool> Client::Impl::holds_part() const {
   return holds;
 }
 
+absl::Status Client::Impl::AskCreateJob(const JobOptions& job, std::vector<v1::CreateJobResponse>* answers) const {
+  answers->assign(servers(), v1::CreateJobResponse());
+  return ForEachServer([&](uint32_t s) {
+    const v1::CreateJobRequest req = ToCreateJobRequest(job, shards_of[s], options.rank);
+    return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+      return stubs[s]->CreateJob(ctx, req, &(*answers)[s]);
+    });
+  });
+}
+
 absl::StatusOr<const TensorOptions*> Client::Impl::FindTensor(const std::string& name) const {
   auto it = tensor_index.find(name);
   if (it == tensor_index.end()) {

@@ -122,6 +122,10 @@ struct Client::Impl {
   // Which servers hold part of the job.
   std::vector<bool> holds_part() const;
 
+  // Every server's answer to CreateJob for `job` (the tensors' placement
+  // known: shards_of).
+  absl::Status AskCreateJob(const JobOptions& job, std::vector<v1::CreateJobResponse>* answers) const;
+
   // Runs fn(server) on every server that holds part of the job (only those
   // in push_servers when `pushing`), at once. Each thread builds one chunk
   // message at a time, so in flight per server there is one chunk plus what

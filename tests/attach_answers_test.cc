@@ -62,6 +62,17 @@ TEST(AttachAnswers, NothingIsCompletedUnlessEveryServerKeepsTheStepsRoundAndTheA
   EXPECT_FALSE(FindHalfCommittedStep({At(5, 5), At(4, 5)}, {false, false}).has_value());  // no part anywhere
 }
 
+// One step apart is what an attach asks about again (a view torn by a
+// commit in flight); agreed, two steps apart, or no part anywhere is not.
+TEST(AttachAnswers, OnlyServersOneStepApartAreWorthAskingAgain) {
+  const std::vector<bool> both = {true, true};
+  EXPECT_TRUE(OneStepApart({At(5, 5), At(4, 0)}, both));
+  EXPECT_TRUE(OneStepApart({At(4, 0), At(9, 9), At(5, 5)}, {true, false, true}));
+  EXPECT_FALSE(OneStepApart({At(5, 5), At(5, 5)}, both));
+  EXPECT_FALSE(OneStepApart({At(6, 6), At(4, 5)}, both));
+  EXPECT_FALSE(OneStepApart({At(5, 5), At(4, 5)}, {false, false}));
+}
+
 TEST(AttachAnswers, ServersThatDisagreeAreNamedWithTheirSteps) {
   EXPECT_EQ(AgreedStep({At(3, 3), At(9, 9), At(3, 3)}, {true, false, true}, {"a:1", "b:2", "c:3"}, "j").value(), 3u);
   const auto refused = AgreedStep({At(3, 3), At(2, 2)}, {true, true}, {"a:1", "b:2"}, "j");
