@@ -95,6 +95,14 @@ absl::StatusOr<uint64_t> AgreedStep(const std::vector<v1::CreateJobResponse>& an
   return step;
 }
 
+std::string ReattachOutcome(const v1::CreateJobResponse& answer) {
+  if (answer.restored()) return absl::StrCat("restored step ", answer.step());
+  if (!answer.created()) {
+    return absl::StrCat("holds it at step ", answer.step(), " (another trainer's attach restored or made it first)");
+  }
+  return "has no checkpoint of it";
+}
+
 uint64_t PushedAhead(const std::vector<v1::CreateJobResponse>& answers, uint64_t step,
                      const std::vector<bool>& holds_part, const std::vector<bool>& pushes_to) {
   for (size_t s = 0; s < answers.size(); ++s) {

@@ -41,6 +41,12 @@ absl::StatusOr<uint64_t> AgreedStep(const std::vector<v1::CreateJobResponse>& an
                                     const std::vector<bool>& holds_part, const std::vector<std::string>& addresses,
                                     const std::string& job);
 
+// What a server did when a trainer that lost its job there asked to create
+// it again (a re-attach), for the trainer's error: "restored step N", "holds
+// it at step N" (another trainer's attach restored or made it first), or
+// "has no checkpoint of it" (made afresh).
+std::string ReattachOutcome(const v1::CreateJobResponse& answer);
+
 // Client::pushed_ahead: step + 1 if a server this client pushes to
 // (`pushes_to`) holds that step's sealed round, or some of this client's
 // rank's push of it (rank_pushed), else 0.

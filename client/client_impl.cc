@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "client/attach_answers.h"
 #include "client/commit_params.h"
 #include "client/wire.h"
 #include "rpc/initial_values.h"
@@ -65,8 +66,7 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
         .IgnoreError();  // a fresh job, with nothing in it
   }
   const absl::Status failed = absl::FailedPreconditionError(absl::StrCat(
-      why.message(), "; asked to create job '", job.name, "' again, it ",
-      resp.restored() ? absl::StrCat("restored step ", resp.step()) : std::string("has no checkpoint of it"),
+      why.message(), "; asked to create job '", job.name, "' again, it ", ReattachOutcome(resp),
       ", and this client is at step ", step, ": restore every server from one checkpoint (CreateOrAttach)"));
   std::lock_guard<std::mutex> lock(lost_mu);
   lost[s] = std::string(failed.message());

@@ -73,6 +73,19 @@ TEST(AttachAnswers, OnlyServersOneStepApartAreWorthAskingAgain) {
   EXPECT_FALSE(OneStepApart({At(5, 5), At(4, 5)}, {false, false}));
 }
 
+// A re-attach that finds the job there already (another trainer's attach
+// restored it a moment before) is not told "has no checkpoint of it", as a
+// probe's ranks relaunched at once were.
+TEST(AttachAnswers, AReattachSaysWhatTheServerDid) {
+  v1::CreateJobResponse restored = At(2, 0), held = At(2, 0), fresh = At(0, 0);
+  restored.set_created(true);
+  restored.set_restored(true);
+  fresh.set_created(true);
+  EXPECT_EQ(ReattachOutcome(restored), "restored step 2");
+  EXPECT_THAT(ReattachOutcome(held), HasSubstr("holds it at step 2 (another trainer's attach"));
+  EXPECT_EQ(ReattachOutcome(fresh), "has no checkpoint of it");
+}
+
 TEST(AttachAnswers, ServersThatDisagreeAreNamedWithTheirSteps) {
   EXPECT_EQ(AgreedStep({At(3, 3), At(9, 9), At(3, 3)}, {true, false, true}, {"a:1", "b:2", "c:3"}, "j").value(), 3u);
   const auto refused = AgreedStep({At(3, 3), At(2, 2)}, {true, true}, {"a:1", "b:2"}, "j");
