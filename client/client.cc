@@ -147,7 +147,10 @@ absl::Status Client::InitBf16(const std::string& tensor, const uint16_t* values,
 absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max<int64_t>(timeout_ms, 0));
+  if (timeout_ms < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("WaitForInitialValues: timeout_ms is ", timeout_ms, "; give 0 or more"));
+  }
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   // A server whose parts all have values keeps them (they are taken only at
   // step 0, and never taken away), so only the others are asked again; and
   // ever less often, since every rank of the job asks every server.

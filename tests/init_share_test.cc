@@ -95,6 +95,8 @@ TEST_F(InitShareTest, SharesTileTheTensorsBitwiseAndTheJobWaitsForTheLastOne) {
 
   // Without rank 2's share: the wait times out naming a server, and a push
   // is refused and changes nothing.
+  // A negative timeout is the caller's mistake, not a wait of "-5 ms".
+  EXPECT_EQ(clients_[0]->WaitForInitialValues(-5).code(), absl::StatusCode::kInvalidArgument);
   const auto waited = clients_[0]->WaitForInitialValues(100);
   EXPECT_TRUE(absl::IsDeadlineExceeded(waited)) << waited;
   EXPECT_THAT(std::string(waited.message()), HasSubstr("still lack initial values"));

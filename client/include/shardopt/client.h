@@ -257,8 +257,8 @@ class Client {
   // Waits until every server holding part of the job has initial values for
   // all of it (the other callers' shares are in), asking the servers not
   // yet ready again after 10 ms, then ever less often, up to every 500 ms;
-  // DEADLINE_EXCEEDED after `timeout_ms`, naming a server and how many of
-  // its tensor parts still lack values.
+  // DEADLINE_EXCEEDED after `timeout_ms` (INVALID_ARGUMENT if negative),
+  // naming a server and how many of its tensor parts still lack values.
   absl::Status WaitForInitialValues(int64_t timeout_ms);
   // Adam's moments and step count of a whole tensor, before step 1: resuming
   // from an optimizer's state dict. fp32, kept exactly in FP32 groups. With a
