@@ -2,7 +2,9 @@
 
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/descriptor.h"
 #include "rpc/grpc_edge.h"
 #include "server/log.h"
 #include "server/metrics.h"
@@ -46,11 +48,25 @@ class CallObserver final : public grpc::experimental::Interceptor {
   const std::string method_;  // the RPC's name, without the service
 };
 
+// The RPC's name, without the service, or "unknown" for a method the
+// server does not serve: the caller chooses the path, and each name would be
+// a metric series and a log rate limit of its own.
+std::string MethodLabel(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos || slash == 0) return "unknown";
+  const std::string dotted = absl::StrCat(path.substr(1, slash - 1), ".", path.substr(slash + 1));
+  if (google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(dotted) == nullptr) return "unknown";
+  return path.substr(slash + 1);
+}
+
 class Factory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
-    const std::string full = info->method() == nullptr ? "" : info->method();
-    return new CallObserver(full.substr(full.rfind('/') + 1));
+    const std::string path = info->method() == nullptr ? "" : info->method();
+    // Health checks are not refusals: a check of a service not served here
+    // is NOT_FOUND, and a Watch ends when its client goes.
+    if (absl::StartsWith(path, "/grpc.health.v1.Health/")) return nullptr;
+    return new CallObserver(MethodLabel(path));
   }
 };
 

@@ -112,6 +112,35 @@ TEST_F(LogsTest, ProtobufsOwnLinesAreTheServersJsonLinesAndRateLimited) {
   EXPECT_LE(protobuf.size(), 5 * (static_cast<size_t>(seconds) + 2)) << server->log();
 }
 
+// The method label of shardopt_refusals_total is one of the service's:
+// a caller naming 50 methods that do not exist adds one series, "unknown"
+// (it used to add 50, never removed, and a log line each past the rate
+// limit); and health checks answered NOT_FOUND, or a Watch ended by its
+// client, are not refusals.
+TEST_F(LogsTest, RefusalsOfMethodsThatDoNotExistShareOneLabel) {
+  const int port = testing::FreeLoopbackPort();
+  auto server = ServerProcess::StartLogged({absl::StrCat("--metrics_port=", port), "--log_format=json"});
+  ASSERT_NE(server, nullptr);
+  for (int i = 0; i < 50; ++i) {
+    EXPECT_EQ(testing::GenericUnary(server->address(), absl::StrCat("/shardopt.v1.Optimizer/M", i), "").first.error_code(),
+              grpc::StatusCode::UNIMPLEMENTED);
+  }
+  const std::string nope("\x0a\x04nope", 6);  // HealthCheckRequest{service: "nope"}
+  EXPECT_EQ(testing::GenericUnary(server->address(), "/grpc.health.v1.Health/Check", nope).first.error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  const std::string metrics = testing::GetMetrics(port);
+  EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_refusals_total{method=\"unknown\",code=\"UNIMPLEMENTED\"} 50\n"));
+  EXPECT_THAT(metrics, ::testing::Not(::testing::HasSubstr("method=\"M")));
+  EXPECT_THAT(metrics, ::testing::Not(::testing::HasSubstr("method=\"Check\"")));
+  server->Stop(SIGTERM);
+  size_t refused = 0;
+  for (const nlohmann::json& line : Events(JsonLines(server->log()), "refused")) {
+    ++refused;
+    EXPECT_EQ(line.value("method", ""), "unknown") << line;
+  }
+  EXPECT_LE(refused, 10u) << server->log();  // rate-limited as one method
+}
+
 // The counters the README's alerts watch are there from the start, at 0:
 // an alert on their increase sees a series on a server that has written no
 // checkpoint, and the rate of a series that first appeared at 1 would miss
