@@ -93,8 +93,24 @@ absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& 
   fs::create_directories(w->result_.directory, ec);
   if (ec) return absl::InternalError(absl::StrCat("cannot create ", w->result_.directory, ": ", ec.message()));
   // A step's state is unique (the step protocol applies each step once), so
-  // a complete checkpoint of it needs nothing more, from any placement.
+  // a complete checkpoint of it needs nothing more, from any placement; but
+  // only of this life of the job. This placement's part written by another
+  // life (two servers or runs with one job name in one directory) would
+  // otherwise be taken as this one's state. (A restore onto another
+  // placement takes a life from parts of the old one: only this placement's
+  // own part is compared.)
   if (fs::exists(absl::StrCat(w->result_.directory, "/", kCommitName), ec)) {
+    const std::string ours = absl::StrCat(w->result_.directory, "/", PartName(spec));
+    if (auto head = ReadPartHead(ours); head.ok() && SameShards(head->manifest.spec(), spec) &&
+                                        head->manifest.incarnation() != 0 && manifest.incarnation() != 0 &&
+                                        head->manifest.incarnation() != manifest.incarnation()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "step ", manifest.step(), " of job ", spec.job(), " is complete in ", w->result_.directory,
+          " already, and its part there is another life of job ", spec.job(), "'s (incarnation ",
+          head->manifest.incarnation(), ", this one ", manifest.incarnation(),
+          "): two servers or runs give one job name and share this --checkpoint_dir; nothing was written. Give "
+          "each run its own job name, or each server its own directory"));
+    }
     w->result_.complete = true;
     w->manifest_ = std::move(manifest);
     return w;

@@ -53,7 +53,7 @@ const std::vector<Family>& Families() {
       {"shardopt_skipped_steps_total", Type::kCounter, "Steps committed with skip (nonfinite gradients), by job.", {}},
       {"shardopt_refusals_total", Type::kCounter, "Calls answered with an error, by method and gRPC code.", {}},
       {"shardopt_checkpoint_bytes_total", Type::kCounter, "Bytes of checkpoint parts, by direction=write|restore.", {}},
-      {"shardopt_checkpoints_total", Type::kCounter, "Checkpoint parts this server wrote, by job.", {}},
+      {"shardopt_checkpoints_total", Type::kCounter, "Checkpoints of a job this server finished (its part written, or the step complete already), by job.", {}},
       {"shardopt_checkpoint_failures_total", Type::kCounter,
        "Checkpoints of a job that began on this server and failed (a Checkpoint call's or the drain's), by job.", {}},
       {"shardopt_push_wait_seconds", Type::kHistogram,

@@ -232,6 +232,37 @@ TEST(DurabilityTest, AnAttachThatMeetsAStepBeingSealedAsksAgainAndCompletesIt) {
   EXPECT_EQ(Fingerprint(*restarted, job).value(), at[0]);
 }
 
+// Two servers that share a --checkpoint_dir each hold a job of one name (two
+// runs under one name): the second to checkpoint step 3 found the first's
+// COMMIT and answered "complete" having written nothing, so a restore would
+// give it the other run's state. Its part of the step is another life's
+// (CreateJobResponse.incarnation, kept in the part): it is refused, and
+// the first run's checkpoint stays as it was.
+TEST(DurabilityTest, AServerDoesNotTakeAnotherLifesCheckpointOfItsJobsNameAsItsOwn) {
+  const JobOptions job = DurableJob("shared-name", {{"w", 3000}});
+  TempDir dir;
+  auto servers = StartServers(2, dir.path());
+  std::vector<std::unique_ptr<Client>> clients;
+  for (const auto& server : servers) {
+    ClientOptions alone;
+    alone.servers = {server->address()};
+    clients.push_back(Client::Connect(alone).value());
+    ASSERT_EQ(clients.back()->CreateOrAttach(job).value(), 0u);
+  }
+  for (auto& client : clients) Train(*client, job, 3);
+  ASSERT_TRUE(clients[0]->Checkpoint().ok());
+  const std::vector<uint32_t> first = Fingerprint(*clients[0], job).value();
+  const absl::Status refused = clients[1]->Checkpoint();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("another life of job"));
+  clients.clear();
+  for (auto& server : servers) server->Stop(SIGKILL);
+  auto restarted = StartServers(1, dir.path());
+  auto client = Connect(restarted);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), 3u);
+  EXPECT_EQ(Fingerprint(*client, job).value(), first);
+}
+
 // A Step whose checkpoint_every checkpoint fails says the step was applied:
 // the caller's usual way out, calling Step again, would apply the next one.
 TEST(DurabilityTest, AStepWhoseCheckpointFailsSaysTheStepWasApplied) {
