@@ -13,6 +13,7 @@
 #include <iostream>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -21,8 +22,6 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "google/protobuf/descriptor.h"
-#include "google/protobuf/stubs/logging.h"
-#include "grpc/support/log.h"
 #include "grpcpp/grpcpp.h"
 #include "base/whole_file.h"
 #include "kernels/gpu.h"
@@ -35,6 +34,7 @@
 #include "server/metrics.h"
 #include "server/metrics_http.h"
 #include "server/job_spec.h"
+#include "server/library_logs.h"
 #include "server/service.h"
 #include "server/tls_copies.h"
 #include "server/watched_files.h"
@@ -88,6 +88,10 @@ ABSL_FLAG(std::string, tls_client_ca, "",
 ABSL_FLAG(bool, insecure, false,
           "allow plaintext on an address other than loopback (anyone who reaches the port can use every job)");
 ABSL_FLAG(bool, reflection, false, "serve gRPC server reflection (it lists the services to anyone who asks)");
+ABSL_FLAG(int, drain_failure_wait_seconds, 20,
+          "after a SIGTERM drain in which a checkpoint failed, keep answering --metrics_port until one scrape, at "
+          "most this long, so that Prometheus sees shardopt_checkpoint_failures_total move before the server "
+          "exits; 0: exit at once");
 ABSL_FLAG(uint64_t, checkpoint_keep, 0,
           "after a checkpoint completes, keep this many complete checkpoints per job and remove older steps; "
           "0 keeps all. The newest complete one is never removed");
@@ -130,33 +134,6 @@ bool IsLoopback(const std::string& host) {
     return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
   }
   return bare == "localhost";
-}
-
-// gRPC's own log lines (a failed TLS handshake, a port it cannot bind) as
-// the server's: with --log_format=json every line of stderr is then JSON.
-// At most 5 a second from each line of gRPC's source, as refusals are: any
-// peer can cause a failed handshake per connection, 13711 lines in 3 s.
-void LogFromGrpc(gpr_log_func_args* args) {
-  const shardopt::log::Level level = args->severity == GPR_LOG_SEVERITY_ERROR ? shardopt::log::Level::kError
-                                     : args->severity == GPR_LOG_SEVERITY_DEBUG || args->severity == GPR_LOG_SEVERITY_INFO
-                                         ? shardopt::log::Level::kInfo
-                                         : shardopt::log::Level::kWarning;
-  const std::string source = absl::StrCat(args->file, ":", args->line);
-  shardopt::log::Fields fields = {{"source", source}, {"message", args->message}};
-  if (!shardopt::log::Allow("grpc " + source, &fields)) return;
-  shardopt::log::Write(level, "grpc", fields);
-}
-
-// Protobuf's own log lines, the same way: any client can cause one per
-// request (a string field that is not UTF-8).
-void LogFromProtobuf(google::protobuf::LogLevel level, const char* file, int line, const std::string& message) {
-  const std::string source = absl::StrCat(file, ":", line);
-  shardopt::log::Fields fields = {{"source", source}, {"message", message}};
-  if (!shardopt::log::Allow("protobuf " + source, &fields)) return;
-  shardopt::log::Write(level >= google::protobuf::LOGLEVEL_ERROR    ? shardopt::log::Level::kError
-                       : level == google::protobuf::LOGLEVEL_WARNING ? shardopt::log::Level::kWarning
-                                                                      : shardopt::log::Level::kInfo,
-                       "protobuf", fields);
 }
 
 // A --checkpoint_dir the server cannot write fails the start (exit 1): found
@@ -221,6 +198,9 @@ int main(int argc, char** argv) {
       shardopt::UsageError(absl::StrCat("--", flag, "=", port, " is not a port (1 to 65535; 0: none)"));
     }
   }
+  if (const int wait = absl::GetFlag(FLAGS_drain_failure_wait_seconds); wait < 0 || wait > 3600) {
+    shardopt::UsageError(absl::StrCat("--drain_failure_wait_seconds=", wait, " must be 0 to 3600"));
+  }
   if (const int threads = absl::GetFlag(FLAGS_threads); threads < 0 || threads > 4096) {
     shardopt::UsageError(absl::StrCat("--threads=", threads, " must be 0 (one per core) to 4096"));
   }
@@ -264,8 +244,7 @@ int main(int argc, char** argv) {
   }
   namespace log = shardopt::log;
   log::Init(absl::GetFlag(FLAGS_log_format) == "json" ? log::Format::kJson : log::Format::kText);
-  gpr_set_log_function(LogFromGrpc);
-  google::protobuf::SetLogHandler(LogFromProtobuf);
+  shardopt::RouteLibraryLogs();
 
   auto backend = shardopt::MakeBackend(absl::GetFlag(FLAGS_device), absl::GetFlag(FLAGS_threads),
                                        absl::GetFlag(FLAGS_auto_requires_gpu));
@@ -423,6 +402,9 @@ int main(int argc, char** argv) {
     if (Given(absl::GetFlagReflectionHandle(FLAGS_tls_reload_seconds)) && options.tls_cert_pem.empty()) {
       log::Warning("flag_ignored", {{"flag", "--tls_reload_seconds"}, {"why", "no --tls_cert: no TLS files to reload"}});
     }
+    if (Given(absl::GetFlagReflectionHandle(FLAGS_drain_failure_wait_seconds)) && metrics_server == nullptr) {
+      log::Warning("flag_ignored", {{"flag", "--drain_failure_wait_seconds"}, {"why", "no --metrics_port: nothing to scrape"}});
+    }
   }
   if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
     const std::string tmp = path + ".tmp";  // renamed so a reader never sees a partial number
@@ -491,7 +473,18 @@ int main(int argc, char** argv) {
       if (!result.ok()) ++failed;  // each logged by the store, as is each one written
     }
     if (failed > 0) {
+      const uint64_t scraped_before = metrics_server ? metrics_server->scrapes() : 0;
+      const auto give_up = std::chrono::steady_clock::now() +
+                           std::chrono::seconds(metrics_server ? absl::GetFlag(FLAGS_drain_failure_wait_seconds) : 0);
       (*running)->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      // The failure is in shardopt_checkpoint_failures_total, which no alert
+      // sees unless a scrape reads it before the process is gone.
+      if (std::chrono::steady_clock::now() < give_up) {
+        while (metrics_server->scrapes() == scraped_before && std::chrono::steady_clock::now() < give_up) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+        log::Warning("drain_failed_wait", {{"scraped", metrics_server->scrapes() > scraped_before ? "true" : "false"}});
+      }
       log::ReportSuppressed();
       log::Error("exit", {{"code", "1"}, {"why", absl::StrCat(failed, " job checkpoints failed at the drain")}});
       return 1;

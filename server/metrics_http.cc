@@ -42,9 +42,14 @@ constexpr size_t kHeadBytes = 8192;
 // Connections read at once: past it, the one open longest is dropped.
 constexpr size_t kConnections = 64;
 
+// Whether a request is a scrape: GET of the metrics path.
+bool IsScrape(const std::string& head) {
+  return absl::StartsWith(head, "GET /metrics ") || absl::StartsWith(head, "GET /metrics?");
+}
+
 // The answer to a request whose head is `head` (whole, or cut at kHeadBytes).
 std::string Answer(const std::string& head, const metrics::Registry& registry) {
-  const bool get = absl::StartsWith(head, "GET /metrics ") || absl::StartsWith(head, "GET /metrics?");
+  const bool get = IsScrape(head);
   if (!get && !absl::StartsWith(head, "HEAD /metrics ") && !absl::StartsWith(head, "HEAD /metrics?")) {
     // Another method on the metrics path is the wrong method, not a path
     // that is not there.
@@ -110,6 +115,7 @@ void MetricsServer::Serve() {
         if (n > 0) c.head.append(buf, static_cast<size_t>(n));
         if (n > 0 && (c.head.find("\r\n\r\n") != std::string::npos || c.head.size() >= kHeadBytes)) {
           SendAll(c.fd, Answer(c.head, *registry_));
+          if (IsScrape(c.head)) scrapes_.fetch_add(1, std::memory_order_relaxed);
         }
         done = n <= 0 || c.head.find("\r\n\r\n") != std::string::npos || c.head.size() >= kHeadBytes;
       }

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <thread>
@@ -22,6 +23,9 @@ class MetricsServer {
                                                               const metrics::Registry* registry);
   ~MetricsServer();
   int port() const { return port_; }
+  // Scrapes (GET /metrics) answered so far: a server that must be seen
+  // before it exits waits for the next one.
+  uint64_t scrapes() const { return scrapes_.load(std::memory_order_relaxed); }
 
  private:
   MetricsServer(int fd, int port, const metrics::Registry* registry);
@@ -31,6 +35,7 @@ class MetricsServer {
   const int port_;
   const metrics::Registry* const registry_;
   std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> scrapes_{0};
   std::thread thread_;
 };
 

@@ -6,12 +6,14 @@
 #include <signal.h>
 #include <unistd.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <netinet/in.h>
 #include <arpa/inet.h>
 
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -180,6 +182,40 @@ TEST_F(LogsTest, TheCountersTheAlertsWatchStartAtZero) {
   metrics = testing::GetMetrics(port);
   EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoints_total{job=\"fresh\"} 1\n"));
   EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoint_failures_total{job=\"fresh\"} 1\n"));
+}
+
+// A checkpoint that fails at the SIGTERM drain is scraped before the server
+// exits: it answers /metrics until one scrape after the drain (at most
+// --drain_failure_wait_seconds), so that ShardoptCheckpointFailed sees
+// the failure. The process used to exit within milliseconds of it, and
+// Prometheus never saw the counter move (a probe lost four steps so).
+TEST_F(LogsTest, ACheckpointThatFailsAtTheDrainIsScrapedBeforeTheServerExits) {
+  const int port = testing::FreeLoopbackPort();
+  const std::string checkpoints = dir_ + "/ckpt";
+  auto server = ServerProcess::StartLogged({absl::StrCat("--metrics_port=", port), "--checkpoint_dir=" + checkpoints,
+                                            "--log_format=json", "--drain_failure_wait_seconds=60"});
+  ASSERT_NE(server, nullptr);
+  auto client = Connect(server->address(), "");
+  ASSERT_TRUE(client->CreateOrAttach(OneTensor4k("drained")).ok());
+  const std::vector<float> values = testing::RandomFloats(rng_, 4096, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", values.data()).ok());
+  std::ofstream(checkpoints + "/drained") << "not a directory";  // the drain's checkpoint fails
+  const auto t0 = std::chrono::steady_clock::now();
+  std::future<int> stopped = std::async(std::launch::async, [&] { return server->Stop(SIGTERM); });
+  std::string metrics;
+  while (metrics.find("\nshardopt_checkpoint_failures_total{job=\"drained\"} 1\n") == std::string::npos &&
+         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(20)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    metrics = testing::GetMetrics(port);
+  }
+  EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_checkpoint_failures_total{job=\"drained\"} 1\n"));
+  // That scrape ends the wait, well before the 60 s given.
+  ASSERT_EQ(stopped.wait_for(std::chrono::seconds(20)), std::future_status::ready);
+  const int status = stopped.get();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  const std::vector<nlohmann::json> lines = JsonLines(server->log());
+  ASSERT_EQ(Events(lines, "drain_failed_wait").size(), 1u) << server->log();
+  EXPECT_EQ(Events(lines, "drain_failed_wait")[0].value("scraped", ""), "true");
 }
 
 // Connections that send nothing (a port scan, a stuck client) hold up no

@@ -49,7 +49,8 @@ DOCKERFILES = ["Dockerfile", "Dockerfile.gpu"]
 # deploy/overlays/gpu/gpu.yaml say where each comes from).
 CHECKPOINT_WRITE_BYTES_PER_S = 1.65e9  # README, "Durability"
 SHARED_VOLUME_FACTOR = 4               # a shared RWX volume, slower than that disk
-DRAIN_AND_START_S = 28                 # an apply in flight (up to 20 s), the write's start, gRPC's 5 s shutdown
+DRAIN_AND_START_S = 48                 # an apply in flight (up to 20 s), the write's start, gRPC's 5 s shutdown,
+                                       # the wait for a scrape after a failed checkpoint (--drain_failure_wait_seconds)
 GPU_MEMORY_BYTES = 150e9               # an H200 as the driver counts it
 STATE_FRACTION = 12 / 18               # fp32 p, m, v of the 18 B/param charged
 
