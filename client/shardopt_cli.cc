@@ -43,6 +43,9 @@ ABSL_FLAG(std::string, server, "localhost:50051", "describe, drop, checkpoint, r
 ABSL_FLAG(std::string, tls_ca, "", "describe, drop, checkpoint, read: PEM CA of the server's certificate; set it to use TLS");
 ABSL_FLAG(std::string, tls_cert, "", "describe, drop, checkpoint, read: PEM certificate of this client, for mutual TLS");
 ABSL_FLAG(std::string, tls_key, "", "describe, drop, checkpoint, read: PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_server_name, "",
+          "describe, drop, checkpoint, read: with TLS, the name the server's certificate must carry, where --server "
+          "reaches it by another (an IP, or localhost through kubectl port-forward); default: --server's host");
 ABSL_FLAG(std::string, token_file, "",
           "describe, drop, checkpoint, read: a file holding the bearer token for a server with --tokens_file; "
           "without it the environment variable SHARDOPT_TOKEN, if set");
@@ -270,6 +273,13 @@ int main(int argc, char** argv) {
 
   grpc::ChannelArguments channel_args;
   shardopt::TuneChannelArguments(&channel_args);
+  if (const std::string name = absl::GetFlag(FLAGS_tls_server_name); !name.empty()) {
+    if (absl::GetFlag(FLAGS_tls_ca).empty() && absl::GetFlag(FLAGS_tls_cert).empty() &&
+        absl::GetFlag(FLAGS_tls_key).empty()) {
+      shardopt::UsageError("--tls_server_name is for TLS: give --tls_ca too");
+    }
+    channel_args.SetSslTargetNameOverride(name);
+  }
   // The PEM files, then the token file.
   std::string text[4];
   const std::string paths[4] = {absl::GetFlag(FLAGS_tls_ca), absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),

@@ -125,6 +125,38 @@ TEST(TlsTest, AMutualTlsServerServesOnlyClientsWithACertificateItsCaSigned) {
   EXPECT_EQ(StepOnce(server->address(), stranger, "c").code(), absl::StatusCode::kUnavailable);
 }
 
+// The admin CLI reaches a TLS server by another name than its certificate's
+// (an IP, or localhost through kubectl port-forward to a pod whose
+// certificate names shardopt-0.shardopt) with --tls_server_name, the name
+// to verify; a wrong one is refused, so the flag is what decides.
+TEST(TlsTest, TheCliVerifiesTheNameGivenByTlsServerName) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
+  auto server = ServerProcess::Start({"--tls_cert=" + certs.path("server.pem"), "--tls_key=" + certs.path("server.key"),
+                                      "--tls_client_ca=" + certs.path("ca.pem")});
+  ASSERT_NE(server, nullptr);
+  const auto cli = [&](const std::string& name) {
+    const std::string out = certs.path("cli.out");
+    const int status = std::system(absl::StrCat(
+        SHARDOPT_CLI_BINARY, " --server=", server->address(), " --timeout_s=5 --tls_ca=", certs.path("ca.pem"),
+        " --tls_cert=", certs.path("client.pem"), " --tls_key=", certs.path("client.key"),
+        name.empty() ? "" : " --tls_server_name=" + name, " describe nojob >", out, " 2>&1").c_str());
+    return std::pair{WIFEXITED(status) ? WEXITSTATUS(status) : -1, ReadText(out)};
+  };
+  // The certificate names localhost and 127.0.0.1: asked as localhost, the
+  // server answers (no such job), and as another name the handshake fails.
+  auto [named, said] = cli("localhost");
+  EXPECT_EQ(named, 1) << said;
+  EXPECT_THAT(said, ::testing::HasSubstr("NOT_FOUND")) << said;
+  auto [wrong, refused] = cli("shardopt-0.shardopt");
+  EXPECT_EQ(wrong, 1) << refused;
+  EXPECT_THAT(refused, ::testing::HasSubstr("UNAVAILABLE")) << refused;
+  // Without TLS the flag would do nothing: a usage error.
+  const int plain = std::system(absl::StrCat(SHARDOPT_CLI_BINARY, " --server=", server->address(),
+                                             " --tls_server_name=localhost describe nojob >/dev/null 2>&1").c_str());
+  EXPECT_TRUE(WIFEXITED(plain) && WEXITSTATUS(plain) == 2) << plain;
+}
+
 // Any peer can fail a handshake per connection, and gRPC logs each: at most
 // 5 such lines a second from each line of gRPC's source, the rest counted
 // (suppressed=N), as refusals are. 300 plaintext connections to a TLS port
