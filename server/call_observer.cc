@@ -5,6 +5,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/descriptor.h"
+#include "grpcpp/server_context.h"
 #include "rpc/grpc_edge.h"
 #include "server/log.h"
 #include "server/metrics.h"
@@ -14,7 +15,7 @@ namespace {
 
 class CallObserver final : public grpc::experimental::Interceptor {
  public:
-  explicit CallObserver(std::string method) : method_(std::move(method)) {}
+  CallObserver(std::string method, grpc::ServerContextBase* context) : method_(std::move(method)), context_(context) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
@@ -31,7 +32,11 @@ class CallObserver final : public grpc::experimental::Interceptor {
         const std::string code = std::string(absl::StatusCodeToString(
             static_cast<absl::StatusCode>(st.error_code())));
         metrics::Registry::Default().Increment("shardopt_refusals_total", {{"method", method_}, {"code", code}});
-        log::Fields fields = {{"method", method_}, {"code", code}, {"message", st.error_message()}};
+        // The peer too: a refusal for a wrong token names no one else.
+        log::Fields fields = {{"method", method_},
+                              {"code", code},
+                              {"message", st.error_message()},
+                              {"peer", context_ == nullptr ? "" : context_->peer()}};
         if (log::Allow(absl::StrCat(method_, "/", code), &fields)) log::Warning("refused", fields);
       }
     }
@@ -46,6 +51,7 @@ class CallObserver final : public grpc::experimental::Interceptor {
   }
 
   const std::string method_;  // the RPC's name, without the service
+  grpc::ServerContextBase* const context_;  // the call's; lives as long as this interceptor
 };
 
 // The RPC's name, without the service, or "unknown" for a method the
@@ -66,7 +72,7 @@ class Factory final : public grpc::experimental::ServerInterceptorFactoryInterfa
     // Health checks are not refusals: a check of a service not served here
     // is NOT_FOUND, and a Watch ends when its client goes.
     if (absl::StartsWith(path, "/grpc.health.v1.Health/")) return nullptr;
-    return new CallObserver(MethodLabel(path));
+    return new CallObserver(MethodLabel(path), info->server_context());
   }
 };
 

@@ -139,6 +139,7 @@ TEST_F(LogsTest, RefusalsOfMethodsThatDoNotExistShareOneLabel) {
   for (const nlohmann::json& line : Events(JsonLines(server->log()), "refused")) {
     ++refused;
     EXPECT_EQ(line.value("method", ""), "unknown") << line;
+    EXPECT_THAT(line.value("peer", ""), ::testing::StartsWith("ipv4:127.0.0.1:")) << line;  // who was refused
   }
   EXPECT_LE(refused, 10u) << server->log();  // rate-limited as one method
 }
