@@ -116,9 +116,9 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     sent_to.push_back(max);
     // A size the caller chose is kept as given, so one that cannot fit is
     // said here, not as gRPC's "Sent message larger than max" at each push.
-    if (const uint64_t asked = im.options.chunk_bytes; asked > 0 && max > 0 && asked > max / 2) {
+    if (const uint64_t chosen = im.options.chunk_bytes; chosen > 0 && max > 0 && chosen > max / 2) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "ClientOptions::chunk_bytes is ", asked, ", more than half of server ", im.options.servers[s],
+          "ClientOptions::chunk_bytes is ", chosen, ", more than half of server ", im.options.servers[s],
           "'s --max_message_bytes (", max, "), which a message must leave room in for its other fields: give at "
           "most ", max / 2, ", or 0 to let the client choose"));
     }

@@ -1,9 +1,9 @@
 // Sees every call's final status on its way out, whatever the RPC and
 // whichever API serves it (sync or callback), health checks aside: a
 // refusal is counted in shardopt_refusals_total{method, code} (method
-// "unknown" for one the server does not serve) and logged at warning level with
-// its code and message (which names the job), rate-limited per method and
-// code so that a client cannot flood the log. A unary request gRPC could not
+// "unknown" for one the server does not serve) and logged at warning level
+// with its code, message (which names the job) and peer, rate-limited per
+// method and code so that a client cannot flood the log. A unary request gRPC could not
 // parse, which gRPC answers INTERNAL with no message, is answered
 // INVALID_ARGUMENT naming the request instead.
 #pragma once

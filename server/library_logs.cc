@@ -16,9 +16,9 @@ namespace {
 // peer can cause a failed handshake per connection, 13711 lines in 3 s.
 void FromGrpc(gpr_log_func_args* args) {
   const log::Level level = args->severity == GPR_LOG_SEVERITY_ERROR ? log::Level::kError
-                                     : args->severity == GPR_LOG_SEVERITY_DEBUG || args->severity == GPR_LOG_SEVERITY_INFO
-                                         ? log::Level::kInfo
-                                         : log::Level::kWarning;
+                           : args->severity == GPR_LOG_SEVERITY_DEBUG || args->severity == GPR_LOG_SEVERITY_INFO
+                               ? log::Level::kInfo
+                               : log::Level::kWarning;
   const std::string source = absl::StrCat(args->file, ":", args->line);
   log::Fields fields = {{"source", source}, {"message", args->message}};
   if (!log::Allow("grpc " + source, &fields)) return;
@@ -31,10 +31,10 @@ void FromProtobuf(google::protobuf::LogLevel level, const char* file, int line, 
   const std::string source = absl::StrCat(file, ":", line);
   log::Fields fields = {{"source", source}, {"message", message}};
   if (!log::Allow("protobuf " + source, &fields)) return;
-  log::Write(level >= google::protobuf::LOGLEVEL_ERROR    ? log::Level::kError
-                       : level == google::protobuf::LOGLEVEL_WARNING ? log::Level::kWarning
-                                                                      : log::Level::kInfo,
-                       "protobuf", fields);
+  log::Write(level >= google::protobuf::LOGLEVEL_ERROR     ? log::Level::kError
+             : level == google::protobuf::LOGLEVEL_WARNING ? log::Level::kWarning
+                                                           : log::Level::kInfo,
+             "protobuf", fields);
 }
 
 }  // namespace
