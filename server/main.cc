@@ -474,12 +474,12 @@ int main(int argc, char** argv) {
     }
     if (failed > 0) {
       const uint64_t scraped_before = metrics_server ? metrics_server->scrapes() : 0;
-      const auto give_up = std::chrono::steady_clock::now() +
-                           std::chrono::seconds(metrics_server ? absl::GetFlag(FLAGS_drain_failure_wait_seconds) : 0);
+      const int wait = absl::GetFlag(FLAGS_drain_failure_wait_seconds);
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(wait);
       (*running)->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
       // The failure is in shardopt_checkpoint_failures_total, which no alert
       // sees unless a scrape reads it before the process is gone.
-      if (std::chrono::steady_clock::now() < give_up) {
+      if (metrics_server != nullptr && wait > 0) {
         while (metrics_server->scrapes() == scraped_before && std::chrono::steady_clock::now() < give_up) {
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
