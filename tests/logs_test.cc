@@ -403,12 +403,14 @@ TEST_F(LogsTest, RepeatedRefusalsAreRateLimitedAndTextLinesHaveTheirShape) {
 // Flags that do nothing without another are told at start (they were taken
 // silently): an operator who set --checkpoint_keep expects pruning.
 TEST_F(LogsTest, FlagsThatDoNothingHereAreSaidToBeIgnored) {
-  auto server = ServerProcess::StartLogged({"--checkpoint_keep=3", "--tls_reload_seconds=5"});
+  auto server = ServerProcess::StartLogged(
+      {"--checkpoint_keep=3", "--tls_reload_seconds=5", "--drain_failure_wait_seconds=5"});
   ASSERT_NE(server, nullptr);
   ASSERT_TRUE(WIFEXITED(server->Stop(SIGTERM)));
   const std::string log = server->log();
   EXPECT_THAT(log, ::testing::HasSubstr("flag_ignored flag=--checkpoint_keep"));
   EXPECT_THAT(log, ::testing::HasSubstr("flag_ignored flag=--tls_reload_seconds"));
+  EXPECT_THAT(log, ::testing::HasSubstr("flag_ignored flag=--drain_failure_wait_seconds"));
 }
 
 TEST_F(LogsTest, AFailedStartEndsWithAnExitLine) {
