@@ -131,6 +131,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     const uint64_t said = *std::max_element(barrier.begin(), barrier.end());
     im.barrier_ms = said > 0 ? static_cast<uint32_t>(said) : 60000;
   }
+  SHARDOPT_RETURN_IF_ERROR(im.CheckCheckpointsCanBeTaken());
   im.attached = true;
   return step;
 }

@@ -115,6 +115,27 @@ std::vector<bool> Client::Impl::holds_part() const {
   return holds;
 }
 
+absl::Status Client::Impl::CheckCheckpointsCanBeTaken() const {
+  if (options.checkpoint_every == 0 || options.rank != 0) return absl::OkStatus();
+  return ForEachServer([&](uint32_t s) -> absl::Status {
+    v1::DescribeResponse described;
+    SHARDOPT_RETURN_IF_ERROR(Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+      v1::DescribeRequest req;
+      req.set_job(job.name);
+      req.set_incarnation(incarnation[s]);
+      req.set_max_tensors(1);  // the server's settings, not the tensors
+      return stubs[s]->Describe(ctx, req, &described);
+    }));
+    if (described.has_checkpoint_dir() && !described.checkpoint_dir()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "ClientOptions::checkpoint_every is ", options.checkpoint_every, ", but server ", address(s),
+          " has no --checkpoint_dir: each of its checkpoints would fail after its step was applied; start the "
+          "servers with --checkpoint_dir, or give checkpoint_every 0"));
+    }
+    return absl::OkStatus();
+  });
+}
+
 absl::Status Client::Impl::AskCreateJob(const JobOptions& job, std::vector<v1::CreateJobResponse>* answers) const {
   answers->assign(servers(), v1::CreateJobResponse());
   return ForEachServer([&](uint32_t s) {

@@ -122,6 +122,11 @@ struct Client::Impl {
   // Which servers hold part of the job.
   std::vector<bool> holds_part() const;
 
+  // FAILED_PRECONDITION if this client would take checkpoints
+  // (options.checkpoint_every, rank 0) and a server of the job has no
+  // --checkpoint_dir: each would fail after its step was applied.
+  absl::Status CheckCheckpointsCanBeTaken() const;
+
   // Every server's answer to CreateJob for `job` (the tensors' placement
   // known: shards_of).
   absl::Status AskCreateJob(const JobOptions& job, std::vector<v1::CreateJobResponse>* answers) const;

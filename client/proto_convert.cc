@@ -54,8 +54,15 @@ v1::StateKind ToProto(StateToRead what) {
 }
 
 ServerState FromProto(const std::string& address, const v1::DescribeResponse& r) {
-  return {address, r.device(), r.step(), r.state_bytes(), r.staging_bytes(), r.memory_limit_bytes(),
-          r.memory_used_bytes(), r.uninitialized_tensors()};
+  return {address,
+          r.device(),
+          r.step(),
+          r.state_bytes(),
+          r.staging_bytes(),
+          r.memory_limit_bytes(),
+          r.memory_used_bytes(),
+          r.uninitialized_tensors(),
+          !r.has_checkpoint_dir() || r.checkpoint_dir()};
 }
 
 v1::StepIntent ToProto(const StepOptions& options) {

@@ -384,6 +384,7 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   r.set_memory_limit_bytes(budget_.limit());
   r.set_memory_used_bytes(budget_.used());
   r.set_uninitialized_tensors(static_cast<uint32_t>(job.uninitialized_shards));
+  r.set_checkpoint_dir(!options_.checkpoint_dir.empty());
   return r;
 }
 

@@ -263,19 +263,38 @@ TEST(DurabilityTest, AServerDoesNotTakeAnotherLifesCheckpointOfItsJobsNameAsItsO
   EXPECT_EQ(Fingerprint(*client, job).value(), first);
 }
 
-// A Step whose checkpoint_every checkpoint fails says the step was applied:
-// the caller's usual way out, calling Step again, would apply the next one.
-TEST(DurabilityTest, AStepWhoseCheckpointFailsSaysTheStepWasApplied) {
+// checkpoint_every on a server without --checkpoint_dir is refused when the
+// trainer attaches (rank 0, which takes the checkpoints): every checkpoint
+// would fail, after its step was applied. Other ranks take none.
+TEST(DurabilityTest, CheckpointEveryWithoutACheckpointDirIsRefusedAtAttach) {
   const JobOptions job = DurableJob("no-dir", {{"w", 3000}});
   auto servers = StartServers(1, "");  // no --checkpoint_dir
+  ClientOptions every;
+  every.checkpoint_every = 1;
+  const auto refused = Connect(servers, every)->CreateOrAttach(job);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              AllOf(HasSubstr("checkpoint_every is 1"), HasSubstr("has no --checkpoint_dir")));
+  EXPECT_TRUE(Connect(servers)->CreateOrAttach(job).ok());
+}
+
+// A Step whose checkpoint_every checkpoint fails (here the job's directory
+// is a file) says the step was applied: the caller's usual way out, calling
+// Step again, would apply the next one.
+TEST(DurabilityTest, AStepWhoseCheckpointFailsSaysTheStepWasApplied) {
+  const JobOptions job = DurableJob("no-dir", {{"w", 3000}});
+  TempDir dir;
+  auto servers = StartServers(1, dir.path());
   ClientOptions every;
   every.checkpoint_every = 1;
   auto client = Connect(servers, every);
   ScriptedTrainer trainer(job);
   ASSERT_EQ(client->CreateOrAttach(job).value(), 0u);
   ASSERT_TRUE(trainer.Init(*client).ok());
+  std::filesystem::remove_all(dir.path() + "/no-dir");
+  std::ofstream(dir.path() + "/no-dir") << "not a directory";
   const auto stepped = trainer.Step(*client);
-  EXPECT_EQ(stepped.status().code(), absl::StatusCode::kFailedPrecondition) << stepped.status();
+  EXPECT_EQ(stepped.status().code(), absl::StatusCode::kInternal) << stepped.status();  // the disk's
   EXPECT_THAT(std::string(stepped.status().message()), HasSubstr("step 1 was applied"));
   EXPECT_EQ(client->step(), 1u);
 }

@@ -91,7 +91,8 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             other's initial values. Part of the job's settings: attaching
             with another one raises AlreadyExists.
         checkpoint_every: rank 0 asks for a checkpoint after every step that
-            is a multiple of this (servers need --checkpoint_dir), with
+            is a multiple of this (servers need --checkpoint_dir: without
+            it rank 0's constructor raises FailedPrecondition), with
             overlap too; 0: only on ``checkpoint()``. If that checkpoint
             fails, ``step()`` raises its error after the step was applied and
             the params updated: do not repeat the step.
@@ -200,6 +201,14 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         #: the step resumed from (the params were pulled from the servers).
         self.resumed_step = self._client.create_or_attach(job, world_size, job_groups, job_tensors, False,
                                                           int(barrier_timeout * 1000), restore_step)
+        if self._checkpoint_every and rank == 0:
+            # Each of its checkpoints would fail, after its step was applied.
+            missing = [s.address for s in self._client.describe() if not s.checkpoint_dir]
+            if missing:
+                raise FailedPrecondition(f"checkpoint_every={self._checkpoint_every}, but server {missing[0]} has "
+                                         "no --checkpoint_dir: each checkpoint would fail after its step was "
+                                         "applied; start the servers with --checkpoint_dir, or give "
+                                         "checkpoint_every=0")
         if restore_step and self.resumed_step != restore_step:
             warnings.warn(f"restore_step={restore_step} was not used: the servers hold job '{job}' at step "
                           f"{self.resumed_step} (a job is restored only on servers that do not hold it; to go "
@@ -361,7 +370,8 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         self._client.verify_state()
 
     def describe(self):
-        """Each server's address, device, step and state bytes."""
+        """Each server's address, device, step, state bytes, and whether it
+        has a --checkpoint_dir."""
         return self._client.describe()
 
     def drop(self):

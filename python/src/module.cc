@@ -376,6 +376,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("memory_limit_bytes", &shardopt::ServerState::memory_limit_bytes)
       .def_readonly("memory_used_bytes", &shardopt::ServerState::memory_used_bytes)
       .def_readonly("uninitialized_tensors", &shardopt::ServerState::uninitialized_tensors)
+      .def_readonly("checkpoint_dir", &shardopt::ServerState::checkpoint_dir)
       .def("__repr__", [](const shardopt::ServerState& s) {
         return absl::StrCat("ServerState(address='", s.address, "', device='", s.device, "', step=", s.step,
                             ", state_bytes=", s.state_bytes, ", staging_bytes=", s.staging_bytes,

@@ -1,6 +1,7 @@
 """Errors a Python user understands: each is a shardopt.Error subclass with
 the status code and the message naming the server."""
 import socket
+import string
 import time
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import shardopt
 from shardopt.torch import RemoteAdamW
 from models import batch, make_model, param_groups, train
+from servers import checkpointing_servers
 
 torch.set_num_threads(1)
 
@@ -421,41 +423,61 @@ def test_values_swapped_in_through_data_are_noticed(servers, job):
     opt.drop()
 
 
-def backward_with_a_failing_checkpoint(servers, job, overlap):
-    """A model after one backward, and its optimizer with checkpoint_every=1
-    on servers without --checkpoint_dir, where every checkpoint fails."""
+def job_directory(checkpoints, job):
+    """The job's directory under --checkpoint_dir: its name %-escaped but
+    for letters, digits, '-', '_' and '.' (README, "Durability")."""
+    kept = set(string.ascii_letters + string.digits + "-_.")
+    return checkpoints / "".join(c if c in kept else "".join(f"%{b:02X}" for b in c.encode()) for c in job)
+
+
+def backward_with_a_failing_checkpoint(servers, checkpoints, job, overlap):
+    """A model after one backward, and its optimizer with checkpoint_every=1,
+    whose checkpoints all fail: the job's directory is a file."""
     model = make_model()
     opt = RemoteAdamW(param_groups(model), servers=servers, job=job, overlap=overlap, checkpoint_every=1)
+    job_directory(checkpoints, job).write_text("not a directory")
     tokens, targets = batch(0)
     model(tokens, targets).backward()
     return model, opt
 
 
+def test_checkpoint_every_on_servers_without_a_checkpoint_dir_is_refused_at_construction(servers, job):
+    """Rank 0 takes the checkpoints: each would fail after its step was
+    applied. describe() says which servers have a --checkpoint_dir."""
+    with pytest.raises(shardopt.FailedPrecondition, match="has no --checkpoint_dir"):
+        RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=servers, job=job, checkpoint_every=5)
+    opt = RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=servers, job=job)
+    assert all(not s.checkpoint_dir for s in opt.describe())
+    opt.drop()
+
+
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_step_whose_checkpoint_fails_says_it_was_applied(servers, job, overlap):
-    """checkpoint_every on servers without --checkpoint_dir: step() raises the
+def test_a_step_whose_checkpoint_fails_says_it_was_applied(server_binary, tmp_path, job, overlap):
+    """checkpoint_every whose checkpoint fails: step() raises the
     checkpoint's error, saying that the step was applied and must not be
     repeated (the way out of a failed step() is otherwise to call it again,
     which here would apply the next step with the same gradients)."""
-    model, opt = backward_with_a_failing_checkpoint(servers, job, overlap)
-    with pytest.raises(shardopt.FailedPrecondition) as err:
-        opt.step()
-    assert "step 1 was applied" in err.value.message and "do not call step() again" in err.value.message
-    assert "checkpoint_dir" in err.value.message  # the server's own reason follows
-    assert opt.job_step == 1
-    opt.drop()
+    with checkpointing_servers(server_binary, tmp_path) as (procs, checkpoints):
+        model, opt = backward_with_a_failing_checkpoint([p.address for p in procs], checkpoints, job, overlap)
+        with pytest.raises(shardopt.Error) as err:
+            opt.step()
+        assert "step 1 was applied" in err.value.message and "do not call step() again" in err.value.message
+        assert "Not a directory" in err.value.message  # the server's own reason follows
+        assert opt.job_step == 1
+        opt.drop()
 
 
-def test_zero_grad_whose_skip_checkpoint_fails_still_zeroes(servers, job):
+def test_zero_grad_whose_skip_checkpoint_fails_still_zeroes(server_binary, tmp_path, job):
     """overlap=True: zero_grad() after a backward completes the pushed step
-    as a skip; with checkpoint_every on servers without --checkpoint_dir it
-    raises the checkpoint's error saying the step was applied, and the
-    gradients are zeroed all the same (left, the next backward would add to
-    them and push the sum)."""
-    model, opt = backward_with_a_failing_checkpoint(servers, job, overlap=True)
-    with pytest.raises(shardopt.FailedPrecondition) as err:
-        opt.zero_grad()
-    assert "step 1 was applied" in err.value.message
-    assert opt.job_step == 1
-    assert all(p.grad is None for p in model.parameters())
-    opt.drop()
+    as a skip; with checkpoint_every whose checkpoint fails it raises the
+    checkpoint's error saying the step was applied, and the gradients are
+    zeroed all the same (left, the next backward would add to them and push
+    the sum)."""
+    with checkpointing_servers(server_binary, tmp_path) as (procs, checkpoints):
+        model, opt = backward_with_a_failing_checkpoint([p.address for p in procs], checkpoints, job, overlap=True)
+        with pytest.raises(shardopt.Error) as err:
+            opt.zero_grad()
+        assert "step 1 was applied" in err.value.message
+        assert opt.job_step == 1
+        assert all(p.grad is None for p in model.parameters())
+        opt.drop()

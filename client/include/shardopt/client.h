@@ -108,8 +108,10 @@ struct ClientOptions {
   // docs/design.md, section 10.2.
   bool tune_allocator = true;
   // Rank 0 checkpoints after every step that is a multiple of this; 0: never.
-  // If that checkpoint fails, Step returns its error although the step itself
-  // is done (step() says so); Checkpoint() may be called again.
+  // Rank 0's CreateOrAttach refuses it (FAILED_PRECONDITION) where a server
+  // of the job has no --checkpoint_dir. If that checkpoint fails, Step
+  // returns its error although the step itself is done (step() says so);
+  // Checkpoint() may be called again.
   uint64_t checkpoint_every = 0;
   // TLS, as PEM text: the CA that signed the servers' certificates (empty:
   // the system's roots), and this client's certificate chain and key, both
@@ -194,6 +196,9 @@ struct ServerState {
   uint64_t memory_used_bytes = 0;
   // Tensor parts here that still lack initial values (0: ready to step).
   uint32_t uninitialized_tensors = 0;
+  // Whether the server has --checkpoint_dir (true from a server too old to
+  // say).
+  bool checkpoint_dir = true;
 };
 
 // A part of the initial values, for callers that all hold the same ones (a
