@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -44,9 +45,25 @@ absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::strin
     error = errno;
     what = absl::StrCat("cannot rename into ", path);
   }
-  if (error == 0) return absl::OkStatus();
-  unlink(tmp.c_str());
-  return absl::InternalError(absl::StrCat(what, ": ", std::strerror(error)));
+  if (error != 0) {
+    unlink(tmp.c_str());
+    return absl::InternalError(absl::StrCat(what, ": ", std::strerror(error)));
+  }
+  return FsyncDirectory(DirectoryOf(path));
+}
+
+std::string DirectoryOf(const std::string& path) {
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  return dir.empty() ? "." : dir;
+}
+
+absl::Status FsyncDirectory(const std::string& dir) {
+  const int fd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const bool synced = fd >= 0 && fsync(fd) == 0;
+  const int error = errno;
+  if (fd >= 0) close(fd);
+  if (!synced) return absl::InternalError(absl::StrCat("cannot fsync directory ", dir, ": ", std::strerror(error)));
+  return absl::OkStatus();
 }
 
 }  // namespace shardopt

@@ -23,9 +23,15 @@ std::string TemporaryName(const std::string& path);
 int WriteAll(int fd, absl::Span<const std::string_view> pieces);
 
 // Temporary name, write, fsync, rename over `path` (mode 0666 less the
-// umask). INTERNAL naming the file and the system's reason on failure, the
-// temporary removed. The directory is not fsynced: a caller whose rename
-// must outlive a crash does that.
+// umask), then fsync of the directory, so that the rename outlives a crash.
+// INTERNAL naming the file and the system's reason on failure; the
+// temporary is removed if the rename did not happen.
 absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::string_view> pieces);
+
+// The directory `path` names a file in ("." for a bare name).
+std::string DirectoryOf(const std::string& path);
+
+// fsync of a directory: the names made or renamed in it are on disk.
+absl::Status FsyncDirectory(const std::string& dir);
 
 }  // namespace shardopt

@@ -49,18 +49,11 @@ std::string ErrnoText(const std::string& what, const std::string& path) {
   return absl::StrCat(what, " ", path, ": ", std::strerror(errno));
 }
 
-absl::Status FsyncDirectory(const std::string& dir) {
-  Fd fd(open(dir.c_str(), O_RDONLY | O_DIRECTORY));
-  if (fd.get() < 0 || fsync(fd.get()) != 0) return absl::InternalError(ErrnoText("cannot fsync directory", dir));
-  return absl::OkStatus();
-}
-
 // Concurrent writers of one file (servers completing a step at once) never
 // share a temporary name.
 absl::Status WriteFileAtomic(const std::string& dir, const std::string& name,
                              std::initializer_list<std::string_view> pieces) {
-  SHARDOPT_RETURN_IF_ERROR(WriteFileWhole(absl::StrCat(dir, "/", name), {pieces.begin(), pieces.size()}));
-  return FsyncDirectory(dir);
+  return WriteFileWhole(absl::StrCat(dir, "/", name), {pieces.begin(), pieces.size()});
 }
 
 absl::StatusOr<std::string> ReadRange(const std::string& path, uint64_t offset, uint64_t length) {

@@ -25,9 +25,9 @@ uint64_t GetLE(const char* p, int bytes);
 // `what path: strerror(errno)`.
 std::string ErrnoText(const std::string& what, const std::string& path);
 
-absl::Status FsyncDirectory(const std::string& dir);
-// WriteFileWhole (base/whole_file.h, which also has TemporaryName), then
-// the directory's fsync: after a crash the file is either whole or absent.
+// WriteFileWhole of dir/name (base/whole_file.h, which also has
+// TemporaryName and FsyncDirectory): after a crash the file is either whole
+// or absent.
 absl::Status WriteFileAtomic(const std::string& dir, const std::string& name,
                              std::initializer_list<std::string_view> pieces);
 // NOT_FOUND when the file is missing, DATA_LOSS when it is shorter.

@@ -31,6 +31,8 @@
 #include "absl/strings/strip.h"
 #include "google/protobuf/util/json_util.h"
 #include "kernels/adamw_math.h"
+#include "checkpoint/catalog.h"
+#include "checkpoint/files.h"
 #include "checkpoint/format.h"
 #include "client/option_checks.h"
 #include "shardopt/safetensors.h"
@@ -162,11 +164,32 @@ int Export(const std::string& dir, uint64_t step, bool bf16, const std::string& 
         out, " lies in job '", job, "''s checkpoint directory, whose files export reads and the servers restore; "
         "write it elsewhere")));
   }
-  auto at = shardopt::checkpoint::WholeJob(dir, job, step, log);
-  if (!at.ok()) return Fail(at.status());
-  auto part = shardopt::checkpoint::Load(dir, at->spec, at->step, log);
-  if (!part.ok()) return Fail(part.status());
   namespace checkpoint = shardopt::checkpoint;
+  // The steps whose COMMIT is there: a prune takes it first.
+  const auto complete = [&] {
+    std::vector<uint64_t> steps;
+    std::error_code ec;
+    for (uint64_t t : checkpoint::StepsNewestFirst(checkpoint::JobDirectory(dir, job))) {
+      if (std::filesystem::exists(absl::StrCat(checkpoint::StepDirectory(dir, job, t), "/", checkpoint::kCommitName), ec)) {
+        steps.push_back(t);
+      }
+    }
+    return steps;
+  };
+  absl::StatusOr<checkpoint::JobAt> at;
+  absl::StatusOr<checkpoint::Part> part;
+  for (int attempt = 1;; ++attempt) {
+    const std::vector<uint64_t> before = complete();
+    at = checkpoint::WholeJob(dir, job, step, log);
+    if (at.ok()) part = checkpoint::Load(dir, at->spec, at->step, log);
+    if (at.ok() && part.ok()) break;
+    // The newest step pruned while it was read (a live job's server with
+    // --checkpoint_keep): the complete steps there now differ, and the
+    // newest one now will do. A damaged checkpoint in a quiet directory
+    // fails at once.
+    if (step != 0 || attempt == 5 || complete() == before) return Fail(at.ok() ? part.status() : at.status());
+    log("the job's checkpoints changed while they were read (a server pruned them); reading the newest again");
+  }
   std::vector<shardopt::SafetensorsTensor> tensors;
   const std::vector<uint64_t> sections = checkpoint::SectionOffsets(part->manifest);
   std::vector<float> master;
