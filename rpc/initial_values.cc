@@ -12,18 +12,22 @@ absl::Status CheckInitialValues(const char* data, uint64_t count, bool fp32, boo
                                 absl::string_view quoted_tensor, uint64_t first) {
   const char* name = kind == InitialKind::kMaster ? "master" : kind == InitialKind::kExpAvg ? "exp_avg" : "exp_avg_sq";
   for (uint64_t i = 0; i < count; ++i) {
-    float x;
+    float x, given;
     if (fp32) {
-      std::memcpy(&x, data + 4 * i, 4);
-      if (bf16_state) x = math::bf16_to_float(math::float_to_bf16(x));
+      std::memcpy(&given, data + 4 * i, 4);
+      x = bf16_state ? math::bf16_to_float(math::float_to_bf16(given)) : given;
     } else {
       uint16_t h;
       std::memcpy(&h, data + 2 * i, 2);
-      x = math::bf16_to_float(h);
+      x = given = math::bf16_to_float(h);
     }
     if (!std::isfinite(x)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("initial ", name, " of tensor ", quoted_tensor, " element ", first + i, " is not finite"));
+      // A finite fp32 value past bf16's largest rounds to infinity in a
+      // group that keeps bf16 state.
+      return absl::InvalidArgumentError(absl::StrCat(
+          "initial ", name, " of tensor ", quoted_tensor, " element ", first + i,
+          std::isfinite(given) ? absl::StrCat(" (", given, ") rounds to infinity in its group's bf16 state")
+                               : std::string(" is not finite")));
     }
     if (kind == InitialKind::kExpAvgSq && x < 0) {
       return absl::InvalidArgumentError(

@@ -6,6 +6,7 @@
 // an error, not a partial norm of 0. And of its own inputs: a tensor's numel
 // out of range is refused before any server is asked, and a failed attach
 // leaves the client attached to nothing.
+#include <limits>
 #include <memory>
 #include <string>
 #include <utility>
@@ -18,6 +19,7 @@
 #include "grpcpp/server_builder.h"
 #include "client/option_checks.h"
 #include "rpc/barrier_timeout.h"
+#include "rpc/initial_values.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "shardopt/client.h"
@@ -340,6 +342,21 @@ TEST(ClientChecksTest, ABarrierTimeoutIsToldFromTheServersOtherDeadlines) {
       absl::StrCat("127.0.0.1:5: ", BarrierTimedOut(3), " after 5s: ranks {1} of 2 ..."))));
   EXPECT_FALSE(IsBarrierTimeout(absl::DeadlineExceededError("127.0.0.1:5: a checkpoint of step 3 is still being written")));
   EXPECT_FALSE(IsBarrierTimeout(absl::UnavailableError(BarrierTimedOut(3))));
+}
+
+// An fp32 initial value of a group that keeps bf16 state is refused if it
+// rounds to infinity there, and the message says so, with the value: it
+// said "is not finite" of 3.4e38 (a probe). A value not finite as given
+// is said to be so.
+TEST(InitialValuesTest, AValueThatRoundsToInfinityInBf16StateIsSaidToDoSo) {
+  const float values[] = {1.0f, 3.4e38f, std::numeric_limits<float>::infinity()};
+  const char* bytes = reinterpret_cast<const char*>(values);
+  EXPECT_TRUE(CheckInitialValues(bytes, 2, /*fp32=*/true, /*bf16_state=*/false, InitialKind::kMaster, "'w'", 0).ok());
+  const absl::Status big = CheckInitialValues(bytes, 2, true, /*bf16_state=*/true, InitialKind::kMaster, "'w'", 0);
+  EXPECT_EQ(big.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(big.message()), ::testing::HasSubstr("element 1 (3.4e+38) rounds to infinity in its group's bf16 state"));
+  const absl::Status inf = CheckInitialValues(bytes + 8, 1, true, false, InitialKind::kMaster, "'w'", 2);
+  EXPECT_THAT(std::string(inf.message()), ::testing::HasSubstr("element 2 is not finite"));
 }
 
 }  // namespace
