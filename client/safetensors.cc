@@ -125,6 +125,11 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
     }
     return true;
   };
+  // JSON holds no raw NUL; nlohmann's parser would take one as the end of
+  // its input, and so accept a header padded with NULs that Python's refuses.
+  if (std::memchr(bytes.data() + 8, '\0', n) != nullptr) {
+    return bad("the header holds a NUL byte (JSON has none; the format pads with spaces)");
+  }
   const nlohmann::json header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + static_cast<int64_t>(n),
                                                       note_keys, /*allow_exceptions=*/false);
   if (!header.is_object()) return bad("header is not a JSON object");

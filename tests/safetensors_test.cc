@@ -128,6 +128,13 @@ TEST_F(SafetensorsTest, ATensorNamedTwiceAndMetadataNotTextAreRefused) {
               ::testing::HasSubstr("__metadata__ must map text to text"));
   WriteRaw(R"({"__metadata__":{"job":"j"},"tiny":)" + entry + "}", std::string(4, '\0'));
   EXPECT_TRUE(ReadSafetensors(path_).ok());
+  // A header padded with NUL bytes (the format pads with spaces): JSON holds
+  // no raw NUL, and Python's reader refuses it; this one took the NUL as the
+  // header's end.
+  EXPECT_THAT(Refusal(R"({"tiny":)" + entry + "}" + std::string(3, '\0'), std::string(4, '\0')),
+              ::testing::HasSubstr("NUL byte"));
+  WriteRaw(R"({"tiny":)" + entry + "}   ", std::string(4, '\0'));  // spaces, as the format pads
+  EXPECT_TRUE(ReadSafetensors(path_).ok());
 }
 
 TEST_F(SafetensorsTest, ADirectoryIsRefusedNotThrown) {

@@ -77,6 +77,8 @@ def _parse(blob):
         header = json.loads(bytes(blob[8:8 + header_bytes]), object_pairs_hook=_no_duplicates)
     except UnicodeDecodeError as e:
         raise ValueError(f"the header is not UTF-8 text ({e})") from None
+    except RecursionError:
+        raise ValueError("the header nests too deeply to be a safetensors header") from None
     if not isinstance(header, dict):
         raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
     metadata = header.pop("__metadata__", {})

@@ -77,6 +77,15 @@ def test_a_name_given_twice_is_refused(tmp_path):
         load_safetensors(tmp_path / "twice.safetensors")
 
 
+def test_a_header_nested_past_the_recursion_limit_is_a_value_error(tmp_path):
+    """It was a RecursionError, where the docstring promises ValueError."""
+    text = b"[" * 200000 + b"]" * 200000
+    with open(tmp_path / "deep.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+    with pytest.raises(ValueError, match="nests too deeply"):
+        load_safetensors(tmp_path / "deep.safetensors")
+
+
 def test_a_header_longer_than_the_file_is_refused(tmp_path):
     with open(tmp_path / "short.safetensors", "wb") as f:
         f.write(struct.pack("<Q", 1000) + b"{}")
