@@ -65,6 +65,9 @@ absl::Status SameJob(const v1::CreateJobRequest& a, const v1::CreateJobRequest& 
   std::string diff;
   google::protobuf::util::MessageDifferencer differ;
   differ.ReportDifferencesToString(&diff);
+  // A field at proto3's default is absent: compared and shown as 0, not
+  // as "added" with one side's value alone.
+  differ.set_message_field_comparison(google::protobuf::util::MessageDifferencer::EQUIVALENT);
   if (!differ.Compare(Identity(a), Identity(b))) {
     return absl::FailedPreconditionError(absl::StrCat(where, " holds job '", b.job(), "' with another configuration (",
                                                       sides, ": ", OneLineReport(diff),

@@ -130,6 +130,9 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   std::string diff;
   google::protobuf::util::MessageDifferencer differ;
   differ.ReportDifferencesToString(&diff);
+  // A field at proto3's default is absent: compared and shown as 0, not
+  // as "added" with one side's value alone.
+  differ.set_message_field_comparison(google::protobuf::util::MessageDifferencer::EQUIVALENT);
   differ.IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
   differ.set_report_ignores(false);  // a group's name is not why: it is for messages only
   if (!differ.Compare(existing, requested)) {

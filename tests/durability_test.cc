@@ -1047,6 +1047,12 @@ TEST(DurabilityTest, BadCheckpointsAreRefusedClearlyLoadNothingAndTheServerServe
     EXPECT_THAT(message, HasSubstr("another configuration (this call's -> the checkpoint's: modified: "
                                    "tensors[0].numel: 2001 -> 2000)"));
     EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+    // A value at proto3's default (weight decay 0) is shown too, not as
+    // "deleted" with the other side's alone.
+    auto undecayed = DurableJob("config", {{"w", 2000}});
+    undecayed.groups[0].weight_decay = 0;
+    const std::string zero(Connect(servers)->CreateOrAttach(undecayed).status().message());
+    EXPECT_THAT(zero, HasSubstr("modified: groups[0].weight_decay: 0 -> 0.01")) << zero;
   }
   {
     // Torn: the newest has no COMMIT, so the one before it is loaded; named, it is refused.

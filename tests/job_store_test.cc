@@ -633,6 +633,17 @@ TEST_F(StoreTest, ADifferentConfigurationIsNamedOnOneLineWithoutTheIgnoredGroupN
   EXPECT_THAT(message, HasSubstr("(this server's -> this call's: modified: world_size: 1 -> 2)"));
   EXPECT_THAT(message, Not(HasSubstr("ignored")));
   EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  // A value at proto3's default (weight decay 0, absent on the wire) is
+  // shown as one side's value too, not as "deleted" with the other's alone.
+  v1::CreateJobRequest decayed = JobRequest("differs", 1, {{"w", 100}});
+  decayed.mutable_groups(0)->set_name("g");
+  ASSERT_NE(first.groups(0).weight_decay(), 0.05);
+  first.mutable_groups(0)->set_weight_decay(0);
+  ASSERT_TRUE(store_.DropJob("differs", 0, false).ok());
+  ASSERT_TRUE(store_.CreateJob(first).ok());
+  decayed.mutable_groups(0)->set_weight_decay(0.05);
+  const std::string other(store_.CreateJob(decayed).status().message());
+  EXPECT_THAT(other, HasSubstr("modified: groups[0].weight_decay: 0 -> 0.05")) << other;
 }
 
 TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
