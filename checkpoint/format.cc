@@ -219,9 +219,17 @@ absl::StatusOr<WriteResult> PartWriter::CompleteIfTiled() {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(result_.directory, ec)) {
     if (!IsPartName(entry.path().filename().string())) continue;
-    SHARDOPT_ASSIGN_OR_RETURN(auto head, ReadPartHead(entry.path().string()));
-    SHARDOPT_RETURN_IF_ERROR(SameJob(spec, head.manifest.spec(), head.path, "the part being written's -> that file's"));
-    parts.push_back(std::move(head));
+    auto head = ReadPartHead(entry.path().string());
+    // A file that cannot be read is no part of this step's (a restore
+    // passes it over too); failing for it would block every checkpoint of
+    // the step for good.
+    if (!head.ok() && head.status().code() == absl::StatusCode::kDataLoss) {
+      result_.passed_over.push_back(std::string(head.status().message()));
+      continue;
+    }
+    if (!head.ok()) return head.status();
+    SHARDOPT_RETURN_IF_ERROR(SameJob(spec, head->manifest.spec(), head->path, "the part being written's -> that file's"));
+    parts.push_back(*std::move(head));
   }
   // This part is there (renamed, or kept), unless the step's directory went.
   if (ec || parts.empty()) {

@@ -96,6 +96,10 @@ struct WriteResult {
   std::string directory;
   uint64_t part_bytes = 0;
   bool complete = false;
+  // Files of the step named as parts that could not be read (a stray or
+  // damaged file), each with why: not counted towards COMMIT, which lists
+  // only parts that were read, and left where they are.
+  std::vector<std::string> passed_over;
 };
 
 // Writes one part into its step's directory as its data is appended, then

@@ -87,6 +87,9 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
     return finished.status();
   }
   const checkpoint::WriteResult& written = *finished;
+  for (const std::string& why : written.passed_over) {
+    options_.checkpoint_log(absl::StrCat("passed over a file that is no readable part, left where it is: ", why));
+  }
   CountForJob(job, "shardopt_checkpoints_total");
   metrics::Registry::Default().Observe("shardopt_checkpoint_seconds", {{"direction", "write"}}, seconds);
   metrics::Registry::Default().Increment("shardopt_checkpoint_bytes_total", {{"direction", "write"}},

@@ -734,6 +734,33 @@ TEST(DurabilityTest, EveryServerDropsTheJobItsReattachMadeAfreshAgain) {
   }
 }
 
+// A file named as a part that cannot be read (a stray, or a damaged copy)
+// in a step's directory is passed over when the step's parts are counted:
+// every checkpoint of the step failed DATA_LOSS on it for good (a probe),
+// where a restore passes it over. The step is complete, and restores.
+TEST(DurabilityTest, AnUnreadableFileAmongAStepsPartsDoesNotBlockItsCheckpoint) {
+  const JobOptions job = DurableJob("stray", {{"w", 3000}});
+  TempDir dir;
+  std::vector<uint32_t> trained;
+  {
+    auto servers = StartServers(1, dir.path());
+    auto client = Connect(servers);
+    Train(*client, job, 2);
+    trained = Fingerprint(*client, job).value();
+    const std::string step = dir.path() + "/stray/step-00000000000000000002";
+    std::filesystem::create_directories(step);
+    std::ofstream(step + "/part-9-9.bin") << "junk!";
+    const absl::Status written = client->Checkpoint();
+    ASSERT_TRUE(written.ok()) << written;
+    EXPECT_TRUE(std::filesystem::exists(step + "/COMMIT"));
+    EXPECT_TRUE(std::filesystem::exists(step + "/part-9-9.bin"));  // left where it is
+  }
+  auto servers = StartServers(1, dir.path());
+  auto client = Connect(servers);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), 2u);
+  EXPECT_EQ(Fingerprint(*client, job).value(), trained);
+}
+
 // An export of a live job whose server prunes (--checkpoint_keep=1, a
 // checkpoint every step): the newest step can be pruned while the export
 // reads it, and the export then reads the next newest instead of failing
