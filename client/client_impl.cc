@@ -5,9 +5,9 @@
 #include "absl/strings/str_cat.h"
 #include "client/attach_answers.h"
 #include "client/commit_params.h"
+#include "client/option_checks.h"
 #include "client/wire.h"
 #include "rpc/initial_values.h"
-#include "rpc/learning_rates.h"
 
 namespace shardopt {
 
@@ -186,7 +186,7 @@ absl::StatusOr<std::vector<v1::DescribeResponse>> Client::Impl::DescribeAll() co
 absl::StatusOr<std::vector<char*>> Client::Impl::CommitTargets(double lr, absl::Span<const double> group_lr,
                                                                absl::Span<const ParamView> params) const {
   SHARDOPT_RETURN_IF_ERROR(CheckAttached());
-  SHARDOPT_RETURN_IF_ERROR(CheckLearningRates(lr, group_lr, job.groups.size(), job.name));
+  SHARDOPT_RETURN_IF_ERROR(CheckJobLearningRates(job, lr, group_lr));
   std::vector<char*> out(job.tensors.size(), nullptr);
   for (const ParamView& p : params) {
     SHARDOPT_RETURN_IF_ERROR(FindTensor(p.tensor).status());

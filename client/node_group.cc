@@ -6,7 +6,6 @@
 #include "base/status_macros.h"
 #include "client/after_step.h"
 #include "client/option_checks.h"
-#include "rpc/learning_rates.h"
 
 namespace shardopt {
 namespace {
@@ -119,7 +118,7 @@ absl::Status NodeGroup::CheckStep(const uint16_t* flat_grads, const uint16_t* fl
   // ranks with different options would each apply theirs on the servers
   // they own.
   absl::Status checked = CheckStepOptions(options, uint64_t{job_.world_size} * collective_->size());
-  if (checked.ok()) checked = CheckLearningRates(options.lr, options.group_lr, job_.groups.size(), job_.name);
+  if (checked.ok()) checked = CheckJobLearningRates(job_, options.lr, options.group_lr);
   if (checked.ok() && (flat_grads == nullptr || flat_params == nullptr)) {
     checked = absl::InvalidArgumentError("NodeGroup::Step needs flat_grads and flat_params");
   }

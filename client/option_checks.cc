@@ -1,9 +1,9 @@
 #include "client/option_checks.h"
 
-
 #include <cmath>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
@@ -12,6 +12,7 @@
 #include "base/status_macros.h"
 #include "rpc/bearer_token.h"
 #include "rpc/job_limits.h"
+#include "rpc/learning_rates.h"
 #include "rpc/tls_files.h"
 
 namespace shardopt {
@@ -148,6 +149,12 @@ absl::Status CheckStepOptions(const StepOptions& options, uint64_t ranks) {
                                                    options.max_grad_norm));
   }
   return absl::OkStatus();
+}
+
+absl::Status CheckJobLearningRates(const JobOptions& job, double lr, absl::Span<const double> group_lr) {
+  std::vector<GroupScale> groups;
+  for (const GroupOptions& g : job.groups) groups.push_back({g.beta1, g.weight_decay, g.lr_multiplier});
+  return CheckLearningRates(lr, group_lr, groups, job.name);
 }
 
 }  // namespace shardopt

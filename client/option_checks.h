@@ -10,6 +10,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/types/span.h"
 #include "shardopt/client.h"
 
 namespace shardopt {
@@ -46,5 +47,8 @@ absl::Status CheckJobOptions(const JobOptions& job, uint32_t rank);
 // `ranks`: what the gradients are averaged over (world_size, times G in a
 // node group).
 absl::Status CheckStepOptions(const StepOptions& options, uint64_t ranks);
+// The job's lrs as CheckLearningRates (rpc/learning_rates.h) checks them
+// against its groups, before a push: the servers refuse them at the commit.
+absl::Status CheckJobLearningRates(const JobOptions& job, double lr, absl::Span<const double> group_lr);
 
 }  // namespace shardopt

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstddef>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -19,21 +20,46 @@ namespace shardopt {
 // step size in (an lr past 3.4e38 made every param inf, for good).
 inline bool UsableLearningRate(double lr) { return lr >= 0 && std::isfinite(static_cast<float>(lr)); }
 
-// OK if `lr` and each of `group_lr` is usable (UsableLearningRate), and
+// What of a group's hyperparameters turns a commit's lr into the update's
+// constants (docs/design.md, section 3.2).
+struct GroupScale {
+  double beta1;
+  double weight_decay;
+  double lr_multiplier;  // 0 is taken as 1, as the job's spec does
+};
+
+// OK if `lr` and each of `group_lr` is usable (UsableLearningRate),
 // `group_lr` is empty or has one entry per group of the job (`groups`,
-// named `job`); else INVALID_ARGUMENT naming the first that is not.
-inline absl::Status CheckLearningRates(double lr, absl::Span<const double> group_lr, size_t groups,
+// named `job`), and each group's update constants are finite as the floats
+// the kernel takes: decay 1 - lr_eff*wd, and step size lr_eff / (1 - β1^t),
+// largest at t = 1, where lr_eff is the group's lr times its multiplier.
+// Else INVALID_ARGUMENT naming the first that is not: an lr of 3e38 with a
+// multiplier of 2, or a weight decay of 1e300, wrote -inf into the master,
+// for good.
+inline absl::Status CheckLearningRates(double lr, absl::Span<const double> group_lr, absl::Span<const GroupScale> groups,
                                        absl::string_view job) {
   if (!UsableLearningRate(lr)) {
     return absl::InvalidArgumentError(absl::StrCat("lr must be finite and >= 0, and finite as a float, got ", lr));
   }
-  if (!group_lr.empty() && group_lr.size() != groups) {
+  if (!group_lr.empty() && group_lr.size() != groups.size()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("group_lr has ", group_lr.size(), " entries; job '", job, "' has ", groups, " groups"));
+        absl::StrCat("group_lr has ", group_lr.size(), " entries; job '", job, "' has ", groups.size(), " groups"));
   }
   for (double g : group_lr) {
     if (!UsableLearningRate(g)) {
       return absl::InvalidArgumentError(absl::StrCat("every group_lr must be finite and >= 0, and finite as a float, got ", g));
+    }
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const double lr_eff = (group_lr.empty() ? lr : group_lr[g]) * (groups[g].lr_multiplier == 0 ? 1 : groups[g].lr_multiplier);
+    const float decay = static_cast<float>(1.0 - lr_eff * groups[g].weight_decay);
+    const float step_size = static_cast<float>(lr_eff / (1.0 - groups[g].beta1));
+    if (!std::isfinite(decay) || !std::isfinite(step_size)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "group ", g, "'s lr ", lr_eff, " (with its lr multiplier) makes the update's ",
+          std::isfinite(decay) ? absl::StrCat("step size lr / (1 - beta1) ", step_size)
+                               : absl::StrCat("decay 1 - lr * weight_decay (", groups[g].weight_decay, ") ", decay),
+          " as a float: the update would write infinity into the master"));
     }
   }
   return absl::OkStatus();

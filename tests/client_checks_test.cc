@@ -20,6 +20,7 @@
 #include "client/option_checks.h"
 #include "rpc/barrier_timeout.h"
 #include "rpc/initial_values.h"
+#include "rpc/learning_rates.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "shardopt/client.h"
@@ -357,6 +358,32 @@ TEST(InitialValuesTest, AValueThatRoundsToInfinityInBf16StateIsSaidToDoSo) {
   EXPECT_THAT(std::string(big.message()), ::testing::HasSubstr("element 1 (3.4e+38) rounds to infinity in its group's bf16 state"));
   const absl::Status inf = CheckInitialValues(bytes + 8, 1, true, false, InitialKind::kMaster, "'w'", 2);
   EXPECT_THAT(std::string(inf.message()), ::testing::HasSubstr("element 2 is not finite"));
+}
+
+// Each lr finite on its own, but the update's constants not as floats: the
+// four a probe written from the proto sent, each of which wrote -inf into
+// the master for good. The client checks them before a push, the server at
+// the commit.
+TEST(LearningRatesTest, LrsWhoseUpdateConstantsOverflowAFloatAreRefused) {
+  const GroupScale usual{0.9, 0.01, 1.0};
+  EXPECT_TRUE(CheckLearningRates(1e-3, {}, {usual}, "j").ok());
+  EXPECT_TRUE(CheckLearningRates(3e37, {}, {GroupScale{0.9, 0.0, 1.0}}, "j").ok());  // 3e38 as a step size
+  const struct {
+    double lr;
+    std::vector<double> group_lr;
+    GroupScale group;
+    const char* says;
+  } refused[] = {
+      {3e38, {}, {0.9, 0.01, 2.0}, "step size"},
+      {1e-3, {3.4e38}, usual, "step size"},
+      {1e-3, {}, {0.9, 1e300, 1.0}, "decay"},
+      {1e30, {}, {0.9, 1e10, 1.0}, "decay"},
+  };
+  for (const auto& r : refused) {
+    const absl::Status st = CheckLearningRates(r.lr, r.group_lr, {r.group}, "j");
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << r.lr;
+    EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr(r.says)) << st;
+  }
 }
 
 }  // namespace

@@ -737,6 +737,10 @@ TEST_F(ServiceTest, EveryBadInputGetsItsCodeOverGrpcAndChangesNothing) {
       {"incomplete push commit", commit(1, 1e-3, 1.0f), grpc::StatusCode::FAILED_PRECONDITION, "push is incomplete"},
       {"NaN gscale", commit(1, 1e-3, NAN), grpc::StatusCode::INVALID_ARGUMENT, "gscale"},
       {"negative lr", commit(1, -1e-3, 1.0f), grpc::StatusCode::INVALID_ARGUMENT, "lr must be finite and >= 0"},
+      // Finite as a float, but lr / (1 - beta1) is not: the master would be
+      // -inf for good (a probe from the proto alone).
+      {"lr whose step size is past the float range", commit(1, 3.3e38, 1.0f), grpc::StatusCode::INVALID_ARGUMENT,
+       "step size"},
       {"unknown job", [&] {
          grpc::ClientContext ctx;
          v1::DescribeRequest r;
@@ -801,6 +805,8 @@ TEST_F(ServiceTest, AStepRefusedForItsCommitsArgumentsPushesNothing) {
       // Found by a black-box probe: each was refused only at the commit, or
       // applied infinities, or left a buffer unwritten with the call OK.
       {"lr past the float range (every param inf)", 1e39, {}, &pv, absl::StatusCode::kInvalidArgument},
+      {"lr whose step size lr / (1 - beta1) is past it", 3.3e38, {}, &pv, absl::StatusCode::kInvalidArgument},
+      {"group_lr whose step size is past it", 1e-3, {3.3e38}, &pv, absl::StatusCode::kInvalidArgument},
       {"loss_scale whose 1/loss_scale is no float (gscale inf)", 1e-3, {}, &pv, absl::StatusCode::kInvalidArgument,
        1e-39},
       {"two params buffers for one tensor", 1e-3, {}, &twice, absl::StatusCode::kInvalidArgument},
