@@ -12,15 +12,16 @@
 #include "rpc/wire_format.h"
 #include "server/grpc_hop.h"
 #include "server/metrics.h"
+#include "server/write_watch.h"
 
 namespace shardopt {
 namespace {
 
 class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  CommitReactor(JobStore* store, const grpc::ByteBuffer* request, const Caller& caller,
-                std::unique_ptr<StreamLimits::Slot> slot)
-      : store_(store), slot_(std::move(slot)) {
+  CommitReactor(JobStore* store, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+                const Caller& caller, std::unique_ptr<StreamLimits::Slot> slot, absl::Duration idle_timeout)
+      : store_(store), slot_(std::move(slot)), watch_(context, store->wakeups(), idle_timeout) {
     grpc::ByteBuffer copy = *request;  // shares the slices: ParseMessage reads it through
     if (absl::Status st = ParseMessage(&copy, &request_, "CommitRequest"); !st.ok()) {
       End(ToGrpcStatus(st));
@@ -34,6 +35,7 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   }
 
   void OnWriteDone(bool ok) override {
+    watch_.Ended();
     std::unique_lock<std::recursive_mutex> lock(mu_);
     in_flight_ = false;
     if (!ok) cancelled_ = true;  // the caller went away: the step is still completed
@@ -48,7 +50,10 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     Finish(status);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    watch_.Done();
+    delete this;
+  }
 
  private:
   // While a checkpoint streams the state, a commit that would start applying
@@ -78,7 +83,10 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
       if (cancelled_) {
         ahead_ = std::nullopt;  // lets go of its hold
         stream_->Abandon().IgnoreError();
-        done = grpc::Status(grpc::StatusCode::CANCELLED, "the caller stopped reading the params");
+        done = grpc::Status(grpc::StatusCode::CANCELLED,
+                            watch_.cut() ? "the caller read no params for the idle timeout (--idle_stream_timeout_ms): "
+                                           "the commit is cancelled; its step is applied"
+                                         : "the caller stopped reading the params");
         break;
       }
       auto piece = std::move(ahead_);
@@ -127,6 +135,7 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     static metrics::Counter* const sent =
         metrics::Registry::Default().Series("shardopt_sent_bytes_total", {{"method", "commit"}});
     sent->Add(static_cast<double>(message_.Length()));
+    watch_.Started();
     StartWrite(&message_);
   }
 
@@ -134,6 +143,7 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
   JobStore* const store_;
   std::unique_ptr<StreamLimits::Slot> slot_;
+  WriteWatch watch_;
   v1::CommitRequest request_;
   // A commit is woken at any change of its job, so it may be turned back and
   // wait more than once while a checkpoint streams.
@@ -149,10 +159,11 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
 }  // namespace
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* StartCommitReactor(JobStore* store, const grpc::ByteBuffer* request,
-                                                               const Caller& caller,
-                                                               std::unique_ptr<StreamLimits::Slot> slot) {
-  return new CommitReactor(store, request, caller, std::move(slot));
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartCommitReactor(JobStore* store, grpc::CallbackServerContext* context,
+                                                               const grpc::ByteBuffer* request, const Caller& caller,
+                                                               std::unique_ptr<StreamLimits::Slot> slot,
+                                                               absl::Duration idle_timeout) {
+  return new CommitReactor(store, context, request, caller, std::move(slot), idle_timeout);
 }
 
 }  // namespace shardopt

@@ -7,6 +7,7 @@
 // a writer, and at most one piece applied ahead.
 #pragma once
 
+#include "absl/time/time.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
 #include "server/auth.h"
@@ -21,9 +22,12 @@ namespace shardopt {
 
 // The reactor for one Commit call; gRPC owns it until its OnDone.
 // `caller` must be allowed to commit the request's job; `slot` is held
-// until the stream ends.
-grpc::ServerWriteReactor<grpc::ByteBuffer>* StartCommitReactor(JobStore* store, const grpc::ByteBuffer* request,
-                                                               const Caller& caller,
-                                                               std::unique_ptr<StreamLimits::Slot> slot);
+// until the stream ends. A write that waits `idle_timeout` (the caller
+// stopped reading) cancels the call (write_watch.h): the step is still
+// applied whole.
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartCommitReactor(JobStore* store, grpc::CallbackServerContext* context,
+                                                               const grpc::ByteBuffer* request, const Caller& caller,
+                                                               std::unique_ptr<StreamLimits::Slot> slot,
+                                                               absl::Duration idle_timeout);
 
 }  // namespace shardopt

@@ -63,7 +63,8 @@ ABSL_FLAG(uint32_t, max_world_size, shardopt::kMaxWorldSize,
 ABSL_FLAG(uint32_t, max_name_bytes, shardopt::kMaxNameBytes,
           "CreateJob with a longer job, group or tensor name is INVALID_ARGUMENT (at most 200)");
 ABSL_FLAG(int, idle_stream_timeout_ms, 120000,
-          "a Push or Init stream the server waits on this long for its next message is cancelled (DEADLINE_EXCEEDED)");
+          "a Push or Init stream the server waits on this long for its next message is cancelled (DEADLINE_EXCEEDED), "
+          "and a Commit or Read whose caller reads nothing this long (CANCELLED)");
 ABSL_FLAG(std::string, tokens_file, "",
           "bearer tokens, one per line: NAME trainer|admin TOKEN [JOB_PREFIX ...]; every call then needs one "
           "(docs/design.md, security). Reloaded on SIGHUP and when the file changes");

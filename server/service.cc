@@ -104,14 +104,16 @@ grpc::ServerWriteReactor<grpc::ByteBuffer>* OptimizerService::Commit(grpc::Callb
                                                                      const grpc::ByteBuffer* request) {
   auto opened = OpenStream(*context, Action::kCommit, "");
   if (!opened.ok()) return new RefusedWrite(opened.status());
-  return StartCommitReactor(store_, request, opened->first, std::move(opened->second));
+  return StartCommitReactor(store_, context, request, opened->first, std::move(opened->second),
+                            options_.idle_stream_timeout);
 }
 
 grpc::ServerWriteReactor<grpc::ByteBuffer>* OptimizerService::Read(grpc::CallbackServerContext* context,
                                                                    const grpc::ByteBuffer* request) {
   auto opened = OpenStream(*context, Action::kRead, "");
   if (!opened.ok()) return new RefusedWrite(opened.status());
-  return StartStateReactor(store_, request, opened->first, std::move(opened->second));
+  return StartStateReactor(store_, context, request, opened->first, std::move(opened->second),
+                           options_.idle_stream_timeout);
 }
 
 grpc::Status OptimizerService::Describe(grpc::ServerContext* context, const v1::DescribeRequest* req,

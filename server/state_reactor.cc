@@ -5,15 +5,16 @@
 #include "rpc/grpc_edge.h"
 #include "server/grpc_hop.h"
 #include "server/metrics.h"
+#include "server/write_watch.h"
 
 namespace shardopt {
 namespace {
 
 class StateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
-  StateReactor(JobStore* store, const grpc::ByteBuffer* request, const Caller& caller,
-               std::unique_ptr<StreamLimits::Slot> slot)
-      : slot_(std::move(slot)) {
+  StateReactor(JobStore* store, grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+               const Caller& caller, std::unique_ptr<StreamLimits::Slot> slot, absl::Duration idle_timeout)
+      : slot_(std::move(slot)), watch_(context, store->wakeups(), idle_timeout) {
     grpc::ByteBuffer copy = *request;  // shares the slices: ParseMessage reads it through
     v1::ReadRequest parsed;
     if (absl::Status st = ParseMessage(&copy, &parsed, "ReadRequest"); !st.ok()) {
@@ -34,8 +35,11 @@ class StateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   }
 
   void OnWriteDone(bool ok) override {
+    watch_.Ended();
     if (!ok) {
-      End(grpc::Status(grpc::StatusCode::CANCELLED, "the caller stopped reading"));
+      End(grpc::Status(grpc::StatusCode::CANCELLED, watch_.cut() ? "the caller read nothing for the idle timeout "
+                                                                   "(--idle_stream_timeout_ms): the read is cancelled"
+                                                                 : "the caller stopped reading"));
       return;
     }
     WriteNext();
@@ -48,7 +52,10 @@ class StateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     Finish(status);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    watch_.Done();
+    delete this;
+  }
 
  private:
   // Called with no write in flight. While the job is half way through
@@ -65,10 +72,12 @@ class StateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         metrics::Registry::Default().Series("shardopt_sent_bytes_total", {{"method", "read"}});
     message_ = SerializeMessage(chunk_);
     sent->Add(static_cast<double>(message_.Length()));
+    watch_.Started();
     StartWrite(&message_);
   }
 
   std::unique_ptr<StreamLimits::Slot> slot_;
+  WriteWatch watch_;
   GrpcHops hops_;
   std::unique_ptr<JobStore::StateStream> stream_;
   v1::StateChunk chunk_;
@@ -77,10 +86,11 @@ class StateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
 
 }  // namespace
 
-grpc::ServerWriteReactor<grpc::ByteBuffer>* StartStateReactor(JobStore* store, const grpc::ByteBuffer* request,
-                                                              const Caller& caller,
-                                                              std::unique_ptr<StreamLimits::Slot> slot) {
-  return new StateReactor(store, request, caller, std::move(slot));
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartStateReactor(JobStore* store, grpc::CallbackServerContext* context,
+                                                              const grpc::ByteBuffer* request, const Caller& caller,
+                                                              std::unique_ptr<StreamLimits::Slot> slot,
+                                                              absl::Duration idle_timeout) {
+  return new StateReactor(store, context, request, caller, std::move(slot), idle_timeout);
 }
 
 }  // namespace shardopt

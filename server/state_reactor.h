@@ -7,6 +7,8 @@
 
 #include <memory>
 
+#include "absl/time/time.h"
+
 #include "grpcpp/support/byte_buffer.h"
 #include "grpcpp/support/server_callback.h"
 #include "server/auth.h"
@@ -18,9 +20,11 @@ namespace shardopt {
 
 // The reactor for one Read call of a ReadRequest as received; gRPC owns it
 // until its OnDone. It checks that `caller` may read the request's job;
-// `slot` is held until the end.
-grpc::ServerWriteReactor<grpc::ByteBuffer>* StartStateReactor(JobStore* store, const grpc::ByteBuffer* request,
-                                                              const Caller& caller,
-                                                              std::unique_ptr<StreamLimits::Slot> slot);
+// `slot` is held until the end. A write that waits `idle_timeout` (the
+// caller stopped reading) cancels the call (write_watch.h).
+grpc::ServerWriteReactor<grpc::ByteBuffer>* StartStateReactor(JobStore* store, grpc::CallbackServerContext* context,
+                                                              const grpc::ByteBuffer* request, const Caller& caller,
+                                                              std::unique_ptr<StreamLimits::Slot> slot,
+                                                              absl::Duration idle_timeout);
 
 }  // namespace shardopt

@@ -314,6 +314,64 @@ TEST(LimitsTest, AnIdleInitStreamIsCut) {
   EXPECT_TRUE(Victim(server->address(), "after-idle").Step().ok());
 }
 
+// A Read or Commit whose caller stops reading is cut once a write has waited
+// the idle timeout: it held its stream slot (and, with a cap of one, every
+// stream of the client) until the caller's own deadline, if it had one (a
+// probe from the proto: six such commits refused every later stream).
+TEST(LimitsTest, AReadOrCommitWhoseCallerStopsReadingIsCut) {
+  constexpr uint64_t kN = uint64_t{16} << 20;  // 32 MiB of bf16 params, 64 MiB of fp32 master: past any window
+  auto server = ServerProcess::Start({"--idle_stream_timeout_ms=500", "--max_streams_per_client=1"});
+  ASSERT_NE(server, nullptr);
+  auto client = ConnectOnce(server->address());
+  ASSERT_TRUE(client->CreateOrAttach(OneTensorJob("unread", kN)).ok());
+  std::mt19937_64 rng(5);
+  const auto init = RandomFloats(rng, kN, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  const auto grad = RandomBf16(rng, kN, 1.0f);
+  const auto pushed = client->Push(1, {{"w", grad.data()}});
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  const auto unread = [&](const char* what, auto open) {
+    SCOPED_TRACE(what);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    auto reader = open(&ctx);
+    const auto started = std::chrono::steady_clock::now();
+    // Nothing read: the server's writes fill the window and wait. Another
+    // stream of this client gets through once the server has cut this one.
+    absl::Status other;
+    do {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      std::vector<float> some(16);
+      other = client->Read("w", StateToRead::kMaster, 0, 16, some.data());
+    } while (!other.ok() && std::chrono::steady_clock::now() - started < std::chrono::seconds(20));
+    EXPECT_TRUE(other.ok()) << other;
+    EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(10));
+    ctx.TryCancel();
+    reader->Finish().IgnoreError();
+  };
+  unread("read", [&](grpc::ClientContext* ctx) {
+    v1::ReadRequest request;
+    request.set_job("unread");
+    request.set_tensor("w");
+    request.set_kind(v1::MASTER);
+    return stub->Read(ctx, request);
+  });
+  unread("commit", [&](grpc::ClientContext* ctx) {
+    v1::CommitRequest request;
+    request.set_job("unread");
+    request.set_step(1);
+    request.set_lr(1e-3);
+    request.set_gscale(1.0f);
+    return stub->Commit(ctx, request);
+  });
+  // The cut commit still applied its whole step, once.
+  EXPECT_EQ(client->step(), 0u);
+  std::vector<uint16_t> params(kN);
+  ASSERT_TRUE(client->Commit(1, 1e-3, 1.0f, false, {{"w", params.data()}}).ok());
+  EXPECT_EQ(client->step(), 1u);
+}
+
 // A push still sending when its round's barrier deadline passes is cut with
 // the round, not left to its idle timeout: the server holds nothing of a
 // round that is over.

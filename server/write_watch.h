@@ -1,0 +1,46 @@
+// A server-streaming call (Commit, Read) whose caller stops reading: its
+// writes wait on gRPC's flow control, and without a deadline of its own the
+// call would hold its stream slot, and what it streams, for good. The watch
+// cancels a call one of whose writes has waited --idle_stream_timeout_ms;
+// the reactor's OnWriteDone(false) then ends it.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+
+#include "absl/time/time.h"
+#include "server/wakeups.h"
+
+namespace grpc {
+class CallbackServerContext;
+}
+
+namespace shardopt {
+
+class WriteWatch {
+ public:
+  WriteWatch(grpc::CallbackServerContext* context, Wakeups* wakeups, absl::Duration idle_timeout);
+
+  // A write was started, or is done.
+  void Started();
+  void Ended();
+  // The call is done: its context is gone. Call from the reactor's OnDone.
+  void Done();
+  // Whether the watch cancelled the call.
+  bool cut() const;
+
+ private:
+  struct State {
+    std::mutex mu;
+    grpc::CallbackServerContext* context;  // null once Done
+    uint64_t writes = 0;                   // started so far
+    bool waiting = false;                  // a write is outstanding
+    bool cut = false;
+  };
+  const std::shared_ptr<State> state_;
+  Wakeups* const wakeups_;
+  const std::chrono::steady_clock::duration timeout_;
+};
+
+}  // namespace shardopt
