@@ -23,11 +23,23 @@ class InitReactor final : public ReadReactor {
       return End(ToGrpcStatus(absl::Status(parsed.code(), absl::StrCat(parsed.message(), " after ", elements_,
                                                                        " elements were written"))));
     }
-    // A chunk without a job name continues the stream's job.
+    // A chunk without a job name continues the stream's job; one naming
+    // another is refused, as a push stream that changes job is.
     if (chunk_.job().empty()) chunk_.set_job(job_);
+    if (!job_.empty() && chunk_.job() != job_) {
+      return End(Refused(absl::InvalidArgumentError(
+          absl::StrCat("an Init stream is of one job: '", job_, "', then '", chunk_.job(), "'"))));
+    }
     job_ = chunk_.job();
-    if (absl::Status allowed = caller_.Allows(Action::kInit, job_); !allowed.ok()) return End(ToGrpcStatus(allowed));
+    if (absl::Status allowed = caller_.Allows(Action::kInit, job_); !allowed.ok()) return End(Refused(allowed));
     Write();
+  }
+
+  // A refusal of a chunk says what went before it: each chunk is written
+  // whole or not at all, and the ones before it stay written.
+  grpc::Status Refused(const absl::Status& why) const {
+    return ToGrpcStatus(absl::Status(why.code(), absl::StrCat(why.message(), "; the stream is refused after ",
+                                                              elements_, " elements were written")));
   }
 
   // While a checkpoint streams the state, the chunk waits without a thread
@@ -36,7 +48,7 @@ class InitReactor final : public ReadReactor {
     auto written = store_->TryInit(chunk_, [weak = WeakSelf<InitReactor>()] {
       if (auto self = weak.lock()) self->Woken();
     });
-    if (!written.ok()) return End(ToGrpcStatus(written.status()));
+    if (!written.ok()) return End(Refused(written.status()));
     if (!*written) return;
     elements_ += **written;
     Read();

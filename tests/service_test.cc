@@ -1434,6 +1434,57 @@ TEST_F(ServiceTest, AnIdlePushStreamIsCancelledButAWaitAtTheBarrierIsNot) {
   EXPECT_TRUE(waited.ok()) << waited.status();
 }
 
+// A client stream of `messages` as bytes, through gRPC's generic stub (a
+// client written from the proto may send anything): the status it ends with.
+grpc::Status StreamOf(const std::string& address, const std::string& method, const std::vector<std::string>& messages) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  grpc::GenericStub generic(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  wire::Stream stream(&generic, &ctx, method);
+  for (const std::string& m : messages) {
+    grpc::Slice slice(m);
+    if (!stream.Write(grpc::ByteBuffer(&slice, 1))) break;
+  }
+  stream.WritesDone();
+  return stream.Finish();
+}
+
+// An Init stream is of one job, as a push stream is: a chunk naming another
+// is refused (it wrote the other job's values, without tokens). A chunk
+// refused for what it holds says how many elements the chunks before it
+// wrote, as one that does not parse does: they stay written.
+TEST_F(ServiceTest, AnInitStreamIsOfOneJobAndARefusalSaysWhatWasWritten) {
+  auto client = Connect(server_->address());
+  ASSERT_TRUE(client->CreateOrAttach(MakeJob("init-a", 1, {{"w", 64}})).ok());
+  auto other = Connect(server_->address());
+  ASSERT_TRUE(other->CreateOrAttach(MakeJob("init-b", 1, {{"w", 64}})).ok());
+  const auto values = RandomFloats(rng_, 64, -1, 1);
+  const auto chunk = [&](const std::string& job, uint64_t offset, float first) {
+    v1::InitChunk c;
+    c.set_job(job);
+    c.set_tensor("w");
+    c.set_offset(offset);
+    c.set_dtype(v1::FP32);
+    std::vector<float> v(values.begin() + offset, values.begin() + offset + 16);
+    v[0] = first;
+    c.set_data(v.data(), 16 * 4);
+    return c.SerializeAsString();
+  };
+  const grpc::Status switched = StreamOf(server_->address(), "/shardopt.v1.Optimizer/Init",
+                                         {chunk("init-a", 0, values[0]), chunk("init-b", 16, values[16])});
+  EXPECT_EQ(switched.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << switched.error_message();
+  EXPECT_THAT(switched.error_message(), HasSubstr("an Init stream is of one job: 'init-a', then 'init-b'"));
+  EXPECT_THAT(switched.error_message(), HasSubstr("after 16 elements were written"));
+  std::vector<float> b(64, NAN);
+  EXPECT_EQ(other->Read("w", StateToRead::kMaster, 0, 64, b.data()).code(), absl::StatusCode::kOk);
+  EXPECT_NE(b[16], values[16]);  // init-b's master was not written (no initial value: zeros)
+  const grpc::Status nan = StreamOf(server_->address(), "/shardopt.v1.Optimizer/Init",
+                                    {chunk("init-a", 16, values[16]), chunk("", 32, NAN)});
+  EXPECT_EQ(nan.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << nan.error_message();
+  EXPECT_THAT(nan.error_message(), HasSubstr("not finite; the stream is refused after 16 elements were written"));
+}
+
 // A stream message that does not parse is INVALID_ARGUMENT, never the
 // stream's quiet end: an Init cut by one is not answered OK with part of the
 // values, a Push with one is refused and counts for nothing, and so is a
@@ -1442,20 +1493,10 @@ TEST_F(ServiceTest, AnUnparseableStreamMessageIsInvalidArgumentAndChangesNothing
   const JobOptions job = MakeJob("garbled", 1, {{"w", 4096}});
   auto client = Connect(server_->address());
   ASSERT_TRUE(client->CreateOrAttach(job).ok());
-  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
-  grpc::GenericStub generic(channel);
   const std::string garbage("\x0a\xff\xff\xff\xff\x0f", 6);  // field 1, a length past the message's end
   auto init = RandomFloats(rng_, 4096, -1, 1);
-  auto stream_of = [&](const std::string& method, const std::vector<std::string>& messages) {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-    wire::Stream stream(&generic, &ctx, method);
-    for (const std::string& m : messages) {
-      grpc::Slice slice(m);
-      if (!stream.Write(grpc::ByteBuffer(&slice, 1))) break;
-    }
-    stream.WritesDone();
-    return stream.Finish();
+  const auto stream_of = [&](const std::string& method, const std::vector<std::string>& messages) {
+    return StreamOf(server_->address(), method, messages);
   };
 
   v1::InitChunk half;
