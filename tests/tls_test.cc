@@ -70,6 +70,13 @@ class Certificates {
   bool ok_ = false;
 };
 
+// A server of the certificates' server.pem, asking every client for a
+// certificate their CA signed (mutual TLS).
+std::unique_ptr<ServerProcess> StartMutualTls(const Certificates& certs) {
+  return ServerProcess::Start({"--tls_cert=" + certs.path("server.pem"), "--tls_key=" + certs.path("server.key"),
+                               "--tls_client_ca=" + certs.path("ca.pem")});
+}
+
 // Connects with `options`' TLS settings and runs one whole step.
 absl::Status StepOnce(const std::string& address, ClientOptions options, const std::string& job_name) {
   options.servers = {address};
@@ -108,8 +115,7 @@ TEST(TlsTest, ATlsServerServesTlsClientsOfItsCaAndRefusesPlaintextAndOtherCas) {
 TEST(TlsTest, AMutualTlsServerServesOnlyClientsWithACertificateItsCaSigned) {
   Certificates certs;
   ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
-  auto server = ServerProcess::Start({"--tls_cert=" + certs.path("server.pem"), "--tls_key=" + certs.path("server.key"),
-                                      "--tls_client_ca=" + certs.path("ca.pem")});
+  auto server = StartMutualTls(certs);
   ASSERT_NE(server, nullptr);
   ClientOptions trusted;
   trusted.tls_root_certs = certs.pem("ca.pem");
@@ -132,8 +138,7 @@ TEST(TlsTest, AMutualTlsServerServesOnlyClientsWithACertificateItsCaSigned) {
 TEST(TlsTest, TheCliVerifiesTheNameGivenByTlsServerName) {
   Certificates certs;
   ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
-  auto server = ServerProcess::Start({"--tls_cert=" + certs.path("server.pem"), "--tls_key=" + certs.path("server.key"),
-                                      "--tls_client_ca=" + certs.path("ca.pem")});
+  auto server = StartMutualTls(certs);
   ASSERT_NE(server, nullptr);
   const auto cli = [&](const std::string& name) {
     const std::string out = certs.path("cli.out");
