@@ -32,7 +32,9 @@ class WriteWatch {
 
  private:
   struct State {
-    std::mutex mu;
+    // Recursive: a reaction gRPC may run inline from TryCancel (OnWriteDone,
+    // OnDone) takes it again on the same thread.
+    std::recursive_mutex mu;
     grpc::CallbackServerContext* context;  // null once Done
     uint64_t writes = 0;                   // started so far
     bool waiting = false;                  // a write is outstanding
