@@ -49,7 +49,12 @@ absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::strin
     unlink(tmp.c_str());
     return absl::InternalError(absl::StrCat(what, ": ", std::strerror(error)));
   }
-  return FsyncDirectory(DirectoryOf(path));
+  // The new file is in place already: a failure here says so.
+  if (absl::Status synced = FsyncDirectory(DirectoryOf(path)); !synced.ok()) {
+    return absl::InternalError(absl::StrCat(path, " is written in place, but ", synced.message(),
+                                            ": a crash may still bring back the file it replaced"));
+  }
+  return absl::OkStatus();
 }
 
 std::string DirectoryOf(const std::string& path) {

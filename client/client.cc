@@ -75,12 +75,14 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   // that step and its commit applied it. Asked again (1.5 s in all), they
   // agree, or can be completed; a difference that stays is refused below.
   int asked = 0;
+  std::chrono::milliseconds waited{0};
   for (auto pause = std::chrono::milliseconds(100);; pause *= 2) {
     SHARDOPT_RETURN_IF_ERROR(im.AskCreateJob(job, &answers));
     ++asked;
     half = FindHalfCommittedStep(answers, holds_part);
     if (half || !OneStepApart(answers, holds_part) || pause > std::chrono::milliseconds(800)) break;
     std::this_thread::sleep_for(pause);
+    waited += pause;
   }
   im.incarnation.clear();
   im.attached_at.clear();
@@ -102,8 +104,9 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   absl::StatusOr<uint64_t> agreed = AgreedStep(answers, holds_part, im.options.servers, job.name);
   if (!agreed.ok() && asked > 1) {
     return absl::Status(agreed.status().code(),
-                        absl::StrCat(agreed.status().message(), " (asked ", asked, " times over 1.5 s: not a step "
-                                     "another trainer was committing meanwhile)"));
+                        absl::StrCat(agreed.status().message(), " (asked ", asked, " times over ",
+                                     static_cast<double>(waited.count()) / 1000, " s: not a step another trainer "
+                                     "was committing meanwhile)"));
   }
   SHARDOPT_ASSIGN_OR_RETURN(const uint64_t step, std::move(agreed));
   im.step = step;

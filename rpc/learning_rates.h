@@ -35,7 +35,8 @@ struct GroupScale {
 // largest at t = 1, where lr_eff is the group's lr times its multiplier.
 // Else INVALID_ARGUMENT naming the first that is not: an lr of 3e38 with a
 // multiplier of 2, or a weight decay of 1e300, wrote -inf into the master,
-// for good.
+// for good. Only the constants are checked: finite ones can still carry a
+// huge master past the float range (a decay of -1e38), as torch's would.
 inline absl::Status CheckLearningRates(double lr, absl::Span<const double> group_lr, absl::Span<const GroupScale> groups,
                                        absl::string_view job) {
   if (!UsableLearningRate(lr)) {
@@ -59,7 +60,7 @@ inline absl::Status CheckLearningRates(double lr, absl::Span<const double> group
           "group ", g, "'s lr ", lr_eff, " (with its lr multiplier) makes the update's ",
           std::isfinite(decay) ? absl::StrCat("step size lr / (1 - beta1) ", step_size)
                                : absl::StrCat("decay 1 - lr * weight_decay (", groups[g].weight_decay, ") ", decay),
-          " as a float: the update would write infinity into the master"));
+          " as a float"));
     }
   }
   return absl::OkStatus();

@@ -474,17 +474,19 @@ int main(int argc, char** argv) {
       if (!result.ok()) ++failed;  // each logged by the store, as is each one written
     }
     if (failed > 0) {
-      const uint64_t scraped_before = metrics_server ? metrics_server->scrapes() : 0;
+      const uint64_t begun_before = metrics_server ? metrics_server->scrapes_begun() : 0;
       const int wait = absl::GetFlag(FLAGS_drain_failure_wait_seconds);
       const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(wait);
       (*running)->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
       // The failure is in shardopt_checkpoint_failures_total, which no alert
       // sees unless a scrape reads it before the process is gone.
       if (metrics_server != nullptr && wait > 0) {
-        while (metrics_server->scrapes() == scraped_before && std::chrono::steady_clock::now() < give_up) {
+        // A scrape begun before the failure may not show it.
+        const auto seen = [&] { return metrics_server->last_scrape_answered() > begun_before; };
+        while (!seen() && std::chrono::steady_clock::now() < give_up) {
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
-        log::Warning("drain_failed_wait", {{"scraped", metrics_server->scrapes() > scraped_before ? "true" : "false"}});
+        log::Warning("drain_failed_wait", {{"scraped", seen() ? "true" : "false"}});
       }
       log::ReportSuppressed();
       log::Error("exit", {{"code", "1"}, {"why", absl::StrCat(failed, " job checkpoints failed at the drain")}});

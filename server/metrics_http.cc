@@ -114,8 +114,9 @@ void MetricsServer::Serve() {
         const ssize_t n = recv(c.fd, buf, sizeof buf, 0);
         if (n > 0) c.head.append(buf, static_cast<size_t>(n));
         if (n > 0 && (c.head.find("\r\n\r\n") != std::string::npos || c.head.size() >= kHeadBytes)) {
+          const uint64_t scrape = IsScrape(c.head) ? scrapes_begun_.fetch_add(1, std::memory_order_acq_rel) + 1 : 0;
           SendAll(c.fd, Answer(c.head, *registry_));
-          if (IsScrape(c.head)) scrapes_.fetch_add(1, std::memory_order_relaxed);
+          if (scrape != 0) last_answered_.store(scrape, std::memory_order_release);
         }
         done = n <= 0 || c.head.find("\r\n\r\n") != std::string::npos || c.head.size() >= kHeadBytes;
       }

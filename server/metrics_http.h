@@ -23,9 +23,12 @@ class MetricsServer {
                                                               const metrics::Registry* registry);
   ~MetricsServer();
   int port() const { return port_; }
-  // Scrapes (GET /metrics) answered so far: a server that must be seen
-  // before it exits waits for the next one.
-  uint64_t scrapes() const { return scrapes_.load(std::memory_order_relaxed); }
+  // Scrapes (GET /metrics) begun so far, each numbered from 1 as its answer
+  // is rendered, and the number of the last one answered: a server that
+  // must be seen before it exits waits until a scrape begun after the
+  // event has been answered (scrapes are answered in turn, on one thread).
+  uint64_t scrapes_begun() const { return scrapes_begun_.load(std::memory_order_acquire); }
+  uint64_t last_scrape_answered() const { return last_answered_.load(std::memory_order_acquire); }
 
  private:
   MetricsServer(int fd, int port, const metrics::Registry* registry);
@@ -35,7 +38,8 @@ class MetricsServer {
   const int port_;
   const metrics::Registry* const registry_;
   std::atomic<bool> stop_{false};
-  std::atomic<uint64_t> scrapes_{0};
+  std::atomic<uint64_t> scrapes_begun_{0};
+  std::atomic<uint64_t> last_answered_{0};
   std::thread thread_;
 };
 

@@ -31,18 +31,25 @@ class WriteWatch {
   bool cut() const;
 
  private:
+  using Clock = std::chrono::steady_clock;
   struct State {
     // Recursive: a reaction gRPC may run inline from TryCancel (OnWriteDone,
     // OnDone) takes it again on the same thread.
     std::recursive_mutex mu;
     grpc::CallbackServerContext* context;  // null once Done
-    uint64_t writes = 0;                   // started so far
     bool waiting = false;                  // a write is outstanding
+    Clock::time_point since;               // when it was started
+    bool armed = false;                    // a timer is pending
     bool cut = false;
   };
+  // A timer at `when` that cuts the call if its write then waiting has
+  // waited `timeout`, else arms again for it.
+  static void Arm(const std::shared_ptr<State>& state, Wakeups* wakeups, Clock::time_point when,
+                  Clock::duration timeout);
+
   const std::shared_ptr<State> state_;
   Wakeups* const wakeups_;
-  const std::chrono::steady_clock::duration timeout_;
+  const Clock::duration timeout_;
 };
 
 }  // namespace shardopt
