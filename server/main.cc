@@ -13,7 +13,6 @@
 #include <iostream>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -481,12 +480,8 @@ int main(int argc, char** argv) {
       // The failure is in shardopt_checkpoint_failures_total, which no alert
       // sees unless a scrape reads it before the process is gone.
       if (metrics_server != nullptr && wait > 0) {
-        // A scrape begun before the failure may not show it.
-        const auto seen = [&] { return metrics_server->last_scrape_answered() > begun_before; };
-        while (!seen() && std::chrono::steady_clock::now() < give_up) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        }
-        log::Warning("drain_failed_wait", {{"scraped", seen() ? "true" : "false"}});
+        const bool seen = metrics_server->WaitForScrapeAfter(begun_before, give_up);
+        log::Warning("drain_failed_wait", {{"scraped", seen ? "true" : "false"}});
       }
       log::ReportSuppressed();
       log::Error("exit", {{"code", "1"}, {"why", absl::StrCat(failed, " job checkpoints failed at the drain")}});

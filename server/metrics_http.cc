@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -80,6 +81,13 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
   const int chosen = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
                                                       : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
   return std::unique_ptr<MetricsServer>(new MetricsServer(fd, chosen, registry));
+}
+
+bool MetricsServer::WaitForScrapeAfter(uint64_t begun, std::chrono::steady_clock::time_point give_up) const {
+  while (last_scrape_answered() <= begun && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return last_scrape_answered() > begun;
 }
 
 MetricsServer::MetricsServer(int fd, int port, const metrics::Registry* registry)

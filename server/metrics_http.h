@@ -6,6 +6,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -29,6 +30,10 @@ class MetricsServer {
   // event has been answered (scrapes are answered in turn, on one thread).
   uint64_t scrapes_begun() const { return scrapes_begun_.load(std::memory_order_acquire); }
   uint64_t last_scrape_answered() const { return last_answered_.load(std::memory_order_acquire); }
+  // Waits until a scrape begun after the first `begun` has been answered
+  // (one begun before an event may not show it), or until `give_up`.
+  // Whether one was.
+  bool WaitForScrapeAfter(uint64_t begun, std::chrono::steady_clock::time_point give_up) const;
 
  private:
   MetricsServer(int fd, int port, const metrics::Registry* registry);
