@@ -1,5 +1,6 @@
 """Checks RemoteAdamW makes before anything reaches a server, with torch's
 messages where torch makes the same check."""
+import math
 import numbers
 
 import torch
@@ -51,6 +52,9 @@ def _check_hyper(g, where):
     lr, (beta1, beta2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
     if isinstance(lr, torch.Tensor):
         lr = lr.item()
+    for what, x in (("lr", lr), ("eps", eps), ("weight_decay", wd), ("betas[0]", beta1), ("betas[1]", beta2)):
+        if isinstance(x, bool) or not isinstance(x, numbers.Real):
+            raise TypeError(f"{where}{what} must be a number, not {type(x).__name__} {x!r}")
     if not 0.0 <= lr < float("inf"):
         raise ValueError(f"{where}Invalid learning rate: {lr}")
     # torch takes eps = 0; the servers do not (a zero gradient's update
@@ -66,6 +70,13 @@ def _check_hyper(g, where):
         raise ValueError(f"{where}Invalid beta parameter at index 1: {beta2}")
     if not 0.0 <= wd < float("inf"):
         raise ValueError(f"{where}Invalid weight_decay value: {wd}")
+    # The servers' update takes 1 - lr*wd and lr / (1 - beta1^t), largest at
+    # t = 1, as float32s: one that overflows would make the master inf, and
+    # the servers refuse it at the commit, after backward.
+    if not all(math.isfinite(float(torch.tensor(x, dtype=torch.float32))) for x in (1.0 - lr * wd, lr / (1.0 - beta1))):
+        raise ValueError(f"{where}Invalid learning rate: {lr} (with weight_decay {wd} and beta1 {beta1}, the "
+                         "update's 1 - lr*weight_decay or lr / (1 - beta1) overflows the float32 the servers "
+                         "compute it in)")
     if g.get("amsgrad") or g.get("maximize"):
         raise InvalidArgument(f"{where}RemoteAdamW does not implement amsgrad or maximize")
     if g.get("capturable") or g.get("differentiable"):

@@ -138,6 +138,15 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             raise TypeError(f"job must be the job's name, a non-empty str, not {type(job).__name__} {job!r}")
         _check_ints(rank=rank, world_size=world_size, checkpoint_every=checkpoint_every, restore_step=restore_step,
                     chunk_bytes=chunk_bytes, max_attempts=max_attempts)
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, not {type(overlap).__name__} {overlap!r}")
+        for what, n in (("world_size", world_size), ("max_attempts", max_attempts)):
+            if n < 1:
+                raise ValueError(f"{what} must be at least 1, not {n}")
+        for what, n in (("checkpoint_every", checkpoint_every), ("restore_step", restore_step)):
+            if n < 0:
+                raise ValueError(f"{what} must be at least 0 (0: {'never' if what == 'checkpoint_every' else 'the newest'}), "
+                                 f"not {n}")
         _check_seconds(rpc_timeout=rpc_timeout, barrier_timeout=barrier_timeout)
         if chunk_bytes < 0:
             raise ValueError(f"chunk_bytes must be at least 0 (0: the client chooses), not {chunk_bytes}")
@@ -307,7 +316,14 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             self._sync_staging()
             decision = self._client.step(grads, self._param_targets(), group_lr[0], group_lr, self.max_grad_norm,
                                          1.0).decision
+        # As torch's step, this one changes (and bumps the version counter
+        # of) only the params with a gradient, and a skipped step none. With
+        # several ranks another rank's gradient may have moved a param this
+        # one has none for: all are taken as changed.
+        skipped = decision is None or decision.skip
         for t in self._remote:
+            if skipped or (t.param.grad is None and self.world_size == 1):
+                continue
             if not t.in_place():
                 t.param.copy_(t.host_param, non_blocking=True)
             else:

@@ -295,6 +295,17 @@ def test_misuses_torch_refuses_or_that_would_train_otherwise_are_refused(job):
     (dict(barrier_timeout=float("inf")), ValueError, "barrier_timeout must be a finite number of seconds"),
     (dict(chunk_bytes=-1), ValueError, "chunk_bytes must be at least 0"),
     (dict(max_grad_norm="1"), TypeError, "max_grad_norm must be a number"),
+    (dict(checkpoint_every=-1), ValueError, "checkpoint_every must be at least 0"),
+    (dict(restore_step=-2), ValueError, "restore_step must be at least 0"),
+    (dict(world_size=0), ValueError, "world_size must be at least 1, not 0"),
+    (dict(max_attempts=0), ValueError, "max_attempts must be at least 1, not 0"),
+    (dict(overlap="yes"), TypeError, "overlap must be True or False, not str"),
+    (dict(lr="1e-3"), TypeError, "lr must be a number, not str"),
+    # Finite, but the servers' update constants overflow their float32:
+    # refused at the first step, after backward, before.
+    (dict(lr=1e39), ValueError, "Invalid learning rate: 1e.39 .* overflows"),
+    (dict(lr=3.3e38), ValueError, "lr / \\(1 - beta1\\) overflows"),
+    (dict(lr=1e30, weight_decay=1e10), ValueError, "1 - lr\\*weight_decay"),
 ])
 def test_bad_arguments_are_refused_naming_the_argument(job, kwargs, error, match):
     """Each used to reach the extension: pybind's list of its signatures,

@@ -231,6 +231,31 @@ def test_autograd_sees_that_step_changed_the_params(servers, job, overlap):
     opt.drop()
 
 
+def test_a_step_bumps_only_the_versions_of_params_it_changed(servers, job):
+    """As torch's: a param with no gradient this step, and every param of a
+    skipped step (a nonfinite gradient), keep their version counters, so a
+    graph that saved them still backprops."""
+    g = torch.Generator().manual_seed(12)
+    a = torch.nn.Parameter(torch.randn(8, generator=g))
+    b = torch.nn.Parameter(torch.randn(8, generator=g))
+    x = torch.randn(8, generator=g)
+    opt = RemoteAdamW([("a", a), ("b", b)], servers=servers, job=job, lr=1e-2, max_grad_norm=1.0)
+    through_b = (b * b * x).sum()  # saves b
+    a.grad = torch.randn(8, generator=g)
+    before = (a._version, b._version)
+    opt.step()
+    assert a._version > before[0] and b._version == before[1]
+    through_b.backward(retain_graph=True)  # b was not changed: torch's own step would not raise either
+    through_a = (a * a * x).sum()
+    a.grad = torch.full((8,), float("nan"))
+    versions = (a._version, b._version)
+    opt.step()
+    assert opt.last_decision.skip
+    assert (a._version, b._version) == versions
+    through_a.backward()
+    opt.drop()
+
+
 def test_params_as_disjoint_views_of_one_buffer_train_as_separate_ones(servers, job):
     """Params carved out of one flat buffer with gaps, and the column blocks
     of one matrix (interleaved: their spans meet, their memory does not),
