@@ -15,7 +15,9 @@ namespace {
 
 class CallObserver final : public grpc::experimental::Interceptor {
  public:
-  CallObserver(std::string method, grpc::ServerContextBase* context) : method_(std::move(method)), context_(context) {}
+  // The peer is taken as the call begins: a cancelled call's context says
+  // "unknown" by the time its status goes out.
+  CallObserver(std::string method, std::string peer) : method_(std::move(method)), peer_(std::move(peer)) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
@@ -36,7 +38,7 @@ class CallObserver final : public grpc::experimental::Interceptor {
         log::Fields fields = {{"method", method_},
                               {"code", code},
                               {"message", st.error_message()},
-                              {"peer", context_ == nullptr ? "" : context_->peer()}};
+                              {"peer", peer_}};
         if (log::Allow(absl::StrCat(method_, "/", code), &fields)) log::Warning("refused", fields);
       }
     }
@@ -51,7 +53,7 @@ class CallObserver final : public grpc::experimental::Interceptor {
   }
 
   const std::string method_;  // the RPC's name, without the service
-  grpc::ServerContextBase* const context_;  // the call's; lives as long as this interceptor
+  const std::string peer_;
 };
 
 // The RPC's name, without the service, or "unknown" for a method the
@@ -72,7 +74,8 @@ class Factory final : public grpc::experimental::ServerInterceptorFactoryInterfa
     // Health checks are not refusals: a check of a service not served here
     // is NOT_FOUND, and a Watch ends when its client goes.
     if (absl::StartsWith(path, "/grpc.health.v1.Health/")) return nullptr;
-    return new CallObserver(MethodLabel(path), info->server_context());
+    grpc::ServerContextBase* context = info->server_context();
+    return new CallObserver(MethodLabel(path), context == nullptr ? "" : context->peer());
   }
 };
 

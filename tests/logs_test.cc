@@ -144,6 +144,22 @@ TEST_F(LogsTest, RefusalsOfMethodsThatDoNotExistShareOneLabel) {
   EXPECT_LE(refused, 10u) << server->log();  // rate-limited as one method
 }
 
+// A stream gRPC cuts (a message over --max_message_bytes) is logged with
+// its caller's address too: the peer is taken as the call begins, where a
+// cancelled call's context said "unknown" by the time its status went out.
+TEST_F(LogsTest, ARefusedLineOfACutStreamNamesItsPeer) {
+  auto server = ServerProcess::StartLogged({"--log_format=json", "--max_message_bytes=131072"});
+  ASSERT_NE(server, nullptr);
+  const auto cut = testing::GenericUnary(server->address(), "/shardopt.v1.Optimizer/Push", std::string(200000, 'x'));
+  EXPECT_FALSE(cut.first.ok());
+  server->Stop(SIGTERM);
+  const std::vector<nlohmann::json> refused = Events(JsonLines(server->log()), "refused");
+  ASSERT_FALSE(refused.empty()) << server->log();
+  for (const nlohmann::json& line : refused) {
+    EXPECT_THAT(line.value("peer", ""), ::testing::StartsWith("ipv4:127.0.0.1:")) << line;
+  }
+}
+
 // The counters the README's alerts watch are there from the start, at 0:
 // an alert on their increase sees a series on a server that has written no
 // checkpoint, and the rate of a series that first appeared at 1 would miss
