@@ -381,7 +381,8 @@ PYBIND11_MODULE(_C, m) {
         return absl::StrCat("ServerState(address='", s.address, "', device='", s.device, "', step=", s.step,
                             ", state_bytes=", s.state_bytes, ", staging_bytes=", s.staging_bytes,
                             ", memory_limit_bytes=", s.memory_limit_bytes, ", memory_used_bytes=",
-                            s.memory_used_bytes, ", uninitialized_tensors=", s.uninitialized_tensors, ")");
+                            s.memory_used_bytes, ", uninitialized_tensors=", s.uninitialized_tensors,
+                            ", checkpoint_dir=", s.checkpoint_dir ? "True" : "False", ")");
       });
 
   m.def(

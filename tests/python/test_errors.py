@@ -459,6 +459,7 @@ def test_checkpoint_every_on_servers_without_a_checkpoint_dir_is_refused_at_cons
         RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=servers, job=job, checkpoint_every=5)
     opt = RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=servers, job=job)
     assert all(not s.checkpoint_dir for s in opt.describe())
+    assert "checkpoint_dir=False" in repr(opt.describe()[0])
     opt.drop()
 
 
