@@ -1137,7 +1137,12 @@ TEST(DurabilityTest, ADamagedPartOnOneServerIsRefusedThereAndTheStepBeforeRestor
       holding.push_back(s);
     }
   }
-  EXPECT_EQ(holding.size(), 1u);  // the server whose part is whole
+  // At most the server whose part is whole (server 1: part-0-0.bin is server
+  // 0's): the client cancels its call once server 0's fails, and a call
+  // cancelled before it reached server 1 restored nothing there (a run under
+  // load saw that).
+  EXPECT_LE(holding.size(), 1u);
+  for (int s : holding) EXPECT_EQ(s, 1);
 
   fs::rename(StepDir(dir.path(), "damaged", 6), dir.path() + "/damaged-step-6-set-aside");
   for (int s : holding) {
