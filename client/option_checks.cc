@@ -152,8 +152,10 @@ absl::Status CheckStepOptions(const StepOptions& options, uint64_t ranks) {
 }
 
 absl::Status CheckJobLearningRates(const JobOptions& job, double lr, absl::Span<const double> group_lr) {
-  std::vector<GroupScale> groups;
-  for (const GroupOptions& g : job.groups) groups.push_back({g.beta1, g.weight_decay, g.lr_multiplier});
+  std::vector<AdamWHyper> groups;
+  for (const GroupOptions& g : job.groups) {
+    groups.push_back({g.beta1, g.beta2, g.eps, g.weight_decay, g.lr_multiplier == 0 ? 1.0 : g.lr_multiplier});
+  }
   return CheckLearningRates(lr, group_lr, groups, job.name);
 }
 

@@ -2,6 +2,7 @@
 // 3.2: computed in double, rounded to float once).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "kernels/adamw_math.h"
@@ -17,6 +18,16 @@ struct AdamWHyper {
   double weight_decay = 0.01;
   double lr_multiplier = 1.0;
 };
+
+// Three of the update's constants in double, before ComputeAdamWScalars
+// rounds each to float once; a commit's lr is checked against them too
+// (rpc/learning_rates.h), so that one whose float overflows is refused before
+// any update runs. `lr_eff` is EffectiveLr's.
+inline double EffectiveLr(const AdamWHyper& hyper, double lr) { return lr * hyper.lr_multiplier; }
+inline double Decay(const AdamWHyper& hyper, double lr_eff) { return 1.0 - lr_eff * hyper.weight_decay; }
+inline double StepSize(const AdamWHyper& hyper, double lr_eff, uint64_t adam_step) {
+  return lr_eff / (1.0 - std::pow(hyper.beta1, static_cast<double>(adam_step)));
+}
 
 // `adam_step` is the tensor's own step count after this update (1 for the
 // first update). `lr` is the step's base learning rate.

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "kernels/step_scalars.h"
 
 namespace shardopt {
 
@@ -20,24 +21,17 @@ namespace shardopt {
 // step size in (an lr past 3.4e38 made every param inf, for good).
 inline bool UsableLearningRate(double lr) { return lr >= 0 && std::isfinite(static_cast<float>(lr)); }
 
-// What of a group's hyperparameters turns a commit's lr into the update's
-// constants (docs/design.md, section 3.2).
-struct GroupScale {
-  double beta1;
-  double weight_decay;
-  double lr_multiplier;  // 0 is taken as 1, as the job's spec does
-};
-
 // OK if `lr` and each of `group_lr` is usable (UsableLearningRate),
 // `group_lr` is empty or has one entry per group of the job (`groups`,
-// named `job`), and each group's update constants are finite as the floats
-// the kernel takes: decay 1 - lr_eff*wd, and step size lr_eff / (1 - β1^t),
-// largest at t = 1, where lr_eff is the group's lr times its multiplier.
+// named `job`), and each group's (`groups`, their lr multipliers as the
+// job's spec has them, 0 made 1) update constants are finite as the floats
+// the kernel takes (kernels/step_scalars.h): Decay, and StepSize at its
+// largest, t = 1.
 // Else INVALID_ARGUMENT naming the first that is not: an lr of 3e38 with a
 // multiplier of 2, or a weight decay of 1e300, wrote -inf into the master,
 // for good. Only the constants are checked: finite ones can still carry a
 // huge master past the float range (a decay of -1e38), as torch's would.
-inline absl::Status CheckLearningRates(double lr, absl::Span<const double> group_lr, absl::Span<const GroupScale> groups,
+inline absl::Status CheckLearningRates(double lr, absl::Span<const double> group_lr, absl::Span<const AdamWHyper> groups,
                                        absl::string_view job) {
   if (!UsableLearningRate(lr)) {
     return absl::InvalidArgumentError(absl::StrCat("lr must be finite and >= 0, and finite as a float, got ", lr));
@@ -52,9 +46,9 @@ inline absl::Status CheckLearningRates(double lr, absl::Span<const double> group
     }
   }
   for (size_t g = 0; g < groups.size(); ++g) {
-    const double lr_eff = (group_lr.empty() ? lr : group_lr[g]) * (groups[g].lr_multiplier == 0 ? 1 : groups[g].lr_multiplier);
-    const float decay = static_cast<float>(1.0 - lr_eff * groups[g].weight_decay);
-    const float step_size = static_cast<float>(lr_eff / (1.0 - groups[g].beta1));
+    const double lr_eff = EffectiveLr(groups[g], group_lr.empty() ? lr : group_lr[g]);
+    const float decay = static_cast<float>(Decay(groups[g], lr_eff));
+    const float step_size = static_cast<float>(StepSize(groups[g], lr_eff, 1));
     if (!std::isfinite(decay) || !std::isfinite(step_size)) {
       return absl::InvalidArgumentError(absl::StrCat(
           "group ", g, "'s lr ", lr_eff, " (with its lr multiplier) makes the update's ",

@@ -20,10 +20,8 @@ namespace {
 absl::StatusOr<CommitArgs> CheckArgs(const Job& job, const v1::CommitRequest& req) {
   // Before anything is checked: an older client's skip carries its lr.
   if (req.skip()) return CommitArgs::Skip();
-  std::vector<GroupScale> groups;
-  for (const v1::Group& g : job.spec.groups()) groups.push_back({g.beta1(), g.weight_decay(), g.lr_multiplier()});
   SHARDOPT_RETURN_IF_ERROR(CheckLearningRates(req.lr(), absl::MakeConstSpan(req.group_lr().data(), req.group_lr_size()),
-                                              groups, job.name()));
+                                              job.hypers, job.name()));
   if (!std::isfinite(req.gscale())) {
     return absl::InvalidArgumentError(absl::StrCat("gscale must be finite, got ", req.gscale()));
   }

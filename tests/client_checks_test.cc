@@ -365,19 +365,22 @@ TEST(InitialValuesTest, AValueThatRoundsToInfinityInBf16StateIsSaidToDoSo) {
 // the master for good. The client checks them before a push, the server at
 // the commit.
 TEST(LearningRatesTest, LrsWhoseUpdateConstantsOverflowAFloatAreRefused) {
-  const GroupScale usual{0.9, 0.01, 1.0};
+  const auto hyper = [](double beta1, double weight_decay, double lr_multiplier) {
+    return AdamWHyper{beta1, 0.999, 1e-8f, weight_decay, lr_multiplier};
+  };
+  const AdamWHyper usual = hyper(0.9, 0.01, 1.0);
   EXPECT_TRUE(CheckLearningRates(1e-3, {}, {usual}, "j").ok());
-  EXPECT_TRUE(CheckLearningRates(3e37, {}, {GroupScale{0.9, 0.0, 1.0}}, "j").ok());  // 3e38 as a step size
+  EXPECT_TRUE(CheckLearningRates(3e37, {}, {hyper(0.9, 0.0, 1.0)}, "j").ok());  // 3e38 as a step size
   const struct {
     double lr;
     std::vector<double> group_lr;
-    GroupScale group;
+    AdamWHyper group;
     const char* says;
   } refused[] = {
-      {3e38, {}, {0.9, 0.01, 2.0}, "step size"},
+      {3e38, {}, hyper(0.9, 0.01, 2.0), "step size"},
       {1e-3, {3.4e38}, usual, "step size"},
-      {1e-3, {}, {0.9, 1e300, 1.0}, "decay"},
-      {1e30, {}, {0.9, 1e10, 1.0}, "decay"},
+      {1e-3, {}, hyper(0.9, 1e300, 1.0), "decay"},
+      {1e30, {}, hyper(0.9, 1e10, 1.0), "decay"},
   };
   for (const auto& r : refused) {
     const absl::Status st = CheckLearningRates(r.lr, r.group_lr, {r.group}, "j");
