@@ -1,10 +1,10 @@
 """Checks RemoteAdamW makes before anything reaches a server, with torch's
 messages where torch makes the same check."""
-import math
 import numbers
 
 import torch
 
+from . import _C
 from ._errors import InvalidArgument, UnsupportedDtype
 
 
@@ -70,13 +70,13 @@ def _check_hyper(g, where):
         raise ValueError(f"{where}Invalid beta parameter at index 1: {beta2}")
     if not 0.0 <= wd < float("inf"):
         raise ValueError(f"{where}Invalid weight_decay value: {wd}")
-    # The servers' update takes 1 - lr*wd and lr / (1 - beta1^t), largest at
-    # t = 1, as float32s: one that overflows would make the master inf, and
-    # the servers refuse it at the commit, after backward.
-    if not all(math.isfinite(float(torch.tensor(x, dtype=torch.float32))) for x in (1.0 - lr * wd, lr / (1.0 - beta1))):
-        raise ValueError(f"{where}Invalid learning rate: {lr} (with weight_decay {wd} and beta1 {beta1}, the "
-                         "update's 1 - lr*weight_decay or lr / (1 - beta1) overflows the float32 the servers "
-                         "compute it in)")
+    # The servers' own check (rpc/learning_rates.h): an lr whose update
+    # constants overflow their float32 is refused at the commit, after
+    # backward; here, before.
+    try:
+        _C.check_learning_rate(float(lr), float(beta1), float(wd))
+    except InvalidArgument as e:
+        raise ValueError(f"{where}Invalid learning rate: {lr} ({e.message})") from None
     if g.get("amsgrad") or g.get("maximize"):
         raise InvalidArgument(f"{where}RemoteAdamW does not implement amsgrad or maximize")
     if g.get("capturable") or g.get("differentiable"):

@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/after_step.h"
 #include "rpc/initial_values.h"
+#include "rpc/learning_rates.h"
 #include "rpc/push_incomplete.h"
 #include "shardopt/client.h"
 
@@ -403,6 +404,15 @@ PYBIND11_MODULE(_C, m) {
                                            initial, absl::StrCat("'", tensor, "'"), 0));
       },
       py::arg("tensor"), py::arg("data"), py::arg("count"), py::arg("bf16_state"), py::arg("kind"));
+  // The servers' check of an lr against a group's update constants
+  // (rpc/learning_rates.h), for a group's lr before anything is pushed.
+  m.def(
+      "check_learning_rate",
+      [](double lr, double beta1, double weight_decay) {
+        const shardopt::AdamWHyper group{beta1, 0.999, 1e-8f, weight_decay, 1.0};  // beta2 and eps take no part
+        Check(shardopt::CheckLearningRates(lr, {}, {group}, ""));
+      },
+      py::arg("lr"), py::arg("beta1"), py::arg("weight_decay"));
   // The start of the servers' refusal of a commit whose push they lost
   // (rpc/push_incomplete.h), which the overlap path pushes again for.
   m.def("push_incomplete", &shardopt::PushIncomplete, py::arg("step"));
