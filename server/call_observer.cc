@@ -17,12 +17,15 @@ class CallObserver final : public grpc::experimental::Interceptor {
  public:
   // The peer is taken as the call begins: a cancelled call's context says
   // "unknown" by the time its status goes out.
-  CallObserver(std::string method, std::string peer) : method_(std::move(method)), peer_(std::move(peer)) {}
+  // `parsed_by_grpc`: gRPC's generated code parses the request (a unary RPC;
+  // the service's streams parse their own: init_reactor.h).
+  CallObserver(std::string method, bool parsed_by_grpc, std::string peer)
+      : method_(std::move(method)), parsed_by_grpc_(parsed_by_grpc), peer_(std::move(peer)) {}
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
       grpc::Status st = methods->GetSendStatus();
-      if (st.error_code() == grpc::StatusCode::INTERNAL && st.error_message().empty() && Unary()) {
+      if (st.error_code() == grpc::StatusCode::INTERNAL && st.error_message().empty() && parsed_by_grpc_) {
         // gRPC's own parse of a synchronous RPC's request failed (the
         // service's INTERNALs all say what broke): the caller's mistake.
         st = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
@@ -46,25 +49,19 @@ class CallObserver final : public grpc::experimental::Interceptor {
   }
 
  private:
-  // Whether gRPC parses this RPC's request itself (the streams parse their
-  // own: init_reactor.h).
-  bool Unary() const {
-    return method_ == "CreateJob" || method_ == "Describe" || method_ == "DropJob" || method_ == "Checkpoint";
-  }
-
   const std::string method_;  // the RPC's name, without the service
+  const bool parsed_by_grpc_;
   const std::string peer_;
 };
 
-// The RPC's name, without the service, or "unknown" for a method the
-// server does not serve: the caller chooses the path, and each name would be
-// a metric series and a log rate limit of its own.
-std::string MethodLabel(const std::string& path) {
+// The method a call's path names, or null for one the server does not
+// serve: the caller chooses the path, and each name would be a metric series
+// and a log rate limit of its own.
+const google::protobuf::MethodDescriptor* Method(const std::string& path) {
   const size_t slash = path.rfind('/');
-  if (slash == std::string::npos || slash == 0) return "unknown";
-  const std::string dotted = absl::StrCat(path.substr(1, slash - 1), ".", path.substr(slash + 1));
-  if (google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(dotted) == nullptr) return "unknown";
-  return path.substr(slash + 1);
+  if (slash == std::string::npos || slash == 0) return nullptr;
+  return google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(
+      absl::StrCat(path.substr(1, slash - 1), ".", path.substr(slash + 1)));
 }
 
 class Factory final : public grpc::experimental::ServerInterceptorFactoryInterface {
@@ -75,7 +72,10 @@ class Factory final : public grpc::experimental::ServerInterceptorFactoryInterfa
     // is NOT_FOUND, and a Watch ends when its client goes.
     if (absl::StartsWith(path, "/grpc.health.v1.Health/")) return nullptr;
     grpc::ServerContextBase* context = info->server_context();
-    return new CallObserver(MethodLabel(path), context == nullptr ? "" : context->peer());
+    const google::protobuf::MethodDescriptor* method = Method(path);
+    return new CallObserver(method == nullptr ? "unknown" : method->name(),
+                            method != nullptr && !method->client_streaming() && !method->server_streaming(),
+                            context == nullptr ? "" : context->peer());
   }
 };
 

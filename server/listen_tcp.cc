@@ -33,7 +33,7 @@ absl::StatusOr<int> ListenTcp(const std::string& host, int port, int backlog) {
   freeaddrinfo(found);
   if (!bound) {
     if (fd >= 0) close(fd);
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", host, ":", port, ": ", std::strerror(error)));
+    return absl::UnavailableError(std::strerror(error));
   }
   return fd;
 }
@@ -47,10 +47,7 @@ std::string WhyCannotListen(const std::string& address) {
     close(*fd);
     return "";
   }
-  if (!absl::IsUnavailable(fd.status())) return std::string(fd.status().message());
-  // "cannot listen on HOST:PORT: <reason>": the reason alone.
-  const std::string said(fd.status().message());
-  return said.substr(said.rfind(": ") + 2);
+  return std::string(fd.status().message());
 }
 
 }  // namespace shardopt

@@ -10,9 +10,10 @@
 namespace shardopt {
 
 // A socket listening on host:port (port 0: an ephemeral one; host a name
-// or an address, an IPv6 one with or without brackets). UNAVAILABLE with
-// the system's reason if it cannot bind or listen; INVALID_ARGUMENT if the
-// host does not resolve. The caller closes the descriptor.
+// or an address, an IPv6 one with or without brackets). UNAVAILABLE whose
+// message is the system's reason alone if it cannot bind or listen (the
+// caller says what was asked); INVALID_ARGUMENT if the host does not
+// resolve. The caller closes the descriptor.
 absl::StatusOr<int> ListenTcp(const std::string& host, int port, int backlog);
 
 // Why gRPC could not listen on `address` (HOST:PORT): the reason a socket of

@@ -72,7 +72,11 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
                                                                      const metrics::Registry* registry) {
   absl::StatusOr<int> listening = ListenTcp(host, port, 16);
   if (!listening.ok()) {
-    return absl::Status(listening.status().code(), absl::StrCat("--metrics_port: ", listening.status().message()));
+    return absl::Status(listening.status().code(),
+                        absl::IsUnavailable(listening.status())
+                            ? absl::StrCat("--metrics_port: cannot listen on ", host, ":", port, ": ",
+                                           listening.status().message())
+                            : absl::StrCat("--metrics_port: ", listening.status().message()));
   }
   const int fd = *listening;
   sockaddr_storage addr{};
