@@ -1539,6 +1539,8 @@ TEST_F(ServiceTest, AnUnparseableUnaryRequestIsInvalidArgument) {
   const JobOptions job = MakeJob("unicode", 1, {{"w", 64}});
   auto client = Connect(server_->address());
   ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  const auto init = RandomFloats(rng_, 64, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
   // Field 1 (job), 2 bytes that are not UTF-8: every one of these requests
   // has its job name there.
   const std::string not_utf8("\x0a\x02\xff\xfe", 4);
@@ -1548,8 +1550,11 @@ TEST_F(ServiceTest, AnUnparseableUnaryRequestIsInvalidArgument) {
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
     EXPECT_THAT(status.error_message(), HasSubstr(absl::StrCat(method, "Request message does not parse")));
   }
-  // Nothing changed: the job is there, at step 0.
-  EXPECT_EQ(client->CreateOrAttach(job).value(), 0u);
+  // Nothing changed: the job is there, the same life (a job dropped and
+  // made again would be NOT_FOUND to this client, or hold no values).
+  std::vector<float> master(64, NAN);
+  ASSERT_TRUE(client->Read("w", StateToRead::kMaster, 0, 64, master.data()).ok());
+  EXPECT_EQ(master, init);
 }
 
 TEST_F(ServiceTest, HealthIsServedAndReflectionOnlyWhenAsked) {
