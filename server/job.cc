@@ -126,7 +126,13 @@ void Job::EndRound(std::string why) {
 }
 
 void Job::ExpireIfLate(std::chrono::steady_clock::time_point now) {
-  if (round.active && !round.sealed && now >= round.deadline) EndRound("its barrier deadline passed");
+  if (round.active && !round.sealed && now >= round.deadline) EndRoundAtDeadline();
+}
+
+std::string Job::EndRoundAtDeadline() {
+  std::string missing = MissingSummary();
+  EndRound(absl::StrCat("its barrier deadline passed: ", missing));
+  return missing;
 }
 
 absl::Status Job::ChargeTracking() {

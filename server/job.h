@@ -184,6 +184,10 @@ class Job {
   // Ends the round, committed or not; `why` is what a push of the discarded
   // round is told (empty for a committed one).
   void EndRound(std::string why = {}) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Ends the round as its deadline passed, saying which ranks it lacked (also
+  // returned), so that every push it discards is told the same cause.
+  std::string EndRoundAtDeadline() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // EndRoundAtDeadline for an unsealed round whose deadline has passed.
   void ExpireIfLate(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Charges the most one Offer or Finish of the round's sum can add, before
   // it runs; RESOURCE_EXHAUSTED if that does not fit. FitTracking then gives

@@ -318,10 +318,9 @@ absl::Status PushSession::CheckRoundLocked() {
 }
 
 absl::Status PushSession::Discarded() const {
-  return absl::DeadlineExceededError(absl::StrCat("the round of step ", step_, " ended before rank ", rank_,
-                                                  "'s push did (", job_->round_end,
-                                                  "); nothing was applied and its gradients were discarded: push step ",
-                                                  step_, " again"));
+  return absl::DeadlineExceededError(absl::StrCat("the round of step ", step_, " ended before it was sealed (",
+                                                  job_->round_end, "); nothing was applied and rank ", rank_,
+                                                  "'s gradients were discarded: push step ", step_, " again"));
 }
 
 absl::StatusOr<std::optional<v1::PushResponse>> PushSession::TrySeal(const Wake& wake) {
@@ -482,8 +481,7 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::AwaitSeal(const Wak
     return std::nullopt;
   }
   // Our own deadline: end the round for everyone.
-  const std::string missing = job_->MissingSummary();
-  job_->EndRound("its barrier deadline passed");
+  const std::string missing = job_->EndRoundAtDeadline();
   return absl::DeadlineExceededError(absl::StrCat(BarrierTimedOut(step_), " after ",
                                                   absl::FormatDuration(job_->barrier_timeout), ": ", missing,
                                                   "; nothing was applied: push step ", step_, " again"));

@@ -524,6 +524,24 @@ TEST_F(StoreTest, BarrierDeadlineDiscardsTheRoundAndAFreshPushSucceeds) {
   EXPECT_EQ(ReadFloats("deadline", "w", v1::MASTER), ref.p);
 }
 
+TEST_F(StoreTest, EveryRankAtAnExpiredBarrierIsToldWhichRanksAreMissing) {
+  Create(JobRequest("missing", 3, {{"w", 2000}}, v1::PRECISION_FP32, /*barrier_ms=*/300));
+  const std::string before = Snapshot("missing");
+  auto g0 = RandomBf16(rng_, 2000, 1.0f), g1 = RandomBf16(rng_, 2000, 1.0f);
+  // Ranks 0 and 1 push whole and wait; rank 2 never comes. Whichever of the
+  // two sees the deadline first ends the round; the other learns it from
+  // the ended round, and must be told the same cause, not its own rank.
+  std::vector<absl::StatusOr<v1::PushResponse>> answers(2, absl::UnknownError("not answered"));
+  std::thread other([&] { answers[1] = Push("missing", 1, 1, {{"w", g1}}); });
+  answers[0] = Push("missing", 1, 0, {{"w", g0}});
+  other.join();
+  for (const auto& answer : answers) {
+    EXPECT_EQ(answer.status().code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_THAT(std::string(answer.status().message()), HasSubstr("ranks {2} of 3 have not finished pushing step 1"));
+  }
+  EXPECT_EQ(Snapshot("missing"), before);
+}
+
 TEST_F(StoreTest, SkippedStepAdvancesTheJobAndChangesNoState) {
   auto init = Create(JobRequest("skip", 1, {{"w", 4000}}));
   auto bad = RandomBf16(rng_, 4000, 1.0f);
@@ -823,18 +841,19 @@ TEST_F(DrainTest, ACommitterThatStoppedReadingCostsOnlyItsOwnJobsCheckpoint) {
 // starts from zero), and a commit whose last piece was read as the job went
 // does not make them again when its stream ends.
 TEST_F(DrainTest, ACommitEndingAfterItsJobsDropMakesNoSeriesOfIt) {
-  auto stream = StallCommit("gone");  // its 5 pieces: one read
+  auto stream = StallCommit("dropped-mid-commit");  // its 5 pieces: one read
   ASSERT_NE(stream, nullptr);
   const auto series = [] {
     const std::string text = metrics::Registry::Default().Render();
-    return text.find("{job=\"gone\"") != std::string::npos;
+    return text.find("{job=\"dropped-mid-commit\"") != std::string::npos;
   };
-  EXPECT_THAT(metrics::Registry::Default().Render(), HasSubstr("\nshardopt_pushes_total{job=\"gone\"} 1\n"));
+  EXPECT_THAT(metrics::Registry::Default().Render(),
+              HasSubstr("\nshardopt_pushes_total{job=\"dropped-mid-commit\"} 1\n"));
   for (int k = 1; k < 5; ++k) {
     auto piece = stream->Next();
     ASSERT_TRUE(piece.ok() && piece->has_value()) << k << ": " << piece.status();
   }
-  ASSERT_TRUE(store_.DropJob("gone").ok());
+  ASSERT_TRUE(store_.DropJob("dropped-mid-commit").ok());
   EXPECT_FALSE(series());
   auto end = stream->Next();
   ASSERT_TRUE(end.ok()) << end.status();
