@@ -91,10 +91,16 @@ class _OverlapPush:
         self._seen, self._marked = [], {}
         self._second_gradient = None
 
+    def _push_running(self):
+        """Starts the push of the next step if no backward did (no param
+        has a gradient yet, or a retry after a failed commit): it pushes
+        what p.grad holds."""
+        if not self._client.pushing():
+            self._start_push()
+
     def _on_grad_ready(self, k):
         with self._push_lock:
-            if not self._client.pushing():
-                self._start_push()
+            self._push_running()
         t = self._tensors[k]
         if k in self._marked:
             # torch has added it into p.grad, which the push may be reading
@@ -120,6 +126,7 @@ class _OverlapPush:
         commits it as a skipped step, and returns None. A push that a
         param's second gradient reached is committed as a skip: what it
         read of that param's p.grad may be either gradient, or both."""
+        self._push_running()  # its step is the one compared with a skip owed
         if skip or self._second_gradient is not None or self._skip_owed == self._push_step:
             self._finish_push(skip=True)
             self._commit_skip()
@@ -185,8 +192,7 @@ class _OverlapPush:
         refuses gradients changed since backward pushed them. For a push
         to be committed as a skip (`skip`), whose gradients do not matter,
         the rest are marked as none and nothing is refused."""
-        if not self._client.pushing():  # no backward ran: push what p.grad holds
-            self._start_push()
+        self._push_running()
         seen = set(self._seen)
         rest = [k for k in self._order if k not in seen]
         if skip:

@@ -477,3 +477,23 @@ def test_a_skip_that_reached_some_servers_only_is_owed_by_the_next_step(server_b
         train(model, opt, 1, first=4)
         assert opt.job_step == 4
         opt.drop()
+
+
+@pytest.mark.parametrize("before", ["nothing", "a_step"])
+def test_a_step_with_no_backward_is_a_step_of_the_job(servers, job, before):
+    """A step() no backward preceded (every param frozen for now, a rank
+    with nothing to do) is a step in which no param has a gradient, as with
+    overlap=False: the job moves on, and no param or state does."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3, overlap=True)
+    if before == "a_step":
+        train(model, opt, 1)
+        opt.zero_grad()
+    start = opt._client.step_count
+    params = [p.detach().clone() for p in model.parameters()]
+    steps = opt._client.adam_steps()
+    opt.step()
+    assert opt._client.step_count == start + 1
+    assert opt._client.adam_steps() == steps
+    assert all(same_bits(p, q) for p, q in zip(model.parameters(), params))
+    opt.drop()
