@@ -340,6 +340,11 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
                                      "step()")
 
     def zero_grad(self, set_to_none=True):
+        """torch's zero_grad, with torch 2.x's default set_to_none=True
+        (torch 1.13's was False): a param whose gradient then stays None,
+        one frozen mid-run, stops stepping, where a zero gradient would go
+        on stepping it. With overlap=True, a push that backward began and
+        no step() committed is committed first, as a skipped step."""
         # A push running here had its backward but will get no step(): it is
         # completed as a skipped step so the job can go on.
         try:
