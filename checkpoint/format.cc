@@ -78,7 +78,8 @@ std::string StepDirectory(const std::string& root, const std::string& job, uint6
 }
 
 absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& root, v1::PartManifest manifest,
-                                                             bool written, uint32_t array_alignment) {
+                                                             bool written, uint32_t array_alignment,
+                                                             uint64_t read_from_life) {
   if (array_alignment != 0 && array_alignment != kDirectAlignment) {
     return absl::InternalError(absl::StrCat("a checkpoint part aligns its arrays to ", kDirectAlignment, " or not"));
   }
@@ -98,12 +99,14 @@ absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& 
   // life (two servers or runs with one job name in one directory) would
   // otherwise be taken as this one's state. (A restore onto another
   // placement takes a life from parts of the old one: only this placement's
-  // own part is compared.)
+  // own part is compared.) A job restored from this step under a new life
+  // holds the state of the parts it was read from: they are its own.
   if (fs::exists(absl::StrCat(w->result_.directory, "/", kCommitName), ec)) {
     const std::string ours = absl::StrCat(w->result_.directory, "/", PartName(spec));
     if (auto head = ReadPartHead(ours); head.ok() && SameShards(head->manifest.spec(), spec) &&
                                         head->manifest.incarnation() != 0 && manifest.incarnation() != 0 &&
-                                        head->manifest.incarnation() != manifest.incarnation()) {
+                                        head->manifest.incarnation() != manifest.incarnation() &&
+                                        head->manifest.incarnation() != read_from_life) {
       return absl::FailedPreconditionError(absl::StrCat(
           "step ", manifest.step(), " of job ", spec.job(), " is complete in ", w->result_.directory,
           " already, and its part there is another life of job ", spec.job(), "'s (incarnation ",

@@ -175,6 +175,15 @@ class Job {
   // if its checkpoint then failed): a checkpoint of it again keeps that file
   // (checkpoint::PartWriter::Open), which a peer may have listed.
   std::optional<uint64_t> part_written ABSL_GUARDED_BY(mu);
+  // The step and life of the checkpoint parts a restore read this job's
+  // state from, until an initial value changes it: a checkpoint of that
+  // step is theirs, also under this job's own, new life (a job made again
+  // after a drop, or from a restore_step; checkpoint::PartWriter::Open).
+  struct PartsRead {
+    uint64_t step = 0;
+    uint64_t life = 0;
+  };
+  std::optional<PartsRead> restored_from ABSL_GUARDED_BY(mu);
   // Set if an apply failed halfway: the state is no step's state.
   absl::Status failed ABSL_GUARDED_BY(mu);
   // Why the last round ended without a commit, for the pushes it discarded.

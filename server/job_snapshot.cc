@@ -72,6 +72,7 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
   v1::PartManifest m;
   std::vector<v1::DType> dtypes;
   bool written = false;
+  uint64_t read_from_life = 0;
   {
     absl::MutexLock lock(&job.mu);
     if (!job.AwaitWholeStep(deadline)) {
@@ -108,6 +109,7 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
       dtypes.push_back(section->dtype());
     }
     written = job.part_written == job.step;
+    if (job.restored_from && job.restored_from->step == job.step) read_from_life = job.restored_from->life;
     ++job.snapshots;
   }
   // From here until the state has streamed out, nothing writes it; the
@@ -121,7 +123,8 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
     job.Notify();
   };
   SHARDOPT_RETURN_IF_ERROR(began());
-  SHARDOPT_ASSIGN_OR_RETURN(writer, checkpoint::PartWriter::Open(root, std::move(m), written, array_alignment));
+  SHARDOPT_ASSIGN_OR_RETURN(writer, checkpoint::PartWriter::Open(root, std::move(m), written, array_alignment,
+                                                                         read_from_life));
   if (writer->wants_data()) SHARDOPT_RETURN_IF_ERROR(StreamState(job, dtypes, *writer, after_slice));
   return writer;
 }

@@ -186,6 +186,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     if (loaded.ok()) {
       restored = true;
       restored_step = job->step;
+      job->restored_from = Job::PartsRead{job->step, job->incarnation};
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       const uint64_t bytes = job->state->memory_use().state_bytes;
       metrics::Registry::Default().Observe("shardopt_checkpoint_seconds", {{"direction", "restore"}}, seconds);
@@ -432,7 +433,9 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
   }
   SHARDOPT_RETURN_IF_ERROR(job.CheckNotDropped());
   if (job.step != 0 || job.applying) {
-    return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is at step ", job.step,
+    return absl::FailedPreconditionError(absl::StrCat("job '", job.name(), "' is ",
+                                                      job.applying ? absl::StrCat("applying step ", job.step + 1)
+                                                                   : absl::StrCat("at step ", job.step),
                                                       "; initial values are taken only at step 0"));
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto shard, job.LocateRange(chunk.tensor(), chunk.offset(), count));
@@ -440,6 +443,7 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
   const uint64_t local = chunk.offset() - s.offset;
   SHARDOPT_RETURN_IF_ERROR(job.state->WriteState(shard, kind, local, dtype, chunk.data().data(), count));
   job.written = true;
+  job.restored_from.reset();  // no longer the state of the parts it was read from
   if (chunk.adam_step() != 0) job.adam_steps[shard] = chunk.adam_step();
   // Only the master makes a shard ready to step: moments default to zero.
   if (kind != StateKind::kMaster) return count;

@@ -275,6 +275,42 @@ TEST(DurabilityTest, AServerDoesNotTakeAnotherLifesCheckpointOfItsJobsNameAsItsO
   EXPECT_EQ(Fingerprint(*client, job).value(), first);
 }
 
+// A job restored under a new life (made again after a drop, or from a
+// restore_step) holds exactly the state of the parts it was read from, of
+// the life before: a checkpoint of that step is the one already complete,
+// not another run's (a SIGTERM drain before the job's first step failed
+// for it and exited 1).
+TEST(DurabilityTest, AJobRestoredUnderANewLifeCheckpointsTheStepItWasRestoredAt) {
+  const JobOptions job = DurableJob("new-life", {{"w", 3000}, {"b", 700}});
+  TempDir dir;
+  auto servers = StartServers(2, dir.path());
+  std::vector<uint32_t> at2;
+  {
+    auto client = Connect(servers);
+    ASSERT_EQ(client->CreateOrAttach(job).value(), 0u);
+    Train(*client, job, 2);
+    ASSERT_TRUE(client->Checkpoint().ok());
+    at2 = Fingerprint(*client, job).value();
+    ASSERT_TRUE(client->Drop().ok());
+  }
+  auto made_again = Connect(servers);
+  ASSERT_EQ(made_again->CreateOrAttach(job).value(), 2u);  // restored, a new life
+  const absl::Status again = made_again->Checkpoint();
+  EXPECT_TRUE(again.ok()) << again;
+  made_again.reset();
+  for (auto& server : servers) server->Stop(SIGKILL);
+  servers = StartServers(2, dir.path());
+  JobOptions back = job;
+  back.restore_step = 2;  // a new life again, from the same parts
+  auto restored = Connect(servers);
+  ASSERT_EQ(restored->CreateOrAttach(back).value(), 2u);
+  const absl::Status once_more = restored->Checkpoint();
+  EXPECT_TRUE(once_more.ok()) << once_more;
+  EXPECT_EQ(Fingerprint(*restored, job).value(), at2);
+  restored.reset();
+  for (auto& server : servers) EXPECT_EQ(server->Stop(SIGTERM), 0) << "the drain's checkpoint of step 2 failed";
+}
+
 // checkpoint_every on a server without --checkpoint_dir is refused when the
 // trainer attaches (rank 0, which takes the checkpoints): every checkpoint
 // would fail, after its step was applied. Other ranks take none.
