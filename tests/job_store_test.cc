@@ -861,6 +861,26 @@ TEST_F(DrainTest, ACommitEndingAfterItsJobsDropMakesNoSeriesOfIt) {
   EXPECT_FALSE(series()) << "the stream's end counted a commit of a dropped job";
 }
 
+// Initial values while step 1 is half applied (its committer stopped
+// reading) are refused, saying that the step is being applied rather than
+// that the job is at step 0, where they would be taken; nothing is written.
+TEST_F(DrainTest, AnInitialValueWhileStepOneIsAppliedIsRefusedSayingSo) {
+  auto stream = StallCommit("applying");
+  ASSERT_NE(stream, nullptr);
+  std::vector<float> values(10, 7.0f);
+  v1::InitChunk c;
+  c.set_job("applying");
+  c.set_tensor("w");
+  c.set_dtype(v1::FP32);
+  c.set_data(values.data(), values.size() * 4);
+  const auto refused = store_.Init(c);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("is applying step 1"));
+  stream.reset();  // the stream's end finishes the step
+  const std::vector<float> master = ReadFloats("applying", "w", v1::MASTER);
+  EXPECT_NE(master[0], 7.0f);
+}
+
 // A Checkpoint call waits for a half-applied step only until its caller's
 // deadline: DEADLINE_EXCEEDED, naming the step, instead of holding its
 // thread for as long as the committer takes. Once the step is whole, the
