@@ -24,11 +24,18 @@ class InitReactor final : public ReadReactor {
                                                                        " elements were written"))));
     }
     // A chunk without a job name continues the stream's job; one naming
-    // another is refused, as a push stream that changes job is.
+    // another is refused, as a push stream that changes job is. So is one of
+    // another life of it: a chunk naming none is of the life the stream's
+    // first chunk wrote, not of a job of the name made again meanwhile.
     if (chunk_.job().empty()) chunk_.set_job(job_);
     if (!job_.empty() && chunk_.job() != job_) {
       return End(Refused(absl::InvalidArgumentError(
           absl::StrCat("an Init stream is of one job: '", job_, "', then '", chunk_.job(), "'"))));
+    }
+    if (chunk_.incarnation() == 0) chunk_.set_incarnation(life_);
+    if (life_ != 0 && chunk_.incarnation() != life_) {
+      return End(Refused(absl::InvalidArgumentError(absl::StrCat("an Init stream is of one life of job '", job_,
+                                                                 "': ", life_, ", then ", chunk_.incarnation()))));
     }
     job_ = chunk_.job();
     if (absl::Status allowed = caller_.Allows(Action::kInit, job_); !allowed.ok()) return End(Refused(allowed));
@@ -45,9 +52,8 @@ class InitReactor final : public ReadReactor {
   // While a checkpoint streams the state, the chunk waits without a thread
   // (JobStore::TryInit) and is written when the store wakes the stream.
   void Write() {
-    auto written = store_->TryInit(chunk_, [weak = WeakSelf<InitReactor>()] {
-      if (auto self = weak.lock()) self->Woken();
-    });
+    auto written = store_->TryInit(
+        chunk_, [weak = WeakSelf<InitReactor>()] { if (auto self = weak.lock()) self->Woken(); }, &life_);
     if (!written.ok()) return End(Refused(written.status()));
     if (!*written) return;
     elements_ += **written;
@@ -75,6 +81,7 @@ class InitReactor final : public ReadReactor {
   const Caller caller_;
   v1::InitChunk chunk_;
   std::string job_;
+  uint64_t life_ = 0;  // of job_, once a chunk found it
   uint64_t elements_ = 0;
 };
 

@@ -395,9 +395,10 @@ absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
 }
 
 absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& chunk,
-                                                          const std::function<void()>& wake) {
+                                                          const std::function<void()>& wake, uint64_t* life) {
   SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(chunk.job(), chunk.incarnation()));
   Job& job = *found;
+  if (life != nullptr) *life = job.incarnation;
   SHARDOPT_ASSIGN_OR_RETURN(auto dtype, FromProto(chunk.dtype()));
   StateKind kind = StateKind::kMaster;
   switch (chunk.kind()) {

@@ -128,8 +128,10 @@ class JobStore {
   absl::StatusOr<uint64_t> Init(const v1::InitChunk& chunk) ABSL_LOCKS_EXCLUDED(mu_);
   // Init that never waits: nullopt while a checkpoint streams the state,
   // and then `wake` runs when it is time to try again (Job::StateWritable).
-  absl::StatusOr<std::optional<uint64_t>> TryInit(const v1::InitChunk& chunk, const std::function<void()>& wake)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // `life`, if given, is set to the life of the job the chunk was for, which
+  // an Init stream's later chunks that name none are of.
+  absl::StatusOr<std::optional<uint64_t>> TryInit(const v1::InitChunk& chunk, const std::function<void()>& wake,
+                                                  uint64_t* life = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
 
   // One rank's push of one step: the stream's first message opens a session
   // (server/push_session.h).

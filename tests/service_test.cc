@@ -1485,6 +1485,64 @@ TEST_F(ServiceTest, AnInitStreamIsOfOneJobAndARefusalSaysWhatWasWritten) {
   EXPECT_THAT(nan.error_message(), HasSubstr("not finite; the stream is refused after 16 elements were written"));
 }
 
+// An Init stream is of the life of its job that its first chunk wrote, also
+// when its chunks name none (incarnation 0): a chunk after the job was
+// dropped and made again is NOT_FOUND, not written into the new run's job,
+// whose master then held values of a stream begun against the dropped one
+// and whose push was accepted (a probe).
+TEST_F(ServiceTest, AnInitStreamIsOfOneLifeOfItsJob) {
+  const JobOptions job = MakeJob("init-life", 1, {{"w", 64}});
+  auto client = Connect(server_->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  const auto values = RandomFloats(rng_, 64, -1, 1);
+  const auto chunk = [&](const std::string& name, uint64_t offset) {
+    v1::InitChunk c;
+    c.set_job(name);
+    c.set_tensor("w");
+    c.set_offset(offset);
+    c.set_dtype(v1::FP32);
+    c.set_data(values.data() + offset, 32 * 4);
+    return c;
+  };
+  const auto message = [](const v1::InitChunk& c) {
+    grpc::Slice slice(c.SerializeAsString());
+    return grpc::ByteBuffer(&slice, 1);
+  };
+  auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
+  grpc::GenericStub generic(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  wire::Stream stream(&generic, &ctx, "/shardopt.v1.Optimizer/Init");
+  ASSERT_TRUE(stream.Write(message(chunk("init-life", 0))));
+  std::vector<float> master(64, NAN);
+  for (int k = 0; k < 200 && master[0] != values[0]; ++k) {  // the first chunk written
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    ASSERT_TRUE(client->Read("w", StateToRead::kMaster, 0, 64, master.data()).ok());
+  }
+  ASSERT_EQ(master[0], values[0]);
+  ASSERT_TRUE(client->Drop().ok());
+  auto next_run = Connect(server_->address());
+  ASSERT_TRUE(next_run->CreateOrAttach(job).ok());
+  stream.Write(message(chunk("", 32)));  // names no job and no life
+  stream.WritesDone();
+  grpc::ByteBuffer answer;
+  EXPECT_FALSE(stream.Read(&answer)) << "answered as if its chunks were written";
+  const grpc::Status second = stream.Finish();
+  EXPECT_EQ(second.error_code(), grpc::StatusCode::NOT_FOUND) << second.error_message();
+  EXPECT_THAT(second.error_message(), HasSubstr("after 32 elements were written"));
+  std::vector<float> fresh(64, NAN);
+  ASSERT_TRUE(next_run->Read("w", StateToRead::kMaster, 0, 64, fresh.data()).ok());
+  EXPECT_EQ(fresh[32], 0.0f) << "the dropped run's stream wrote the new run's master";
+  EXPECT_EQ(next_run->Describe().value()[0].uninitialized_tensors, 1u);
+  // A chunk naming another life than the one the stream's first chunk found.
+  v1::InitChunk other_life = chunk("", 32);
+  other_life.set_incarnation(12345);
+  const grpc::Status switched = StreamOf(server_->address(), "/shardopt.v1.Optimizer/Init",
+                                         {chunk("init-life", 0).SerializeAsString(), other_life.SerializeAsString()});
+  EXPECT_EQ(switched.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << switched.error_message();
+  EXPECT_THAT(switched.error_message(), HasSubstr("an Init stream is of one life of job 'init-life'"));
+}
+
 // A stream message that does not parse is INVALID_ARGUMENT, never the
 // stream's quiet end: an Init cut by one is not answered OK with part of the
 // values, a Push with one is refused and counts for nothing, and so is a
