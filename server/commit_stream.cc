@@ -61,8 +61,10 @@ class CommitStream {
     }
     if (t_ == 0 || t_ < job_.step) {
       return absl::FailedPreconditionError(absl::StrCat("job '", job_.name(), "' is at step ", job_.step,
-                                                        "; commit of step ", t_,
-                                                        " is stale; Read PARAM_BF16 for the current params"));
+                                                        "; commit of step ", t_, " is stale",
+                                                        t_ == 0 ? "" : " (it was applied, and the job has gone on "
+                                                                       "since: another trainer of this rank?)",
+                                                        "; Read PARAM_BF16 for the current params"));
     }
     if (t_ == job_.step + 1 && !job_.applying) {
       if (options_.draining) {

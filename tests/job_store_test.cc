@@ -614,6 +614,23 @@ TEST_F(StoreTest, APushOfTheDoneStepWhoseAnswerIsGoneIsRefusedAtItsFirstMessage)
   EXPECT_TRUE(Commit("gone", 2, 1e-3).ok());
 }
 
+// A commit of a step two behind (its trainer was replaced by another of its
+// rank, which went on) is stale; it says that the step was applied, since
+// its trainer's own gradients may be in it, rather than only "stale".
+TEST_F(StoreTest, AStaleCommitSaysItsStepWasAppliedAndTheJobWentOn) {
+  Create(JobRequest("went-on", 1, {{"w", 1000}}));
+  for (uint64_t t = 1; t <= 2; ++t) {
+    ASSERT_TRUE(Push("went-on", t, 0, {{"w", RandomBf16(rng_, 1000, 1.0f)}}).ok());
+    ASSERT_TRUE(Commit("went-on", t, 1e-3).ok());
+  }
+  const std::string before = Snapshot("went-on");
+  const auto stale = Commit("went-on", 1, 1e-3);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition) << stale.status();
+  EXPECT_THAT(std::string(stale.status().message()),
+              HasSubstr("commit of step 1 is stale (it was applied, and the job has gone on since"));
+  EXPECT_EQ(Snapshot("went-on"), before);
+}
+
 // An fp32 initial value finite as sent but Inf once rounded to bf16, in a
 // BF16 group (which keeps bf16), is refused as not finite, and nothing of
 // its chunk is written.
