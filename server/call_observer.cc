@@ -15,14 +15,19 @@ namespace {
 
 class CallObserver final : public grpc::experimental::Interceptor {
  public:
-  // The peer is taken as the call begins: a cancelled call's context says
-  // "unknown" by the time its status goes out.
+  // The peer is taken as soon as the context has it: a callback stream's
+  // as the call begins (a cancelled call's context says "unknown" by the
+  // time its status goes out), a synchronous call's, whose context is bound
+  // to the call only after its interceptors are made, at a later hook.
   // `parsed_by_grpc`: gRPC's generated code parses the request (a unary RPC;
   // the service's streams parse their own: init_reactor.h).
-  CallObserver(std::string method, bool parsed_by_grpc, std::string peer)
-      : method_(std::move(method)), parsed_by_grpc_(parsed_by_grpc), peer_(std::move(peer)) {}
+  CallObserver(std::string method, bool parsed_by_grpc, grpc::ServerContextBase* context)
+      : method_(std::move(method)), parsed_by_grpc_(parsed_by_grpc), context_(context) {
+    TakePeer();
+  }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    TakePeer();
     if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
       grpc::Status st = methods->GetSendStatus();
       if (st.error_code() == grpc::StatusCode::INTERNAL && st.error_message().empty() && parsed_by_grpc_) {
@@ -49,9 +54,14 @@ class CallObserver final : public grpc::experimental::Interceptor {
   }
 
  private:
+  void TakePeer() {
+    if (peer_.empty() && context_ != nullptr) peer_ = context_->peer();
+  }
+
   const std::string method_;  // the RPC's name, without the service
   const bool parsed_by_grpc_;
-  const std::string peer_;
+  grpc::ServerContextBase* const context_;
+  std::string peer_;
 };
 
 // The method a call's path names, or null for one the server does not
@@ -71,11 +81,10 @@ class Factory final : public grpc::experimental::ServerInterceptorFactoryInterfa
     // Health checks are not refusals: a check of a service not served here
     // is NOT_FOUND, and a Watch ends when its client goes.
     if (absl::StartsWith(path, "/grpc.health.v1.Health/")) return nullptr;
-    grpc::ServerContextBase* context = info->server_context();
     const google::protobuf::MethodDescriptor* method = Method(path);
     return new CallObserver(method == nullptr ? "unknown" : method->name(),
                             method != nullptr && !method->client_streaming() && !method->server_streaming(),
-                            context == nullptr ? "" : context->peer());
+                            info->server_context());
   }
 };
 

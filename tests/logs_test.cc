@@ -144,6 +144,22 @@ TEST_F(LogsTest, RefusalsOfMethodsThatDoNotExistShareOneLabel) {
   EXPECT_LE(refused, 10u) << server->log();  // rate-limited as one method
 }
 
+// A refused unary call of the service (here a Describe of a job the server
+// does not hold) names its caller too: a synchronous call's context has no
+// peer yet when its interceptor is made, so its line said peer="".
+TEST_F(LogsTest, ARefusedUnaryCallNamesItsPeer) {
+  auto server = ServerProcess::StartLogged({"--log_format=json"});
+  ASSERT_NE(server, nullptr);
+  const std::string nope("\x0a\x04nope", 6);  // DescribeRequest{job: "nope"}
+  EXPECT_EQ(testing::GenericUnary(server->address(), "/shardopt.v1.Optimizer/Describe", nope).first.error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  server->Stop(SIGTERM);
+  const std::vector<nlohmann::json> refused = Events(JsonLines(server->log()), "refused");
+  ASSERT_EQ(refused.size(), 1u) << server->log();
+  EXPECT_EQ(refused[0].value("method", ""), "Describe");
+  EXPECT_THAT(refused[0].value("peer", ""), ::testing::StartsWith("ipv4:127.0.0.1:")) << refused[0];
+}
+
 // A stream gRPC cuts (a message over --max_message_bytes) is logged with
 // its caller's address too: the peer is taken as the call begins, where a
 // cancelled call's context said "unknown" by the time its status went out.
