@@ -54,23 +54,30 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
   // good, so that a wrong step is FAILED_PRECONDITION whatever the budget.
   MemoryBudget::Charge buffers;
   // Timed from the snapshot's start: it streams most of the part. A
-  // checkpoint that began ends in checkpoint_end or checkpoint_failed; one
-  // refused before (wrong step, no budget) only in the service's refusal line.
+  // checkpoint that began ends in checkpoint_end or checkpoint_failed, and
+  // so does one the budget has no room for: the job's state is no more
+  // durable than if its write had failed, and the alert on failures must
+  // see it (a job admitted within the buffers' size of the budget could
+  // never be checkpointed but at the drain). One refused for the caller's
+  // mistake (a wrong step) is only in the service's refusal line.
   std::optional<std::chrono::steady_clock::time_point> t0;
+  bool no_room = false;
   absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> writer = Snapshot(
       job, options_.checkpoint_dir, request.step(), deadline,
       options_.checkpoint_packed_arrays ? 0 : checkpoint::kDirectAlignment,
       [&]() -> absl::Status {
         if (charged) {
-          SHARDOPT_ASSIGN_OR_RETURN(buffers, budget_.Reserve(checkpoint::SequentialWriter::kMostBytes,
-                                                             absl::StrCat("a checkpoint of job ", Quote(job.name()))));
+          auto reserved = budget_.Reserve(checkpoint::SequentialWriter::kMostBytes,
+                                          absl::StrCat("a checkpoint of job ", Quote(job.name())));
+          no_room = !reserved.ok();
+          SHARDOPT_ASSIGN_OR_RETURN(buffers, std::move(reserved));
         }
         log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
         t0 = std::chrono::steady_clock::now();
         return absl::OkStatus();
       },
       options_.after_snapshot_slice);
-  if (!writer.ok() && !t0) return writer.status();
+  if (!writer.ok() && !t0 && !no_room) return writer.status();
   absl::StatusOr<checkpoint::WriteResult> finished = writer.ok() ? (*writer)->Finish() : writer.status();
   if (writer.ok() && (*writer)->placed()) {
     absl::MutexLock lock(&job.mu);

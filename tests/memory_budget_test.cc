@@ -21,6 +21,7 @@
 #include "checkpoint/direct_io.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "server/memory_budget.h"
+#include "server/metrics.h"
 #include "tests/testing/store_fixture.h"
 #include "tests/testing/wrapped_cpu_backend.h"
 
@@ -240,8 +241,20 @@ class CheckpointBudgetTest : public StoreTest {
   static inline std::string dir_;
 };
 
+// The failures of job j's checkpoints so far, as Prometheus reads them.
+std::string CheckpointFailuresOfJ() {
+  const std::string text = metrics::Registry::Default().Render();
+  const std::string key = "\nshardopt_checkpoint_failures_total{job=\"j\"} ";
+  const size_t at = text.find(key);
+  return at == std::string::npos ? "none" : text.substr(at + key.size(), text.find('\n', at + 1) - at - key.size());
+}
+
+// A checkpoint the budget has no room for counts as a failed one (the job's
+// state is no more durable than if its write had failed, and an alert on
+// failures must see it); one of a wrong step is the caller's mistake.
 TEST_F(CheckpointBudgetTest, ACheckpointsBuffersAreChargedWhileItWrites) {
   Create(JobRequest("j", 1, {{"w", 1 << 20}}));  // 18 MiB of state and staging
+  ASSERT_EQ(CheckpointFailuresOfJ(), "0");
   ASSERT_TRUE(store_.CreateJob(JobRequest("filler", 1, {{"w", 1 << 20}})).ok());
   const uint64_t used = store_.budget()->used();
   ASSERT_LT(store_.budget()->limit() - used, checkpoint::SequentialWriter::kMostBytes);
@@ -253,6 +266,7 @@ TEST_F(CheckpointBudgetTest, ACheckpointsBuffersAreChargedWhileItWrites) {
   auto refused = CheckpointStep0();
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("a checkpoint of job 'j' needs"));
+  EXPECT_EQ(CheckpointFailuresOfJ(), "1");  // the wrong step is not counted, the want of room is
   EXPECT_TRUE(std::filesystem::is_empty(dir_));
   EXPECT_EQ(store_.budget()->used(), used);
 
