@@ -484,7 +484,9 @@ int main(int argc, char** argv) {
         log::Warning("drain_failed_wait", {{"scraped", seen ? "true" : "false"}});
       }
       log::ReportSuppressed();
-      log::Error("exit", {{"code", "1"}, {"why", absl::StrCat("the drain's checkpoints of ", failed, failed == 1 ? " job" : " jobs", " failed")}});
+      log::Error("exit", {{"code", "1"},
+                          {"why", absl::StrCat("the drain's checkpoints of ", failed, failed == 1 ? " job" : " jobs",
+                                               " failed")}});
       return 1;
     }
   }
