@@ -202,11 +202,21 @@ bool Job::StateWritable(const std::function<void()>& wake) {
 
 std::string Job::MissingSummary() const {
   if (!round.active) return absl::StrCat("no rank has pushed step ", step + 1);
+  // At most this many named: at 65536 ranks the whole list would be larger
+  // than a message may be.
+  constexpr size_t kNamed = 16;
   std::vector<uint32_t> missing;
+  size_t more = 0;
   for (uint32_t r = 0; r < world_size(); ++r) {
-    if (!round.sum->finished(r)) missing.push_back(r);
+    if (round.sum->finished(r)) continue;
+    if (missing.size() < kNamed) {
+      missing.push_back(r);
+    } else {
+      ++more;
+    }
   }
-  std::string out = absl::StrCat("ranks {", absl::StrJoin(missing, ", "), "} of ", world_size(),
+  std::string out = absl::StrCat("ranks {", absl::StrJoin(missing, ", "),
+                                 more > 0 ? absl::StrCat(", and ", more, " more") : "", "} of ", world_size(),
                                  " have not finished pushing step ", step + 1);
   if (missing.empty()) return out;
   const uint32_t r = missing.front();

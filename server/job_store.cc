@@ -386,6 +386,11 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   r.set_memory_used_bytes(budget_.used());
   r.set_uninitialized_tensors(static_cast<uint32_t>(job.uninitialized_shards));
   r.set_checkpoint_dir(!options_.checkpoint_dir.empty());
+  if (job.round.active && !job.round.sealed) {
+    r.set_waiting_for(job.MissingSummary());
+    const std::chrono::duration<double> left = job.round.deadline - std::chrono::steady_clock::now();
+    r.set_barrier_seconds_left(std::max(0.0, left.count()));
+  }
   return r;
 }
 

@@ -542,6 +542,31 @@ TEST_F(StoreTest, EveryRankAtAnExpiredBarrierIsToldWhichRanksAreMissing) {
   EXPECT_EQ(Snapshot("missing"), before);
 }
 
+// Describe says which ranks an open round waits for, and how long until its
+// deadline, for an operator looking for a stuck step's missing rank; at most
+// 16 ranks are named (at 65536 ranks the list would outgrow a message).
+TEST_F(StoreTest, DescribeSaysWhichRanksTheOpenRoundWaitsFor) {
+  Create(JobRequest("waits", 40, {{"w", 2000}}, v1::PRECISION_FP32, /*barrier_ms=*/30000));
+  EXPECT_EQ(store_.Describe("waits")->waiting_for(), "");
+  auto g = RandomBf16(rng_, 2000, 1.0f);
+  auto first = StartPush("waits", 1, 3);  // rank 3 pushes whole and waits at the barrier
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE((*first)->Add(Chunk("w", 0, g.data(), 2000)).ok());
+  std::thread waiting([&] { (void)(*first)->Finish(); });
+  std::string waiting_for;
+  for (int k = 0; k < 200 && waiting_for.empty(); ++k) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    waiting_for = store_.Describe("waits")->waiting_for();
+  }
+  EXPECT_THAT(waiting_for, HasSubstr("ranks {0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, and 23 more} of 40 "
+                                     "have not finished pushing step 1; rank 0 lacks tensor 'w' elements [0, 2000)"));
+  const double left = store_.Describe("waits")->barrier_seconds_left();
+  EXPECT_GT(left, 20.0);
+  EXPECT_LE(left, 30.0);
+  ASSERT_TRUE(store_.DropJob("waits").ok());  // ends the wait
+  waiting.join();
+}
+
 TEST_F(StoreTest, SkippedStepAdvancesTheJobAndChangesNoState) {
   auto init = Create(JobRequest("skip", 1, {{"w", 4000}}));
   auto bad = RandomBf16(rng_, 4000, 1.0f);
