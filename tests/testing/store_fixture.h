@@ -201,6 +201,10 @@ class StoreTest : public ::testing::Test {
     // The server's memory in use is the server's, not the job's: a push in
     // flight holds some of it.
     d->clear_memory_used_bytes();
+    // Nor is the open round's progress the job's state (a refused push may
+    // leave the round it started open, as docs/design.md section 4.1 says).
+    d->clear_waiting_for();
+    d->clear_barrier_seconds_left();
     std::string s = d->SerializeAsString();
     for (const auto& t : d->tensors()) {
       for (v1::StateKind k : {v1::MASTER, v1::EXP_AVG, v1::EXP_AVG_SQ, v1::PARAM_BF16}) {
