@@ -15,6 +15,7 @@
 // - token: at least 16 characters, compared in constant time.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include "absl/strings/string_view.h"
@@ -42,6 +43,12 @@ struct Caller {
   // OK, or PERMISSION_DENIED naming the caller, the action and the job.
   absl::Status Allows(Action action, const std::string& job) const;
 };
+
+// Whether the caller of a stream, as the tokens are now, may do `action` to
+// `job`: OK, UNAUTHENTICATED (its token is no longer in the file) or
+// PERMISSION_DENIED. A stream asks at each message, so that a token removed,
+// or its prefixes narrowed, stops the streams it has open too.
+using CallerCheck = std::function<absl::Status(Action action, const std::string& job)>;
 
 // One tokens file's contents.
 class TokenTable {

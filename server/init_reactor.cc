@@ -12,10 +12,10 @@ namespace {
 
 class InitReactor final : public ReadReactor {
  public:
-  InitReactor(JobStore* store, grpc::CallbackServerContext* context, grpc::ByteBuffer* response, Caller caller,
+  InitReactor(JobStore* store, grpc::CallbackServerContext* context, grpc::ByteBuffer* response, CallerCheck allows,
               StreamSettings settings)
       : ReadReactor("init", context, store->wakeups(), std::move(settings)), store_(store), response_(response),
-        caller_(std::move(caller)) {}
+        allows_(std::move(allows)) {}
 
  private:
   void OnMessage(grpc::ByteBuffer* message) override {
@@ -38,7 +38,7 @@ class InitReactor final : public ReadReactor {
                                                                  "': ", life_, ", then ", chunk_.incarnation()))));
     }
     job_ = chunk_.job();
-    if (absl::Status allowed = caller_.Allows(Action::kInit, job_); !allowed.ok()) return End(Refused(allowed));
+    if (absl::Status allowed = allows_(Action::kInit, job_); !allowed.ok()) return End(Refused(allowed));
     Write();
   }
 
@@ -78,7 +78,7 @@ class InitReactor final : public ReadReactor {
 
   JobStore* const store_;
   grpc::ByteBuffer* const response_;
-  const Caller caller_;
+  const CallerCheck allows_;
   v1::InitChunk chunk_;
   std::string job_;
   uint64_t life_ = 0;  // of job_, once a chunk found it
@@ -88,9 +88,9 @@ class InitReactor final : public ReadReactor {
 }  // namespace
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* StartInitReactor(JobStore* store, grpc::CallbackServerContext* context,
-                                                            grpc::ByteBuffer* response, Caller caller,
+                                                            grpc::ByteBuffer* response, CallerCheck allows,
                                                             StreamSettings settings) {
-  return StartReadReactor<InitReactor>(store, context, response, std::move(caller), std::move(settings));
+  return StartReadReactor<InitReactor>(store, context, response, std::move(allows), std::move(settings));
 }
 
 }  // namespace shardopt

@@ -18,10 +18,10 @@ class CallbackServerContext;
 
 namespace shardopt {
 
-// The reactor for one Init call; gRPC owns it until its OnDone. `caller`
-// must be allowed to Init every job its messages name.
+// The reactor for one Init call; gRPC owns it until its OnDone. `allows` is
+// asked at each message whether its caller may Init the stream's job.
 grpc::ServerReadReactor<grpc::ByteBuffer>* StartInitReactor(JobStore* store, grpc::CallbackServerContext* context,
-                                                            grpc::ByteBuffer* response, Caller caller,
+                                                            grpc::ByteBuffer* response, CallerCheck allows,
                                                             StreamSettings settings);
 
 }  // namespace shardopt

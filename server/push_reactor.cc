@@ -18,10 +18,10 @@ namespace {
 // finished and does nothing.
 class PushReactor final : public ReadReactor {
  public:
-  PushReactor(JobStore* store, grpc::CallbackServerContext* context, grpc::ByteBuffer* response, Caller caller,
+  PushReactor(JobStore* store, grpc::CallbackServerContext* context, grpc::ByteBuffer* response, CallerCheck allows,
               StreamSettings settings)
       : ReadReactor("push", context, store->wakeups(), std::move(settings)),
-        store_(store), response_(response), caller_(std::move(caller)) {}
+        store_(store), response_(response), allows_(std::move(allows)) {}
 
  private:
   enum class Waiting { kNothing, kWindow, kRead, kBarrier };
@@ -37,13 +37,16 @@ class PushReactor final : public ReadReactor {
       if (session_) session_->Refuse();
       return Stop(ToGrpcStatus(read));
     }
+    // Asked at every message, as the tokens are now (auth.h).
+    if (absl::Status allowed = allows_(Action::kPush, session_ ? job_ : chunk.job()); !allowed.ok()) {
+      if (session_) session_->Refuse();
+      return Stop(ToGrpcStatus(allowed));
+    }
     if (!session_) {
-      if (absl::Status allowed = caller_.Allows(Action::kPush, chunk.job()); !allowed.ok()) {
-        return Stop(ToGrpcStatus(allowed));
-      }
       auto session = store_->BeginPush(chunk);
       if (!session.ok()) return Stop(ToGrpcStatus(session.status()));
       session_ = *std::move(session);
+      job_ = chunk.job();
     }
     if (!session_->ReadAhead()) return Taken(session_->Offer(std::move(chunk), std::move(data), Wake()));
     // The lowest rank's chunks fold at once, so its next message is read
@@ -140,17 +143,18 @@ class PushReactor final : public ReadReactor {
 
   JobStore* const store_;
   grpc::ByteBuffer* const response_;
-  const Caller caller_;
+  const CallerCheck allows_;
   std::unique_ptr<PushSession> session_;
+  std::string job_;  // the session's, named by the stream's first message
   Waiting waiting_ = Waiting::kNothing;
 };
 
 }  // namespace
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* StartPushReactor(JobStore* store, grpc::CallbackServerContext* context,
-                                                            grpc::ByteBuffer* response, Caller caller,
+                                                            grpc::ByteBuffer* response, CallerCheck allows,
                                                             StreamSettings settings) {
-  return StartReadReactor<PushReactor>(store, context, response, std::move(caller), std::move(settings));
+  return StartReadReactor<PushReactor>(store, context, response, std::move(allows), std::move(settings));
 }
 
 }  // namespace shardopt

@@ -26,10 +26,10 @@ namespace shardopt {
 // round is left as if it never came (push_session.h). Waiting for the window
 // or at the barrier is the server's wait, not the stream's, and never counts.
 // The stream is also cut, DEADLINE_EXCEEDED, if it is still sending when its
-// round's barrier deadline passes. `caller` must be allowed to push the job
-// its first message names.
+// round's barrier deadline passes. `allows` is asked at each
+// message whether its caller may push the stream's job.
 grpc::ServerReadReactor<grpc::ByteBuffer>* StartPushReactor(JobStore* store, grpc::CallbackServerContext* context,
-                                                            grpc::ByteBuffer* response, Caller caller,
+                                                            grpc::ByteBuffer* response, CallerCheck allows,
                                                             StreamSettings settings);
 
 }  // namespace shardopt

@@ -66,6 +66,11 @@ absl::StatusOr<Caller> OptimizerService::Authorize(const grpc::ServerContextBase
   return caller;
 }
 
+CallerCheck OptimizerService::AsTokensAreNow(const grpc::ServerContextBase* context) const {
+  // The context outlives the call's reactor, and the service outlives both.
+  return [this, context](Action action, const std::string& job) { return Authorize(*context, action, job).status(); };
+}
+
 absl::StatusOr<std::pair<Caller, std::unique_ptr<StreamLimits::Slot>>> OptimizerService::OpenStream(
     const grpc::ServerContextBase& context, Action action, const std::string& job) {
   SHARDOPT_ASSIGN_OR_RETURN(Caller caller, job.empty() ? Identify(context) : Authorize(context, action, job));
@@ -88,7 +93,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Init(grpc::Callback
                                                                   grpc::ByteBuffer* response) {
   auto opened = OpenStream(*context, Action::kInit, "");
   if (!opened.ok()) return new RefusedRead(opened.status());
-  return StartInitReactor(store_, context, response, std::move(opened->first),
+  return StartInitReactor(store_, context, response, AsTokensAreNow(context),
                           {options_.idle_stream_timeout, std::move(opened->second), store_->budget()});
 }
 
@@ -96,7 +101,7 @@ grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Push(grpc::Callback
                                                                   grpc::ByteBuffer* response) {
   auto opened = OpenStream(*context, Action::kPush, "");
   if (!opened.ok()) return new RefusedRead(opened.status());
-  return StartPushReactor(store_, context, response, std::move(opened->first),
+  return StartPushReactor(store_, context, response, AsTokensAreNow(context),
                           {options_.idle_stream_timeout, std::move(opened->second), store_->budget()});
 }
 

@@ -62,6 +62,8 @@ class OptimizerService final
   absl::StatusOr<Caller> Identify(const grpc::ServerContextBase& context) const;
   // The caller, if it may do `action` to `job`.
   absl::StatusOr<Caller> Authorize(const grpc::ServerContextBase& context, Action action, const std::string& job) const;
+  // Authorize for a stream's messages, with the tokens as they are at each.
+  CallerCheck AsTokensAreNow(const grpc::ServerContextBase* context) const;
   // The caller and a stream slot for a stream; `job` empty when the job is
   // known only from the stream's messages (each is checked then).
   absl::StatusOr<std::pair<Caller, std::unique_ptr<StreamLimits::Slot>>> OpenStream(

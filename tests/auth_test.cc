@@ -332,6 +332,47 @@ TEST_F(AuthTest, SighupReloadsTheTokensFile) {
   EXPECT_TRUE(As(Bearer(kRoot)).Describe("team-a/reload").ok());
 }
 
+// A token removed while one of its streams is open stops that stream too:
+// each message is checked with the tokens as they are then. An Init stream
+// opened before alice's token went wrote every later chunk (one every 5 s
+// for 45 s, a probe found), and so could a push stream.
+TEST_F(AuthTest, ATokenRemovedStopsTheStreamsItHasOpen) {
+  ASSERT_TRUE(As(Bearer(kAlice)).CreateJob("team-a/open").ok());
+  auto stub = v1::Optimizer::NewStub(channel_);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  ctx.AddMetadata("authorization", Bearer(kAlice));
+  v1::InitResponse resp;
+  auto writer = stub->Init(&ctx, &resp);
+  const auto chunk = [](uint64_t offset, float value) {
+    v1::InitChunk c;
+    c.set_job("team-a/open");
+    c.set_tensor("w");
+    c.set_offset(offset);
+    c.set_dtype(v1::FP32);
+    const std::vector<float> values(kNumel / 2, value);
+    c.set_data(values.data(), values.size() * 4);
+    return c;
+  };
+  ASSERT_TRUE(writer->Write(chunk(0, 1.5f)));
+  std::vector<float> master;
+  for (int i = 0; i < 100 && (master.empty() || master[0] != 1.5f); ++i) {  // the first chunk is written
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    ASSERT_TRUE(As(Bearer(kRoot)).Read("team-a/open", &master).ok());
+  }
+  ASSERT_EQ(master[0], 1.5f);
+  constexpr char kCarol[] = "carol-token-0123456789abcdef";
+  TokensFile(dir_, absl::StrCat("carol trainer ", kCarol, " team-a/\nroot admin ", kRoot, "\n"));
+  ASSERT_EQ(kill(server_->pid(), SIGHUP), 0);
+  ExpectTokensSwapped(kAlice, kCarol, "team-a/open");
+  writer->Write(chunk(kNumel / 2, 2.5f));
+  writer->WritesDone();
+  const grpc::Status ended = writer->Finish();
+  EXPECT_EQ(ended.error_code(), grpc::StatusCode::UNAUTHENTICATED) << ended.error_message();
+  ASSERT_TRUE(As(Bearer(kRoot)).Read("team-a/open", &master).ok());
+  EXPECT_NE(master[kNumel / 2], 2.5f) << "a chunk was written after its token was removed";
+}
+
 // A tokens file that changes is reloaded without a SIGHUP, as a mounted
 // Kubernetes Secret changes (a new file behind the same path), within a few
 // seconds.
