@@ -85,7 +85,7 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spe
   for (const OwnedShard& s : job->shards) lengths.push_back(s.length);
   const uint64_t bytes = backend->HostBytes(layout) + window_bytes + RunningSum::FixedBytes(lengths, spec.world_size()) +
                          BookkeepingBytes(spec);
-  SHARDOPT_ASSIGN_OR_RETURN(job->charge_, budget->Reserve(bytes, absl::StrCat("job ", Quote(spec.job()))));
+  SHARDOPT_ASSIGN_OR_RETURN(job->charge_, budget->ReserveForJob(bytes, absl::StrCat("job ", Quote(spec.job()))));
   SHARDOPT_ASSIGN_OR_RETURN(auto state, backend->Allocate(layout));
   absl::MutexLock lock(&job->mu);
   job->state = std::move(state);

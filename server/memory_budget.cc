@@ -119,12 +119,17 @@ absl::StatusOr<uint64_t> MemoryBudget::ParseLimit(absl::string_view text, std::s
   return v * unit;
 }
 
-absl::Status MemoryBudget::Take(uint64_t bytes, absl::string_view what) {
+absl::Status MemoryBudget::Take(uint64_t bytes, absl::string_view what, uint64_t keep_free) {
+  const uint64_t cap = limit_ - std::min(keep_free, limit_);
   uint64_t used = used_.load(std::memory_order_relaxed);
   do {
-    if (bytes > limit_ || used > limit_ - bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(what, " needs ", bytes, " bytes; this server's memory budget (--memory_limit=",
-                                                       limit_, ") has ", limit_ - std::min(used, limit_), " left"));
+    if (bytes > cap || used > cap - bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          what, " needs ", bytes, " bytes; this server's memory budget (--memory_limit=", limit_, ") has ",
+          limit_ - std::min(used, limit_), " left",
+          keep_free > 0 ? absl::StrCat(", of which a job may not take the last ", keep_free,
+                                       ": they are kept for the streams and checkpoints of the jobs it holds")
+                        : ""));
     }
   } while (!used_.compare_exchange_weak(used, used + bytes, std::memory_order_relaxed));
   return absl::OkStatus();
@@ -132,6 +137,13 @@ absl::Status MemoryBudget::Take(uint64_t bytes, absl::string_view what) {
 
 absl::StatusOr<MemoryBudget::Charge> MemoryBudget::Reserve(uint64_t bytes, absl::string_view what) {
   if (absl::Status st = Take(bytes, what); !st.ok()) return st;
+  return Charge(this, bytes);
+}
+
+uint64_t MemoryBudget::kept_for_streams() const { return std::min(uint64_t{64} << 20, limit_ / 4); }
+
+absl::StatusOr<MemoryBudget::Charge> MemoryBudget::ReserveForJob(uint64_t bytes, absl::string_view what) {
+  if (absl::Status st = Take(bytes, what, kept_for_streams()); !st.ok()) return st;
   return Charge(this, bytes);
 }
 

@@ -4,7 +4,8 @@
 // is left) when it does not fit, so the server is never the one the kernel's
 // OOM killer picks. What is charged (docs/design.md, security):
 //   - a job's state and staging, its per-tensor and per-rank bookkeeping
-//     and its window, at CreateJob (JobStore);
+//     and its window, at CreateJob (JobStore), leaving kept_for_streams()
+//     free for the rest;
 //   - each round's barrier tracking as it grows, per rank that pushes
 //     (push_session.cc);
 //   - each stream message from its arrival until it is dealt with
@@ -67,6 +68,13 @@ class MemoryBudget {
 
   // A charge of `bytes` for `what`, or RESOURCE_EXHAUSTED.
   absl::StatusOr<Charge> Reserve(uint64_t bytes, absl::string_view what);
+  // Reserve for a job, which must leave kept_for_streams() free: the jobs a
+  // server holds can then still be pushed (each message is charged) and
+  // checkpointed (a Checkpoint call's buffers are) when jobs have filled the
+  // rest, however large the last one admitted.
+  absl::StatusOr<Charge> ReserveForJob(uint64_t bytes, absl::string_view what);
+  // min(64 MiB, a quarter of the limit).
+  uint64_t kept_for_streams() const;
   // A charge of nothing yet, to Grow later.
   Charge Empty() { return Charge(this, 0); }
 
@@ -74,7 +82,7 @@ class MemoryBudget {
   uint64_t used() const { return used_.load(std::memory_order_relaxed); }
 
  private:
-  absl::Status Take(uint64_t bytes, absl::string_view what);
+  absl::Status Take(uint64_t bytes, absl::string_view what, uint64_t keep_free = 0);
   void Give(uint64_t bytes) { used_.fetch_sub(bytes, std::memory_order_relaxed); }
 
   const uint64_t limit_;

@@ -136,6 +136,35 @@ TEST_F(BudgetTest, JobsAreChargedBeforeTheyAreBuiltAndGiveItBackWhenDropped) {
   EXPECT_TRUE(store_.CreateJob(JobRequest("again", 1, {{"w", 1 << 20}})).ok());
 }
 
+// Jobs may not take the budget's last kept_for_streams() bytes: a tenant
+// that made the largest job that fits (found by bisecting, as a probe did,
+// leaving 2 bytes) used to leave every other job unable to push a message.
+// Now the other job still steps, and the largest job leaves the reserve.
+TEST_F(BudgetTest, TheLargestJobThatFitsLeavesRoomForTheOthersToStep) {
+  Create(JobRequest("victim", 1, {{"w", 4096}}));
+  uint64_t lo = 1, hi = uint64_t{1} << 24;  // numel: lo fits, hi does not
+  while (hi - lo > 1) {
+    const uint64_t mid = lo + (hi - lo) / 2;
+    if (store_.CreateJob(JobRequest("probe", 1, {{"w", mid}})).ok()) {
+      ASSERT_TRUE(store_.DropJob("probe").ok());
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  const auto refused = store_.CreateJob(JobRequest("hog", 1, {{"w", hi}}));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("of which a job may not take the last"));
+  ASSERT_TRUE(store_.CreateJob(JobRequest("hog", 1, {{"w", lo}})).ok());
+  EXPECT_GE(store_.budget()->limit() - store_.budget()->used(), store_.budget()->kept_for_streams());
+  EXPECT_EQ(store_.budget()->kept_for_streams(), kLimit / 4);
+  std::mt19937_64 rng(7);
+  for (uint64_t t = 1; t <= 2; ++t) {
+    EXPECT_TRUE(Push("victim", t, 0, {{"w", testing::RandomBf16(rng, 4096, 1.0f)}}).ok());
+    EXPECT_TRUE(Commit("victim", t, 1e-2, 1.0f).ok());
+  }
+}
+
 // The barrier's tracking of a round: a rank that pushes one element of one
 // tensor costs a few hundred bytes, whether the job has 20 tensors or 2000;
 // before, each pushing rank held an interval set per tensor (2000 x 48 B),
@@ -195,7 +224,7 @@ class SlowBuildBudgetTest : public StoreTest {
 
 TEST_F(SlowBuildBudgetTest, RanksCreatingOneJobAtOnceAllGetIt) {
   constexpr int kRanks = 8;
-  const v1::CreateJobRequest request = JobRequest("shared", kRanks, {{"w", 3 << 20}});  // 54 MiB of 96
+  const v1::CreateJobRequest request = JobRequest("shared", kRanks, {{"w", 2 << 20}});  // 36 MiB and a 32 MiB window, of 96
   std::vector<absl::StatusOr<v1::CreateJobResponse>> answers(kRanks);
   std::atomic<int> ready{0};
   std::vector<std::thread> ranks;
