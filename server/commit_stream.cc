@@ -73,9 +73,13 @@ class CommitStream {
                                                    " again on the restarted server (the checkpoint holds no pushed "
                                                    "gradients)"));
       }
-      job_.ExpireIfLate(std::chrono::steady_clock::now());
       if (!job_.round.sealed) {
-        return absl::FailedPreconditionError(absl::StrCat(PushIncomplete(t_), ": ", job_.MissingSummary()));
+        // A round whose deadline this commit is the first to see is ended
+        // here, and named as its pushes are told (Job::EndRoundAtDeadline).
+        const bool late = job_.round.active && std::chrono::steady_clock::now() >= job_.round.deadline;
+        return absl::FailedPreconditionError(absl::StrCat(
+            PushIncomplete(t_), ": ", late ? absl::StrCat("the round ended, ", job_.EndRoundAtDeadline())
+                                           : job_.MissingSummary()));
       }
       if (!args_.skip) {
         if (std::string differ = job_.intents.Disagreement(t_); !differ.empty()) {

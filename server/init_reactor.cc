@@ -52,6 +52,9 @@ class InitReactor final : public ReadReactor {
   // While a checkpoint streams the state, the chunk waits without a thread
   // (JobStore::TryInit) and is written when the store wakes the stream.
   void Write() {
+    // A chunk that waited is written into the life it found, not into a job
+    // of its name made again meanwhile.
+    if (chunk_.incarnation() == 0) chunk_.set_incarnation(life_);
     auto written = store_->TryInit(
         chunk_, [weak = WeakSelf<InitReactor>()] { if (auto self = weak.lock()) self->Woken(); }, &life_);
     if (!written.ok()) return End(Refused(written.status()));

@@ -355,7 +355,8 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   // limit: each tensor names itself twice, and every page repeats the
   // groups, so a job that its CreateJob's limit let in could otherwise not
   // be described at all. One tensor always goes in, so the pages advance;
-  // the fields set below take a few dozen bytes, well inside the margin.
+  // the fields set below take a few hundred bytes at most (waiting_for names
+  // at most 16 ranks and one tensor), well inside the margin.
   const uint64_t room = options_.max_message_bytes > 4096 ? options_.max_message_bytes - 4096 : 0;
   uint64_t bytes = r.ByteSizeLong();
   for (size_t si = request.tensor_offset(); si < std::min<size_t>(count, size_t{request.tensor_offset()} + page); ++si) {
@@ -447,9 +448,9 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
   SHARDOPT_ASSIGN_OR_RETURN(auto shard, job.LocateRange(chunk.tensor(), chunk.offset(), count));
   const OwnedShard& s = job.shards[shard];
   const uint64_t local = chunk.offset() - s.offset;
+  job.restored_from.reset();  // no longer the parts' state, even if the write fails partway
   SHARDOPT_RETURN_IF_ERROR(job.state->WriteState(shard, kind, local, dtype, chunk.data().data(), count));
   job.written = true;
-  job.restored_from.reset();  // no longer the state of the parts it was read from
   if (chunk.adam_step() != 0) job.adam_steps[shard] = chunk.adam_step();
   // Only the master makes a shard ready to step: moments default to zero.
   if (kind != StateKind::kMaster) return count;

@@ -17,6 +17,9 @@
 
 namespace shardopt {
 
+// What jobs leave free of the budget holds a Checkpoint call's buffers.
+static_assert(checkpoint::SequentialWriter::kMostBytes <= MemoryBudget::kKeptAtLeast);
+
 absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::CheckpointRequest& request, absl::Time deadline) {
   return WriteCheckpoint(request, /*charged=*/true, deadline);
 }

@@ -140,7 +140,9 @@ absl::StatusOr<MemoryBudget::Charge> MemoryBudget::Reserve(uint64_t bytes, absl:
   return Charge(this, bytes);
 }
 
-uint64_t MemoryBudget::kept_for_streams() const { return std::min(uint64_t{64} << 20, limit_ / 4); }
+uint64_t MemoryBudget::kept_for_streams() const {
+  return std::min({uint64_t{64} << 20, limit_ / 2, std::max(kKeptAtLeast, limit_ / 4)});
+}
 
 absl::StatusOr<MemoryBudget::Charge> MemoryBudget::ReserveForJob(uint64_t bytes, absl::string_view what) {
   if (absl::Status st = Take(bytes, what, kept_for_streams()); !st.ok()) return st;

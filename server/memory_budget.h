@@ -73,8 +73,10 @@ class MemoryBudget {
   // checkpointed (a Checkpoint call's buffers are) when jobs have filled the
   // rest, however large the last one admitted.
   absl::StatusOr<Charge> ReserveForJob(uint64_t bytes, absl::string_view what);
-  // min(64 MiB, a quarter of the limit).
+  // A quarter of the limit, but at least kKeptAtLeast (one checkpoint's
+  // buffers) and at most 64 MiB, and never over half the limit.
   uint64_t kept_for_streams() const;
+  static constexpr uint64_t kKeptAtLeast = uint64_t{32} << 20;
   // A charge of nothing yet, to Grow later.
   Charge Empty() { return Charge(this, 0); }
 

@@ -38,9 +38,9 @@ class PushReactor final : public ReadReactor {
       return Stop(ToGrpcStatus(read));
     }
     // Asked at every message, as the tokens are now (auth.h).
-    if (absl::Status allowed = allows_(Action::kPush, session_ ? job_ : chunk.job()); !allowed.ok()) {
+    if (absl::Status authorized = allows_(Action::kPush, session_ ? job_ : chunk.job()); !authorized.ok()) {
       if (session_) session_->Refuse();
-      return Stop(ToGrpcStatus(allowed));
+      return Stop(ToGrpcStatus(authorized));
     }
     if (!session_) {
       auto session = store_->BeginPush(chunk);

@@ -67,7 +67,9 @@ absl::StatusOr<Caller> OptimizerService::Authorize(const grpc::ServerContextBase
 }
 
 CallerCheck OptimizerService::AsTokensAreNow(const grpc::ServerContextBase* context) const {
-  // The context outlives the call's reactor, and the service outlives both.
+  // Called only from the reactor's OnMessage, which gRPC never runs after
+  // the call's OnDone: the context is alive then, and the service outlives
+  // every call.
   return [this, context](Action action, const std::string& job) { return Authorize(*context, action, job).status(); };
 }
 

@@ -371,6 +371,35 @@ TEST_F(AuthTest, ATokenRemovedStopsTheStreamsItHasOpen) {
   EXPECT_EQ(ended.error_code(), grpc::StatusCode::UNAUTHENTICATED) << ended.error_message();
   ASSERT_TRUE(As(Bearer(kRoot)).Read("team-a/open", &master).ok());
   EXPECT_NE(master[kNumel / 2], 2.5f) << "a chunk was written after its token was removed";
+
+  // A push stream of carol's, whose token goes before its second message:
+  // refused, and the round its first message began ends with nothing applied.
+  ASSERT_TRUE(As(Bearer(kCarol)).Init("team-a/open", std::vector<float>(kNumel, 0.5f)).ok());
+  grpc::ClientContext push_ctx;
+  push_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  push_ctx.AddMetadata("authorization", Bearer(kCarol));
+  v1::PushResponse pushed;
+  auto push = stub->Push(&push_ctx, &pushed);
+  const std::vector<uint16_t> grad(kNumel / 2, 0x3f80);  // bf16 1.0
+  v1::GradChunk g;
+  g.set_job("team-a/open");
+  g.set_step(1);
+  g.set_tensor("w");
+  g.set_dtype(v1::BF16);
+  g.set_data(grad.data(), grad.size() * 2);
+  ASSERT_TRUE(push->Write(g));
+  TokensFile(dir_, absl::StrCat("alice trainer ", kAlice, " team-a/\nroot admin ", kRoot, "\n"));
+  ASSERT_EQ(kill(server_->pid(), SIGHUP), 0);
+  ExpectTokensSwapped(kCarol, kAlice, "team-a/open");
+  g.clear_job();
+  g.set_offset(kNumel / 2);
+  push->Write(g);
+  push->WritesDone();
+  const grpc::Status push_ended = push->Finish();
+  EXPECT_EQ(push_ended.error_code(), grpc::StatusCode::UNAUTHENTICATED) << push_ended.error_message();
+  v1::DescribeResponse d;
+  ASSERT_TRUE(As(Bearer(kRoot)).Describe("team-a/open", &d).ok());
+  EXPECT_EQ(d.step(), 0u);
 }
 
 // A tokens file that changes is reloaded without a SIGHUP, as a mounted

@@ -525,7 +525,8 @@ TEST_F(StoreTest, BarrierDeadlineDiscardsTheRoundAndAFreshPushSucceeds) {
 }
 
 TEST_F(StoreTest, EveryRankAtAnExpiredBarrierIsToldWhichRanksAreMissing) {
-  Create(JobRequest("missing", 3, {{"w", 2000}}, v1::PRECISION_FP32, /*barrier_ms=*/300));
+  // Long enough for both pushes to be in before it, on a loaded machine.
+  Create(JobRequest("missing", 3, {{"w", 2000}}, v1::PRECISION_FP32, /*barrier_ms=*/1500));
   const std::string before = Snapshot("missing");
   auto g0 = RandomBf16(rng_, 2000, 1.0f), g1 = RandomBf16(rng_, 2000, 1.0f);
   // Ranks 0 and 1 push whole and wait; rank 2 never comes. Whichever of the
@@ -553,13 +554,16 @@ TEST_F(StoreTest, DescribeSaysWhichRanksTheOpenRoundWaitsFor) {
   ASSERT_TRUE(first.ok());
   ASSERT_TRUE((*first)->Add(Chunk("w", 0, g.data(), 2000)).ok());
   std::thread waiting([&] { (void)(*first)->Finish(); });
+  // Until rank 3 has finished (its chunk alone opens the round).
+  const std::string expected =
+      "ranks {0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, and 23 more} of 40 have not finished pushing "
+      "step 1; rank 0 lacks tensor 'w' elements [0, 2000)";
   std::string waiting_for;
-  for (int k = 0; k < 200 && waiting_for.empty(); ++k) {
+  for (int k = 0; k < 400 && waiting_for != expected; ++k) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
     waiting_for = store_.Describe("waits")->waiting_for();
   }
-  EXPECT_THAT(waiting_for, HasSubstr("ranks {0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, and 23 more} of 40 "
-                                     "have not finished pushing step 1; rank 0 lacks tensor 'w' elements [0, 2000)"));
+  EXPECT_EQ(waiting_for, expected);
   const double left = store_.Describe("waits")->barrier_seconds_left();
   EXPECT_GT(left, 20.0);
   EXPECT_LE(left, 30.0);

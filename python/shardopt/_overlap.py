@@ -92,9 +92,10 @@ class _OverlapPush:
         self._second_gradient = None
 
     def _push_running(self):
-        """Starts the push of the next step if no backward did (no param
-        has a gradient yet, or a retry after a failed commit): it pushes
-        what p.grad holds."""
+        """Starts the push of the next step unless one runs: from the first
+        gradient hook of a backward, or from step() where no backward
+        started one (no param had a gradient, or a retry after a failed
+        commit), to push what p.grad holds."""
         if not self._client.pushing():
             self._start_push()
 
