@@ -65,9 +65,15 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
                  })
         .IgnoreError();  // a fresh job, with nothing in it
   }
+  // Without a checkpoint that server's part of the state is gone: there is
+  // nothing to restore it from.
+  const bool nothing_kept = resp.created() && !resp.restored();
   const absl::Status failed = absl::FailedPreconditionError(absl::StrCat(
       why.message(), "; asked to create job '", job.name, "' again, it ", ReattachOutcome(resp),
-      ", and this client is at step ", step, ": restore every server from one checkpoint (CreateOrAttach)"));
+      ", and this client is at step ", step,
+      nothing_kept ? ": its part of the job's state is lost; drop the job on every server (shardopt --server=HOST:PORT "
+                     "drop JOB) and start it again, from a checkpoint elsewhere if there is one (restore_step)"
+                   : ": restore every server from one checkpoint (CreateOrAttach)"));
   std::lock_guard<std::mutex> lock(lost_mu);
   lost[s] = std::string(failed.message());
   return failed;

@@ -68,7 +68,7 @@ absl::StatusOr<v1::CreateJobRequest> NormalizeJobSpec(const v1::CreateJobRequest
     }
     if (g.lr_multiplier() == 0) g.set_lr_multiplier(1);
     if (!(g.lr_multiplier() > 0) || !std::isfinite(g.lr_multiplier())) {
-      return absl::InvalidArgumentError(absl::StrCat(what, "lr_multiplier must be finite and > 0"));
+      return absl::InvalidArgumentError(absl::StrCat(what, "lr_multiplier must be finite and > 0 (0 is taken as 1)"));
     }
     if (g.precision() != v1::PRECISION_FP32 && g.precision() != v1::PRECISION_BF16) {
       return absl::InvalidArgumentError(absl::StrCat(what, "unknown precision"));

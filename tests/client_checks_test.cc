@@ -305,6 +305,8 @@ TEST(ClientChecksTest, OptionsNoCallCouldGoThroughWithAreRefusedAtConnect) {
       {{"shardopt-0.shardopt:"}, {}, 5, 1000, "is not host:port"},
       {{"127.0.0.1:65536"}, {}, 5, 1000, "is not host:port"},
       {{"::1:50051"}, {}, 5, 1000, "is not host:port"},
+      {{"shardopt-0.shardopt:50o51"}, {}, 5, 1000, "is not host:port"},  // a port mistyped, not a scheme
+      {{"host:notaport"}, {}, 5, 1000, "is not host:port"},
       {{""}, {}, 5, 1000, "is not host:port"},
       {{"127.0.0.1:1", "127.0.0.1:2"}, {1, 2}, 5, 1000, "push_servers names server 2 of 2"},
       {{"127.0.0.1:1", "127.0.0.1:2"}, {1, 0, 1}, 5, 1000, "push_servers names server 1 twice"},

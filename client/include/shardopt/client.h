@@ -5,16 +5,17 @@
 // which the step protocol makes safe.
 //
 // Thread safety: a Client is not thread-safe; call it from one thread at a
-// time (a trainer rank has one). Separate Clients may be used at once. The
-// callback of PushInOrder is the exception: the Client calls it from its own
-// threads, one per server.
+// time (a trainer rank has one), and destroy it only when no call of it runs
+// (a call left running on another thread then uses freed memory). Separate
+// Clients may be used at once. The callback of PushInOrder is the
+// exception: the Client calls it from its own threads, one per server.
 //
 //   shardopt::ClientOptions opts;
 //   opts.servers = {"10.0.0.5:50051"};
 //   auto client = shardopt::Client::Connect(opts).value();
 //   client->CreateOrAttach(job).value();
-//   client->InitBf16("w", w.data());
-//   for (...) client->Step({{"w", grad_w.data()}}, {.lr = 1e-3}, {{"w", w.data()}});
+//   CHECK_OK(client->InitBf16("w", w.data()));   // every call returns a [[nodiscard]] status
+//   for (...) CHECK_OK(client->Step({{"w", grad_w.data()}}, {.lr = 1e-3}, {{"w", w.data()}}).status());
 #pragma once
 
 #include <cstdint>
@@ -71,10 +72,11 @@ struct JobOptions {
 };
 
 struct ClientOptions {
-  // host:port of every server ([address]:port for IPv6, or a gRPC target
-  // with a scheme, such as unix:PATH), in a fixed order that all ranks
-  // share; see ExpandServerPattern for a StatefulSet's. Each once: Connect
-  // refuses a server listed twice, or without its port (INVALID_ARGUMENT).
+  // host:port of every server ([address]:port for IPv6), or a gRPC target
+  // with a scheme gRPC resolves (dns:, unix:, unix-abstract:, ipv4:, ipv6:,
+  // vsock:, xds:, google-c2p:), in a fixed order that all ranks share; see
+  // ExpandServerPattern for a StatefulSet's. Each once: Connect refuses a
+  // server listed twice, or without a numeric port (INVALID_ARGUMENT).
   std::vector<std::string> servers;
   uint32_t rank = 0;
   // Indices into `servers` that Push and Commit go to, each once; empty
@@ -298,7 +300,9 @@ class Client {
   // (Step passes its own). The servers refuse, with FAILED_PRECONDITION, a
   // commit that applies a step whose ranks' pushes said different ones, on
   // every server alike, where each would otherwise apply whichever rank's
-  // commit reached it first; nullptr says none, and is not compared.
+  // commit reached it first; nullptr says none, and is not compared. Ranks'
+  // intents are compared with each other only, not with the commit's own
+  // arguments: with one rank, a Commit unlike its Push's intent is applied.
   absl::StatusOr<PushResult> Push(uint64_t step, absl::Span<const GradView> grads,
                                   const StepOptions* intent = nullptr);
   // A push whose gradients become ready over time, for overlapping it with
@@ -353,7 +357,8 @@ class Client {
   // The servers count a rank's push of a step once: where they hold it,
   // this client's push of that step is answered from it, and its own
   // gradients there are not used. Such a push stands until the step is
-  // committed or its barrier deadline passes.
+  // committed or its barrier deadline passes. Taken at CreateOrAttach, and
+  // not updated after: ask again by attaching again.
   uint64_t pushed_ahead() const;
   // Bytes of gradient per streamed message, once attached: ClientOptions::chunk_bytes,
   // or what the client chose for the job.
