@@ -98,9 +98,11 @@ class _StateDictIO:
         calling it with the same state dict, joined by torch.distributed (as
         under DDP): each sends only its 1/world_size share, so the servers
         take the state once instead of once per rank, and it returns once
-        every share is in (torch.distributed.barrier()). The ranks first
-        check together that torch.distributed's ranks are theirs, and raise
-        ValueError alike if not."""
+        every share is in: the ranks exchange their outcomes
+        (all_gather_object), and if one rank's share failed every other
+        raises FailedPrecondition naming it. The ranks first check together
+        that torch.distributed's ranks are theirs, and raise ValueError
+        alike if not."""
         self._check_params()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):

@@ -1,7 +1,7 @@
 // The library trainers link. It places each tensor across the servers,
 // streams gradients to all of them in parallel, decides clipping and skipping
-// from their partial norms, commits, and writes the updated bf16 params back
-// into the caller's buffers. It retries UNAVAILABLE and DEADLINE_EXCEEDED,
+// from their partial norms, commits, and writes the updated params back into
+// the caller's buffers (bf16, or the fp32 master for a tensor of fp32 params). It retries UNAVAILABLE and DEADLINE_EXCEEDED,
 // which the step protocol makes safe.
 //
 // Thread safety: a Client is not thread-safe; call it from one thread at a
@@ -82,7 +82,7 @@ struct ClientOptions {
   // Indices into `servers` that Push and Commit go to, each once; empty
   // means all. A node group splits the servers among its local ranks this
   // way, so that each pushes one part of the node's reduced gradient. The
-  // other calls always go to every server.
+  // other calls go to every server that holds part of the job.
   std::vector<uint32_t> push_servers;
   // This client's id as a trainer, sent with its pushes: once another
   // trainer has pushed this rank since this client attached, its pushes are

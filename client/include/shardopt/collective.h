@@ -46,8 +46,10 @@ class Collective {
 // G ranks as threads of one process. ReduceScatter adds the ranks in rank
 // order, so its fp32 sums are the ones a server computes for G ranks. A rank
 // that does not reach an operation within `barrier_timeout` fails the
-// others' with DEADLINE_EXCEEDED, and every later one.
+// others' with DEADLINE_EXCEEDED, and every later one. Keep it above the
+// longest a push may retry, max_attempts x (barrier_timeout_ms +
+// rpc_timeout_ms): 10 minutes with the client's defaults, hence 11.
 std::vector<std::unique_ptr<Collective>> MakeCpuCollectives(
-    uint32_t size, std::chrono::milliseconds barrier_timeout = std::chrono::minutes(5));
+    uint32_t size, std::chrono::milliseconds barrier_timeout = std::chrono::minutes(11));
 
 }  // namespace shardopt
