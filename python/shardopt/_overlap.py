@@ -8,7 +8,7 @@ import weakref
 import torch
 
 from . import _C
-from ._errors import FailedPrecondition, InvalidArgument
+from ._errors import Aborted, FailedPrecondition, InvalidArgument
 
 _ONE_GRADIENT = ("overlap pushes each gradient as backward produces it, so it takes one backward per step() and each "
                  "param's gradient whole (torch.utils.checkpoint with use_reentrant=True gives a param used in two "
@@ -170,10 +170,33 @@ class _OverlapPush:
         Client::Commit). Until it is committed on every server the step is
         owed as a skip: some servers may hold it as one, so whatever the
         next step() pushed for it is committed as a skip too
-        (_commit_push)."""
+        (_commit_push). Where the other ranks' commits applied the step
+        before it (this rank's loop raised after backward, the others'
+        did not), the skip is refused: this rank then takes the step as the
+        servers applied it, and raises Aborted once saying so."""
         self._skip_owed = self._push_step
-        self._client.commit(self._push_step, 0.0, 1.0, True, self._param_targets(), [])
+        try:
+            self._client.commit(self._push_step, 0.0, 1.0, True, self._param_targets(), [])
+        except Aborted as e:
+            # The server's words for an applied step asked as a skip
+            # (CommitArgs::FirstDifference in server/job.cc).
+            if "(applied -> skipped)" not in e.message:
+                raise
+            self._take_applied_step()
+            raise Aborted(f"RemoteAdamW(overlap=True): this rank committed step {self._push_step} as a skip, but the "
+                          "other ranks' commits had applied it, with what this rank had pushed of it; this rank took "
+                          f"step {self._push_step} as the servers applied it (its params are theirs) and goes on: "
+                          f"{e.message}") from None
         self._skip_owed = None
+
+    def _take_applied_step(self):
+        """Attaches again, at the step the servers hold, and takes their
+        params, as a trainer that attaches does; the skip is no longer
+        owed."""
+        self._client.create_or_attach(*self._attach_args, 0)
+        self._skip_owed = None
+        self._pull_params()
+        self._note_versions()
 
     def _pushed_unchanged(self):
         """Whether every param's p.grad is what the finished push took from

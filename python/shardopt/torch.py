@@ -208,8 +208,10 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         job_tensors = [(t.name, t.numel, t.group, t.fp32) for t in self._remote]
         #: The job's step when this optimizer attached: 0 for a new job, else
         #: the step resumed from (the params were pulled from the servers).
-        self.resumed_step = self._client.create_or_attach(job, world_size, job_groups, job_tensors, False,
-                                                          int(barrier_timeout * 1000), restore_step)
+        # What attaching takes, but restore_step: an overlap optimizer
+        # attaches again where its skip lost to the others' apply (_overlap.py).
+        self._attach_args = (job, world_size, job_groups, job_tensors, False, int(barrier_timeout * 1000))
+        self.resumed_step = self._client.create_or_attach(*self._attach_args, restore_step)
         if self._checkpoint_every and rank == 0:
             # Each of its checkpoints would fail, after its step was applied.
             missing = [s.address for s in self._client.describe() if not s.checkpoint_dir]

@@ -497,3 +497,34 @@ def test_a_step_with_no_backward_is_a_step_of_the_job(servers, job, before):
     assert opt._client.adam_steps() == steps
     assert all(same_bits(p, q) for p, q in zip(model.parameters(), params))
     opt.drop()
+
+
+def test_a_rank_whose_skip_lost_to_the_others_apply_takes_the_step_and_goes_on(servers, job):
+    """A rank that caught an exception after backward and called
+    zero_grad() commits the pushed step as a skip; where the other ranks'
+    commits applied it first, that skip is refused (Aborted). The rank used
+    to owe the skip for good: every later step() committed it again and was
+    refused, and the other ranks waited out the barrier of the next step.
+    Now it takes the applied step's params from the servers, raises once
+    saying so, and steps on with the others."""
+    models = [make_model(), make_model(seed=5)]
+    opts = [RemoteAdamW(param_groups(m), servers=servers, job=job, lr=1e-3, overlap=True, rank=r, world_size=2)
+            for r, m in enumerate(models)]
+    for m in models:
+        m(*batch(1)).backward()
+    opts[0].step()  # applies step 1 with both pushes
+    with pytest.raises(shardopt.Aborted, match="took step 1 as the servers applied it"):
+        opts[1].zero_grad()  # rank 1's loop raised after backward: it skips
+    assert opts[1]._client.step_count == 1
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert same_bits(p, q), name
+    for step in (2, 3):
+        for m in models:
+            m.zero_grad()
+            m(*batch(step)).backward()
+        for o in opts:
+            o.step()
+        assert [o._client.step_count for o in opts] == [step, step]
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert same_bits(p, q), name
+    opts[0].drop()
