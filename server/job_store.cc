@@ -9,6 +9,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "checkpoint/catalog.h"
 #include "checkpoint/format.h"
 #include "checkpoint/job_directory.h"
 #include "rpc/initial_values.h"
@@ -321,8 +322,19 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation, bo
 }
 
 absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeRequest& request) const {
-  SHARDOPT_ASSIGN_OR_RETURN(auto found, Find(request.job(), request.incarnation()));
-  Job& job = *found;
+  absl::StatusOr<std::shared_ptr<Job>> found = Find(request.job(), request.incarnation());
+  if (!found.ok()) {
+    // An operator describing a job on a server restarted since: its
+    // checkpoints wait on disk until a trainer's CreateJob restores them.
+    const std::vector<uint64_t> steps =
+        options_.checkpoint_dir.empty() || request.incarnation() != 0 || !absl::IsNotFound(found.status())
+            ? std::vector<uint64_t>{}
+            : checkpoint::StepsNewestFirst(checkpoint::JobDirectory(options_.checkpoint_dir, request.job()));
+    if (steps.empty()) return found.status();
+    return absl::NotFoundError(absl::StrCat(found.status().message(), "; its checkpoint directory holds steps up to ",
+                                            steps.front(), ", which a trainer's CreateJob restores"));
+  }
+  Job& job = **found;
   absl::MutexLock lock(&job.mu);
   v1::DescribeResponse r;
   r.set_job(job.name());

@@ -380,42 +380,45 @@ int main(int argc, char** argv) {
     }
     metrics_server = *std::move(started);
   }
-  {
-    log::Info("started", {{"version", shardopt::Version()},
-                          {"address", HostPort(absl::GetFlag(FLAGS_host), (*running)->port)},
-                          {"transport", options.tls_cert_pem.empty()        ? "plaintext"
-                                        : options.tls_client_ca_pem.empty() ? "tls"
-                                                                            : "mutual-tls"},
-                          {"device", device},
-                          {"memory_limit_bytes", absl::StrCat(*memory_limit)},
-                          {"memory_limit_source", memory_limit_source},
-                          {"tokens", auth ? absl::StrCat(auth->size(), " from ", absl::GetFlag(FLAGS_tokens_file)) : "off"},
-                          {"metrics_port", metrics_server ? absl::StrCat(metrics_server->port()) : "off"},
-                          {"health_port", (*running)->health_port > 0 ? absl::StrCat((*running)->health_port) : "off"},
-                          {"checkpoint_dir", store_options.checkpoint_dir},
-                          {"flags", FlagsSet()}});
-    // Flags given that do nothing here: told, as an operator expects them
-    // to act.
-    if (store_options.checkpoint_keep > 0 && store_options.checkpoint_dir.empty()) {
-      log::Warning("flag_ignored", {{"flag", "--checkpoint_keep"}, {"why", "no --checkpoint_dir: nothing to prune"}});
-    }
-    if (Given(absl::GetFlagReflectionHandle(FLAGS_tls_reload_seconds)) && options.tls_cert_pem.empty()) {
-      log::Warning("flag_ignored", {{"flag", "--tls_reload_seconds"}, {"why", "no --tls_cert: no TLS files to reload"}});
-    }
-    if (Given(absl::GetFlagReflectionHandle(FLAGS_drain_failure_wait_seconds)) && metrics_server == nullptr) {
-      log::Warning("flag_ignored", {{"flag", "--drain_failure_wait_seconds"}, {"why", "no --metrics_port: nothing to scrape"}});
-    }
-  }
-  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
-    const std::string tmp = path + ".tmp";  // renamed so a reader never sees a partial number
-    std::ofstream out(tmp);
+  // The port is written before "started" is logged (a file that cannot be
+  // written fails the start) and renamed into place after it.
+  const std::string port_file = absl::GetFlag(FLAGS_port_file), port_tmp = port_file + ".tmp";
+  if (!port_file.empty()) {
+    std::ofstream out(port_tmp);
     out << (*running)->port << "\n";
     out.close();
-    if (!out || std::rename(tmp.c_str(), path.c_str()) != 0) {
-      // A harness waiting for the file would wait for good.
+    if (!out) {  // a harness waiting for the file would wait for good
       (*running)->server->Shutdown(std::chrono::system_clock::now());
-      return StartFailed(absl::StrCat("cannot write --port_file=", path));
+      return StartFailed(absl::StrCat("cannot write --port_file=", port_file));
     }
+  }
+  log::Info("started", {{"version", shardopt::Version()},
+                        {"address", HostPort(absl::GetFlag(FLAGS_host), (*running)->port)},
+                        {"transport", options.tls_cert_pem.empty()        ? "plaintext"
+                                      : options.tls_client_ca_pem.empty() ? "tls"
+                                                                          : "mutual-tls"},
+                        {"device", device},
+                        {"memory_limit_bytes", absl::StrCat(*memory_limit)},
+                        {"memory_limit_source", memory_limit_source},
+                        {"tokens", auth ? absl::StrCat(auth->size(), " from ", absl::GetFlag(FLAGS_tokens_file)) : "off"},
+                        {"metrics_port", metrics_server ? absl::StrCat(metrics_server->port()) : "off"},
+                        {"health_port", (*running)->health_port > 0 ? absl::StrCat((*running)->health_port) : "off"},
+                        {"checkpoint_dir", store_options.checkpoint_dir},
+                        {"flags", FlagsSet()}});
+  // Flags given that do nothing here: told, as an operator expects them
+  // to act.
+  if (store_options.checkpoint_keep > 0 && store_options.checkpoint_dir.empty()) {
+    log::Warning("flag_ignored", {{"flag", "--checkpoint_keep"}, {"why", "no --checkpoint_dir: nothing to prune"}});
+  }
+  if (Given(absl::GetFlagReflectionHandle(FLAGS_tls_reload_seconds)) && options.tls_cert_pem.empty()) {
+    log::Warning("flag_ignored", {{"flag", "--tls_reload_seconds"}, {"why", "no --tls_cert: no TLS files to reload"}});
+  }
+  if (Given(absl::GetFlagReflectionHandle(FLAGS_drain_failure_wait_seconds)) && metrics_server == nullptr) {
+    log::Warning("flag_ignored", {{"flag", "--drain_failure_wait_seconds"}, {"why", "no --metrics_port: nothing to scrape"}});
+  }
+  if (!port_file.empty() && std::rename(port_tmp.c_str(), port_file.c_str()) != 0) {
+    (*running)->server->Shutdown(std::chrono::system_clock::now());
+    return StartFailed(absl::StrCat("cannot write --port_file=", port_file));
   }
 
   // A sticky CUDA error makes the device useless until the process restarts:

@@ -1027,6 +1027,22 @@ TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
   EXPECT_TRUE(std::filesystem::exists(in_progress + "/part-0-50.bin"));
 }
 
+// A server restarted since a job was checkpointed holds no job until a
+// trainer's CreateJob restores it; an operator's Describe of it is
+// NOT_FOUND, and says that the checkpoints are there, waiting.
+TEST_F(CheckpointKeepTest, ADescribeOfAJobOnlyOnDiskSaysItsCheckpointsWait) {
+  Create(JobRequest("on-disk", 1, {{"w", 100}}));
+  std::mt19937_64 rng(5);
+  StepAndCheckpoint("on-disk", 1, 100, rng);
+  auto backend = MakeCpuBackend({});
+  JobStore restarted(backend.get(), Options0(dir_));
+  const auto described = restarted.Describe("on-disk");
+  EXPECT_EQ(described.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(described.status().message()),
+              HasSubstr("its checkpoint directory holds steps up to 1, which a trainer's CreateJob restores"));
+  EXPECT_THAT(std::string(restarted.Describe("never-made").status().message()), Not(HasSubstr("checkpoint")));
+}
+
 // A job's life (CreateJobResponse.incarnation): the same to every attach
 // and through its checkpoint's restore, so that trainers go on after a server
 // restarts; new when the job is dropped and made again, where a push, commit

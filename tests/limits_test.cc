@@ -36,6 +36,7 @@ namespace shardopt {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::RandomBf16;
 using testing::RandomFloats;
 using testing::ServerProcess;
@@ -598,11 +599,13 @@ TEST(LimitsTest, AFlagfileWithWindowsLineEndsIsNamed) {
 }
 
 // A --port_file that cannot be written stops the server (exit 1, naming
-// it): a harness waiting for the file would otherwise wait for good.
+// it): a harness waiting for the file would otherwise wait for good. It
+// does so before the log says "started", which it used to say first.
 TEST(LimitsTest, APortFileThatCannotBeWrittenStopsTheServer) {
   std::string log;
   EXPECT_EQ(testing::ServerExitCode({"--port_file=/nonexistent-shardopt-dir/port"}, &log), 1);
   EXPECT_THAT(log, HasSubstr("cannot write --port_file=/nonexistent-shardopt-dir/port"));
+  EXPECT_THAT(log, Not(HasSubstr(" started ")));
 }
 
 // A --checkpoint_dir the server cannot write stops it at the start (exit
