@@ -134,6 +134,12 @@ int Fail(const absl::Status& st) {
 // call that changes the job may or may not have taken effect.
 int Fail(const grpc::Status& st) {
   absl::Status said = shardopt::FromGrpcStatus(st, absl::GetFlag(FLAGS_server));
+  if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    // gRPC says only "failed to connect": a TLS mismatch reads the same.
+    said = absl::UnavailableError(absl::StrCat(
+        said.message(), " (the server is down or unreachable, or refused the TLS handshake: a plaintext call to a "
+                        "TLS server, or no client certificate where it asks for one; see --tls_ca, --tls_cert)"));
+  }
   if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
     said = absl::DeadlineExceededError(absl::StrCat(
         said.message(), " (no answer within --timeout_s=", absl::GetFlag(FLAGS_timeout_s),
