@@ -9,7 +9,6 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "checkpoint/catalog.h"
 #include "checkpoint/format.h"
 #include "checkpoint/job_directory.h"
 #include "rpc/initial_values.h"
@@ -319,92 +318,6 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation, bo
   job->Notify();
   log::Info("job_dropped", {{"job", name}, {"step", absl::StrCat(job->step)}});
   return absl::OkStatus();
-}
-
-absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeRequest& request) const {
-  absl::StatusOr<std::shared_ptr<Job>> found = Find(request.job(), request.incarnation());
-  if (!found.ok()) {
-    // An operator describing a job on a server restarted since: its
-    // checkpoints wait on disk until a trainer's CreateJob restores them.
-    const std::vector<uint64_t> steps =
-        options_.checkpoint_dir.empty() || request.incarnation() != 0 || !absl::IsNotFound(found.status())
-            ? std::vector<uint64_t>{}
-            : checkpoint::StepsNewestFirst(checkpoint::JobDirectory(options_.checkpoint_dir, request.job()));
-    if (steps.empty()) return found.status();
-    return absl::NotFoundError(absl::StrCat(found.status().message(), "; its checkpoint directory holds steps up to ",
-                                            steps.front(), ", which a trainer's CreateJob restores"));
-  }
-  Job& job = **found;
-  absl::MutexLock lock(&job.mu);
-  v1::DescribeResponse r;
-  r.set_job(job.name());
-  r.set_step(job.step);
-  r.set_world_size(job.world_size());
-  r.set_grad_dtype(job.spec.grad_dtype());
-  for (int g = 0; g < job.spec.groups_size(); ++g) {
-    v1::GroupState* gs = r.add_groups();
-    *gs->mutable_config() = job.spec.groups(g);
-    // What the backend holds, not what was asked for: VerifyState compares the two.
-    bool any = false;
-    Precision held = Precision::kFp32;
-    for (size_t s = 0; s < job.shards.size(); ++s) {
-      if (job.spec.tensors(job.shards[s].tensor).group() != static_cast<uint32_t>(g)) continue;
-      const Precision p = job.state->held_precision(static_cast<uint32_t>(s));
-      if (!any || p == Precision::kBf16) held = p;
-      any = true;
-    }
-    gs->set_state_dtype(!any ? v1::DTYPE_UNSPECIFIED : held == Precision::kFp32 ? v1::FP32 : v1::BF16);
-  }
-  const size_t count = job.shards.size();
-  if (request.tensor_offset() > count) {
-    return absl::OutOfRangeError(absl::StrCat("tensor_offset ", request.tensor_offset(), " is past the ", count,
-                                              " tensors of job '", job.name(), "' on this server"));
-  }
-  const uint32_t page = request.max_tensors() == 0 ? kDescribePage : std::min(request.max_tensors(), kDescribePage);
-  r.set_tensor_offset(request.tensor_offset());
-  r.set_tensor_count(static_cast<uint32_t>(count));
-  // A page also ends before the answer would outgrow the server's message
-  // limit: each tensor names itself twice, and every page repeats the
-  // groups, so a job that its CreateJob's limit let in could otherwise not
-  // be described at all. One tensor always goes in, so the pages advance;
-  // the fields set below take a few hundred bytes at most (waiting_for names
-  // at most 16 ranks and one tensor), well inside the margin.
-  const uint64_t room = options_.max_message_bytes > 4096 ? options_.max_message_bytes - 4096 : 0;
-  uint64_t bytes = r.ByteSizeLong();
-  for (size_t si = request.tensor_offset(); si < std::min<size_t>(count, size_t{request.tensor_offset()} + page); ++si) {
-    const OwnedShard& s = job.shards[si];
-    v1::TensorState* ts = r.add_tensors();
-    const v1::TensorSpec& spec = job.spec.tensors(s.tensor);
-    ts->set_name(spec.name());
-    ts->set_numel(spec.numel());
-    ts->set_group(spec.group());
-    ts->mutable_shard()->set_tensor(spec.name());
-    ts->mutable_shard()->set_offset(s.offset);
-    ts->mutable_shard()->set_length(s.length);
-    ts->set_adam_step(job.adam_steps[si]);
-    // On the wire: the entry, its length (at most 3 bytes here) and its tag.
-    bytes += ts->ByteSizeLong() + 4;
-    if (bytes > room && r.tensors_size() > 1) {
-      r.mutable_tensors()->RemoveLast();
-      break;
-    }
-  }
-  const MemoryUse use = job.state->memory_use();
-  r.set_state_bytes(use.state_bytes);
-  // The running sum and the params out, which the backend holds, and the
-  // window for early chunks, at its cap.
-  r.set_staging_bytes(use.staging_bytes + job.window_bytes);
-  r.set_device(backend_->Describe());
-  r.set_memory_limit_bytes(budget_.limit());
-  r.set_memory_used_bytes(budget_.used());
-  r.set_uninitialized_tensors(static_cast<uint32_t>(job.uninitialized_shards));
-  r.set_checkpoint_dir(!options_.checkpoint_dir.empty());
-  if (job.round.active && !job.round.sealed) {
-    r.set_waiting_for(job.MissingSummary());
-    const std::chrono::duration<double> left = job.round.deadline - std::chrono::steady_clock::now();
-    r.set_barrier_seconds_left(std::max(0.0, left.count()));
-  }
-  return r;
 }
 
 absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {
