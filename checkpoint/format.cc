@@ -77,6 +77,11 @@ std::string StepDirectory(const std::string& root, const std::string& job, uint6
   return absl::StrFormat("%s/step-%020u", JobDirectory(root, job), step);
 }
 
+bool StepCommitted(const std::string& root, const std::string& job, uint64_t step) {
+  std::error_code ec;
+  return fs::exists(absl::StrCat(StepDirectory(root, job, step), "/", kCommitName), ec);
+}
+
 absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& root, v1::PartManifest manifest,
                                                              bool written, uint32_t array_alignment,
                                                              uint64_t read_from_life) {

@@ -90,6 +90,9 @@ void DecodeArray(const char* bytes, uint64_t count, v1::DType dtype, float* out)
 std::string JobDirectoryName(const std::string& job);
 std::string JobDirectory(const std::string& root, const std::string& job);
 std::string StepDirectory(const std::string& root, const std::string& job, uint64_t step);
+// Whether the step's COMMIT marker is there: its parts tile the job (a
+// restore still checks them). A step without one is torn or being written.
+bool StepCommitted(const std::string& root, const std::string& job, uint64_t step);
 inline constexpr size_t kMaxFileNameBytes = 255;
 
 struct WriteResult {

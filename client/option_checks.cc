@@ -9,6 +9,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "base/status_macros.h"
 #include "rpc/bearer_token.h"
 #include "rpc/job_limits.h"
@@ -18,14 +19,15 @@
 namespace shardopt {
 
 absl::Status CheckServerAddress(const std::string& address) {
-  // The schemes gRPC's resolvers take. Any name was taken for one before,
-  // so that a port mistyped (host:50o51) connected, and every call was
-  // UNAVAILABLE from a name that does not resolve, "safe to retry".
-  static constexpr absl::string_view kSchemes[] = {"dns", "unix", "unix-abstract", "ipv4", "ipv6",
-                                                   "vsock", "xds", "google-c2p"};
+  // The schemes gRPC 1.51's resolvers take, in the case they are looked up
+  // in. Any name was taken for one before, so that a port mistyped
+  // (host:50o51) connected, and every call was UNAVAILABLE from a name that
+  // does not resolve, "safe to retry".
+  static constexpr absl::string_view kSchemes[] = {"dns", "unix", "unix-abstract", "ipv4", "ipv6", "xds",
+                                                   "google-c2p"};
   const size_t first = address.find(':');
   if (first != std::string::npos && first > 0 && first + 1 < address.size() &&
-      absl::c_linear_search(kSchemes, absl::AsciiStrToLower(address.substr(0, first)))) {
+      absl::c_linear_search(kSchemes, address.substr(0, first))) {
     return absl::OkStatus();
   }
   const size_t last = address.rfind(':');
@@ -38,7 +40,7 @@ absl::Status CheckServerAddress(const std::string& address) {
   if (!host_ok || !port_ok) {
     return absl::InvalidArgumentError(absl::StrCat(
         "server '", address, "' is not host:port ([address]:port for IPv6, the port a number up to 65535), nor a "
-        "gRPC target with a scheme (dns:, unix:, unix-abstract:, ipv4:, ipv6:, vsock:, xds:, google-c2p:)"));
+        "gRPC target with a scheme in lower case (", absl::StrJoin(kSchemes, ":, "), ":)"));
   }
   return absl::OkStatus();
 }

@@ -134,11 +134,13 @@ int Fail(const absl::Status& st) {
 // call that changes the job may or may not have taken effect.
 int Fail(const grpc::Status& st) {
   absl::Status said = shardopt::FromGrpcStatus(st, absl::GetFlag(FLAGS_server));
-  if (st.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    // gRPC says only "failed to connect": a TLS mismatch reads the same.
+  if (st.error_code() == grpc::StatusCode::UNAVAILABLE && absl::StrContains(st.error_message(), "failed to connect")) {
+    // gRPC says only "failed to connect": a TLS mismatch reads the same (a
+    // server's own UNAVAILABLE, such as its drain's, says why itself).
     said = absl::UnavailableError(absl::StrCat(
-        said.message(), " (the server is down or unreachable, or refused the TLS handshake: a plaintext call to a "
-                        "TLS server, or no client certificate where it asks for one; see --tls_ca, --tls_cert)"));
+        said.message(), " (the server is down or unreachable, or the TLS handshake failed: a plaintext call to a TLS "
+                        "server or the reverse, no client certificate where it asks for one, or a certificate that "
+                        "does not name --server; see --tls_ca, --tls_cert, --tls_server_name)"));
   }
   if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
     said = absl::DeadlineExceededError(absl::StrCat(
@@ -167,7 +169,7 @@ int Export(const std::string& dir, uint64_t step, bool bf16, const std::string& 
   const auto log = [](const std::string& line) { std::cerr << "shardopt: " << line << "\n"; };
   if (InsideTheJobsCheckpoints(dir, job, out)) {
     return Fail(absl::InvalidArgumentError(absl::StrCat(
-        out, " lies in job '", job, "''s checkpoint directory, whose files export reads and the servers restore; "
+        out, " lies in the checkpoint directory of job '", job, "', whose files export reads and the servers restore; "
         "write it elsewhere")));
   }
   namespace checkpoint = shardopt::checkpoint;

@@ -176,12 +176,15 @@ class Job {
   // (checkpoint::PartWriter::Open), which a peer may have listed.
   std::optional<uint64_t> part_written ABSL_GUARDED_BY(mu);
   // The step and life of the checkpoint parts a restore read this job's
-  // state from, until an initial value changes it: a checkpoint of that
-  // step is theirs, also under this job's own, new life (a job made again
-  // after a drop, or from a restore_step; checkpoint::PartWriter::Open).
+  // state from: a checkpoint of that step is theirs, also under this job's
+  // own, new life (a job made again after a drop, or from a restore_step;
+  // checkpoint::PartWriter::Open). Unless an initial value has changed the
+  // state since (at step 0): then that complete step is not this state, and
+  // its checkpoint is refused rather than answered complete.
   struct PartsRead {
     uint64_t step = 0;
     uint64_t life = 0;
+    bool changed = false;
   };
   std::optional<PartsRead> restored_from ABSL_GUARDED_BY(mu);
   // Set if an apply failed halfway: the state is no step's state.

@@ -10,6 +10,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "server/messages.h"
 
 namespace shardopt {
 namespace {
@@ -72,7 +73,7 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
   v1::PartManifest m;
   std::vector<v1::DType> dtypes;
   bool written = false;
-  uint64_t read_from_life = 0;
+  uint64_t read_from_life = 0, changed_since_restore = 0;
   {
     absl::MutexLock lock(&job.mu);
     if (!job.AwaitWholeStep(deadline)) {
@@ -109,7 +110,9 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
       dtypes.push_back(section->dtype());
     }
     written = job.part_written == job.step;
-    if (job.restored_from && job.restored_from->step == job.step) read_from_life = job.restored_from->life;
+    if (job.restored_from && job.restored_from->step == job.step) {
+      (job.restored_from->changed ? changed_since_restore : read_from_life) = job.restored_from->life;
+    }
     ++job.snapshots;
   }
   // From here until the state has streamed out, nothing writes it; the
@@ -123,6 +126,14 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
     job.Notify();
   };
   SHARDOPT_RETURN_IF_ERROR(began());
+  if (changed_since_restore != 0 && checkpoint::StepCommitted(root, job.name(), m.step())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "step ", m.step(), " of job ", Quote(job.name()), " is complete in ",
+        checkpoint::StepDirectory(root, job.name(), m.step()), " with the state this job was restored from, and ",
+        "initial values written since have changed it: they are in no checkpoint, and this one would not hold them; "
+        "nothing was written. Step on (the next step's checkpoint holds them), or move that directory aside and "
+        "checkpoint again"));
+  }
   SHARDOPT_ASSIGN_OR_RETURN(writer, checkpoint::PartWriter::Open(root, std::move(m), written, array_alignment,
                                                                          read_from_life));
   if (writer->wants_data()) SHARDOPT_RETURN_IF_ERROR(StreamState(job, dtypes, *writer, after_slice));

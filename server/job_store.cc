@@ -57,8 +57,9 @@ absl::Status JobStore::OtherLife(const std::string& name, uint64_t incarnation) 
   // are not kept, so a life that never was is answered alike, and said so.
   return absl::NotFoundError(absl::StrCat("job ", Quote(name), " is not the life this call names (incarnation ",
                                           incarnation, "): it was dropped on this server and made again since this ",
-                                          "trainer attached to it (or that was never its life), and the one of the "
-                                          "name now is another run's (CreateOrAttach would join that run at its step)"));
+                                          "trainer attached to it, or a restore_step started a new run of it (or that ",
+                                          "was never its life), and the one of the name now is another run's ",
+                                          "(CreateOrAttach would join that run at its step)"));
 }
 
 
@@ -373,7 +374,7 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
   SHARDOPT_ASSIGN_OR_RETURN(auto shard, job.LocateRange(chunk.tensor(), chunk.offset(), count));
   const OwnedShard& s = job.shards[shard];
   const uint64_t local = chunk.offset() - s.offset;
-  job.restored_from.reset();  // no longer the parts' state, even if the write fails partway
+  if (job.restored_from) job.restored_from->changed = true;  // even if the write fails partway
   SHARDOPT_RETURN_IF_ERROR(job.state->WriteState(shard, kind, local, dtype, chunk.data().data(), count));
   job.written = true;
   if (chunk.adam_step() != 0) job.adam_steps[shard] = chunk.adam_step();

@@ -101,14 +101,19 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   absl::StatusOr<std::shared_ptr<Job>> found = Find(request.job(), request.incarnation());
   if (!found.ok()) {
     // An operator describing a job on a server restarted since: its
-    // checkpoints wait on disk until a trainer's CreateJob restores them.
+    // checkpoints wait on disk until a trainer's CreateJob restores the
+    // newest complete one (torn steps are passed over).
     const std::vector<uint64_t> steps =
         options_.checkpoint_dir.empty() || request.incarnation() != 0 || !absl::IsNotFound(found.status())
             ? std::vector<uint64_t>{}
             : checkpoint::StepsNewestFirst(checkpoint::JobDirectory(options_.checkpoint_dir, request.job()));
-    if (steps.empty()) return found.status();
-    return absl::NotFoundError(absl::StrCat(found.status().message(), "; its checkpoint directory holds steps up to ",
-                                            steps.front(), ", which a trainer's CreateJob restores"));
+    for (const uint64_t step : steps) {
+      if (!checkpoint::StepCommitted(options_.checkpoint_dir, request.job(), step)) continue;
+      return absl::NotFoundError(absl::StrCat(found.status().message(), "; its checkpoint directory holds a complete "
+                                              "checkpoint of step ", step, ", which a trainer's CreateJob restores "
+                                              "(under a new life if the job was dropped)"));
+    }
+    return found.status();
   }
   Job& job = **found;
   absl::MutexLock lock(&job.mu);

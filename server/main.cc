@@ -383,15 +383,12 @@ int main(int argc, char** argv) {
   // The port is written before "started" is logged (a file that cannot be
   // written fails the start) and renamed into place after it.
   const std::string port_file = absl::GetFlag(FLAGS_port_file), port_tmp = port_file + ".tmp";
-  if (!port_file.empty()) {
-    std::ofstream out(port_tmp);
-    out << (*running)->port << "\n";
-    out.close();
-    if (!out) {  // a harness waiting for the file would wait for good
-      (*running)->server->Shutdown(std::chrono::system_clock::now());
-      return StartFailed(absl::StrCat("cannot write --port_file=", port_file));
-    }
-  }
+  const auto port_file_failed = [&] {  // a harness waiting for the file would wait for good
+    std::remove(port_tmp.c_str());
+    (*running)->server->Shutdown(std::chrono::system_clock::now());
+    return StartFailed(absl::StrCat("cannot write --port_file=", port_file));
+  };
+  if (!port_file.empty() && !(std::ofstream(port_tmp) << (*running)->port << "\n").flush()) return port_file_failed();
   log::Info("started", {{"version", shardopt::Version()},
                         {"address", HostPort(absl::GetFlag(FLAGS_host), (*running)->port)},
                         {"transport", options.tls_cert_pem.empty()        ? "plaintext"
@@ -416,10 +413,7 @@ int main(int argc, char** argv) {
   if (Given(absl::GetFlagReflectionHandle(FLAGS_drain_failure_wait_seconds)) && metrics_server == nullptr) {
     log::Warning("flag_ignored", {{"flag", "--drain_failure_wait_seconds"}, {"why", "no --metrics_port: nothing to scrape"}});
   }
-  if (!port_file.empty() && std::rename(port_tmp.c_str(), port_file.c_str()) != 0) {
-    (*running)->server->Shutdown(std::chrono::system_clock::now());
-    return StartFailed(absl::StrCat("cannot write --port_file=", port_file));
-  }
+  if (!port_file.empty() && std::rename(port_tmp.c_str(), port_file.c_str()) != 0) return port_file_failed();
 
   // A sticky CUDA error makes the device useless until the process restarts:
   // report NOT_SERVING so that Kubernetes replaces the pod. Requests already

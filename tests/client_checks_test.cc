@@ -307,6 +307,8 @@ TEST(ClientChecksTest, OptionsNoCallCouldGoThroughWithAreRefusedAtConnect) {
       {{"::1:50051"}, {}, 5, 1000, "is not host:port"},
       {{"shardopt-0.shardopt:50o51"}, {}, 5, 1000, "is not host:port"},  // a port mistyped, not a scheme
       {{"host:notaport"}, {}, 5, 1000, "is not host:port"},
+      {{"DNS:///localhost:50051"}, {}, 5, 1000, "in lower case"},  // gRPC looks schemes up as written
+      {{"vsock:1:50051"}, {}, 5, 1000, "is not host:port"},          // no vsock resolver in gRPC 1.51
       {{""}, {}, 5, 1000, "is not host:port"},
       {{"127.0.0.1:1", "127.0.0.1:2"}, {1, 2}, 5, 1000, "push_servers names server 2 of 2"},
       {{"127.0.0.1:1", "127.0.0.1:2"}, {1, 0, 1}, 5, 1000, "push_servers names server 1 twice"},
@@ -328,7 +330,7 @@ TEST(ClientChecksTest, OptionsNoCallCouldGoThroughWithAreRefusedAtConnect) {
   // scheme; and one attempt, no retry.
   for (const std::string target : {"shardopt-0.shardopt:50051", "[::1]:50051", "localhost:1", "dns:///localhost:50051",
                                     "ipv4:127.0.0.1:50051", "unix:/tmp/shardopt.sock",
-                                    "unix-abstract:shardopt"}) {
+                                    "unix:///tmp/shardopt.sock", "ipv6:[::1]:50051", "unix-abstract:shardopt"}) {
     ClientOptions options;
     options.servers = {target};
     options.max_attempts = 1;

@@ -1262,7 +1262,7 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
   const std::string part_bytes = testing::ReadText(part);
   const std::string cli_export = std::string(SHARDOPT_CLI_BINARY) + " export --checkpoint_dir=" + dir.path() + " export ";
   EXPECT_EQ(WEXITSTATUS(std::system((cli_export + part + " 2>" + expected.path() + "/refused").c_str())), 1);
-  EXPECT_THAT(testing::ReadText(expected.path() + "/refused"), HasSubstr("lies in job 'export''s checkpoint directory"));
+  EXPECT_THAT(testing::ReadText(expected.path() + "/refused"), HasSubstr("lies in the checkpoint directory of job 'export'"));
   EXPECT_EQ(testing::ReadText(part), part_bytes);
   // So is a relative OUT there, whose first part does not exist yet.
   const std::string job_dir = std::filesystem::path(part).parent_path().parent_path().string();

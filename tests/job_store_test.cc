@@ -1030,16 +1030,53 @@ TEST_F(CheckpointKeepTest, KeepsTheNewestCompleteOnesAndNeverAStepInProgress) {
 // A server restarted since a job was checkpointed holds no job until a
 // trainer's CreateJob restores it; an operator's Describe of it is
 // NOT_FOUND, and says that the checkpoints are there, waiting.
+// A job restored at step 0 whose initial values are then written again
+// holds a state that step 0's complete checkpoint does not: its checkpoint
+// of step 0 is refused, saying why, where it used to answer "complete"
+// having written nothing (the same life: a restart), or blame "two runs"
+// (a new life: made again after a drop). A restart would have brought the
+// old values back.
+TEST_F(CheckpointKeepTest, InitialValuesWrittenOverARestoredStepAreNotTakenForItsCheckpoint) {
+  for (const bool dropped : {false, true}) {
+    const std::string name = dropped ? "reinit-dropped" : "reinit-restarted";
+    const v1::CreateJobRequest spec = JobRequest(name, 1, {{"w", 100}});
+    Create(spec);
+    v1::CheckpointRequest at0;
+    at0.set_job(name);
+    at0.set_step(0);
+    ASSERT_TRUE(store_.Checkpoint(at0).ok());
+    auto backend = MakeCpuBackend({});
+    JobStore restarted(backend.get(), Options0(dir_));
+    if (dropped) {
+      ASSERT_TRUE(store_.DropJob(name).ok());
+      ASSERT_TRUE(store_.CreateJob(spec).ok());  // restores step 0 under a new life
+    } else {
+      ASSERT_TRUE(restarted.CreateJob(spec).ok());  // restores step 0, the same life
+    }
+    JobStore& store = dropped ? store_ : restarted;
+    const std::vector<float> fresh = RandomFloats(rng_, 100, -1, 1);
+    ASSERT_TRUE(store.Init(Fp32Init(name, "w", fresh)).ok());
+    const auto refused = store.Checkpoint(at0);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << name << ": " << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("initial values written since have changed it"))
+        << name;
+    EXPECT_EQ(ReadFloats(store, name, "w", v1::MASTER), fresh) << name;
+  }
+}
+
 TEST_F(CheckpointKeepTest, ADescribeOfAJobOnlyOnDiskSaysItsCheckpointsWait) {
   Create(JobRequest("on-disk", 1, {{"w", 100}}));
   std::mt19937_64 rng(5);
   StepAndCheckpoint("on-disk", 1, 100, rng);
+  // A torn step 2 (no COMMIT) is not what a restore takes, nor named.
+  std::filesystem::create_directories(checkpoint::StepDirectory(dir_, "on-disk", 2));
   auto backend = MakeCpuBackend({});
   JobStore restarted(backend.get(), Options0(dir_));
   const auto described = restarted.Describe("on-disk");
   EXPECT_EQ(described.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(described.status().message()),
-              HasSubstr("its checkpoint directory holds steps up to 1, which a trainer's CreateJob restores"));
+              HasSubstr("its checkpoint directory holds a complete checkpoint of step 1, which a trainer's CreateJob "
+                        "restores"));
   EXPECT_THAT(std::string(restarted.Describe("never-made").status().message()), Not(HasSubstr("checkpoint")));
 }
 

@@ -384,7 +384,7 @@ TEST(NodeGroup, ArgumentsRefusedOnOneLocalRankOrDifferingBetweenThemAreRefusedOn
 
 // A CreateOrAttach refused on one local rank is refused on the other too
 // (ABORTED), at once: before, the other attached and its first Step waited
-// in the collective for the whole timeout (5 minutes by default). So is a
+// in the collective for the whole timeout (11 minutes by default). So is a
 // job with fp32 params, whose params the bf16 flat buffer cannot take
 // (before, the commit wrote them past its end).
 TEST(NodeGroup, ACreateOrAttachRefusedOnOneLocalRankIsRefusedOnBothAtOnce) {

@@ -1,8 +1,9 @@
 // The library trainers link. It places each tensor across the servers,
 // streams gradients to all of them in parallel, decides clipping and skipping
 // from their partial norms, commits, and writes the updated params back into
-// the caller's buffers (bf16, or the fp32 master for a tensor of fp32 params). It retries UNAVAILABLE and DEADLINE_EXCEEDED,
-// which the step protocol makes safe.
+// the caller's buffers (bf16, or the fp32 master for a tensor of fp32
+// params). It retries UNAVAILABLE and DEADLINE_EXCEEDED, which the step
+// protocol makes safe.
 //
 // Thread safety: a Client is not thread-safe; call it from one thread at a
 // time (a trainer rank has one), and destroy it only when no call of it runs
@@ -73,9 +74,9 @@ struct JobOptions {
 
 struct ClientOptions {
   // host:port of every server ([address]:port for IPv6), or a gRPC target
-  // with a scheme gRPC resolves (dns:, unix:, unix-abstract:, ipv4:, ipv6:,
-  // vsock:, xds:, google-c2p:), in a fixed order that all ranks share; see
-  // ExpandServerPattern for a StatefulSet's. Each once: Connect refuses a
+  // with a scheme gRPC resolves, in lower case (dns:, unix:, unix-abstract:,
+  // ipv4:, ipv6:, xds:, google-c2p:), in a fixed order that all ranks
+  // share; see ExpandServerPattern for a StatefulSet's. Each once: Connect refuses a
   // server listed twice, or without a numeric port (INVALID_ARGUMENT).
   std::vector<std::string> servers;
   uint32_t rank = 0;
