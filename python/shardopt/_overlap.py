@@ -3,12 +3,13 @@ running, from a hook on its param's AccumulateGrad node, and the push
 finished and committed by step(). A mixin of RemoteAdamW (shardopt.torch),
 whose state it uses: its tensors, client, order and locks."""
 import gc
+import time
 import weakref
 
 import torch
 
 from . import _C
-from ._errors import Aborted, FailedPrecondition, InvalidArgument
+from ._errors import Aborted, Error, FailedPrecondition, InvalidArgument
 
 _ONE_GRADIENT = ("overlap pushes each gradient as backward produces it, so it takes one backward per step() and each "
                  "param's gradient whole (torch.utils.checkpoint with use_reentrant=True gives a param used in two "
@@ -162,7 +163,7 @@ class _OverlapPush:
         group_lr = [float(g["lr"]) for g in self.param_groups]
         self._client.commit(self._push_step, group_lr[0], gscale, False, self._param_targets(), group_lr)
 
-    def _commit_skip(self):
+    def _commit_skip(self, tell=True):
         """Commits the finished push's step as a skip. A skip applies
         nothing, so its lr is not sent (an lr the loop has made invalid
         since does not refuse it), and what it pushed does not matter (a
@@ -173,30 +174,52 @@ class _OverlapPush:
         (_commit_push). Where the other ranks' commits applied the step
         before it (this rank's loop raised after backward, the others'
         did not), the skip is refused: this rank then takes the step as the
-        servers applied it, and raises Aborted once saying so."""
+        servers applied it, and raises Aborted once saying so (`tell`; a
+        caller already raising its own error keeps that one)."""
         self._skip_owed = self._push_step
         try:
             self._client.commit(self._push_step, 0.0, 1.0, True, self._param_targets(), [])
         except Aborted as e:
-            # The server's words for an applied step asked as a skip
-            # (CommitArgs::FirstDifference in server/job.cc).
+            # The server's words for an applied step asked as a skip, applied
+            # or being applied (CommitArgs::FirstDifference, server/job.cc).
             if "(applied -> skipped)" not in e.message:
                 raise
-            self._take_applied_step()
-            raise Aborted(f"RemoteAdamW(overlap=True): this rank committed step {self._push_step} as a skip, but the "
-                          "other ranks' commits had applied it, with what this rank had pushed of it; this rank took "
-                          f"step {self._push_step} as the servers applied it (its params are theirs) and goes on: "
-                          f"{e.message}") from None
+            step = self._push_step
+            self._take_applied_step(e)
+            if tell:
+                raise Aborted(f"RemoteAdamW(overlap=True): this rank committed step {step} as a skip, but the other "
+                              "ranks' commits had applied it, with what this rank had pushed of it; this rank took "
+                              f"step {step} as the servers applied it (its params are theirs) and goes on: "
+                              f"{e.message}") from None
+            return
         self._skip_owed = None
 
-    def _take_applied_step(self):
-        """Attaches again, at the step the servers hold, and takes their
-        params, as a trainer that attaches does; the skip is no longer
-        owed."""
-        self._client.create_or_attach(*self._attach_args, 0)
+    def _take_applied_step(self, refused):
+        """Attaches again, once the servers hold the step applied (another
+        rank's commit may still be applying it: a few tries over about a
+        second and a half), and takes their params, as a trainer that
+        attaches does; the skip is no longer owed. Rank 0 then takes the
+        step's checkpoint_every checkpoint, which its skip would have."""
+        step, pause = self._push_step, 0.1
+        for attempt in range(5):
+            try:
+                self._client.create_or_attach(*self._attach_args, 0)
+            except Error as e:
+                raise Aborted(f"RemoteAdamW(overlap=True): step {step} was applied by the other ranks where this "
+                              f"rank committed it as a skip ({refused.message}), and attaching again to take it "
+                              f"failed: {e.message}; construct the optimizer again to go on") from None
+            if self._client.step_count >= step:
+                break
+            time.sleep(pause)
+            pause *= 2
+        else:
+            raise Aborted(f"RemoteAdamW(overlap=True): step {step} was being applied by the other ranks where this "
+                          f"rank committed it as a skip ({refused.message}), and the servers did not finish it "
+                          "within 1.5 s; call step() again")
         self._skip_owed = None
         self._pull_params()
         self._note_versions()
+        self._checkpoint_if_due()
 
     def _pushed_unchanged(self):
         """Whether every param's p.grad is what the finished push took from
@@ -244,7 +267,7 @@ class _OverlapPush:
             for k in rest:
                 self._client.mark(self._position[k], 0, None)
             self._client.finish_push()
-            self._commit_skip()
+            self._commit_skip(tell=False)
             raise
         for k in rest:
             self._client.mark(self._position[k], *sources[k])

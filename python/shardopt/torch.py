@@ -206,11 +206,11 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         job_groups = [(f"group.{gi}", b1, b2, eps_, wd, 1.0, precisions[gi] == "fp32")
                       for gi, (b1, b2, eps_, wd) in enumerate(self._hyper)]
         job_tensors = [(t.name, t.numel, t.group, t.fp32) for t in self._remote]
-        #: The job's step when this optimizer attached: 0 for a new job, else
-        #: the step resumed from (the params were pulled from the servers).
         # What attaching takes, but restore_step: an overlap optimizer
         # attaches again where its skip lost to the others' apply (_overlap.py).
         self._attach_args = (job, world_size, job_groups, job_tensors, False, int(barrier_timeout * 1000))
+        #: The job's step when this optimizer attached: 0 for a new job, else
+        #: the step resumed from (the params were pulled from the servers).
         self.resumed_step = self._client.create_or_attach(*self._attach_args, restore_step)
         if self._checkpoint_every and rank == 0:
             # Each of its checkpoints would fail, after its step was applied.
