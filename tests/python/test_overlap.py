@@ -528,3 +528,27 @@ def test_a_rank_whose_skip_lost_to_the_others_apply_takes_the_step_and_goes_on(s
     for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
         assert same_bits(p, q), name
     opts[0].drop()
+
+
+def test_a_rank_whose_own_error_ends_in_a_lost_skip_keeps_its_error_and_goes_on(servers, job):
+    """The same where the skip comes from step() refusing this rank's own
+    gradients (clipped after backward): that error is what the caller gets,
+    not the skip's Aborted, and the rank has taken the applied step."""
+    models = [make_model(), make_model(seed=5)]
+    opts = [RemoteAdamW(param_groups(m), servers=servers, job=job, lr=1e-3, overlap=True, rank=r, world_size=2)
+            for r, m in enumerate(models)]
+    for m in models:
+        m(*batch(1)).backward()
+    opts[0].step()
+    torch.nn.utils.clip_grad_norm_(models[1].parameters(), 1e-3)
+    with pytest.raises(shardopt.InvalidArgument, match="changed after backward"):
+        opts[1].step()
+    assert opts[1]._client.step_count == 1
+    for m in models:
+        m.zero_grad()
+        m(*batch(2)).backward()
+    for o in opts:
+        o.step()
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert same_bits(p, q), name
+    opts[0].drop()
