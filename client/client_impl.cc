@@ -54,7 +54,10 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
     attached_at[s] = resp.push_clock();
     return absl::OkStatus();
   }
-  if (resp.created() && !resp.restored()) {
+  // Made afresh, with no checkpoint to restore: that server's part of the
+  // state is gone. The fresh job, holding nothing, is dropped again.
+  const bool made_afresh = resp.created() && !resp.restored();
+  if (made_afresh) {
     fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
                  [&](grpc::ClientContext* ctx) {
                    v1::DropJobRequest drop;
@@ -65,15 +68,12 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
                  })
         .IgnoreError();  // a fresh job, with nothing in it
   }
-  // Without a checkpoint that server's part of the state is gone: there is
-  // nothing to restore it from.
-  const bool nothing_kept = resp.created() && !resp.restored();
   const absl::Status failed = absl::FailedPreconditionError(absl::StrCat(
       why.message(), "; asked to create job '", job.name, "' again, it ", ReattachOutcome(resp),
       ", and this client is at step ", step,
-      nothing_kept ? ": its part of the job's state is lost; drop the job on every server (shardopt --server=HOST:PORT "
-                     "drop JOB) and start it again, from a checkpoint elsewhere if there is one (restore_step)"
-                   : ": restore every server from one checkpoint (CreateOrAttach)"));
+      made_afresh ? ": its part of the job's state is lost; drop the job on every server (shardopt --server=HOST:PORT "
+                    "drop JOB) and start it again, from a checkpoint elsewhere if there is one (restore_step)"
+                  : ": restore every server from one checkpoint (CreateOrAttach)"));
   std::lock_guard<std::mutex> lock(lost_mu);
   lost[s] = std::string(failed.message());
   return failed;
