@@ -78,6 +78,19 @@ def _index(opt, param):
     return next(k for k, p in enumerate(p for g in opt.param_groups for p in g["params"]) if p is param)
 
 
+def _step_alike(models, opts, step):
+    """Every rank backward on batch `step`, then step(): the ranks' params
+    come out the same bits."""
+    for m in models:
+        m.zero_grad()
+        m(*batch(step)).backward()
+    for o in opts:
+        o.step()
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert same_bits(p, q), name
+
+
+
 @pytest.mark.parametrize("then", ["zero_grad", "step"])
 def test_a_second_backward_before_step_is_refused_and_its_step_skipped(servers, job, then):
     """The second backward raises from its first param's hook, p.grad then
@@ -348,13 +361,7 @@ def test_a_rank_whose_optimizer_is_dropped_after_backward_leaves_the_step_to_the
     opts.append(RemoteAdamW(param_groups(models[1]), servers=servers, job=job, lr=1e-3, overlap=True, rank=1,
                             world_size=2))
     assert opts[1].resumed_step == 1
-    for m in models:
-        m.zero_grad()
-        m(*batch(2)).backward()
-    for o in opts:
-        o.step()
-    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-        assert same_bits(p, q), name
+    _step_alike(models, opts, 2)
     opts[0].drop()
 
 
@@ -519,14 +526,8 @@ def test_a_rank_whose_skip_lost_to_the_others_apply_takes_the_step_and_goes_on(s
     for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
         assert same_bits(p, q), name
     for step in (2, 3):
-        for m in models:
-            m.zero_grad()
-            m(*batch(step)).backward()
-        for o in opts:
-            o.step()
+        _step_alike(models, opts, step)
         assert [o._client.step_count for o in opts] == [step, step]
-    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-        assert same_bits(p, q), name
     opts[0].drop()
 
 
@@ -544,11 +545,5 @@ def test_a_rank_whose_own_error_ends_in_a_lost_skip_keeps_its_error_and_goes_on(
     with pytest.raises(shardopt.InvalidArgument, match="changed after backward"):
         opts[1].step()
     assert opts[1]._client.step_count == 1
-    for m in models:
-        m.zero_grad()
-        m(*batch(2)).backward()
-    for o in opts:
-        o.step()
-    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
-        assert same_bits(p, q), name
+    _step_alike(models, opts, 2)
     opts[0].drop()
