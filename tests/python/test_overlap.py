@@ -90,7 +90,6 @@ def _step_alike(models, opts, step):
         assert same_bits(p, q), name
 
 
-
 @pytest.mark.parametrize("then", ["zero_grad", "step"])
 def test_a_second_backward_before_step_is_refused_and_its_step_skipped(servers, job, then):
     """The second backward raises from its first param's hook, p.grad then
