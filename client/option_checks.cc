@@ -10,6 +10,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/str_split.h"
 #include "base/status_macros.h"
 #include "rpc/bearer_token.h"
 #include "rpc/job_limits.h"
@@ -18,26 +20,47 @@
 
 namespace shardopt {
 
-absl::Status CheckServerAddress(const std::string& address) {
-  // The schemes gRPC 1.51's resolvers take, in the case they are looked up
-  // in. Any name was taken for one before, so that a port mistyped
-  // (host:50o51) connected, and every call was UNAVAILABLE from a name that
-  // does not resolve, "safe to retry".
-  static constexpr absl::string_view kSchemes[] = {"dns", "unix", "unix-abstract", "ipv4", "ipv6", "xds",
-                                                   "google-c2p"};
-  const size_t first = address.find(':');
-  if (first != std::string::npos && first > 0 && first + 1 < address.size() &&
-      absl::c_linear_search(kSchemes, address.substr(0, first))) {
-    return absl::OkStatus();
-  }
+namespace {
+
+// The schemes gRPC 1.51's resolvers take, in the case they are looked up in.
+constexpr absl::string_view kSchemes[] = {"dns", "unix", "unix-abstract", "ipv4", "ipv6", "xds", "google-c2p"};
+
+// Whether `address` is host:port, or [address]:port for IPv6, the port a
+// number up to 65535.
+bool IsHostPort(absl::string_view address) {
   const size_t last = address.rfind(':');
-  const std::string host = address.substr(0, last), port = last == std::string::npos ? "" : address.substr(last + 1);
+  if (last == absl::string_view::npos) return false;
+  const absl::string_view host = address.substr(0, last), port = address.substr(last + 1);
   // An IPv6 address is bracketed, so that its own colons are not the port's.
-  const bool host_ok = !host.empty() && (host.find(':') == std::string::npos ||
+  const bool host_ok = !host.empty() && (host.find(':') == absl::string_view::npos ||
                                          (host.front() == '[' && host.back() == ']'));
-  const bool port_ok = !port.empty() && port.size() <= 5 && absl::c_all_of(port, absl::ascii_isdigit) &&
-                       std::stoi(port) <= 65535;
-  if (!host_ok || !port_ok) {
+  return host_ok && !port.empty() && port.size() <= 5 && absl::c_all_of(port, absl::ascii_isdigit) &&
+         std::stoi(std::string(port)) <= 65535;
+}
+
+}  // namespace
+
+absl::Status CheckServerAddress(const std::string& address) {
+  // Any name before a colon was taken for a scheme before, so that a port
+  // mistyped (host:50o51) connected, and every call was UNAVAILABLE from a
+  // name that does not resolve, "safe to retry"; and a scheme's own port
+  // went unchecked (ipv4:127.0.0.1:50o51 dialed port 50).
+  const size_t first = address.find(':');
+  const std::string scheme = first == std::string::npos ? "" : address.substr(0, first);
+  if (!scheme.empty() && first + 1 < address.size() && absl::c_linear_search(kSchemes, scheme)) {
+    absl::string_view rest = absl::string_view(address).substr(first + 1);
+    if (scheme == "dns") {  // dns:[//authority/]host:port
+      if (absl::ConsumePrefix(&rest, "//")) rest = rest.substr(std::min(rest.size(), rest.find('/') + 1));
+      if (IsHostPort(rest)) return absl::OkStatus();
+    } else if (scheme == "ipv4" || scheme == "ipv6") {  // a list of address:port
+      if (absl::c_all_of(absl::StrSplit(rest, ','), IsHostPort)) return absl::OkStatus();
+    } else {
+      return absl::OkStatus();  // a path, or a name without a port
+    }
+    return absl::InvalidArgumentError(absl::StrCat("server '", address, "' names no port, or one that is not a "
+                                                   "number up to 65535, after its scheme"));
+  }
+  if (!IsHostPort(address)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "server '", address, "' is not host:port ([address]:port for IPv6, the port a number up to 65535), nor a "
         "gRPC target with a scheme in lower case (", absl::StrJoin(kSchemes, ":, "), ":)"));

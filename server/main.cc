@@ -388,7 +388,10 @@ int main(int argc, char** argv) {
     (*running)->server->Shutdown(std::chrono::system_clock::now());
     return StartFailed(absl::StrCat("cannot write --port_file=", port_file));
   };
-  if (!port_file.empty() && !(std::ofstream(port_tmp) << (*running)->port << "\n").flush()) return port_file_failed();
+  if (!port_file.empty() && (std::filesystem::is_directory(port_file) ||  // the rename would fail after "started"
+                             !(std::ofstream(port_tmp) << (*running)->port << "\n").flush())) {
+    return port_file_failed();
+  }
   log::Info("started", {{"version", shardopt::Version()},
                         {"address", HostPort(absl::GetFlag(FLAGS_host), (*running)->port)},
                         {"transport", options.tls_cert_pem.empty()        ? "plaintext"

@@ -309,6 +309,9 @@ TEST(ClientChecksTest, OptionsNoCallCouldGoThroughWithAreRefusedAtConnect) {
       {{"host:notaport"}, {}, 5, 1000, "is not host:port"},
       {{"DNS:///localhost:50051"}, {}, 5, 1000, "in lower case"},  // gRPC looks schemes up as written
       {{"vsock:1:50051"}, {}, 5, 1000, "is not host:port"},          // no vsock resolver in gRPC 1.51
+      {{"ipv4:127.0.0.1:50o51"}, {}, 5, 1000, "after its scheme"},    // gRPC dialed port 50
+      {{"dns:///localhost"}, {}, 5, 1000, "after its scheme"},        // port 0
+      {{"ipv4:127.0.0.1:1,127.0.0.1"}, {}, 5, 1000, "after its scheme"},
       {{""}, {}, 5, 1000, "is not host:port"},
       {{"127.0.0.1:1", "127.0.0.1:2"}, {1, 2}, 5, 1000, "push_servers names server 2 of 2"},
       {{"127.0.0.1:1", "127.0.0.1:2"}, {1, 0, 1}, 5, 1000, "push_servers names server 1 twice"},
@@ -330,7 +333,9 @@ TEST(ClientChecksTest, OptionsNoCallCouldGoThroughWithAreRefusedAtConnect) {
   // scheme; and one attempt, no retry.
   for (const std::string target : {"shardopt-0.shardopt:50051", "[::1]:50051", "localhost:1", "dns:///localhost:50051",
                                     "ipv4:127.0.0.1:50051", "unix:/tmp/shardopt.sock",
-                                    "unix:///tmp/shardopt.sock", "ipv6:[::1]:50051", "unix-abstract:shardopt"}) {
+                                    "unix:///tmp/shardopt.sock", "ipv6:[::1]:50051", "unix-abstract:shardopt",
+                                    "dns:localhost:50051", "dns://8.8.8.8/localhost:50051",
+                                    "ipv4:127.0.0.1:1,127.0.0.1:2"}) {
     ClientOptions options;
     options.servers = {target};
     options.max_attempts = 1;

@@ -606,6 +606,13 @@ TEST(LimitsTest, APortFileThatCannotBeWrittenStopsTheServer) {
   EXPECT_EQ(testing::ServerExitCode({"--port_file=/nonexistent-shardopt-dir/port"}, &log), 1);
   EXPECT_THAT(log, HasSubstr("cannot write --port_file=/nonexistent-shardopt-dir/port"));
   EXPECT_THAT(log, Not(HasSubstr(" started ")));
+  // A directory in its place: refused before "started" too, no .tmp left.
+  char tmpl[] = "/tmp/shardopt-port-dir-XXXXXX";
+  const std::string dir = mkdtemp(tmpl);
+  EXPECT_EQ(testing::ServerExitCode({"--port_file=" + dir}, &log), 1);
+  EXPECT_THAT(log, Not(HasSubstr(" started ")));
+  EXPECT_FALSE(std::filesystem::exists(dir + ".tmp"));
+  std::filesystem::remove_all(dir);
 }
 
 // A --checkpoint_dir the server cannot write stops it at the start (exit
