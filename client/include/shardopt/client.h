@@ -76,8 +76,9 @@ struct ClientOptions {
   // host:port of every server ([address]:port for IPv6), or a gRPC target
   // with a scheme gRPC resolves, in lower case (dns:, unix:, unix-abstract:,
   // ipv4:, ipv6:, xds:, google-c2p:), in a fixed order that all ranks
-  // share; see ExpandServerPattern for a StatefulSet's. Each once: Connect refuses a
-  // server listed twice, or without a numeric port (INVALID_ARGUMENT).
+  // share; see ExpandServerPattern for a StatefulSet's. Each once: Connect
+  // refuses a server listed twice, or without a numeric port (also after
+  // dns:, ipv4: and ipv6:), INVALID_ARGUMENT.
   std::vector<std::string> servers;
   uint32_t rank = 0;
   // Indices into `servers` that Push and Commit go to, each once; empty
