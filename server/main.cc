@@ -388,7 +388,8 @@ int main(int argc, char** argv) {
     (*running)->server->Shutdown(std::chrono::system_clock::now());
     return StartFailed(absl::StrCat("cannot write --port_file=", port_file));
   };
-  if (!port_file.empty() && (std::filesystem::is_directory(port_file) ||  // the rename would fail after "started"
+  std::error_code is_dir_error;  // a path the server may not look at is no directory: the write then fails
+  if (!port_file.empty() && (std::filesystem::is_directory(port_file, is_dir_error) ||  // renamed after "started"
                              !(std::ofstream(port_tmp) << (*running)->port << "\n").flush())) {
     return port_file_failed();
   }
