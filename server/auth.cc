@@ -155,6 +155,7 @@ absl::Status Authenticator::Reload() {
   auto shared = std::make_shared<const TokenTable>(*std::move(table));
   absl::MutexLock lock(&mu_);
   table_ = std::move(shared);
+  generation_.fetch_add(1, std::memory_order_release);
   return absl::OkStatus();
 }
 

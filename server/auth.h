@@ -15,6 +15,7 @@
 // - token: at least 16 characters, compared in constant time.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>
@@ -47,7 +48,9 @@ struct Caller {
 // Whether the caller of a stream, as the tokens are now, may do `action` to
 // `job`: OK, UNAUTHENTICATED (its token is no longer in the file) or
 // PERMISSION_DENIED. A stream asks at each message, so that a token removed,
-// or its prefixes narrowed, stops the streams it has open too.
+// or its prefixes narrowed, stops the streams it has open too; the answer
+// is worked out again only when the tokens were reloaded since
+// (Authenticator::generation).
 using CallerCheck = std::function<absl::Status(Action action, const std::string& job)>;
 
 // One tokens file's contents.
@@ -82,12 +85,16 @@ class Authenticator {
   absl::Status Reload() ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Caller> Authenticate(absl::string_view authorization) const ABSL_LOCKS_EXCLUDED(mu_);
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+  // How many times tokens were loaded: a caller authorized at one value
+  // needs no new check until it changes.
+  uint64_t generation() const { return generation_.load(std::memory_order_acquire); }
 
  private:
   explicit Authenticator(std::string path) : path_(std::move(path)) {}
   const std::string path_;
   mutable absl::Mutex mu_;
   std::shared_ptr<const TokenTable> table_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> generation_{0};  // bumped after table_ is replaced
 };
 
 }  // namespace shardopt

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -69,8 +70,23 @@ absl::StatusOr<Caller> OptimizerService::Authorize(const grpc::ServerContextBase
 CallerCheck OptimizerService::AsTokensAreNow(const grpc::ServerContextBase* context) const {
   // Called only from the reactor's OnMessage, which gRPC never runs after
   // the call's OnDone: the context is alive then, and the service outlives
-  // every call.
-  return [this, context](Action action, const std::string& job) { return Authorize(*context, action, job).status(); };
+  // every call. A stream's messages come many a second: each would compare
+  // the token with every entry of the file, where only a reload (or another
+  // job, which the streams refuse anyway) can change the answer.
+  struct Checked {
+    uint64_t generation;
+    Action action;
+    std::string job;
+    absl::Status answer;
+  };
+  return [this, context, checked = std::optional<Checked>()](Action action, const std::string& job) mutable {
+    const uint64_t generation = options_.auth == nullptr ? 0 : options_.auth->generation();
+    if (!checked || checked->generation != generation || checked->action != action || checked->job != job) {
+      // The generation is read first: a reload meanwhile is checked again.
+      checked = Checked{generation, action, job, Authorize(*context, action, job).status()};
+    }
+    return checked->answer;
+  };
 }
 
 absl::StatusOr<std::pair<Caller, std::unique_ptr<StreamLimits::Slot>>> OptimizerService::OpenStream(
