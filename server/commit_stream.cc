@@ -73,13 +73,12 @@ class CommitStream {
                                                    " again on the restarted server (the checkpoint holds no pushed "
                                                    "gradients)"));
       }
+      // A round whose deadline this commit is the first to see is ended
+      // here, and named as its pushes are told.
+      const std::optional<std::string> ended = job_.ExpireIfLate(std::chrono::steady_clock::now());
       if (!job_.round.sealed) {
-        // A round whose deadline this commit is the first to see is ended
-        // here, and named as its pushes are told (Job::EndRoundAtDeadline).
-        const bool late = job_.round.active && std::chrono::steady_clock::now() >= job_.round.deadline;
         return absl::FailedPreconditionError(absl::StrCat(
-            PushIncomplete(t_), ": ", late ? absl::StrCat("the round ended, ", job_.EndRoundAtDeadline())
-                                           : job_.MissingSummary()));
+            PushIncomplete(t_), ": ", ended ? absl::StrCat("the round ended, ", *ended) : job_.MissingSummary()));
       }
       if (!args_.skip) {
         if (std::string differ = job_.intents.Disagreement(t_); !differ.empty()) {

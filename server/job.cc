@@ -125,8 +125,9 @@ void Job::EndRound(std::string why) {
   Notify();
 }
 
-void Job::ExpireIfLate(std::chrono::steady_clock::time_point now) {
-  if (round.active && !round.sealed && now >= round.deadline) EndRoundAtDeadline();
+std::optional<std::string> Job::ExpireIfLate(std::chrono::steady_clock::time_point now) {
+  if (round.active && !round.sealed && now >= round.deadline) return EndRoundAtDeadline();
+  return std::nullopt;
 }
 
 std::string Job::EndRoundAtDeadline() {

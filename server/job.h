@@ -199,8 +199,9 @@ class Job {
   // Ends the round as its deadline passed, saying which ranks it lacked (also
   // returned), so that every push it discards is told the same cause.
   std::string EndRoundAtDeadline() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // EndRoundAtDeadline for an unsealed round whose deadline has passed.
-  void ExpireIfLate(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // EndRoundAtDeadline for an unsealed round whose deadline has passed;
+  // what it returned, if it ended the round.
+  std::optional<std::string> ExpireIfLate(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Charges the most one Offer or Finish of the round's sum can add, before
   // it runs; RESOURCE_EXHAUSTED if that does not fit. FitTracking then gives
   // back what it did not use.

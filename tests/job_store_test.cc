@@ -571,6 +571,24 @@ TEST_F(StoreTest, DescribeSaysWhichRanksTheOpenRoundWaitsFor) {
   waiting.join();
 }
 
+// A commit that is the first to see a round's deadline ends the round and
+// names the missing ranks, as the round's pushes are told (it used to say
+// "no rank has pushed"); nothing is applied.
+TEST_F(StoreTest, ACommitThatFirstSeesTheDeadlineNamesTheMissingRanks) {
+  Create(JobRequest("late-commit", 2, {{"w", 2000}}, v1::PRECISION_FP32, /*barrier_ms=*/200));
+  const std::string before = Snapshot("late-commit");
+  auto g = RandomBf16(rng_, 2000, 1.0f);
+  auto partial = StartPush("late-commit", 1, 1);
+  ASSERT_TRUE(partial.ok());
+  ASSERT_TRUE((*partial)->Add(Chunk("w", 0, g.data(), 1000)).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto refused = Commit("late-commit", 1, 1e-3);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("the round ended, ranks {0, 1} of 2 have not finished pushing step 1"));
+  EXPECT_EQ(Snapshot("late-commit"), before);
+}
+
 TEST_F(StoreTest, SkippedStepAdvancesTheJobAndChangesNoState) {
   auto init = Create(JobRequest("skip", 1, {{"w", 4000}}));
   auto bad = RandomBf16(rng_, 4000, 1.0f);
