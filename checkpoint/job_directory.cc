@@ -63,10 +63,7 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
   // Only a step that goes back, past a complete checkpoint, starts a new
   // run; with none newer, `step` is the newest, and newer torn steps may be
   // a peer's still being completed.
-  std::error_code ec;
-  if (std::none_of(newer.begin(), newer.end(), [&](uint64_t t) {
-        return fs::exists(absl::StrCat(StepDirectory(root, job, t), "/", kCommitName), ec);
-      })) {
+  if (std::none_of(newer.begin(), newer.end(), [&](uint64_t t) { return StepCommitted(root, job, t); })) {
     return std::vector<std::string>{};
   }
   std::vector<std::string> done;

@@ -32,8 +32,7 @@ class InitReactor final : public ReadReactor {
       return End(Refused(absl::InvalidArgumentError(
           absl::StrCat("an Init stream is of one job: '", job_, "', then '", chunk_.job(), "'"))));
     }
-    if (chunk_.incarnation() == 0) chunk_.set_incarnation(life_);
-    if (life_ != 0 && chunk_.incarnation() != life_) {
+    if (life_ != 0 && chunk_.incarnation() != 0 && chunk_.incarnation() != life_) {
       return End(Refused(absl::InvalidArgumentError(absl::StrCat("an Init stream is of one life of job '", job_,
                                                                  "': ", life_, ", then ", chunk_.incarnation()))));
     }
@@ -52,8 +51,9 @@ class InitReactor final : public ReadReactor {
   // While a checkpoint streams the state, the chunk waits without a thread
   // (JobStore::TryInit) and is written when the store wakes the stream.
   void Write() {
-    // A chunk that waited is written into the life it found, not into a job
-    // of its name made again meanwhile.
+    // Of the life the stream's first chunk found (also a first chunk that
+    // waited: when woken it is not written into a job of its name made
+    // again meanwhile).
     if (chunk_.incarnation() == 0) chunk_.set_incarnation(life_);
     auto written = store_->TryInit(
         chunk_, [weak = WeakSelf<InitReactor>()] { if (auto self = weak.lock()) self->Woken(); }, &life_);

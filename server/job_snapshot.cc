@@ -73,7 +73,8 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
   v1::PartManifest m;
   std::vector<v1::DType> dtypes;
   bool written = false;
-  uint64_t read_from_life = 0, changed_since_restore = 0;
+  uint64_t read_from_life = 0;
+  bool changed_since_restore = false;
   {
     absl::MutexLock lock(&job.mu);
     if (!job.AwaitWholeStep(deadline)) {
@@ -111,7 +112,11 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
     }
     written = job.part_written == job.step;
     if (job.restored_from && job.restored_from->step == job.step) {
-      (job.restored_from->changed ? changed_since_restore : read_from_life) = job.restored_from->life;
+      if (job.restored_from->changed) {
+        changed_since_restore = true;
+      } else {
+        read_from_life = job.restored_from->life;
+      }
     }
     ++job.snapshots;
   }
@@ -126,7 +131,7 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
     job.Notify();
   };
   SHARDOPT_RETURN_IF_ERROR(began());
-  if (changed_since_restore != 0 && checkpoint::StepCommitted(root, job.name(), m.step())) {
+  if (changed_since_restore && checkpoint::StepCommitted(root, job.name(), m.step())) {
     return absl::FailedPreconditionError(absl::StrCat(
         "step ", m.step(), " of job ", Quote(job.name()), " is complete in ",
         checkpoint::StepDirectory(root, job.name(), m.step()), " with the state this job was restored from, and ",

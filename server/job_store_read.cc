@@ -7,7 +7,6 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
@@ -102,18 +101,15 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   if (!found.ok()) {
     // An operator describing a job on a server restarted since: its
     // checkpoints wait on disk until a trainer's CreateJob restores the
-    // newest complete one (torn steps are passed over).
-    const std::vector<uint64_t> steps =
-        options_.checkpoint_dir.empty() || request.incarnation() != 0 || !absl::IsNotFound(found.status())
-            ? std::vector<uint64_t>{}
-            : checkpoint::StepsNewestFirst(checkpoint::JobDirectory(options_.checkpoint_dir, request.job()));
-    for (const uint64_t step : steps) {
-      if (!checkpoint::StepCommitted(options_.checkpoint_dir, request.job(), step)) continue;
-      return absl::NotFoundError(absl::StrCat(found.status().message(), "; its checkpoint directory holds a complete "
-                                              "checkpoint of step ", step, ", which a trainer's CreateJob restores "
-                                              "(under a new life if the job was dropped)"));
+    // newest complete one, the one a restore finds.
+    if (options_.checkpoint_dir.empty() || request.incarnation() != 0 || !absl::IsNotFound(found.status())) {
+      return found.status();
     }
-    return found.status();
+    const auto newest = checkpoint::FindCommitted(options_.checkpoint_dir, request.job(), 0, [](const std::string&) {});
+    if (!newest.ok()) return found.status();
+    return absl::NotFoundError(absl::StrCat(found.status().message(), "; its checkpoint directory holds a complete ",
+                                            "checkpoint of step ", newest->marker.step(), ", which a trainer's ",
+                                            "CreateJob restores (under a new life if the job was dropped)"));
   }
   Job& job = **found;
   absl::MutexLock lock(&job.mu);
