@@ -180,9 +180,9 @@ class _OverlapPush:
         try:
             self._client.commit(self._push_step, 0.0, 1.0, True, self._param_targets(), [])
         except Aborted as e:
-            # The server's words for an applied step asked as a skip, applied
-            # or being applied (CommitArgs::FirstDifference, server/job.cc).
-            if "(applied -> skipped)" not in e.message:
+            # A step applied, or being applied, by another commit
+            # (rpc/skip_of_applied_step.h).
+            if _C.applied_asked_skipped not in e.message:
                 raise
             step = self._push_step
             self._take_applied_step(e)
@@ -201,7 +201,7 @@ class _OverlapPush:
         attaches does; the skip is no longer owed. Rank 0 then takes the
         step's checkpoint_every checkpoint, which its skip would have."""
         step, pause = self._push_step, 0.1
-        for attempt in range(5):
+        for _ in range(5):
             try:
                 self._client.create_or_attach(*self._attach_args, 0)
             except Error as e:

@@ -22,6 +22,7 @@
 #include "rpc/initial_values.h"
 #include "rpc/learning_rates.h"
 #include "rpc/push_incomplete.h"
+#include "rpc/skip_of_applied_step.h"
 #include "shardopt/client.h"
 
 namespace py = pybind11;
@@ -416,6 +417,9 @@ PYBIND11_MODULE(_C, m) {
   // The start of the servers' refusal of a commit whose push they lost
   // (rpc/push_incomplete.h), which the overlap path pushes again for.
   m.def("push_incomplete", &shardopt::PushIncomplete, py::arg("step"));
+  // The servers' words for a skip asked of a step applied by another commit
+  // (rpc/skip_of_applied_step.h), which an overlap rank takes as applied.
+  m.attr("applied_asked_skipped") = shardopt::kAppliedAskedSkipped;
   // Raises what Client::Step does when that push, pushed again, decided
   // the step otherwise (client/after_step.h).
   m.def(
