@@ -287,8 +287,7 @@ TEST(DurabilityTest, AJobRestoredUnderANewLifeCheckpointsTheStepItWasRestoredAt)
   std::vector<uint32_t> at2;
   {
     auto client = Connect(servers);
-    ASSERT_EQ(client->CreateOrAttach(job).value(), 0u);
-    Train(*client, job, 2);
+    Train(*client, job, 2);  // makes the job at step 0
     ASSERT_TRUE(client->Checkpoint().ok());
     at2 = Fingerprint(*client, job).value();
     ASSERT_TRUE(client->Drop().ok());

@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/types/span.h"
 #include "gmock/gmock.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/grpcpp.h"
@@ -1306,6 +1307,18 @@ TEST(ClientRetries, AServerThatNeverAnswersIsDeadlineExceededWithAdvice) {
               AllOf(HasSubstr(options.servers[0]), HasSubstr("(2 attempts;"), HasSubstr("safe to retry")));
 }
 
+// An Init message of fp32 values for tensor "w" of `job`, from `offset`, as
+// a client written from the proto sends it.
+v1::InitChunk InitOfW(const std::string& job, uint64_t offset, absl::Span<const float> values) {
+  v1::InitChunk c;
+  c.set_job(job);
+  c.set_tensor("w");
+  c.set_offset(offset);
+  c.set_dtype(v1::FP32);
+  c.set_data(values.data(), values.size() * 4);
+  return c;
+}
+
 TEST_F(ServiceTest, InitStreamsHeldOpenHoldNoServerThread) {
   constexpr int kStreams = 300;
   const JobOptions held = MakeJob("held", 1, {{"w", 64}});
@@ -1315,12 +1328,7 @@ TEST_F(ServiceTest, InitStreamsHeldOpenHoldNoServerThread) {
   auto channel = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
   grpc::GenericStub generic(channel);
   auto values = RandomFloats(rng_, 64, -1, 1);
-  v1::InitChunk chunk;
-  chunk.set_job("held");
-  chunk.set_tensor("w");
-  chunk.set_dtype(v1::FP32);
-  chunk.set_data(values.data(), 64 * 4);
-  const std::string message = chunk.SerializeAsString();
+  const std::string message = InitOfW("held", 0, values).SerializeAsString();
   std::vector<std::unique_ptr<grpc::ClientContext>> contexts;
   std::vector<std::unique_ptr<wire::Stream>> streams;
   for (int i = 0; i < kStreams; ++i) {
@@ -1461,15 +1469,9 @@ TEST_F(ServiceTest, AnInitStreamIsOfOneJobAndARefusalSaysWhatWasWritten) {
   ASSERT_TRUE(other->CreateOrAttach(MakeJob("init-b", 1, {{"w", 64}})).ok());
   const auto values = RandomFloats(rng_, 64, -1, 1);
   const auto chunk = [&](const std::string& job, uint64_t offset, float first) {
-    v1::InitChunk c;
-    c.set_job(job);
-    c.set_tensor("w");
-    c.set_offset(offset);
-    c.set_dtype(v1::FP32);
     std::vector<float> v(values.begin() + offset, values.begin() + offset + 16);
     v[0] = first;
-    c.set_data(v.data(), 16 * 4);
-    return c.SerializeAsString();
+    return InitOfW(job, offset, v).SerializeAsString();
   };
   const grpc::Status switched = StreamOf(server_->address(), "/shardopt.v1.Optimizer/Init",
                                          {chunk("init-a", 0, values[0]), chunk("init-b", 16, values[16])});
@@ -1496,13 +1498,7 @@ TEST_F(ServiceTest, AnInitStreamIsOfOneLifeOfItsJob) {
   ASSERT_TRUE(client->CreateOrAttach(job).ok());
   const auto values = RandomFloats(rng_, 64, -1, 1);
   const auto chunk = [&](const std::string& name, uint64_t offset) {
-    v1::InitChunk c;
-    c.set_job(name);
-    c.set_tensor("w");
-    c.set_offset(offset);
-    c.set_dtype(v1::FP32);
-    c.set_data(values.data() + offset, 32 * 4);
-    return c;
+    return InitOfW(name, offset, absl::MakeConstSpan(values).subspan(offset, 32));
   };
   const auto message = [](const v1::InitChunk& c) {
     grpc::Slice slice(c.SerializeAsString());
@@ -1557,12 +1553,8 @@ TEST_F(ServiceTest, AnUnparseableStreamMessageIsInvalidArgumentAndChangesNothing
     return StreamOf(server_->address(), method, messages);
   };
 
-  v1::InitChunk half;
-  half.set_job("garbled");
-  half.set_tensor("w");
-  half.set_dtype(v1::FP32);
-  half.set_data(init.data(), 2048 * 4);
-  const grpc::Status cut = stream_of("/shardopt.v1.Optimizer/Init", {half.SerializeAsString(), garbage});
+  const std::string half = InitOfW("garbled", 0, absl::MakeConstSpan(init).first(2048)).SerializeAsString();
+  const grpc::Status cut = stream_of("/shardopt.v1.Optimizer/Init", {half, garbage});
   EXPECT_EQ(cut.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_THAT(cut.error_message(), HasSubstr("InitChunk message does not parse"));
   EXPECT_THAT(cut.error_message(), HasSubstr("after 2048 elements"));
