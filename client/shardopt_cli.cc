@@ -34,6 +34,7 @@
 #include "checkpoint/catalog.h"
 #include "checkpoint/files.h"
 #include "checkpoint/format.h"
+#include "client/fanout.h"
 #include "client/option_checks.h"
 #include "shardopt/safetensors.h"
 #include "grpcpp/grpcpp.h"
@@ -134,14 +135,9 @@ int Fail(const absl::Status& st) {
 // call that changes the job may or may not have taken effect.
 int Fail(const grpc::Status& st) {
   absl::Status said = shardopt::FromGrpcStatus(st, absl::GetFlag(FLAGS_server));
-  if (st.error_code() == grpc::StatusCode::UNAVAILABLE && absl::StrContains(st.error_message(), "failed to connect")) {
-    // gRPC says only "failed to connect": a TLS mismatch reads the same (a
-    // server's own UNAVAILABLE, such as its drain's, says why itself).
-    said = absl::UnavailableError(absl::StrCat(
-        said.message(), " (the server is down or unreachable, or the TLS handshake failed: a plaintext call to a TLS "
-                        "server or the reverse, no client certificate where it asks for one, or a certificate that "
-                        "does not name --server; see --tls_ca, --tls_cert, --tls_server_name)"));
-  }
+  // gRPC says only "failed to connect", which a TLS mismatch reads as too:
+  // what it may mean, as the client libraries say it (one attempt here).
+  if (st.error_code() == grpc::StatusCode::UNAVAILABLE) said = shardopt::fanout::WithRetryAdvice(said, 1);
   if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
     said = absl::DeadlineExceededError(absl::StrCat(
         said.message(), " (no answer within --timeout_s=", absl::GetFlag(FLAGS_timeout_s),
