@@ -49,7 +49,11 @@ def _check_gradient(name, g, shape):
 def _check_hyper(g, where):
     """torch.optim.AdamW's checks of a group's hyperparameters, with its
     messages (NaN fails them too), made before anything reaches a server."""
-    lr, (beta1, beta2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
+    betas = g["betas"]
+    # torch indexes betas[0] and betas[1], and a third value fails its step.
+    if not isinstance(betas, (tuple, list, torch.Tensor)) or len(betas) != 2:
+        raise ValueError(f"{where}betas must be a pair (beta1, beta2), not {betas!r}")
+    lr, (beta1, beta2), eps, wd = g["lr"], betas, g["eps"], g["weight_decay"]
     if isinstance(lr, torch.Tensor):
         lr = lr.item()
     for what, x in (("lr", lr), ("eps", eps), ("weight_decay", wd), ("betas[0]", beta1), ("betas[1]", beta2)):

@@ -68,13 +68,13 @@ class _OverlapPush:
                     optimizer._on_grad_ready(k)
             return ready
 
-        # A param without requires_grad gets no gradient and has no node:
-        # step() pushes it as having none. The node is found through a view
-        # made with grad enabled, also when the optimizer is built under
-        # torch.no_grad().
+        # A param the job does not hold (_Tensor.remote) gets no hook; one
+        # frozen later gets no gradient, and step() pushes it as having none.
+        # The node is found through a view made with grad enabled, also when
+        # the optimizer is built under torch.no_grad().
         with torch.enable_grad():
             for k, t in enumerate(self._tensors):
-                if not t.param.requires_grad or t.numel == 0:
+                if not t.remote:
                     continue
                 node = t.param.expand_as(t.param).grad_fn.next_functions[0][0]
                 node.register_hook(hook(k))
@@ -258,6 +258,7 @@ class _OverlapPush:
                 raise InvalidArgument(f"the gradients of {', '.join(map(repr, changed[:3]))} changed after backward "
                                       "produced them (clipped or unscaled?); overlap=True pushes each as it is "
                                       "produced: clip with max_grad_norm, or use overlap=False")
+            self._refuse_gradients_of_frozen()
             sources = {k: self._grad_source(self._tensors[k]) for k in rest}
             self._sync_staging()
         except BaseException:

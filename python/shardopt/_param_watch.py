@@ -1,8 +1,9 @@
 """RemoteAdamW's watch over its params: that they are the ones its job was
 made with (same tensors, shapes, dtypes, devices, groups and fixed
-hyperparameters), and that none was changed in place outside step(),
-which the servers' master would overwrite. A mixin of RemoteAdamW
-(shardopt.torch), whose tensors, client and groups it uses."""
+hyperparameters), that none was changed in place outside step(), which
+the servers' master would overwrite, and that none the job does not hold
+has a gradient. A mixin of RemoteAdamW (shardopt.torch), whose tensors,
+client and groups it uses."""
 import torch
 
 from . import _C
@@ -46,6 +47,17 @@ class _ParamWatch:
                                 f"model.load_state_dict after the optimizer was built); the servers' master would "
                                 f"overwrite them at the next step: {how}")
         self._note_versions()
+
+    def _refuse_gradients_of_frozen(self):
+        """A gradient of a param frozen when the optimizer was made (unfrozen
+        since) has nowhere to go: its job holds no state of it."""
+        for t in self._tensors:
+            if not t.remote and t.numel and t.param.grad is not None:
+                raise InvalidArgument(
+                    f"param {t.name!r} has a gradient, but it had requires_grad=False when this optimizer was made, "
+                    "so its job holds no state of it (a job's params are fixed when it is made): to train a param "
+                    "later, make the optimizer while it is trainable and freeze it after (requires_grad_(False); "
+                    "zero_grad() then leaves it no gradient, and it does not step); or set its grad to None")
 
     def _matches_master(self, t):
         """Whether the param holds the servers' master (bf16 params: its

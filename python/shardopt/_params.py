@@ -14,8 +14,8 @@ class _Tensor:
     """One param as the job knows it, and its host staging buffers (only for
     params that are not contiguous host memory)."""
 
-    __slots__ = ("name", "param", "group", "shape", "dtype", "device", "numel", "host_param", "host_grad", "version",
-                 "data_ptr")
+    __slots__ = ("name", "param", "group", "shape", "dtype", "device", "numel", "remote", "host_param", "host_grad",
+                 "version", "data_ptr")
 
     def __init__(self, name, param, group):
         """Raises for a param the servers cannot take: a tensor subclass, a
@@ -34,6 +34,15 @@ class _Tensor:
                                   f"CUDA device{why}")
         self.name, self.param, self.group = name, param, group
         self.shape, self.dtype, self.device, self.numel = param.shape, param.dtype, param.device, param.numel()
+        # Whether the job holds it. A param with no elements has nothing to
+        # optimize, and one frozen when the optimizer is made (LoRA's base
+        # weights, a mask kept as a param) nothing to step: torch allocates no
+        # state for a param that never gets a gradient, and DeepSpeed and
+        # Megatron leave frozen params out. Either stays in its group, as in
+        # torch, but the servers hold no master or moments of it. A job's
+        # params are fixed when it is made, so one frozen then cannot train
+        # later (step() refuses its gradient).
+        self.remote = self.numel > 0 and param.requires_grad
         self.host_param = self.host_grad = None
         self.version = None  # the param's version counter when the optimizer last wrote or sent it
         self.data_ptr = None  # and where its values were: `p.data = other` swaps them without a version bump

@@ -150,6 +150,9 @@ class _StateDictIO:
                 moments = (self._checked(entry["exp_avg"], t, "exp_avg"),
                            self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"), int(step))
             loads.append((t, master, moments))
+        # Params the job does not hold (_Tensor.remote) take nothing from it:
+        # neither their values nor any state the dict has for them.
+        loads = [load for load in loads if load[0].remote]
         # torch's load replaces the state: a param the dict has no state for
         # has none after it. The servers cannot take a tensor's Adam step
         # back to 0, so state an earlier load gave them is refused here
@@ -175,8 +178,6 @@ class _StateDictIO:
         error = None
         try:
             for t, master, moments in loads:
-                if t.numel == 0:
-                    continue
                 self._init_master(t, t.param if master is None else master, share)
                 if master is not None:
                     with torch.no_grad():  # bf16: rounded to nearest even, as the servers round

@@ -45,7 +45,12 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
     Args:
         params: tensors, param groups (dicts, e.g. no weight decay for norms
             and biases), or ``model.named_parameters()`` (then the servers'
-            tensor names are the model's state_dict keys).
+            tensor names are the model's state_dict keys). Params with
+            requires_grad=False here (a frozen base model, a mask kept as a
+            param) stay in their groups but get no state on the servers, as
+            torch allocates none for a param that never steps; they cannot
+            train later in this optimizer (step() refuses their gradients):
+            make it before freezing those to train later.
         servers: a list of ``host:port``, one ``host:port``, or a StatefulSet
             pattern such as ``"shardopt-{i}.shardopt:50051"`` with
             ``num_servers``. Every rank gives the same list in the same order.
@@ -164,7 +169,8 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         # torch.optim.AdamW's keys too, so that code reading them finds them;
         # foreach and fused change nothing here (the servers run one fused
         # kernel), amsgrad and maximize are refused.
-        super().__init__(groups, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+        betas = tuple(betas) if isinstance(betas, list) else betas  # anything else: _check_hyper names it
+        super().__init__(groups, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                                       maximize=maximize, foreach=foreach, capturable=False, differentiable=False,
                                       fused=fused))
         precisions = [g.get("state_precision", state_precision) for g in self.param_groups]
@@ -178,12 +184,9 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             for p in group["params"]:
                 name = names.get(id(p), f"param.{len(self._tensors)}")
                 self._tensors.append(_Tensor(name, p, gi))
-        # A param with no elements has nothing to optimize: it stays in its
-        # group, as in torch, but not in the job (servers hold no empty
-        # tensor), and it gets no state.
-        self._remote = [t for t in self._tensors if t.numel > 0]
+        self._remote = [t for t in self._tensors if t.remote]  # _Tensor.remote says which
         if not self._remote:
-            raise ValueError("every param has zero elements: there is nothing to optimize")
+            raise ValueError("every param has zero elements or requires_grad=False: there is nothing to optimize")
         _check_disjoint([(t.name, t.param) for t in self._remote])
         self._hyper = [self._group_hyper(g) for g in self.param_groups]
         self.rank, self.world_size = rank, world_size
@@ -270,7 +273,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         self._push_lock = threading.Lock()
         if overlap:
             # Backward runs roughly last to first.
-            self._order = [k for k in reversed(range(len(self._tensors))) if self._tensors[k].numel > 0]
+            self._order = [k for k in reversed(range(len(self._tensors))) if self._tensors[k].remote]
             self._set_order(self._order)
             self._second_gradient = None  # the param that got one, while a push runs (_overlap.py)
             self._skip_owed = None  # a step some servers may hold as a skip (_overlap.py)
@@ -285,7 +288,9 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
     def add_param_group(self, param_group):
         """Not after construction: a job's params and groups are fixed when
         it is created (raises ParamsChanged). Give every group to the
-        constructor, with requires_grad=False for those to train later."""
+        constructor, with the params to train later trainable then (freeze
+        them after construction): one with requires_grad=False at
+        construction is left out of the job."""
         if getattr(self, "_client", None) is not None:
             raise ParamsChanged("RemoteAdamW's params are fixed when its job is created; build a new optimizer "
                                 "(and job) for a different set of params")
@@ -306,6 +311,8 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
 
     def _step(self):
         self._check_params()
+        if not self.overlap:  # (overlap's push runs already: _finish_push refuses it)
+            self._refuse_gradients_of_frozen()
         for gi, g in enumerate(self.param_groups):  # the lr a scheduler set, before it is sent
             _check_hyper(g, f"group {gi}: ")
         second = self.overlap and self._second_gradient
@@ -414,7 +421,12 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         """The fp32 master of one param, read from the servers."""
         for t in self._tensors:
             if t.param is param:
-                return self._read_fp32(t, _C.StateToRead.MASTER) if t.numel else torch.empty(t.shape)
+                if not t.numel:
+                    return torch.empty(t.shape)
+                if t.remote:
+                    return self._read_fp32(t, _C.StateToRead.MASTER)
+                raise KeyError(f"param {t.name!r} had requires_grad=False when this optimizer was made: the "
+                               "servers hold no master of it")
         raise KeyError("not a param of this optimizer")
 
     # ---- internals ----

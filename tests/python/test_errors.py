@@ -211,6 +211,18 @@ def test_an_eps_the_servers_float32_cannot_hold_is_refused_before_any_server_is_
         RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=["127.0.0.1:1"], job=job, eps=eps)
 
 
+@pytest.mark.parametrize("betas", [(0.9, 0.99, 0.1), (0.9,), 0.9], ids=["three", "one", "number"])
+def test_betas_that_are_not_a_pair_are_refused_naming_them(job, betas):
+    """torch takes three betas (it reads two, and its step fails on the
+    third); here it is a ValueError naming betas, before any server is
+    asked, in the constructor and in a group."""
+    params = [torch.nn.Parameter(torch.ones(3))]
+    with pytest.raises(ValueError, match="betas must be a pair"):
+        RemoteAdamW(params, servers=["127.0.0.1:1"], job=job, betas=betas)
+    with pytest.raises(ValueError, match="group 0: betas must be a pair"):
+        RemoteAdamW([{"params": params, "betas": betas}], servers=["127.0.0.1:1"], job=job)
+
+
 @pytest.mark.parametrize("max_grad_norm", [-1.0, float("nan"), float("inf")])
 def test_a_bad_max_grad_norm_is_refused_at_construction(job, max_grad_norm):
     with pytest.raises(ValueError, match="max_grad_norm"):

@@ -227,9 +227,9 @@ def test_a_gradient_step_cannot_take_leaves_the_optimizer_usable(servers, job):
     param backward does not reach) while overlap's push runs: step() raises
     it, the push is committed as a skip, and training goes on."""
     model = make_model()
-    frozen = next(iter(model.parameters()))
-    frozen.requires_grad_(False)
     opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3, overlap=True)
+    frozen = next(iter(model.parameters()))
+    frozen.requires_grad_(False)  # after construction: the job holds it (test_torch_parity.py has one frozen before)
     tokens, targets = batch(1)
     model(tokens, targets).backward()
     frozen.grad = torch.zeros_like(frozen).to_sparse()

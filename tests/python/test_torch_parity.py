@@ -344,6 +344,62 @@ def test_a_param_with_zero_elements_is_kept_and_left_alone(servers, job, overlap
         o.drop()
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_params_frozen_at_construction_are_left_out_of_the_job(servers, job, overlap):
+    """A fine-tuning model given whole to the optimizer (model.parameters()),
+    with its embedding frozen and a -inf mask and an EMA copy kept as frozen
+    params: the servers hold state of the trainable params only, which step
+    bitwise as with an optimizer of those alone; the mask is taken, the EMA
+    copy may change in place, and neither gets state. A frozen param
+    unfrozen later has its gradient refused, naming it, and training goes
+    on once its grad is None."""
+    def build():
+        model = make_model()
+        next(iter(model.parameters())).requires_grad_(False)
+        model.mask = torch.nn.Parameter(torch.full((4, 4), float("-inf")).triu(1), requires_grad=False)
+        model.ema = torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(1)),
+                                       requires_grad=False)
+        return model
+
+    whole, alone = build(), build()
+    frozen = [(name, p.detach().clone()) for name, p in whole.named_parameters() if not p.requires_grad]
+    opt = RemoteAdamW(whole.named_parameters(), servers=servers, job=f"{job}-whole", lr=LR, overlap=overlap)
+    plain = RemoteAdamW([(n, p) for n, p in alone.named_parameters() if p.requires_grad], servers=servers,
+                        job=f"{job}-alone", lr=LR, overlap=overlap)
+    assert sum(s.state_bytes for s in opt.describe()) == sum(s.state_bytes for s in plain.describe())
+    for step in range(1, 4):
+        for model, o in ((whole, opt), (alone, plain)):
+            train(model, o, 1, first=step)
+            with torch.no_grad():
+                model.ema.mul_(0.9).add_(0.1)  # as an EMA teacher's update, outside step()
+    theirs = dict(alone.named_parameters())
+    for name, p in whole.named_parameters():
+        assert same_bits(p, theirs[name]), name
+    now = dict(whole.named_parameters())
+    assert same_bits(now[frozen[0][0]], frozen[0][1]) and same_bits(whole.mask, frozen[1][1])
+    names = [name for name, _ in whole.named_parameters()]
+    assert not {names.index(name) for name, _ in frozen} & set(opt.state_dict()["state"])
+    with pytest.raises(KeyError, match="requires_grad=False when this optimizer was made"):
+        opt.master(whole.ema)
+
+    embedding = now[frozen[0][0]]
+    embedding.requires_grad_(True)
+    opt.zero_grad()
+    whole(*batch(4)).backward()
+    with pytest.raises(shardopt.InvalidArgument, match=f"param '{frozen[0][0]}' has a gradient, but it had "
+                                                       "requires_grad=False"):
+        opt.step()
+    # overlap=True's push ran in backward: it was committed as a skip.
+    assert opt.job_step == (4 if overlap else 3)
+    assert same_bits(embedding, frozen[0][1])
+    embedding.requires_grad_(False)
+    embedding.grad = None
+    train(whole, opt, 1, first=5)
+    assert opt.job_step == (5 if overlap else 4)
+    for o in (opt, plain):
+        o.drop()
+
+
 def test_params_loaded_after_the_optimizer_was_built(servers, job):
     """model.load_state_dict after the optimizer was built, a common order
     with torch.optim.AdamW: before step 1 the loaded values become the
