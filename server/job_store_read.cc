@@ -177,8 +177,13 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   r.set_uninitialized_tensors(static_cast<uint32_t>(job.uninitialized_shards));
   r.set_checkpoint_dir(!options_.checkpoint_dir.empty());
   if (job.round.active && !job.round.sealed) {
-    r.set_waiting_for(job.MissingSummary());
     const std::chrono::duration<double> left = job.round.deadline - std::chrono::steady_clock::now();
+    // A round past its deadline lasts until a push or commit ends it (and
+    // names the missing ranks to its caller): a read leaves it, saying so.
+    r.set_waiting_for(left.count() > 0 ? job.MissingSummary()
+                                       : absl::StrCat("its barrier deadline passed: ", job.MissingSummary(),
+                                                      "; the step's next push or commit ends the round, and "
+                                                      "nothing of it is applied"));
     r.set_barrier_seconds_left(std::max(0.0, left.count()));
   }
   return r;

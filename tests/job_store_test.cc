@@ -573,7 +573,9 @@ TEST_F(StoreTest, DescribeSaysWhichRanksTheOpenRoundWaitsFor) {
 
 // A commit that is the first to see a round's deadline ends the round and
 // names the missing ranks, as the round's pushes are told (it used to say
-// "no rank has pushed"); nothing is applied.
+// "no rank has pushed"); nothing is applied. A Describe before it says the
+// deadline passed (it reported the round as waiting), and leaves the round
+// for the commit to end.
 TEST_F(StoreTest, ACommitThatFirstSeesTheDeadlineNamesTheMissingRanks) {
   Create(JobRequest("late-commit", 2, {{"w", 2000}}, v1::PRECISION_FP32, /*barrier_ms=*/200));
   const std::string before = Snapshot("late-commit");
@@ -582,6 +584,12 @@ TEST_F(StoreTest, ACommitThatFirstSeesTheDeadlineNamesTheMissingRanks) {
   ASSERT_TRUE(partial.ok());
   ASSERT_TRUE((*partial)->Add(Chunk("w", 0, g.data(), 1000)).ok());
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const auto late = store_.Describe("late-commit");
+  ASSERT_TRUE(late.ok()) << late.status();
+  EXPECT_EQ(late->waiting_for(),
+            "its barrier deadline passed: ranks {0, 1} of 2 have not finished pushing step 1; rank 0 lacks tensor "
+            "'w' elements [0, 2000); the step's next push or commit ends the round, and nothing of it is applied");
+  EXPECT_EQ(late->barrier_seconds_left(), 0.0);
   const auto refused = Commit("late-commit", 1, 1e-3);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()),
