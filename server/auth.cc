@@ -7,10 +7,10 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
-#include "absl/strings/strip.h"
 #include "rpc/bearer_token.h"
 #include "server/messages.h"
 
@@ -122,10 +122,14 @@ absl::StatusOr<Caller> TokenTable::Authenticate(absl::string_view authorization)
   if (authorization.empty()) {
     return absl::UnauthenticatedError("this server needs a bearer token (metadata 'authorization: Bearer <token>')");
   }
-  absl::string_view token = authorization;
-  if (!absl::ConsumePrefix(&token, "Bearer ")) {
+  // The scheme in any case (RFC 7235) and spaces around the token, which
+  // holds none (Parse splits the file's columns on them).
+  constexpr absl::string_view kScheme = "Bearer ";
+  if (authorization.size() < kScheme.size() ||
+      !absl::EqualsIgnoreCase(authorization.substr(0, kScheme.size()), kScheme)) {
     return absl::UnauthenticatedError("the 'authorization' metadata must be 'Bearer <token>'");
   }
+  const absl::string_view token = absl::StripAsciiWhitespace(authorization.substr(kScheme.size()));
   const Entry* found = nullptr;
   for (const Entry& e : entries_) {  // no early exit: the time says nothing of which entry matched
     if (ConstantTimeEquals(e.token, token)) found = &e;

@@ -1,6 +1,7 @@
 #include "server/service.h"
 
 #include <algorithm>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -54,10 +55,14 @@ std::string PeerAddress(const std::string& peer) {
 
 absl::StatusOr<Caller> OptimizerService::Identify(const grpc::ServerContextBase& context) const {
   if (options_.auth == nullptr) return Caller{PeerAddress(context.peer()), Role::kAdmin, {}};
-  const auto& metadata = context.client_metadata();
-  const auto it = metadata.find("authorization");
-  return options_.auth->Authenticate(it == metadata.end() ? absl::string_view()
-                                                          : absl::string_view(it->second.data(), it->second.size()));
+  const auto [it, end] = context.client_metadata().equal_range("authorization");
+  // Which one to take would be a guess: a proxy that adds an entry would
+  // choose who the caller is.
+  if (it != end && std::next(it) != end) {
+    return absl::UnauthenticatedError("the call has more than one 'authorization' metadata entry; send one");
+  }
+  return options_.auth->Authenticate(it == end ? absl::string_view()
+                                               : absl::string_view(it->second.data(), it->second.size()));
 }
 
 absl::StatusOr<Caller> OptimizerService::Authorize(const grpc::ServerContextBase& context, Action action,

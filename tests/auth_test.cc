@@ -48,11 +48,12 @@ std::string StandardTokens() {
                       " team-b/ shared/\n", "root admin ", kRoot, "\n");
 }
 
-// One valid call of each RPC on job `job`, with `token` (empty: none).
+// One valid call of each RPC on job `job`, with these 'authorization'
+// entries (none, one, or more).
 class Caller {
  public:
-  Caller(std::shared_ptr<grpc::Channel> channel, std::string token)
-      : stub_(v1::Optimizer::NewStub(std::move(channel))), token_(std::move(token)) {}
+  Caller(std::shared_ptr<grpc::Channel> channel, std::vector<std::string> headers)
+      : stub_(v1::Optimizer::NewStub(std::move(channel))), headers_(std::move(headers)) {}
 
   grpc::Status CreateJob(const std::string& job, v1::CreateJobResponse* out = nullptr) {
     auto ctx = Context();
@@ -154,12 +155,12 @@ class Caller {
   std::unique_ptr<grpc::ClientContext> Context() const {
     auto ctx = std::make_unique<grpc::ClientContext>();
     ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
-    if (!token_.empty()) ctx->AddMetadata("authorization", token_);
+    for (const std::string& header : headers_) ctx->AddMetadata("authorization", header);
     return ctx;
   }
 
   std::unique_ptr<v1::Optimizer::Stub> stub_;
-  const std::string token_;
+  const std::vector<std::string> headers_;
 };
 
 class AuthTest : public ::testing::Test {
@@ -176,7 +177,8 @@ class AuthTest : public ::testing::Test {
     server_.reset();
     std::filesystem::remove_all(dir_);
   }
-  Caller As(const std::string& header) { return Caller(channel_, header); }
+  Caller As(const std::string& header) { return Caller(channel_, {header}); }
+  Caller As(std::vector<std::string> headers) { return Caller(channel_, std::move(headers)); }
   static std::string Bearer(const char* token) { return absl::StrCat("Bearer ", token); }
   // After the tokens file changed: waits (up to 5 s) until `gone` is refused
   // and `added` is taken for `job`, and expects both.
@@ -210,21 +212,26 @@ TEST_F(AuthTest, EveryRpcAgainstEveryKindOfCaller) {
   ASSERT_TRUE(admin.Init(job, init).ok());
 
   struct Refused {
-    std::string name, header;
+    std::string name;
+    std::vector<std::string> headers;
     grpc::StatusCode code;
   };
   const std::vector<Refused> refused = {
-      {"no token", "", grpc::StatusCode::UNAUTHENTICATED},
-      {"unknown token", Bearer("not-a-token-the-server-knows"), grpc::StatusCode::UNAUTHENTICATED},
-      {"a prefix of a real token", Bearer(std::string(kAlice, 20).c_str()), grpc::StatusCode::UNAUTHENTICATED},
-      {"no Bearer scheme", kAlice, grpc::StatusCode::UNAUTHENTICATED},
-      {"trainer of other jobs", Bearer(kBob), grpc::StatusCode::PERMISSION_DENIED},
+      {"no token", {}, grpc::StatusCode::UNAUTHENTICATED},
+      {"unknown token", {Bearer("not-a-token-the-server-knows")}, grpc::StatusCode::UNAUTHENTICATED},
+      {"a prefix of a real token", {Bearer(std::string(kAlice, 20).c_str())}, grpc::StatusCode::UNAUTHENTICATED},
+      {"no Bearer scheme", {kAlice}, grpc::StatusCode::UNAUTHENTICATED},
+      {"trainer of other jobs", {Bearer(kBob)}, grpc::StatusCode::PERMISSION_DENIED},
+      // A proxy that adds an entry would otherwise choose who the caller is
+      // (the first entry was taken).
+      {"two entries, the job's trainer's first", {Bearer(kAlice), Bearer(kBob)}, grpc::StatusCode::UNAUTHENTICATED},
+      {"two entries, the job's trainer's second", {Bearer(kBob), Bearer(kAlice)}, grpc::StatusCode::UNAUTHENTICATED},
   };
   const std::vector<float> other = RandomFloats(rng_, kNumel, -1, 1);
   const std::vector<uint16_t> grad = RandomBf16(rng_, kNumel, 1.0f);
   for (const Refused& r : refused) {
     SCOPED_TRACE(r.name);
-    Caller c = As(r.header);
+    Caller c = As(r.headers);
     const std::vector<std::pair<const char*, std::function<grpc::Status()>>> calls = {
         {"CreateJob", [&] { return c.CreateJob(job); }},
         {"CreateJob of a new job", [&] { return c.CreateJob("team-a/new-" + r.name); }},
@@ -457,8 +464,16 @@ TEST(TokenTableTest, RolesPrefixesAndErrors) {
   ASSERT_TRUE(root.ok());
   EXPECT_TRUE(root->Allows(Action::kDrop, "team-b/x").ok());
   for (const std::string& bad : {std::string(""), std::string("Bearer "), absl::StrCat("Bearer ", kAlice, "x"),
-                                 absl::StrCat("bearer ", kAlice), std::string(kAlice)}) {
+                                 absl::StrCat("Bearer", kAlice), absl::StrCat("Bearer ", kAlice, " x"),
+                                 std::string(kAlice)}) {
     EXPECT_TRUE(absl::IsUnauthenticated(table->Authenticate(bad).status())) << bad;
+  }
+  // The scheme in any case (RFC 7235), spaces around the token: no token
+  // holds one (the file's columns are split on them).
+  for (const std::string& good : {absl::StrCat("bearer ", kAlice), absl::StrCat("BEARER  ", kAlice, " ")}) {
+    auto caller = table->Authenticate(good);
+    ASSERT_TRUE(caller.ok()) << good << ": " << caller.status();
+    EXPECT_EQ(caller->name, "alice");
   }
   auto short_token = TokenTable::Parse("alice trainer 0123456789 team-a/\n");
   EXPECT_TRUE(absl::IsInvalidArgument(short_token.status()));
