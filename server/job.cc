@@ -26,7 +26,7 @@ std::string CommitArgs::FirstDifference(const CommitArgs& asked) const {
     return absl::StrCat("gscale: ", ShortestNumber(gscale), " -> ", ShortestNumber(asked.gscale));
   }
   if (group_lr.size() != asked.group_lr.size()) {
-    return absl::StrCat("group lrs: ", group_lr.size(), " -> ", asked.group_lr.size());
+    return absl::StrCat("number of group lrs: ", group_lr.size(), " -> ", asked.group_lr.size());
   }
   for (size_t g = 0; g < group_lr.size(); ++g) {
     if (!SameBits(group_lr[g], asked.group_lr[g])) {

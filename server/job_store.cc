@@ -39,6 +39,8 @@ absl::Status JobStore::NoJob(const std::string& name) const {
 }
 
 absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name) const {
+  // As CreateJob refuses it: no job has this name ("no job ''" read as a lookup that failed).
+  if (name.empty()) return absl::InvalidArgumentError("the request names no job (its job is empty)");
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(name);
   if (it == jobs_.end()) return NoJob(name);

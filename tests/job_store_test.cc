@@ -242,7 +242,7 @@ TEST(CommitArgsTest, TheFirstDifferenceNamesTheGroupWhoseLrDiffers) {
   asked.group_lr[1] = std::nextafter(2e-3, 0.0);
   EXPECT_EQ(applied.FirstDifference(asked), "group 1's lr: 0.002 -> 0.0019999999999999996");
   asked.group_lr.pop_back();
-  EXPECT_EQ(applied.FirstDifference(asked), "group lrs: 2 -> 1");
+  EXPECT_EQ(applied.FirstDifference(asked), "number of group lrs: 2 -> 1");
 }
 
 // A commit refused while another commit of the same step is applying it
@@ -772,6 +772,16 @@ TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
          h.set_step(1);
          return store_.BeginPush(h).status();
        }(), absl::StatusCode::kNotFound, "no job 'nobody'"},
+      // As CreateJob refuses one: no job has it ("no job ''" read as a failed lookup).
+      {"no job named (push)", [&] {
+         v1::GradChunk h = ok;
+         h.set_job("");
+         h.set_step(1);
+         return store_.BeginPush(h).status();
+       }(), absl::StatusCode::kInvalidArgument, "names no job"},
+      {"no job named (commit)", Commit("", 1, 1e-3).status(), absl::StatusCode::kInvalidArgument, "names no job"},
+      {"no job named (describe)", store_.Describe("").status(), absl::StatusCode::kInvalidArgument, "names no job"},
+      {"no job named (drop)", store_.DropJob(""), absl::StatusCode::kInvalidArgument, "names no job"},
       {"future commit", Commit("bad", 2, 1e-3).status(), absl::StatusCode::kOutOfRange, "future"},
       {"stale commit", Commit("bad", 0, 1e-3).status(), absl::StatusCode::kFailedPrecondition, "stale"},
       {"NaN lr", Commit("bad", 1, std::nan("")).status(), absl::StatusCode::kInvalidArgument, "lr"},
