@@ -1,5 +1,6 @@
 #include "server/call_observer.h"
 
+#include <atomic>
 #include <string>
 
 #include "absl/strings/match.h"
@@ -13,6 +14,8 @@
 namespace shardopt {
 namespace {
 
+std::atomic<int64_t> calls_in_progress{0};
+
 class CallObserver final : public grpc::experimental::Interceptor {
  public:
   // The peer is taken as soon as the context has it: a callback stream's
@@ -24,7 +27,10 @@ class CallObserver final : public grpc::experimental::Interceptor {
   CallObserver(std::string method, bool parsed_by_grpc, grpc::ServerContextBase* context)
       : method_(std::move(method)), parsed_by_grpc_(parsed_by_grpc), context_(context) {
     TakePeer();
+    calls_in_progress.fetch_add(1, std::memory_order_relaxed);
   }
+  // gRPC deletes a call's interceptors when the call is done.
+  ~CallObserver() override { calls_in_progress.fetch_sub(1, std::memory_order_relaxed); }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     TakePeer();
@@ -93,5 +99,7 @@ class Factory final : public grpc::experimental::ServerInterceptorFactoryInterfa
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeCallObserverFactory() {
   return std::make_unique<Factory>();
 }
+
+int64_t CallsInProgress() { return calls_in_progress.load(std::memory_order_relaxed); }
 
 }  // namespace shardopt

@@ -6,8 +6,11 @@
 // method and code so that a client cannot flood the log. A unary request gRPC could not
 // parse, which gRPC answers INTERNAL with no message, is answered
 // INVALID_ARGUMENT naming the request instead.
+//
+// It also counts the calls in progress, for a shutdown that waits for them.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
 #include "grpcpp/support/server_interceptor.h"
@@ -15,5 +18,9 @@
 namespace shardopt {
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeCallObserverFactory();
+
+// The calls the observer sees (health checks aside) that gRPC has handed to
+// the server and not yet finished, in this process.
+int64_t CallsInProgress();
 
 }  // namespace shardopt

@@ -477,7 +477,7 @@ int main(int argc, char** argv) {
       const uint64_t begun_before = metrics_server ? metrics_server->scrapes_begun() : 0;
       const int wait = absl::GetFlag(FLAGS_drain_failure_wait_seconds);
       const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(wait);
-      (*running)->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      (*running)->Stop(std::chrono::system_clock::now() + std::chrono::seconds(5));
       // The failure is in shardopt_checkpoint_failures_total, which no alert
       // sees unless a scrape reads it before the process is gone.
       if (metrics_server != nullptr && wait > 0) {
@@ -491,7 +491,7 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
-  (*running)->server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  (*running)->Stop(std::chrono::system_clock::now() + std::chrono::seconds(5));
   log::ReportSuppressed();
   log::Info("exit", {{"code", "0"}});
   return 0;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/ext/health_check_service_server_builder_option.h"
@@ -182,6 +183,35 @@ grpc::Status OptimizerService::Checkpoint(grpc::ServerContext* context, const v1
                                                                                       : absl::FromChrono(d));
   if (r.ok()) *resp = *std::move(r);
   return ToGrpcStatus(r.status());
+}
+
+void RunningServer::Stop(std::chrono::system_clock::time_point deadline) {
+  // gRPC's Shutdown(deadline) also waits, until the deadline, for every
+  // connection to close once told to go away, which a client with no call
+  // running reads only at its channel's next backup poll, up to 5 s later:
+  // an idle trainer held each SIGTERM that long. Once no call is in
+  // progress, that wait is all that is left, and cancelling ends it. The
+  // tenth of a second is for a call gRPC took before the shutdown and has
+  // not yet handed to the server (its observer not yet made).
+  // gRPC core's own queue: the C++ one takes only its own kinds of tag.
+  grpc_completion_queue* cq = grpc_completion_queue_create_for_next(nullptr);
+  grpc_server_shutdown_and_notify(server->c_server(), cq, nullptr);  // no new calls from here on
+  const auto grace_ends = std::chrono::system_clock::now() + std::chrono::milliseconds(100);
+  for (bool cancelled = false;;) {
+    const auto now = std::chrono::system_clock::now();
+    gpr_timespec wait;
+    grpc::Timepoint2Timespec(std::min(deadline, now + std::chrono::milliseconds(10)), &wait);
+    if (grpc_completion_queue_next(cq, wait, nullptr).type == GRPC_OP_COMPLETE) break;
+    if (!cancelled && ((now >= grace_ends && CallsInProgress() == 0) || now >= deadline)) {
+      grpc_server_cancel_all_calls(server->c_server());
+      cancelled = true;
+    }
+  }
+  grpc_completion_queue_shutdown(cq);
+  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), nullptr).type != GRPC_QUEUE_SHUTDOWN) {
+  }
+  grpc_completion_queue_destroy(cq);
+  server->Shutdown(deadline);  // stopped already: the rest of the C++ server's own shutdown
 }
 
 RunningServer::~RunningServer() {

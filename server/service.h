@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -111,6 +112,10 @@ struct RunningServer {
   int health_port = 0;
   // What both servers' health services answer.
   void SetServing(bool serving);
+  // Takes no new call, lets those in progress end until `deadline` (and at
+  // least a tenth of a second), then cancels any left and returns once the
+  // server has stopped.
+  void Stop(std::chrono::system_clock::time_point deadline);
   ~RunningServer();
 };
 

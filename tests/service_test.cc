@@ -1719,5 +1719,28 @@ TEST_F(ServiceTest, TheHealthServiceSaysNotServingWhileTheDrainWrites) {
   std::filesystem::remove_all(dir);
 }
 
+// A SIGTERM with a trainer connected and idle (attached, no call running)
+// exits at once. gRPC's shutdown waited, up to the server's 5 s grace, for
+// such a connection to close, which the client reads only at its channel's
+// next backup poll: set here to a minute, so that the wait would be the
+// whole 5 s (by default it was up to 5 s, whenever the poll came).
+TEST(ServerStopTest, AnIdleConnectedTrainerDoesNotHoldTheShutdown) {
+  setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "60000", 1);  // before this process's first channel
+  auto server = ServerProcess::Start();
+  ASSERT_NE(server, nullptr);
+  ClientOptions o;
+  o.servers = {server->address()};
+  auto client = Client::Connect(o).value();
+  JobOptions job;
+  job.name = "idle";
+  job.groups = {GroupOptions{}};
+  job.tensors = {{"w", 1024, 0}};
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  const auto sent = std::chrono::steady_clock::now();
+  EXPECT_EQ(server->Stop(SIGTERM) >> 8, 0);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - sent;
+  EXPECT_LT(took.count(), 2.0);
+}
+
 }  // namespace
 }  // namespace shardopt
