@@ -33,7 +33,7 @@ class _OverlapPush:
         """Refuses, before anything is sent, params that another live
         RemoteAdamW(overlap=True) pushes."""
         for collected in (False, True):
-            taken = [t for t in self._tensors if _pusher(t.param) is not None]
+            taken = [t for t in self._remote if _pusher(t.param) is not None]  # the others get no hook
             if not taken or collected:
                 break
             gc.collect()  # one let go of but not yet freed (a reference cycle) is no owner
@@ -54,7 +54,7 @@ class _OverlapPush:
         for key in [k for k, (param, _) in _PUSHED_BY.items() if param() is None]:
             del _PUSHED_BY[key]  # params gone
         me = weakref.ref(self)
-        for t in self._tensors:
+        for t in self._remote:
             _PUSHED_BY[id(t.param)] = (weakref.ref(t.param), me)
         # torch 1.13 has no post-accumulate-grad hook; a hook on the param's
         # AccumulateGrad node runs right after p.grad is written, on torch 1.x

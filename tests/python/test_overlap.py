@@ -287,6 +287,25 @@ def test_a_second_live_overlap_optimizer_of_the_same_params_is_refused_before_an
     plain.drop()
 
 
+def test_two_live_overlap_optimizers_may_share_a_param_frozen_at_construction(servers, job):
+    """A param neither job holds (frozen when each was made: a shared base
+    model under two adapters) gets no hook from either, so the second is
+    not refused for it, and each steps its own params."""
+    model = make_model()
+    params = list(model.named_parameters())
+    params[0][1].requires_grad_(False)
+    half = 1 + (len(params) - 1) // 2
+    first = RemoteAdamW([params[0]] + params[1:half], servers=servers, job=f"{job}-first", lr=1e-3, overlap=True)
+    second = RemoteAdamW([params[0]] + params[half:], servers=servers, job=f"{job}-second", lr=1e-3, overlap=True)
+    tokens, targets = batch(1)
+    model(tokens, targets).backward()
+    first.step()
+    second.step()
+    assert first.job_step == second.job_step == 1
+    for o in (first, second):
+        o.drop()
+
+
 def test_a_push_abandoned_after_a_server_restarted_is_skipped_on_every_server(server_binary, job, tmp_path):
     """As below, with server 1 restarted after the push (it restored the
     step before, without the push): the skip is pushed there again, with no
