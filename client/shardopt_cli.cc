@@ -131,9 +131,10 @@ int Fail(const absl::Status& st) {
   return 1;
 }
 
-// A server's error, named by --server; no answer in time also says that a
-// call that changes the job may or may not have taken effect.
-int Fail(const grpc::Status& st) {
+// A server's error, named by --server; no answer in time also says, for a
+// call that changes the job (`changes`), that it may or may not have taken
+// effect.
+int Fail(const grpc::Status& st, bool changes = false) {
   absl::Status said = shardopt::FromGrpcStatus(st, absl::GetFlag(FLAGS_server));
   // gRPC says only "failed to connect", which a TLS mismatch reads as too:
   // what it may mean, as the client libraries say it (one attempt here).
@@ -141,10 +142,24 @@ int Fail(const grpc::Status& st) {
   if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
     said = absl::DeadlineExceededError(absl::StrCat(
         said.message(), " (no answer within --timeout_s=", absl::GetFlag(FLAGS_timeout_s),
-        ": the server may be hung, stopped or overloaded; whether a drop or checkpoint took effect is unknown: "
-        "describe the job to see)"));
+        ", which bounds the whole call, a read's stream included: the server may be hung, stopped or overloaded",
+        changes ? "; whether the call took effect is unknown: describe the job to see)" : ")"));
   }
   return Fail(said);
+}
+
+// One chunk of state, a value per line (bf16 widened: exact).
+void PrintValues(const v1::StateChunk& chunk) {
+  const std::string& d = chunk.data();
+  const size_t esize = chunk.dtype() == v1::FP32 ? 4 : 2;
+  for (size_t i = 0; i + esize <= d.size(); i += esize) {
+    uint32_t u = 0;
+    std::memcpy(&u, d.data() + i, esize);
+    if (esize == 2) u <<= 16;
+    float x;
+    std::memcpy(&x, &u, 4);
+    std::printf("%.9g\n", x);
+  }
 }
 
 // Whether `out` (through any symlinks) names a place in `job`'s checkpoint
@@ -391,7 +406,7 @@ int main(int argc, char** argv) {
       req.set_step(held.step());
     }
     v1::CheckpointResponse resp;
-    if (auto st = stub->Checkpoint(context(), req, &resp); !st.ok()) return Fail(st);
+    if (auto st = stub->Checkpoint(context(), req, &resp); !st.ok()) return Fail(st, /*changes=*/true);
     PrintJson(resp);
     return 0;
   }
@@ -399,7 +414,7 @@ int main(int argc, char** argv) {
     v1::DropJobRequest req;
     req.set_job(args[1]);
     v1::DropJobResponse resp;
-    if (auto st = stub->DropJob(context(), req, &resp); !st.ok()) return Fail(st);
+    if (auto st = stub->DropJob(context(), req, &resp); !st.ok()) return Fail(st, /*changes=*/true);
     std::cout << "dropped " << args[1] << "\n";
     return 0;
   }
@@ -412,27 +427,29 @@ int main(int argc, char** argv) {
       if (t.name() == read.tensor()) read.set_offset(t.shard().offset());
     }
   }
-  auto reader = stub->Read(context(), read);
-  v1::StateChunk chunk;
-  while (reader->Read(&chunk)) {
-    const std::string& d = chunk.data();
-    if (chunk.dtype() == v1::FP32) {
-      for (size_t i = 0; i + 4 <= d.size(); i += 4) {
-        float x;
-        std::memcpy(&x, d.data() + i, 4);
-        std::printf("%.9g\n", x);
-      }
-    } else {
-      for (size_t i = 0; i + 2 <= d.size(); i += 2) {
-        uint16_t h;
-        std::memcpy(&h, d.data() + i, 2);
-        uint32_t u = uint32_t{h} << 16;
-        float x;
-        std::memcpy(&x, &u, 4);
-        std::printf("%.9g\n", x);
-      }
+  // The chunks of a read are one step's state only if they all say the
+  // same step: a trainer committing meanwhile would mix two. So the read is
+  // kept whole until it ends, and made again (three tries) while they differ.
+  for (int attempt = 1;; ++attempt) {
+    grpc::ClientContext* ctx = context();
+    auto reader = stub->Read(ctx, read);
+    std::vector<v1::StateChunk> chunks(1);
+    bool mixed = false;
+    while (!mixed && reader->Read(&chunks.back())) {
+      mixed = chunks.back().step() != chunks.front().step();
+      chunks.emplace_back();
+    }
+    if (mixed) ctx->TryCancel();
+    if (auto st = reader->Finish(); !mixed && !st.ok()) return Fail(st);
+    if (!mixed) {
+      chunks.pop_back();  // the one the stream's end was read into
+      for (const v1::StateChunk& chunk : chunks) PrintValues(chunk);
+      return 0;
+    }
+    if (attempt == 3) {
+      return Fail(absl::AbortedError(absl::StrCat(
+          "tensor '", read.tensor(), "' of job '", read.job(), "' changed step during each of 3 reads (a trainer "
+          "is stepping it); read it between steps, or a smaller range")));
     }
   }
-  if (auto st = reader->Finish(); !st.ok()) return Fail(st);
-  return 0;
 }

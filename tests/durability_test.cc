@@ -22,6 +22,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -1316,7 +1317,7 @@ TEST(DurabilityTest, TheCliNamesAServerThatDoesNotAnswerAndATlsFileItCannotUse) 
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
   const std::string said = testing::ReadText(dir.path() + "/said");
   EXPECT_THAT(said, HasSubstr("DEADLINE_EXCEEDED: " + server + ": "));
-  EXPECT_THAT(said, HasSubstr("whether a drop or checkpoint took effect is unknown"));
+  EXPECT_THAT(said, HasSubstr("whether the call took effect is unknown"));
   // A TLS file the CLI cannot use is named by its path too, not only its
   // role ("the CA file is not PEM text").
   std::ofstream(dir.path() + "/ca.der") << "not pem";
@@ -1387,6 +1388,52 @@ TEST(DurabilityTest, TheCliReadsEachServersShardWithoutAnOffset) {
   std::string out;
   EXPECT_NE(RunCli(servers[1]->address(), "read read-by-cli w master 0", &out), 0);
   EXPECT_THAT(out, HasSubstr("OUT_OF_RANGE"));
+}
+
+// A `read` while a trainer steps the job prints one step's state, or
+// refuses: it printed chunk after chunk as they came, each of its own step
+// (a probe saw 15 steps in one read), and exited 0. Every element here has
+// the same value at any step, so a read of one step prints one value.
+TEST(DurabilityTest, TheCliReadsOneStepsStateWhileATrainerSteps) {
+  constexpr uint64_t kN = uint64_t{1} << 21;
+  TempDir dir;
+  auto servers = StartServers(1, dir.path());
+  auto client = Connect(servers);
+  JobOptions job;
+  job.name = "read-while-stepping";
+  job.groups = {GroupOptions{}};
+  job.tensors = {{"w", kN, 0, ParamType::kFp32}};
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  ASSERT_TRUE(client->InitFp32("w", std::vector<float>(kN, 0.5f).data()).ok());
+  std::atomic<bool> stop{false};
+  std::atomic<int> stepped{0};
+  std::thread trainer([&] {  // the client's only user until joined
+    const std::vector<float> grad(kN, 1.0f);
+    std::vector<float> params(kN);
+    for (int t = 0; t < 2000 && !stop; ++t) {
+      if (!client->Step({{"w", grad.data()}}, {.lr = 1e-3}, {{"w", params.data()}}).ok()) break;
+      ++stepped;
+    }
+  });
+  int consistent = 0;
+  for (int i = 0; i < 5; ++i) {
+    std::string out;
+    const int status = RunCli(servers[0]->address(), "read read-while-stepping w master", &out);
+    if (status != 0) {
+      EXPECT_THAT(out, HasSubstr("changed step during each of 3 reads"));
+      continue;
+    }
+    const std::vector<std::string> lines = absl::StrSplit(absl::StripSuffix(out, "\n"), '\n');
+    ASSERT_EQ(lines.size(), kN);
+    const std::set<std::string> values(lines.begin(), lines.end());
+    EXPECT_EQ(values.size(), 1u) << "one read printed " << values.size() << " steps' values";
+    ++consistent;
+  }
+  const int stepped_while_read = stepped;
+  stop = true;
+  trainer.join();
+  EXPECT_GT(consistent, 0);
+  EXPECT_GT(stepped_while_read, 5);
 }
 
 }  // namespace
