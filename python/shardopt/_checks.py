@@ -46,14 +46,20 @@ def _check_gradient(name, g, shape):
                               f"{tuple(shape)}; RemoteAdamW takes gradients of their params' shapes")
 
 
+def _check_betas(betas, where):
+    """torch indexes betas[0] and betas[1], so it takes three, and its step
+    fails on them."""
+    pair = ((isinstance(betas, (tuple, list)) or (isinstance(betas, torch.Tensor) and betas.ndim == 1))
+            and len(betas) == 2)
+    if not pair:
+        raise ValueError(f"{where}betas must be a pair (beta1, beta2), not {betas!r}")
+
+
 def _check_hyper(g, where):
     """torch.optim.AdamW's checks of a group's hyperparameters, with its
     messages (NaN fails them too), made before anything reaches a server."""
-    betas = g["betas"]
-    # torch indexes betas[0] and betas[1], and a third value fails its step.
-    if not isinstance(betas, (tuple, list, torch.Tensor)) or len(betas) != 2:
-        raise ValueError(f"{where}betas must be a pair (beta1, beta2), not {betas!r}")
-    lr, (beta1, beta2), eps, wd = g["lr"], betas, g["eps"], g["weight_decay"]
+    _check_betas(g["betas"], where)
+    lr, (beta1, beta2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
     if isinstance(lr, torch.Tensor):
         lr = lr.item()
     for what, x in (("lr", lr), ("eps", eps), ("weight_decay", wd), ("betas[0]", beta1), ("betas[1]", beta2)):

@@ -7,6 +7,7 @@ client and groups it uses."""
 import torch
 
 from . import _C
+from ._checks import _check_betas
 from ._errors import InvalidArgument, ParamsChanged
 
 
@@ -80,6 +81,7 @@ class _ParamWatch:
                     raise ParamsChanged(f"param {t.name!r} is now {p.dtype} {tuple(p.shape)} on {p.device}; its job "
                                         f"has {t.dtype} {tuple(t.shape)} on {t.device}")
                 k += 1
+            _check_betas(g["betas"], f"group {gi}: ")  # before _group_hyper unpacks them
             if self._group_hyper(g) != self._hyper[gi]:
                 raise InvalidArgument(f"group {gi}'s (beta1, beta2, eps, weight_decay) changed to "
                                       f"{self._group_hyper(g)}; the servers hold {self._hyper[gi]}, fixed at creation "

@@ -18,31 +18,33 @@ class _Tensor:
                  "version", "data_ptr")
 
     def __init__(self, name, param, group):
-        """Raises for a param the servers cannot take: a tensor subclass, a
-        dtype but bf16 and fp32, a device but the CPU and CUDA."""
-        if type(param) not in (torch.Tensor, torch.nn.Parameter):
+        """Raises for a param the job would hold but the servers cannot take:
+        a tensor subclass, a dtype but bf16 and fp32, a device but the CPU
+        and CUDA."""
+        # Whether the job holds it. A param with no elements has nothing to
+        # optimize, and one frozen when the optimizer is made (LoRA's base
+        # weights, a quantized base among them; a mask kept as a param)
+        # nothing to step: torch allocates no state for a param that never
+        # gets a gradient, and DeepSpeed and Megatron leave frozen params out.
+        # Either stays in its group, as in torch, but the servers hold no
+        # master or moments of it, and it may be of any kind. A job's params
+        # are fixed when it is made, so one frozen then cannot train later
+        # (step() refuses its gradient).
+        self.remote = param.numel() > 0 and param.requires_grad
+        if self.remote and type(param) not in (torch.Tensor, torch.nn.Parameter):
             raise InvalidArgument(f"param {name!r} is a {type(param).__name__}, a tensor subclass (such as the DTensor "
                                   "of FSDP2 or tensor parallelism, or a lazy module's uninitialized param); "
                                   "RemoteAdamW takes plain tensors, whose memory holds the whole param")
-        if param.dtype not in _FP32_PARAMS:
+        if self.remote and param.dtype not in _FP32_PARAMS:
             raise UnsupportedDtype(f"param {name!r} is {param.dtype}; RemoteAdamW takes torch.bfloat16 and "
                                    "torch.float32 params")
-        if param.device.type not in _DEVICE_TYPES:
+        if self.remote and param.device.type not in _DEVICE_TYPES:
             why = (" (a meta tensor has no values to send: materialize the model first, e.g. to_empty() then load "
                    "or initialize its weights)" if param.device.type == "meta" else "")
             raise InvalidArgument(f"param {name!r} is on {param.device}; RemoteAdamW takes params on the CPU or a "
                                   f"CUDA device{why}")
         self.name, self.param, self.group = name, param, group
         self.shape, self.dtype, self.device, self.numel = param.shape, param.dtype, param.device, param.numel()
-        # Whether the job holds it. A param with no elements has nothing to
-        # optimize, and one frozen when the optimizer is made (LoRA's base
-        # weights, a mask kept as a param) nothing to step: torch allocates no
-        # state for a param that never gets a gradient, and DeepSpeed and
-        # Megatron leave frozen params out. Either stays in its group, as in
-        # torch, but the servers hold no master or moments of it. A job's
-        # params are fixed when it is made, so one frozen then cannot train
-        # later (step() refuses its gradient).
-        self.remote = self.numel > 0 and param.requires_grad
         self.host_param = self.host_grad = None
         self.version = None  # the param's version counter when the optimizer last wrote or sent it
         self.data_ptr = None  # and where its values were: `p.data = other` swaps them without a version bump

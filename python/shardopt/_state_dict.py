@@ -150,9 +150,6 @@ class _StateDictIO:
                 moments = (self._checked(entry["exp_avg"], t, "exp_avg"),
                            self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"), int(step))
             loads.append((t, master, moments))
-        # Params the job does not hold (_Tensor.remote) take nothing from it:
-        # neither their values nor any state the dict has for them.
-        loads = [load for load in loads if load[0].remote]
         # torch's load replaces the state: a param the dict has no state for
         # has none after it. The servers cannot take a tensor's Adam step
         # back to 0, so state an earlier load gave them is refused here
@@ -231,12 +228,15 @@ class _StateDictIO:
         self._take_group_keys(saved_groups)
 
     def _entries(self, state_dict, saved_groups):
-        """Each param's tensor and its entry in the state dict's state ({}
-        for none), in the groups' order."""
+        """Each param the job holds (_Tensor.remote) and its entry in the
+        state dict's state ({} for none), in the groups' order: the others
+        take nothing from it, neither values nor state."""
         tensors = iter(self._tensors)
         for saved in saved_groups:
             for index in saved["params"]:
-                yield next(tensors), state_dict["state"].get(index, {})
+                t = next(tensors)
+                if t.remote:
+                    yield t, state_dict["state"].get(index, {})
 
     def _take_group_keys(self, saved_groups):
         """The saved groups' keys but their params, as torch's load takes them."""

@@ -25,7 +25,7 @@ import warnings
 import torch
 
 from . import _C
-from ._errors import Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
+from ._errors import AlreadyExists, Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
 from ._checks import _check_disjoint, _check_gradient, _check_hyper, _check_ints, _check_seconds
 from ._connect import _read_pem, _servers
 from ._overlap import _OverlapPush
@@ -214,7 +214,16 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         self._attach_args = (job, world_size, job_groups, job_tensors, False, int(barrier_timeout * 1000))
         #: The job's step when this optimizer attached: 0 for a new job, else
         #: the step resumed from (the params were pulled from the servers).
-        self.resumed_step = self._client.create_or_attach(*self._attach_args, restore_step)
+        try:
+            self.resumed_step = self._client.create_or_attach(*self._attach_args, restore_step)
+        except AlreadyExists as e:
+            left_out = [repr(t.name) for t in self._tensors if t.numel and not t.remote]
+            if not left_out:
+                raise
+            raise AlreadyExists(f"{e.message}; params with requires_grad=False here ({', '.join(left_out[:3])}"
+                                f"{', ...' if len(left_out) > 3 else ''}) are not in this job, so a job made with "
+                                "them trainable (by another rank, or before 2026-12-05) differs: make the optimizer "
+                                "while they are trainable, then freeze them") from e
         if self._checkpoint_every and rank == 0:
             # Each of its checkpoints would fail, after its step was applied.
             missing = [s.address for s in self._client.describe() if not s.checkpoint_dir]

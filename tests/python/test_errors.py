@@ -211,7 +211,8 @@ def test_an_eps_the_servers_float32_cannot_hold_is_refused_before_any_server_is_
         RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=["127.0.0.1:1"], job=job, eps=eps)
 
 
-@pytest.mark.parametrize("betas", [(0.9, 0.99, 0.1), (0.9,), 0.9], ids=["three", "one", "number"])
+@pytest.mark.parametrize("betas", [(0.9, 0.99, 0.1), (0.9,), 0.9, torch.tensor(0.9)],
+                         ids=["three", "one", "number", "0-d tensor"])
 def test_betas_that_are_not_a_pair_are_refused_naming_them(job, betas):
     """torch takes three betas (it reads two, and its step fails on the
     third); here it is a ValueError naming betas, before any server is
@@ -221,6 +222,39 @@ def test_betas_that_are_not_a_pair_are_refused_naming_them(job, betas):
         RemoteAdamW(params, servers=["127.0.0.1:1"], job=job, betas=betas)
     with pytest.raises(ValueError, match="group 0: betas must be a pair"):
         RemoteAdamW([{"params": params, "betas": betas}], servers=["127.0.0.1:1"], job=job)
+
+
+def test_betas_made_three_by_the_loop_are_refused_naming_them(servers, job):
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = RemoteAdamW([p], servers=servers, job=job)
+    opt.param_groups[0]["betas"] = (0.9, 0.999, 0.5)
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="group 0: betas must be a pair"):
+        opt.step()
+    opt.drop()
+
+
+def test_frozen_params_of_any_kind_are_left_out_and_a_job_that_held_them_is_told_so(servers, job):
+    """A frozen param the servers could not hold (fp16, a tensor subclass as
+    a quantized base is, one on meta) is left out of the job and taken. A job
+    made with a param trainable is refused to an optimizer that froze it,
+    saying why (the settings' difference alone named only "param.1")."""
+    class Quantized(torch.Tensor):
+        pass
+
+    trainable = torch.nn.Parameter(torch.ones(3))
+    frozen = [torch.ones(3, dtype=torch.float16), torch.ones(3).as_subclass(Quantized), torch.empty(3, device="meta")]
+    opt = RemoteAdamW([trainable] + frozen, servers=servers, job=job)
+    trainable.grad = torch.ones(3)
+    opt.step()
+    assert opt.job_step == 1
+    opt.drop()
+    both = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))]
+    made = RemoteAdamW(both, servers=servers, job=f"{job}-both")
+    both[1].requires_grad_(False)
+    with pytest.raises(shardopt.AlreadyExists, match="requires_grad=False here \\('param.1'\\) are not in this job"):
+        RemoteAdamW(both, servers=servers, job=f"{job}-both")
+    made.drop()
 
 
 @pytest.mark.parametrize("max_grad_norm", [-1.0, float("nan"), float("inf")])

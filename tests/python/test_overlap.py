@@ -200,20 +200,22 @@ def test_checkpoint_every_checkpoints_with_overlap(server_binary, job, tmp_path)
         assert complete == [2, 4]
 
 
-def test_a_frozen_param_is_left_alone_with_overlap(servers, job):
-    """A param without requires_grad (fine-tuning with a frozen embedding),
-    the optimizer built under torch.no_grad(): overlap=True steps bitwise as
-    overlap=False does, and the frozen param does not move."""
+def test_a_param_frozen_after_construction_is_left_alone_with_overlap(servers, job):
+    """A param of the job frozen after construction (fine-tuning with a
+    frozen embedding), the optimizer built under torch.no_grad(): it gets no
+    gradient and is pushed as having none, overlap=True steps bitwise as
+    overlap=False does, and the frozen param does not move. (One frozen
+    before construction is not in the job: test_torch_parity.py.)"""
     models = [make_model(), make_model()]
+    with torch.no_grad():
+        overlapped = RemoteAdamW(param_groups(models[0]), servers=servers, job=f"{job}-overlap", lr=1e-3,
+                                 overlap=True)
+    plain = RemoteAdamW(param_groups(models[1]), servers=servers, job=f"{job}-plain", lr=1e-3)
     frozen = []
     for m in models:
         p = next(iter(m.parameters()))
         p.requires_grad_(False)
         frozen.append((p, p.detach().clone()))
-    with torch.no_grad():
-        overlapped = RemoteAdamW(param_groups(models[0]), servers=servers, job=f"{job}-overlap", lr=1e-3,
-                                 overlap=True)
-    plain = RemoteAdamW(param_groups(models[1]), servers=servers, job=f"{job}-plain", lr=1e-3)
     train(models[0], overlapped, 3)
     train(models[1], plain, 3)
     for p, before in frozen:
