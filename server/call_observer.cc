@@ -14,8 +14,6 @@
 namespace shardopt {
 namespace {
 
-std::atomic<int64_t> calls_in_progress{0};
-
 class CallObserver final : public grpc::experimental::Interceptor {
  public:
   // The peer is taken as soon as the context has it: a callback stream's
@@ -24,13 +22,15 @@ class CallObserver final : public grpc::experimental::Interceptor {
   // to the call only after its interceptors are made, at a later hook.
   // `parsed_by_grpc`: gRPC's generated code parses the request (a unary RPC;
   // the service's streams parse their own: init_reactor.h).
-  CallObserver(std::string method, bool parsed_by_grpc, grpc::ServerContextBase* context)
-      : method_(std::move(method)), parsed_by_grpc_(parsed_by_grpc), context_(context) {
+  CallObserver(std::string method, bool parsed_by_grpc, grpc::ServerContextBase* context,
+               std::shared_ptr<std::atomic<int64_t>> in_progress)
+      : method_(std::move(method)), parsed_by_grpc_(parsed_by_grpc), context_(context),
+        in_progress_(std::move(in_progress)) {
     TakePeer();
-    calls_in_progress.fetch_add(1, std::memory_order_relaxed);
+    in_progress_->fetch_add(1, std::memory_order_relaxed);
   }
   // gRPC deletes a call's interceptors when the call is done.
-  ~CallObserver() override { calls_in_progress.fetch_sub(1, std::memory_order_relaxed); }
+  ~CallObserver() override { in_progress_->fetch_sub(1, std::memory_order_relaxed); }
 
   void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
     TakePeer();
@@ -67,6 +67,7 @@ class CallObserver final : public grpc::experimental::Interceptor {
   const std::string method_;  // the RPC's name, without the service
   const bool parsed_by_grpc_;
   grpc::ServerContextBase* const context_;
+  const std::shared_ptr<std::atomic<int64_t>> in_progress_;
   std::string peer_;
 };
 
@@ -82,6 +83,7 @@ const google::protobuf::MethodDescriptor* Method(const std::string& path) {
 
 class Factory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
+  explicit Factory(std::shared_ptr<std::atomic<int64_t>> in_progress) : in_progress_(std::move(in_progress)) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
     const std::string path = info->method() == nullptr ? "" : info->method();
     // Health checks are not refusals: a check of a service not served here
@@ -90,16 +92,18 @@ class Factory final : public grpc::experimental::ServerInterceptorFactoryInterfa
     const google::protobuf::MethodDescriptor* method = Method(path);
     return new CallObserver(method == nullptr ? "unknown" : method->name(),
                             method != nullptr && !method->client_streaming() && !method->server_streaming(),
-                            info->server_context());
+                            info->server_context(), in_progress_);
   }
+
+ private:
+  const std::shared_ptr<std::atomic<int64_t>> in_progress_;
 };
 
 }  // namespace
 
-std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeCallObserverFactory() {
-  return std::make_unique<Factory>();
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeCallObserverFactory(
+    std::shared_ptr<std::atomic<int64_t>> in_progress) {
+  return std::make_unique<Factory>(std::move(in_progress));
 }
-
-int64_t CallsInProgress() { return calls_in_progress.load(std::memory_order_relaxed); }
 
 }  // namespace shardopt

@@ -10,6 +10,7 @@
 // It also counts the calls in progress, for a shutdown that waits for them.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 
@@ -17,10 +18,9 @@
 
 namespace shardopt {
 
-std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeCallObserverFactory();
-
-// The calls the observer sees (health checks aside) that gRPC has handed to
-// the server and not yet finished, in this process.
-int64_t CallsInProgress();
+// `in_progress` counts the calls it sees (health checks aside) that gRPC
+// has handed to the server and not yet finished.
+std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeCallObserverFactory(
+    std::shared_ptr<std::atomic<int64_t>> in_progress);
 
 }  // namespace shardopt

@@ -133,7 +133,7 @@ std::optional<std::string> Job::ExpireIfLate(std::chrono::steady_clock::time_poi
 
 std::string Job::EndRoundAtDeadline() {
   std::string missing = MissingSummary();
-  EndRound(absl::StrCat("its barrier deadline passed: ", missing));
+  EndRound(absl::StrCat(kDeadlinePassed, missing));
   return missing;
 }
 

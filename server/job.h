@@ -199,6 +199,8 @@ class Job {
   // Ends the round as its deadline passed, saying which ranks it lacked (also
   // returned), so that every push it discards is told the same cause.
   std::string EndRoundAtDeadline() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // How that cause begins, as Describe says it of a round not ended yet.
+  static constexpr char kDeadlinePassed[] = "its barrier deadline passed: ";
   // EndRoundAtDeadline for an unsealed round whose deadline has passed;
   // what it returned, if it ended the round.
   std::optional<std::string> ExpireIfLate(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);

@@ -181,7 +181,7 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
     // A round past its deadline lasts until a push or commit ends it (and
     // names the missing ranks to its caller): a read leaves it, saying so.
     r.set_waiting_for(left.count() > 0 ? job.MissingSummary()
-                                       : absl::StrCat("its barrier deadline passed: ", job.MissingSummary(),
+                                       : absl::StrCat(Job::kDeadlinePassed, job.MissingSummary(),
                                                       "; the step's next push or commit ends the round, and "
                                                       "nothing of it is applied"));
     r.set_barrier_seconds_left(std::max(0.0, left.count()));

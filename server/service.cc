@@ -1,6 +1,7 @@
 #include "server/service.h"
 
 #include <algorithm>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <optional>
@@ -185,24 +186,33 @@ grpc::Status OptimizerService::Checkpoint(grpc::ServerContext* context, const v1
   return ToGrpcStatus(r.status());
 }
 
-void RunningServer::Stop(std::chrono::system_clock::time_point deadline) {
-  // gRPC's Shutdown(deadline) also waits, until the deadline, for every
-  // connection to close once told to go away, which a client with no call
-  // running reads only at its channel's next backup poll, up to 5 s later:
-  // an idle trainer held each SIGTERM that long. Once no call is in
-  // progress, that wait is all that is left, and cancelling ends it. The
-  // tenth of a second is for a call gRPC took before the shutdown and has
-  // not yet handed to the server (its observer not yet made).
-  // gRPC core's own queue: the C++ one takes only its own kinds of tag.
+namespace {
+
+// Stops `server`: no new call, those in progress (while `busy`) may end
+// until `deadline`, then the rest are cancelled. gRPC's Shutdown(deadline)
+// also waits, until the deadline, for every connection to close once told
+// to go away, which a client with no call running reads only at its
+// channel's next backup poll, up to 5 s later: an idle trainer held each
+// SIGTERM that long. Once no call is in progress, that wait is all that is
+// left, and cancelling ends it. The tenth of a second is for a call gRPC
+// took before the shutdown and has not yet handed to the server (whose
+// observer is not made yet).
+void StopServer(grpc::Server* server, std::chrono::system_clock::time_point deadline,
+                const std::function<bool()>& busy) {
+  // gRPC core's own queue, as the C++ Shutdown uses one (unregistered with
+  // the server, which core allows for this call): the C++ queue takes only
+  // its own kinds of tag.
   grpc_completion_queue* cq = grpc_completion_queue_create_for_next(nullptr);
   grpc_server_shutdown_and_notify(server->c_server(), cq, nullptr);  // no new calls from here on
   const auto grace_ends = std::chrono::system_clock::now() + std::chrono::milliseconds(100);
   for (bool cancelled = false;;) {
     const auto now = std::chrono::system_clock::now();
     gpr_timespec wait;
-    grpc::Timepoint2Timespec(std::min(deadline, now + std::chrono::milliseconds(10)), &wait);
+    grpc::Timepoint2Timespec(cancelled ? now + std::chrono::milliseconds(10)
+                                       : std::min(deadline, now + std::chrono::milliseconds(10)),
+                             &wait);
     if (grpc_completion_queue_next(cq, wait, nullptr).type == GRPC_OP_COMPLETE) break;
-    if (!cancelled && ((now >= grace_ends && CallsInProgress() == 0) || now >= deadline)) {
+    if (!cancelled && ((now >= grace_ends && !busy()) || now >= deadline)) {
       grpc_server_cancel_all_calls(server->c_server());
       cancelled = true;
     }
@@ -212,6 +222,14 @@ void RunningServer::Stop(std::chrono::system_clock::time_point deadline) {
   }
   grpc_completion_queue_destroy(cq);
   server->Shutdown(deadline);  // stopped already: the rest of the C++ server's own shutdown
+}
+
+}  // namespace
+
+void RunningServer::Stop(std::chrono::system_clock::time_point deadline) {
+  StopServer(server.get(), deadline, [this] { return calls_in_progress->load(std::memory_order_relaxed) > 0; });
+  // Health checks only, none of which needs finishing.
+  if (health_server) StopServer(health_server.get(), deadline, [] { return false; });
 }
 
 RunningServer::~RunningServer() {
@@ -343,7 +361,7 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
   TuneServerBuilder(&builder, static_cast<int>(store->max_message_bytes()));
   builder.RegisterService(running->service.get());
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> observers;
-  observers.push_back(MakeCallObserverFactory());
+  observers.push_back(MakeCallObserverFactory(running->calls_in_progress));
   builder.experimental().SetInterceptorCreators(std::move(observers));
   running->server = builder.BuildAndStart();
   if (!running->server || running->port == 0) {

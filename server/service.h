@@ -110,11 +110,12 @@ struct RunningServer {
   std::unique_ptr<grpc::Server> health_server;
   int port = 0;
   int health_port = 0;
+  // The calls of `server` in progress, health checks aside (the call observer's).
+  std::shared_ptr<std::atomic<int64_t>> calls_in_progress = std::make_shared<std::atomic<int64_t>>(0);
   // What both servers' health services answer.
   void SetServing(bool serving);
-  // Takes no new call, lets those in progress end until `deadline` (and at
-  // least a tenth of a second), then cancels any left and returns once the
-  // server has stopped.
+  // Both servers take no new call, let those in progress end until
+  // `deadline`, then cancel any left; returns once both have stopped.
   void Stop(std::chrono::system_clock::time_point deadline);
   ~RunningServer();
 };

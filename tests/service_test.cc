@@ -1719,14 +1719,17 @@ TEST_F(ServiceTest, TheHealthServiceSaysNotServingWhileTheDrainWrites) {
   std::filesystem::remove_all(dir);
 }
 
-// A SIGTERM with a trainer connected and idle (attached, no call running)
-// exits at once. gRPC's shutdown waited, up to the server's 5 s grace, for
-// such a connection to close, which the client reads only at its channel's
-// next backup poll: set here to a minute, so that the wait would be the
-// whole 5 s (by default it was up to 5 s, whenever the poll came).
-TEST(ServerStopTest, AnIdleConnectedTrainerDoesNotHoldTheShutdown) {
-  setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "60000", 1);  // before this process's first channel
-  auto server = ServerProcess::Start();
+// A SIGTERM with a trainer connected and idle (attached, no call running),
+// and a probe's connection to --health_port open, exits at once. gRPC's
+// shutdown waited, up to the server's 5 s grace, for such a connection to
+// close, which the client reads only at its channel's next backup poll: set
+// here to a minute, so that the wait would be the whole 5 s (by default it
+// was up to 5 s, whenever the poll came). Under ctest each test is a
+// process of its own, whose first channel reads the variable.
+TEST(ServerStopTest, IdleConnectionsDoNotHoldTheShutdown) {
+  setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "60000", 1);
+  const int health_port = testing::FreeLoopbackPort();
+  auto server = ServerProcess::Start({absl::StrCat("--health_port=", health_port)});
   ASSERT_NE(server, nullptr);
   ClientOptions o;
   o.servers = {server->address()};
@@ -1736,10 +1739,42 @@ TEST(ServerStopTest, AnIdleConnectedTrainerDoesNotHoldTheShutdown) {
   job.groups = {GroupOptions{}};
   job.tensors = {{"w", 1024, 0}};
   ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  auto probe = grpc::CreateChannel(absl::StrCat("127.0.0.1:", health_port), grpc::InsecureChannelCredentials());
+  ASSERT_TRUE(probe->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)));
   const auto sent = std::chrono::steady_clock::now();
   EXPECT_EQ(server->Stop(SIGTERM) >> 8, 0);
   const std::chrono::duration<double> took = std::chrono::steady_clock::now() - sent;
   EXPECT_LT(took.count(), 2.0);
+  unsetenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS");
+}
+
+// A call in progress at SIGTERM is not cut short for being slow: a push
+// waiting at the barrier for another rank holds the exit until the 5 s
+// grace is over, as before the stop stopped waiting for idle connections.
+TEST(ServerStopTest, ACallInProgressHasTheWholeGrace) {
+  auto server = ServerProcess::Start();
+  ASSERT_NE(server, nullptr);
+  ClientOptions o;
+  o.servers = {server->address()};
+  o.max_attempts = 1;
+  auto client = Client::Connect(o).value();
+  JobOptions job;
+  job.name = "waits";
+  job.world_size = 2;
+  job.groups = {GroupOptions{}};
+  job.tensors = {{"w", 1024, 0}};
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  std::vector<uint16_t> w(1024, 0x3f80), g(1024, 0x3c00);
+  ASSERT_TRUE(client->InitBf16("w", w.data()).ok());
+  absl::Status stepped;
+  std::thread rank0([&] { stepped = client->Step({{"w", g.data()}}, {}, {{"w", w.data()}}).status(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // its push waits for rank 1
+  const auto sent = std::chrono::steady_clock::now();
+  EXPECT_EQ(server->Stop(SIGTERM) >> 8, 0);
+  const std::chrono::duration<double> took = std::chrono::steady_clock::now() - sent;
+  rank0.join();
+  EXPECT_GE(took.count(), 4.5);
+  EXPECT_FALSE(stepped.ok());
 }
 
 }  // namespace
