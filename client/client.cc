@@ -225,7 +225,8 @@ absl::Status Client::InitFromSafetensors(const std::string& path) {
   }
   for (const TensorOptions& t : im.job.tensors) {
     const SafetensorsTensor& f = *by_name[t.name];
-    SHARDOPT_RETURN_IF_ERROR(im.CheckInit(t.name, f.data.data(), f.dtype == "F32" ? v1::FP32 : v1::BF16, v1::MASTER, {}));
+    const absl::Status values = im.CheckInit(t.name, f.data.data(), f.dtype == "F32" ? v1::FP32 : v1::BF16, v1::MASTER, {});
+    if (!values.ok()) return absl::Status(values.code(), absl::StrCat(path, ": ", values.message()));
   }
   for (const TensorOptions& t : im.job.tensors) {
     const SafetensorsTensor& f = *by_name[t.name];

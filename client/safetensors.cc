@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <set>
 #include <string_view>
 #include <utility>
@@ -143,6 +144,7 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
   const uint64_t base = 8 + n;
   std::vector<SafetensorsTensor> out;
   std::vector<std::pair<uint64_t, uint64_t>> ranges;  // each tensor's data, to check that they tile it
+  std::map<uint64_t, std::string> names_at;            // a tensor whose data begins there, to name it
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") continue;
     SafetensorsTensor t;
@@ -166,14 +168,23 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
       return bad(absl::StrCat("entry '", name, "' has bad data_offsets"));
     }
     const uint64_t begin = offsets[0].get<uint64_t>(), end = offsets[1].get<uint64_t>();
-    if (begin > end || end > bytes.size() - base) return bad(absl::StrCat("entry '", name, "' lies past the file's end"));
+    if (begin > end) {
+      return bad(absl::StrCat("entry '", name, "' has data_offsets [", begin, ", ", end, "), which end before they begin"));
+    }
+    if (end > bytes.size() - base) {
+      return bad(absl::StrCat("entry '", name, "' has data_offsets [", begin, ", ", end, "), past the ",
+                              bytes.size() - base, " bytes of data the file holds"));
+    }
+    if (ElementBytes(t.dtype) == 0) {
+      return bad(absl::StrCat("entry '", name, "' has dtype '", t.dtype, "', which this reader does not know"));
+    }
     uint64_t data_bytes = 0;
-    if (ElementBytes(t.dtype) == 0 || __builtin_mul_overflow(elements, ElementBytes(t.dtype), &data_bytes) ||
-        end - begin != data_bytes) {
+    if (__builtin_mul_overflow(elements, ElementBytes(t.dtype), &data_bytes) || end - begin != data_bytes) {
       return bad(absl::StrCat("entry '", name, "': ", end - begin, " bytes do not hold its shape of ", t.dtype));
     }
     t.data = bytes.substr(base + begin, end - begin);
     ranges.emplace_back(begin, end);
+    names_at[begin] = name;
     out.push_back(std::move(t));
   }
   // The format's data is the tensors' bytes back to back: no overlap, no
@@ -181,7 +192,11 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
   std::sort(ranges.begin(), ranges.end());
   uint64_t at = 0;
   for (const auto& [begin, end] : ranges) {
-    if (begin != at) return bad(absl::StrCat("tensor data ", begin < at ? "overlaps" : "leaves a gap", " at byte ", begin));
+    if (begin != at) {
+      return bad(absl::StrCat("the data of tensor '", names_at[begin], "' begins at byte ", begin, ", ",
+                              begin < at ? "inside the tensor before it" : "after a gap", " (the format's data is "
+                              "the tensors' bytes back to back)"));
+    }
     at = end;
   }
   if (at != bytes.size() - base) return bad(absl::StrCat(bytes.size() - base - at, " bytes after the last tensor's data"));

@@ -351,7 +351,7 @@ int main(int argc, char** argv) {
   // The file's token, else the environment's. A file that holds none is a
   // mistake (an empty Secret), not a wish to call without a token.
   if (!paths[3].empty() && absl::StripAsciiWhitespace(text[3]).empty()) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat(paths[3], " holds no token, only whitespace")));
+    return Fail(absl::InvalidArgumentError(absl::StrCat(paths[3], " holds no token (empty, only whitespace, or not a file)")));
   }
   const char* env = std::getenv("SHARDOPT_TOKEN");
   auto token = shardopt::CleanBearerToken(!paths[3].empty() ? absl::string_view(text[3])

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -33,6 +34,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "shardopt/client.h"
+#include "shardopt/safetensors.h"
 #include "rpc/grpc_edge.h"
 #include "rpc/push_incomplete.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
@@ -1294,6 +1296,22 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
   const absl::Status st = client->InitFromSafetensors(dir.path() + "/export-fp32.safetensors");
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(st.message()), HasSubstr("tensor 'w' has 12000 bytes of F32; the job's has 3001 elements"));
+  // A value the servers would refuse names the file too (it named only the
+  // tensor), and nothing is sent.
+  std::vector<SafetensorsTensor> tensors = ReadSafetensors(dir.path() + "/export-fp32.safetensors").value();
+  for (SafetensorsTensor& t : tensors) {
+    const float nan = std::nanf("");
+    if (t.name == "w") t.data.replace(4 * 7, 4, reinterpret_cast<const char*>(&nan), 4);
+  }
+  const std::string with_nan = dir.path() + "/nan.safetensors";
+  ASSERT_TRUE(WriteSafetensors(with_nan, tensors, {}).ok());
+  JobOptions fresh = job;
+  fresh.name = "imported-nan";
+  ASSERT_EQ(client->CreateOrAttach(fresh).value(), 0u);
+  const absl::Status nan = client->InitFromSafetensors(with_nan);
+  EXPECT_EQ(nan.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(nan.message()), HasSubstr(with_nan + ": initial master of tensor 'w' element 7 is not finite"));
+  EXPECT_EQ(client->Describe().value()[0].uninitialized_tensors, job.tensors.size());
 }
 
 // A CLI call no server answers in time names the server, and says that a

@@ -44,8 +44,10 @@ class _StateDictIO:
         bf16 params too). Params that never had a step have no state, as in
         torch (but for moments this process loaded at step 0), and neither
         have params with zero elements. One step's state:
-        read between this process's steps, and refused (FailedPrecondition)
-        if the job stepped meanwhile all the same. Each group records its
+        read between this process's steps, and refused if the job stepped
+        meanwhile all the same (another process stepping it): Aborted from a
+        read that saw two steps, FailedPrecondition if it stepped between
+        reads. Each group records its
         state precision ("state_precision"), the constructor's where the
         group set none, so that load_state_dict() into a job holding state
         at another precision is refused."""
