@@ -105,6 +105,12 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
   if (std::filesystem::is_directory(path, ec)) {
     return absl::InvalidArgumentError(absl::StrCat(path, " is a directory, not a safetensors file"));
   }
+  // The whole file is read: a device (/dev/zero) or a pipe has no end to
+  // read to, and would take all memory or wait for good.
+  if (const auto kind = std::filesystem::status(path, ec).type();
+      !ec && kind != std::filesystem::file_type::regular) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file, as a safetensors file is"));
+  }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

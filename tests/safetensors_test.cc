@@ -142,6 +142,14 @@ TEST_F(SafetensorsTest, ADirectoryIsRefusedNotThrown) {
   EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument) << read.status();
 }
 
+// A device or a pipe is refused before it is read: /dev/zero took all
+// memory (bad_alloc), a FIFO with no writer waited for good.
+TEST_F(SafetensorsTest, AFileThatIsNotRegularIsRefusedUnread) {
+  const auto read = ReadSafetensors("/dev/zero");
+  EXPECT_EQ(read.status().code(), absl::StatusCode::kInvalidArgument) << read.status();
+  EXPECT_THAT(std::string(read.status().message()), ::testing::HasSubstr("/dev/zero is not a regular file"));
+}
+
 TEST_F(SafetensorsTest, ATensorNamedLikeTheMetadataIsRefused) {
   const absl::Status st = WriteSafetensors(path_, {{"__metadata__", "F32", {1}, std::string(4, '\0')}}, {});
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;

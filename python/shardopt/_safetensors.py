@@ -6,6 +6,7 @@ tensor's dtype, shape and byte range of the data that follows, then the data.
 """
 import json
 import math
+import os
 import struct
 
 import torch
@@ -58,7 +59,11 @@ def load_safetensors(path):
     the wrong kind; a dtype this reader does not know; a byte range that does
     not fit the shape or the file; ranges that overlap, leave a gap or leave
     bytes after the last (the format indexes every byte once); a name given
-    twice; metadata that is not text to text."""
+    twice; metadata that is not text to text. A path that is not a regular
+    file (a device, a pipe, whose whole would be read) raises ValueError
+    unread."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ValueError(f"{path} is not a regular file, as a safetensors file is")
     with open(path, "rb") as f:
         blob = bytearray(f.read())  # writable, as torch.frombuffer wants
     try:

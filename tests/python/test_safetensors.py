@@ -86,6 +86,12 @@ def test_a_header_nested_past_the_recursion_limit_is_a_value_error(tmp_path):
         load_safetensors(tmp_path / "deep.safetensors")
 
 
+def test_a_path_that_is_not_a_regular_file_is_refused_unread():
+    """/dev/zero was read whole: a bare MemoryError."""
+    with pytest.raises(ValueError, match="/dev/zero is not a regular file"):
+        load_safetensors("/dev/zero")
+
+
 def test_a_header_longer_than_the_file_is_refused(tmp_path):
     with open(tmp_path / "short.safetensors", "wb") as f:
         f.write(struct.pack("<Q", 1000) + b"{}")

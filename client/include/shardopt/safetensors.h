@@ -26,9 +26,10 @@ struct SafetensorsTensor {
 // is not its shape's size.
 absl::Status WriteSafetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
                               const std::map<std::string, std::string>& metadata);
-// Reads a whole file, its tensors sorted by name (the header is a JSON
-// object, whose order a writer need not keep); INVALID_ARGUMENT naming what
-// is wrong with a bad one.
+// Reads a whole file into memory, its tensors sorted by name (the header is
+// a JSON object, whose order a writer need not keep); INVALID_ARGUMENT naming
+// what is wrong with a bad one, and, unread, a path that is not a regular
+// file (a device or a pipe).
 absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string& path);
 
 }  // namespace shardopt
