@@ -1682,6 +1682,23 @@ TEST_F(ServiceTest, TheHealthPortServesHealthAloneAndAnswersAsTheMainPort) {
   EXPECT_EQ(describe_status.error_code(), grpc::StatusCode::UNIMPLEMENTED) << describe_status.error_message();
 }
 
+// A client of `server`, one attempt per call, attached to a new job of one
+// tensor "w" (rank 0).
+std::unique_ptr<Client> AttachOneTensorJob(const ServerProcess& server, const std::string& name, uint64_t numel,
+                                           uint32_t world_size = 1) {
+  ClientOptions o;
+  o.servers = {server.address()};
+  o.max_attempts = 1;
+  auto client = Client::Connect(o).value();
+  JobOptions job;
+  job.name = name;
+  job.world_size = world_size;
+  job.groups = {GroupOptions{}};
+  job.tensors = {{"w", numel, 0}};
+  EXPECT_TRUE(client->CreateOrAttach(job).ok());
+  return client;
+}
+
 // While a SIGTERM's drain writes the checkpoints, the health service says
 // NOT_SERVING, so that probes and load balancers stop sending; before, it
 // said SERVING until the process was gone.
@@ -1692,15 +1709,7 @@ TEST_F(ServiceTest, TheHealthServiceSaysNotServingWhileTheDrainWrites) {
   auto server = ServerProcess::Start({absl::StrCat("--health_port=", port), "--checkpoint_dir=" + dir});
   ASSERT_NE(server, nullptr);
   constexpr uint64_t kN = uint64_t{32} << 20;  // 384 MiB of state: a drain of a few tenths of a second
-  ClientOptions o;
-  o.servers = {server->address()};
-  o.max_attempts = 1;
-  auto client = Client::Connect(o).value();
-  JobOptions job;
-  job.name = "drain";
-  job.groups = {GroupOptions{}};
-  job.tensors = {{"w", kN, 0}};
-  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  auto client = AttachOneTensorJob(*server, "drain", kN);
   std::mt19937_64 rng(5);
   const std::vector<float> values = testing::RandomFloats(rng, kN, -1, 1);
   ASSERT_TRUE(client->InitFp32("w", values.data()).ok());
@@ -1731,14 +1740,7 @@ TEST(ServerStopTest, IdleConnectionsDoNotHoldTheShutdown) {
   const int health_port = testing::FreeLoopbackPort();
   auto server = ServerProcess::Start({absl::StrCat("--health_port=", health_port)});
   ASSERT_NE(server, nullptr);
-  ClientOptions o;
-  o.servers = {server->address()};
-  auto client = Client::Connect(o).value();
-  JobOptions job;
-  job.name = "idle";
-  job.groups = {GroupOptions{}};
-  job.tensors = {{"w", 1024, 0}};
-  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  auto client = AttachOneTensorJob(*server, "idle", 1024);
   auto probe = grpc::CreateChannel(absl::StrCat("127.0.0.1:", health_port), grpc::InsecureChannelCredentials());
   ASSERT_TRUE(probe->WaitForConnected(std::chrono::system_clock::now() + std::chrono::seconds(10)));
   const auto sent = std::chrono::steady_clock::now();
@@ -1754,16 +1756,7 @@ TEST(ServerStopTest, IdleConnectionsDoNotHoldTheShutdown) {
 TEST(ServerStopTest, ACallInProgressHasTheWholeGrace) {
   auto server = ServerProcess::Start();
   ASSERT_NE(server, nullptr);
-  ClientOptions o;
-  o.servers = {server->address()};
-  o.max_attempts = 1;
-  auto client = Client::Connect(o).value();
-  JobOptions job;
-  job.name = "waits";
-  job.world_size = 2;
-  job.groups = {GroupOptions{}};
-  job.tensors = {{"w", 1024, 0}};
-  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  auto client = AttachOneTensorJob(*server, "waits", 1024, /*world_size=*/2);
   std::vector<uint16_t> w(1024, 0x3f80), g(1024, 0x3c00);
   ASSERT_TRUE(client->InitBf16("w", w.data()).ok());
   absl::Status stepped;
