@@ -151,13 +151,16 @@ int Fail(const grpc::Status& st, bool changes = false) {
 // One chunk of state, a value per line (bf16 widened: exact).
 void PrintValues(const v1::StateChunk& chunk) {
   const std::string& d = chunk.data();
-  const size_t esize = chunk.dtype() == v1::FP32 ? 4 : 2;
-  for (size_t i = 0; i + esize <= d.size(); i += esize) {
-    uint32_t u = 0;
-    std::memcpy(&u, d.data() + i, esize);
-    if (esize == 2) u <<= 16;
+  const bool fp32 = chunk.dtype() == v1::FP32;
+  for (size_t i = 0, esize = fp32 ? 4 : 2; i + esize <= d.size(); i += esize) {
     float x;
-    std::memcpy(&x, &u, 4);
+    uint16_t h;
+    if (fp32) {
+      std::memcpy(&x, d.data() + i, 4);
+    } else {
+      std::memcpy(&h, d.data() + i, 2);
+      x = shardopt::math::bf16_to_float(h);
+    }
     std::printf("%.9g\n", x);
   }
 }
@@ -433,16 +436,15 @@ int main(int argc, char** argv) {
   for (int attempt = 1;; ++attempt) {
     grpc::ClientContext* ctx = context();
     auto reader = stub->Read(ctx, read);
-    std::vector<v1::StateChunk> chunks(1);
+    std::vector<v1::StateChunk> chunks;
     bool mixed = false;
-    while (!mixed && reader->Read(&chunks.back())) {
-      mixed = chunks.back().step() != chunks.front().step();
-      chunks.emplace_back();
+    for (v1::StateChunk chunk; !mixed && reader->Read(&chunk);) {
+      mixed = !chunks.empty() && chunk.step() != chunks.front().step();
+      chunks.push_back(std::move(chunk));
     }
     if (mixed) ctx->TryCancel();
     if (auto st = reader->Finish(); !mixed && !st.ok()) return Fail(st);
     if (!mixed) {
-      chunks.pop_back();  // the one the stream's end was read into
       for (const v1::StateChunk& chunk : chunks) PrintValues(chunk);
       return 0;
     }
