@@ -9,9 +9,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <map>
 #include <set>
 #include <string_view>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -101,15 +101,14 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
 }
 
 absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string& path) {
+  // The whole file is read: a directory reads as empty, and a device
+  // (/dev/zero) or a pipe has no end to read to, and would take all memory
+  // or wait for good. (A path that cannot be looked at fails to open below.)
   std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    return absl::InvalidArgumentError(absl::StrCat(path, " is a directory, not a safetensors file"));
-  }
-  // The whole file is read: a device (/dev/zero) or a pipe has no end to
-  // read to, and would take all memory or wait for good.
-  if (const auto kind = std::filesystem::status(path, ec).type();
-      !ec && kind != std::filesystem::file_type::regular) {
-    return absl::InvalidArgumentError(absl::StrCat(path, " is not a regular file, as a safetensors file is"));
+  if (const auto kind = std::filesystem::status(path, ec).type(); !ec && kind != std::filesystem::file_type::regular) {
+    return absl::InvalidArgumentError(absl::StrCat(path, kind == std::filesystem::file_type::directory
+                                                             ? " is a directory, not a safetensors file"
+                                                             : " is not a regular file, as a safetensors file is"));
   }
   std::ifstream in(path, std::ios::binary);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot open ", path));
@@ -149,8 +148,8 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
   }
   const uint64_t base = 8 + n;
   std::vector<SafetensorsTensor> out;
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // each tensor's data, to check that they tile it
-  std::map<uint64_t, std::string> names_at;            // a tensor whose data begins there, to name it
+  // Each tensor's data and name, to check that they tile the file.
+  std::vector<std::tuple<uint64_t, uint64_t, std::string>> ranges;
   for (const auto& [name, entry] : header.items()) {
     if (name == "__metadata__") continue;
     SafetensorsTensor t;
@@ -189,17 +188,16 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
       return bad(absl::StrCat("entry '", name, "': ", end - begin, " bytes do not hold its shape of ", t.dtype));
     }
     t.data = bytes.substr(base + begin, end - begin);
-    ranges.emplace_back(begin, end);
-    names_at[begin] = name;
+    ranges.emplace_back(begin, end, name);
     out.push_back(std::move(t));
   }
   // The format's data is the tensors' bytes back to back: no overlap, no
   // gap, nothing after.
   std::sort(ranges.begin(), ranges.end());
   uint64_t at = 0;
-  for (const auto& [begin, end] : ranges) {
+  for (const auto& [begin, end, name] : ranges) {
     if (begin != at) {
-      return bad(absl::StrCat("the data of tensor '", names_at[begin], "' begins at byte ", begin, ", ",
+      return bad(absl::StrCat("the data of tensor '", name, "' begins at byte ", begin, ", ",
                               begin < at ? "inside the tensor before it" : "after a gap", " (the format's data is "
                               "the tensors' bytes back to back)"));
     }
