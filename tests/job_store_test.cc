@@ -740,6 +740,12 @@ TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
   auto init = Create(JobRequest("bad", 2, {{"w", 3000}}));
   const std::string before = Snapshot("bad");
   auto g = RandomBf16(rng_, 3000, 1.0f);
+  auto begin_push_of = [&](const std::string& job) {  // the first message of a push of step 1 of `job`
+    v1::GradChunk h = Chunk("w", 0, g.data(), 100);
+    h.set_job(job);
+    h.set_step(1);
+    return store_.BeginPush(h).status();
+  };
   auto push_status = [&](uint64_t step, uint32_t rank, v1::GradChunk chunk) {
     auto s = StartPush("bad", step, rank);
     if (!s.ok()) return s.status();
@@ -766,19 +772,9 @@ TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
       {"stale step", push_status(0, 0, ok), absl::StatusCode::kFailedPrecondition, "stale"},
       {"future step", push_status(2, 0, ok), absl::StatusCode::kOutOfRange, "future"},
       {"last step of all", push_status(UINT64_MAX, 0, ok), absl::StatusCode::kOutOfRange, "future"},
-      {"unknown job", [&] {
-         v1::GradChunk h = ok;
-         h.set_job("nobody");
-         h.set_step(1);
-         return store_.BeginPush(h).status();
-       }(), absl::StatusCode::kNotFound, "no job 'nobody'"},
+      {"unknown job", begin_push_of("nobody"), absl::StatusCode::kNotFound, "no job 'nobody'"},
       // As CreateJob refuses one: no job has it ("no job ''" read as a failed lookup).
-      {"no job named (push)", [&] {
-         v1::GradChunk h = ok;
-         h.set_job("");
-         h.set_step(1);
-         return store_.BeginPush(h).status();
-       }(), absl::StatusCode::kInvalidArgument, "names no job"},
+      {"no job named (push)", begin_push_of(""), absl::StatusCode::kInvalidArgument, "names no job"},
       {"no job named (commit)", Commit("", 1, 1e-3).status(), absl::StatusCode::kInvalidArgument, "names no job"},
       {"no job named (describe)", store_.Describe("").status(), absl::StatusCode::kInvalidArgument, "names no job"},
       {"no job named (drop)", store_.DropJob(""), absl::StatusCode::kInvalidArgument, "names no job"},
