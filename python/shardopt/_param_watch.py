@@ -53,7 +53,7 @@ class _ParamWatch:
         """A gradient of a param frozen when the optimizer was made (unfrozen
         since) has nowhere to go: its job holds no state of it."""
         for t in self._tensors:
-            if not t.remote and t.numel and t.param.grad is not None:
+            if t.frozen and t.param.grad is not None:
                 raise InvalidArgument(
                     f"param {t.name!r} has a gradient, but it had requires_grad=False when this optimizer was made, "
                     "so its job holds no state of it (a job's params are fixed when it is made): to train a param "

@@ -30,7 +30,8 @@ class _Tensor:
         # master or moments of it, and it may be of any kind. A job's params
         # are fixed when it is made, so one frozen then cannot train later
         # (step() refuses its gradient).
-        self.remote = param.numel() > 0 and param.requires_grad
+        numel = param.numel()
+        self.remote = numel > 0 and param.requires_grad
         if self.remote and type(param) not in (torch.Tensor, torch.nn.Parameter):
             raise InvalidArgument(f"param {name!r} is a {type(param).__name__}, a tensor subclass (such as the DTensor "
                                   "of FSDP2 or tensor parallelism, or a lazy module's uninitialized param); "
@@ -44,10 +45,16 @@ class _Tensor:
             raise InvalidArgument(f"param {name!r} is on {param.device}; RemoteAdamW takes params on the CPU or a "
                                   f"CUDA device{why}")
         self.name, self.param, self.group = name, param, group
-        self.shape, self.dtype, self.device, self.numel = param.shape, param.dtype, param.device, param.numel()
+        self.shape, self.dtype, self.device, self.numel = param.shape, param.dtype, param.device, numel
         self.host_param = self.host_grad = None
         self.version = None  # the param's version counter when the optimizer last wrote or sent it
         self.data_ptr = None  # and where its values were: `p.data = other` swaps them without a version bump
+
+    @property
+    def frozen(self):
+        """Whether it was frozen when the optimizer was made, and is left out
+        of the job for that."""
+        return self.numel > 0 and not self.remote
 
     @property
     def fp32(self):

@@ -217,7 +217,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         try:
             self.resumed_step = self._client.create_or_attach(*self._attach_args, restore_step)
         except AlreadyExists as e:
-            left_out = [repr(t.name) for t in self._tensors if t.numel and not t.remote]
+            left_out = [repr(t.name) for t in self._tensors if t.frozen]
             if not left_out:
                 raise
             raise AlreadyExists(f"{e.message}; params with requires_grad=False here ({', '.join(left_out[:3])}"
@@ -320,8 +320,6 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
 
     def _step(self):
         self._check_params()
-        if not self.overlap:  # (overlap's push runs already: _finish_push refuses it)
-            self._refuse_gradients_of_frozen()
         for gi, g in enumerate(self.param_groups):  # the lr a scheduler set, before it is sent
             _check_hyper(g, f"group {gi}: ")
         second = self.overlap and self._second_gradient
@@ -329,6 +327,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             decision = self._commit_push()  # None: committed as a skip
         else:
             self._check_unchanged()
+            self._refuse_gradients_of_frozen()  # (overlap's _finish_push refuses them)
             group_lr = [float(g["lr"]) for g in self.param_groups]
             grads = [(t.name, self._grad_source(t)[0]) for t in self._remote]
             self._sync_staging()
