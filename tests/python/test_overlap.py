@@ -299,11 +299,15 @@ def test_two_live_overlap_optimizers_may_share_a_param_frozen_at_construction(se
     half = 1 + (len(params) - 1) // 2
     first = RemoteAdamW([params[0]] + params[1:half], servers=servers, job=f"{job}-first", lr=1e-3, overlap=True)
     second = RemoteAdamW([params[0]] + params[half:], servers=servers, job=f"{job}-second", lr=1e-3, overlap=True)
+    before = {name: p.detach().clone() for name, p in params}
     tokens, targets = batch(1)
     model(tokens, targets).backward()
     first.step()
     second.step()
     assert first.job_step == second.job_step == 1
+    assert same_bits(params[0][1], before[params[0][0]])
+    for own in (params[1:half], params[half:]):  # each optimizer moved its own
+        assert any(not same_bits(p, before[name]) for name, p in own)
     for o in (first, second):
         o.drop()
 
