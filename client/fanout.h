@@ -87,6 +87,14 @@ absl::Status Call(grpc::Channel* channel, const std::string& address, const std:
   grpc::Status st;
   int attempts = 0;
   for (int a = 0; a < std::max(1, max_attempts); ++a) {
+    // A channel that failed to connect retries only after its reconnect
+    // backoff, which grows to 1 s while the server is down: a call made
+    // once the server is back failed at once, attempt after attempt, until
+    // that timer ran out. The calls' own backoff spaces the attempts, so
+    // the channel tries at once instead.
+    if (channel->GetState(false) == GRPC_CHANNEL_TRANSIENT_FAILURE) {
+      grpc::experimental::ChannelResetConnectionBackoff(channel);
+    }
     // A first attempt on a channel that failed to connect waits a little
     // for it, so that a caller's own loop of single attempts finds the
     // server too.

@@ -1278,6 +1278,42 @@ TEST(ClientRetries, UnavailableIsRetriedUntilTheServerComes) {
   EXPECT_TRUE(again.ok()) << again.status() << " 4 s after the server was back";
 }
 
+// A server down for a while grows its clients' channel reconnect backoff
+// to 1 s, and a channel in TRANSIENT_FAILURE fails calls at once until that
+// timer runs out: a call with two attempts (150 ms) made once the server was
+// back failed 5 times in 6, the call after it succeeded. Its first call now
+// finds the server.
+TEST(ClientRetries, TheFirstCallAfterARestartFindsTheServerWhateverTheChannelsBackoff) {
+  const int port = testing::FreeLoopbackPort();
+  auto server = ServerProcess::Start({"--port=" + std::to_string(port)});
+  ASSERT_NE(server, nullptr);
+  ClientOptions options;
+  options.servers = {"127.0.0.1:" + std::to_string(port)};
+  options.max_attempts = 2;
+  options.rpc_timeout_ms = 2000;
+  auto client = Client::Connect(options).value();
+  ASSERT_TRUE(client->CreateOrAttach(MakeJob("r", 1, {{"w", 10}})).ok());
+  server->Stop(SIGKILL);
+  // Down for 3 s of failing calls: the channel's backoff is at its 1 s cap.
+  int failed = 0;
+  for (const auto down = std::chrono::steady_clock::now();
+       std::chrono::steady_clock::now() - down < std::chrono::seconds(3); ++failed) {
+    ASSERT_EQ(client->CreateOrAttach(MakeJob("r", 1, {{"w", 10}})).status().code(), absl::StatusCode::kUnavailable);
+  }
+  EXPECT_GE(failed, 5);
+  for (int round = 0; round < 3; ++round) {
+    server = ServerProcess::Start({"--port=" + std::to_string(port)});
+    ASSERT_NE(server, nullptr);
+    const absl::StatusOr<uint64_t> back = client->CreateOrAttach(MakeJob("r", 1, {{"w", 10}}));
+    EXPECT_TRUE(back.ok()) << "round " << round << ": " << back.status();
+    server->Stop(SIGKILL);
+    for (const auto down = std::chrono::steady_clock::now();
+         std::chrono::steady_clock::now() - down < std::chrono::milliseconds(1500);) {
+      ASSERT_FALSE(client->CreateOrAttach(MakeJob("r", 1, {{"w", 10}})).ok());
+    }
+  }
+}
+
 // Init streams that a client holds open without finishing hold no server
 // thread either (they once pinned one each, until a task limit made every
 // new call fail): 300 of them leave the thread count as it was, another job
