@@ -47,11 +47,15 @@ absl::Status CheckWritable(const std::vector<SafetensorsTensor>& tensors) {
     }
     // Elements first, as the reader counts them: a shape past 2^64 elements
     // is refused even if a later dimension is 0.
+    if (ElementBytes(t.dtype) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", t.name, "' has dtype '", t.dtype, "', which safetensors does not know"));
+    }
     uint64_t elements = 1, bytes = 0;
     bool overflow = false;
     for (uint64_t d : t.shape) overflow |= __builtin_mul_overflow(elements, d, &elements);
     overflow |= __builtin_mul_overflow(elements, ElementBytes(t.dtype), &bytes);
-    if (ElementBytes(t.dtype) == 0 || overflow || bytes != t.data.size()) {
+    if (overflow || bytes != t.data.size()) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "': ", t.data.size(),
                                                      " bytes are not its shape of ", t.dtype));
     }

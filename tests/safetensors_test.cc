@@ -155,19 +155,21 @@ TEST_F(SafetensorsTest, ATensorNamedLikeTheMetadataIsRefused) {
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
 }
 
-// What the reader would refuse is refused at the write, and no file is
-// left; with no tensors and no metadata, the header is `{}`, which reads
-// back as no tensors.
+// What the reader would refuse is refused at the write, saying what is
+// wrong (an unknown dtype read as "4 bytes are not its shape of Q7"), and no
+// file is left; with no tensors and no metadata, the header is `{}`, which
+// reads back as no tensors.
 TEST_F(SafetensorsTest, WhatTheReaderRefusesIsNotWritten) {
-  const std::vector<std::vector<SafetensorsTensor>> bad = {
-      {{"w", "F32", {1}, std::string(4, '\0')}, {"w", "F32", {1}, std::string(4, '\0')}},  // a name twice
-      {{"w", "F32", {3}, std::string(8, '\0')}},                                          // 8 bytes for 3 floats
-      {{"w", "Q7", {1}, std::string(4, '\0')}},                                           // no such dtype
-      {{"w", "F32", {uint64_t{1} << 62, 8}, std::string(4, '\0')}},                       // a shape that overflows
-      {{"w", "F32", {uint64_t{1} << 62, 8, 0}, ""}}};                                     // ... then has a 0
-  for (const auto& tensors : bad) {
+  const std::vector<std::pair<std::vector<SafetensorsTensor>, std::string>> bad = {
+      {{{"w", "F32", {1}, std::string(4, '\0')}, {"w", "F32", {1}, std::string(4, '\0')}}, "'w' is given twice"},
+      {{{"w", "F32", {3}, std::string(8, '\0')}}, "tensor 'w': 8 bytes are not its shape of F32"},
+      {{{"w", "Q7", {1}, std::string(4, '\0')}}, "tensor 'w' has dtype 'Q7', which safetensors does not know"},
+      {{{"w", "F32", {uint64_t{1} << 62, 8}, std::string(4, '\0')}}, "tensor 'w': 4 bytes are not its shape"},
+      {{{"w", "F32", {uint64_t{1} << 62, 8, 0}, ""}}, "tensor 'w': 0 bytes are not its shape"}};  // overflows, then 0
+  for (const auto& [tensors, says] : bad) {
     const absl::Status st = WriteSafetensors(path_, tensors, {});
-    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << tensors[0].dtype << " " << tensors.size();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr(says));
     EXPECT_FALSE(std::filesystem::exists(path_));
   }
   ASSERT_TRUE(WriteSafetensors(path_, {}, {}).ok());
