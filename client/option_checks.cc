@@ -7,12 +7,14 @@
 
 #include "absl/algorithm/container.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/str_split.h"
 #include "base/status_macros.h"
+#include "base/utf8.h"
 #include "rpc/bearer_token.h"
 #include "rpc/job_limits.h"
 #include "rpc/learning_rates.h"
@@ -131,6 +133,15 @@ absl::StatusOr<std::string> CleanBearerToken(absl::string_view given) {
 
 absl::Status CheckJobOptions(const JobOptions& job, uint32_t rank) {
   if (job.name.empty()) return absl::InvalidArgumentError("a job needs a name");
+  // Protobuf would send them, and the server refuse the whole message.
+  auto utf8 = [](absl::string_view what, const std::string& name) {
+    return IsUtf8(name) ? absl::OkStatus()
+                        : absl::InvalidArgumentError(absl::StrCat(what, " '", absl::CHexEscape(name),
+                                                                  "' is not UTF-8, which names must be"));
+  };
+  SHARDOPT_RETURN_IF_ERROR(utf8("job name", job.name));
+  for (const GroupOptions& g : job.groups) SHARDOPT_RETURN_IF_ERROR(utf8("group name", g.name));
+  for (const TensorOptions& t : job.tensors) SHARDOPT_RETURN_IF_ERROR(utf8("tensor name", t.name));
   if (job.tensors.empty()) return absl::InvalidArgumentError(absl::StrCat("job '", job.name, "' has no tensors"));
   if (job.world_size == 0) return absl::InvalidArgumentError("world_size must be at least 1");
   if (rank >= job.world_size) {

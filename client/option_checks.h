@@ -37,9 +37,10 @@ absl::Status CheckTlsPem(absl::string_view root_certs, absl::string_view cert_ch
 // send, and prints the header. Whitespace alone is INVALID_ARGUMENT too; ""
 // is no token.
 absl::StatusOr<std::string> CleanBearerToken(absl::string_view given);
-// CreateOrAttach's: a name, tensors of numel in [1, 2^40] (rpc/job_limits.h,
-// as the servers check it, before the placement's arithmetic), a world_size
-// of at least 1 that holds `rank`, enum values that name something.
+// CreateOrAttach's: a name, job, group and tensor names in UTF-8, tensors
+// of numel in [1, 2^40] (rpc/job_limits.h, as the servers check it, before
+// the placement's arithmetic), a world_size of at least 1 that holds
+// `rank`, enum values that name something.
 absl::Status CheckJobOptions(const JobOptions& job, uint32_t rank);
 // Step's, before its push: refused after it, by the servers at the commit,
 // the step could never go through (and a negative loss scale would move the

@@ -7,6 +7,7 @@
 // export reads a complete checkpoint from disk, no server needed, and writes
 // each tensor's master: fp32 exactly (a BF16 group's bf16 master widened,
 // exactly), or rounded to bf16 with --dtype=bf16.
+#include <algorithm>
 #include <cmath>
 #include <csignal>
 #include <chrono>
@@ -24,6 +25,7 @@
 #include <map>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -31,6 +33,7 @@
 #include "absl/strings/strip.h"
 #include "google/protobuf/util/json_util.h"
 #include "kernels/adamw_math.h"
+#include "base/utf8.h"
 #include "checkpoint/catalog.h"
 #include "checkpoint/files.h"
 #include "checkpoint/format.h"
@@ -299,6 +302,13 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_timeout_s) < 1) {
     shardopt::UsageError(absl::StrCat("--timeout_s must be at least 1, got ", absl::GetFlag(FLAGS_timeout_s)));
+  }
+  // A name protobuf would send, and the server refuse the whole message.
+  for (size_t i = 1; i <= std::min<size_t>(n, command == "read" ? 2 : 1); ++i) {
+    if (!shardopt::IsUtf8(args[i])) {
+      shardopt::UsageError(absl::StrCat(i == 1 ? "JOB" : "TENSOR", " '", absl::CHexEscape(args[i]),
+                                        "' is not UTF-8, which names must be"));
+    }
   }
   v1::ReadRequest read;
   if (command == "read") {

@@ -7,16 +7,19 @@
 // out of range is refused before any server is asked, and a failed attach
 // leaves the client attached to nothing.
 #include <limits>
+#include <random>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/generic/async_generic_service.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
+#include "base/utf8.h"
 #include "client/option_checks.h"
 #include "rpc/barrier_timeout.h"
 #include "rpc/initial_values.h"
@@ -171,6 +174,55 @@ TEST(ClientChecksTest, ANumelOutOfRangeIsRefusedBeforeAnyServerIsAsked) {
     const auto attached = client->CreateOrAttach(job);
     EXPECT_EQ(attached.status().code(), absl::StatusCode::kInvalidArgument) << numel << ": " << attached.status();
   }
+}
+
+// Names that are not UTF-8 are refused before any server is asked: protobuf
+// sent them, printing two errors on the trainer's stderr, and the server
+// refused the message whole.
+TEST(ClientChecksTest, ANameThatIsNotUtf8IsRefusedBeforeAnyServerIsAsked) {
+  ClientOptions options;
+  options.servers = {"127.0.0.1:1"};  // nobody: asking it would be UNAVAILABLE
+  options.max_attempts = 1;
+  auto client = Client::Connect(options).value();
+  auto valid = [] {
+    JobOptions job;
+    job.name = "j\xc3\xa9";  // UTF-8 is taken
+    job.groups = {{"g", 0.9, 0.95, 1e-8f, 0.0}};
+    job.tensors = {{"w", 10, 0}};
+    return job;
+  };
+  EXPECT_EQ(client->CreateOrAttach(valid()).status().code(), absl::StatusCode::kUnavailable);
+  std::vector<JobOptions> refused(3, valid());
+  refused[0].name = "j\xe9";
+  refused[1].groups[0].name = "g\xff";
+  refused[2].tensors[0].name = "w\xed\xa0\x80";  // a surrogate
+  for (size_t i = 0; i < refused.size(); ++i) {
+    const auto attached = client->CreateOrAttach(refused[i]);
+    EXPECT_EQ(attached.status().code(), absl::StatusCode::kInvalidArgument) << i << ": " << attached.status();
+    EXPECT_THAT(std::string(attached.status().message()), ::testing::HasSubstr("is not UTF-8")) << i;
+  }
+}
+
+// IsUtf8 takes what protobuf's own parser takes of a string field, on byte
+// strings drawn around the encoding's edges.
+TEST(ClientChecksTest, IsUtf8AgreesWithProtobufsParser) {
+  google::protobuf::LogSilencer quiet;  // the serializer logs every string that is not UTF-8
+  std::mt19937 rng(20261205);
+  const uint8_t edges[] = {0x00, 0x41, 0x7f, 0x80, 0x8f, 0x90, 0x9f, 0xa0, 0xbf, 0xc0, 0xc1, 0xc2, 0xdf,
+                           0xe0, 0xe1, 0xec, 0xed, 0xee, 0xef, 0xf0, 0xf1, 0xf3, 0xf4, 0xf5, 0xff};
+  int valid = 0;
+  for (int n = 0; n < 200000; ++n) {
+    std::string s(1 + rng() % 6, '\0');
+    for (char& c : s) c = static_cast<char>(edges[rng() % sizeof edges]);
+    v1::ReadRequest sent;
+    sent.set_job(s);
+    v1::ReadRequest parsed;
+    const bool protobuf_takes = parsed.ParseFromString(sent.SerializeAsString());
+    ASSERT_EQ(IsUtf8(s), protobuf_takes) << absl::CHexEscape(s);
+    valid += protobuf_takes;
+  }
+  EXPECT_GT(valid, 1000);  // both verdicts drawn often
+  EXPECT_LT(valid, 190000);
 }
 
 TEST(ClientChecksTest, AFailedAttachLeavesTheClientAttachedToNothing) {

@@ -71,6 +71,9 @@ case $case_name in
     run 2 "$cli" describe JOB extra && expect err 'extra'
     run 2 "$cli" checkpoint JOB 1x && expect err "STEP must be a whole number in digits, got '1x'"
     run 2 "$cli" frobnicate JOB && expect err 'frobnicate'
+    # Protobuf would send a name that is not UTF-8, and the server refuse the call.
+    run 2 "$cli" describe $'j\xe9' && expect err "JOB 'j\\\\xe9' is not UTF-8"
+    run 2 "$cli" read job $'w\xff' master && expect err "TENSOR 'w\\\\xff' is not UTF-8"
     run 2 "$cli" help frobnicate && expect err 'frobnicate'
     run 2 "$cli" && expect err 'usage'
     run 2 "$cli" --no_such_flag describe JOB && expect err 'no_such_flag'
