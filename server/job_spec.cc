@@ -126,6 +126,20 @@ absl::StatusOr<v1::CreateJobRequest> NormalizeJobSpec(const v1::CreateJobRequest
 }
 
 
+namespace {
+
+// Normalize keeps a bf16 tensor's param_dtype unspecified (what servers
+// before the field stored); a report names it BF16, which is what callers
+// send.
+v1::CreateJobRequest AsReported(v1::CreateJobRequest r) {
+  for (v1::TensorSpec& t : *r.mutable_tensors()) {
+    if (t.param_dtype() == v1::DTYPE_UNSPECIFIED) t.set_param_dtype(v1::BF16);
+  }
+  return r;
+}
+
+}  // namespace
+
 absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
   std::string diff;
   google::protobuf::util::MessageDifferencer differ;
@@ -135,7 +149,7 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   differ.set_message_field_comparison(google::protobuf::util::MessageDifferencer::EQUIVALENT);
   differ.IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
   differ.set_report_ignores(false);  // a group's name is not why: it is for messages only
-  if (!differ.Compare(existing, requested)) {
+  if (!differ.Compare(AsReported(existing), AsReported(requested))) {
     return absl::AlreadyExistsError(absl::StrCat("job '", requested.job(), "' exists with a different configuration ",
                                                  "(this server's -> this call's: ", OneLineReport(diff),
                                                  "); drop it or use another name"));

@@ -734,6 +734,19 @@ TEST_F(StoreTest, ADifferentConfigurationIsNamedOnOneLineWithoutTheIgnoredGroupN
   decayed.mutable_groups(0)->set_weight_decay(0.05);
   const std::string other(store_.CreateJob(decayed).status().message());
   EXPECT_THAT(other, HasSubstr("modified: groups[0].weight_decay: 0 -> 0.05")) << other;
+  // A bf16 tensor's param_dtype, kept unspecified (what servers before the
+  // field stored), is named BF16, not DTYPE_UNSPECIFIED, which no caller
+  // sent; either way round.
+  v1::CreateJobRequest fp32 = first;
+  fp32.mutable_tensors(0)->set_param_dtype(v1::FP32);
+  for (const auto& [held, asked, says] :
+       {std::make_tuple(first, fp32, "param_dtype: BF16 -> FP32"), std::make_tuple(fp32, first, "param_dtype: FP32 -> BF16")}) {
+    ASSERT_TRUE(store_.DropJob("differs", 0, false).ok());
+    ASSERT_TRUE(store_.CreateJob(held).ok());
+    const std::string dtypes(store_.CreateJob(asked).status().message());
+    EXPECT_THAT(dtypes, HasSubstr(says)) << dtypes;
+    EXPECT_THAT(dtypes, Not(HasSubstr("UNSPECIFIED"))) << dtypes;
+  }
 }
 
 TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
