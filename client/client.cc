@@ -189,7 +189,9 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
     if (std::chrono::steady_clock::now() >= give_up) {
       return absl::DeadlineExceededError(absl::StrCat(
           im.address(pending.front()), ": ", missing[pending.front()], " of its parts of job '", im.job.name,
-          "' still lack initial values after ", timeout_ms, " ms; is every rank that writes a share of them running?"));
+          "' still lack initial values after ", timeout_ms, " ms; is every rank that writes them, or a share of them, "
+          "running, with this job name and world_size? (A rank that gave another made another job, and waits as "
+          "well)"));
     }
     std::this_thread::sleep_for(std::min(pause, std::chrono::duration_cast<std::chrono::milliseconds>(
                                                     give_up - std::chrono::steady_clock::now())));

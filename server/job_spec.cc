@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -150,9 +151,15 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   differ.IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
   differ.set_report_ignores(false);  // a group's name is not why: it is for messages only
   if (!differ.Compare(AsReported(existing), AsReported(requested))) {
-    return absl::AlreadyExistsError(absl::StrCat("job '", requested.job(), "' exists with a different configuration ",
-                                                 "(this server's -> this call's: ", OneLineReport(diff),
-                                                 "); drop it or use another name"));
+    // The shards are the client's placement: they differ where its ranks
+    // list the servers in different orders or numbers, or the tensors do.
+    const bool placed_otherwise = absl::StrContains(diff, "shards[");
+    return absl::AlreadyExistsError(absl::StrCat(
+        "job '", requested.job(), "' exists with a different configuration (this server's -> this call's: ",
+        OneLineReport(diff), "); drop it or use another name",
+        placed_otherwise ? " (this server's part of it differs: every rank must list the same servers, in the same "
+                           "order)"
+                         : ""));
   }
   return absl::OkStatus();
 }

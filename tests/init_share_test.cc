@@ -100,6 +100,8 @@ TEST_F(InitShareTest, SharesTileTheTensorsBitwiseAndTheJobWaitsForTheLastOne) {
   const auto waited = clients_[0]->WaitForInitialValues(100);
   EXPECT_TRUE(absl::IsDeadlineExceeded(waited)) << waited;
   EXPECT_THAT(std::string(waited.message()), HasSubstr("still lack initial values"));
+  // A rank that gave another job name waits too, on a job of its own.
+  EXPECT_THAT(std::string(waited.message()), HasSubstr("with this job name and world_size?"));
   std::vector<std::vector<uint16_t>> grads;
   for (const TensorOptions& t : job_.tensors) grads.push_back(RandomBf16(rng_, t.numel, 1.0f));
   const std::vector<GradView> views = {{"a", grads[0].data()}, {"b", grads[1].data()}, {"c", grads[2].data()}};

@@ -746,7 +746,15 @@ TEST_F(StoreTest, ADifferentConfigurationIsNamedOnOneLineWithoutTheIgnoredGroupN
     const std::string dtypes(store_.CreateJob(asked).status().message());
     EXPECT_THAT(dtypes, HasSubstr(says)) << dtypes;
     EXPECT_THAT(dtypes, Not(HasSubstr("UNSPECIFIED"))) << dtypes;
+    EXPECT_THAT(dtypes, Not(HasSubstr("same servers"))) << dtypes;
   }
+  // Another part of the tensor on this server: a rank listing the servers
+  // in another order is told so.
+  v1::CreateJobRequest placed = first;
+  placed.add_shards()->set_tensor("w");
+  placed.mutable_shards(0)->set_length(50);
+  const std::string shards(store_.CreateJob(placed).status().message());
+  EXPECT_THAT(shards, HasSubstr("every rank must list the same servers, in the same order")) << shards;
 }
 
 TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
