@@ -104,7 +104,8 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string& path) {
+absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string& path,
+                                                               std::map<std::string, std::string>* metadata) {
   // The whole file is read: a directory reads as empty, and a device
   // (/dev/zero) or a pipe has no end to read to, and would take all memory
   // or wait for good. (A path that cannot be looked at fails to open below.)
@@ -208,6 +209,12 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
     at = end;
   }
   if (at != bytes.size() - base) return bad(absl::StrCat(bytes.size() - base - at, " bytes after the last tensor's data"));
+  if (metadata != nullptr) {
+    metadata->clear();
+    if (header.contains("__metadata__")) {
+      for (const auto& [key, value] : header["__metadata__"].items()) (*metadata)[key] = value.get<std::string>();
+    }
+  }
   return out;
 }
 

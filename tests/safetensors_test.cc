@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -58,9 +59,15 @@ class SafetensorsTest : public ::testing::Test {
 TEST_F(SafetensorsTest, ARoundTripKeepsEveryByte) {
   const std::vector<SafetensorsTensor> tensors = {{"a", "F32", {2, 3}, std::string("\x01\x02\x03\x04", 4) + std::string(20, '\x7f')},
                                                   {"b", "BF16", {5}, std::string(10, '\x33')}};
-  ASSERT_TRUE(WriteSafetensors(path_, tensors, {{"step", "7"}}).ok());
-  auto read = ReadSafetensors(path_);
+  ASSERT_TRUE(WriteSafetensors(path_, tensors, {{"step", "7"}, {"job", "j"}}).ok());
+  std::map<std::string, std::string> metadata = {{"left", "over"}};
+  auto read = ReadSafetensors(path_, &metadata);
   ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(metadata, (std::map<std::string, std::string>{{"job", "j"}, {"step", "7"}}));
+  // None written, none read (not what the map held before).
+  ASSERT_TRUE(WriteSafetensors(path_, tensors, {}).ok());
+  ASSERT_TRUE(ReadSafetensors(path_, &metadata).ok());
+  EXPECT_TRUE(metadata.empty());
   ASSERT_EQ(read->size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
     EXPECT_EQ((*read)[i].name, tensors[i].name);

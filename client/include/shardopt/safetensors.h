@@ -29,7 +29,10 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
 // Reads a whole file into memory, its tensors sorted by name (the header is
 // a JSON object, whose order a writer need not keep); INVALID_ARGUMENT naming
 // what is wrong with a bad one, and, unread, a path that is not a regular
-// file (a device or a pipe).
-absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string& path);
+// file (a device or a pipe). `metadata`, if given, gets the file's
+// __metadata__ (empty if it has none), such as the job and step that
+// `shardopt export` records; it is left as it was if the read fails.
+absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string& path,
+                                                               std::map<std::string, std::string>* metadata = nullptr);
 
 }  // namespace shardopt
