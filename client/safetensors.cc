@@ -45,12 +45,12 @@ absl::Status CheckWritable(const std::vector<SafetensorsTensor>& tensors) {
     if (!names.insert(t.name).second) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' is given twice"));
     }
-    // Elements first, as the reader counts them: a shape past 2^64 elements
-    // is refused even if a later dimension is 0.
     if (ElementBytes(t.dtype) == 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("tensor '", t.name, "' has dtype '", t.dtype, "', which safetensors does not know"));
     }
+    // Elements first, as the reader counts them: a shape past 2^64 elements
+    // is refused even if a later dimension is 0.
     uint64_t elements = 1, bytes = 0;
     bool overflow = false;
     for (uint64_t d : t.shape) overflow |= __builtin_mul_overflow(elements, d, &elements);
