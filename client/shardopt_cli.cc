@@ -281,6 +281,14 @@ int main(int argc, char** argv) {
     std::cout << "usage: shardopt " << about->synopsis << "\n" << about->description << "\n";
     return 0;
   }
+  // A name protobuf would send, and the server refuse the whole message; a
+  // job of such a name cannot exist, so none has a checkpoint to export.
+  for (size_t i = 1; i <= std::min<size_t>(n, command == "read" ? 2 : 1); ++i) {
+    if (!shardopt::IsUtf8(args[i])) {
+      shardopt::UsageError(absl::StrCat(i == 1 ? "JOB" : "TENSOR", " '", absl::CHexEscape(args[i]),
+                                        "' is not UTF-8, which names must be"));
+    }
+  }
   if (command == "export") {
     const std::string dtype = absl::GetFlag(FLAGS_dtype);
     if (dtype != "fp32" && dtype != "bf16") {
@@ -302,13 +310,6 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_timeout_s) < 1) {
     shardopt::UsageError(absl::StrCat("--timeout_s must be at least 1, got ", absl::GetFlag(FLAGS_timeout_s)));
-  }
-  // A name protobuf would send, and the server refuse the whole message.
-  for (size_t i = 1; i <= std::min<size_t>(n, command == "read" ? 2 : 1); ++i) {
-    if (!shardopt::IsUtf8(args[i])) {
-      shardopt::UsageError(absl::StrCat(i == 1 ? "JOB" : "TENSOR", " '", absl::CHexEscape(args[i]),
-                                        "' is not UTF-8, which names must be"));
-    }
   }
   v1::ReadRequest read;
   if (command == "read") {

@@ -74,6 +74,7 @@ case $case_name in
     # Protobuf would send a name that is not UTF-8, and the server refuse the call.
     run 2 "$cli" describe $'j\xe9' && expect err "JOB 'j\\\\xe9' is not UTF-8"
     run 2 "$cli" read job $'w\xff' master && expect err "TENSOR 'w\\\\xff' is not UTF-8"
+    run 2 "$cli" export --checkpoint_dir="$dir" $'j\xe9' "$dir/out.safetensors" && expect err "JOB 'j\\\\xe9' is not UTF-8"
     run 2 "$cli" help frobnicate && expect err 'frobnicate'
     run 2 "$cli" && expect err 'usage'
     run 2 "$cli" --no_such_flag describe JOB && expect err 'no_such_flag'
