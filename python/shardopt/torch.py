@@ -414,7 +414,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
 
     def drop(self):
         """Deletes the job and its state from the servers. This optimizer's
-        later calls then raise FailedPrecondition, and other trainers' get
+        later calls to them raise FailedPrecondition, other trainers' get
         NotFound. Checkpoints on disk stay: a later job of the same name on
         servers with --checkpoint_dir restores the newest complete one, so
         remove the job's directory there to start it afresh."""
@@ -422,7 +422,8 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
 
     @property
     def job_step(self):
-        """The job's step: the last one done."""
+        """The job's step as this optimizer last saw it, not asked of the
+        servers (describe() asks them): the last it did or resumed at."""
         return self._client.step_count
 
     def master(self, param):
