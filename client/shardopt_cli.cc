@@ -40,6 +40,7 @@
 #include "client/fanout.h"
 #include "client/option_checks.h"
 #include "shardopt/safetensors.h"
+#include "grpc/support/log.h"
 #include "grpcpp/grpcpp.h"
 #include "rpc/grpc_edge.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
@@ -257,6 +258,10 @@ int main(int argc, char** argv) {
   // which is reported and its temporary file removed, instead of killing
   // the process with nothing said.
   signal(SIGXFSZ, SIG_IGN);
+  // gRPC's own log lines ("E1206 ... ssl_transport_security.cc:1501]
+  // Handshake failed ...") said again, in its words, what the call's status
+  // says, which is printed as the error.
+  gpr_set_log_function([](gpr_log_func_args*) {});
   const std::string usage = Usage();
   const std::vector<std::string> args = shardopt::ParseFlags(argc, argv, usage);
   if (args.empty()) shardopt::UsageError(absl::StrCat("no verb given\n", usage));

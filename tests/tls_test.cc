@@ -2,6 +2,7 @@
 // the openssl command for each run: who can reach a TLS server, who a
 // mutual-TLS one, the refusal of plaintext on a non-loopback address, and
 // IPv6 loopback.
+#include <algorithm>
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -129,6 +130,24 @@ TEST(TlsTest, AMutualTlsServerServesOnlyClientsWithACertificateItsCaSigned) {
   stranger.tls_cert_chain = certs.pem("stranger.pem");
   stranger.tls_private_key = certs.pem("stranger.key");
   EXPECT_EQ(StepOnce(server->address(), stranger, "c").code(), absl::StatusCode::kUnavailable);
+}
+
+// A handshake that fails (TLS against a plaintext server) is one line, the
+// CLI's error: gRPC's own log line of it ("E... ssl_transport_security.cc
+// ... Handshake failed ... wrong version number") said it again before it.
+TEST(TlsTest, TheCliSaysAFailedHandshakeOnceInItsOwnLine) {
+  Certificates certs;
+  ASSERT_TRUE(certs.ok()) << "openssl could not make the test certificates";
+  auto plain = ServerProcess::Start({});
+  ASSERT_NE(plain, nullptr);
+  const std::string out = certs.path("cli.out");
+  const int status = std::system(absl::StrCat(SHARDOPT_CLI_BINARY, " --server=", plain->address(),
+                                              " --timeout_s=5 --tls_ca=", certs.path("ca.pem"), " describe nojob >",
+                                              out, " 2>&1").c_str());
+  const std::string said = ReadText(out);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status << ": " << said;
+  EXPECT_THAT(said, ::testing::StartsWith("shardopt: UNAVAILABLE: ")) << said;
+  EXPECT_EQ(std::count(said.begin(), said.end(), '\n'), 1) << said;
 }
 
 // The admin CLI reaches a TLS server by another name than its certificate's
