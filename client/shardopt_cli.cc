@@ -303,6 +303,8 @@ int main(int argc, char** argv) {
     if (checkpoint_dir.empty()) {
       shardopt::UsageError(absl::StrCat("export needs --checkpoint_dir\nusage: shardopt ", verb->synopsis));
     }
+    // Many tools read `-` as stdout; this one would write a file of that name.
+    if (args[2] == "-") shardopt::UsageError("export writes OUT.safetensors to a file; '-' (stdout) is not taken");
     return Export(checkpoint_dir, absl::GetFlag(FLAGS_step), dtype == "bf16", args[1], args[2]);
   }
 
