@@ -32,22 +32,29 @@ int WriteAll(int fd, absl::Span<const std::string_view> pieces) {
 
 absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::string_view> pieces) {
   const std::string tmp = TemporaryName(path);
+  // Named by `path`, the file the caller asked for: the temporary name is
+  // what failed, but not what the caller knows.
+  const auto failed = [&](const char* doing, int error) {
+    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", doing, " its temporary ", tmp,
+                                            std::string_view(doing) == "renaming" ? " over it" : "", ": ",
+                                            std::strerror(error)));
+  };
   const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
-  if (fd < 0) return absl::InternalError(absl::StrCat("cannot create ", tmp, ": ", std::strerror(errno)));
-  std::string what = absl::StrCat("cannot write ", tmp);
+  if (fd < 0) return failed("creating", errno);
+  const char* doing = "writing";
   int error = WriteAll(fd, pieces);
   if (error == 0 && fsync(fd) != 0) {
     error = errno;
-    what = absl::StrCat("cannot fsync ", tmp);
+    doing = "fsyncing";
   }
   if (close(fd) != 0 && error == 0) error = errno;
   if (error == 0 && rename(tmp.c_str(), path.c_str()) != 0) {
     error = errno;
-    what = absl::StrCat("cannot rename into ", path);
+    doing = "renaming";
   }
   if (error != 0) {
     unlink(tmp.c_str());
-    return absl::InternalError(absl::StrCat(what, ": ", std::strerror(error)));
+    return failed(doing, error);
   }
   // The new file is in place already: a failure here says so.
   if (absl::Status synced = FsyncDirectory(DirectoryOf(path)); !synced.ok()) {

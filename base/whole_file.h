@@ -24,9 +24,10 @@ int WriteAll(int fd, absl::Span<const std::string_view> pieces);
 
 // Temporary name, write, fsync, rename over `path` (mode 0666 less the
 // umask), then fsync of the directory, so that the rename outlives a crash.
-// INTERNAL naming the file and the system's reason on failure; the
-// temporary is removed if the rename did not happen, and a failed fsync of
-// the directory says that the new file is in place.
+// INTERNAL naming `path`, then what failed of its temporary (creating,
+// writing, fsyncing or renaming it), and the system's reason; the temporary
+// is removed if the rename did not happen, and a failed fsync of the
+// directory says that the new file is in place.
 absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::string_view> pieces);
 
 // The directory `path` names a file in ("." for a bare name).

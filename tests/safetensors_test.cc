@@ -85,6 +85,16 @@ TEST_F(SafetensorsTest, AFailedWriteLeavesTheOldFileWhole) {
   const absl::Status st = WriteStoppedPartway(path_);
   EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
   EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("File too large")) << "the reason the write failed";
+  // Named by the file asked for first, not only by its temporary name.
+  EXPECT_THAT(std::string(st.message()), ::testing::StartsWith("cannot write " + path_ + ": writing its temporary "))
+      << st;
+  // A directory that does not exist, the same way.
+  const std::string nowhere = path_ + ".missing/out.safetensors";
+  const absl::Status created = WriteSafetensors(nowhere, old, {});
+  EXPECT_THAT(std::string(created.message()),
+              ::testing::StartsWith("cannot write " + nowhere + ": creating its temporary " + nowhere + ".tmp."))
+      << created;
+  EXPECT_THAT(std::string(created.message()), ::testing::EndsWith(": No such file or directory")) << created;
   for (const auto& entry : std::filesystem::directory_iterator(std::filesystem::path(path_).parent_path())) {
     EXPECT_NE(entry.path().string().rfind(path_ + ".tmp.", 0), 0u) << "left behind: " << entry.path();
   }
