@@ -14,7 +14,7 @@
 #include "absl/strings/strip.h"
 #include "absl/strings/str_split.h"
 #include "base/status_macros.h"
-#include "base/utf8.h"
+#include "google/protobuf/stubs/common.h"
 #include "rpc/bearer_token.h"
 #include "rpc/job_limits.h"
 #include "rpc/learning_rates.h"
@@ -131,17 +131,20 @@ absl::StatusOr<std::string> CleanBearerToken(absl::string_view given) {
   return std::string(token);
 }
 
+absl::Status CheckNameIsUtf8(absl::string_view what, absl::string_view name) {
+  // The very check protobuf's parser makes of a string field.
+  if (google::protobuf::internal::IsStructurallyValidUTF8(name.data(), static_cast<int>(name.size()))) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, " '", absl::CHexEscape(name), "' is not UTF-8, which names must be"));
+}
+
 absl::Status CheckJobOptions(const JobOptions& job, uint32_t rank) {
   if (job.name.empty()) return absl::InvalidArgumentError("a job needs a name");
-  // Protobuf would send them, and the server refuse the whole message.
-  auto utf8 = [](absl::string_view what, const std::string& name) {
-    return IsUtf8(name) ? absl::OkStatus()
-                        : absl::InvalidArgumentError(absl::StrCat(what, " '", absl::CHexEscape(name),
-                                                                  "' is not UTF-8, which names must be"));
-  };
-  SHARDOPT_RETURN_IF_ERROR(utf8("job name", job.name));
-  for (const GroupOptions& g : job.groups) SHARDOPT_RETURN_IF_ERROR(utf8("group name", g.name));
-  for (const TensorOptions& t : job.tensors) SHARDOPT_RETURN_IF_ERROR(utf8("tensor name", t.name));
+  SHARDOPT_RETURN_IF_ERROR(CheckNameIsUtf8("job name", job.name));
+  for (const GroupOptions& g : job.groups) SHARDOPT_RETURN_IF_ERROR(CheckNameIsUtf8("group name", g.name));
+  for (const TensorOptions& t : job.tensors) SHARDOPT_RETURN_IF_ERROR(CheckNameIsUtf8("tensor name", t.name));
   if (job.tensors.empty()) return absl::InvalidArgumentError(absl::StrCat("job '", job.name, "' has no tensors"));
   if (job.world_size == 0) return absl::InvalidArgumentError("world_size must be at least 1");
   if (rank >= job.world_size) {

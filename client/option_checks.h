@@ -37,6 +37,10 @@ absl::Status CheckTlsPem(absl::string_view root_certs, absl::string_view cert_ch
 // send, and prints the header. Whitespace alone is INVALID_ARGUMENT too; ""
 // is no token.
 absl::StatusOr<std::string> CleanBearerToken(absl::string_view given);
+// A name (`what`: "job name", "JOB", ...) that is not UTF-8 is
+// INVALID_ARGUMENT, naming it escaped: protobuf would send it, logging an
+// error on the caller's stderr, and the server refuse the whole message.
+absl::Status CheckNameIsUtf8(absl::string_view what, absl::string_view name);
 // CreateOrAttach's: a name, job, group and tensor names in UTF-8, tensors
 // of numel in [1, 2^40] (rpc/job_limits.h, as the servers check it, before
 // the placement's arithmetic), a world_size of at least 1 that holds

@@ -25,7 +25,6 @@
 #include <map>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -33,7 +32,6 @@
 #include "absl/strings/strip.h"
 #include "google/protobuf/util/json_util.h"
 #include "kernels/adamw_math.h"
-#include "base/utf8.h"
 #include "checkpoint/catalog.h"
 #include "checkpoint/files.h"
 #include "checkpoint/format.h"
@@ -289,9 +287,8 @@ int main(int argc, char** argv) {
   // A name protobuf would send, and the server refuse the whole message; a
   // job of such a name cannot exist, so none has a checkpoint to export.
   for (size_t i = 1; i <= std::min<size_t>(n, command == "read" ? 2 : 1); ++i) {
-    if (!shardopt::IsUtf8(args[i])) {
-      shardopt::UsageError(absl::StrCat(i == 1 ? "JOB" : "TENSOR", " '", absl::CHexEscape(args[i]),
-                                        "' is not UTF-8, which names must be"));
+    if (absl::Status st = shardopt::CheckNameIsUtf8(i == 1 ? "JOB" : "TENSOR", args[i]); !st.ok()) {
+      shardopt::UsageError(std::string(st.message()));
     }
   }
   if (command == "export") {

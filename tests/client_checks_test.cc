@@ -19,7 +19,6 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server.h"
 #include "grpcpp/server_builder.h"
-#include "base/utf8.h"
 #include "client/option_checks.h"
 #include "rpc/barrier_timeout.h"
 #include "rpc/initial_values.h"
@@ -203,9 +202,9 @@ TEST(ClientChecksTest, ANameThatIsNotUtf8IsRefusedBeforeAnyServerIsAsked) {
   }
 }
 
-// IsUtf8 takes what protobuf's own parser takes of a string field, on byte
-// strings drawn around the encoding's edges.
-TEST(ClientChecksTest, IsUtf8AgreesWithProtobufsParser) {
+// The client refuses a name exactly where the server's parser would refuse
+// the message, on byte strings drawn around the encoding's edges.
+TEST(ClientChecksTest, TheNameCheckAgreesWithProtobufsParser) {
   google::protobuf::LogSilencer quiet;  // the serializer logs every string that is not UTF-8
   std::mt19937 rng(20261205);
   const uint8_t edges[] = {0x00, 0x41, 0x7f, 0x80, 0x8f, 0x90, 0x9f, 0xa0, 0xbf, 0xc0, 0xc1, 0xc2, 0xdf,
@@ -218,7 +217,7 @@ TEST(ClientChecksTest, IsUtf8AgreesWithProtobufsParser) {
     sent.set_job(s);
     v1::ReadRequest parsed;
     const bool protobuf_takes = parsed.ParseFromString(sent.SerializeAsString());
-    ASSERT_EQ(IsUtf8(s), protobuf_takes) << absl::CHexEscape(s);
+    ASSERT_EQ(CheckNameIsUtf8("name", s).ok(), protobuf_takes) << absl::CHexEscape(s);
     valid += protobuf_takes;
   }
   EXPECT_GT(valid, 1000);  // both verdicts drawn often
