@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -142,26 +141,31 @@ v1::CreateJobRequest AsReported(v1::CreateJobRequest r) {
 }  // namespace
 
 absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
-  std::string diff;
   google::protobuf::util::MessageDifferencer differ;
-  differ.ReportDifferencesToString(&diff);
   // A field at proto3's default is absent: compared and shown as 0, not
   // as "added" with one side's value alone.
   differ.set_message_field_comparison(google::protobuf::util::MessageDifferencer::EQUIVALENT);
   differ.IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
+  // Every attach compares; only a job that differs is reported, from copies
+  // that name its dtypes as callers do.
+  if (differ.Compare(existing, requested)) return absl::OkStatus();
+  std::string diff;
   differ.set_report_ignores(false);  // a group's name is not why: it is for messages only
-  if (!differ.Compare(AsReported(existing), AsReported(requested))) {
-    // The shards are the client's placement: they differ where its ranks
-    // list the servers in different orders or numbers, or the tensors do.
-    const bool placed_otherwise = absl::StrContains(diff, "shards[");
-    return absl::AlreadyExistsError(absl::StrCat(
-        "job '", requested.job(), "' exists with a different configuration (this server's -> this call's: ",
-        OneLineReport(diff), "); drop it or use another name",
-        placed_otherwise ? " (this server's part of it differs: every rank must list the same servers, in the same "
-                           "order)"
-                         : ""));
-  }
-  return absl::OkStatus();
+  differ.ReportDifferencesToString(&diff);
+  differ.Compare(AsReported(existing), AsReported(requested));
+  // The shards are the client's placement: they differ where its ranks
+  // list the servers in different orders or numbers, or the tensors do.
+  const bool placed_otherwise =
+      !std::equal(existing.shards().begin(), existing.shards().end(), requested.shards().begin(),
+                  requested.shards().end(), [](const v1::ShardRange& a, const v1::ShardRange& b) {
+                    return google::protobuf::util::MessageDifferencer::Equivalent(a, b);
+                  });
+  return absl::AlreadyExistsError(absl::StrCat(
+      "job '", requested.job(), "' exists with a different configuration (this server's -> this call's: ",
+      OneLineReport(diff), "); drop it or use another name",
+      placed_otherwise ? " (this server's part of it differs: every rank must list the same servers, in the same "
+                         "order)"
+                       : ""));
 }
 
 }  // namespace shardopt
