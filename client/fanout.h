@@ -92,16 +92,14 @@ absl::Status Call(grpc::Channel* channel, const std::string& address, const std:
     // once the server is back failed at once, attempt after attempt, until
     // that timer ran out. The calls' own backoff spaces the attempts, so
     // the channel tries at once instead.
-    if (channel->GetState(false) == GRPC_CHANNEL_TRANSIENT_FAILURE) {
-      grpc::experimental::ChannelResetConnectionBackoff(channel);
-    }
+    const bool failed = channel->GetState(false) == GRPC_CHANNEL_TRANSIENT_FAILURE;
+    if (failed) grpc::experimental::ChannelResetConnectionBackoff(channel);
     // A first attempt on a channel that failed to connect waits a little
     // for it, so that a caller's own loop of single attempts finds the
     // server too.
-    AwaitChannel(channel, std::chrono::milliseconds(
-                              a > 0 ? std::min(kBackoffCapMs, kBackoffBaseMs << std::min(a, 6))
-                              : channel->GetState(false) == GRPC_CHANNEL_TRANSIENT_FAILURE ? kBackoffBaseMs
-                                                                                           : 0));
+    AwaitChannel(channel, std::chrono::milliseconds(a > 0    ? std::min(kBackoffCapMs, kBackoffBaseMs << std::min(a, 6))
+                                                    : failed ? kBackoffBaseMs
+                                                             : 0));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
     if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
