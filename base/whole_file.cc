@@ -35,9 +35,8 @@ absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::strin
   // Named by `path`, the file the caller asked for: the temporary name is
   // what failed, but not what the caller knows.
   const auto failed = [&](const char* doing, int error) {
-    return absl::InternalError(absl::StrCat("cannot write ", path, ": ", doing, " its temporary ", tmp,
-                                            std::string_view(doing) == "renaming" ? " over it" : "", ": ",
-                                            std::strerror(error)));
+    return absl::InternalError(
+        absl::StrCat("cannot write ", path, ": ", doing, " its temporary ", tmp, ": ", std::strerror(error)));
   };
   const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   if (fd < 0) return failed("creating", errno);
