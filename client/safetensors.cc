@@ -145,11 +145,14 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
                                                       note_keys, /*allow_exceptions=*/false);
   if (!header.is_object()) return bad("header is not a JSON object");
   if (!repeated.empty()) return bad(absl::StrCat("the header names '", repeated, "' twice"));
+  std::map<std::string, std::string> found;  // __metadata__, given to the caller once the file is read whole
   if (header.contains("__metadata__")) {
-    const nlohmann::json& metadata = header["__metadata__"];
-    bool text = metadata.is_object();
-    for (auto it = metadata.begin(); text && it != metadata.end(); ++it) text = it->is_string();
-    if (!text) return bad("__metadata__ must map text to text");
+    const nlohmann::json& entries = header["__metadata__"];
+    if (!entries.is_object()) return bad("__metadata__ must map text to text");
+    for (const auto& [key, value] : entries.items()) {
+      if (!value.is_string()) return bad("__metadata__ must map text to text");
+      found[key] = value.get<std::string>();
+    }
   }
   const uint64_t base = 8 + n;
   std::vector<SafetensorsTensor> out;
@@ -209,12 +212,7 @@ absl::StatusOr<std::vector<SafetensorsTensor>> ReadSafetensors(const std::string
     at = end;
   }
   if (at != bytes.size() - base) return bad(absl::StrCat(bytes.size() - base - at, " bytes after the last tensor's data"));
-  if (metadata != nullptr) {
-    metadata->clear();
-    if (header.contains("__metadata__")) {
-      for (const auto& [key, value] : header["__metadata__"].items()) (*metadata)[key] = value.get<std::string>();
-    }
-  }
+  if (metadata != nullptr) *metadata = std::move(found);
   return out;
 }
 

@@ -64,6 +64,12 @@ TEST_F(SafetensorsTest, ARoundTripKeepsEveryByte) {
   auto read = ReadSafetensors(path_, &metadata);
   ASSERT_TRUE(read.ok()) << read.status();
   EXPECT_EQ(metadata, (std::map<std::string, std::string>{{"job", "j"}, {"step", "7"}}));
+  // A read that fails, here past a header whose metadata parsed (a byte
+  // after the data), leaves the map as it was.
+  ASSERT_TRUE(WriteSafetensors(path_, tensors, {{"step", "8"}}).ok());
+  std::ofstream(path_, std::ios::binary | std::ios::app) << 'x';
+  ASSERT_FALSE(ReadSafetensors(path_, &metadata).ok());
+  EXPECT_EQ(metadata, (std::map<std::string, std::string>{{"job", "j"}, {"step", "7"}}));
   // None written, none read (not what the map held before).
   ASSERT_TRUE(WriteSafetensors(path_, tensors, {}).ok());
   ASSERT_TRUE(ReadSafetensors(path_, &metadata).ok());
