@@ -73,6 +73,10 @@ struct Verb {
 constexpr Verb kVerbs[] = {
     {"describe", "[--server=HOST:PORT] describe JOB",
      "Prints the job as the server holds it (step, groups, tensors, memory, device) as JSON.", 1, 1},
+    {"list", "[--server=HOST:PORT] list",
+     "Prints the jobs the server holds, those the token may describe, as JSON: each one's step, world_size,\n"
+     "tensors, memory and what its step waits for. Jobs a restarted server has not restored yet are not held.",
+     0, 0},
     {"drop", "[--server=HOST:PORT] drop JOB", "Drops the job and its state from the server.", 1, 1},
     {"checkpoint", "[--server=HOST:PORT] checkpoint JOB [STEP]",
      "Writes the server's part of the job's checkpoint of STEP (default: the step the server holds), and\n"
@@ -408,6 +412,20 @@ int main(int argc, char** argv) {
     v1::DescribeResponse resp;
     if (auto st = describe(&resp); !st.ok()) return Fail(st);
     PrintJson(resp);
+    return 0;
+  }
+  if (command == "list") {
+    v1::ListJobsRequest req;
+    v1::ListJobsResponse page, all;
+    do {
+      if (auto st = stub->ListJobs(context(), req, &page); !st.ok()) return Fail(st);
+      if (page.jobs_size() == 0) break;
+      req.set_after(page.jobs(page.jobs_size() - 1).job());
+      for (v1::JobSummary& job : *page.mutable_jobs()) *all.add_jobs() = std::move(job);
+    } while (page.more());
+    page.mutable_jobs()->Swap(all.mutable_jobs());
+    page.set_more(false);  // the pages joined
+    PrintJson(page);
     return 0;
   }
   if (command == "checkpoint") {

@@ -121,6 +121,12 @@ class JobStore {
     return Describe(request);
   }
 
+  // One page of the jobs held now whose names `visible` takes (the caller's
+  // token's), in byte order of their names, at most kListPage.
+  static constexpr uint32_t kListPage = 1000;
+  v1::ListJobsResponse ListJobs(const v1::ListJobsRequest& request,
+                                const std::function<bool(const std::string&)>& visible) const ABSL_LOCKS_EXCLUDED(mu_);
+
   // Writes one chunk of initial values (the master, or Adam's moments).
   // All-or-nothing: a chunk with a bad range or value changes nothing.
   // Returns the number of elements written. While a checkpoint streams the
@@ -203,6 +209,8 @@ class JobStore {
   // attached to was.
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& name, uint64_t incarnation) const
       ABSL_LOCKS_EXCLUDED(mu_);
+  // What Describe and ListJobs both say of a job.
+  static v1::JobSummary Summarize(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   absl::StatusOr<v1::CreateJobResponse> Attach(const Job& job, const v1::CreateJobRequest& spec, uint32_t rank) const;
   // A CreateJob answer's step, sealed step, the arguments the step was
   // applied with, and whether the round holds some of `rank`'s push.

@@ -1,4 +1,4 @@
-// JobStore's reads of a job: Describe, and its state (the Read RPC,
+// JobStore's reads of a job: Describe, ListJobs, and its state (the Read RPC,
 // RemoteAdamW's state_dict), a stream of ~1 MiB chunks of one tensor's range
 // on this server, each read under the job's lock and never between two
 // pieces of an update.
@@ -113,10 +113,11 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   }
   Job& job = **found;
   absl::MutexLock lock(&job.mu);
+  const v1::JobSummary summary = Summarize(job);
   v1::DescribeResponse r;
   r.set_job(job.name());
-  r.set_step(job.step);
-  r.set_world_size(job.world_size());
+  r.set_step(summary.step());
+  r.set_world_size(summary.world_size());
   r.set_grad_dtype(job.spec.grad_dtype());
   for (int g = 0; g < job.spec.groups_size(); ++g) {
     v1::GroupState* gs = r.add_groups();
@@ -139,7 +140,7 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   }
   const uint32_t page = request.max_tensors() == 0 ? kDescribePage : std::min(request.max_tensors(), kDescribePage);
   r.set_tensor_offset(request.tensor_offset());
-  r.set_tensor_count(static_cast<uint32_t>(count));
+  r.set_tensor_count(summary.tensors());
   // A page also ends before the answer would outgrow the server's message
   // limit: each tensor names itself twice, and every page repeats the
   // groups, so a job that its CreateJob's limit let in could otherwise not
@@ -166,26 +167,77 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
       break;
     }
   }
-  const MemoryUse use = job.state->memory_use();
-  r.set_state_bytes(use.state_bytes);
-  // The running sum and the params out, which the backend holds, and the
-  // window for early chunks, at its cap.
-  r.set_staging_bytes(use.staging_bytes + job.window_bytes);
+  r.set_state_bytes(summary.state_bytes());
+  r.set_staging_bytes(summary.staging_bytes());
   r.set_device(backend_->Describe());
   r.set_memory_limit_bytes(budget_.limit());
   r.set_memory_used_bytes(budget_.used());
-  r.set_uninitialized_tensors(static_cast<uint32_t>(job.uninitialized_shards));
+  r.set_uninitialized_tensors(summary.uninitialized_tensors());
   r.set_checkpoint_dir(!options_.checkpoint_dir.empty());
+  r.set_waiting_for(summary.waiting_for());
+  r.set_barrier_seconds_left(summary.barrier_seconds_left());
+  return r;
+}
+
+v1::JobSummary JobStore::Summarize(const Job& job) {
+  v1::JobSummary s;
+  s.set_job(job.name());
+  s.set_step(job.step);
+  s.set_world_size(job.world_size());
+  s.set_tensors(static_cast<uint32_t>(job.shards.size()));
+  const MemoryUse use = job.state->memory_use();
+  s.set_state_bytes(use.state_bytes);
+  // The running sum and the params out, which the backend holds, and the
+  // window for early chunks, at its cap.
+  s.set_staging_bytes(use.staging_bytes + job.window_bytes);
+  s.set_uninitialized_tensors(static_cast<uint32_t>(job.uninitialized_shards));
   if (job.round.active && !job.round.sealed) {
     const std::chrono::duration<double> left = job.round.deadline - std::chrono::steady_clock::now();
     // A round past its deadline lasts until a push or commit ends it (and
     // names the missing ranks to its caller): a read leaves it, saying so.
-    r.set_waiting_for(left.count() > 0 ? job.MissingSummary()
+    s.set_waiting_for(left.count() > 0 ? job.MissingSummary()
                                        : absl::StrCat(Job::kDeadlinePassed, job.MissingSummary(),
                                                       "; the step's next push or commit ends the round, and "
                                                       "nothing of it is applied"));
-    r.set_barrier_seconds_left(std::max(0.0, left.count()));
+    s.set_barrier_seconds_left(std::max(0.0, left.count()));
   }
+  return s;
+}
+
+v1::ListJobsResponse JobStore::ListJobs(const v1::ListJobsRequest& request,
+                                        const std::function<bool(const std::string&)>& visible) const {
+  std::vector<std::shared_ptr<Job>> listed;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, job] : jobs_) {
+      if (name > request.after() && visible(name)) listed.push_back(job);
+    }
+  }
+  std::sort(listed.begin(), listed.end(),
+            [](const std::shared_ptr<Job>& a, const std::shared_ptr<Job>& b) { return a->name() < b->name(); });
+  v1::ListJobsResponse r;
+  r.set_device(backend_->Describe());
+  r.set_memory_limit_bytes(budget_.limit());
+  r.set_memory_used_bytes(budget_.used());
+  const uint32_t page = request.max_jobs() == 0 ? kListPage : std::min(request.max_jobs(), kListPage);
+  // As Describe's pages: one job always goes in, and a page ends before it
+  // would outgrow the message limit (a summary is at most a few hundred bytes
+  // past its name, and waiting_for names at most 16 ranks and one tensor).
+  const uint64_t room = options_.max_message_bytes > 4096 ? options_.max_message_bytes - 4096 : 0;
+  uint64_t bytes = r.ByteSizeLong();
+  size_t next = 0;
+  for (; next < listed.size() && static_cast<uint32_t>(r.jobs_size()) < page; ++next) {
+    v1::JobSummary summary;
+    {
+      absl::MutexLock lock(&listed[next]->mu);
+      if (listed[next]->dropped) continue;  // since the map was read
+      summary = Summarize(*listed[next]);
+    }
+    bytes += summary.ByteSizeLong() + 4;
+    if (bytes > room && r.jobs_size() > 0) break;
+    *r.add_jobs() = std::move(summary);
+  }
+  r.set_more(next < listed.size());
   return r;
 }
 

@@ -172,6 +172,16 @@ grpc::Status OptimizerService::DropJob(grpc::ServerContext* context, const v1::D
   return ToGrpcStatus(store_->DropJob(req->job(), req->incarnation(), /*only_if_empty=*/undo));
 }
 
+grpc::Status OptimizerService::ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest* req,
+                                        v1::ListJobsResponse* resp) {
+  auto caller = Identify(*context);
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  // A trainer's token sees the jobs it may describe, and not that others exist.
+  *resp = store_->ListJobs(
+      *req, [&](const std::string& job) { return caller->Allows(Action::kDescribe, job).ok(); });
+  return grpc::Status::OK;
+}
+
 grpc::Status OptimizerService::Checkpoint(grpc::ServerContext* context, const v1::CheckpointRequest* req,
                                           v1::CheckpointResponse* resp) {
   if (auto caller = Authorize(*context, Action::kCheckpoint, req->job()); !caller.ok()) {

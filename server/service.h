@@ -53,6 +53,7 @@ class OptimizerService final
   grpc::ServerWriteReactor<grpc::ByteBuffer>* Read(grpc::CallbackServerContext*, const grpc::ByteBuffer*) override;
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse*) override;
   grpc::Status DropJob(grpc::ServerContext*, const v1::DropJobRequest*, v1::DropJobResponse*) override;
+  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest*, v1::ListJobsResponse*) override;
   grpc::Status Checkpoint(grpc::ServerContext*, const v1::CheckpointRequest*, v1::CheckpointResponse*) override;
 
   // Streams open now, for tests and metrics.

@@ -142,6 +142,21 @@ class Caller {
     v1::CheckpointResponse resp;
     return stub_->Checkpoint(ctx.get(), req, &resp);
   }
+  // Every page of ListJobs, the jobs' names in the order given.
+  grpc::Status List(std::vector<std::string>* names, uint32_t max_jobs = 0) {
+    names->clear();
+    v1::ListJobsRequest req;
+    req.set_max_jobs(max_jobs);
+    for (int pages = 0; pages < 100; ++pages) {
+      auto ctx = Context();
+      v1::ListJobsResponse resp;
+      if (grpc::Status st = stub_->ListJobs(ctx.get(), req, &resp); !st.ok()) return st;
+      for (const v1::JobSummary& job : resp.jobs()) names->push_back(job.job());
+      if (!resp.more() || resp.jobs_size() == 0) break;
+      req.set_after(names->back());
+    }
+    return grpc::Status::OK;
+  }
   grpc::Status Drop(const std::string& job, uint64_t incarnation = 0) {
     auto ctx = Context();
     v1::DropJobRequest req;
@@ -289,6 +304,48 @@ TEST_F(AuthTest, EveryRpcAgainstEveryKindOfCaller) {
   EXPECT_TRUE(admin.CreateJob("anything/at-all").ok());
   EXPECT_TRUE(admin.Drop(job).ok());
   EXPECT_EQ(admin.Describe(job).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// A list shows each caller the jobs its token may describe, and nothing of
+// the others; a caller the server does not know gets no list at all.
+TEST_F(AuthTest, AListShowsEachTokenOnlyTheJobsOfItsPrefixes) {
+  Caller admin = As(Bearer(kRoot));
+  for (const char* job : {"team-b/z", "team-a/y", "shared/w", "other", "team-a/x"}) {
+    ASSERT_TRUE(admin.CreateJob(job).ok()) << job;
+  }
+  std::vector<std::string> names;
+  ASSERT_TRUE(admin.List(&names).ok());
+  EXPECT_THAT(names, ::testing::ElementsAre("other", "shared/w", "team-a/x", "team-a/y", "team-b/z"));
+  ASSERT_TRUE(admin.List(&names, /*max_jobs=*/2).ok());  // three pages
+  EXPECT_THAT(names, ::testing::ElementsAre("other", "shared/w", "team-a/x", "team-a/y", "team-b/z"));
+  ASSERT_TRUE(As(Bearer(kAlice)).List(&names).ok());
+  EXPECT_THAT(names, ::testing::ElementsAre("team-a/x", "team-a/y"));
+  ASSERT_TRUE(As(Bearer(kBob)).List(&names, 1).ok());
+  EXPECT_THAT(names, ::testing::ElementsAre("shared/w", "team-b/z"));
+  for (const std::vector<std::string>& headers :
+       {std::vector<std::string>{}, {Bearer("not-a-token-the-server-knows")}, {Bearer(kAlice), Bearer(kBob)}}) {
+    EXPECT_EQ(As(headers).List(&names).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_TRUE(names.empty());
+  }
+  ASSERT_TRUE(admin.Drop("team-a/x").ok());
+  ASSERT_TRUE(As(Bearer(kAlice)).List(&names).ok());
+  EXPECT_THAT(names, ::testing::ElementsAre("team-a/y"));
+
+  // The CLI prints what the token sees, as JSON.
+  const std::string token_file = dir_ + "/alice.token";
+  std::ofstream(token_file) << kAlice << "\n";
+  const std::string command = absl::StrCat(SHARDOPT_CLI_BINARY, " --server=", server_->address(),
+                                           " --token_file=", token_file, " list 2>&1");
+  FILE* pipe = popen(command.c_str(), "r");
+  std::string out;
+  char buffer[4096];
+  for (size_t n; (n = fread(buffer, 1, sizeof buffer, pipe)) > 0;) out.append(buffer, n);
+  EXPECT_EQ(pclose(pipe), 0) << out;
+  EXPECT_THAT(out, HasSubstr("\"job\": \"team-a/y\""));
+  EXPECT_THAT(out, HasSubstr("\"worldSize\": 1"));
+  EXPECT_THAT(out, HasSubstr("\"more\": false"));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("team-b")));
+  EXPECT_THAT(out, ::testing::Not(HasSubstr("other")));
 }
 
 // A trainer may undo a create of its own, as a client's re-attach does with

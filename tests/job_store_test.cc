@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <future>
 #include <limits>
 #include <map>
@@ -16,9 +17,12 @@
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <string>
 #include <thread>
 #include <tuple>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "checkpoint/format.h"
 #include "checkpoint/job_directory.h"
@@ -28,6 +32,7 @@
 #include "server/job.h"
 #include "server/job_store.h"
 #include "server/step_intents.h"
+#include "rpc/job_limits.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/checkpoint_dir_fixture.h"
 #include "tests/testing/store_fixture.h"
@@ -886,6 +891,115 @@ TEST_F(StoreTest, DescribeReportsStateBytesAndHeldPrecision) {
   EXPECT_EQ(d16->state_bytes(), 1000u * 6);
   EXPECT_EQ(d16->groups(0).state_dtype(), v1::BF16);
   EXPECT_THAT(d16->device(), HasSubstr("cpu"));
+}
+
+// Walks every page of ListJobs as a caller that sees `visible`, `max_jobs`
+// a page, and returns the jobs' names in the order the pages gave them.
+std::vector<std::string> ListAll(const JobStore& store, uint32_t max_jobs,
+                                 const std::function<bool(const std::string&)>& visible, int* pages) {
+  std::vector<std::string> names;
+  v1::ListJobsRequest req;
+  req.set_max_jobs(max_jobs);
+  *pages = 0;
+  for (;;) {
+    const v1::ListJobsResponse page = store.ListJobs(req, visible);
+    ++*pages;
+    EXPECT_LE(page.ByteSizeLong(), store.max_message_bytes());
+    for (const v1::JobSummary& job : page.jobs()) names.push_back(job.job());
+    if (!page.more()) break;
+    EXPECT_GT(page.jobs_size(), 0);
+    if (page.jobs_size() == 0 || *pages > 1000) break;
+    req.set_after(names.back());
+  }
+  return names;
+}
+
+// What a list says of a job is what Describe says of it, whatever the step
+// and round; the jobs come in byte order of their names, each once, only
+// those the caller may see.
+TEST_F(StoreTest, ListJobsSummarizesEachJobAsDescribeDoesInNameOrder) {
+  Create(JobRequest("b-waits", 3, {{"w", 2000}, {"b", 24}}, v1::PRECISION_FP32, /*barrier_ms=*/30000));
+  Create(JobRequest("a-stepped", 1, {{"w", 1000}}, v1::PRECISION_BF16));
+  ASSERT_TRUE(store_.CreateJob(JobRequest("c-uninitialized", 1, {{"w", 64}})).ok());
+  ASSERT_TRUE(Push("a-stepped", 1, 0, {{"w", RandomBf16(rng_, 1000, 1.0f)}}, 1 << 16).ok());
+  ASSERT_TRUE(Commit("a-stepped", 1, 1e-2).ok());
+  auto first = StartPush("b-waits", 1, 1);  // rank 1 pushes whole and waits at the barrier
+  ASSERT_TRUE(first.ok());
+  auto g = RandomBf16(rng_, 2000, 1.0f);
+  ASSERT_TRUE((*first)->Add(Chunk("w", 0, g.data(), 2000)).ok());
+  ASSERT_TRUE((*first)->Add(Chunk("b", 0, g.data(), 24)).ok());
+  std::thread waiting([&] { (void)(*first)->Finish(); });
+  // Until rank 1 has finished (its first chunk opens the round).
+  for (int k = 0; k < 400 && store_.Describe("b-waits")->waiting_for().find("{0, 2}") == std::string::npos; ++k) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+
+  const v1::ListJobsResponse all = store_.ListJobs({}, [](const std::string&) { return true; });
+  ASSERT_EQ(all.jobs_size(), 3);
+  EXPECT_FALSE(all.more());
+  EXPECT_THAT(all.device(), HasSubstr("cpu"));
+  for (const v1::JobSummary& s : all.jobs()) {
+    SCOPED_TRACE(s.job());
+    auto d = store_.Describe(s.job());
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(s.step(), d->step());
+    EXPECT_EQ(s.world_size(), d->world_size());
+    EXPECT_EQ(s.tensors(), d->tensor_count());
+    EXPECT_EQ(s.state_bytes(), d->state_bytes());
+    EXPECT_EQ(s.staging_bytes(), d->staging_bytes());
+    EXPECT_EQ(s.uninitialized_tensors(), d->uninitialized_tensors());
+    EXPECT_EQ(s.waiting_for(), d->waiting_for());
+    EXPECT_NEAR(s.barrier_seconds_left(), d->barrier_seconds_left(), 1.0);
+    EXPECT_EQ(all.memory_limit_bytes(), d->memory_limit_bytes());
+  }
+  EXPECT_EQ(all.jobs(0).job(), "a-stepped");
+  EXPECT_EQ(all.jobs(0).step(), 1u);
+  EXPECT_EQ(all.jobs(0).state_bytes(), 1000u * 6);
+  EXPECT_EQ(all.jobs(1).job(), "b-waits");
+  EXPECT_EQ(all.jobs(1).world_size(), 3u);
+  EXPECT_EQ(all.jobs(1).tensors(), 2u);
+  EXPECT_THAT(all.jobs(1).waiting_for(), HasSubstr("ranks {0, 2} of 3 have not finished pushing step 1"));
+  EXPECT_GT(all.jobs(1).barrier_seconds_left(), 20.0);
+  EXPECT_EQ(all.jobs(2).job(), "c-uninitialized");
+  EXPECT_EQ(all.jobs(2).uninitialized_tensors(), 1u);
+  EXPECT_EQ(all.jobs(2).waiting_for(), "");
+
+  int pages = 0;
+  EXPECT_THAT(ListAll(store_, 1, [](const std::string&) { return true; }, &pages),
+              ::testing::ElementsAre("a-stepped", "b-waits", "c-uninitialized"));
+  EXPECT_EQ(pages, 3);
+  EXPECT_THAT(ListAll(store_, 0, [](const std::string& job) { return job != "b-waits"; }, &pages),
+              ::testing::ElementsAre("a-stepped", "c-uninitialized"));
+  EXPECT_EQ(pages, 1);
+  ASSERT_TRUE(store_.DropJob("b-waits").ok());  // ends the wait
+  waiting.join();
+  EXPECT_THAT(ListAll(store_, 2, [](const std::string&) { return true; }, &pages),
+              ::testing::ElementsAre("a-stepped", "c-uninitialized"));
+}
+
+class SmallMessageStoreTest : public StoreTest {
+ protected:
+  SmallMessageStoreTest() : StoreTest(Options()) {}
+  static JobStoreOptions Options() {
+    JobStoreOptions o;
+    o.max_message_bytes = JobStore::kMinMessageBytes;
+    return o;
+  }
+};
+
+// Jobs of the longest names, more than one answer of the smallest message
+// limit holds: the pages stop short of the limit and go on where they stopped.
+TEST_F(SmallMessageStoreTest, ListJobsPagesStayUnderTheMessageLimitAndMissNoJob) {
+  std::vector<std::string> made;
+  for (int i = 0; i < 700; ++i) {
+    std::string name = absl::StrCat("job-", 1000 + i, "-");
+    name.resize(kMaxNameBytes, 'x');
+    ASSERT_TRUE(store_.CreateJob(JobRequest(name, 1, {{"w", 8}})).ok());
+    made.push_back(name);
+  }
+  int pages = 0;
+  EXPECT_EQ(ListAll(store_, 0, [](const std::string&) { return true; }, &pages), made);
+  EXPECT_EQ(pages, 2);  // 1000 a page, but the limit cuts the first short
 }
 
 // SIGTERM's path: what was applied is checkpointed, what comes after is refused.

@@ -50,6 +50,7 @@ case $case_name in
     run 0 "$cli" help read && expect out 'read JOB TENSOR' && expect_empty err
     run 0 "$cli" help export && expect out '--checkpoint_dir'
     run 0 "$cli" help checkpoint && expect out 'checkpoint JOB \[STEP\]' && expect out 'complete'
+    run 0 "$cli" help list && expect out 'list$' && expect out 'token may describe'
     ;;
   cli_bad_arguments)
     # Each is refused before any server is contacted.
@@ -69,6 +70,7 @@ case $case_name in
     run 2 "$cli" read JOB T && expect err 'read'
     run 2 "$cli" describe && expect err 'describe'
     run 2 "$cli" describe JOB extra && expect err 'extra'
+    run 2 "$cli" list JOB && expect err 'list: too many arguments: JOB'
     run 2 "$cli" checkpoint JOB 1x && expect err "STEP must be a whole number in digits, got '1x'"
     run 2 "$cli" frobnicate JOB && expect err 'frobnicate'
     # Protobuf would send a name that is not UTF-8, and the server refuse the call.
