@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -12,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "rpc/bearer_token.h"
+#include "server/memory_budget.h"
 #include "server/messages.h"
 
 namespace shardopt {
@@ -76,7 +78,7 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {
     const auto bad = [&](absl::string_view why) {
       return absl::InvalidArgumentError(absl::StrCat("tokens file line ", line_number, ": ", why));
     };
-    if (fields.size() < 3) return bad("expected <name> <role> <token> [<prefix> ...]");
+    if (fields.size() < 3) return bad("expected <name> <role> <token> [<prefix> ...] [max_memory=<bytes>]");
     Entry e;
     e.caller.name = std::string(fields[0]);
     if (fields[1] == "trainer") {
@@ -93,7 +95,17 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {
     if (!std::all_of(e.token.begin(), e.token.end(), SendableTokenByte)) {
       return bad("the token (third field) holds a byte that is not printable ASCII, which no client can send");
     }
-    for (size_t i = 3; i < fields.size(); ++i) e.caller.prefixes.emplace_back(fields[i]);
+    for (size_t i = 3; i < fields.size(); ++i) {
+      constexpr absl::string_view kMaxMemory = "max_memory=";
+      if (!absl::StartsWith(fields[i], kMaxMemory)) {
+        e.caller.prefixes.emplace_back(fields[i]);
+        continue;
+      }
+      const std::optional<uint64_t> bytes = MemoryBudget::ParseBytes(fields[i].substr(kMaxMemory.size()));
+      if (!bytes) return bad("max_memory= needs a positive byte count such as 64Gi or 512M");
+      if (e.caller.max_memory != 0) return bad("max_memory= given twice");
+      e.caller.max_memory = *bytes;
+    }
     if (e.caller.role == Role::kTrainer && e.caller.prefixes.empty()) {
       return bad("a trainer without a job prefix (give '*' for every job)");
     }

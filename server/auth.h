@@ -5,7 +5,7 @@
 //
 // The tokens file, one token per line ('#' starts a comment):
 //
-//   <name> <role> <token> [<prefix> ...]
+//   <name> <role> <token> [<prefix> ...] [max_memory=<bytes>]
 //
 // - name: who holds the token, for logs and per-client caps; the token
 //   itself is never logged.
@@ -13,6 +13,9 @@
 //   and checkpoint jobs whose names start with one of its prefixes (`*` for
 //   every job); `admin` may do all of that and drop, for any job.
 // - token: at least 16 characters, compared in constant time.
+// - max_memory: the most the jobs this token makes may hold on a server
+//   (tenant_ledger.h), bytes with --memory_limit's suffixes (64Gi); none:
+//   no cap but the server's. (So a prefix cannot begin with "max_memory=".)
 #pragma once
 
 #include <atomic>
@@ -40,6 +43,7 @@ struct Caller {
   std::string name;  // the tokens file's name, or the peer's address when tokens are off
   Role role = Role::kAdmin;
   std::vector<std::string> prefixes;  // empty with kAdmin: every job
+  uint64_t max_memory = 0;            // the jobs it makes, on one server; 0: no cap
 
   // OK, or PERMISSION_DENIED naming the caller, the action and the job.
   absl::Status Allows(Action action, const std::string& job) const;

@@ -24,6 +24,7 @@
 #include "server/wakeups.h"
 #include "server/running_sum.h"
 #include "server/step_intents.h"
+#include "server/tenant_ledger.h"
 #include "shardopt/v1/optimizer.pb.h"
 
 namespace shardopt {
@@ -84,6 +85,9 @@ class Job {
   absl::flat_hash_map<std::string, uint32_t> tensor_index;  // name -> spec.tensors index
   std::vector<int64_t> shard_of_tensor;                     // -1: not on this server
   std::vector<OwnedShard> shards;
+  // Its maker's charge for what it holds (tenant_ledger.h): set once while
+  // the store builds the job, before it publishes it.
+  TenantLedger::Charge owner_charge;
   // This life of the job (CreateJobResponse.incarnation): set once while the
   // job is built, fresh or from its checkpoint, before the store publishes
   // it; read without the lock from then on.

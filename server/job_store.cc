@@ -100,7 +100,7 @@ absl::Status JobStore::Draining(absl::string_view what) {
                                              " once it is back"));
 }
 
-absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobRequest& request) {
+absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobRequest& request, const JobOwner& owner) {
   if (draining_) return Draining(absl::StrCat("create or attach job ", Quote(request.job()), " again"));
   // Before anything is built from the request: a small request must not make
   // the server build a large job.
@@ -178,6 +178,14 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                              std::min(options_.window_bytes, uint64_t{spec.world_size()} << 22));
   SHARDOPT_ASSIGN_OR_RETURN(auto created, Job::Create(spec, backend_, window, &wakeups_, &budget_));
   std::shared_ptr<Job> job = std::move(created);
+  {
+    // Once allocated, so that it is what Describe will say whatever the
+    // backend; the budget (or the device) bounded the allocation already.
+    absl::MutexLock job_lock(&job->mu);
+    const v1::JobSummary held = Summarize(*job);
+    SHARDOPT_ASSIGN_OR_RETURN(job->owner_charge, tenants_.Reserve(owner, held.state_bytes() + held.staging_bytes(),
+                                                                  absl::StrCat("job ", Quote(spec.job()))));
+  }
 
   // Outside the store's lock: reading a checkpoint must not stall other jobs.
   bool restored = false;

@@ -88,7 +88,10 @@ class JobStore {
   // With a checkpoint_dir, a job not in memory is restored from its newest
   // complete checkpoint (or request.restore_step's), by the request's
   // placement: each shard is read from whichever parts cover it.
-  absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& request) ABSL_LOCKS_EXCLUDED(mu_);
+  // A job it builds (or restores) is charged to `owner` (tenant_ledger.h),
+  // RESOURCE_EXHAUSTED past its cap; attaching to a job costs nothing.
+  absl::StatusOr<v1::CreateJobResponse> CreateJob(const v1::CreateJobRequest& request, const JobOwner& owner = {})
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Writes this server's part of the job's checkpoint of request.step(),
   // from a snapshot taken at a step boundary. Its writer's buffers are
   // charged to the budget while it writes. A step half applied is waited for
@@ -227,8 +230,9 @@ class JobStore {
 
   Backend* const backend_;
   JobStoreOptions options_;
-  // Declared before the jobs, whose charges it outlives.
+  // Declared before the jobs, whose charges they outlive.
   MemoryBudget budget_;
+  TenantLedger tenants_;
   // Resumes waiting pushes. Declared before the jobs, so that it is
   // destroyed after them: a job posts to it until its last moment.
   Wakeups wakeups_;

@@ -88,9 +88,7 @@ uint64_t MemoryBudget::DefaultLimit(std::string* found) {
   return limit;
 }
 
-absl::StatusOr<uint64_t> MemoryBudget::ParseLimit(absl::string_view text, std::string* found) {
-  if (text == "auto") return DefaultLimit(found);
-  if (found != nullptr) *found = "--memory_limit";
+std::optional<uint64_t> MemoryBudget::ParseBytes(absl::string_view text) {
   static constexpr std::pair<const char*, uint64_t> kSuffixes[] = {
       {"Ki", uint64_t{1} << 10}, {"Mi", uint64_t{1} << 20}, {"Gi", uint64_t{1} << 30}, {"Ti", uint64_t{1} << 40},
       {"K", 1000}, {"M", 1000 * 1000}, {"G", 1000 * 1000 * 1000}, {"T", uint64_t{1000} * 1000 * 1000 * 1000}};
@@ -104,19 +102,27 @@ absl::StatusOr<uint64_t> MemoryBudget::ParseLimit(absl::string_view text, std::s
     }
   }
   uint64_t v;
-  if (!absl::SimpleAtoi(number, &v) || v == 0 || v > UINT64_MAX / unit) {
+  if (!absl::SimpleAtoi(number, &v) || v == 0 || v > UINT64_MAX / unit) return std::nullopt;
+  return v * unit;
+}
+
+absl::StatusOr<uint64_t> MemoryBudget::ParseLimit(absl::string_view text, std::string* found) {
+  if (text == "auto") return DefaultLimit(found);
+  if (found != nullptr) *found = "--memory_limit";
+  const std::optional<uint64_t> bytes = ParseBytes(text);
+  if (!bytes) {
     return absl::InvalidArgumentError(absl::StrCat("memory limit '", text,
                                                    "' is not 'auto' or a positive byte count such as 20Gi or 512M"));
   }
   // A budget the process cannot have refuses nothing: the kernel (or the
   // container's OOM killer) would stop the server first.
   std::string source;
-  if (const uint64_t usable = UsableMemory(&source); v * unit > usable) {
+  if (const uint64_t usable = UsableMemory(&source); *bytes > usable) {
     return absl::InvalidArgumentError(absl::StrCat("memory limit '", text, "' is more than this process may use, the ",
                                                    source, "; give less (it also needs headroom for what the budget "
                                                    "does not charge) or 'auto'"));
   }
-  return v * unit;
+  return *bytes;
 }
 
 absl::Status MemoryBudget::Take(uint64_t bytes, absl::string_view what, uint64_t keep_free) {

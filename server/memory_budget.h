@@ -18,6 +18,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -42,6 +43,9 @@ class MemoryBudget {
   // Ki Mi Gi Ti (powers of 1024), as in Kubernetes. `found` says where the
   // figure came from, as DefaultLimit's does.
   static absl::StatusOr<uint64_t> ParseLimit(absl::string_view text, std::string* found = nullptr);
+  // A positive byte count with an optional suffix, as ParseLimit's; nullopt
+  // if `text` is not one.
+  static std::optional<uint64_t> ParseBytes(absl::string_view text);
 
   // Bytes held against the budget; returned when destroyed.
   class Charge {

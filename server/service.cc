@@ -105,8 +105,9 @@ absl::StatusOr<std::pair<Caller, std::unique_ptr<StreamLimits::Slot>>> Optimizer
 
 grpc::Status OptimizerService::CreateJob(grpc::ServerContext* context, const v1::CreateJobRequest* req,
                                          v1::CreateJobResponse* resp) {
-  if (auto caller = Authorize(*context, Action::kCreate, req->job()); !caller.ok()) return ToGrpcStatus(caller.status());
-  auto r = store_->CreateJob(*req);
+  auto caller = Authorize(*context, Action::kCreate, req->job());
+  if (!caller.ok()) return ToGrpcStatus(caller.status());
+  auto r = store_->CreateJob(*req, {caller->name, caller->max_memory});
   if (r.ok()) {
     *resp = *std::move(r);
     resp->set_max_message_bytes(store_->max_message_bytes());

@@ -348,6 +348,40 @@ TEST_F(AuthTest, AListShowsEachTokenOnlyTheJobsOfItsPrefixes) {
   EXPECT_THAT(out, ::testing::Not(HasSubstr("other")));
 }
 
+// A server with tokens charges each job to the token that made it: a token's
+// max_memory caps its jobs there, and another token is not held back by it.
+// A reload that adds the cap applies it to the jobs made from then on.
+TEST_F(AuthTest, ATokensMaxMemoryCapsTheJobsItMakes) {
+  Caller admin = As(Bearer(kRoot)), alice = As(Bearer(kAlice)), bob = As(Bearer(kBob));
+  ASSERT_TRUE(alice.CreateJob("team-a/1").ok());
+  v1::DescribeResponse d;
+  ASSERT_TRUE(alice.Describe("team-a/1", &d).ok());
+  const uint64_t job_bytes = d.state_bytes() + d.staging_bytes();
+  TokensFile(dir_, absl::StrCat("alice trainer ", kAlice, " team-a/ max_memory=", job_bytes * 5 / 2, "\n",
+                                "bob trainer ", kBob, " team-b/ shared/ max_memory=", job_bytes, "\n",
+                                "root admin ", kRoot, "\n"));
+  ASSERT_EQ(kill(server_->pid(), SIGHUP), 0);
+  // Until the reload is in: alice's third job is refused.
+  ASSERT_TRUE(alice.CreateJob("team-a/2").ok());
+  grpc::Status third;
+  for (int i = 0; i < 50; ++i) {
+    third = alice.CreateJob("team-a/3");
+    if (!third.ok()) break;
+    ASSERT_TRUE(admin.Drop("team-a/3").ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_EQ(third.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << third.error_message();
+  EXPECT_THAT(third.error_message(), HasSubstr("'alice' may hold"));
+  EXPECT_THAT(third.error_message(), HasSubstr("max_memory"));
+  EXPECT_EQ(admin.Describe("team-a/3").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(alice.CreateJob("team-a/1").ok());  // attaching costs nothing
+  EXPECT_TRUE(bob.CreateJob("team-b/1").ok());
+  EXPECT_EQ(bob.CreateJob("shared/1").error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_TRUE(admin.CreateJob("anything/1").ok());  // no cap
+  ASSERT_TRUE(admin.Drop("team-a/2").ok());
+  EXPECT_TRUE(alice.CreateJob("team-a/3").ok());
+}
+
 // A trainer may undo a create of its own, as a client's re-attach does with
 // a job it made afresh on a restarted server: the life it names of a job of
 // its prefixes that holds nothing yet. Anything else stays an admin's.
@@ -548,6 +582,38 @@ TEST(TokenTableTest, RolesPrefixesAndErrors) {
   EXPECT_TRUE(absl::IsInvalidArgument(scoped_admin.status())) << scoped_admin.status();
   EXPECT_THAT(scoped_admin.status().message(), HasSubstr("an admin with job prefixes"));
   EXPECT_TRUE(TokenTable::Parse(absl::StrCat("ops admin ", kAlice, " *\n")).ok());  // what it has anyway
+}
+
+// max_memory= caps a token's jobs, wherever it stands among the prefixes, for
+// any role; without it there is no cap. A bad or second one, or a trainer
+// with no prefix besides it, stops the file, naming the line only.
+TEST(TokenTableTest, MaxMemoryIsTheTokensCapAndNotAPrefix) {
+  auto table = TokenTable::Parse(absl::StrCat("alice trainer ", kAlice, " team-a/ max_memory=64Gi shared/\n",
+                                              "bob trainer ", kBob, " team-b/\n", "root admin ", kRoot,
+                                              " max_memory=500M\n"));
+  ASSERT_TRUE(table.ok()) << table.status();
+  auto alice = table->Authenticate(absl::StrCat("Bearer ", kAlice));
+  ASSERT_TRUE(alice.ok());
+  EXPECT_EQ(alice->max_memory, uint64_t{64} << 30);
+  EXPECT_THAT(alice->prefixes, ::testing::ElementsAre("team-a/", "shared/"));
+  EXPECT_EQ(table->Authenticate(absl::StrCat("Bearer ", kBob))->max_memory, 0u);
+  auto root = table->Authenticate(absl::StrCat("Bearer ", kRoot));
+  ASSERT_TRUE(root.ok());
+  EXPECT_EQ(root->max_memory, 500u * 1000 * 1000);
+  EXPECT_TRUE(root->prefixes.empty());
+  for (const auto& [line, why] : std::vector<std::pair<std::string, std::string>>{
+           {" team-a/ max_memory=lots", "positive byte count"},
+           {" team-a/ max_memory=0", "positive byte count"},
+           {" team-a/ max_memory=", "positive byte count"},
+           {" team-a/ max_memory=1Gi max_memory=2Gi", "given twice"},
+           {" max_memory=1Gi", "a trainer without a job prefix"},
+       }) {
+    auto bad = TokenTable::Parse(absl::StrCat("# first\nalice trainer ", kAlice, line, "\n"));
+    EXPECT_TRUE(absl::IsInvalidArgument(bad.status())) << line;
+    EXPECT_THAT(bad.status().message(), HasSubstr("line 2")) << line;
+    EXPECT_THAT(bad.status().message(), HasSubstr(why)) << line;
+    EXPECT_THAT(bad.status().message(), ::testing::Not(HasSubstr(kAlice))) << line;
+  }
 }
 
 // A line missing a column puts the token where a name or a role was

@@ -22,6 +22,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "server/memory_budget.h"
 #include "server/metrics.h"
+#include "server/tenant_ledger.h"
 #include "tests/testing/store_fixture.h"
 #include "tests/testing/wrapped_cpu_backend.h"
 
@@ -134,6 +135,47 @@ TEST_F(BudgetTest, JobsAreChargedBeforeTheyAreBuiltAndGiveItBackWhenDropped) {
   ASSERT_TRUE(store_.DropJob("fill0").ok());
   EXPECT_LT(store_.budget()->used(), full);
   EXPECT_TRUE(store_.CreateJob(JobRequest("again", 1, {{"w", 1 << 20}})).ok());
+}
+
+// A tenant's jobs hold at most its cap, counted as Describe counts them; a
+// refused create builds nothing and says why; another tenant, or one
+// without a cap, is not held back; attaching costs nothing; a drop gives
+// the job's bytes back to its maker.
+TEST_F(StoreTest, EachOwnersJobsHoldAtMostItsCap) {
+  ASSERT_TRUE(store_.CreateJob(JobRequest("probe", 1, {{"w", 1 << 16}})).ok());
+  const auto d = store_.Describe("probe");
+  ASSERT_TRUE(d.ok());
+  const uint64_t job_bytes = d->state_bytes() + d->staging_bytes();
+  ASSERT_TRUE(store_.DropJob("probe").ok());
+  const JobOwner alice{"alice", job_bytes * 5 / 2}, bob{"bob", job_bytes * 5 / 2}, root{"root", 0};
+
+  ASSERT_TRUE(store_.CreateJob(JobRequest("a1", 1, {{"w", 1 << 16}}), alice).ok());
+  ASSERT_TRUE(store_.CreateJob(JobRequest("a2", 1, {{"w", 1 << 16}}), alice).ok());
+  const uint64_t used = store_.budget()->used();
+  auto third = store_.CreateJob(JobRequest("a3", 1, {{"w", 1 << 16}}), alice);
+  ASSERT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+  EXPECT_THAT(std::string(third.status().message()),
+              HasSubstr(absl::StrCat("'alice' may hold ", alice.max_bytes, " bytes of jobs on this server (max_memory ",
+                                     "in the tokens file); its jobs hold ", 2 * job_bytes, ", and job 'a3' needs ",
+                                     job_bytes)));
+  EXPECT_EQ(store_.Describe("a3").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_.budget()->used(), used);  // nothing of it is held
+  // Attaching to a job costs nothing, whoever made it.
+  EXPECT_TRUE(store_.CreateJob(JobRequest("a1", 1, {{"w", 1 << 16}}), alice).ok());
+  EXPECT_TRUE(store_.CreateJob(JobRequest("a2", 1, {{"w", 1 << 16}}), bob).ok());
+  // Others have caps of their own, or none.
+  EXPECT_TRUE(store_.CreateJob(JobRequest("b1", 1, {{"w", 1 << 16}}), bob).ok());
+  EXPECT_TRUE(store_.CreateJob(JobRequest("b2", 1, {{"w", 1 << 16}}), bob).ok());
+  EXPECT_EQ(store_.CreateJob(JobRequest("b3", 1, {{"w", 1 << 16}}), bob).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_TRUE(store_.CreateJob(JobRequest(absl::StrCat("r", i), 1, {{"w", 1 << 16}}), root).ok());
+  }
+  // A drop gives the bytes back to the job's maker, not to whoever attached.
+  ASSERT_TRUE(store_.DropJob("a2").ok());
+  EXPECT_EQ(store_.CreateJob(JobRequest("b3", 1, {{"w", 1 << 16}}), bob).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(store_.CreateJob(JobRequest("a3", 1, {{"w", 1 << 16}}), alice).ok());
 }
 
 // Jobs may not take the budget's last kept_for_streams() bytes: a tenant
