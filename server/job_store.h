@@ -109,6 +109,7 @@ class JobStore {
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> DrainAndCheckpoint(
       absl::Duration wait_for_steps = absl::Seconds(20)) ABSL_LOCKS_EXCLUDED(mu_);
   // `incarnation` as Find's: a caller of another life of the job drops nothing.
+  // A job a CreateJob is building is waited for, then dropped.
   // With `only_if_empty`, a job that holds anything (a step done, any
   // initial value or Adam state) is PERMISSION_DENIED and stays: a
   // trainer's undo of a job it made afresh by mistake.

@@ -264,6 +264,18 @@ class SlowBuildBudgetTest : public StoreTest {
   }
 };
 
+// A drop of a job that a CreateJob is building (allocating, or restoring
+// from a checkpoint, which can take seconds) waits for it and drops it: it
+// answered NOT_FOUND, and the job appeared after the operator was told so.
+TEST_F(SlowBuildBudgetTest, ADropWhileTheJobIsBeingBuiltDropsItOnceBuilt) {
+  std::thread create([&] { ASSERT_TRUE(store_.CreateJob(JobRequest("building", 1, {{"w", 4096}})).ok()); });
+  // Until the build has begun: a CreateJob of the name waits for it too.
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  EXPECT_TRUE(store_.DropJob("building").ok());
+  create.join();
+  EXPECT_EQ(store_.Describe("building").status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST_F(SlowBuildBudgetTest, RanksCreatingOneJobAtOnceAllGetIt) {
   constexpr int kRanks = 8;
   // 27 MiB of state and staging and a 32 MiB window: a budget of 96 MiB holds one.
