@@ -44,17 +44,17 @@
 #include "shardopt/v1/optimizer.grpc.pb.h"
 #include "tools/flags.h"
 
-ABSL_FLAG(std::string, server, "localhost:50051", "describe, drop, checkpoint, read: the server, HOST:PORT");
-ABSL_FLAG(std::string, tls_ca, "", "describe, drop, checkpoint, read: PEM CA of the server's certificate; set it to use TLS");
-ABSL_FLAG(std::string, tls_cert, "", "describe, drop, checkpoint, read: PEM certificate of this client, for mutual TLS");
-ABSL_FLAG(std::string, tls_key, "", "describe, drop, checkpoint, read: PEM private key of --tls_cert");
+ABSL_FLAG(std::string, server, "localhost:50051", "list, describe, drop, checkpoint, read: the server, HOST:PORT");
+ABSL_FLAG(std::string, tls_ca, "", "list, describe, drop, checkpoint, read: PEM CA of the server's certificate; set it to use TLS");
+ABSL_FLAG(std::string, tls_cert, "", "list, describe, drop, checkpoint, read: PEM certificate of this client, for mutual TLS");
+ABSL_FLAG(std::string, tls_key, "", "list, describe, drop, checkpoint, read: PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_server_name, "",
-          "describe, drop, checkpoint, read: with TLS, the name the server's certificate must carry, where --server "
+          "list, describe, drop, checkpoint, read: with TLS, the name the server's certificate must carry, where --server "
           "reaches it by another (an IP, or localhost through kubectl port-forward); default: --server's host");
 ABSL_FLAG(std::string, token_file, "",
-          "describe, drop, checkpoint, read: a file holding the bearer token for a server with --tokens_file; "
+          "list, describe, drop, checkpoint, read: a file holding the bearer token for a server with --tokens_file; "
           "without it the environment variable SHARDOPT_TOKEN, if set");
-ABSL_FLAG(int, timeout_s, 60, "describe, drop, checkpoint, read: each call's deadline, in seconds, at least 1");
+ABSL_FLAG(int, timeout_s, 60, "list, describe, drop, checkpoint, read: each call's deadline, in seconds, at least 1");
 ABSL_FLAG(std::string, checkpoint_dir, "", "export: the servers' --checkpoint_dir, where the checkpoint is");
 ABSL_FLAG(uint64_t, step, 0, "export: the checkpoint's step; 0 is the newest complete one");
 ABSL_FLAG(std::string, dtype, "fp32", "export: fp32 (the master exactly) or bf16 (rounded to nearest even)");

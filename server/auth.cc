@@ -97,13 +97,16 @@ absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {
     }
     for (size_t i = 3; i < fields.size(); ++i) {
       constexpr absl::string_view kMaxMemory = "max_memory=";
-      if (!absl::StartsWith(fields[i], kMaxMemory)) {
+      if (!absl::StartsWithIgnoreCase(fields[i], kMaxMemory)) {
         e.caller.prefixes.emplace_back(fields[i]);
         continue;
       }
+      // Read as a prefix, "MAX_MEMORY=5Mi" would leave the token uncapped,
+      // and the "Mi" of "max_memory=5 Mi" would scope it to jobs named Mi...
+      if (!absl::StartsWith(fields[i], kMaxMemory)) return bad("max_memory= is written in lower case");
+      if (i + 1 != fields.size()) return bad("max_memory= must be the line's last field, its bytes without a space");
       const std::optional<uint64_t> bytes = MemoryBudget::ParseBytes(fields[i].substr(kMaxMemory.size()));
       if (!bytes) return bad("max_memory= needs a positive byte count such as 64Gi or 512M");
-      if (e.caller.max_memory != 0) return bad("max_memory= given twice");
       e.caller.max_memory = *bytes;
     }
     if (e.caller.role == Role::kTrainer && e.caller.prefixes.empty()) {

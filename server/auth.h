@@ -14,8 +14,9 @@
 //   every job); `admin` may do all of that and drop, for any job.
 // - token: at least 16 characters, compared in constant time.
 // - max_memory: the most the jobs this token makes may hold on a server
-//   (tenant_ledger.h), bytes with --memory_limit's suffixes (64Gi); none:
-//   no cap but the server's. (So a prefix cannot begin with "max_memory=".)
+//   (tenant_ledger.h), bytes with --memory_limit's suffixes (64Gi), last on
+//   the line; none: no cap but the server's. (So a prefix cannot begin with
+//   "max_memory=" in any case.)
 #pragma once
 
 #include <atomic>

@@ -584,11 +584,13 @@ TEST(TokenTableTest, RolesPrefixesAndErrors) {
   EXPECT_TRUE(TokenTable::Parse(absl::StrCat("ops admin ", kAlice, " *\n")).ok());  // what it has anyway
 }
 
-// max_memory= caps a token's jobs, wherever it stands among the prefixes, for
-// any role; without it there is no cap. A bad or second one, or a trainer
+// max_memory=, last on a line, caps a token's jobs, for any role; without it
+// there is no cap. A bad one, one before another field (a second one, or a
+// unit cut off by a space, which would be taken as a prefix), one not in
+// lower case (which would be a prefix, the token uncapped), or a trainer
 // with no prefix besides it, stops the file, naming the line only.
 TEST(TokenTableTest, MaxMemoryIsTheTokensCapAndNotAPrefix) {
-  auto table = TokenTable::Parse(absl::StrCat("alice trainer ", kAlice, " team-a/ max_memory=64Gi shared/\n",
+  auto table = TokenTable::Parse(absl::StrCat("alice trainer ", kAlice, " team-a/ shared/ max_memory=64Gi\n",
                                               "bob trainer ", kBob, " team-b/\n", "root admin ", kRoot,
                                               " max_memory=500M\n"));
   ASSERT_TRUE(table.ok()) << table.status();
@@ -605,7 +607,10 @@ TEST(TokenTableTest, MaxMemoryIsTheTokensCapAndNotAPrefix) {
            {" team-a/ max_memory=lots", "positive byte count"},
            {" team-a/ max_memory=0", "positive byte count"},
            {" team-a/ max_memory=", "positive byte count"},
-           {" team-a/ max_memory=1Gi max_memory=2Gi", "given twice"},
+           {" team-a/ max_memory=1Gi max_memory=2Gi", "must be the line's last field"},
+           {" team-a/ max_memory=5 Mi", "must be the line's last field"},
+           {" team-a/ max_memory=1Gi shared/", "must be the line's last field"},
+           {" team-a/ MAX_MEMORY=5Mi", "lower case"},
            {" max_memory=1Gi", "a trainer without a job prefix"},
        }) {
     auto bad = TokenTable::Parse(absl::StrCat("# first\nalice trainer ", kAlice, line, "\n"));
