@@ -65,8 +65,8 @@ ABSL_FLAG(int, idle_stream_timeout_ms, 120000,
           "a Push or Init stream the server waits on this long for its next message is cancelled (DEADLINE_EXCEEDED), "
           "and a Commit or Read whose caller reads nothing this long (CANCELLED)");
 ABSL_FLAG(std::string, tokens_file, "",
-          "bearer tokens, one per line: NAME trainer|admin TOKEN [JOB_PREFIX ...] [max_memory=BYTES]; every call then needs one "
-          "(docs/design.md, security). Reloaded on SIGHUP and when the file changes");
+          "bearer tokens, one per line: NAME trainer|admin TOKEN [JOB_PREFIX ...] [max_memory=BYTES]; every call "
+          "then needs one (docs/design.md, security). Reloaded on SIGHUP and when the file changes");
 ABSL_FLAG(std::string, memory_limit, "auto",
           "host memory the server's jobs and streams may hold, e.g. 20Gi or 512M; auto: the smaller of physical "
           "memory and the cgroup limit, less an eighth (at least 256 MiB) of headroom. Over it: RESOURCE_EXHAUSTED");
