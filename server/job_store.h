@@ -190,6 +190,8 @@ class JobStore {
 
   // The names of the jobs held now, for the metrics' gauges.
   std::vector<std::string> JobNames() const ABSL_LOCKS_EXCLUDED(mu_);
+  // What the jobs each owner made hold now (tenant_ledger.h), for the same.
+  std::vector<std::pair<std::string, uint64_t>> TenantBytes() const { return tenants_.Held(); }
 
   // Where the last step done went, on this server (job.h).
   absl::StatusOr<StepPhases> LastStepPhases(const std::string& job) const ABSL_LOCKS_EXCLUDED(mu_);

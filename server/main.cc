@@ -35,6 +35,7 @@
 #include "server/job_spec.h"
 #include "server/library_logs.h"
 #include "server/service.h"
+#include "server/store_gauges.h"
 #include "server/tls_copies.h"
 #include "server/watched_files.h"
 #include "shardopt/v1/optimizer.pb.h"
@@ -348,28 +349,7 @@ int main(int argc, char** argv) {
   shardopt::metrics::Registry::Default().SetGauge("process_start_time_seconds", {},
                                                   absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
   shardopt::metrics::Registry::Default().SetGauges([&store, &running, &backend, device] {
-    std::vector<shardopt::metrics::Gauge> g;
-    g.push_back({"shardopt_build_info", {{"version", shardopt::Version()}, {"device", device}}, 1});
-    const std::vector<std::string> jobs = store.JobNames();
-    g.push_back({"shardopt_jobs", {}, static_cast<double>(jobs.size())});
-    g.push_back({"shardopt_open_streams", {}, static_cast<double>((*running)->service->open_streams())});
-    g.push_back({"shardopt_memory_budget_bytes", {}, static_cast<double>(store.budget()->limit())});
-    g.push_back({"shardopt_memory_used_bytes", {}, static_cast<double>(store.budget()->used())});
-    if (auto memory = shardopt::CudaDeviceMemory(**backend); memory.ok()) {
-      g.push_back({"shardopt_device_memory_bytes", {{"state", "free"}}, static_cast<double>(memory->free)});
-      g.push_back({"shardopt_device_memory_bytes", {{"state", "total"}}, static_cast<double>(memory->total)});
-    }
-    for (const std::string& job : jobs) {
-      shardopt::v1::DescribeRequest req;
-      req.set_job(job);
-      req.set_max_tensors(1);  // the sizes, not the tensors
-      auto d = store.Describe(req);
-      if (!d.ok()) continue;  // dropped meanwhile
-      g.push_back({"shardopt_job_state_bytes", {{"job", job}}, static_cast<double>(d->state_bytes())});
-      g.push_back({"shardopt_job_staging_bytes", {{"job", job}}, static_cast<double>(d->staging_bytes())});
-      g.push_back({"shardopt_job_step", {{"job", job}}, static_cast<double>(d->step())});
-    }
-    return g;
+    return shardopt::StoreGauges(store, **backend, device, (*running)->service->open_streams());
   });
   std::unique_ptr<shardopt::MetricsServer> metrics_server;
   if (const int port = absl::GetFlag(FLAGS_metrics_port); port > 0) {

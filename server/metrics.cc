@@ -38,6 +38,10 @@ const std::vector<Family>& Families() {
       {"shardopt_job_state_bytes", Type::kGauge, "A job's master, m and v on this server.", {}},
       {"shardopt_job_staging_bytes", Type::kGauge, "A job's running sum, params out and window cap on this server.", {}},
       {"shardopt_job_step", Type::kGauge, "A job's last step done.", {}},
+      {"shardopt_tenant_job_bytes", Type::kGauge,
+       "What the jobs a caller made hold on this server (state and staging, as its max_memory counts them), by "
+       "tenant: the tokens file's name (with --tokens_file only).",
+       {}},
       {"shardopt_job_created_timestamp_seconds", Type::kGauge,
        "When this server made or restored the job (its per-job counters start then), seconds since the Unix epoch.",
        {}},

@@ -107,7 +107,10 @@ grpc::Status OptimizerService::CreateJob(grpc::ServerContext* context, const v1:
                                          v1::CreateJobResponse* resp) {
   auto caller = Authorize(*context, Action::kCreate, req->job());
   if (!caller.ok()) return ToGrpcStatus(caller.status());
-  auto r = store_->CreateJob(*req, {caller->name, caller->max_memory});
+  // Charged to a token's name; without tokens the caller is named by its
+  // address, a new one per connection, and nobody is charged.
+  const JobOwner owner = options_.auth != nullptr ? JobOwner{caller->name, caller->max_memory} : JobOwner{};
+  auto r = store_->CreateJob(*req, owner);
   if (r.ok()) {
     *resp = *std::move(r);
     resp->set_max_message_bytes(store_->max_message_bytes());

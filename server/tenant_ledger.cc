@@ -49,6 +49,15 @@ absl::StatusOr<TenantLedger::Charge> TenantLedger::Reserve(const JobOwner& owner
   return charge;
 }
 
+std::vector<std::pair<std::string, uint64_t>> TenantLedger::Held() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::pair<std::string, uint64_t>> held;
+  for (const auto& [owner, bytes] : held_) {
+    if (bytes > 0) held.emplace_back(owner, bytes);
+  }
+  return held;
+}
+
 uint64_t TenantLedger::held(const std::string& owner) const {
   absl::MutexLock lock(&mu_);
   auto it = held_.find(owner);

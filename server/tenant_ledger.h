@@ -11,6 +11,8 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -51,6 +53,8 @@ class TenantLedger {
   // nothing, when its jobs would then hold more than its cap.
   absl::StatusOr<Charge> Reserve(const JobOwner& owner, uint64_t bytes, absl::string_view what) ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t held(const std::string& owner) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Every owner whose jobs hold anything now, and what they hold.
+  std::vector<std::pair<std::string, uint64_t>> Held() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   mutable absl::Mutex mu_;

@@ -184,7 +184,9 @@ class AuthTest : public ::testing::Test {
     char tmpl[] = "/tmp/shardopt-auth-XXXXXX";
     dir_ = mkdtemp(tmpl);
     tokens_ = TokensFile(dir_, StandardTokens());
-    server_ = ServerProcess::Start({"--tokens_file=" + tokens_, "--checkpoint_dir=" + dir_ + "/ckpt"});
+    metrics_port_ = testing::FreeLoopbackPort();
+    server_ = ServerProcess::Start({"--tokens_file=" + tokens_, "--checkpoint_dir=" + dir_ + "/ckpt",
+                                    absl::StrCat("--metrics_port=", metrics_port_)});
     ASSERT_NE(server_, nullptr);
     channel_ = grpc::CreateChannel(server_->address(), grpc::InsecureChannelCredentials());
   }
@@ -211,6 +213,7 @@ class AuthTest : public ::testing::Test {
 
   std::mt19937_64 rng_{std::random_device{}()};
   std::string dir_, tokens_;
+  int metrics_port_ = 0;
   std::unique_ptr<ServerProcess> server_;
   std::shared_ptr<grpc::Channel> channel_;
 };
@@ -378,7 +381,16 @@ TEST_F(AuthTest, ATokensMaxMemoryCapsTheJobsItMakes) {
   EXPECT_TRUE(bob.CreateJob("team-b/1").ok());
   EXPECT_EQ(bob.CreateJob("shared/1").error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_TRUE(admin.CreateJob("anything/1").ok());  // no cap
+  // What each tenant's jobs hold, for an alert before its cap.
+  const auto tenant_line = [](const char* tenant, uint64_t bytes) {
+    return absl::StrCat("\nshardopt_tenant_job_bytes{tenant=\"", tenant, "\"} ", bytes, "\n");
+  };
+  std::string metrics = testing::GetMetrics(metrics_port_);
+  EXPECT_THAT(metrics, HasSubstr(tenant_line("alice", 2 * job_bytes)));
+  EXPECT_THAT(metrics, HasSubstr(tenant_line("bob", job_bytes)));
+  EXPECT_THAT(metrics, HasSubstr(tenant_line("root", job_bytes)));
   ASSERT_TRUE(admin.Drop("team-a/2").ok());
+  EXPECT_THAT(testing::GetMetrics(metrics_port_), HasSubstr(tenant_line("alice", job_bytes)));
   EXPECT_TRUE(alice.CreateJob("team-a/3").ok());
 }
 
