@@ -192,4 +192,17 @@ size_t Authenticator::size() const {
   return table_->size();
 }
 
+std::vector<std::pair<std::string, uint64_t>> TokenTable::MaxMemory() const {
+  std::vector<std::pair<std::string, uint64_t>> caps;
+  for (const Entry& e : entries_) {
+    if (e.caller.max_memory > 0) caps.emplace_back(e.caller.name, e.caller.max_memory);
+  }
+  return caps;
+}
+
+std::vector<std::pair<std::string, uint64_t>> Authenticator::MaxMemory() const {
+  absl::MutexLock lock(&mu_);
+  return table_->MaxMemory();
+}
+
 }  // namespace shardopt

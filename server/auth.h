@@ -23,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include "absl/strings/string_view.h"
 #include <vector>
 
@@ -71,6 +72,8 @@ class TokenTable {
   // bytes differ.
   absl::StatusOr<Caller> Authenticate(absl::string_view authorization) const;
   size_t size() const { return entries_.size(); }
+  // Each token's name and max_memory, for those that have one.
+  std::vector<std::pair<std::string, uint64_t>> MaxMemory() const;
 
  private:
   struct Entry {
@@ -90,6 +93,7 @@ class Authenticator {
   absl::Status Reload() ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<Caller> Authenticate(absl::string_view authorization) const ABSL_LOCKS_EXCLUDED(mu_);
   size_t size() const ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<std::pair<std::string, uint64_t>> MaxMemory() const ABSL_LOCKS_EXCLUDED(mu_);
   // How many times tokens were loaded: a caller authorized at one value
   // needs no new check until it changes.
   uint64_t generation() const { return generation_.load(std::memory_order_acquire); }

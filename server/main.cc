@@ -348,8 +348,8 @@ int main(int argc, char** argv) {
   }
   shardopt::metrics::Registry::Default().SetGauge("process_start_time_seconds", {},
                                                   absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()));
-  shardopt::metrics::Registry::Default().SetGauges([&store, &running, &backend, device] {
-    return shardopt::StoreGauges(store, **backend, device, (*running)->service->open_streams());
+  shardopt::metrics::Registry::Default().SetGauges([&store, &running, &backend, device, &auth] {
+    return shardopt::StoreGauges(store, **backend, device, (*running)->service->open_streams(), auth.get());
   });
   std::unique_ptr<shardopt::MetricsServer> metrics_server;
   if (const int port = absl::GetFlag(FLAGS_metrics_port); port > 0) {

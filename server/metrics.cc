@@ -42,6 +42,9 @@ const std::vector<Family>& Families() {
        "What the jobs a caller made hold on this server (state and staging, as its max_memory counts them), by "
        "tenant: the tokens file's name (with --tokens_file only).",
        {}},
+      {"shardopt_tenant_max_memory_bytes", Type::kGauge,
+       "A token's cap on what the jobs it makes may hold on this server (max_memory in the tokens file), by tenant.",
+       {}},
       {"shardopt_job_created_timestamp_seconds", Type::kGauge,
        "When this server made or restored the job (its per-job counters start then), seconds since the Unix epoch.",
        {}},

@@ -7,7 +7,7 @@
 namespace shardopt {
 
 std::vector<metrics::Gauge> StoreGauges(JobStore& store, const Backend& backend, const std::string& device,
-                                        uint32_t open_streams) {
+                                        uint32_t open_streams, const Authenticator* auth) {
   std::vector<metrics::Gauge> g;
   g.push_back({"shardopt_build_info", {{"version", Version()}, {"device", device}}, 1});
   const std::vector<std::string> jobs = store.JobNames();
@@ -32,6 +32,11 @@ std::vector<metrics::Gauge> StoreGauges(JobStore& store, const Backend& backend,
   for (const auto& [tenant, bytes] : store.TenantBytes()) {
     // Jobs made without tokens (or by the store itself) have no tenant.
     if (!tenant.empty()) g.push_back({"shardopt_tenant_job_bytes", {{"tenant", tenant}}, static_cast<double>(bytes)});
+  }
+  if (auth != nullptr) {
+    for (const auto& [tenant, bytes] : auth->MaxMemory()) {
+      g.push_back({"shardopt_tenant_max_memory_bytes", {{"tenant", tenant}}, static_cast<double>(bytes)});
+    }
   }
   return g;
 }

@@ -389,6 +389,13 @@ TEST_F(AuthTest, ATokensMaxMemoryCapsTheJobsItMakes) {
   EXPECT_THAT(metrics, HasSubstr(tenant_line("alice", 2 * job_bytes)));
   EXPECT_THAT(metrics, HasSubstr(tenant_line("bob", job_bytes)));
   EXPECT_THAT(metrics, HasSubstr(tenant_line("root", job_bytes)));
+  // And each token's cap, for those that have one.
+  const auto cap_line = [](const char* tenant, uint64_t bytes) {
+    return absl::StrCat("\nshardopt_tenant_max_memory_bytes{tenant=\"", tenant, "\"} ", bytes, "\n");
+  };
+  EXPECT_THAT(metrics, HasSubstr(cap_line("alice", job_bytes * 5 / 2)));
+  EXPECT_THAT(metrics, HasSubstr(cap_line("bob", job_bytes)));
+  EXPECT_THAT(metrics, ::testing::Not(HasSubstr("shardopt_tenant_max_memory_bytes{tenant=\"root\"}")));
   ASSERT_TRUE(admin.Drop("team-a/2").ok());
   EXPECT_THAT(testing::GetMetrics(metrics_port_), HasSubstr(tenant_line("alice", job_bytes)));
   EXPECT_TRUE(alice.CreateJob("team-a/3").ok());
