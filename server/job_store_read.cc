@@ -176,6 +176,7 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   r.set_checkpoint_dir(!options_.checkpoint_dir.empty());
   r.set_waiting_for(summary.waiting_for());
   r.set_barrier_seconds_left(summary.barrier_seconds_left());
+  r.set_owner(summary.owner());
   return r;
 }
 
@@ -191,6 +192,7 @@ v1::JobSummary JobStore::Summarize(const Job& job) {
   // window for early chunks, at its cap.
   s.set_staging_bytes(use.staging_bytes + job.window_bytes);
   s.set_uninitialized_tensors(static_cast<uint32_t>(job.uninitialized_shards));
+  s.set_owner(job.owner_charge.owner());
   if (job.round.active && !job.round.sealed) {
     const std::chrono::duration<double> left = job.round.deadline - std::chrono::steady_clock::now();
     // A round past its deadline lasts until a push or commit ends it (and

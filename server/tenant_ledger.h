@@ -40,6 +40,8 @@ class TenantLedger {
     Charge(Charge&& other) noexcept { *this = std::move(other); }
     Charge& operator=(Charge&& other) noexcept;
     ~Charge() { Release(); }
+    // Whose it is: JobOwner::name.
+    const std::string& owner() const { return owner_; }
 
    private:
     friend class TenantLedger;

@@ -359,6 +359,7 @@ TEST_F(AuthTest, ATokensMaxMemoryCapsTheJobsItMakes) {
   ASSERT_TRUE(alice.CreateJob("team-a/1").ok());
   v1::DescribeResponse d;
   ASSERT_TRUE(alice.Describe("team-a/1", &d).ok());
+  EXPECT_EQ(d.owner(), "alice");
   const uint64_t job_bytes = d.state_bytes() + d.staging_bytes();
   TokensFile(dir_, absl::StrCat("alice trainer ", kAlice, " team-a/ max_memory=", job_bytes * 5 / 2, "\n",
                                 "bob trainer ", kBob, " team-b/ shared/ max_memory=", job_bytes, "\n",
@@ -380,6 +381,10 @@ TEST_F(AuthTest, ATokensMaxMemoryCapsTheJobsItMakes) {
   EXPECT_TRUE(alice.CreateJob("team-a/1").ok());  // attaching costs nothing
   EXPECT_TRUE(bob.CreateJob("team-b/1").ok());
   EXPECT_EQ(bob.CreateJob("shared/1").error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // Whoever attaches, the job stays its maker's.
+  ASSERT_TRUE(admin.CreateJob("team-b/1").ok());
+  ASSERT_TRUE(admin.Describe("team-b/1", &d).ok());
+  EXPECT_EQ(d.owner(), "bob");
   EXPECT_TRUE(admin.CreateJob("anything/1").ok());  // no cap
   // What each tenant's jobs hold, for an alert before its cap.
   const auto tenant_line = [](const char* tenant, uint64_t bytes) {

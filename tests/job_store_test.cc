@@ -919,7 +919,8 @@ std::vector<std::string> ListAll(const JobStore& store, uint32_t max_jobs,
 // those the caller may see.
 TEST_F(StoreTest, ListJobsSummarizesEachJobAsDescribeDoesInNameOrder) {
   Create(JobRequest("b-waits", 3, {{"w", 2000}, {"b", 24}}, v1::PRECISION_FP32, /*barrier_ms=*/30000));
-  Create(JobRequest("a-stepped", 1, {{"w", 1000}}, v1::PRECISION_BF16));
+  ASSERT_TRUE(store_.CreateJob(JobRequest("a-stepped", 1, {{"w", 1000}}, v1::PRECISION_BF16), {"alice", 0}).ok());
+  ASSERT_TRUE(store_.Init(Fp32Init("a-stepped", "w", RandomFloats(rng_, 1000, -1, 1))).ok());
   ASSERT_TRUE(store_.CreateJob(JobRequest("c-uninitialized", 1, {{"w", 64}})).ok());
   ASSERT_TRUE(Push("a-stepped", 1, 0, {{"w", RandomBf16(rng_, 1000, 1.0f)}}, 1 << 16).ok());
   ASSERT_TRUE(Commit("a-stepped", 1, 1e-2).ok());
@@ -950,11 +951,14 @@ TEST_F(StoreTest, ListJobsSummarizesEachJobAsDescribeDoesInNameOrder) {
     EXPECT_EQ(s.uninitialized_tensors(), d->uninitialized_tensors());
     EXPECT_EQ(s.waiting_for(), d->waiting_for());
     EXPECT_NEAR(s.barrier_seconds_left(), d->barrier_seconds_left(), 1.0);
+    EXPECT_EQ(s.owner(), d->owner());
     EXPECT_EQ(all.memory_limit_bytes(), d->memory_limit_bytes());
   }
   EXPECT_EQ(all.jobs(0).job(), "a-stepped");
   EXPECT_EQ(all.jobs(0).step(), 1u);
   EXPECT_EQ(all.jobs(0).state_bytes(), 1000u * 6);
+  EXPECT_EQ(all.jobs(0).owner(), "alice");
+  EXPECT_EQ(all.jobs(1).owner(), "");
   EXPECT_EQ(all.jobs(1).job(), "b-waits");
   EXPECT_EQ(all.jobs(1).world_size(), 3u);
   EXPECT_EQ(all.jobs(1).tensors(), 2u);
