@@ -9,12 +9,11 @@ servers) and run AdamW; ``step()`` pushes each ``p.grad`` and writes the
 updated values into ``p`` in place: bf16 params get the master rounded to
 nearest even, fp32 params the master itself, bit for bit.
 
-Supported param dtypes: ``torch.bfloat16`` and ``torch.float32`` (anything
-else, fp16 included, raises ``shardopt.UnsupportedDtype``: fp16 gradients
-would need a loss scale that this optimizer does not manage). Params may live
-on the CPU (used in place, no copy) or on a CUDA device (staged through
-pinned host buffers with non-blocking copies); params on any other device
-(meta included) raise ``shardopt.InvalidArgument``. Two params whose memory
+Supported param dtypes: ``torch.bfloat16`` and ``torch.float32`` (others, fp16
+included, raise ``shardopt.UnsupportedDtype``: fp16 gradients would need a loss
+scale this optimizer does not manage). Params may live on the CPU (used in place)
+or a CUDA device (staged through pinned host buffers, non-blocking); any other
+device (meta included) raises ``shardopt.InvalidArgument``. Params whose memory
 overlaps raise ValueError; views at disjoint places of one buffer are taken.
 """
 import numbers
@@ -27,6 +26,7 @@ import torch
 from . import _C
 from ._errors import AlreadyExists, Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
 from ._checks import _check_disjoint, _check_gradient, _check_hyper, _check_ints, _check_seconds
+from ._log import _log_skip
 from ._connect import _read_pem, _servers
 from ._overlap import _OverlapPush
 from ._param_watch import _ParamWatch
@@ -348,6 +348,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         self._note_versions()
         if decision is not None:
             self.last_decision = decision
+            _log_skip(decision, self._client.step_count)
         self._checkpoint_if_due()
         if decision is None:
             why = (f"param {second!r} got a second gradient before this step() (backward raised)" if second else

@@ -1,6 +1,7 @@
 """RemoteAdamW against torch.optim.AdamW(foreach=False): an fp32 transformer
 with RMSNorm, the seed's bf16 figure, lr schedulers, and moving a running
 torch job onto shardopt."""
+import logging
 import math
 
 import numpy as np
@@ -231,7 +232,7 @@ def test_autograd_sees_that_step_changed_the_params(servers, job, overlap):
     opt.drop()
 
 
-def test_a_step_bumps_only_the_versions_of_params_it_changed(servers, job):
+def test_a_step_bumps_only_the_versions_of_params_it_changed(servers, job, caplog):
     """As torch's: a param with no gradient this step, and every param of a
     skipped step (a nonfinite gradient), keep their version counters, so a
     graph that saved them still backprops."""
@@ -249,8 +250,13 @@ def test_a_step_bumps_only_the_versions_of_params_it_changed(servers, job):
     through_a = (a * a * x).sum()
     a.grad = torch.full((8,), float("nan"))
     versions = (a._version, b._version)
-    opt.step()
+    with caplog.at_level(logging.WARNING, logger="shardopt"):
+        opt.step()
     assert opt.last_decision.skip
+    # Said, as torch's NaN params would show in the loss and these do not.
+    assert [r.getMessage() for r in caplog.records if r.name == "shardopt"] == [
+        "step 2 skipped: the gradients are not finite (grad_norm nan); params and Adam state stay as they were "
+        "(opt.last_decision)"]
     assert (a._version, b._version) == versions
     through_a.backward()
     opt.drop()
