@@ -48,10 +48,15 @@ const char* ActionName(Action a) {
   return "?";
 }
 
+bool Caller::Covers(const std::string& job) const {
+  return role == Role::kAdmin ||
+         std::any_of(prefixes.begin(), prefixes.end(),
+                     [&](const std::string& p) { return p == "*" || absl::StartsWith(job, p); });
+}
+
 absl::Status Caller::Allows(Action action, const std::string& job) const {
   if (role == Role::kAdmin) return absl::OkStatus();
-  if (std::none_of(prefixes.begin(), prefixes.end(),
-                   [&](const std::string& p) { return p == "*" || absl::StartsWith(job, p); })) {
+  if (!Covers(job)) {
     return absl::PermissionDeniedError(absl::StrCat("'", name, "' may not ", ActionName(action), " job ", Quote(job),
                                                     ": it is outside the token's job prefixes"));
   }

@@ -49,6 +49,9 @@ struct Caller {
 
   // OK, or PERMISSION_DENIED naming the caller, the action and the job.
   absl::Status Allows(Action action, const std::string& job) const;
+  // Whether `job` is under the caller's prefixes (an admin's: every job),
+  // which every action but a drop needs; without building Allows' message.
+  bool Covers(const std::string& job) const;
 };
 
 // Whether the caller of a stream, as the tokens are now, may do `action` to
