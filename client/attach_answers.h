@@ -47,6 +47,12 @@ absl::StatusOr<uint64_t> AgreedStep(const std::vector<v1::CreateJobResponse>& an
 // "has no checkpoint of it" (made afresh).
 std::string ReattachOutcome(const v1::CreateJobResponse& answer);
 
+// Client::applied_group_lr: the lr of each of `groups` groups that `step`
+// was applied with, as the first server holding a part at it says; empty at
+// step 0, for a skip, or where no such server says (older servers).
+std::vector<double> AppliedGroupLr(const std::vector<v1::CreateJobResponse>& answers, uint64_t step,
+                                   const std::vector<bool>& holds_part, size_t groups);
+
 // Client::pushed_ahead: step + 1 if a server this client pushes to
 // (`pushes_to`) holds that step's sealed round, or some of this client's
 // rank's push of it (rank_pushed), else 0.

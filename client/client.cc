@@ -50,6 +50,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
 
 uint64_t Client::step() const { return impl_->step; }
 uint64_t Client::pushed_ahead() const { return impl_->pushed_ahead; }
+std::vector<double> Client::applied_group_lr() const { return impl_->applied_group_lr; }
 uint64_t Client::chunk_bytes() const { return impl_->chunk_bytes; }
 
 absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
@@ -111,6 +112,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   SHARDOPT_ASSIGN_OR_RETURN(const uint64_t step, std::move(agreed));
   im.step = step;
   im.pushed_ahead = PushedAhead(answers, step, holds_part, im.pushes_to);
+  im.applied_group_lr = AppliedGroupLr(answers, step, holds_part, job.groups.size());
   std::vector<uint64_t> sent_to, barrier;  // the limits of the servers this job's messages go to
   for (uint32_t s = 0; s < im.servers(); ++s) {
     barrier.push_back(answers[s].barrier_timeout_ms());

@@ -54,6 +54,7 @@ struct Client::Impl {
   mutable std::vector<uint64_t> attached_at;
   uint64_t step = 0;
   uint64_t pushed_ahead = 0;  // Client::pushed_ahead, as the attach found it
+  std::vector<double> applied_group_lr;  // Client::applied_group_lr, likewise
   uint64_t chunk_bytes = 0;  // per streamed message, once attached (rpc/chunk_size.h)
   uint32_t barrier_ms = 0;   // the job's barrier deadline as its servers hold it, once attached
   absl::flat_hash_map<std::string, uint32_t> tensor_index;

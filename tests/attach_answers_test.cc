@@ -100,6 +100,26 @@ TEST(AttachAnswers, APushAheadCountsOnlyOnServersThisClientPushesTo) {
   EXPECT_EQ(PushedAhead(answers, 3, {true, false}, {true, true}), 0u);
 }
 
+// The lrs a resuming trainer compares its own with: the step's, from a
+// server that holds a part and is at that step; per group as sent, or the
+// commit's lr for every group where it sent none; nothing for a skip, at
+// step 0, or where no server says.
+TEST(AttachAnswers, TheAppliedGroupLrsAreTheStepsFromAServerAtIt) {
+  std::vector<v1::CreateJobResponse> answers = {At(3, 3, 0.25), At(3, 3, 0.25)};
+  answers[0].add_applied_group_lr(0.5);  // two groups
+  answers[1].add_applied_group_lr(0.5);
+  EXPECT_THAT(AppliedGroupLr(answers, 3, {true, true}, 2), ElementsAre(0.25, 0.5));
+  answers[0].set_applied_lr(9.0);  // not a part's server: not asked
+  answers[0].clear_applied_group_lr();
+  EXPECT_THAT(AppliedGroupLr(answers, 3, {false, true}, 2), ElementsAre(0.25, 0.5));
+  EXPECT_THAT(AppliedGroupLr(answers, 3, {true, true}, 2), ElementsAre(9.0, 9.0));  // lr for every group
+  EXPECT_THAT(AppliedGroupLr({At(2, 2), At(3, 3, 0.125)}, 3, {true, true}, 1), ElementsAre(0.125));
+  answers[0].set_applied_skip(true);
+  answers[1].set_applied_skip(true);
+  EXPECT_TRUE(AppliedGroupLr(answers, 3, {true, true}, 2).empty());
+  EXPECT_TRUE(AppliedGroupLr({At(0, 0, 0.0)}, 0, {true}, 1).empty());
+}
+
 TEST(AttachAnswers, ThisRanksOwnPushOfTheNextStepCountsSealedOrNot) {
   std::vector<v1::CreateJobResponse> answers = {At(3, 3), At(3, 3)};
   EXPECT_EQ(PushedAhead(answers, 3, {true, true}, {true, true}), 0u);

@@ -5,12 +5,38 @@ import logging
 _logger = logging.getLogger("shardopt")
 
 
-def _log_skip(decision, step):
-    """A step its gradients' values skipped. torch.optim.AdamW would have
-    applied them and made the params nonfinite, which a loss shows; here the
-    params stay as they were, so a loop whose every gradient is NaN would
-    train on without moving. Said at each such step, as DeepSpeed says an
-    overflow."""
-    if decision is not None and decision.skip:
+def _group_lrs(opt):
+    return [float(g["lr"]) for g in opt.param_groups]
+
+
+def _resume_lrs(opt):
+    """At a resume (the job at step N > 0): the groups' lrs as constructed,
+    and those step N was applied with, where the two differ; else None."""
+    applied = list(opt._client.applied_group_lr)
+    constructed = _group_lrs(opt)
+    return (constructed, applied) if opt.resumed_step and applied and applied != constructed else None
+
+
+def _log_step(opt, decision):
+    """What a step() says once done.
+
+    Each step its gradients' values skipped: torch.optim.AdamW would have
+    applied them and made the params nonfinite, which a loss shows, where
+    here the params stay as they were, so a loop whose every gradient is NaN
+    would train on without moving (said at each, as DeepSpeed says an
+    overflow).
+
+    And the first step after a resume, if it ran at the lrs the optimizer was
+    constructed with while the job's last step ran at others: the state came
+    from the servers, but the lrs live in the trainer, and a scheduler's
+    load_state_dict sets none, so a resumed schedule would silently restart."""
+    step = opt._client.step_count
+    if decision.skip:
         _logger.warning("step %d skipped: the gradients are not finite (grad_norm %s); params and Adam state stay "
                         "as they were (opt.last_decision)", step, decision.grad_norm)
+    resume, opt._resume_lrs = opt._resume_lrs, None
+    if resume is not None and _group_lrs(opt) == resume[0]:
+        _logger.warning("step %d ran at the lrs RemoteAdamW was constructed with, %s, where step %d, which it "
+                        "resumed from, ran at %s: a scheduler's load_state_dict sets no group's lr, so set them "
+                        "from it (for g, lr in zip(opt.param_groups, sched.get_last_lr()): g['lr'] = lr), unless "
+                        "these lrs are meant", step, resume[0], opt.resumed_step, resume[1])

@@ -26,7 +26,7 @@ import torch
 from . import _C
 from ._errors import AlreadyExists, Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
 from ._checks import _check_disjoint, _check_gradient, _check_hyper, _check_ints, _check_seconds
-from ._log import _log_skip
+from ._log import _log_step, _resume_lrs
 from ._connect import _read_pem, _servers
 from ._overlap import _OverlapPush
 from ._param_watch import _ParamWatch
@@ -199,8 +199,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         pem = [_read_pem(path, what) for path, what in ((tls_ca, "tls_ca"), (tls_cert, "tls_cert"), (tls_key, "tls_key"))]
         if token is None:
             token = os.environ.get("SHARDOPT_TOKEN", "")
-        # The periodic checkpoint is taken here, after step() or a skip
-        # commit, on both paths (the client's own is in Client::Step only).
+        # The periodic checkpoint: after step() or a skip commit, on both paths (not Client::Step's).
         self._checkpoint_every = int(checkpoint_every)
         self._client = _C.Client(_servers(servers, num_servers), rank, max_attempts, int(rpc_timeout * 1000),
                                  chunk_bytes, 0, *pem, token=token)
@@ -271,6 +270,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         if self.resumed_step != 0 or rank != 0 or keeps_masters:
             self._pull_params()
         self._note_versions()
+        self._resume_lrs = _resume_lrs(self)
         self._client.verify_state()
 
         self._hooks = []
@@ -348,7 +348,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         self._note_versions()
         if decision is not None:
             self.last_decision = decision
-            _log_skip(decision, self._client.step_count)
+            _log_step(self, decision)
         self._checkpoint_if_due()
         if decision is None:
             why = (f"param {second!r} got a second gradient before this step() (backward raised)" if second else

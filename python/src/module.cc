@@ -315,6 +315,11 @@ class PyClient {
     std::lock_guard<std::mutex> lock(mu_);
     return client_->pushed_ahead();
   }
+  std::vector<double> applied_group_lr() {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu_);
+    return client_->applied_group_lr();
+  }
 
  private:
   std::mutex mu_;  // one call in the client at a time (Exclusive)
@@ -464,5 +469,6 @@ PYBIND11_MODULE(_C, m) {
       .def("drop", &PyClient::Drop)
       .def("checkpoint", &PyClient::Checkpoint)
       .def_property_readonly("step_count", &PyClient::step)
-      .def_property_readonly("pushed_ahead", &PyClient::pushed_ahead);
+      .def_property_readonly("pushed_ahead", &PyClient::pushed_ahead)
+      .def_property_readonly("applied_group_lr", &PyClient::applied_group_lr);
 }

@@ -1,5 +1,6 @@
 """state_dict round trips, moving between processes, and resuming from the
 servers' state (attaching, and after the servers restart from a checkpoint)."""
+import logging
 import os
 import subprocess
 import sys
@@ -179,6 +180,56 @@ def test_a_restarted_trainer_loading_its_state_dict_resumes_its_schedulers_lr(se
     for (name, p), q in zip(model.named_parameters(), whole.parameters()):
         assert same_bits(p, q), name
     opt.drop()
+
+
+def test_a_resume_whose_first_step_keeps_the_constructors_lrs_while_the_job_ran_at_others_warns(servers, job,
+                                                                                              caplog):
+    """A trainer that resumes from the servers (a checkpoint, or the job
+    still held) gets their state but keeps the lrs it was constructed with:
+    a scheduler's load_state_dict sets no group's lr, so a resumed schedule
+    restarted, unsaid. Its first step now says so on the "shardopt" logger,
+    once; not when the lrs were set from the scheduler, nor for a constant
+    lr."""
+    def scheduled(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5 ** epoch)
+
+    def said():
+        return [r.getMessage() for r in caplog.records if r.name == "shardopt"]
+
+    g = torch.Generator().manual_seed(3)
+    for name, constant in ((f"{job}-forgot", False), (f"{job}-set", False), (f"{job}-constant", True)):
+        p = torch.nn.Parameter(torch.randn(16, generator=g))
+        opt = RemoteAdamW([p], servers=servers, job=name, lr=1.0)
+        scheduler = None if constant else scheduled(opt)
+        for _ in range(3):  # at lrs 1, 0.5 and 0.25
+            p.grad = torch.randn(16, generator=g)
+            opt.step()
+            if scheduler is not None:
+                scheduler.step()
+        saved = None if constant else scheduler.state_dict()
+        del opt, scheduler  # the trainer dies; the job stays on the servers
+
+        q = torch.nn.Parameter(torch.randn(16, generator=g))
+        opt = RemoteAdamW([q], servers=servers, job=name, lr=1.0)
+        assert opt.resumed_step == 3
+        if name.endswith("-set"):
+            scheduler = scheduled(opt)
+            scheduler.load_state_dict(saved)
+            for group, lr in zip(opt.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="shardopt"):
+            for _ in range(2):
+                q.grad = torch.randn(16, generator=g)
+                opt.step()
+        if name.endswith("-forgot"):
+            assert said() == [
+                "step 4 ran at the lrs RemoteAdamW was constructed with, [1.0], where step 3, which it resumed from, "
+                "ran at [0.25]: a scheduler's load_state_dict sets no group's lr, so set them from it (for g, lr in "
+                "zip(opt.param_groups, sched.get_last_lr()): g['lr'] = lr), unless these lrs are meant"]
+        else:
+            assert said() == [], name
+        opt.drop()
 
 
 def test_at_step_0_rank_0_sends_its_params_unless_the_job_holds_adam_state(servers, job):
