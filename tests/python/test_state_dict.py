@@ -197,7 +197,8 @@ def test_a_resume_whose_first_step_keeps_the_constructors_lrs_while_the_job_ran_
         return [r.getMessage() for r in caplog.records if r.name == "shardopt"]
 
     g = torch.Generator().manual_seed(3)
-    for name, constant in ((f"{job}-forgot", False), (f"{job}-set", False), (f"{job}-constant", True)):
+    for name, constant in ((f"{job}-forgot", False), (f"{job}-skipped-first", False), (f"{job}-set", False),
+                           (f"{job}-constant", True)):
         p = torch.nn.Parameter(torch.randn(16, generator=g))
         opt = RemoteAdamW([p], servers=servers, job=name, lr=1.0)
         scheduler = None if constant else scheduled(opt)
@@ -219,14 +220,20 @@ def test_a_resume_whose_first_step_keeps_the_constructors_lrs_while_the_job_ran_
                 group["lr"] = lr
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="shardopt"):
-            for _ in range(2):
+            for k in range(2):
                 q.grad = torch.randn(16, generator=g)
+                if k == 0 and name.endswith("-skipped-first"):
+                    q.grad[0] = float("nan")  # its lrs move nothing: the next step is looked at
                 opt.step()
-        if name.endswith("-forgot"):
-            assert said() == [
-                "step 4 ran at the lrs RemoteAdamW was constructed with, [1.0], where step 3, which it resumed from, "
-                "ran at [0.25]: a scheduler's load_state_dict sets no group's lr, so set them from it (for g, lr in "
-                "zip(opt.param_groups, sched.get_last_lr()): g['lr'] = lr), unless these lrs are meant"]
+        if name.endswith("-skipped-first"):
+            assert len(said()) == 2 and said()[0].startswith("step 4 skipped"), said()
+            assert said()[1].startswith("step 5 ran at the lrs RemoteAdamW was constructed with, [1.0], where "
+                                        "step 3, which it resumed from, ran at [0.25]")
+        elif name.endswith("-forgot"):
+            assert len(said()) == 1
+            assert said()[0].startswith("step 4 ran at the lrs RemoteAdamW was constructed with, [1.0], where step "
+                                        "3, which it resumed from, ran at [0.25]. If a scheduler drives them, a "
+                                        "resume must set them from it")
         else:
             assert said() == [], name
         opt.drop()
