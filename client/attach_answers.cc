@@ -108,7 +108,9 @@ std::vector<double> AppliedGroupLr(const std::vector<v1::CreateJobResponse>& ans
   for (size_t s = 0; s < answers.size(); ++s) {
     const v1::CreateJobResponse& a = answers[s];
     if (!holds_part[s] || step == 0 || a.step() != step || a.applied_skip()) continue;
-    if (static_cast<size_t>(a.applied_group_lr_size()) == groups) return {a.applied_group_lr().begin(), a.applied_group_lr().end()};
+    if (static_cast<size_t>(a.applied_group_lr_size()) == groups) {
+      return {a.applied_group_lr().begin(), a.applied_group_lr().end()};
+    }
     // A commit without group lrs applied its lr to every group.
     if (a.applied_group_lr_size() == 0) return std::vector<double>(groups, a.applied_lr());
   }

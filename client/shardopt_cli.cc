@@ -45,12 +45,14 @@
 #include "tools/flags.h"
 
 ABSL_FLAG(std::string, server, "localhost:50051", "list, describe, drop, checkpoint, read: the server, HOST:PORT");
-ABSL_FLAG(std::string, tls_ca, "", "list, describe, drop, checkpoint, read: PEM CA of the server's certificate; set it to use TLS");
-ABSL_FLAG(std::string, tls_cert, "", "list, describe, drop, checkpoint, read: PEM certificate of this client, for mutual TLS");
+ABSL_FLAG(std::string, tls_ca, "",
+          "list, describe, drop, checkpoint, read: PEM CA of the server's certificate; set it to use TLS");
+ABSL_FLAG(std::string, tls_cert, "",
+          "list, describe, drop, checkpoint, read: PEM certificate of this client, for mutual TLS");
 ABSL_FLAG(std::string, tls_key, "", "list, describe, drop, checkpoint, read: PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_server_name, "",
-          "list, describe, drop, checkpoint, read: with TLS, the name the server's certificate must carry, where --server "
-          "reaches it by another (an IP, or localhost through kubectl port-forward); default: --server's host");
+          "list, describe, drop, checkpoint, read: with TLS, the name the server's certificate must carry, where "
+          "--server reaches it by another (an IP, or localhost through kubectl port-forward); default: --server's host");
 ABSL_FLAG(std::string, token_file, "",
           "list, describe, drop, checkpoint, read: a file holding the bearer token for a server with --tokens_file; "
           "without it the environment variable SHARDOPT_TOKEN, if set");
