@@ -107,7 +107,9 @@ std::vector<double> AppliedGroupLr(const std::vector<v1::CreateJobResponse>& ans
                                    const std::vector<bool>& holds_part, size_t groups) {
   for (size_t s = 0; s < answers.size(); ++s) {
     const v1::CreateJobResponse& a = answers[s];
-    if (!holds_part[s] || step == 0 || a.step() != step || a.applied_skip()) continue;
+    // No commit applies with gscale 0 (a skip records 1): 0 is a server, or a
+    // checkpoint, too old to say what its step was applied with.
+    if (!holds_part[s] || step == 0 || a.step() != step || a.applied_skip() || a.applied_gscale() == 0) continue;
     if (static_cast<size_t>(a.applied_group_lr_size()) == groups) {
       return {a.applied_group_lr().begin(), a.applied_group_lr().end()};
     }

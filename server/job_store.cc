@@ -281,7 +281,8 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
 absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation, bool only_if_empty) {
   {
     // A job a CreateJob is building (a restore may take seconds) is dropped
-    // once built: a NOT_FOUND now would be followed by the job appearing.
+    // once built: a NOT_FOUND now would be followed by the job appearing. (A
+    // CreateJob that begins after this wait comes after the drop.)
     absl::MutexLock lock(&mu_);
     while (creating_.contains(name)) created_.Wait(&mu_);
   }

@@ -126,7 +126,8 @@ class JobStore {
   }
 
   // One page of the jobs held now whose names `visible` takes (the caller's
-  // token's), in byte order of their names, at most kListPage.
+  // token's), in byte order of their names, at most kListPage. `visible`
+  // runs under the store's lock: it must take no lock of its own.
   static constexpr uint32_t kListPage = 1000;
   v1::ListJobsResponse ListJobs(const v1::ListJobsRequest& request,
                                 const std::function<bool(const std::string&)>& visible) const ABSL_LOCKS_EXCLUDED(mu_);

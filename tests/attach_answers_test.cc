@@ -118,6 +118,10 @@ TEST(AttachAnswers, TheAppliedGroupLrsAreTheStepsFromAServerAtIt) {
   answers[1].set_applied_skip(true);
   EXPECT_TRUE(AppliedGroupLr(answers, 3, {true, true}, 2).empty());
   EXPECT_TRUE(AppliedGroupLr({At(0, 0, 0.0)}, 0, {true}, 1).empty());
+  // A server (or a checkpoint) too old to say: its fields are 0.
+  v1::CreateJobResponse old;
+  old.set_step(3);
+  EXPECT_TRUE(AppliedGroupLr({old}, 3, {true}, 2).empty());
 }
 
 TEST(AttachAnswers, ThisRanksOwnPushOfTheNextStepCountsSealedOrNot) {

@@ -253,7 +253,8 @@ class SlowBuildBudgetTest : public StoreTest {
  protected:
   SlowBuildBudgetTest()
       : StoreTest(BudgetOptions(), std::make_unique<testing::WrappedCpuBackend>(
-                                       MakeCpuBackend({})->Describe(), [](std::unique_ptr<JobState> s) {
+                                       MakeCpuBackend({})->Describe(), [this](std::unique_ptr<JobState> s) {
+                                         builds_begun_++;
                                          std::this_thread::sleep_for(std::chrono::milliseconds(100));
                                          return s;
                                        })) {}
@@ -262,6 +263,8 @@ class SlowBuildBudgetTest : public StoreTest {
     o.memory_limit = uint64_t{96} << 20;
     return o;
   }
+  // Allocations begun: a CreateJob is building its job from then on.
+  std::atomic<int> builds_begun_{0};
 };
 
 // A drop of a job that a CreateJob is building (allocating, or restoring
@@ -269,8 +272,8 @@ class SlowBuildBudgetTest : public StoreTest {
 // answered NOT_FOUND, and the job appeared after the operator was told so.
 TEST_F(SlowBuildBudgetTest, ADropWhileTheJobIsBeingBuiltDropsItOnceBuilt) {
   std::thread create([&] { ASSERT_TRUE(store_.CreateJob(JobRequest("building", 1, {{"w", 4096}})).ok()); });
-  // Until the build has begun: a CreateJob of the name waits for it too.
-  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  for (int i = 0; i < 1000 && builds_begun_ == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_EQ(builds_begun_, 1);
   EXPECT_TRUE(store_.DropJob("building").ok());
   create.join();
   EXPECT_EQ(store_.Describe("building").status().code(), absl::StatusCode::kNotFound);

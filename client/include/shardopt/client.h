@@ -362,10 +362,11 @@ class Client {
   // committed or its barrier deadline passes. Taken at CreateOrAttach, and
   // not updated after: ask again by attaching again.
   uint64_t pushed_ahead() const;
-  // The lr of each group that the job's step (step() at CreateOrAttach) was
-  // applied with: a trainer resuming a scheduled lr can compare its own.
-  // Empty for a new job, a step applied as a skip, or servers too old to
-  // say. Taken at CreateOrAttach, as pushed_ahead.
+  // The lr each group's step (step() at CreateOrAttach) was committed with
+  // (StepOptions' lr or group_lr, before the group's lr_multiplier): a
+  // trainer resuming a scheduled lr can compare its own. Empty for a new
+  // job, a step applied as a skip, or servers too old to say. Taken at
+  // CreateOrAttach, as pushed_ahead.
   std::vector<double> applied_group_lr() const;
   // Bytes of gradient per streamed message, once attached: ClientOptions::chunk_bytes,
   // or what the client chose for the job.
