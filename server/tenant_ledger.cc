@@ -38,7 +38,7 @@ absl::StatusOr<TenantLedger::Charge> TenantLedger::Reserve(const JobOwner& owner
     if (held == 0) held_.erase(owner.name);
     return absl::ResourceExhaustedError(absl::StrCat(
         "'", owner.name, "' may hold ", owner.max_bytes, " bytes of jobs on this server (max_memory in the tokens ",
-        "file); its jobs hold ", before, ", and ", what, " needs ", bytes, ": drop one of its jobs, or raise its ",
+        "file); its jobs hold ", before, ", and ", what, " ", bytes, ": drop one of its jobs, or raise its ",
         "max_memory"));
   }
   held += bytes;

@@ -51,8 +51,9 @@ class TenantLedger {
     uint64_t bytes_ = 0;
   };
 
-  // `bytes` more for `owner`'s job `what`, or RESOURCE_EXHAUSTED, changing
-  // nothing, when its jobs would then hold more than its cap.
+  // `bytes` more for `owner`'s job, or RESOURCE_EXHAUSTED, changing nothing,
+  // when its jobs would then hold more than its cap. `what` says, before the
+  // bytes, what needs them ("job 'x' needs").
   absl::StatusOr<Charge> Reserve(const JobOwner& owner, uint64_t bytes, absl::string_view what)
       ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t held(const std::string& owner) const ABSL_LOCKS_EXCLUDED(mu_);

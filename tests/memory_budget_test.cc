@@ -147,7 +147,9 @@ TEST_F(StoreTest, EachOwnersJobsHoldAtMostItsCap) {
   ASSERT_TRUE(d.ok());
   const uint64_t job_bytes = d->state_bytes() + d->staging_bytes();
   ASSERT_TRUE(store_.DropJob("probe").ok());
-  const JobOwner alice{"alice", job_bytes * 5 / 2}, bob{"bob", job_bytes * 5 / 2}, root{"root", 0};
+  // Alice's third job passes the check before it is built (its state and
+  // window alone fit) and is refused once built, at its whole size.
+  const JobOwner alice{"alice", job_bytes * 3 - 100}, bob{"bob", job_bytes * 5 / 2}, root{"root", 0};
 
   ASSERT_TRUE(store_.CreateJob(JobRequest("a1", 1, {{"w", 1 << 16}}), alice).ok());
   ASSERT_TRUE(store_.CreateJob(JobRequest("a2", 1, {{"w", 1 << 16}}), alice).ok());
@@ -277,6 +279,22 @@ TEST_F(SlowBuildBudgetTest, ADropWhileTheJobIsBeingBuiltDropsItOnceBuilt) {
   EXPECT_TRUE(store_.DropJob("building").ok());
   create.join();
   EXPECT_EQ(store_.Describe("building").status().code(), absl::StatusCode::kNotFound);
+}
+
+// A job whose state alone is past its maker's cap is refused before it is
+// built: it takes nothing from the budget, or the device, that other
+// tenants' jobs could be refused for meanwhile.
+TEST_F(SlowBuildBudgetTest, AJobPastItsMakersCapIsRefusedBeforeItIsBuilt) {
+  // 12 MiB of state and a 4 MiB window, in a 96 MiB budget, against 10 MiB.
+  auto refused = store_.CreateJob(JobRequest("past-cap", 1, {{"w", 1 << 20}}), JobOwner{"alice", 10 << 20});
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("'alice' may hold 10485760 bytes of jobs on this server (max_memory in the tokens file); its "
+                        "jobs hold 0, and job 'past-cap' needs at least 16777216"));
+  EXPECT_EQ(builds_begun_, 0);
+  EXPECT_EQ(store_.budget()->used(), 0u);
+  EXPECT_TRUE(store_.CreateJob(JobRequest("under-cap", 1, {{"w", 1 << 16}}), JobOwner{"alice", 10 << 20}).ok());
+  EXPECT_EQ(builds_begun_, 1);
 }
 
 TEST_F(SlowBuildBudgetTest, RanksCreatingOneJobAtOnceAllGetIt) {
