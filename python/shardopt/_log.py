@@ -38,7 +38,7 @@ def _log_step(opt, decision):
         _logger.warning("step %d skipped: the gradients are not finite (grad_norm %s); params and Adam state stay "
                         "as they were (opt.last_decision)", step, decision.grad_norm)
         return  # its lrs moved nothing: the next step is the one to look at
-    resume, opt._resume_lrs = opt._resume_lrs, None
+    resume, opt._lrs_to_check = opt._lrs_to_check, None
     if resume is not None and _group_lrs(opt) == resume[0]:
         _logger.warning("step %d ran at the lrs RemoteAdamW was constructed with, %s, where step %d, which it "
                         "resumed from, ran at %s. If a scheduler drives them, a resume must set them from it (a "

@@ -270,7 +270,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         if self.resumed_step != 0 or rank != 0 or keeps_masters:
             self._pull_params()
         self._note_versions()
-        self._resume_lrs = _resume_lrs(self)
+        self._lrs_to_check = _resume_lrs(self)
         self._client.verify_state()
 
         self._hooks = []
