@@ -62,7 +62,8 @@ uint64_t BookkeepingBytes(const v1::CreateJobRequest& spec) {
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spec, Backend* backend,
-                                                 uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget) {
+                                                 uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget,
+                                                 TenantLedger* tenants, const JobOwner& owner) {
   std::shared_ptr<Job> job(new Job(spec, window_bytes, wakeups, budget));
   job->self_ = job;
   for (const v1::Group& g : spec.groups()) {
@@ -86,10 +87,18 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spe
   for (const OwnedShard& s : job->shards) lengths.push_back(s.length);
   const uint64_t bytes = backend->HostBytes(layout) + window_bytes + RunningSum::FixedBytes(lengths, spec.world_size()) +
                          BookkeepingBytes(spec);
-  SHARDOPT_ASSIGN_OR_RETURN(job->charge_, budget->ReserveForJob(bytes, absl::StrCat("job ", Quote(spec.job()))));
+  const std::string what = absl::StrCat("job ", Quote(spec.job()));
+  SHARDOPT_RETURN_IF_ERROR(
+      tenants->Reserve(owner, StateBytes(layout) + window_bytes, absl::StrCat(what, " needs at least")).status());
+  SHARDOPT_ASSIGN_OR_RETURN(job->charge_, budget->ReserveForJob(bytes, what));
   SHARDOPT_ASSIGN_OR_RETURN(auto state, backend->Allocate(layout));
   absl::MutexLock lock(&job->mu);
   job->state = std::move(state);
+  // Once allocated, as Describe will say, whatever the backend (the budget,
+  // or the device, bounded the allocation already).
+  const MemoryUse use = job->memory_use();
+  SHARDOPT_ASSIGN_OR_RETURN(job->owner_charge_,
+                            tenants->Reserve(owner, use.state_bytes + use.staging_bytes, absl::StrCat(what, " needs")));
   job->adam_steps.assign(job->shards.size(), 0);
   job->pushers.resize(spec.world_size());
   job->intents = StepIntents(spec.world_size());
@@ -97,6 +106,12 @@ absl::StatusOr<std::shared_ptr<Job>> Job::Create(const v1::CreateJobRequest& spe
   job->init_cover.resize(job->shards.size());
   job->uninitialized_shards = job->shards.size();
   return job;
+}
+
+MemoryUse Job::memory_use() const {
+  MemoryUse use = state->memory_use();
+  use.staging_bytes += window_bytes;
+  return use;
 }
 
 void Job::StartRound(std::chrono::steady_clock::time_point now) {

@@ -73,9 +73,13 @@ class Job {
   // `backend` and no initial values yet. A round's early chunks wait in at
   // most `window_bytes` (running_sum.h). Everything the job holds is
   // charged to `budget` first (memory_budget.h): RESOURCE_EXHAUSTED, with
-  // nothing allocated, if it does not fit.
+  // nothing allocated, if it does not fit. And to its maker, `owner`, in
+  // `tenants` (tenant_ledger.h): its state and window before anything is
+  // allocated, so that a job past the maker's cap takes nothing from other
+  // tenants meanwhile, then what memory_use() says once it is.
   static absl::StatusOr<std::shared_ptr<Job>> Create(const v1::CreateJobRequest& spec, Backend* backend,
-                                                     uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget);
+                                                     uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget,
+                                                     TenantLedger* tenants, const JobOwner& owner);
 
   // Fixed at creation, read without the lock.
   const v1::CreateJobRequest spec;
@@ -85,9 +89,6 @@ class Job {
   absl::flat_hash_map<std::string, uint32_t> tensor_index;  // name -> spec.tensors index
   std::vector<int64_t> shard_of_tensor;                     // -1: not on this server
   std::vector<OwnedShard> shards;
-  // Its maker's charge for what it holds (tenant_ledger.h): set once while
-  // the store builds the job, before it publishes it.
-  TenantLedger::Charge owner_charge;
   // This life of the job (CreateJobResponse.incarnation): set once while the
   // job is built, fresh or from its checkpoint, before the store publishes
   // it; read without the lock from then on.
@@ -256,6 +257,12 @@ class Job {
   // `attached_at`: two live trainers of one rank. `trainer` 0: not checked.
   absl::Status CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t attached_at) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // What the job holds, as Describe reports it and its maker is charged:
+  // the backend's state and staging, and the window for early chunks at its
+  // cap.
+  MemoryUse memory_use() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Who made it (JobOwner::name), whose cap it counts against.
+  const std::string& owner() const { return owner_charge_.owner(); }
   // Moves the push clock on for a push stream of `rank` begun, by `trainer`
   // (0: not said, not recorded).
   void NotePush(uint32_t rank, uint64_t trainer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
@@ -267,6 +274,7 @@ class Job {
   MemoryBudget* const budget_;
   const std::string tracking_what_;  // what a refused tracking charge names, made once
   MemoryBudget::Charge charge_;  // all the job holds but its rounds' growth
+  TenantLedger::Charge owner_charge_;  // memory_use(), for its maker
   std::weak_ptr<Job> self_;  // for the round's deadline timer, which may outlive the job
   std::vector<std::function<void()>> watchers_ ABSL_GUARDED_BY(mu);
   std::multimap<uint32_t, std::function<void()>> progress_watchers_ ABSL_GUARDED_BY(mu);  // by rank

@@ -140,17 +140,6 @@ v1::CreateJobRequest AsReported(v1::CreateJobRequest r) {
 
 }  // namespace
 
-uint64_t StateBytes(const v1::CreateJobRequest& spec) {
-  absl::flat_hash_map<std::string, uint32_t> group_of;
-  for (const v1::TensorSpec& t : spec.tensors()) group_of[t.name()] = t.group();
-  uint64_t bytes = 0;
-  for (const v1::ShardRange& s : spec.shards()) {
-    const bool bf16 = spec.groups(group_of[s.tensor()]).precision() == v1::PRECISION_BF16;
-    bytes += s.length() * (bf16 ? 6 : 12);
-  }
-  return bytes;
-}
-
 absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
   google::protobuf::util::MessageDifferencer differ;
   // A field at proto3's default is absent: compared and shown as 0, not

@@ -24,10 +24,6 @@ absl::StatusOr<v1::CreateJobRequest> NormalizeJobSpec(const v1::CreateJobRequest
 // the difference. Both are normalized; group names are for messages only.
 absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested);
 
-// Master, m and v of the shards a normalized spec places here: 12 bytes a
-// param, 6 in a BF16 group, whatever the backend.
-uint64_t StateBytes(const v1::CreateJobRequest& spec);
-
 absl::StatusOr<DType> FromProto(v1::DType d);
 v1::DType ToProto(DType d);
 // INVALID_ARGUMENT unless `bytes` is a whole number of `dtype` elements.

@@ -176,22 +176,9 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   // A few chunks per rank are enough for the ranks to stream as a wavefront.
   const uint64_t window = std::max<uint64_t>(RunningSum::MinWindowBytes(),
                                              std::min(options_.window_bytes, uint64_t{spec.world_size()} << 22));
-  // Before anything is allocated, the state and the window alone against the
-  // maker's cap: a job past it is refused without taking the budget (or the
-  // device) from other tenants while it is built. Charged in full once built.
-  SHARDOPT_RETURN_IF_ERROR(
-      tenants_.Reserve(owner, StateBytes(spec) + window, absl::StrCat("job ", Quote(spec.job()), " needs at least"))
-          .status());
-  SHARDOPT_ASSIGN_OR_RETURN(auto created, Job::Create(spec, backend_, window, &wakeups_, &budget_));
+  SHARDOPT_ASSIGN_OR_RETURN(auto created,
+                            Job::Create(spec, backend_, window, &wakeups_, &budget_, &tenants_, owner));
   std::shared_ptr<Job> job = std::move(created);
-  {
-    // Once allocated, so that it is what Describe will say whatever the
-    // backend; the budget (or the device) bounded the allocation already.
-    absl::MutexLock job_lock(&job->mu);
-    const v1::JobSummary held = Summarize(*job);
-    SHARDOPT_ASSIGN_OR_RETURN(job->owner_charge, tenants_.Reserve(owner, held.state_bytes() + held.staging_bytes(),
-                                                                  absl::StrCat("job ", Quote(spec.job()), " needs")));
-  }
 
   // Outside the store's lock: reading a checkpoint must not stall other jobs.
   bool restored = false;

@@ -186,13 +186,11 @@ v1::JobSummary JobStore::Summarize(const Job& job) {
   s.set_step(job.step);
   s.set_world_size(job.world_size());
   s.set_tensors(static_cast<uint32_t>(job.shards.size()));
-  const MemoryUse use = job.state->memory_use();
+  const MemoryUse use = job.memory_use();
   s.set_state_bytes(use.state_bytes);
-  // The running sum and the params out, which the backend holds, and the
-  // window for early chunks, at its cap.
-  s.set_staging_bytes(use.staging_bytes + job.window_bytes);
+  s.set_staging_bytes(use.staging_bytes);
   s.set_uninitialized_tensors(static_cast<uint32_t>(job.uninitialized_shards));
-  s.set_owner(job.owner_charge.owner());
+  s.set_owner(job.owner());
   if (job.round.active && !job.round.sealed) {
     const std::chrono::duration<double> left = job.round.deadline - std::chrono::steady_clock::now();
     // A round past its deadline lasts until a push or commit ends it (and

@@ -35,7 +35,7 @@ class JobWakeupsTest : public StoreTest {
   void SetUp() override {
     auto spec = NormalizeJobSpec(JobRequest("wakeups", kWorld, {{"w", kNumel}}), absl::Seconds(10));
     ASSERT_TRUE(spec.ok()) << spec.status();
-    auto job = Job::Create(*spec, backend_.get(), 1 << 20, &wakeups_, &budget_);
+    auto job = Job::Create(*spec, backend_.get(), 1 << 20, &wakeups_, &budget_, &tenants_, JobOwner{});
     ASSERT_TRUE(job.ok()) << job.status();
     job_ = *std::move(job);
   }
@@ -70,6 +70,7 @@ class JobWakeupsTest : public StoreTest {
   }
 
   MemoryBudget budget_{uint64_t{1} << 30};
+  TenantLedger tenants_;
   Wakeups wakeups_;
   std::shared_ptr<Job> job_;
   absl::Mutex woken_mu_;

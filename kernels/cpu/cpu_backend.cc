@@ -444,10 +444,9 @@ class CpuBackend final : public Backend {
   }
 
   uint64_t HostBytes(const JobLayout& layout) const override {
-    uint64_t bytes = 0;
+    uint64_t bytes = StateBytes(layout);
     for (const ShardLayout& s : layout.shards) {
-      const uint64_t state = s.precision == Precision::kFp32 ? 12 : 6;
-      bytes += s.numel * (state + 2 + uint64_t{layout.world_size} * DTypeSize(layout.grad_dtype));
+      bytes += s.numel * (2 + uint64_t{layout.world_size} * DTypeSize(layout.grad_dtype));
       // A running sum's per-tile flags and sums of squares.
       if (IsRunningSum(layout)) bytes += cpu::SumTiles::BookkeepingBytes(s.numel);
     }
