@@ -401,13 +401,6 @@ absl::StatusOr<std::unique_ptr<PushSession>> JobStore::BeginPush(const v1::GradC
   return PushSession::Begin(std::move(found), first);
 }
 
-std::vector<std::string> JobStore::JobNames() const {
-  absl::MutexLock lock(&mu_);
-  std::vector<std::string> names;
-  for (const auto& [name, job] : jobs_) names.push_back(name);
-  return names;
-}
-
 absl::StatusOr<StepPhases> JobStore::LastStepPhases(const std::string& name) const {
   SHARDOPT_ASSIGN_OR_RETURN(auto job, Find(name));
   absl::MutexLock lock(&job->mu);

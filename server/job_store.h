@@ -189,9 +189,7 @@ class JobStore {
   absl::Status Read(const v1::ReadRequest& request, const std::function<bool(const v1::StateChunk&)>& emit) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The names of the jobs held now, for the metrics' gauges.
-  std::vector<std::string> JobNames() const ABSL_LOCKS_EXCLUDED(mu_);
-  // What the jobs each owner made hold now (tenant_ledger.h), for the same.
+  // What the jobs each owner made hold now (tenant_ledger.h), for the metrics' gauges.
   std::vector<std::pair<std::string, uint64_t>> TenantBytes() const { return tenants_.Held(); }
 
   // Where the last step done went, on this server (job.h).

@@ -10,7 +10,16 @@ std::vector<metrics::Gauge> StoreGauges(JobStore& store, const Backend& backend,
                                         uint32_t open_streams, const Authenticator* auth) {
   std::vector<metrics::Gauge> g;
   g.push_back({"shardopt_build_info", {{"version", Version()}, {"device", device}}, 1});
-  const std::vector<std::string> jobs = store.JobNames();
+  // Every job as ListJobs summarizes it, page after page: sizes and step,
+  // without Describe's groups and tensors.
+  std::vector<v1::JobSummary> jobs;
+  v1::ListJobsRequest pages;
+  for (;;) {
+    v1::ListJobsResponse page = store.ListJobs(pages, [](const std::string&) { return true; });
+    for (v1::JobSummary& job : *page.mutable_jobs()) jobs.push_back(std::move(job));
+    if (!page.more() || jobs.empty()) break;
+    pages.set_after(jobs.back().job());
+  }
   g.push_back({"shardopt_jobs", {}, static_cast<double>(jobs.size())});
   g.push_back({"shardopt_open_streams", {}, static_cast<double>(open_streams)});
   g.push_back({"shardopt_memory_budget_bytes", {}, static_cast<double>(store.budget()->limit())});
@@ -19,15 +28,10 @@ std::vector<metrics::Gauge> StoreGauges(JobStore& store, const Backend& backend,
     g.push_back({"shardopt_device_memory_bytes", {{"state", "free"}}, static_cast<double>(memory->free)});
     g.push_back({"shardopt_device_memory_bytes", {{"state", "total"}}, static_cast<double>(memory->total)});
   }
-  for (const std::string& job : jobs) {
-    v1::DescribeRequest req;
-    req.set_job(job);
-    req.set_max_tensors(1);  // the sizes, not the tensors
-    auto d = store.Describe(req);
-    if (!d.ok()) continue;  // dropped meanwhile
-    g.push_back({"shardopt_job_state_bytes", {{"job", job}}, static_cast<double>(d->state_bytes())});
-    g.push_back({"shardopt_job_staging_bytes", {{"job", job}}, static_cast<double>(d->staging_bytes())});
-    g.push_back({"shardopt_job_step", {{"job", job}}, static_cast<double>(d->step())});
+  for (const v1::JobSummary& job : jobs) {
+    g.push_back({"shardopt_job_state_bytes", {{"job", job.job()}}, static_cast<double>(job.state_bytes())});
+    g.push_back({"shardopt_job_staging_bytes", {{"job", job.job()}}, static_cast<double>(job.staging_bytes())});
+    g.push_back({"shardopt_job_step", {{"job", job.job()}}, static_cast<double>(job.step())});
   }
   for (const auto& [tenant, bytes] : store.TenantBytes()) {
     // Jobs made without tokens (or by the store itself) have no tenant.

@@ -58,10 +58,4 @@ std::vector<std::pair<std::string, uint64_t>> TenantLedger::Held() const {
   return held;
 }
 
-uint64_t TenantLedger::held(const std::string& owner) const {
-  absl::MutexLock lock(&mu_);
-  auto it = held_.find(owner);
-  return it == held_.end() ? 0 : it->second;
-}
-
 }  // namespace shardopt

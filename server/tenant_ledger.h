@@ -56,7 +56,6 @@ class TenantLedger {
   // bytes, what needs them ("job 'x' needs").
   absl::StatusOr<Charge> Reserve(const JobOwner& owner, uint64_t bytes, absl::string_view what)
       ABSL_LOCKS_EXCLUDED(mu_);
-  uint64_t held(const std::string& owner) const ABSL_LOCKS_EXCLUDED(mu_);
   // Every owner whose jobs hold anything now, and what they hold.
   std::vector<std::pair<std::string, uint64_t>> Held() const ABSL_LOCKS_EXCLUDED(mu_);
 

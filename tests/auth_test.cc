@@ -401,6 +401,14 @@ TEST_F(AuthTest, ATokensMaxMemoryCapsTheJobsItMakes) {
   EXPECT_THAT(metrics, HasSubstr(cap_line("alice", job_bytes * 5 / 2)));
   EXPECT_THAT(metrics, HasSubstr(cap_line("bob", job_bytes)));
   EXPECT_THAT(metrics, ::testing::Not(HasSubstr("shardopt_tenant_max_memory_bytes{tenant=\"root\"}")));
+  // Each job's own series, whoever made it.
+  const auto job_line = [](const char* family, uint64_t value) {
+    return absl::StrCat("\n", family, "{job=\"team-b/1\"} ", value, "\n");
+  };
+  EXPECT_THAT(metrics, HasSubstr(job_line("shardopt_job_state_bytes", d.state_bytes())));
+  EXPECT_THAT(metrics, HasSubstr(job_line("shardopt_job_staging_bytes", d.staging_bytes())));
+  EXPECT_THAT(metrics, HasSubstr("\nshardopt_job_step{job=\"team-b/1\"} 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("\nshardopt_jobs 4\n"));  // team-a/1, team-a/2, team-b/1, anything/1
   ASSERT_TRUE(admin.Drop("team-a/2").ok());
   EXPECT_THAT(testing::GetMetrics(metrics_port_), HasSubstr(tenant_line("alice", job_bytes)));
   EXPECT_TRUE(alice.CreateJob("team-a/3").ok());
