@@ -34,8 +34,7 @@ std::vector<metrics::Gauge> StoreGauges(JobStore& store, const Backend& backend,
     g.push_back({"shardopt_job_step", {{"job", job.job()}}, static_cast<double>(job.step())});
   }
   for (const auto& [tenant, bytes] : store.TenantBytes()) {
-    // Jobs made without tokens (or by the store itself) have no tenant.
-    if (!tenant.empty()) g.push_back({"shardopt_tenant_job_bytes", {{"tenant", tenant}}, static_cast<double>(bytes)});
+    g.push_back({"shardopt_tenant_job_bytes", {{"tenant", tenant}}, static_cast<double>(bytes)});
   }
   if (auth != nullptr) {
     for (const auto& [tenant, bytes] : auth->MaxMemory()) {

@@ -23,6 +23,7 @@
 namespace shardopt {
 
 // Who makes a job, and the most the jobs it makes may hold here (0: no cap).
+// No name (a server without tokens): nobody, charged nothing.
 struct JobOwner {
   std::string name;
   uint64_t max_bytes = 0;

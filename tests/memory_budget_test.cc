@@ -146,6 +146,7 @@ TEST_F(StoreTest, EachOwnersJobsHoldAtMostItsCap) {
   const auto d = store_.Describe("probe");
   ASSERT_TRUE(d.ok());
   const uint64_t job_bytes = d->state_bytes() + d->staging_bytes();
+  EXPECT_TRUE(store_.TenantBytes().empty());  // a job made with no owner (no tokens) is nobody's
   ASSERT_TRUE(store_.DropJob("probe").ok());
   // Alice's third job passes the check before it is built (its state and
   // window alone fit) and is refused once built, at its whole size.
@@ -173,6 +174,10 @@ TEST_F(StoreTest, EachOwnersJobsHoldAtMostItsCap) {
   for (int i = 0; i < 4; ++i) {
     EXPECT_TRUE(store_.CreateJob(JobRequest(absl::StrCat("r", i), 1, {{"w", 1 << 16}}), root).ok());
   }
+  EXPECT_THAT(store_.TenantBytes(),
+              ::testing::UnorderedElementsAre(::testing::Pair("alice", 2 * job_bytes),
+                                              ::testing::Pair("bob", 2 * job_bytes),
+                                              ::testing::Pair("root", 4 * job_bytes)));
   // A drop gives the bytes back to the job's maker, not to whoever attached.
   ASSERT_TRUE(store_.DropJob("a2").ok());
   EXPECT_EQ(store_.CreateJob(JobRequest("b3", 1, {{"w", 1 << 16}}), bob).status().code(),
