@@ -16,7 +16,9 @@
 //   auto client = shardopt::Client::Connect(opts).value();
 //   client->CreateOrAttach(job).value();
 //   CHECK_OK(client->InitBf16("w", w.data()));   // every call returns a [[nodiscard]] status
-//   for (...) CHECK_OK(client->Step({{"w", grad_w.data()}}, {.lr = 1e-3}, {{"w", w.data()}}).status());
+//   shardopt::StepOptions step_options;
+//   step_options.lr = 1e-3;
+//   for (...) CHECK_OK(client->Step({{"w", grad_w.data()}}, step_options, {{"w", w.data()}}).status());
 #pragma once
 
 #include <cstdint>
