@@ -71,6 +71,8 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   const std::vector<bool> holds_part = im.holds_part();
   std::vector<v1::CreateJobResponse> answers;
   std::optional<HalfCommitted> half;
+  // [server]: the life of the job this attach made there (0: none).
+  std::vector<uint64_t> made(im.servers(), 0);
   // Servers one step apart that cannot be completed may be a torn view:
   // each answered at its own moment while another trainer's push sealed
   // that step and its commit applied it. Asked again (1.5 s in all), they
@@ -78,7 +80,28 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   int asked = 0;
   std::chrono::milliseconds waited{0};
   for (auto pause = std::chrono::milliseconds(100);; pause *= 2) {
-    SHARDOPT_RETURN_IF_ERROR(im.AskCreateJob(job, &answers));
+    const absl::Status answered = im.AskCreateJob(job, &answers);
+    for (uint32_t s = 0; s < im.servers(); ++s) {
+      if (answers[s].created()) made[s] = answers[s].incarnation();
+    }
+    // An attach some servers refuse (another configuration, ALREADY_EXISTS,
+    // as when a rank lists one server too many) undoes what it made on the
+    // others, so that it changes nothing: a server listed by mistake would
+    // keep the job, restored from an older checkpoint or empty, and the
+    // next attach with the right servers would find it at another step
+    // than its peers. (Servers that all answer, but at different steps,
+    // keep what they restored: the error says to drop the job on each.)
+    if (!answered.ok()) {
+      std::vector<uint32_t> targets;
+      for (uint32_t s = 0; s < im.servers(); ++s) {
+        if (made[s] != 0) targets.push_back(s);
+      }
+      fanout::ForEach(targets, [&](uint32_t s) {
+        im.UndoCreate(s, made[s]);
+        return absl::OkStatus();
+      }).IgnoreError();
+      return answered;
+    }
     ++asked;
     half = FindHalfCommittedStep(answers, holds_part);
     if (half || !OneStepApart(answers, holds_part) || pause > std::chrono::milliseconds(800)) break;

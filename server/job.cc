@@ -305,4 +305,11 @@ absl::Status Job::CheckNotDropped() const {
   return absl::OkStatus();
 }
 
+bool Job::Untouched() const {
+  if (round.active || applying) return false;
+  // A restore writes the state too: what counts is a change since.
+  if (restored_from) return step == restored_from->step && !restored_from->changed;
+  return step == 0 && !written;
+}
+
 }  // namespace shardopt

@@ -112,8 +112,7 @@ class Job {
   std::vector<IntervalSet> init_cover ABSL_GUARDED_BY(mu);
   size_t uninitialized_shards ABSL_GUARDED_BY(mu) = 0;
   // Whether an Init has written any state (master or moments), or a restore
-  // has: a job without, at step 0, holds nothing (JobStore::DropJob's
-  // only_if_empty).
+  // has: a job without, at step 0, holds nothing (Untouched).
   bool written ABSL_GUARDED_BY(mu) = false;
 
   // The barrier round of step `step + 1`. A round ends sealed (every rank
@@ -252,6 +251,11 @@ class Job {
   absl::StatusOr<uint32_t> LocateRange(const std::string& tensor, uint64_t offset, uint64_t count) const;
   absl::Status CheckStepToPush(uint64_t t) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   absl::Status CheckNotDropped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // Whether nothing has happened to the job since this server made or
+  // restored it: no step applied, no initial value written, no round begun.
+  // Such a job holds nothing its checkpoints (or its absence) did not: a
+  // CreateJob may be undone (JobStore::DropJob's kUndo).
+  bool Untouched() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // FAILED_PRECONDITION if a trainer other than `trainer` has begun a push
   // of `rank` since `trainer` attached, when the job had begun
   // `attached_at`: two live trainers of one rank. `trainer` 0: not checked.

@@ -138,14 +138,19 @@ v1::CreateJobRequest AsReported(v1::CreateJobRequest r) {
   return r;
 }
 
+// How an attach compares two specs: a field at proto3's default is absent,
+// so compared and shown as 0, not as "added" with one side's value alone;
+// and a group's name is for messages only.
+void CompareAsAnAttach(google::protobuf::util::MessageDifferencer* differ) {
+  differ->set_message_field_comparison(google::protobuf::util::MessageDifferencer::EQUIVALENT);
+  differ->IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
+}
+
 }  // namespace
 
 absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
   google::protobuf::util::MessageDifferencer differ;
-  // A field at proto3's default is absent: compared and shown as 0, not
-  // as "added" with one side's value alone.
-  differ.set_message_field_comparison(google::protobuf::util::MessageDifferencer::EQUIVALENT);
-  differ.IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
+  CompareAsAnAttach(&differ);
   // Every attach compares; only a job that differs is reported, from copies
   // that name its dtypes as callers do.
   if (differ.Compare(existing, requested)) return absl::OkStatus();
@@ -153,18 +158,23 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   differ.set_report_ignores(false);  // a group's name is not why: it is for messages only
   differ.ReportDifferencesToString(&diff);
   differ.Compare(AsReported(existing), AsReported(requested));
-  // The shards are the client's placement: they differ where its ranks
-  // list the servers in different orders or numbers, or the tensors do.
-  const bool placed_otherwise =
-      !std::equal(existing.shards().begin(), existing.shards().end(), requested.shards().begin(),
-                  requested.shards().end(), [](const v1::ShardRange& a, const v1::ShardRange& b) {
-                    return google::protobuf::util::MessageDifferencer::Equivalent(a, b);
-                  });
+  // The shards are the client's placement. Where the rest is the same, they
+  // differ because the ranks list the servers in different orders or
+  // numbers, or the job is attached with other servers than it was made
+  // with; where the tensors differ, the diff says that already.
+  v1::CreateJobRequest existing_unplaced = existing, requested_unplaced = requested;
+  existing_unplaced.clear_shards();
+  requested_unplaced.clear_shards();
+  google::protobuf::util::MessageDifferencer unplaced;
+  CompareAsAnAttach(&unplaced);
+  const bool placed_otherwise = unplaced.Compare(existing_unplaced, requested_unplaced);
   return absl::AlreadyExistsError(absl::StrCat(
       "job '", requested.job(), "' exists with a different configuration (this server's -> this call's: ",
       OneLineReport(diff), "); drop it or use another name",
-      placed_otherwise ? " (this server's part of it differs: every rank must list the same servers, in the same "
-                         "order)"
+      placed_otherwise ? " (only this server's part of it differs: every rank must list the same servers, in the "
+                         "same order, as the job was made with; to move a job onto other servers, checkpoint it "
+                         "and restart every server that holds it, then attach with the new list, README, "
+                         "\"Scaling\")"
                        : ""));
 }
 

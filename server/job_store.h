@@ -109,12 +109,15 @@ class JobStore {
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> DrainAndCheckpoint(
       absl::Duration wait_for_steps = absl::Seconds(20)) ABSL_LOCKS_EXCLUDED(mu_);
   // `incarnation` as Find's: a caller of another life of the job drops nothing.
-  // A job a CreateJob is building is waited for, then dropped.
-  // With `only_if_empty`, a job that holds anything (a step done, any
-  // initial value or Adam state) is PERMISSION_DENIED and stays: a
-  // trainer's undo of a job it made afresh by mistake.
-  absl::Status DropJob(const std::string& job, uint64_t incarnation = 0, bool only_if_empty = false)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // A job a CreateJob is building is waited for, then dropped, and its life
+  // marked dropped in the checkpoint directory.
+  absl::Status DropJob(const std::string& job, uint64_t incarnation = 0) ABSL_LOCKS_EXCLUDED(mu_);
+  // A client's undo of the CreateJob that made (or restored) the life
+  // `incarnation` of `job`, whose attach failed on other servers: the job
+  // goes as if never asked for (its life not marked dropped, so a restored
+  // job's checkpoints stay restorable), but only if Job::Untouched; else
+  // PERMISSION_DENIED, and it stays.
+  absl::Status UndoCreate(const std::string& job, uint64_t incarnation) ABSL_LOCKS_EXCLUDED(mu_);
   // One page of the job's tensors on this server, at most kDescribePage.
   static constexpr uint32_t kDescribePage = 4096;
   absl::StatusOr<v1::DescribeResponse> Describe(const v1::DescribeRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -250,6 +253,10 @@ class JobStore {
   absl::flat_hash_set<std::string> dropped_ ABSL_GUARDED_BY(mu_);
   // NOT_FOUND for a job this server does not hold, saying whether it was dropped.
   absl::Status NoJob(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes `job` out of the store and marks it dropped: NOT_FOUND if the
+  // name holds another life now (another drop came first), and with
+  // `only_if_untouched` PERMISSION_DENIED unless Job::Untouched.
+  absl::Status Unpublish(Job& job, bool only_if_untouched) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // NOT_FOUND for a caller of another life of the job `name` holds now.
   static absl::Status OtherLife(const std::string& name, uint64_t incarnation);
   // The refusal once the drain has begun (draining_), saying to `what` once

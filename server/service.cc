@@ -164,16 +164,17 @@ grpc::Status OptimizerService::DropJob(grpc::ServerContext* context, const v1::D
                                        v1::DropJobResponse*) {
   auto caller = Identify(*context);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
-  // A trainer may undo a create of its own: drop the life it names of a job
-  // of its prefixes that holds nothing yet (a client's re-attach that made
-  // the job afresh on a restarted server, where it found no checkpoint).
-  // Dropping state stays an admin's.
-  const bool undo = caller->role == Role::kTrainer && req->incarnation() != 0 &&
-                    caller->Allows(Action::kCreate, req->job()).ok();
-  if (!undo) {
-    if (absl::Status allowed = caller->Allows(Action::kDrop, req->job()); !allowed.ok()) return ToGrpcStatus(allowed);
+  // A caller that may create the job may undo its own create of it (the
+  // life it names), untouched since. A trainer's drop that names a life is
+  // that undo too: its clients sent it so before DropJobRequest.undo, and
+  // dropping state stays an admin's.
+  const bool may_create = caller->Allows(Action::kCreate, req->job()).ok();
+  if (req->undo() || (caller->role == Role::kTrainer && req->incarnation() != 0 && may_create)) {
+    if (!may_create) return ToGrpcStatus(caller->Allows(Action::kCreate, req->job()));
+    return ToGrpcStatus(store_->UndoCreate(req->job(), req->incarnation()));
   }
-  return ToGrpcStatus(store_->DropJob(req->job(), req->incarnation(), /*only_if_empty=*/undo));
+  if (absl::Status allowed = caller->Allows(Action::kDrop, req->job()); !allowed.ok()) return ToGrpcStatus(allowed);
+  return ToGrpcStatus(store_->DropJob(req->job(), req->incarnation()));
 }
 
 grpc::Status OptimizerService::ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest* req,

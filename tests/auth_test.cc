@@ -157,11 +157,12 @@ class Caller {
     }
     return grpc::Status::OK;
   }
-  grpc::Status Drop(const std::string& job, uint64_t incarnation = 0) {
+  grpc::Status Drop(const std::string& job, uint64_t incarnation = 0, bool undo = false) {
     auto ctx = Context();
     v1::DropJobRequest req;
     req.set_job(job);
     req.set_incarnation(incarnation);
+    req.set_undo(undo);
     v1::DropJobResponse resp;
     return stub_->DropJob(ctx.get(), req, &resp);
   }
@@ -416,7 +417,9 @@ TEST_F(AuthTest, ATokensMaxMemoryCapsTheJobsItMakes) {
 
 // A trainer may undo a create of its own, as a client's re-attach does with
 // a job it made afresh on a restarted server: the life it names of a job of
-// its prefixes that holds nothing yet. Anything else stays an admin's.
+// its prefixes that holds nothing yet (DropJobRequest.undo, or, as clients
+// before it sent it, a trainer's drop naming a life). Anything else stays
+// an admin's, who may ask for the undo too, and is held to it.
 TEST_F(AuthTest, ATrainerMayDropOnlyAnEmptyJobOfItsPrefixesNamingItsLife) {
   Caller alice = As(Bearer(kAlice)), bob = As(Bearer(kBob));
   v1::CreateJobResponse made;
@@ -430,6 +433,7 @@ TEST_F(AuthTest, ATrainerMayDropOnlyAnEmptyJobOfItsPrefixesNamingItsLife) {
   EXPECT_EQ(alice.Describe("team-a/fresh").error_code(), grpc::StatusCode::NOT_FOUND);
 
   ASSERT_TRUE(alice.CreateJob("team-a/full", &made).ok());
+  const uint64_t made_full = made.incarnation();
   const std::vector<float> init = RandomFloats(rng_, kNumel, -1, 1);
   ASSERT_TRUE(alice.Init("team-a/full", init).ok());
   const grpc::Status refused = alice.Drop("team-a/full", made.incarnation());
@@ -443,6 +447,20 @@ TEST_F(AuthTest, ATrainerMayDropOnlyAnEmptyJobOfItsPrefixesNamingItsLife) {
   ASSERT_TRUE(alice.Init("team-a/moments", init, v1::EXP_AVG).ok());
   EXPECT_EQ(alice.Drop("team-a/moments", made.incarnation()).error_code(), grpc::StatusCode::PERMISSION_DENIED);
   EXPECT_TRUE(alice.Describe("team-a/moments").ok());
+
+  // With `undo`: the same for a trainer, and none outside its prefixes.
+  ASSERT_TRUE(alice.CreateJob("team-a/undone", &made).ok());
+  EXPECT_EQ(bob.Drop("team-a/undone", made.incarnation(), /*undo=*/true).error_code(),
+            grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(alice.Drop("team-a/undone", 0, /*undo=*/true).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(alice.Describe("team-a/undone").ok());
+  EXPECT_TRUE(alice.Drop("team-a/undone", made.incarnation(), /*undo=*/true).ok());
+  EXPECT_EQ(alice.Describe("team-a/undone").error_code(), grpc::StatusCode::NOT_FOUND);
+  // An admin's undo of a job that holds state is refused, and drops nothing.
+  Caller admin = As(Bearer(kRoot));
+  EXPECT_EQ(admin.Drop("team-a/full", made_full, /*undo=*/true).error_code(), grpc::StatusCode::PERMISSION_DENIED);
+  ASSERT_TRUE(alice.Read("team-a/full", &master).ok());
+  EXPECT_EQ(master, init);
 }
 
 // SIGHUP reloads the tokens file: a removed token stops working and an added

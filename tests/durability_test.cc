@@ -774,6 +774,56 @@ TEST(DurabilityTest, EveryServerDropsTheJobItsReattachMadeAfreshAgain) {
   }
 }
 
+// An attach that some servers refuse changes nothing on the others. An
+// outside probe's trainers listed one server too many: the two that held
+// the job refused them (ALREADY_EXISTS), but the third restored the job's
+// older checkpoint and kept it, and the reshard the README describes
+// (checkpoint, restart the servers, attach with the new list) then found
+// it at another step than its peers, FAILED_PRECONDITION. A job such an
+// attach made afresh (no checkpoint of it) stayed too, at step 0.
+TEST(DurabilityTest, AnAttachSomeServersRefuseLeavesNoJobOnTheOthers) {
+  const JobOptions job = DurableJob("listed", {{"w", 20000}, {"b", 9000}});
+  constexpr uint64_t kN = 3;
+  const auto [at_n, at_2n] = AtNAnd2N(job, kN);
+  TempDir dir;
+  FixedPortServers fixed(3, dir.path());
+  ClientOptions two = fixed.Options();
+  two.servers.resize(2);
+  const ClientOptions three = fixed.Options();
+  const std::string third = fixed.servers[2]->address();
+  const auto holds_none = [&](const std::string& name) {
+    v1::DescribeResponse described;
+    const grpc::Status st = DescribeOn(third, name, &described);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::NOT_FOUND) << name << " is held at step " << described.step();
+  };
+  auto client = Client::Connect(two).value();
+  ScriptedTrainer trainer = Train(*client, job, kN);
+  ASSERT_TRUE(client->Checkpoint().ok());
+  auto listing_three = Client::Connect(three).value();
+  const auto refused = listing_three->CreateOrAttach(job);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kAlreadyExists) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("same servers")) << refused.status();
+  holds_none(job.name);
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_n);
+  const JobOptions unsaved = DurableJob("unsaved", {{"w", 20000}, {"b", 9000}});
+  Train(*client, unsaved, 1);
+  EXPECT_EQ(listing_three->CreateOrAttach(unsaved).status().code(), absl::StatusCode::kAlreadyExists);
+  holds_none(unsaved.name);
+
+  ASSERT_EQ(client->CreateOrAttach(job).value(), kN);
+  for (uint64_t t = kN + 1; t <= 2 * kN; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
+  ASSERT_TRUE(client->Checkpoint().ok());
+  for (int i = 0; i < 2; ++i) {
+    fixed.servers[i]->Stop(SIGKILL);
+    fixed.Restart(i);
+  }
+  auto resharded = Client::Connect(three).value();
+  const auto attached = resharded->CreateOrAttach(job);
+  ASSERT_TRUE(attached.ok()) << attached.status();
+  EXPECT_EQ(*attached, 2 * kN);
+  EXPECT_EQ(Fingerprint(*resharded, job).value(), at_2n);
+}
+
 // A file named as a part that cannot be read (a stray, or a damaged copy)
 // in a step's directory is passed over when the step's parts are counted:
 // every checkpoint of the step failed DATA_LOSS on it for good (a probe),

@@ -734,7 +734,7 @@ TEST_F(StoreTest, ADifferentConfigurationIsNamedOnOneLineWithoutTheIgnoredGroupN
   decayed.mutable_groups(0)->set_name("g");
   ASSERT_NE(first.groups(0).weight_decay(), 0.05);
   first.mutable_groups(0)->set_weight_decay(0);
-  ASSERT_TRUE(store_.DropJob("differs", 0, false).ok());
+  ASSERT_TRUE(store_.DropJob("differs").ok());
   ASSERT_TRUE(store_.CreateJob(first).ok());
   decayed.mutable_groups(0)->set_weight_decay(0.05);
   const std::string other(store_.CreateJob(decayed).status().message());
@@ -746,20 +746,31 @@ TEST_F(StoreTest, ADifferentConfigurationIsNamedOnOneLineWithoutTheIgnoredGroupN
   fp32.mutable_tensors(0)->set_param_dtype(v1::FP32);
   for (const auto& [held, asked, says] :
        {std::make_tuple(first, fp32, "param_dtype: BF16 -> FP32"), std::make_tuple(fp32, first, "param_dtype: FP32 -> BF16")}) {
-    ASSERT_TRUE(store_.DropJob("differs", 0, false).ok());
+    ASSERT_TRUE(store_.DropJob("differs").ok());
     ASSERT_TRUE(store_.CreateJob(held).ok());
     const std::string dtypes(store_.CreateJob(asked).status().message());
     EXPECT_THAT(dtypes, HasSubstr(says)) << dtypes;
     EXPECT_THAT(dtypes, Not(HasSubstr("UNSPECIFIED"))) << dtypes;
     EXPECT_THAT(dtypes, Not(HasSubstr("same servers"))) << dtypes;
   }
-  // Another part of the tensor on this server: a rank listing the servers
-  // in another order is told so.
+  // Another part of the tensor on this server, and nothing else: a rank
+  // listing the servers in another order is told so.
+  ASSERT_TRUE(store_.DropJob("differs").ok());
+  ASSERT_TRUE(store_.CreateJob(first).ok());
   v1::CreateJobRequest placed = first;
   placed.add_shards()->set_tensor("w");
   placed.mutable_shards(0)->set_length(50);
   const std::string shards(store_.CreateJob(placed).status().message());
   EXPECT_THAT(shards, HasSubstr("every rank must list the same servers, in the same order")) << shards;
+  EXPECT_THAT(shards, HasSubstr("\"Scaling\"")) << shards;
+  // A tensor of another size moves the shards too, but the servers listed
+  // are not why: the message names the size alone (an outside probe's rank
+  // with a layer one wider was told to list the same servers).
+  v1::CreateJobRequest wider = first;
+  wider.mutable_tensors(0)->set_numel(101);  // its one shard, the whole tensor, follows
+  const std::string sized(store_.CreateJob(wider).status().message());
+  EXPECT_THAT(sized, HasSubstr("numel: 100 -> 101")) << sized;
+  EXPECT_THAT(sized, Not(HasSubstr("same servers"))) << sized;
 }
 
 TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
@@ -1324,6 +1335,77 @@ TEST_F(CheckpointKeepTest, AJobMadeAgainAfterADropIsANewLifeAndARestoreKeepsTheO
   commit.set_incarnation(0);
   EXPECT_TRUE(store_.Commit(commit, [](const v1::ParamChunk&) { return true; }).ok());
   EXPECT_EQ(Snapshot("life"), before);
+}
+
+// A client's undo of its own CreateJob, whose attach other servers refused
+// (DropJobRequest.undo): the job goes as if never asked for, but only while
+// nothing has happened to it since this server made or restored it; and its
+// life is not marked dropped, so a restored job's checkpoint restores again
+// under the same life (an outside probe's attach that listed one server too
+// many left that server a job restored at an older step, which blocked the
+// reshard the README describes).
+TEST_F(CheckpointKeepTest, AnUndoneCreateTakesOnlyAnUntouchedJobAndLeavesItsLifeRestorable) {
+  std::mt19937_64 rng(7);
+  const v1::CreateJobRequest fresh = JobRequest("fresh", 1, {{"w", 100}});
+  auto made = store_.CreateJob(fresh);
+  ASSERT_TRUE(made.ok()) << made.status();
+  EXPECT_EQ(store_.UndoCreate("fresh", 0).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_.UndoCreate("fresh", made->incarnation() ^ 1).code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(store_.UndoCreate("fresh", made->incarnation()).ok());
+  const absl::Status gone = store_.Describe("fresh").status();
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound) << gone;
+  EXPECT_THAT(std::string(gone.message()), Not(HasSubstr("was dropped"))) << gone;
+  // Touched by an initial value, or by a step: refused, and the job as it was.
+  made = store_.CreateJob(fresh);
+  ASSERT_TRUE(made.ok()) << made.status();
+  ASSERT_TRUE(store_.Init(Fp32Init("fresh", "w", RandomFloats(rng, 100, -1, 1))).ok());
+  std::string before = Snapshot("fresh");
+  const absl::Status written = store_.UndoCreate("fresh", made->incarnation());
+  EXPECT_EQ(written.code(), absl::StatusCode::kPermissionDenied) << written;
+  EXPECT_THAT(std::string(written.message()), HasSubstr("holds state since this server made or restored it"));
+  EXPECT_EQ(Snapshot("fresh"), before);
+  StepAndCheckpoint("fresh", 1, 100, rng);
+  before = Snapshot("fresh");
+  EXPECT_EQ(store_.UndoCreate("fresh", made->incarnation()).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(Snapshot("fresh"), before);
+
+  // Restored on a restarted server: undone, then restored again, the same life at the same step.
+  auto backend = MakeCpuBackend({});
+  JobStore restarted(backend.get(), Options0(dir_));
+  auto restored = restarted.CreateJob(fresh);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  ASSERT_TRUE(restored->restored());
+  ASSERT_EQ(restored->incarnation(), made->incarnation());
+  const std::string at_restore = Snapshot(restarted, "fresh");
+  ASSERT_TRUE(restarted.UndoCreate("fresh", made->incarnation()).ok());
+  EXPECT_EQ(restarted.Describe("fresh").status().code(), absl::StatusCode::kNotFound);
+  restored = restarted.CreateJob(fresh);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_TRUE(restored->restored());
+  EXPECT_EQ(restored->incarnation(), made->incarnation());
+  EXPECT_EQ(restored->step(), 1u);
+  EXPECT_EQ(Snapshot(restarted, "fresh"), at_restore);
+  // A push begun there (half of the tensor summed), then the step it
+  // completes: each refused, the job kept.
+  const std::vector<uint16_t> g = RandomBf16(rng, 100, 0.3f);
+  v1::GradChunk head;
+  head.set_job("fresh");
+  head.set_step(2);
+  head.set_rank(0);
+  auto session = restarted.BeginPush(head);
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_TRUE((*session)->Add(head).ok());
+  for (uint64_t offset : {0, 50}) {
+    const v1::GradChunk chunk = Chunk("w", offset, g.data() + offset, 50);
+    v1::GradChunk chunk_head = chunk;
+    chunk_head.clear_data();
+    ASSERT_TRUE((*session)->Add(std::move(chunk_head), Pieces::Own(chunk.data())).ok());
+    EXPECT_EQ(restarted.UndoCreate("fresh", made->incarnation()).code(), absl::StatusCode::kPermissionDenied);
+  }
+  ASSERT_TRUE((*session)->Finish().ok());
+  ASSERT_TRUE(restarted.Commit(CommitRequestFor("fresh", 2, 1e-3), [](const v1::ParamChunk&) { return true; }).ok());
+  EXPECT_EQ(restarted.UndoCreate("fresh", made->incarnation()).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(restarted.Describe("fresh").value().step(), 2u);
 }
 
 // This server's own part of a torn step newer than its job's is another
