@@ -82,6 +82,7 @@ struct ShardStep {
 struct MemoryUse {
   uint64_t state_bytes = 0;    // master, m and v
   uint64_t staging_bytes = 0;  // per-rank gradient slots and the bf16 params out
+  uint64_t bookkeeping_bytes = 0;  // what is kept about them (a running sum's per-tile flags and sums of squares)
 };
 
 // The argument checks every JobState makes, so that backends refuse alike.

@@ -262,8 +262,8 @@ class Job {
   absl::Status CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t attached_at) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // What the job holds, as Describe reports it and its maker is charged:
-  // the backend's state and staging, and the window for early chunks at its
-  // cap.
+  // the backend's state, staging and bookkeeping, the window for early
+  // chunks at its cap, and what the job keeps per tensor and per rank.
   MemoryUse memory_use() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Who made it (JobOwner::name), whose cap it counts against.
   const std::string& owner() const { return owner_charge_.owner(); }
@@ -279,6 +279,7 @@ class Job {
   const std::string tracking_what_;  // what a refused tracking charge names, made once
   MemoryBudget::Charge charge_;  // all the job holds but its rounds' growth
   TenantLedger::Charge owner_charge_;  // memory_use(), for its maker
+  uint64_t bookkeeping_bytes_ = 0;   // per tensor and per rank, fixed at creation
   std::weak_ptr<Job> self_;  // for the round's deadline timer, which may outlive the job
   std::vector<std::function<void()>> watchers_ ABSL_GUARDED_BY(mu);
   std::multimap<uint32_t, std::function<void()>> progress_watchers_ ABSL_GUARDED_BY(mu);  // by rank

@@ -169,6 +169,7 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   }
   r.set_state_bytes(summary.state_bytes());
   r.set_staging_bytes(summary.staging_bytes());
+  r.set_bookkeeping_bytes(summary.bookkeeping_bytes());
   r.set_device(backend_->Describe());
   r.set_memory_limit_bytes(budget_.limit());
   r.set_memory_used_bytes(budget_.used());
@@ -189,6 +190,7 @@ v1::JobSummary JobStore::Summarize(const Job& job) {
   const MemoryUse use = job.memory_use();
   s.set_state_bytes(use.state_bytes);
   s.set_staging_bytes(use.staging_bytes);
+  s.set_bookkeeping_bytes(use.bookkeeping_bytes);
   s.set_uninitialized_tensors(static_cast<uint32_t>(job.uninitialized_shards));
   s.set_owner(job.owner());
   if (job.round.active && !job.round.sealed) {

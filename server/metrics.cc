@@ -39,8 +39,8 @@ const std::vector<Family>& Families() {
       {"shardopt_job_staging_bytes", Type::kGauge, "A job's running sum, params out and window cap on this server.", {}},
       {"shardopt_job_step", Type::kGauge, "A job's last step done.", {}},
       {"shardopt_tenant_job_bytes", Type::kGauge,
-       "What the jobs a caller made hold on this server (state and staging, as its max_memory counts them), by "
-       "tenant: the tokens file's name (with --tokens_file only).",
+       "What the jobs a caller made hold on this server (state, staging and bookkeeping, as its max_memory counts "
+       "them), by tenant: the tokens file's name (with --tokens_file only).",
        {}},
       {"shardopt_tenant_max_memory_bytes", Type::kGauge,
        "A token's cap on what the jobs it makes may hold on this server (max_memory in the tokens file), by tenant.",

@@ -20,21 +20,9 @@ namespace shardopt {
 namespace {
 
 // A client that stops reading its answer gets until this deadline, then is
-// dropped, so it holds neither the scrapes behind it nor the server's exit.
+// dropped, so it holds neither the server's exit nor its answer's memory
+// for longer; the other connections are served meanwhile.
 constexpr auto kSendTime = std::chrono::seconds(5);
-
-void SendAll(int fd, const std::string& data) {
-  const auto give_up = std::chrono::steady_clock::now() + kSendTime;
-  for (size_t off = 0; off < data.size();) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
-    pollfd p{fd, POLLOUT, 0};
-    if (left.count() <= 0 || poll(&p, 1, static_cast<int>(left.count())) <= 0) return;
-    const ssize_t n = send(fd, data.data() + off, data.size() - off, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
-    if (n <= 0) return;
-    off += static_cast<size_t>(n);
-  }
-}
 
 // A request's head arrives within this time, and this size, or the
 // connection is dropped unanswered.
@@ -104,53 +92,77 @@ MetricsServer::~MetricsServer() {
 }
 
 void MetricsServer::Serve() {
-  // Every connection is read at once, each until its head is whole: one
-  // that sends nothing (a port scan, a stuck client) holds up no scrape.
+  // Every connection is served at once, its head read and then its answer
+  // written as the socket takes it: one that sends nothing (a port scan, a
+  // stuck client), or asks and reads nothing, holds up no scrape. (Answers
+  // were written whole, one at a time: a client that asked and never read
+  // held every scrape behind it for 5 s, an outside probe's ten for 30 s.)
   struct Connection {
     int fd;
     std::string head;
+    std::string answer;  // once the head is whole; sent from `sent` on
+    size_t sent = 0;
+    uint64_t scrape = 0;  // its number, if it is a scrape
     std::chrono::steady_clock::time_point give_up;
+  };
+  // Sends what the socket takes now; whether the connection is done with.
+  const auto send_some = [](Connection& c) {
+    const ssize_t n = send(c.fd, c.answer.data() + c.sent, c.answer.size() - c.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0) c.sent += static_cast<size_t>(n);
+    return c.sent == c.answer.size() || (n < 0 && errno != EAGAIN && errno != EINTR) || n == 0;
+  };
+  // Closes a connection; a scrape's is answered then (or given up on).
+  // Scrapes end out of turn, so the last answered is the highest ended.
+  const auto end = [this](const Connection& c) {
+    close(c.fd);
+    uint64_t last = last_answered_.load(std::memory_order_acquire);
+    while (c.scrape > last && !last_answered_.compare_exchange_weak(last, c.scrape, std::memory_order_acq_rel)) {
+    }
   };
   std::vector<Connection> open;
   while (!stop_) {
     std::vector<pollfd> polled = {{fd_, POLLIN, 0}};
-    for (const Connection& c : open) polled.push_back({c.fd, POLLIN, 0});
+    for (const Connection& c : open) polled.push_back({c.fd, static_cast<short>(c.answer.empty() ? POLLIN : POLLOUT), 0});
     if (poll(polled.data(), polled.size(), 200) < 0) continue;  // wakes to see stop_
     const auto now = std::chrono::steady_clock::now();
     std::vector<Connection> still;
     for (size_t i = 0; i < open.size(); ++i) {
       Connection& c = open[i];
+      const short events = polled[i + 1].revents;
       bool done = now >= c.give_up;
-      if (!done && (polled[i + 1].revents & (POLLIN | POLLHUP | POLLERR)) != 0) {
+      if (!done && !c.answer.empty() && (events & (POLLOUT | POLLHUP | POLLERR)) != 0) {
+        done = send_some(c);
+      } else if (!done && c.answer.empty() && (events & (POLLIN | POLLHUP | POLLERR)) != 0) {
         char buf[1024];
         const ssize_t n = recv(c.fd, buf, sizeof buf, 0);
         if (n > 0) c.head.append(buf, static_cast<size_t>(n));
+        done = n <= 0;
         if (n > 0 && (c.head.find("\r\n\r\n") != std::string::npos || c.head.size() >= kHeadBytes)) {
-          const uint64_t scrape = IsScrape(c.head) ? scrapes_begun_.fetch_add(1, std::memory_order_acq_rel) + 1 : 0;
-          SendAll(c.fd, Answer(c.head, *registry_));
-          if (scrape != 0) last_answered_.store(scrape, std::memory_order_release);
+          c.scrape = IsScrape(c.head) ? scrapes_begun_.fetch_add(1, std::memory_order_acq_rel) + 1 : 0;
+          c.answer = Answer(c.head, *registry_);
+          c.give_up = now + kSendTime;
+          done = send_some(c);
         }
-        done = n <= 0 || c.head.find("\r\n\r\n") != std::string::npos || c.head.size() >= kHeadBytes;
       }
-      if (done) {
-        close(c.fd);
-      } else {
+      if (!done) {
         still.push_back(std::move(c));
+        continue;
       }
+      end(c);
     }
     open = std::move(still);
     if ((polled[0].revents & POLLIN) != 0) {
       const int conn = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (conn >= 0) {
         if (open.size() >= kConnections) {
-          close(open.front().fd);
+          end(open.front());
           open.erase(open.begin());
         }
-        open.push_back({conn, "", now + kHeadTime});
+        open.push_back({conn, "", "", 0, 0, now + kHeadTime});
       }
     }
   }
-  for (const Connection& c : open) close(c.fd);
+  for (const Connection& c : open) end(c);
 }
 
 }  // namespace shardopt

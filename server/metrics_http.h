@@ -1,8 +1,9 @@
 // GET /metrics (and HEAD) over plain HTTP/1.1 on its own port, for
-// Prometheus to scrape: one thread reads every connection at once (up to
-// 64; past that the oldest is dropped), and answers and closes each once its
-// request has come. Anything else is 404; a request that does not arrive
-// within two seconds or 8 KiB is dropped.
+// Prometheus to scrape: one thread serves every connection at once (up to
+// 64; past that the oldest is dropped), reading each request and then
+// writing its answer as the socket takes it, and closes each once
+// answered. Anything else is 404; a request that does not arrive within two
+// seconds or 8 KiB is dropped, and so is an answer not taken within five.
 #pragma once
 
 #include <atomic>
@@ -27,7 +28,7 @@ class MetricsServer {
   // Scrapes (GET /metrics) begun so far, each numbered from 1 as its answer
   // is rendered, and the number of the last one answered: a server that
   // must be seen before it exits waits until a scrape begun after the
-  // event has been answered (scrapes are answered in turn, on one thread).
+  // event has been answered (or given up on: its client read nothing).
   uint64_t scrapes_begun() const { return scrapes_begun_.load(std::memory_order_acquire); }
   uint64_t last_scrape_answered() const { return last_answered_.load(std::memory_order_acquire); }
   // Waits until a scrape begun after the first `begun` has been answered

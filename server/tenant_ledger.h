@@ -2,9 +2,10 @@
 // gives it (the tokens file's max_memory=, server/auth.h): one tenant
 // cannot fill the server's memory budget and lock the others out of it.
 // A job is charged to the caller that made it (a CreateJob that built or
-// restored it), with the bytes Describe reports for it, state_bytes plus
-// staging_bytes, which count the state wherever the backend holds it (the
-// GPU's too, which the budget does not charge); attaching costs nothing.
+// restored it), with the bytes Describe reports for it, state_bytes,
+// staging_bytes and bookkeeping_bytes, which count the state wherever the
+// backend holds it (the GPU's too, which the budget does not charge);
+// attaching costs nothing.
 // The charge is RAII, held by the job: a dropped job gives it back when it
 // goes.
 #pragma once

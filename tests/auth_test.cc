@@ -361,7 +361,7 @@ TEST_F(AuthTest, ATokensMaxMemoryCapsTheJobsItMakes) {
   v1::DescribeResponse d;
   ASSERT_TRUE(alice.Describe("team-a/1", &d).ok());
   EXPECT_EQ(d.owner(), "alice");
-  const uint64_t job_bytes = d.state_bytes() + d.staging_bytes();
+  const uint64_t job_bytes = d.state_bytes() + d.staging_bytes() + d.bookkeeping_bytes();
   TokensFile(dir_, absl::StrCat("alice trainer ", kAlice, " team-a/ max_memory=", job_bytes * 5 / 2, "\n",
                                 "bob trainer ", kBob, " team-b/ shared/ max_memory=", job_bytes, "\n",
                                 "root admin ", kRoot, "\n"));

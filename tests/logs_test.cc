@@ -297,6 +297,46 @@ TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherConnectionsSendNothing) {
   for (int fd : idle) close(fd);
 }
 
+// Clients that ask for the metrics and read nothing hold up no other
+// scrape: answers were written whole, one at a time, each given five
+// seconds, so an outside probe's one such client delayed every scrape by
+// 5 s and ten made Prometheus's scrape fail (with an answer larger than
+// the sockets' buffers, as a server of a few thousand jobs gives).
+TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherClientsAskAndReadNothing) {
+  const int port = testing::FreeLoopbackPort();
+  auto server = ServerProcess::Start({absl::StrCat("--metrics_port=", port), "--staging_window_bytes=131072"});
+  ASSERT_NE(server, nullptr);
+  constexpr int kJobs = 4000;  // about 6 MB of metrics with these names
+  auto client = Connect(server->address(), "");
+  for (int i = 0; i < kJobs; ++i) {
+    JobOptions job = OneTensor4k(absl::StrCat(std::string(180, 'j'), i));
+    job.tensors[0].numel = 1;
+    ASSERT_TRUE(client->CreateOrAttach(job).ok()) << i;
+  }
+  const std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
+  std::vector<int> stuck;
+  for (int i = 0; i < 3; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    const int small = 4096;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    ASSERT_EQ(send(fd, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
+    stuck.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // each asked, its answer stuck in its socket
+  const auto start = std::chrono::steady_clock::now();
+  const std::string metrics = testing::GetMetrics(port);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_THAT(metrics, ::testing::HasSubstr(absl::StrCat("\nshardopt_jobs ", kJobs, "\n")));
+  EXPECT_GT(metrics.size(), 4u << 20);
+  EXPECT_LT(seconds, 2.0);
+  for (int fd : stuck) close(fd);
+}
+
 TEST_F(LogsTest, TheLinesAnOperatorNeedsAreThereAndNoTokenIs) {
   // Some flags in a --flagfile, as a pod's ConfigMap gives them.
   std::ofstream(dir_ + "/flags.txt") << "--checkpoint_keep=3\n--max_streams=77\n";

@@ -74,6 +74,11 @@ class AlignedBuffer {
   char* data() const { return data_; }
   uint64_t bytes() const { return bytes_; }
   bool mapped() const { return mapped_; }
+  // What Zeroed(bytes) takes: a mapping of whole pages, or an allocation
+  // rounded up to 64 bytes.
+  static uint64_t HostBytes(uint64_t bytes) {
+    return bytes >= kMapped ? (bytes + 4095) / 4096 * 4096 : (bytes + 63) / 64 * 64;
+  }
 
  private:
   static constexpr uint64_t kMapped = uint64_t{2} << 20;
@@ -86,6 +91,23 @@ class AlignedBuffer {
 // whose slot the CPU keeps as SumTiles.
 bool IsRunningSum(const JobLayout& layout) {
   return layout.world_size == 1 && layout.grad_dtype == DType::kFp32;
+}
+
+// What CpuJobState::Init allocates for one shard of `layout`: what the
+// budget charges (HostBytes) and memory_use reports. The state and staging
+// at their sizes, and as bookkeeping what their buffers are rounded up by
+// and the running sum's per-tile flags and sums of squares. Per shard, not
+// per job, which a job of many small tensors feels.
+MemoryUse ShardBytes(const JobLayout& layout, const ShardLayout& s) {
+  const uint64_t state = s.numel * (s.precision == Precision::kFp32 ? 4 : 2);
+  const uint64_t grads = s.numel * layout.world_size * DTypeSize(layout.grad_dtype);
+  MemoryUse use;
+  use.state_bytes = 3 * state;
+  use.staging_bytes = s.numel * 2 + grads;
+  use.bookkeeping_bytes = 3 * AlignedBuffer::HostBytes(state) + cpu::ParamRegions::HostBytes(s.numel) +
+                          AlignedBuffer::HostBytes(grads) - use.state_bytes - use.staging_bytes;
+  if (IsRunningSum(layout)) use.bookkeeping_bytes += cpu::SumTiles::BookkeepingBytes(s.numel);
+  return use;
 }
 
 struct CpuShard {
@@ -325,8 +347,10 @@ class CpuJobState final : public JobState {
   MemoryUse memory_use() const override {
     MemoryUse use;
     for (const CpuShard& s : shards_) {
-      use.state_bytes += s.p.bytes() + s.m.bytes() + s.v.bytes();
-      use.staging_bytes += s.params.bytes() + s.grads.bytes();
+      const MemoryUse shard = ShardBytes(layout_, s.layout);
+      use.state_bytes += shard.state_bytes;
+      use.staging_bytes += shard.staging_bytes;
+      use.bookkeeping_bytes += shard.bookkeeping_bytes;
     }
     return use;
   }
@@ -444,11 +468,10 @@ class CpuBackend final : public Backend {
   }
 
   uint64_t HostBytes(const JobLayout& layout) const override {
-    uint64_t bytes = StateBytes(layout);
+    uint64_t bytes = 0;
     for (const ShardLayout& s : layout.shards) {
-      bytes += s.numel * (2 + uint64_t{layout.world_size} * DTypeSize(layout.grad_dtype));
-      // A running sum's per-tile flags and sums of squares.
-      if (IsRunningSum(layout)) bytes += cpu::SumTiles::BookkeepingBytes(s.numel);
+      const MemoryUse shard = ShardBytes(layout, s);
+      bytes += shard.state_bytes + shard.staging_bytes + shard.bookkeeping_bytes;
     }
     return bytes;
   }

@@ -59,6 +59,9 @@ class ParamRegions {
   // owner lives.
   Pieces Hold(uint64_t offset, uint64_t count) const;
   uint64_t bytes() const { return numel_ * 2; }
+  // What `numel` params take in memory: the small shards' regions are
+  // rounded up to 64 bytes each, a large shard's mapping to its pages.
+  static uint64_t HostBytes(uint64_t numel);
   // Makes the pages of [offset, offset + count) resident ahead of writes, as
   // JobState::Prefault; nothing for small shards, whose regions are touched
   // already.
@@ -69,7 +72,10 @@ class ParamRegions {
   // from one mapping (Make).
   static constexpr uint64_t kMappedBytes = uint64_t{2} << 20;
 
-  static absl::StatusOr<std::shared_ptr<uint16_t>> NewRegion();
+  // A region of `elements` params, 64-byte aligned and rounded up to 64
+  // bytes, as the state's own buffers are.
+  static uint64_t AllocatedBytes(uint64_t elements);
+  static absl::StatusOr<std::shared_ptr<uint16_t>> NewRegion(uint64_t elements);
   uint64_t RegionLength(uint64_t r) const { return std::min(kRegion, numel_ - r * kRegion); }
 
   uint64_t numel_ = 0;
