@@ -133,6 +133,25 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     if (t.name().size() > options_.max_name_bytes) return too_long(t.name(), "tensor name");
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto spec, NormalizeJobSpec(request, options_.default_barrier_timeout));
+  {
+    // Every Describe page repeats the groups, each with what it holds, and
+    // takes one tensor at least: a job whose groups leave no room for that
+    // could never be described (an outside probe's 560 groups of 200-byte
+    // names fit a CreateJob of a 128 KiB limit, and no Describe of it).
+    v1::DescribeResponse page;
+    for (const v1::Group& g : spec.groups()) {
+      v1::GroupState* held = page.add_groups();
+      *held->mutable_config() = g;
+      held->set_state_dtype(v1::FP32);
+    }
+    const uint64_t bytes = page.ByteSizeLong() + 2 * uint64_t{options_.max_name_bytes} + 64 + kDescribeMarginBytes;
+    if (bytes > options_.max_message_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job ", Quote(request.job()), "'s ", spec.groups_size(), " groups take ", page.ByteSizeLong(),
+          " bytes of every Describe answer, which leaves no room for a tensor under this server's ",
+          "--max_message_bytes (", options_.max_message_bytes, "): give fewer groups, or shorter names"));
+    }
+  }
   const uint64_t restore_step = spec.restore_step();
   const uint32_t rank = spec.rank();
   const uint64_t reattaching = spec.incarnation();

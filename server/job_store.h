@@ -120,6 +120,9 @@ class JobStore {
   absl::Status UndoCreate(const std::string& job, uint64_t incarnation) ABSL_LOCKS_EXCLUDED(mu_);
   // One page of the job's tensors on this server, at most kDescribePage.
   static constexpr uint32_t kDescribePage = 4096;
+  // What a Describe page leaves of the message limit for the fields set
+  // after its tensors: a few hundred bytes at most.
+  static constexpr uint64_t kDescribeMarginBytes = 4096;
   absl::StatusOr<v1::DescribeResponse> Describe(const v1::DescribeRequest& request) const ABSL_LOCKS_EXCLUDED(mu_);
   // The first page.
   absl::StatusOr<v1::DescribeResponse> Describe(const std::string& job) const ABSL_LOCKS_EXCLUDED(mu_) {

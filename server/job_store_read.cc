@@ -147,7 +147,8 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   // be described at all. One tensor always goes in, so the pages advance;
   // the fields set below take a few hundred bytes at most (waiting_for names
   // at most 16 ranks and one tensor), well inside the margin.
-  const uint64_t room = options_.max_message_bytes > 4096 ? options_.max_message_bytes - 4096 : 0;
+  const uint64_t room =
+      options_.max_message_bytes > kDescribeMarginBytes ? options_.max_message_bytes - kDescribeMarginBytes : 0;
   uint64_t bytes = r.ByteSizeLong();
   for (size_t si = request.tensor_offset(); si < std::min<size_t>(count, size_t{request.tensor_offset()} + page); ++si) {
     const OwnedShard& s = job.shards[si];
@@ -225,7 +226,8 @@ v1::ListJobsResponse JobStore::ListJobs(const v1::ListJobsRequest& request,
   // As Describe's pages: one job always goes in, and a page ends before it
   // would outgrow the message limit (a summary is at most a few hundred bytes
   // past its name, and waiting_for names at most 16 ranks and one tensor).
-  const uint64_t room = options_.max_message_bytes > 4096 ? options_.max_message_bytes - 4096 : 0;
+  const uint64_t room =
+      options_.max_message_bytes > kDescribeMarginBytes ? options_.max_message_bytes - kDescribeMarginBytes : 0;
   uint64_t bytes = r.ByteSizeLong();
   size_t next = 0;
   for (; next < listed.size() && static_cast<uint32_t>(r.jobs_size()) < page; ++next) {

@@ -18,7 +18,11 @@ inline std::string Range(uint64_t begin, uint64_t end) { return absl::StrCat("["
 inline constexpr size_t kQuotedBytes = 64;
 inline std::string Quote(absl::string_view name) {
   if (name.size() <= kQuotedBytes) return absl::StrCat("'", name, "'");
-  return absl::StrCat("'", name.substr(0, kQuotedBytes), "...' (", name.size(), " bytes)");
+  // Cut between UTF-8 characters, never inside one: half a character made
+  // the message itself invalid UTF-8 (an outside probe).
+  size_t cut = kQuotedBytes;
+  while (cut > 0 && (static_cast<unsigned char>(name[cut]) & 0xC0) == 0x80) --cut;
+  return absl::StrCat("'", name.substr(0, cut), "...' (", name.size(), " bytes)");
 }
 
 // As Quote, with the name's size also when it is shown whole.

@@ -31,6 +31,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "server/job.h"
 #include "server/job_store.h"
+#include "server/messages.h"
 #include "server/step_intents.h"
 #include "rpc/job_limits.h"
 #include "tests/testing/reference.h"
@@ -773,6 +774,16 @@ TEST_F(StoreTest, ADifferentConfigurationIsNamedOnOneLineWithoutTheIgnoredGroupN
   EXPECT_THAT(sized, Not(HasSubstr("same servers"))) << sized;
 }
 
+// A long name is quoted cut short, between UTF-8 characters: cut inside
+// one, the message itself was not valid UTF-8.
+TEST(QuoteTest, CutsALongNameBetweenCharacters) {
+  EXPECT_EQ(Quote("short"), "'short'");
+  const std::string euros = std::string(62, 'a') + "\xE2\x82\xAC\xE2\x82\xAC";  // 62 bytes, then two 3-byte euros
+  EXPECT_EQ(Quote(euros), "'" + std::string(62, 'a') + "...' (68 bytes)");
+  const std::string exact = std::string(61, 'a') + "\xE2\x82\xAC" + "b";  // a euro ending at byte 64
+  EXPECT_EQ(Quote(exact), "'" + std::string(61, 'a') + "\xE2\x82\xAC...' (65 bytes)");
+}
+
 TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
   auto init = Create(JobRequest("bad", 2, {{"w", 3000}}));
   const std::string before = Snapshot("bad");
@@ -1015,6 +1026,41 @@ TEST_F(SmallMessageStoreTest, ListJobsPagesStayUnderTheMessageLimitAndMissNoJob)
   int pages = 0;
   EXPECT_EQ(ListAll(store_, 0, [](const std::string&) { return true; }, &pages), made);
   EXPECT_EQ(pages, 2);  // 1000 a page, but the limit cuts the first short
+}
+
+// A job whose groups would leave a Describe page no room for a tensor is
+// refused at CreateJob: every page repeats the groups, each with what it
+// holds, and such a job could never be described (an outside probe's 560
+// groups of 200-byte names fit a CreateJob of the smallest limit). One
+// group fewer than the most that fit is made, and described.
+TEST_F(SmallMessageStoreTest, AJobWhoseGroupsADescribeCannotHoldIsRefused) {
+  const auto with_groups = [&](const std::string& job, int groups) {
+    v1::CreateJobRequest r = JobRequest(job, 1, {{"w", 8}});
+    for (int g = 1; g < groups; ++g) *r.add_groups() = r.groups(0);
+    for (int g = 0; g < groups; ++g) r.mutable_groups(g)->set_name(std::string(kMaxNameBytes - 5, 'g') + absl::StrCat(10000 + g));
+    return r;
+  };
+  const auto refused = store_.CreateJob(with_groups("too-many", 1000));  // about 230 KB of groups
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("groups take"));
+  EXPECT_EQ(store_.Describe("too-many").status().code(), absl::StatusCode::kNotFound);
+  int most = 1, refused_at = 1000;  // the most groups a job may have here, by bisection
+  while (refused_at - most > 1) {
+    const int mid = (most + refused_at) / 2;
+    if (store_.CreateJob(with_groups("probe", mid)).ok()) {
+      most = mid;
+      ASSERT_TRUE(store_.DropJob("probe").ok());
+    } else {
+      refused_at = mid;
+    }
+  }
+  ASSERT_GT(most, 100);
+  ASSERT_TRUE(store_.CreateJob(with_groups("fits", most)).ok());
+  const auto described = store_.Describe("fits");
+  ASSERT_TRUE(described.ok()) << described.status();
+  EXPECT_EQ(described->groups_size(), most);
+  EXPECT_EQ(described->tensors_size(), 1);
+  EXPECT_LE(described->ByteSizeLong(), JobStore::kMinMessageBytes);
 }
 
 // SIGTERM's path: what was applied is checkpointed, what comes after is refused.
