@@ -23,7 +23,7 @@ import warnings
 
 import torch
 
-from . import _C
+from . import _C, _attempts
 from ._errors import AlreadyExists, Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
 from ._checks import _check_disjoint, _check_gradient, _check_hyper, _check_ints, _check_seconds
 from ._log import _log_step, _resume_lrs
@@ -329,10 +329,10 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             self._check_unchanged()
             self._refuse_gradients_of_frozen()  # (overlap's _finish_push refuses them)
             group_lr = [float(g["lr"]) for g in self.param_groups]
-            grads = [(t.name, self._grad_source(t)[0]) for t in self._remote]
+            sources = [self._grad_source(t) for t in self._remote]
             self._sync_staging()
-            decision = self._client.step(grads, self._param_targets(), group_lr[0], group_lr, self.max_grad_norm,
-                                         1.0).decision
+            decision = _attempts.step(self, sources, lambda grads: self._client.step(
+                grads, self._param_targets(), group_lr[0], group_lr, self.max_grad_norm, 1.0)).decision
         # As torch's step, this one changes (and bumps the version counter
         # of) only the params with a gradient, and a skipped step none. With
         # several ranks another rank's gradient may have moved a param this

@@ -245,3 +245,48 @@ def test_ranks_stepping_with_different_lrs_are_refused_alike_and_nothing_moves(s
         assert same_bits(p, q), name
     assert not all(same_bits(p, q) for p, q in zip(models[0].parameters(), before))
     opts[0].drop()
+
+
+def test_a_rank_that_goes_on_to_the_next_batch_after_a_failed_step_is_told(servers, job, caplog):
+    """After a failed step() the loop must call it again with the same
+    gradients: the servers keep the failed attempt's sealed push and ignore
+    a retry's. An outside probe's rank 0 went on to the next batch instead;
+    its step() returned OK with its new gradients ignored, and nothing said
+    so. It is said now, on the retry that brings other gradients, and the
+    ranks still end bitwise alike (both applied the first attempt's)."""
+    import logging
+    import threading
+
+    import shardopt
+    models = [make_model(), make_model()]
+    opts = [RemoteAdamW(param_groups(m), servers=servers, job=job, lr=lr, rank=r, world_size=2, barrier_timeout=20)
+            for r, (m, lr) in enumerate(zip(models, [1e-2, 2e-2]))]
+    for m in models:
+        m(*batch(1)).backward()
+    errors = [None, None]
+
+    def step(r):
+        try:
+            opts[r].step()
+        except shardopt.Error as e:
+            errors[r] = e
+    threads = [threading.Thread(target=step, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(isinstance(e, shardopt.FailedPrecondition) for e in errors), errors
+    for g in opts[1].param_groups:
+        g["lr"] = 1e-2
+    models[0].zero_grad()
+    models[0](*batch(2)).backward()  # rank 0 goes on to the next batch
+    with caplog.at_level(logging.WARNING, logger="shardopt"):
+        opts[1].step()
+        assert not [r for r in caplog.records if "retried with other gradients" in r.getMessage()]
+        opts[0].step()
+    said = [r.getMessage() for r in caplog.records if "retried with other gradients" in r.getMessage()]
+    assert said == ["step 1 is retried with other gradients than its attempt that failed: servers that took that "
+                    "attempt's push keep its gradients, and ignore these. After a failed step(), call it again with "
+                    "the same gradients, not the next batch's"], said
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert same_bits(p, q), name
