@@ -196,6 +196,27 @@ def test_ranks_loading_different_state_dicts_with_shared_are_refused_alike(serve
     opt.drop()
 
 
+def step_on_threads(opts):
+    """Each optimizer's step() on a thread of its own (each waits for the
+    others' pushes): the shardopt.Error each raised, or None."""
+    import threading
+
+    import shardopt
+    errors = [None] * len(opts)
+
+    def step(r):
+        try:
+            opts[r].step()
+        except shardopt.Error as e:
+            errors[r] = e
+    threads = [threading.Thread(target=step, args=(r,)) for r in range(len(opts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 def test_ranks_stepping_with_different_lrs_are_refused_alike_and_nothing_moves(servers, job):
     """Two ranks whose step() used different lrs each had their commit applied
     by whichever of the two servers it reached first: the step torn across
@@ -203,8 +224,6 @@ def test_ranks_stepping_with_different_lrs_are_refused_alike_and_nothing_moves(s
     will commit, and both ranks are refused on every server, nothing applied;
     once they agree, the step applies. Both ranks are in this process, on
     threads (each step() waits for the other's push)."""
-    import threading
-
     import shardopt
     models = [make_model(), make_model()]
     opts = [RemoteAdamW(param_groups(m), servers=servers, job=job, lr=lr, rank=r, world_size=2, barrier_timeout=20)
@@ -212,23 +231,7 @@ def test_ranks_stepping_with_different_lrs_are_refused_alike_and_nothing_moves(s
     before = [p.detach().clone() for p in models[0].parameters()]
     for m in models:
         m(*batch(1)).backward()
-
-    def step_both():
-        errors = [None, None]
-
-        def step(r):
-            try:
-                opts[r].step()
-            except shardopt.Error as e:
-                errors[r] = e
-        threads = [threading.Thread(target=step, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return errors
-
-    for error in step_both():
+    for error in step_on_threads(opts):
         assert isinstance(error, shardopt.FailedPrecondition), error
         assert "pushed step 1 to be applied differently (rank 0 pushed it with lr 0.01, rank 1 with lr 0.02)" in str(error)
     for m in models:
@@ -255,7 +258,6 @@ def test_a_rank_that_goes_on_to_the_next_batch_after_a_failed_step_is_told(serve
     so. It is said now, on the retry that brings other gradients, and the
     ranks still end bitwise alike (both applied the first attempt's)."""
     import logging
-    import threading
 
     import shardopt
     models = [make_model(), make_model()]
@@ -263,18 +265,7 @@ def test_a_rank_that_goes_on_to_the_next_batch_after_a_failed_step_is_told(serve
             for r, (m, lr) in enumerate(zip(models, [1e-2, 2e-2]))]
     for m in models:
         m(*batch(1)).backward()
-    errors = [None, None]
-
-    def step(r):
-        try:
-            opts[r].step()
-        except shardopt.Error as e:
-            errors[r] = e
-    threads = [threading.Thread(target=step, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = step_on_threads(opts)
     assert all(isinstance(e, shardopt.FailedPrecondition) for e in errors), errors
     for g in opts[1].param_groups:
         g["lr"] = 1e-2
