@@ -2,11 +2,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <thread>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "client/after_step.h"
 #include "client/attach_answers.h"
@@ -71,8 +73,23 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   const std::vector<bool> holds_part = im.holds_part();
   std::vector<v1::CreateJobResponse> answers;
   std::optional<HalfCommitted> half;
-  // [server]: the life of the job this attach made there (0: none).
-  std::vector<uint64_t> made(im.servers(), 0);
+  // Each CreateJob this attach had answered OK, by server and life: all
+  // are undone if it fails (UndoCreate), so that it changes nothing. A
+  // server listed by mistake (a rank's one server too many, whose peers
+  // refuse it ALREADY_EXISTS) kept the job, restored from an older
+  // checkpoint or empty, and the next attach with the right servers found
+  // it at another step than its peers.
+  std::vector<std::pair<uint32_t, uint64_t>> answered;
+  bool undo_if_failed = true;
+  absl::Cleanup undo = [&] {
+    if (im.attached || !undo_if_failed) return;
+    std::vector<uint32_t> targets(answered.size());
+    std::iota(targets.begin(), targets.end(), 0u);
+    fanout::ForEach(targets, [&](uint32_t i) {
+      im.UndoCreate(answered[i].first, answered[i].second);
+      return absl::OkStatus();
+    }).IgnoreError();
+  };
   // Servers one step apart that cannot be completed may be a torn view:
   // each answered at its own moment while another trainer's push sealed
   // that step and its commit applied it. Asked again (1.5 s in all), they
@@ -80,28 +97,11 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   int asked = 0;
   std::chrono::milliseconds waited{0};
   for (auto pause = std::chrono::milliseconds(100);; pause *= 2) {
-    const absl::Status answered = im.AskCreateJob(job, &answers);
+    const absl::Status asked_all = im.AskCreateJob(job, &answers);
     for (uint32_t s = 0; s < im.servers(); ++s) {
-      if (answers[s].created()) made[s] = answers[s].incarnation();
+      if (answers[s].incarnation() != 0) answered.emplace_back(s, answers[s].incarnation());
     }
-    // An attach some servers refuse (another configuration, ALREADY_EXISTS,
-    // as when a rank lists one server too many) undoes what it made on the
-    // others, so that it changes nothing: a server listed by mistake would
-    // keep the job, restored from an older checkpoint or empty, and the
-    // next attach with the right servers would find it at another step
-    // than its peers. (Servers that all answer, but at different steps,
-    // keep what they restored: the error says to drop the job on each.)
-    if (!answered.ok()) {
-      std::vector<uint32_t> targets;
-      for (uint32_t s = 0; s < im.servers(); ++s) {
-        if (made[s] != 0) targets.push_back(s);
-      }
-      fanout::ForEach(targets, [&](uint32_t s) {
-        im.UndoCreate(s, made[s]);
-        return absl::OkStatus();
-      }).IgnoreError();
-      return answered;
-    }
+    SHARDOPT_RETURN_IF_ERROR(asked_all);
     ++asked;
     half = FindHalfCommittedStep(answers, holds_part);
     if (half || !OneStepApart(answers, holds_part) || pause > std::chrono::milliseconds(800)) break;
@@ -126,6 +126,9 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     for (uint32_t s : half->behind) answers[s].set_step(half->commit.step());
   }
   absl::StatusOr<uint64_t> agreed = AgreedStep(answers, holds_part, im.options.servers, job.name);
+  // Servers that all answered, at different steps, keep what they restored:
+  // the error says to drop the job on each, which must then find it there.
+  undo_if_failed = agreed.ok();
   if (!agreed.ok() && asked > 1) {
     return absl::Status(agreed.status().code(),
                         absl::StrCat(agreed.status().message(), " (asked ", asked, " times over ",
@@ -133,6 +136,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
                                      "was committing meanwhile)"));
   }
   SHARDOPT_ASSIGN_OR_RETURN(const uint64_t step, std::move(agreed));
+  undo_if_failed = true;
   im.step = step;
   im.pushed_ahead = PushedAhead(answers, step, holds_part, im.pushes_to);
   im.applied_group_lr = AppliedGroupLr(answers, step, holds_part, job.groups.size());

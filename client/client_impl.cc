@@ -57,7 +57,17 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
   // Made afresh, with no checkpoint to restore: that server's part of the
   // state is gone. The fresh job, holding nothing, is dropped again.
   const bool made_afresh = resp.created() && !resp.restored();
-  if (made_afresh) UndoCreate(s, resp.incarnation());
+  if (made_afresh) {
+    fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
+                 [&](grpc::ClientContext* ctx) {
+                   v1::DropJobRequest drop;
+                   drop.set_job(job.name);
+                   drop.set_incarnation(resp.incarnation());  // this fresh job, not one made meanwhile
+                   v1::DropJobResponse unused;
+                   return stubs[s]->DropJob(ctx, drop, &unused);
+                 })
+        .IgnoreError();  // a fresh job, with nothing in it
+  }
   const absl::Status failed = absl::FailedPreconditionError(absl::StrCat(
       why.message(), "; asked to create job '", job.name, "' again, it ", ReattachOutcome(resp),
       ", and this client is at step ", step,

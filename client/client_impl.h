@@ -104,8 +104,8 @@ struct Client::Impl {
   // (a pod replaced in a rolling upgrade), which restores the job from the
   // newest complete checkpoint when asked to create it. Fine if it is then
   // at the step this client is at (or another rank attached it already);
-  // otherwise FAILED_PRECONDITION, and a job it made afresh is undone
-  // (UndoCreate). A job dropped on purpose is answered "was dropped" instead, and
+  // otherwise FAILED_PRECONDITION, and a job it made afresh is dropped
+  // again (its life marked, so that later calls say why: `lost`). A job dropped on purpose is answered "was dropped" instead, and
   // never comes here.
   absl::Status Reattach(uint32_t s, const absl::Status& why) const;
 
@@ -133,12 +133,13 @@ struct Client::Impl {
   // answer: a job one made must be known, to be undone if another refused.
   absl::Status AskCreateJob(const JobOptions& job, std::vector<v1::CreateJobResponse>* answers) const;
 
-  // Undoes the job that this client's CreateJob made (or restored) on
-  // server `s` as its life `life` (0: none made), if nothing has happened
-  // to it since (DropJobRequest.undo), so that a failed attach leaves no
-  // job behind: a restored one goes back to its checkpoints. Sent to the
-  // end whatever other servers do, and its error ignored: a job some other
-  // rank of the job has begun to use since stays.
+  // Undoes one CreateJob this client's failed attach had answered OK on
+  // server `s`, of the job's life `life` (0: none), if nothing has happened
+  // to the job since (DropJobRequest.undo): the job goes with the last of
+  // its CreateJobs undone, so a failed attach leaves no job behind, and
+  // none goes from under a rank whose attach went through; a restored one
+  // goes back to its checkpoints. Sent to the end whatever other servers
+  // do, and its error ignored: a job some rank has begun to use stays.
   void UndoCreate(uint32_t s, uint64_t life) const;
 
   // Runs fn(server) on every server that holds part of the job (only those

@@ -317,7 +317,7 @@ absl::Status Job::CheckNotDropped() const {
 }
 
 bool Job::Untouched() const {
-  if (round.active || applying) return false;
+  if (round.active || applying || set_aside_steps) return false;
   // A restore writes the state too: what counts is a change since.
   if (restored_from) return step == restored_from->step && !restored_from->changed;
   return step == 0 && !written;

@@ -114,6 +114,13 @@ class Job {
   // Whether an Init has written any state (master or moments), or a restore
   // has: a job without, at step 0, holds nothing (Untouched).
   bool written ABSL_GUARDED_BY(mu) = false;
+  // CreateJobs answered OK (the one that made it, and each attach) and not
+  // undone since (JobStore::UndoCreate): the job goes with the last undo,
+  // not from under a rank whose attach went through.
+  uint64_t attaches ABSL_GUARDED_BY(mu) = 0;
+  // Its restore (a restore_step's) set the old run's newer steps aside,
+  // which an undo would not put back.
+  bool set_aside_steps ABSL_GUARDED_BY(mu) = false;
 
   // The barrier round of step `step + 1`. A round ends sealed (every rank
   // covered its shards) and then committed, or aborted at its deadline.
@@ -252,9 +259,10 @@ class Job {
   absl::Status CheckStepToPush(uint64_t t) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   absl::Status CheckNotDropped() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // Whether nothing has happened to the job since this server made or
-  // restored it: no step applied, no initial value written, no round begun.
-  // Such a job holds nothing its checkpoints (or its absence) did not: a
-  // CreateJob may be undone (JobStore::DropJob's kUndo).
+  // restored it: no step applied, no initial value written, no round begun,
+  // and no newer steps set aside by its restore (a restore_step's). Such a
+  // job holds nothing its checkpoints (or its absence) did not: its
+  // CreateJobs may be undone (JobStore::UndoCreate).
   bool Untouched() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // FAILED_PRECONDITION if a trainer other than `trainer` has begun a push
   // of `rank` since `trainer` attached, when the job had begun

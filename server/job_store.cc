@@ -65,10 +65,11 @@ absl::Status JobStore::OtherLife(const std::string& name, uint64_t incarnation) 
 }
 
 
-absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(const Job& job, const v1::CreateJobRequest& spec,
+absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(Job& job, const v1::CreateJobRequest& spec,
                                                        uint32_t rank) const {
   SHARDOPT_RETURN_IF_ERROR(SameJobSpec(job.spec, spec));
   absl::MutexLock job_lock(&job.mu);
+  ++job.attaches;
   v1::CreateJobResponse response;
   response.set_created(false);
   response.set_barrier_timeout_ms(job.spec.barrier_timeout_ms());
@@ -133,25 +134,6 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     if (t.name().size() > options_.max_name_bytes) return too_long(t.name(), "tensor name");
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto spec, NormalizeJobSpec(request, options_.default_barrier_timeout));
-  {
-    // Every Describe page repeats the groups, each with what it holds, and
-    // takes one tensor at least: a job whose groups leave no room for that
-    // could never be described (an outside probe's 560 groups of 200-byte
-    // names fit a CreateJob of a 128 KiB limit, and no Describe of it).
-    v1::DescribeResponse page;
-    for (const v1::Group& g : spec.groups()) {
-      v1::GroupState* held = page.add_groups();
-      *held->mutable_config() = g;
-      held->set_state_dtype(v1::FP32);
-    }
-    const uint64_t bytes = page.ByteSizeLong() + 2 * uint64_t{options_.max_name_bytes} + 64 + kDescribeMarginBytes;
-    if (bytes > options_.max_message_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "job ", Quote(request.job()), "'s ", spec.groups_size(), " groups take ", page.ByteSizeLong(),
-          " bytes of every Describe answer, which leaves no room for a tensor under this server's ",
-          "--max_message_bytes (", options_.max_message_bytes, "): give fewer groups, or shorter names"));
-    }
-  }
   const uint64_t restore_step = spec.restore_step();
   const uint32_t rank = spec.rank();
   const uint64_t reattaching = spec.incarnation();
@@ -177,6 +159,27 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     creating_.erase(spec.job());
     created_.SignalAll();
   };
+  {
+    // Every Describe page repeats the groups, each with what it holds, and
+    // takes one tensor at least: a job whose groups leave no room for that
+    // could never be described (an outside probe's 560 groups of 200-byte
+    // names fit a CreateJob of a 128 KiB limit, and no Describe of it).
+    // Checked for the job made, not at each attach, whose group names may
+    // differ and are not compared.
+    v1::DescribeResponse page;
+    for (const v1::Group& g : spec.groups()) {
+      v1::GroupState* held = page.add_groups();
+      *held->mutable_config() = g;
+      held->set_state_dtype(v1::FP32);
+    }
+    const uint64_t bytes = page.ByteSizeLong() + 2 * uint64_t{options_.max_name_bytes} + 64 + kDescribeMarginBytes;
+    if (bytes > options_.max_message_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job ", Quote(request.job()), "'s ", spec.groups_size(), " groups take ", page.ByteSizeLong(),
+          " bytes of every Describe answer, which leaves no room for a tensor under this server's ",
+          "--max_message_bytes (", options_.max_message_bytes, "): give fewer groups, or shorter names"));
+    }
+  }
   // The old trainer of a life dropped on purpose, whose server restarted
   // since (and so remembers no drop but the mark on disk): nothing is
   // restored for it. A new run asks with no life and restores the newest
@@ -228,6 +231,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
         SHARDOPT_ASSIGN_OR_RETURN(auto set_aside,
                                   checkpoint::SetAsideNewerSteps(options_.checkpoint_dir, spec.job(), job->step));
         for (const std::string& line : set_aside) options_.checkpoint_log(line);
+        job->set_aside_steps = !set_aside.empty();
       }
     } else if (loaded.code() != absl::StatusCode::kNotFound || restore_step > 0) {
       return loaded;  // the job, partly written, is thrown away
@@ -286,11 +290,12 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   response.set_restored(restored);
   response.set_barrier_timeout_ms(spec.barrier_timeout_ms());
   absl::MutexLock job_lock(&job->mu);
+  job->attaches = 1;
   SetStepFields(*job, rank, &response);
   return response;
 }
 
-absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation) {
+absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation, bool only_if_empty) {
   {
     // A job a CreateJob is building (a restore may take seconds) is dropped
     // once built: a NOT_FOUND now would be followed by the job appearing. (A
@@ -299,19 +304,34 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation) {
     while (creating_.contains(name)) created_.Wait(&mu_);
   }
   SHARDOPT_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Find(name, incarnation));
+  if (only_if_empty) {
+    absl::MutexLock lock(&job->mu);
+    if (job->step > 0 || job->written) {
+      return absl::PermissionDeniedError(absl::StrCat("job ", Quote(name), " holds state: only an admin token may ",
+                                                      "drop it (a trainer may drop only a job whose life it names ",
+                                                      "that holds nothing yet)"));
+    }
+    // Dropped from here on, so that no Init writes into it in between: what
+    // goes is empty. Taken back below if the drop cannot be marked.
+    job->dropped = true;
+  }
   // The life is marked dropped on disk before the job goes, outside the
   // store's lock: no job of the name can be made (and restore this life)
   // while it is still here, and a drop that cannot be marked does not happen.
   if (!options_.checkpoint_dir.empty()) {
     if (absl::Status marked = checkpoint::MarkLifeDropped(options_.checkpoint_dir, name, job->incarnation);
         !marked.ok()) {
+      if (only_if_empty) {
+        absl::MutexLock lock(&job->mu);
+        job->dropped = false;
+      }
       return absl::Status(marked.code(), absl::StrCat("job ", Quote(name), " is not dropped: its life could not be ",
                                                       "marked dropped in the checkpoint directory: ", marked.message()));
     }
   }
   {
     absl::MutexLock lock(&mu_);
-    SHARDOPT_RETURN_IF_ERROR(Unpublish(*job, /*only_if_untouched=*/false));
+    SHARDOPT_RETURN_IF_ERROR(Unpublish(*job, /*only_if_untouched=*/false).status());
     if (dropped_.insert(name).second) dropped_order_.push_back(name);
     if (dropped_order_.size() > kDroppedKept) {
       dropped_.erase(dropped_order_.front());
@@ -332,7 +352,8 @@ absl::Status JobStore::UndoCreate(const std::string& name, uint64_t incarnation)
   SHARDOPT_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Find(name, incarnation));
   {
     absl::MutexLock lock(&mu_);
-    SHARDOPT_RETURN_IF_ERROR(Unpublish(*job, /*only_if_untouched=*/true));
+    SHARDOPT_ASSIGN_OR_RETURN(const bool gone, Unpublish(*job, /*only_if_untouched=*/true));
+    if (!gone) return absl::OkStatus();  // another attach of it stands
   }
   absl::MutexLock lock(&job->mu);
   job->Notify();
@@ -340,7 +361,7 @@ absl::Status JobStore::UndoCreate(const std::string& name, uint64_t incarnation)
   return absl::OkStatus();
 }
 
-absl::Status JobStore::Unpublish(Job& job, bool only_if_untouched) {
+absl::StatusOr<bool> JobStore::Unpublish(Job& job, bool only_if_untouched) {
   auto it = jobs_.find(job.name());
   if (it == jobs_.end() || it->second.get() != &job) return NoJob(job.name());  // another drop came first
   {
@@ -348,10 +369,19 @@ absl::Status JobStore::Unpublish(Job& job, bool only_if_untouched) {
     // commit holds: none comes in between, and one ending now sees the
     // mark and counts nothing.
     absl::MutexLock job_lock(&job.mu);
-    if (only_if_untouched && !job.Untouched()) {
-      return absl::PermissionDeniedError(absl::StrCat(
-          "job ", Quote(job.name()), " holds state since this server made or restored it (a step, an initial ",
-          "value or a push): not undone; only an admin token may drop it"));
+    if (only_if_untouched) {
+      if (!job.Untouched()) {
+        return absl::PermissionDeniedError(absl::StrCat(
+            "job ", Quote(job.name()), " holds something since this server made or restored it (a step, an ",
+            "initial value, a push, or newer steps its restore_step set aside): its create is not undone; a ",
+            "DropJob without undo drops it, where the caller may"));
+      }
+      // One attach undone; the job goes with the last (attaches counts the
+      // CreateJob that made it too).
+      if (job.attaches > 1) {
+        --job.attaches;
+        return false;
+      }
     }
     job.dropped = true;
   }
@@ -359,7 +389,7 @@ absl::Status JobStore::Unpublish(Job& job, bool only_if_untouched) {
   // Under the store's lock, as a CreateJob's zero counters are made: a job
   // of the name made again at once keeps its own series.
   metrics::Registry::Default().ForgetJob(job.name());
-  return absl::OkStatus();
+  return true;
 }
 
 absl::StatusOr<uint64_t> JobStore::Init(const v1::InitChunk& chunk) {

@@ -111,12 +111,17 @@ class JobStore {
   // `incarnation` as Find's: a caller of another life of the job drops nothing.
   // A job a CreateJob is building is waited for, then dropped, and its life
   // marked dropped in the checkpoint directory.
-  absl::Status DropJob(const std::string& job, uint64_t incarnation = 0) ABSL_LOCKS_EXCLUDED(mu_);
-  // A client's undo of the CreateJob that made (or restored) the life
-  // `incarnation` of `job`, whose attach failed on other servers: the job
-  // goes as if never asked for (its life not marked dropped, so a restored
-  // job's checkpoints stay restorable), but only if Job::Untouched; else
-  // PERMISSION_DENIED, and it stays.
+  // With `only_if_empty`, a job that holds anything (a step done, any
+  // initial value or Adam state) is PERMISSION_DENIED and stays: a
+  // trainer's drop of a job it made afresh by mistake.
+  absl::Status DropJob(const std::string& job, uint64_t incarnation = 0, bool only_if_empty = false)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A client's undo of one CreateJob of the life `incarnation` of `job`
+  // (one that made or restored it, or attached to it), whose attach failed
+  // on other servers. Only while Job::Untouched, else PERMISSION_DENIED;
+  // then the job goes with the last of its CreateJobs undone, as if never
+  // asked for: its life is not marked dropped, so a restored job's
+  // checkpoints restore it again, under the same life.
   absl::Status UndoCreate(const std::string& job, uint64_t incarnation) ABSL_LOCKS_EXCLUDED(mu_);
   // One page of the job's tensors on this server, at most kDescribePage.
   static constexpr uint32_t kDescribePage = 4096;
@@ -222,7 +227,7 @@ class JobStore {
       ABSL_LOCKS_EXCLUDED(mu_);
   // What Describe and ListJobs both say of a job.
   static v1::JobSummary Summarize(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
-  absl::StatusOr<v1::CreateJobResponse> Attach(const Job& job, const v1::CreateJobRequest& spec, uint32_t rank) const;
+  absl::StatusOr<v1::CreateJobResponse> Attach(Job& job, const v1::CreateJobRequest& spec, uint32_t rank) const;
   // A CreateJob answer's step, sealed step, the arguments the step was
   // applied with, and whether the round holds some of `rank`'s push.
   static void SetStepFields(const Job& job, uint32_t rank, v1::CreateJobResponse* response)
@@ -257,9 +262,11 @@ class JobStore {
   // NOT_FOUND for a job this server does not hold, saying whether it was dropped.
   absl::Status NoJob(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes `job` out of the store and marks it dropped: NOT_FOUND if the
-  // name holds another life now (another drop came first), and with
-  // `only_if_untouched` PERMISSION_DENIED unless Job::Untouched.
-  absl::Status Unpublish(Job& job, bool only_if_untouched) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // name holds another life now (another drop came first). With
+  // `only_if_untouched`, PERMISSION_DENIED unless Job::Untouched, and one of
+  // its attaches undone if others stand, the job kept (not marked dropped).
+  // Whether the job went.
+  absl::StatusOr<bool> Unpublish(Job& job, bool only_if_untouched) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // NOT_FOUND for a caller of another life of the job `name` holds now.
   static absl::Status OtherLife(const std::string& name, uint64_t incarnation);
   // The refusal once the drain has begun (draining_), saying to `what` once

@@ -28,8 +28,11 @@ constexpr auto kSendTime = std::chrono::seconds(5);
 // connection is dropped unanswered.
 constexpr auto kHeadTime = std::chrono::seconds(2);
 constexpr size_t kHeadBytes = 8192;
-// Connections read at once: past it, the one open longest is dropped.
+// Connections served at once: past it, the one open longest is dropped.
 constexpr size_t kConnections = 64;
+// Answers held unsent, in all: past it, the connections open longest are
+// dropped (a scrape is taken in milliseconds by a reader that reads).
+constexpr uint64_t kPendingBytes = uint64_t{64} << 20;
 
 // Whether a request is a scrape: GET of the metrics path.
 bool IsScrape(const std::string& head) {
@@ -105,16 +108,33 @@ void MetricsServer::Serve() {
     uint64_t scrape = 0;  // its number, if it is a scrape
     std::chrono::steady_clock::time_point give_up;
   };
+  // The bytes of the answers not yet sent: past kPendingBytes the oldest
+  // connections are dropped, so that clients that ask and read nothing
+  // cannot make the server hold an answer each (64 of a few MB).
+  uint64_t pending = 0;
   // Sends what the socket takes now; whether the connection is done with.
-  const auto send_some = [](Connection& c) {
+  const auto send_some = [&pending](Connection& c) {
     const ssize_t n = send(c.fd, c.answer.data() + c.sent, c.answer.size() - c.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n > 0) c.sent += static_cast<size_t>(n);
+    if (n > 0) {
+      c.sent += static_cast<size_t>(n);
+      pending -= static_cast<uint64_t>(n);
+    }
     return c.sent == c.answer.size() || (n < 0 && errno != EAGAIN && errno != EINTR) || n == 0;
   };
-  // Closes a connection; a scrape's is answered then (or given up on).
-  // Scrapes end out of turn, so the last answered is the highest ended.
-  const auto end = [this](const Connection& c) {
+  // Closes a connection: a scrape is answered if all of its answer went out
+  // (one given up on was seen by nobody, which the drain's wait for a
+  // scrape must not count). Scrapes end out of turn, so the last answered
+  // is the highest.
+  const auto end = [this, &pending](const Connection& c) {
+    if (c.sent != c.answer.size()) {
+      // Given up on: reset, not closed after what the socket still holds,
+      // which would keep it (and its buffer) for as long as nobody reads.
+      const linger reset{1, 0};
+      setsockopt(c.fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+    }
     close(c.fd);
+    pending -= c.answer.size() - c.sent;
+    if (c.scrape == 0 || c.sent != c.answer.size()) return;
     uint64_t last = last_answered_.load(std::memory_order_acquire);
     while (c.scrape > last && !last_answered_.compare_exchange_weak(last, c.scrape, std::memory_order_acq_rel)) {
     }
@@ -140,6 +160,7 @@ void MetricsServer::Serve() {
         if (n > 0 && (c.head.find("\r\n\r\n") != std::string::npos || c.head.size() >= kHeadBytes)) {
           c.scrape = IsScrape(c.head) ? scrapes_begun_.fetch_add(1, std::memory_order_acq_rel) + 1 : 0;
           c.answer = Answer(c.head, *registry_);
+          pending += c.answer.size();
           c.give_up = now + kSendTime;
           done = send_some(c);
         }
@@ -151,6 +172,15 @@ void MetricsServer::Serve() {
       end(c);
     }
     open = std::move(still);
+    // The oldest unsent answers go first, never the newest alone.
+    for (auto it = open.begin(); pending > kPendingBytes && it != open.end();) {
+      if (it->answer.empty() || pending == it->answer.size() - it->sent) {
+        ++it;
+        continue;
+      }
+      end(*it);
+      it = open.erase(it);
+    }
     if ((polled[0].revents & POLLIN) != 0) {
       const int conn = accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (conn >= 0) {

@@ -164,17 +164,25 @@ grpc::Status OptimizerService::DropJob(grpc::ServerContext* context, const v1::D
                                        v1::DropJobResponse*) {
   auto caller = Identify(*context);
   if (!caller.ok()) return ToGrpcStatus(caller.status());
-  // A caller that may create the job may undo its own create of it (the
-  // life it names), untouched since. A trainer's drop that names a life is
-  // that undo too: its clients sent it so before DropJobRequest.undo, and
-  // dropping state stays an admin's.
-  const bool may_create = caller->Allows(Action::kCreate, req->job()).ok();
-  if (req->undo() || (caller->role == Role::kTrainer && req->incarnation() != 0 && may_create)) {
-    if (!may_create) return ToGrpcStatus(caller->Allows(Action::kCreate, req->job()));
+  // A caller that may create the job may undo its own CreateJob of it (the
+  // life it names), untouched since (DropJobRequest.undo).
+  if (req->undo()) {
+    if (absl::Status allowed = caller->Allows(Action::kCreate, req->job()); !allowed.ok()) {
+      return ToGrpcStatus(absl::PermissionDeniedError(
+          absl::StrCat(allowed.message(), " (a DropJob with undo needs what a CreateJob of it needs)")));
+    }
     return ToGrpcStatus(store_->UndoCreate(req->job(), req->incarnation()));
   }
-  if (absl::Status allowed = caller->Allows(Action::kDrop, req->job()); !allowed.ok()) return ToGrpcStatus(allowed);
-  return ToGrpcStatus(store_->DropJob(req->job(), req->incarnation()));
+  // A trainer may drop a job it made by mistake: the life it names of a job
+  // of its prefixes that holds nothing yet (clients before
+  // DropJobRequest.undo undid a fresh job so). Dropping state stays an
+  // admin's.
+  const bool empty_only = caller->role == Role::kTrainer && req->incarnation() != 0 &&
+                          caller->Allows(Action::kCreate, req->job()).ok();
+  if (!empty_only) {
+    if (absl::Status allowed = caller->Allows(Action::kDrop, req->job()); !allowed.ok()) return ToGrpcStatus(allowed);
+  }
+  return ToGrpcStatus(store_->DropJob(req->job(), req->incarnation(), /*only_if_empty=*/empty_only));
 }
 
 grpc::Status OptimizerService::ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest* req,

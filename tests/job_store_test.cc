@@ -1401,6 +1401,18 @@ TEST_F(CheckpointKeepTest, AnUndoneCreateTakesOnlyAnUntouchedJobAndLeavesItsLife
   const absl::Status gone = store_.Describe("fresh").status();
   EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound) << gone;
   EXPECT_THAT(std::string(gone.message()), Not(HasSubstr("was dropped"))) << gone;
+  // Each CreateJob answered OK counts, the attaches too: the job goes with
+  // the last one undone, not from under a rank whose attach went through
+  // (a reviewer's case: one rank's attach failed on a server that was not
+  // up yet, and its undo took the job the others had attached to).
+  made = store_.CreateJob(fresh);
+  ASSERT_TRUE(made.ok()) << made.status();
+  const auto attached = store_.CreateJob(fresh);
+  ASSERT_TRUE(attached.ok() && !attached->created()) << attached.status();
+  ASSERT_TRUE(store_.UndoCreate("fresh", made->incarnation()).ok());
+  EXPECT_TRUE(store_.Describe("fresh").ok());
+  ASSERT_TRUE(store_.UndoCreate("fresh", made->incarnation()).ok());
+  EXPECT_EQ(store_.Describe("fresh").status().code(), absl::StatusCode::kNotFound);
   // Touched by an initial value, or by a step: refused, and the job as it was.
   made = store_.CreateJob(fresh);
   ASSERT_TRUE(made.ok()) << made.status();
@@ -1408,7 +1420,7 @@ TEST_F(CheckpointKeepTest, AnUndoneCreateTakesOnlyAnUntouchedJobAndLeavesItsLife
   std::string before = Snapshot("fresh");
   const absl::Status written = store_.UndoCreate("fresh", made->incarnation());
   EXPECT_EQ(written.code(), absl::StatusCode::kPermissionDenied) << written;
-  EXPECT_THAT(std::string(written.message()), HasSubstr("holds state since this server made or restored it"));
+  EXPECT_THAT(std::string(written.message()), HasSubstr("holds something since this server made or restored it"));
   EXPECT_EQ(Snapshot("fresh"), before);
   StepAndCheckpoint("fresh", 1, 100, rng);
   before = Snapshot("fresh");
@@ -1452,6 +1464,20 @@ TEST_F(CheckpointKeepTest, AnUndoneCreateTakesOnlyAnUntouchedJobAndLeavesItsLife
   ASSERT_TRUE(restarted.Commit(CommitRequestFor("fresh", 2, 1e-3), [](const v1::ParamChunk&) { return true; }).ok());
   EXPECT_EQ(restarted.UndoCreate("fresh", made->incarnation()).code(), absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(restarted.Describe("fresh").value().step(), 2u);
+
+  // A restore_step's restore sets the newer steps aside, which an undo
+  // would not put back (an outside probe's): it is not undone.
+  ASSERT_TRUE(store_.CreateJob(fresh).ok());  // attached: the job at step 1 here
+  StepAndCheckpoint("fresh", 2, 100, rng);
+  JobStore again(backend.get(), Options0(dir_));
+  v1::CreateJobRequest back = fresh;
+  back.set_restore_step(1);
+  const auto from_one = again.CreateJob(back);
+  ASSERT_TRUE(from_one.ok() && from_one->restored()) << from_one.status();
+  const absl::Status kept = again.UndoCreate("fresh", from_one->incarnation());
+  EXPECT_EQ(kept.code(), absl::StatusCode::kPermissionDenied) << kept;
+  EXPECT_THAT(std::string(kept.message()), HasSubstr("set aside"));
+  EXPECT_EQ(again.Describe("fresh").value().step(), 1u);
 }
 
 // This server's own part of a torn step newer than its job's is another

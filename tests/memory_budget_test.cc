@@ -185,10 +185,6 @@ TEST_F(StoreTest, EachOwnersJobsHoldAtMostItsCap) {
   EXPECT_TRUE(store_.CreateJob(JobRequest("a3", 1, {{"w", 1 << 16}}), alice).ok());
 }
 
-// Jobs may not take the budget's last kept_for_streams() bytes: a tenant
-// that made the largest job that fits (found by bisecting, as a probe did,
-// leaving 2 bytes) used to leave every other job unable to push a message.
-// Now the other job still steps, and the largest job leaves the reserve.
 // A job of many small tensors is mostly bookkeeping, which its maker's cap
 // counts, as the budget does: an outside probe's capped token made such
 // jobs until they held 85% of the budget, while its cap, which counted
@@ -212,6 +208,10 @@ TEST_F(StoreTest, AMakersCapCountsTheBookkeepingOfManySmallTensors) {
   EXPECT_THAT(store_.TenantBytes(), ::testing::ElementsAre(::testing::Pair("roomy", roomy.max_bytes)));
 }
 
+// Jobs may not take the budget's last kept_for_streams() bytes: a tenant
+// that made the largest job that fits (found by bisecting, as a probe did,
+// leaving 2 bytes) used to leave every other job unable to push a message.
+// Now the other job still steps, and the largest job leaves the reserve.
 TEST_F(BudgetTest, TheLargestJobThatFitsLeavesRoomForTheOthersToStep) {
   Create(JobRequest("victim", 1, {{"w", 4096}}));
   uint64_t lo = 1, hi = uint64_t{1} << 24;  // numel: lo fits, hi does not

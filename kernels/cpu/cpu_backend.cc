@@ -44,7 +44,7 @@ class AlignedBuffer {
       b.mapped_ = true;
       return b;
     }
-    const uint64_t rounded = (bytes + 63) / 64 * 64;
+    const uint64_t rounded = HostBytes(bytes);
     b.data_ = static_cast<char*>(std::aligned_alloc(64, rounded));
     if (b.data_ == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
@@ -77,7 +77,9 @@ class AlignedBuffer {
   // What Zeroed(bytes) takes: a mapping of whole pages, or an allocation
   // rounded up to 64 bytes.
   static uint64_t HostBytes(uint64_t bytes) {
-    return bytes >= kMapped ? (bytes + 4095) / 4096 * 4096 : (bytes + 63) / 64 * 64;
+    if (bytes < kMapped) return (bytes + 63) / 64 * 64;
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    return (bytes + page - 1) / page * page;
   }
 
  private:

@@ -27,7 +27,10 @@ uint64_t ParamRegions::HostBytes(uint64_t numel) {
   const uint64_t regions = (numel + kRegion - 1) / kRegion;
   // A mapping's pages past the last element are never written, so never
   // faulted in.
-  if (regions * kRegion * 2 >= kMappedBytes) return (numel * 2 + 4095) / 4096 * 4096;
+  if (regions * kRegion * 2 >= kMappedBytes) {
+    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+    return (numel * 2 + page - 1) / page * page;
+  }
   // Whole regions, then the last one as long as its elements.
   return numel / kRegion * AllocatedBytes(kRegion) + AllocatedBytes(numel % kRegion);
 }

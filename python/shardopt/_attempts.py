@@ -17,14 +17,19 @@ from ._log import _logger
 
 
 def _digest(sources):
-    """A CRC-32 of every gradient's bytes, in tensor order (None: none)."""
-    crc = 0
-    for _, tensor in sources:
-        crc = zlib.crc32(b"\0" if tensor is None else b"\1", crc)
-        if tensor is not None:
-            host = tensor.detach().to("cpu").contiguous()
-            crc = zlib.crc32(host.view(torch.uint8).reshape(-1).numpy(), crc)
-    return crc
+    """A CRC-32 of every gradient's bytes, in tensor order (None: none), or
+    None if it cannot be taken: a diagnostic never stands in the way of the
+    step or of its own error."""
+    try:
+        crc = 0
+        for _, tensor in sources:
+            crc = zlib.crc32(b"\0" if tensor is None else b"\1", crc)
+            if tensor is not None:
+                host = tensor.detach().to("cpu").contiguous().reshape(-1)  # a 0-dim one has no bytes view
+                crc = zlib.crc32(host.view(torch.uint8).numpy(), crc)
+        return crc
+    except Exception:
+        return None
 
 
 def step(opt, sources, run):
@@ -34,7 +39,8 @@ def step(opt, sources, run):
     and notes an attempt that fails."""
     t = opt._client.step_count + 1
     failed = getattr(opt, "_failed_attempt", None)
-    if failed is not None and failed[0] == t and failed[1] != _digest(sources):
+    now = _digest(sources) if failed is not None and failed[0] == t and failed[1] is not None else None
+    if now is not None and now != failed[1]:
         _logger.warning("step %d is retried with other gradients than its attempt that failed: servers that took "
                         "that attempt's push keep its gradients, and ignore these. After a failed step(), call it "
                         "again with the same gradients, not the next batch's", t)
