@@ -307,7 +307,7 @@ TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherClientsAskAndReadNothing) {
   const int port = testing::FreeLoopbackPort();
   auto server = ServerProcess::Start({absl::StrCat("--metrics_port=", port), "--staging_window_bytes=131072"});
   ASSERT_NE(server, nullptr);
-  constexpr int kJobs = 4000;  // about 6 MB of metrics with these names
+  constexpr int kJobs = 8000;  // about 9 MB of metrics with these names: more than a socket takes
   auto client = Connect(server->address(), "");
   for (int i = 0; i < kJobs; ++i) {
     JobOptions job = OneTensor4k(absl::StrCat(std::string(180, 'j'), i));
@@ -361,7 +361,7 @@ TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherClientsAskAndReadNothing) {
   }
   std::printf("of %zu clients that asked for %zu bytes and read nothing, the server let go of %d\n", stuck.size(),
               metrics.size(), dropped);
-  EXPECT_GE(dropped, 5);
+  EXPECT_GE(dropped, 10);
   EXPECT_THAT(testing::GetMetrics(port), ::testing::HasSubstr(absl::StrCat("\nshardopt_jobs ", kJobs, "\n")));
   for (int fd : stuck) close(fd);
 }
