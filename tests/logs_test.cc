@@ -314,9 +314,11 @@ TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherClientsAskAndReadNothing) {
     job.tensors[0].numel = 1;
     ASSERT_TRUE(client->CreateOrAttach(job).ok()) << i;
   }
-  const std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
   std::vector<int> stuck;
-  for (int i = 0; i < 3; ++i) {
+  // A client that asks for the metrics and reads nothing, its socket's
+  // buffer small.
+  const auto ask_and_read_nothing = [&] {
+    const std::string request = "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n";
     const int fd = socket(AF_INET, SOCK_STREAM, 0);
     const int small = 4096;
     setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
@@ -327,7 +329,8 @@ TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherClientsAskAndReadNothing) {
     ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
     ASSERT_EQ(send(fd, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
     stuck.push_back(fd);
-  }
+  };
+  for (int i = 0; i < 3; ++i) ask_and_read_nothing();
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // each asked, its answer stuck in its socket
   const auto start = std::chrono::steady_clock::now();
   const std::string metrics = testing::GetMetrics(port);
@@ -339,16 +342,7 @@ TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherClientsAskAndReadNothing) {
   // of its answer until taken (or 5 s pass): 64 MiB in all at most, the
   // oldest reset past it. Fifty of them would otherwise hold 100-300 MB.
   for (int i = 0; i < 50; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    const int small = 4096;
-    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-    ASSERT_EQ(send(fd, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
-    stuck.push_back(fd);
+    ask_and_read_nothing();
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(300));

@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "kernels/cpu/aligned_buffer.h"
 #include "kernels/cpu/param_regions.h"
 #include "kernels/cpu/sum_tiles.h"
 #include "kernels/cpu/thread_pool.h"
@@ -19,75 +20,11 @@
 namespace shardopt {
 namespace {
 
+using cpu::AlignedBuffer;
+
 // Work is cut into items of this many elements; an item is a whole number of
 // tiles, so thread count changes who computes an item, never what it is.
 constexpr uint64_t kItem = 16 * cpu::kTile;
-
-class AlignedBuffer {
- public:
-  AlignedBuffer() = default;
-  // Large buffers are fresh anonymous mappings: the kernel's zero pages,
-  // touched first by whatever writes the state (Init, or a restore), not by
-  // a memset here too; huge pages where the kernel grants them cut the page
-  // faults 512-fold.
-  static absl::StatusOr<AlignedBuffer> Zeroed(uint64_t bytes) {
-    AlignedBuffer b;
-    if (bytes == 0) return b;
-    if (bytes >= kMapped) {
-      void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-      if (p == MAP_FAILED) {
-        return absl::ResourceExhaustedError(absl::StrCat("cannot map ", bytes, " bytes of host memory"));
-      }
-      madvise(p, bytes, MADV_HUGEPAGE);
-      b.data_ = static_cast<char*>(p);
-      b.bytes_ = bytes;
-      b.mapped_ = true;
-      return b;
-    }
-    const uint64_t rounded = HostBytes(bytes);
-    b.data_ = static_cast<char*>(std::aligned_alloc(64, rounded));
-    if (b.data_ == nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes of host memory"));
-    }
-    std::memset(b.data_, 0, rounded);
-    b.bytes_ = bytes;
-    return b;
-  }
-  AlignedBuffer(AlignedBuffer&& o) noexcept : data_(o.data_), bytes_(o.bytes_), mapped_(o.mapped_) {
-    o.data_ = nullptr;
-    o.bytes_ = 0;
-    o.mapped_ = false;
-  }
-  AlignedBuffer& operator=(AlignedBuffer&& o) noexcept {
-    std::swap(data_, o.data_);
-    std::swap(bytes_, o.bytes_);
-    std::swap(mapped_, o.mapped_);
-    return *this;
-  }
-  ~AlignedBuffer() {
-    if (mapped_) {
-      munmap(data_, bytes_);
-    } else {
-      std::free(data_);
-    }
-  }
-  char* data() const { return data_; }
-  uint64_t bytes() const { return bytes_; }
-  bool mapped() const { return mapped_; }
-  // What Zeroed(bytes) takes: a mapping of whole pages, or an allocation
-  // rounded up to 64 bytes.
-  static uint64_t HostBytes(uint64_t bytes) {
-    if (bytes < kMapped) return (bytes + 63) / 64 * 64;
-    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-    return (bytes + page - 1) / page * page;
-  }
-
- private:
-  static constexpr uint64_t kMapped = uint64_t{2} << 20;
-  char* data_ = nullptr;
-  uint64_t bytes_ = 0;
-  bool mapped_ = false;
-};
 
 // Whether a layout is a running sum's (one fp32 slot, AccumulatingLayout),
 // whose slot the CPU keeps as SumTiles.
