@@ -62,7 +62,8 @@ ServerState FromProto(const std::string& address, const v1::DescribeResponse& r)
           r.memory_limit_bytes(),
           r.memory_used_bytes(),
           r.uninitialized_tensors(),
-          !r.has_checkpoint_dir() || r.checkpoint_dir()};
+          !r.has_checkpoint_dir() || r.checkpoint_dir(),
+          r.bookkeeping_bytes()};
 }
 
 v1::StepIntent ToProto(const StepOptions& options) {

@@ -970,6 +970,7 @@ TEST_F(StoreTest, ListJobsSummarizesEachJobAsDescribeDoesInNameOrder) {
     EXPECT_EQ(s.tensors(), d->tensor_count());
     EXPECT_EQ(s.state_bytes(), d->state_bytes());
     EXPECT_EQ(s.staging_bytes(), d->staging_bytes());
+    EXPECT_EQ(s.bookkeeping_bytes(), d->bookkeeping_bytes());
     EXPECT_EQ(s.uninitialized_tensors(), d->uninitialized_tensors());
     EXPECT_EQ(s.waiting_for(), d->waiting_for());
     EXPECT_NEAR(s.barrier_seconds_left(), d->barrier_seconds_left(), 1.0);

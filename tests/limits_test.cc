@@ -124,6 +124,9 @@ TEST(LimitsTest, TheMemoryBudgetRefusesWhatDoesNotFitAndTheServerStaysUp) {
   ASSERT_TRUE(state.ok());
   EXPECT_EQ((*state)[0].memory_limit_bytes, kLimit);
   EXPECT_LE((*state)[0].memory_used_bytes, kLimit);
+  // A job of one tensor keeps a few KiB besides its state and staging.
+  EXPECT_GT((*state)[0].bookkeeping_bytes, 4096u);
+  EXPECT_LT((*state)[0].bookkeeping_bytes, 65536u);
   const uint64_t peak = testing::PeakRssBytes(server->pid());
   std::printf("server peak RSS %.0f MiB against a budget of %.0f MiB (%d jobs of 72 MiB)\n", peak / 1048576.0,
               kLimit / 1048576.0, made);

@@ -384,12 +384,14 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("memory_used_bytes", &shardopt::ServerState::memory_used_bytes)
       .def_readonly("uninitialized_tensors", &shardopt::ServerState::uninitialized_tensors)
       .def_readonly("checkpoint_dir", &shardopt::ServerState::checkpoint_dir)
+      .def_readonly("bookkeeping_bytes", &shardopt::ServerState::bookkeeping_bytes)
       .def("__repr__", [](const shardopt::ServerState& s) {
         return absl::StrCat("ServerState(address='", s.address, "', device='", s.device, "', step=", s.step,
                             ", state_bytes=", s.state_bytes, ", staging_bytes=", s.staging_bytes,
                             ", memory_limit_bytes=", s.memory_limit_bytes, ", memory_used_bytes=",
                             s.memory_used_bytes, ", uninitialized_tensors=", s.uninitialized_tensors,
-                            ", checkpoint_dir=", s.checkpoint_dir ? "True" : "False", ")");
+                            ", checkpoint_dir=", s.checkpoint_dir ? "True" : "False",
+                            ", bookkeeping_bytes=", s.bookkeeping_bytes, ")");
       });
 
   m.def(

@@ -205,6 +205,11 @@ struct ServerState {
   // Whether the server has --checkpoint_dir (true from a server too old to
   // say).
   bool checkpoint_dir = true;
+  // What the server keeps for the job besides its state and staging (per
+  // tensor, per rank, rounding): with them, what the job's maker's
+  // max_memory counts (DescribeResponse.bookkeeping_bytes; 0 from a server
+  // too old to say).
+  uint64_t bookkeeping_bytes = 0;
 };
 
 // A part of the initial values, for callers that all hold the same ones (a
