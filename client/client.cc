@@ -74,19 +74,18 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   std::vector<v1::CreateJobResponse> answers;
   std::optional<HalfCommitted> half;
   // Each CreateJob this attach had answered OK, by server and life: all
-  // are undone if it fails (UndoCreate), so that it changes nothing. A
+  // are undone if it fails (DropLife with undo), so that it changes nothing. A
   // server listed by mistake (a rank's one server too many, whose peers
   // refuse it ALREADY_EXISTS) kept the job, restored from an older
   // checkpoint or empty, and the next attach with the right servers found
   // it at another step than its peers.
+  // Cancelled once attached, and where the job must stay.
   std::vector<std::pair<uint32_t, uint64_t>> answered;
-  bool undo_if_failed = true;
   absl::Cleanup undo = [&] {
-    if (im.attached || !undo_if_failed) return;
     std::vector<uint32_t> targets(answered.size());
     std::iota(targets.begin(), targets.end(), 0u);
     fanout::ForEach(targets, [&](uint32_t i) {
-      im.UndoCreate(answered[i].first, answered[i].second);
+      im.DropLife(answered[i].first, answered[i].second, /*undo=*/true);
       return absl::OkStatus();
     }).IgnoreError();
   };
@@ -126,17 +125,18 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     for (uint32_t s : half->behind) answers[s].set_step(half->commit.step());
   }
   absl::StatusOr<uint64_t> agreed = AgreedStep(answers, holds_part, im.options.servers, job.name);
-  // Servers that all answered, at different steps, keep what they restored:
-  // the error says to drop the job on each, which must then find it there.
-  undo_if_failed = agreed.ok();
-  if (!agreed.ok() && asked > 1) {
+  if (!agreed.ok()) {
+    // Servers that all answered, at different steps, keep what they
+    // restored: the error says to drop the job on each, which must then
+    // find it there.
+    std::move(undo).Cancel();
+    if (asked == 1) return agreed.status();
     return absl::Status(agreed.status().code(),
                         absl::StrCat(agreed.status().message(), " (asked ", asked, " times over ",
                                      static_cast<double>(waited.count()) / 1000, " s: not a step another trainer "
                                      "was committing meanwhile)"));
   }
-  SHARDOPT_ASSIGN_OR_RETURN(const uint64_t step, std::move(agreed));
-  undo_if_failed = true;
+  const uint64_t step = *agreed;
   im.step = step;
   im.pushed_ahead = PushedAhead(answers, step, holds_part, im.pushes_to);
   im.applied_group_lr = AppliedGroupLr(answers, step, holds_part, job.groups.size());
@@ -164,6 +164,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     im.barrier_ms = said > 0 ? static_cast<uint32_t>(said) : 60000;
   }
   SHARDOPT_RETURN_IF_ERROR(im.CheckCheckpointsCanBeTaken());
+  std::move(undo).Cancel();
   im.attached = true;
   return step;
 }

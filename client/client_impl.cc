@@ -57,17 +57,7 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
   // Made afresh, with no checkpoint to restore: that server's part of the
   // state is gone. The fresh job, holding nothing, is dropped again.
   const bool made_afresh = resp.created() && !resp.restored();
-  if (made_afresh) {
-    fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
-                 [&](grpc::ClientContext* ctx) {
-                   v1::DropJobRequest drop;
-                   drop.set_job(job.name);
-                   drop.set_incarnation(resp.incarnation());  // this fresh job, not one made meanwhile
-                   v1::DropJobResponse unused;
-                   return stubs[s]->DropJob(ctx, drop, &unused);
-                 })
-        .IgnoreError();  // a fresh job, with nothing in it
-  }
+  if (made_afresh) DropLife(s, resp.incarnation(), /*undo=*/false);  // a fresh job, with nothing in it
   const absl::Status failed = absl::FailedPreconditionError(absl::StrCat(
       why.message(), "; asked to create job '", job.name, "' again, it ", ReattachOutcome(resp),
       ", and this client is at step ", step,
@@ -153,7 +143,7 @@ absl::Status Client::Impl::AskCreateJob(const JobOptions& job, std::vector<v1::C
   });
 }
 
-void Client::Impl::UndoCreate(uint32_t s, uint64_t life) const {
+void Client::Impl::DropLife(uint32_t s, uint64_t life, bool undo) const {
   if (life == 0) return;  // none made, or a server too old to name lives
   const fanout::Detached detached;
   fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
@@ -161,7 +151,7 @@ void Client::Impl::UndoCreate(uint32_t s, uint64_t life) const {
                  v1::DropJobRequest drop;
                  drop.set_job(job.name);
                  drop.set_incarnation(life);  // the job it made, not one made meanwhile
-                 drop.set_undo(true);
+                 drop.set_undo(undo);
                  v1::DropJobResponse unused;
                  return stubs[s]->DropJob(ctx, drop, &unused);
                })

@@ -133,14 +133,16 @@ struct Client::Impl {
   // answer: a job one made must be known, to be undone if another refused.
   absl::Status AskCreateJob(const JobOptions& job, std::vector<v1::CreateJobResponse>* answers) const;
 
-  // Undoes one CreateJob this client's failed attach had answered OK on
-  // server `s`, of the job's life `life` (0: none), if nothing has happened
-  // to the job since (DropJobRequest.undo): the job goes with the last of
-  // its CreateJobs undone, so a failed attach leaves no job behind, and
-  // none goes from under a rank whose attach went through; a restored one
-  // goes back to its checkpoints. Sent to the end whatever other servers
-  // do, and its error ignored: a job some rank has begun to use stays.
-  void UndoCreate(uint32_t s, uint64_t life) const;
+  // Drops, on server `s`, the job's life `life` (0: none) that a CreateJob
+  // of this client made there; sent to the end whatever other servers do,
+  // its error ignored. With `undo` (DropJobRequest.undo), one CreateJob this
+  // client's failed attach had answered OK is undone, if nothing has
+  // happened to the job since: the job goes with the last of its CreateJobs
+  // undone, so a failed attach leaves no job behind, and none goes from
+  // under a rank whose attach went through; a restored one goes back to its
+  // checkpoints. Without, a fresh job that holds nothing is dropped, its
+  // life marked (a re-attach that found no checkpoint of it).
+  void DropLife(uint32_t s, uint64_t life, bool undo) const;
 
   // Runs fn(server) on every server that holds part of the job (only those
   // in push_servers when `pushing`), at once. Each thread builds one chunk
