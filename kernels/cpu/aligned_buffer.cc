@@ -50,8 +50,9 @@ AlignedBuffer::~AlignedBuffer() {
   }
 }
 
-uint64_t AlignedBuffer::HostBytes(uint64_t bytes) {
-  if (bytes < kMapped) return (bytes + 63) / 64 * 64;
+uint64_t AlignedBuffer::HostBytes(uint64_t bytes) { return bytes < kMapped ? (bytes + 63) / 64 * 64 : WholePages(bytes); }
+
+uint64_t AlignedBuffer::WholePages(uint64_t bytes) {
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   return (bytes + page - 1) / page * page;
 }

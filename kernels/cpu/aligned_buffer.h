@@ -34,6 +34,8 @@ class AlignedBuffer {
   // What Zeroed(bytes) takes: a mapping of whole pages, or an allocation
   // rounded up to 64 bytes.
   static uint64_t HostBytes(uint64_t bytes);
+  // `bytes` rounded up to whole pages, as a mapping of them takes.
+  static uint64_t WholePages(uint64_t bytes);
 
  private:
   static constexpr uint64_t kMapped = uint64_t{2} << 20;

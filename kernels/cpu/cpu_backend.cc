@@ -275,8 +275,7 @@ class CpuJobState final : public JobState {
     if (shard >= shards_.size() || kind == StateKind::kParamBf16 || shards_[shard].state_elem_bytes != 4) return 0;
     const AlignedBuffer& buffer = StateBuffer(shards_[shard], kind);
     // A mapping's last page is whole; a small buffer ends where it ends.
-    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-    return buffer.mapped() ? (buffer.bytes() + page - 1) / page * page : buffer.bytes();
+    return buffer.mapped() ? AlignedBuffer::WholePages(buffer.bytes()) : buffer.bytes();
   }
 
   Precision held_precision(uint32_t shard) const override {

@@ -8,11 +8,13 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/aligned_buffer.h"
 #include "base/status_macros.h"
 
 namespace shardopt::cpu {
 
-uint64_t ParamRegions::AllocatedBytes(uint64_t elements) { return (elements * 2 + 63) / 64 * 64; }
+// A region (at most kRegion elements, 32 KiB) is a small buffer's size.
+uint64_t ParamRegions::AllocatedBytes(uint64_t elements) { return AlignedBuffer::HostBytes(elements * 2); }
 
 absl::StatusOr<std::shared_ptr<uint16_t>> ParamRegions::NewRegion(uint64_t elements) {
   const uint64_t bytes = AllocatedBytes(elements);
@@ -27,10 +29,7 @@ uint64_t ParamRegions::HostBytes(uint64_t numel) {
   const uint64_t regions = (numel + kRegion - 1) / kRegion;
   // A mapping's pages past the last element are never written, so never
   // faulted in.
-  if (regions * kRegion * 2 >= kMappedBytes) {
-    const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
-    return (numel * 2 + page - 1) / page * page;
-  }
+  if (regions * kRegion * 2 >= kMappedBytes) return AlignedBuffer::WholePages(numel * 2);
   // Whole regions, then the last one as long as its elements.
   return numel / kRegion * AllocatedBytes(kRegion) + AllocatedBytes(numel % kRegion);
 }
