@@ -96,6 +96,13 @@ struct FixedPortServers {
     servers[i] = testing::ServerProcess::Start(args[i]);
     ASSERT_NE(servers[i], nullptr);
   }
+  // Servers 0 .. n-1 killed (kill -9) and started again in their places.
+  void KillAndRestart(int n) {
+    for (int i = 0; i < n; ++i) {
+      servers[i]->Stop(SIGKILL);
+      Restart(i);
+    }
+  }
   // A client's options for every server, whose addresses outlive restarts.
   ClientOptions Options() const {
     ClientOptions options;
@@ -759,10 +766,7 @@ TEST(DurabilityTest, EveryServerDropsTheJobItsReattachMadeAfreshAgain) {
     const JobOptions job = DurableJob(absl::StrCat("lost-", round), {{"w", 3000}, {"b", 3000}});
     auto client = Connect(servers, options);
     ScriptedTrainer trainer = Train(*client, job, 2);
-    for (int i = 0; i < 2; ++i) {
-      servers[i]->Stop(SIGKILL);
-      fixed.Restart(i);
-    }
+    fixed.KillAndRestart(2);
     const auto stepped = trainer.Step(*client);
     EXPECT_EQ(stepped.status().code(), absl::StatusCode::kFailedPrecondition) << stepped.status();
     for (const auto& server : servers) {
@@ -813,10 +817,7 @@ TEST(DurabilityTest, AnAttachSomeServersRefuseLeavesNoJobOnTheOthers) {
   ASSERT_EQ(client->CreateOrAttach(job).value(), kN);
   for (uint64_t t = kN + 1; t <= 2 * kN; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
   ASSERT_TRUE(client->Checkpoint().ok());
-  for (int i = 0; i < 2; ++i) {
-    fixed.servers[i]->Stop(SIGKILL);
-    fixed.Restart(i);
-  }
+  fixed.KillAndRestart(2);
   auto resharded = Client::Connect(three).value();
   const auto attached = resharded->CreateOrAttach(job);
   ASSERT_TRUE(attached.ok()) << attached.status();

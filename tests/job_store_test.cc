@@ -1447,18 +1447,10 @@ TEST_F(CheckpointKeepTest, AnUndoneCreateTakesOnlyAnUntouchedJobAndLeavesItsLife
   // A push begun there (half of the tensor summed), then the step it
   // completes: each refused, the job kept.
   const std::vector<uint16_t> g = RandomBf16(rng, 100, 0.3f);
-  v1::GradChunk head;
-  head.set_job("fresh");
-  head.set_step(2);
-  head.set_rank(0);
-  auto session = restarted.BeginPush(head);
+  auto session = StartPush(restarted, "fresh", 2, 0);
   ASSERT_TRUE(session.ok()) << session.status();
-  ASSERT_TRUE((*session)->Add(head).ok());
   for (uint64_t offset : {0, 50}) {
-    const v1::GradChunk chunk = Chunk("w", offset, g.data() + offset, 50);
-    v1::GradChunk chunk_head = chunk;
-    chunk_head.clear_data();
-    ASSERT_TRUE((*session)->Add(std::move(chunk_head), Pieces::Own(chunk.data())).ok());
+    ASSERT_TRUE((*session)->Add(Chunk("w", offset, g.data() + offset, 50)).ok());
     EXPECT_EQ(restarted.UndoCreate("fresh", made->incarnation()).code(), absl::StatusCode::kPermissionDenied);
   }
   ASSERT_TRUE((*session)->Finish().ok());

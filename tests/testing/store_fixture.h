@@ -81,13 +81,18 @@ class StoreTest : public ::testing::Test {
     return c;
   }
 
-  // A push stream's first message, opening a session.
-  absl::StatusOr<std::unique_ptr<JobStore::PushSession>> StartPush(const std::string& job, uint64_t step, uint32_t rank) {
+  // A push stream's first message, opening a session, on `store` (a
+  // restarted server's) or on store_.
+  static absl::StatusOr<std::unique_ptr<JobStore::PushSession>> StartPush(JobStore& store, const std::string& job,
+                                                                          uint64_t step, uint32_t rank) {
     v1::GradChunk head;
     head.set_job(job);
     head.set_step(step);
     head.set_rank(rank);
-    return store_.BeginPush(head);
+    return store.BeginPush(head);
+  }
+  absl::StatusOr<std::unique_ptr<JobStore::PushSession>> StartPush(const std::string& job, uint64_t step, uint32_t rank) {
+    return StartPush(store_, job, step, rank);
   }
 
   // `bytes` as gRPC may deliver a message's data: cut at random bytes (odd
