@@ -162,12 +162,10 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   // differ because the ranks list the servers in different orders or
   // numbers, or the job is attached with other servers than it was made
   // with; where the tensors differ, the diff says that already.
-  v1::CreateJobRequest existing_unplaced = existing, requested_unplaced = requested;
-  existing_unplaced.clear_shards();
-  requested_unplaced.clear_shards();
   google::protobuf::util::MessageDifferencer unplaced;
   CompareAsAnAttach(&unplaced);
-  const bool placed_otherwise = unplaced.Compare(existing_unplaced, requested_unplaced);
+  unplaced.IgnoreField(v1::CreateJobRequest::descriptor()->FindFieldByName("shards"));
+  const bool placed_otherwise = unplaced.Compare(existing, requested);
   return absl::AlreadyExistsError(absl::StrCat(
       "job '", requested.job(), "' exists with a different configuration (this server's -> this call's: ",
       OneLineReport(diff), "); drop it or use another name",
