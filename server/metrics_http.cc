@@ -108,24 +108,17 @@ void MetricsServer::Serve() {
     uint64_t scrape = 0;  // its number, if it is a scrape
     std::chrono::steady_clock::time_point give_up;
   };
-  // The bytes of the answers not yet sent: past kPendingBytes the oldest
-  // connections are dropped, so that clients that ask and read nothing
-  // cannot make the server hold an answer each (64 of a few MB).
-  uint64_t pending = 0;
   // Sends what the socket takes now; whether the connection is done with.
-  const auto send_some = [&pending](Connection& c) {
+  const auto send_some = [](Connection& c) {
     const ssize_t n = send(c.fd, c.answer.data() + c.sent, c.answer.size() - c.sent, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n > 0) {
-      c.sent += static_cast<size_t>(n);
-      pending -= static_cast<uint64_t>(n);
-    }
+    if (n > 0) c.sent += static_cast<size_t>(n);
     return c.sent == c.answer.size() || (n < 0 && errno != EAGAIN && errno != EINTR) || n == 0;
   };
   // Closes a connection: a scrape is answered if all of its answer went out
   // (one given up on was seen by nobody, which the drain's wait for a
   // scrape must not count). Scrapes end out of turn, so the last answered
   // is the highest.
-  const auto end = [this, &pending](const Connection& c) {
+  const auto end = [this](const Connection& c) {
     if (c.sent != c.answer.size()) {
       // Given up on: reset, not closed after what the socket still holds,
       // which would keep it (and its buffer) for as long as nobody reads.
@@ -133,7 +126,6 @@ void MetricsServer::Serve() {
       setsockopt(c.fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
     }
     close(c.fd);
-    pending -= c.answer.size() - c.sent;
     if (c.scrape == 0 || c.sent != c.answer.size()) return;
     uint64_t last = last_answered_.load(std::memory_order_acquire);
     while (c.scrape > last && !last_answered_.compare_exchange_weak(last, c.scrape, std::memory_order_acq_rel)) {
@@ -160,7 +152,6 @@ void MetricsServer::Serve() {
         if (n > 0 && (c.head.find("\r\n\r\n") != std::string::npos || c.head.size() >= kHeadBytes)) {
           c.scrape = IsScrape(c.head) ? scrapes_begun_.fetch_add(1, std::memory_order_acq_rel) + 1 : 0;
           c.answer = Answer(c.head, *registry_);
-          pending += c.answer.size();
           c.give_up = now + kSendTime;
           done = send_some(c);
         }
@@ -172,12 +163,18 @@ void MetricsServer::Serve() {
       end(c);
     }
     open = std::move(still);
-    // The oldest unsent answers go first, never the newest alone.
+    // What of the answers is not sent yet: past kPendingBytes the oldest
+    // go (never the newest alone), so that clients that ask and read
+    // nothing cannot make the server hold an answer each (64 of a few MB).
+    uint64_t pending = 0;
+    for (const Connection& c : open) pending += c.answer.size() - c.sent;
     for (auto it = open.begin(); pending > kPendingBytes && it != open.end();) {
-      if (it->answer.empty() || pending == it->answer.size() - it->sent) {
+      const uint64_t unsent = it->answer.size() - it->sent;
+      if (unsent == 0 || unsent == pending) {
         ++it;
         continue;
       }
+      pending -= unsent;
       end(*it);
       it = open.erase(it);
     }
