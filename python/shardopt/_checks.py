@@ -16,6 +16,14 @@ def _host_fp32(x, what):
     return x.detach().to(device="cpu", dtype=torch.float32).contiguous()
 
 
+def _some_names(names, shown=3):
+    """The first `shown` names, quoted, and how many there are in all where
+    there are more: for messages that name what a check found."""
+    names = list(names)
+    more = f", ... ({len(names)} in all)" if len(names) > shown else ""
+    return ", ".join(map(repr, names[:shown])) + more
+
+
 def _check_ints(**named):
     """TypeError naming an argument that is not an int (bool is one, and 2.0
     is not): pybind's own TypeError only lists the extension's signatures."""

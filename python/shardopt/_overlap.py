@@ -9,6 +9,7 @@ import weakref
 import torch
 
 from . import _C
+from ._checks import _some_names
 from ._errors import Aborted, Error, FailedPrecondition, InvalidArgument
 
 _ONE_GRADIENT = ("overlap pushes each gradient as backward produces it, so it takes one backward per step() and each "
@@ -255,7 +256,7 @@ class _OverlapPush:
                 if now is not None and (pushed is None or now is not pushed() or getattr(now, "_version", None) != version):
                     changed.append(self._tensors[k].name)
             if changed:
-                raise InvalidArgument(f"the gradients of {', '.join(map(repr, changed[:3]))} changed after backward "
+                raise InvalidArgument(f"the gradients of {_some_names(changed)} changed after backward "
                                       "produced them (clipped or unscaled?); overlap=True pushes each as it is "
                                       "produced: clip with max_grad_norm, or use overlap=False")
             self._refuse_gradients_of_frozen()

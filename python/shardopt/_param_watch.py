@@ -7,7 +7,7 @@ client and groups it uses."""
 import torch
 
 from . import _C
-from ._checks import _check_betas
+from ._checks import _check_betas, _some_names
 from ._errors import InvalidArgument, ParamsChanged
 
 
@@ -40,7 +40,7 @@ class _ParamWatch:
                 self._init_master(t, t.param)
             differ = []
         if differ:
-            names = ", ".join(repr(t.name) for t in differ[:3]) + (", ..." if len(differ) > 3 else "")
+            names = _some_names(t.name for t in differ)
             how = ("load the model before constructing RemoteAdamW on every rank" if first else
                    "to train from other values, load them before constructing the optimizer (a new job), or "
                    "load a state dict into a new job with load_state_dict()")

@@ -4,11 +4,12 @@ layout, read from and written to the servers in fp32. A mixin of RemoteAdamW
 locks."""
 import hashlib
 import math
+import warnings
 
 import torch
 
 from . import _C
-from ._checks import _check_hyper, _host_fp32
+from ._checks import _check_hyper, _host_fp32, _some_names
 from ._errors import FailedPrecondition, InvalidArgument
 
 # torch.optim.AdamW's group keys that say how it ran its step, not what its
@@ -41,7 +42,9 @@ class _StateDictIO:
     def state_dict(self):
         """torch.optim.AdamW's layout, read from the servers: per param
         ``step``, ``exp_avg``, ``exp_avg_sq``, plus ``master``, all fp32 (for
-        bf16 params too). Params that never had a step have no state, as in
+        bf16 params too), and ``master_step``, the Adam step of that master
+        (an int, which torch's load keeps as it is and its step leaves
+        behind: see load_state_dict()). Params that never had a step have no state, as in
         torch (but for moments this process loaded at step 0), and neither
         have params with zero elements. One step's state:
         read between this process's steps, and refused if the job stepped
@@ -76,7 +79,7 @@ class _StateDictIO:
         for k, t in enumerate(self._tensors):
             if steps.get(t.name, 0) == 0 and t.name not in self._zero_step_moments:
                 continue
-            entry = {"step": torch.tensor(float(steps[t.name]))}
+            entry = {"step": torch.tensor(float(steps[t.name])), "master_step": steps[t.name]}
             for key, what in (("exp_avg", _C.StateToRead.EXP_AVG), ("exp_avg_sq", _C.StateToRead.EXP_AVG_SQ),
                               ("master", _C.StateToRead.MASTER)):
                 entry[key] = self._read_fp32(t, what)
@@ -92,7 +95,11 @@ class _StateDictIO:
         and one of any other step is FailedPrecondition. The params are set
         from the master (for a torch.optim.AdamW state dict, which has none,
         the master is the params' current values, so load the
-        model's state_dict first). Everything is checked before anything is
+        model's state_dict first). A master whose ``master_step`` is not its
+        entry's ``step`` is of an older step than the moments: the dict went
+        through torch.optim.AdamW, which keeps the key but trains the params
+        and not it. It is left out with a warning, and the params' current
+        values are the master, as for a torch dict. Everything is checked before anything is
         sent.
 
         By default every caller sends all of the state, so it is right
@@ -134,9 +141,13 @@ class _StateDictIO:
         # Each tensor's master (None: the params' values) and, if saved, its
         # moments and Adam step, checked and in fp32; kept until sent, since
         # the client reads them by address.
-        loads = []
+        loads, stale = [], []
         for t, entry in self._entries(state_dict, saved_groups):
             master = entry.get("master")
+            if master is not None and "master_step" in entry and "step" in entry \
+                    and _number(entry["step"]) != entry["master_step"]:
+                stale.append((t.name, entry["master_step"], _number(entry["step"])))
+                master = None
             master = None if master is None else self._checked(master, t, "master")
             moments = None
             missing = [key for key in _ADAM_STATE if key not in entry]
@@ -152,6 +163,13 @@ class _StateDictIO:
                 moments = (self._checked(entry["exp_avg"], t, "exp_avg"),
                            self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"), int(step))
             loads.append((t, master, moments))
+        if stale:
+            name, of, step = stale[0]
+            warnings.warn(f"the state dict's master of {_some_names(n for n, _, _ in stale)} is older than its "
+                          f"moments ({name!r}: master of Adam step {of}, moments of step {step:g}): the dict went "
+                          "through torch.optim.AdamW, which keeps master but does not update it. Those params' "
+                          "current values are taken as their master instead, as for a torch.optim.AdamW state "
+                          "dict: load the model's state_dict first")
         # torch's load replaces the state: a param the dict has no state for
         # has none after it. The servers cannot take a tensor's Adam step
         # back to 0, so state an earlier load gave them is refused here
