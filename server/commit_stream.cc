@@ -22,8 +22,10 @@ absl::StatusOr<CommitArgs> CheckArgs(const Job& job, const v1::CommitRequest& re
   if (req.skip()) return CommitArgs::Skip();
   SHARDOPT_RETURN_IF_ERROR(CheckLearningRates(req.lr(), absl::MakeConstSpan(req.group_lr().data(), req.group_lr_size()),
                                               job.hypers, job.name()));
-  if (!std::isfinite(req.gscale())) {
-    return absl::InvalidArgumentError(absl::StrCat("gscale must be finite, got ", req.gscale()));
+  // 1/(loss_scale*world_size) times a clip factor in (0, 1]: a negative one
+  // would step up the gradient. (0 is a clip factor's underflow.)
+  if (!std::isfinite(req.gscale()) || req.gscale() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("gscale must be finite and >= 0, got ", req.gscale()));
   }
   return CommitArgs{req.lr(), req.gscale(), req.skip(), {req.group_lr().begin(), req.group_lr().end()}};
 }
@@ -86,6 +88,14 @@ class CommitStream {
               "the ranks of job '", job_.name(), "' pushed step ", t_, " to be applied differently (", differ,
               "); nothing was applied: every rank must step with the same lr, group "
               "lrs, max_grad_norm and loss_scale (a rank that pushes the step again says its settings anew)"));
+        }
+        // Decide skips such a step; a client that applies it anyway would
+        // make this server's masters NaN for good.
+        if (job_.sealed_stats.nonfinite) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "the summed gradient of step ", t_, " of job '", job_.name(),
+              "' is not finite on this server (its pushes were answered nonfinite); nothing was applied: "
+              "commit the step with skip"));
         }
       }
       job_.applying = true;

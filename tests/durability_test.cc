@@ -1486,7 +1486,7 @@ TEST(DurabilityTest, TheCliReadsOneStepsStateWhileATrainerSteps) {
     const std::vector<float> grad(kN, 1.0f);
     std::vector<float> params(kN);
     for (int t = 0; t < 2000 && !stop; ++t) {
-      if (!client->Step({{"w", grad.data()}}, {.lr = 1e-3}, {{"w", params.data()}}).ok()) break;
+      if (!client->Step({{"w", grad.data()}}, StepOptions{}, {{"w", params.data()}}).ok()) break;
       ++stepped;
     }
   });

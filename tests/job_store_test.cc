@@ -611,6 +611,13 @@ TEST_F(StoreTest, SkippedStepAdvancesTheJobAndChangesNoState) {
   ASSERT_TRUE(resp.ok());
   EXPECT_TRUE(resp->nonfinite());
   const std::string before_state = Snapshot("skip").substr(store_.Describe("skip")->ByteSizeLong());
+  // Applying it is refused, and changes nothing: an outside client that
+  // committed such a step without skip made the masters NaN.
+  const auto applied = Commit("skip", 1, 1e-3);
+  EXPECT_EQ(applied.status().code(), absl::StatusCode::kFailedPrecondition) << applied.status();
+  EXPECT_THAT(std::string(applied.status().message()), HasSubstr("commit the step with skip"));
+  EXPECT_EQ(Snapshot("skip").substr(store_.Describe("skip")->ByteSizeLong()), before_state);
+  EXPECT_EQ(store_.Describe("skip")->step(), 0u);
   ASSERT_TRUE(Commit("skip", 1, 1e-3, 1.0f, /*skip=*/true).ok());
   auto d = store_.Describe("skip");
   EXPECT_EQ(d->step(), 1u);
@@ -830,6 +837,7 @@ TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
       {"stale commit", Commit("bad", 0, 1e-3).status(), absl::StatusCode::kFailedPrecondition, "stale"},
       {"NaN lr", Commit("bad", 1, std::nan("")).status(), absl::StatusCode::kInvalidArgument, "lr"},
       {"Inf gscale", Commit("bad", 1, 1e-3, INFINITY).status(), absl::StatusCode::kInvalidArgument, "gscale"},
+      {"negative gscale", Commit("bad", 1, 1e-3, -0.5f).status(), absl::StatusCode::kInvalidArgument, ">= 0"},
       {"numel past 2^40", store_.CreateJob(JobRequest("huge", 1, {{"w", (uint64_t{1} << 62) + 1000}})).status(),
        absl::StatusCode::kInvalidArgument, "2^40"},
       {"more than the machine's memory", store_.CreateJob(JobRequest("big", 1, {{"w", uint64_t{1} << 40}})).status(),
