@@ -83,21 +83,27 @@ struct Client::Impl {
 
   // Runs one RPC to server `server`, with retries (client/fanout.h). A
   // server that answers that it holds no such job (it restarted) is given
-  // the job again (Reattach), and the RPC runs once more.
+  // the job again (Reattach), and the RPC runs once more; up to
+  // max_attempts times, for a server that restarts again meanwhile (an
+  // outside probe's servers, restarted every few seconds, had a Step fail
+  // with "no job" after one such round).
   template <typename Attempt>
   absl::Status Call(uint32_t server, uint32_t timeout_ms, const Attempt& attempt, bool reattach = true) const {
-    const absl::Status st = fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt);
-    if (absl::IsNotFound(st) && absl::StrContains(st.message(), "was dropped")) {
-      std::lock_guard<std::mutex> lock(lost_mu);
-      if (server < lost.size() && !lost[server].empty()) {
-        return fanout::FailFanout(absl::FailedPreconditionError(lost[server]));
+    absl::Status st = fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt);
+    for (uint32_t reattached = 0;; ++reattached) {
+      if (absl::IsNotFound(st) && absl::StrContains(st.message(), "was dropped")) {
+        std::lock_guard<std::mutex> lock(lost_mu);
+        if (server < lost.size() && !lost[server].empty()) {
+          return fanout::FailFanout(absl::FailedPreconditionError(lost[server]));
+        }
       }
+      if (!reattach || !attached || !absl::IsNotFound(st) || !absl::StrContains(st.message(), "no job ") ||
+          reattached == static_cast<uint32_t>(std::max(options.max_attempts, 1))) {
+        return fanout::FailFanout(st);
+      }
+      SHARDOPT_RETURN_IF_ERROR(fanout::FailFanout(Reattach(server, st)));
+      st = fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt);
     }
-    if (!reattach || !attached || !absl::IsNotFound(st) || !absl::StrContains(st.message(), "no job ")) {
-      return fanout::FailFanout(st);
-    }
-    SHARDOPT_RETURN_IF_ERROR(fanout::FailFanout(Reattach(server, st)));
-    return fanout::FailFanout(fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt));
   }
 
   // The job on a server that no longer holds it: a new process in its place

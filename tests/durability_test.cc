@@ -468,10 +468,12 @@ TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop
 // (with `other_gradients_again`, other gradients than the first time).
 class TwoRanks {
  public:
-  explicit TwoRanks(const ClientOptions& options, double max_grad_norm = 0, bool other_gradients_again = false)
+  explicit TwoRanks(const ClientOptions& options, double max_grad_norm = 0, bool other_gradients_again = false,
+                    uint32_t barrier_timeout_ms = 10000)
       : other_gradients_again_(other_gradients_again) {
     options_.max_grad_norm = max_grad_norm;
     job_ = DurableJob("between", {{"a", 4096}});  // 4096 + 64: one block each
+    job_.barrier_timeout_ms = barrier_timeout_ms;
     job_.world_size = 2;
     for (uint32_t r = 0; r < 2; ++r) {
       ClientOptions o = options;
@@ -635,6 +637,75 @@ TEST(DurabilityTest, AStepWhosePushAgainDecidesOtherwiseIsRefusedAndCommitsNothi
   EXPECT_THAT(std::string(rank0.message()), HasSubstr("the answers now decide it otherwise"));
   EXPECT_THAT(std::string(rank0.message()), HasSubstr("restore_step"));
   EXPECT_EQ(ranks.client(0).step(), 1u);  // nothing more committed by rank 0
+}
+
+// A server restarted twice while a Step's push waits at its barrier: each
+// time the push finds no job there, gives the server the job again, which
+// restores it, and pushes again. The Step did that once, and failed with
+// NOT_FOUND "no job" the second time (an outside probe's servers, restarted
+// every few seconds); now up to max_attempts times, and the run is bitwise
+// the uninterrupted one.
+TEST(DurabilityTest, AStepGoesOnThroughItsServerRestartingTwiceWhileItsPushWaits) {
+  std::vector<uint16_t> want0, want1, got0, got1;
+  std::vector<uint32_t> want;
+  {
+    TempDir dir;
+    auto servers = StartServers(2, dir.path());
+    ClientOptions options;
+    for (const auto& s : servers) options.servers.push_back(s->address());
+    TwoRanks ranks(options);
+    for (int t = 1; t <= 2; ++t) {
+      std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &want1).ok()); });
+      EXPECT_TRUE(ranks.Step(0, &want0).ok());
+      one.join();
+    }
+    if (HasFailure()) return;
+    want = Fingerprint(ranks.client(0), ranks.job()).value();
+  }
+
+  TempDir dir;
+  FixedPortServers fixed(2, dir.path(), /*metrics=*/true);
+  if (HasFailure()) return;
+  // Each restart's retries back off for up to about 5 s, so the push waits
+  // longer than the tests' usual 10 s barrier.
+  TwoRanks ranks(fixed.Options(), 0, false, /*barrier_timeout_ms=*/60000);
+  std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &got1).ok()); });
+  EXPECT_TRUE(ranks.Step(0, &got0).ok());
+  one.join();
+  if (HasFailure()) return;
+  ASSERT_TRUE(ranks.client(0).Checkpoint().ok());  // step 1: what server 0 restores, each time
+  // Push bytes server 0's process has taken in: more than before once rank
+  // 0's push of step 2 is there, waiting for rank 1's.
+  const auto push_bytes = [&] {
+    const std::string metrics = testing::GetMetrics(fixed.metrics_ports[0]);
+    const std::string name = "\nshardopt_received_bytes_total{method=\"push\"} ";
+    const size_t at = metrics.find(name);
+    return at == std::string::npos ? 0.0 : std::strtod(metrics.c_str() + at + name.size(), nullptr);
+  };
+  const auto arrived = [&](double since) {
+    for (int i = 0; i < 400; ++i) {
+      if (push_bytes() > since) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    return false;
+  };
+  double since = push_bytes();
+  absl::Status rank0;
+  std::thread stepping([&] { rank0 = ranks.Step(0, &got0); });
+  for (int restart = 1; restart <= 2; ++restart) {
+    EXPECT_TRUE(arrived(since)) << "rank 0's push did not reach server 0 in 10 s, before restart " << restart;
+    EXPECT_EQ(fixed.servers[0]->Stop(SIGTERM) >> 8, 0);
+    fixed.Restart(0);  // (a failure to start is reported, and the steps then fail)
+    since = 0;         // a new process
+  }
+  EXPECT_TRUE(arrived(since)) << "rank 0's push did not reach server 0 in 10 s after the restarts";
+  std::thread last([&] { EXPECT_TRUE(ranks.Step(1, &got1).ok()); });
+  stepping.join();
+  last.join();
+  ASSERT_TRUE(rank0.ok()) << rank0;
+  EXPECT_EQ(got0, want0);
+  EXPECT_EQ(got1, want1);
+  EXPECT_EQ(Fingerprint(ranks.client(0), ranks.job()).value(), want);
 }
 
 // Two live trainers of one rank, both attached before their server
