@@ -51,6 +51,8 @@ namespace {
 // window to the whole message anyway.
 constexpr int kClientLookaheadBytes = 64 << 20;
 constexpr int kServerLookaheadBytes = 64 << 10;
+// How often a client pings a connection with a call open (TuneChannelArguments).
+constexpr int kKeepaliveMs = 10000;
 }
 
 void TuneChannelArguments(grpc::ChannelArguments* args, int max_message_bytes) {
@@ -66,6 +68,15 @@ void TuneChannelArguments(grpc::ChannelArguments* args, int max_message_bytes) {
   // one connection attempt may take (default 20 s). At 100 ms, a server busy
   // with 64 ranks' pushes on 2 cores could not answer a new connection's
   // HTTP/2 SETTINGS in time, and that rank never connected.
+  // A connection that stops answering without a reset (the server's machine
+  // died, the path went away) is found dead by an unanswered ping, and the
+  // call is retried on a new one: without pings every retry went over it
+  // until its deadline, and TCP gives it up only after about 15 minutes.
+  // Pinged while a call is open only, and (gRPC's default) at most twice
+  // while nothing else is sent, which servers allow at gRPC's defaults
+  // (a push waiting 36 s at its barrier: two pings, no strike).
+  args->SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveMs);
+  args->SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
 }
 
 void TuneServerBuilder(grpc::ServerBuilder* builder, int max_message_bytes) {

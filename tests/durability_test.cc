@@ -38,6 +38,7 @@
 #include "rpc/grpc_edge.h"
 #include "rpc/push_incomplete.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
+#include "tests/testing/blackhole_proxy.h"
 #include "tests/testing/describe_on.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/scripted_trainer.h"
@@ -423,6 +424,35 @@ TEST(DurabilityTest, ACheckpointOfTwoServersRestoresOntoThreeAndOntoOne) {
   ASSERT_TRUE(client->Checkpoint().ok());
   for (uint64_t t = kN + 1; t < 2 * kN; ++t) ASSERT_TRUE(trainer.Step(*client).ok());
   EXPECT_EQ(Fingerprint(*client, job).value(), at_2n);
+}
+
+// A connection that stops answering without a reset (the server's machine
+// died, or the path to it went away): an unanswered keepalive ping finds it
+// dead within about 15 s, and the step is pushed again on a new connection,
+// bitwise as an uninterrupted run. Without pings every retry went over the
+// dead connection until its deadline (an outside probe's proxy: a call
+// failed after 5 attempts), and TCP gives such a connection up only after
+// about 15 minutes.
+TEST(DurabilityTest, AStepGoesOnThroughAConnectionThatStoppedAnswering) {
+  const JobOptions job = DurableJob("blackholed", {{"w", 5000}});
+  const std::vector<uint32_t> want = Uninterrupted(job, {3})[0];
+  TempDir dir;
+  auto servers = StartServers(1, dir.path());
+  testing::BlackholeProxy proxy(servers[0]->port());
+  ClientOptions options;
+  options.servers = {absl::StrCat("127.0.0.1:", proxy.port())};
+  auto client = Client::Connect(options).value();
+  ScriptedTrainer trainer = Train(*client, job, 1);
+  proxy.BlackholeOpenConnections();
+  const auto start = std::chrono::steady_clock::now();
+  for (int t = 2; t <= 3; ++t) {
+    const auto stepped = trainer.Step(*client);
+    ASSERT_TRUE(stepped.ok()) << "step " << t << ": " << stepped.status();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 40.0);  // the ping's 10 s and its 5 s wait, with room for a loaded machine
+  std::printf("two steps over a connection gone dead took %.1f s\n", seconds);
+  EXPECT_EQ(Fingerprint(*client, job).value(), want);
 }
 
 // A server replaced under a running job (a rolling upgrade: SIGTERM, whose
