@@ -357,14 +357,10 @@ absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, a
 }
 
 absl::Status Client::CommitSkip(uint64_t t, const std::vector<char*>& out) {
-  absl::Status skipped = impl_->CommitTo(t, 0.0, 1.0f, /*skip=*/true, {}, out);
-  // As Step pushes again: for a server that restarted, again and again.
-  for (int again_pushed = 0; IsPushIncomplete(skipped, t) && again_pushed < std::max(impl_->options.max_attempts, 1);
-       ++again_pushed) {
-    SHARDOPT_RETURN_IF_ERROR(PushInOrder(t, {}, [](size_t) -> const void* { return nullptr; }).status());
-    skipped = impl_->CommitTo(t, 0.0, 1.0f, /*skip=*/true, {}, out);
-  }
-  return skipped;
+  const absl::Status skipped = impl_->CommitTo(t, 0.0, 1.0f, /*skip=*/true, {}, out);
+  if (!IsPushIncomplete(skipped, t)) return skipped;
+  SHARDOPT_RETURN_IF_ERROR(PushInOrder(t, {}, [](size_t) -> const void* { return nullptr; }).status());
+  return impl_->CommitTo(t, 0.0, 1.0f, /*skip=*/true, {}, out);
 }
 
 absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const StepOptions& options,
@@ -384,13 +380,10 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
                : impl_->CommitTo(t, options.lr, result.decision.gscale, false, options.group_lr, out);
   };
   absl::Status committed = commit();
-  // A server that lost the push is pushed the caller's gradients again (a
-  // skip's commit has done so already), up to max_attempts times, for one
-  // that restarts again meanwhile. Its answer must decide the step as
-  // before: the other servers may have applied it so.
-  for (int again_pushed = 0; !result.decision.skip && IsPushIncomplete(committed, t) &&
-                             again_pushed < std::max(impl_->options.max_attempts, 1);
-       ++again_pushed) {
+  // A server that lost the push is pushed the caller's gradients again, once
+  // (a skip's commit has done so already). Its answer must decide the step
+  // as before: the other servers may have applied it so.
+  if (!result.decision.skip && IsPushIncomplete(committed, t)) {
     SHARDOPT_ASSIGN_OR_RETURN(auto again, Push(t, grads, &options));
     const Decision redecided = Decide(again, impl_->job.world_size, options);
     if (redecided.skip || redecided.gscale != result.decision.gscale) {

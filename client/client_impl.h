@@ -84,9 +84,9 @@ struct Client::Impl {
   // Runs one RPC to server `server`, with retries (client/fanout.h). A
   // server that answers that it holds no such job (it restarted) is given
   // the job again (Reattach), and the RPC runs once more; up to
-  // max_attempts times, for a server that restarts again meanwhile (an
-  // outside probe's servers, restarted every few seconds, had a Step fail
-  // with "no job" after one such round).
+  // max_attempts times, since a server may restart again meanwhile (a
+  // rolling restart, a crash loop), and "no job" would otherwise reach the
+  // caller, who takes it for a dropped job.
   template <typename Attempt>
   absl::Status Call(uint32_t server, uint32_t timeout_ms, const Attempt& attempt, bool reattach = true) const {
     absl::Status st = fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt);
@@ -97,9 +97,13 @@ struct Client::Impl {
           return fanout::FailFanout(absl::FailedPreconditionError(lost[server]));
         }
       }
-      if (!reattach || !attached || !absl::IsNotFound(st) || !absl::StrContains(st.message(), "no job ") ||
-          reattached == static_cast<uint32_t>(std::max(options.max_attempts, 1))) {
+      if (!reattach || !attached || !absl::IsNotFound(st) || !absl::StrContains(st.message(), "no job ")) {
         return fanout::FailFanout(st);
+      }
+      if (reattached == static_cast<uint32_t>(std::max(options.max_attempts, 1))) {
+        return fanout::FailFanout(absl::UnavailableError(absl::StrCat(
+            st.message(), " (given the job ", reattached, " times in this call, it restarted each time since: ",
+            "call again once it stays up)")));
       }
       SHARDOPT_RETURN_IF_ERROR(fanout::FailFanout(Reattach(server, st)));
       st = fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt);

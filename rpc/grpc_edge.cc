@@ -51,8 +51,10 @@ namespace {
 // window to the whole message anyway.
 constexpr int kClientLookaheadBytes = 64 << 20;
 constexpr int kServerLookaheadBytes = 64 << 10;
-// How often a client pings a connection with a call open (TuneChannelArguments).
+// How often a client pings a connection with a call open, and how long it
+// waits for the answer before it closes it (TuneChannelArguments).
 constexpr int kKeepaliveMs = 10000;
+constexpr int kKeepaliveTimeoutMs = 5000;
 }
 
 void TuneChannelArguments(grpc::ChannelArguments* args, int max_message_bytes) {
@@ -72,11 +74,12 @@ void TuneChannelArguments(grpc::ChannelArguments* args, int max_message_bytes) {
   // died, the path went away) is found dead by an unanswered ping, and the
   // call is retried on a new one: without pings every retry went over it
   // until its deadline, and TCP gives it up only after about 15 minutes.
-  // Pinged while a call is open only, and (gRPC's default) at most twice
-  // while nothing else is sent, which servers allow at gRPC's defaults
-  // (a push waiting 36 s at its barrier: two pings, no strike).
+  // Pinged while a call is open only, and also while nothing comes back (a
+  // push waiting at its barrier): at gRPC's default of two pings until data
+  // arrives, a server that died after the second went unnoticed.
   args->SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveMs);
-  args->SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
+  args->SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
+  args->SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
 }
 
 void TuneServerBuilder(grpc::ServerBuilder* builder, int max_message_bytes) {
@@ -84,6 +87,11 @@ void TuneServerBuilder(grpc::ServerBuilder* builder, int max_message_bytes) {
   builder->AddChannelArgument("grpc.http2.lookahead_bytes", kServerLookaheadBytes);
   builder->SetMaxReceiveMessageSize(max_message_bytes);
   builder->SetMaxSendMessageSize(max_message_bytes);
+  // The clients ping every kKeepaliveMs with a call open, also while the
+  // server sends nothing (a push waiting at its barrier). gRPC's default
+  // allows one such ping per 5 minutes and closes the connection at the
+  // third too early ("too_many_pings").
+  builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, kKeepaliveMs / 2);
   RefuseCompressedMessages(builder);
 }
 

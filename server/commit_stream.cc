@@ -94,8 +94,10 @@ class CommitStream {
         if (job_.sealed_stats.nonfinite) {
           return absl::FailedPreconditionError(absl::StrCat(
               "the summed gradient of step ", t_, " of job '", job_.name(),
-              "' is not finite on this server (its pushes were answered nonfinite); nothing was applied: "
-              "commit the step with skip"));
+              "' is not finite on this server (its pushes were answered nonfinite), so every server's answers "
+              "decide a skip; nothing was applied here: every rank commits the step with skip on every server "
+              "(a server that applied it already holds another step than the others: restore the job from a "
+              "checkpoint)"));
         }
       }
       job_.applying = true;

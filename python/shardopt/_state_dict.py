@@ -99,7 +99,9 @@ class _StateDictIO:
         entry's ``step`` is of an older step than the moments: the dict went
         through torch.optim.AdamW, which keeps the key but trains the params
         and not it. It is left out with a warning, and the params' current
-        values are the master, as for a torch dict. Everything is checked before anything is
+        values are the master, as for a torch dict. (A dict without
+        ``master_step``, as state_dict() wrote before it had one, has its
+        master taken as it is.) Everything is checked before anything is
         sent.
 
         By default every caller sends all of the state, so it is right
@@ -145,8 +147,8 @@ class _StateDictIO:
         for t, entry in self._entries(state_dict, saved_groups):
             master = entry.get("master")
             if master is not None and "master_step" in entry and "step" in entry \
-                    and _number(entry["step"]) != entry["master_step"]:
-                stale.append((t.name, entry["master_step"], _number(entry["step"])))
+                    and _number(entry["step"]) != _number(entry["master_step"]):
+                stale.append((t.name, _number(entry["master_step"]), _number(entry["step"])))
                 master = None
             master = None if master is None else self._checked(master, t, "master")
             moments = None

@@ -331,6 +331,8 @@ class Client {
   // skip applies none, and the skip committed once more. Any other commit
   // refused that way (FAILED_PRECONDITION, "its push is incomplete") needs
   // the step pushed again, with the same gradients, and committed again.
+  // A commit that is not a skip, of a step whose push answers said
+  // nonfinite (Decide skips it), is FAILED_PRECONDITION and applies nothing.
   absl::Status Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params,
                       absl::Span<const double> group_lr = {});
 
