@@ -615,7 +615,7 @@ TEST_F(StoreTest, SkippedStepAdvancesTheJobAndChangesNoState) {
   // committed such a step without skip made the masters NaN.
   const auto applied = Commit("skip", 1, 1e-3);
   EXPECT_EQ(applied.status().code(), absl::StatusCode::kFailedPrecondition) << applied.status();
-  EXPECT_THAT(std::string(applied.status().message()), HasSubstr("commit the step with skip"));
+  EXPECT_THAT(std::string(applied.status().message()), HasSubstr("commits the step with skip"));
   EXPECT_EQ(Snapshot("skip").substr(store_.Describe("skip")->ByteSizeLong()), before_state);
   EXPECT_EQ(store_.Describe("skip")->step(), 0u);
   ASSERT_TRUE(Commit("skip", 1, 1e-3, 1.0f, /*skip=*/true).ok());
