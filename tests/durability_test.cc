@@ -618,6 +618,30 @@ class TwoRanks {
   std::vector<std::unique_ptr<Client>> clients_;
 };
 
+// Steps 1 and 2 of TwoRanks on two servers that stay up: the params each
+// rank's last step returned, and the job's fingerprint.
+struct TwoRankRun {
+  std::vector<uint16_t> params0, params1;
+  std::vector<uint32_t> fingerprint;
+};
+TwoRankRun UninterruptedTwoRanks() {
+  TwoRankRun run;
+  TempDir dir;
+  auto servers = StartServers(2, dir.path());
+  ClientOptions options;
+  for (const auto& s : servers) options.servers.push_back(s->address());
+  TwoRanks ranks(options);
+  for (int t = 1; t <= 2; ++t) {
+    std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &run.params1).ok()); });
+    EXPECT_TRUE(ranks.Step(0, &run.params0).ok());
+    one.join();  // before any ASSERT: a joinable thread's destructor aborts the binary
+  }
+  auto fingerprint = Fingerprint(ranks.client(0), ranks.job());
+  EXPECT_TRUE(fingerprint.ok()) << fingerprint.status();
+  if (fingerprint.ok()) run.fingerprint = *std::move(fingerprint);
+  return run;
+}
+
 // Step 2 of both ranks (rank 0 through Step, rank 1 through
 // PushAndCommitHolding), with server 0 stopped and started again once it
 // has sealed step 2 and before rank 1's push lets server 1 seal it: each
@@ -668,22 +692,9 @@ std::pair<absl::Status, absl::Status> StepTwoAcrossARestartOfServer0(FixedPortSe
 // rank 1 while server 0 is stopped and started again, at the job's
 // checkpoint of step 1.
 TEST(DurabilityTest, AStepWhoseServerRestartedBetweenItsPushAndItsCommitPushesAgainInTheSameCall) {
-  std::vector<uint16_t> want0, want1, got0, got1;
-  std::vector<uint32_t> want;
-  {
-    TempDir dir;
-    auto servers = StartServers(2, dir.path());
-    ClientOptions options;
-    for (const auto& s : servers) options.servers.push_back(s->address());
-    TwoRanks ranks(options);
-    for (int t = 1; t <= 2; ++t) {
-      std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &want1).ok()); });
-      EXPECT_TRUE(ranks.Step(0, &want0).ok());
-      one.join();  // before any ASSERT: a joinable thread's destructor aborts the binary
-    }
-    if (HasFailure()) return;
-    want = Fingerprint(ranks.client(0), ranks.job()).value();
-  }
+  std::vector<uint16_t> got0, got1;
+  const TwoRankRun want = UninterruptedTwoRanks();
+  if (HasFailure()) return;
 
   TempDir dir;
   FixedPortServers fixed(2, dir.path(), /*metrics=*/true);
@@ -697,9 +708,9 @@ TEST(DurabilityTest, AStepWhoseServerRestartedBetweenItsPushAndItsCommitPushesAg
   const auto [rank0, rank1] = StepTwoAcrossARestartOfServer0(fixed, ranks, &got0, &got1);
   ASSERT_TRUE(rank0.ok()) << rank0;
   ASSERT_TRUE(rank1.ok()) << rank1;
-  EXPECT_EQ(got0, want0);
-  EXPECT_EQ(got1, want1);
-  EXPECT_EQ(Fingerprint(ranks.client(0), ranks.job()).value(), want);
+  EXPECT_EQ(got0, want.params0);
+  EXPECT_EQ(got1, want.params1);
+  EXPECT_EQ(Fingerprint(ranks.client(0), ranks.job()).value(), want.fingerprint);
 }
 
 // The same, but rank 1 pushes other gradients when it pushes step 2 again
@@ -732,22 +743,9 @@ TEST(DurabilityTest, AStepWhosePushAgainDecidesOtherwiseIsRefusedAndCommitsNothi
 // every few seconds); now up to max_attempts times, and the run is bitwise
 // the uninterrupted one.
 TEST(DurabilityTest, AStepGoesOnThroughItsServerRestartingTwiceWhileItsPushWaits) {
-  std::vector<uint16_t> want0, want1, got0, got1;
-  std::vector<uint32_t> want;
-  {
-    TempDir dir;
-    auto servers = StartServers(2, dir.path());
-    ClientOptions options;
-    for (const auto& s : servers) options.servers.push_back(s->address());
-    TwoRanks ranks(options);
-    for (int t = 1; t <= 2; ++t) {
-      std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &want1).ok()); });
-      EXPECT_TRUE(ranks.Step(0, &want0).ok());
-      one.join();
-    }
-    if (HasFailure()) return;
-    want = Fingerprint(ranks.client(0), ranks.job()).value();
-  }
+  std::vector<uint16_t> got0, got1;
+  const TwoRankRun want = UninterruptedTwoRanks();
+  if (HasFailure()) return;
 
   TempDir dir;
   FixedPortServers fixed(2, dir.path(), /*metrics=*/true);
@@ -786,9 +784,9 @@ TEST(DurabilityTest, AStepGoesOnThroughItsServerRestartingTwiceWhileItsPushWaits
   stepping.join();
   last.join();
   ASSERT_TRUE(rank0.ok()) << rank0;
-  EXPECT_EQ(got0, want0);
-  EXPECT_EQ(got1, want1);
-  EXPECT_EQ(Fingerprint(ranks.client(0), ranks.job()).value(), want);
+  EXPECT_EQ(got0, want.params0);
+  EXPECT_EQ(got1, want.params1);
+  EXPECT_EQ(Fingerprint(ranks.client(0), ranks.job()).value(), want.fingerprint);
 }
 
 // Two live trainers of one rank, both attached before their server
