@@ -89,8 +89,10 @@ void TuneServerBuilder(grpc::ServerBuilder* builder, int max_message_bytes) {
   builder->SetMaxSendMessageSize(max_message_bytes);
   // The clients ping every kKeepaliveMs with a call open, also while the
   // server sends nothing (a push waiting at its barrier). gRPC's default
-  // allows one such ping per 5 minutes and closes the connection at the
-  // third too early ("too_many_pings").
+  // allows one such ping per 5 minutes and answers the third or fourth with
+  // a GOAWAY ("too_many_pings"): the call in flight completes, but later
+  // calls need a new connection, and the client's gRPC doubles its ping
+  // interval for this server.
   builder->AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, kKeepaliveMs / 2);
   RefuseCompressedMessages(builder);
 }

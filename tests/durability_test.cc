@@ -455,14 +455,16 @@ TEST(DurabilityTest, AStepGoesOnThroughAConnectionThatStoppedAnswering) {
   EXPECT_EQ(Fingerprint(*client, job).value(), want);
 }
 
-// The same, for a push waiting at its barrier, over which nothing comes
-// back: gRPC pings such a connection twice by default and then waits for
-// data, so a server that died after 20 s of waiting was noticed late or not
-// at all (with gRPC's default, this test's rank 0 failed UNAVAILABLE after
-// its two attempts). Rank 0 reaches the server through the proxy and
-// waits 25 s for rank 1; its connection then goes dead; rank 1 pushes at
-// 40 s. Rank 0's push is retried on a new connection once a ping goes
-// unanswered, and the step is bitwise the one without the fault.
+// The same, for a push waiting at its barrier: by default gRPC pings twice
+// and then waits until the client sends something, so a server that died
+// after 20 s of waiting was noticed late or not at all (with that default,
+// this test's rank 0 failed UNAVAILABLE after its two attempts). Rank 0
+// reaches the server through the proxy and waits 25 s for rank 1; its
+// connection then goes dead; rank 1 pushes at 40 s. Rank 0's push is
+// retried on a new connection once a ping goes unanswered, and the step is
+// bitwise the one without the fault. The run without the fault, the
+// reference, waits 45 s at the barrier on a healthy connection, in one
+// attempt: the pings of such a wait do not cut it.
 TEST(DurabilityTest, APushWaitingAtItsBarrierFindsItsConnectionDead) {
   JobOptions job = DurableJob("quiet", {{"w", 5000}});
   job.world_size = 2;
@@ -476,9 +478,10 @@ TEST(DurabilityTest, APushWaitingAtItsBarrierFindsItsConnectionDead) {
       ClientOptions options;
       options.servers = {r == 0 ? absl::StrCat("127.0.0.1:", proxy.port()) : servers[0]->address()};
       options.rank = r;
-      // A push may wait 65 s; two attempts bound how long a failure takes.
+      // A push may wait 65 s; two attempts bound how long a failure takes,
+      // and the healthy wait must succeed in one.
       options.rpc_timeout_ms = 5000;
-      options.max_attempts = 2;
+      options.max_attempts = fault ? 2 : 1;
       ranks.push_back(Client::Connect(options).value());
       EXPECT_TRUE(ranks[r]->CreateOrAttach(job).ok());
     }
@@ -497,6 +500,8 @@ TEST(DurabilityTest, APushWaitingAtItsBarrierFindsItsConnectionDead) {
         std::this_thread::sleep_for(std::chrono::seconds(25));
         proxy.BlackholeOpenConnections();
         std::this_thread::sleep_for(std::chrono::seconds(15));
+      } else if (t == 2) {
+        std::this_thread::sleep_for(std::chrono::seconds(45));
       }
       EXPECT_TRUE(step(1).ok()) << "step " << t;
       zero.join();
@@ -750,9 +755,13 @@ TEST(DurabilityTest, AStepGoesOnThroughItsServerRestartingTwiceWhileItsPushWaits
   TempDir dir;
   FixedPortServers fixed(2, dir.path(), /*metrics=*/true);
   if (HasFailure()) return;
-  // Each restart's retries back off for up to about 5 s, so the push waits
-  // longer than the tests' usual 10 s barrier.
-  TwoRanks ranks(fixed.Options(), 0, false, /*barrier_timeout_ms=*/60000);
+  // Each drain holds the waiting push for its 5 s before it cuts it, so the
+  // push waits longer than the tests' usual 10 s barrier; and more attempts
+  // than the default give a loaded machine's restart time (the default's
+  // backoffs add up to 1.5 s).
+  ClientOptions options = fixed.Options();
+  options.max_attempts = 10;
+  TwoRanks ranks(options, 0, false, /*barrier_timeout_ms=*/60000);
   std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &got1).ok()); });
   EXPECT_TRUE(ranks.Step(0, &got0).ok());
   one.join();
@@ -761,10 +770,11 @@ TEST(DurabilityTest, AStepGoesOnThroughItsServerRestartingTwiceWhileItsPushWaits
   // Rank 0's push of step 2 is in server 0's open round, waiting for rank
   // 1's: the round's Describe names rank 1 as the one it waits for (a job
   // the server restored and nobody pushed to has no round).
+  const std::string server0 = fixed.servers[0]->address();  // the same after restarts
   const auto push_waits = [&] {
     for (int i = 0; i < 400; ++i) {
       v1::DescribeResponse d;
-      if (testing::DescribeOn(fixed.servers[0]->address(), ranks.job().name, &d).ok() &&
+      if (testing::DescribeOn(server0, ranks.job().name, &d).ok() &&
           absl::StrContains(d.waiting_for(), "ranks {1}")) {
         return true;
       }
@@ -777,7 +787,8 @@ TEST(DurabilityTest, AStepGoesOnThroughItsServerRestartingTwiceWhileItsPushWaits
   EXPECT_TRUE(push_waits()) << "rank 0's push did not reach server 0 in 10 s";
   for (int restart = 1; restart <= 2; ++restart) {
     EXPECT_EQ(fixed.servers[0]->Stop(SIGTERM) >> 8, 0);
-    fixed.Restart(0);  // (a failure to start is reported, and the steps then fail)
+    fixed.Restart(0);
+    if (fixed.servers[0] == nullptr) break;  // reported; the steps then fail
     EXPECT_TRUE(push_waits()) << "rank 0's push did not reach server 0 in 10 s after restart " << restart;
   }
   std::thread last([&] { EXPECT_TRUE(ranks.Step(1, &got1).ok()); });

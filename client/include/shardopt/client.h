@@ -332,7 +332,10 @@ class Client {
   // refused that way (FAILED_PRECONDITION, "its push is incomplete") needs
   // the step pushed again, with the same gradients, and committed again.
   // A commit that is not a skip, of a step whose push answers said
-  // nonfinite (Decide skips it), is FAILED_PRECONDITION and applies nothing.
+  // nonfinite (Decide skips it), is refused (FAILED_PRECONDITION) by each
+  // server whose own sum is not finite, which applies nothing; the others
+  // apply it, and the job's servers then hold different steps. Commit what
+  // Decide says.
   absl::Status Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params,
                       absl::Span<const double> group_lr = {});
 
