@@ -74,9 +74,10 @@ void TuneChannelArguments(grpc::ChannelArguments* args, int max_message_bytes) {
   // died, the path went away) is found dead by an unanswered ping, and the
   // call is retried on a new one: without pings every retry went over it
   // until its deadline, and TCP gives it up only after about 15 minutes.
-  // Pinged while a call is open only, and also while nothing comes back (a
-  // push waiting at its barrier): at gRPC's default of two pings until data
-  // arrives, a server that died after the second went unnoticed.
+  // Pinged while a call is open only, and also while nothing is sent (a
+  // push waiting at its barrier): at gRPC's default of two pings until the
+  // client sends something, a server that died after the second went
+  // unnoticed.
   args->SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, kKeepaliveMs);
   args->SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, kKeepaliveTimeoutMs);
   args->SetInt(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
