@@ -486,7 +486,6 @@ TEST(DurabilityTest, APushWaitingAtItsBarrierFindsItsConnectionDead) {
       EXPECT_TRUE(ranks[r]->CreateOrAttach(job).ok());
     }
     EXPECT_TRUE(ScriptedTrainer(job).Init(*ranks[0]).ok());
-    std::vector<uint16_t> params(5000);
     const auto step = [&](uint32_t r) {
       std::mt19937_64 rng(100 * (ranks[r]->step() + 1) + r);
       const std::vector<uint16_t> g = testing::RandomBf16(rng, 5000, 1.0f);
@@ -582,6 +581,17 @@ class TwoRanks {
     params->assign(kParams, 0xFFFF);  // poisoned: the commit must write every one
     return clients_[r]->Step(g.views, options_, Views(*params)).status();
   }
+  // The next step of both ranks at once, rank 1 on a thread of its own:
+  // whether both went through, each rank's params into `params0`/`params1`.
+  bool StepBoth(std::vector<uint16_t>* params0, std::vector<uint16_t>* params1) {
+    absl::Status one;
+    std::thread rank1([&] { one = Step(1, params1); });
+    const absl::Status zero = Step(0, params0);
+    rank1.join();  // before any ASSERT: a joinable thread's destructor aborts the binary
+    EXPECT_TRUE(zero.ok()) << zero;
+    EXPECT_TRUE(one.ok()) << one;
+    return zero.ok() && one.ok();
+  }
   absl::Status PushAndCommitHolding(const std::function<void()>& hold, std::vector<uint16_t>* params) {
     const uint64_t t = clients_[1]->step() + 1;
     Grads g(1, t);
@@ -636,11 +646,7 @@ TwoRankRun UninterruptedTwoRanks() {
   ClientOptions options;
   for (const auto& s : servers) options.servers.push_back(s->address());
   TwoRanks ranks(options);
-  for (int t = 1; t <= 2; ++t) {
-    std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &run.params1).ok()); });
-    EXPECT_TRUE(ranks.Step(0, &run.params0).ok());
-    one.join();  // before any ASSERT: a joinable thread's destructor aborts the binary
-  }
+  for (int t = 1; t <= 2; ++t) ranks.StepBoth(&run.params0, &run.params1);
   auto fingerprint = Fingerprint(ranks.client(0), ranks.job());
   EXPECT_TRUE(fingerprint.ok()) << fingerprint.status();
   if (fingerprint.ok()) run.fingerprint = *std::move(fingerprint);
@@ -705,10 +711,7 @@ TEST(DurabilityTest, AStepWhoseServerRestartedBetweenItsPushAndItsCommitPushesAg
   FixedPortServers fixed(2, dir.path(), /*metrics=*/true);
   if (HasFailure()) return;
   TwoRanks ranks(fixed.Options());
-  std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &got1).ok()); });
-  EXPECT_TRUE(ranks.Step(0, &got0).ok());
-  one.join();
-  if (HasFailure()) return;
+  if (!ranks.StepBoth(&got0, &got1)) return;
   ASSERT_TRUE(ranks.client(0).Checkpoint().ok());  // step 1 on both: what server 0 restores
   const auto [rank0, rank1] = StepTwoAcrossARestartOfServer0(fixed, ranks, &got0, &got1);
   ASSERT_TRUE(rank0.ok()) << rank0;
@@ -729,10 +732,7 @@ TEST(DurabilityTest, AStepWhosePushAgainDecidesOtherwiseIsRefusedAndCommitsNothi
   if (HasFailure()) return;
   TwoRanks ranks(fixed.Options(), /*max_grad_norm=*/1e-3, /*other_gradients_again=*/true);
   std::vector<uint16_t> got0, got1;
-  std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &got1).ok()); });
-  EXPECT_TRUE(ranks.Step(0, &got0).ok());
-  one.join();
-  if (HasFailure()) return;
+  if (!ranks.StepBoth(&got0, &got1)) return;
   ASSERT_TRUE(ranks.client(0).Checkpoint().ok());
   const auto [rank0, rank1] = StepTwoAcrossARestartOfServer0(fixed, ranks, &got0, &got1);
   EXPECT_EQ(rank0.code(), absl::StatusCode::kFailedPrecondition) << rank0;
@@ -762,10 +762,7 @@ TEST(DurabilityTest, AStepGoesOnThroughItsServerRestartingTwiceWhileItsPushWaits
   ClientOptions options = fixed.Options();
   options.max_attempts = 10;
   TwoRanks ranks(options, 0, false, /*barrier_timeout_ms=*/60000);
-  std::thread one([&] { EXPECT_TRUE(ranks.Step(1, &got1).ok()); });
-  EXPECT_TRUE(ranks.Step(0, &got0).ok());
-  one.join();
-  if (HasFailure()) return;
+  if (!ranks.StepBoth(&got0, &got1)) return;
   ASSERT_TRUE(ranks.client(0).Checkpoint().ok());  // step 1: what server 0 restores, each time
   // Rank 0's push of step 2 is in server 0's open round, waiting for rank
   // 1's: the round's Describe names rank 1 as the one it waits for (a job
