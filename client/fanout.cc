@@ -55,6 +55,11 @@ absl::Status WithRetryAdvice(absl::Status st, int attempts) {
                                                "the server is down, unreachable or stopping, or refused the TLS "
                                                "handshake: this RPC is safe to retry once the server is back)"));
   }
+  if (absl::IsCancelled(st)) {
+    return absl::CancelledError(absl::StrCat(st.message(), tries,
+                                             "the server cancelled the call: it is stopping, or this client read "
+                                             "nothing for its idle timeout: this RPC is safe to retry)"));
+  }
   // gRPC's own: no answer in time.
   if (absl::IsDeadlineExceeded(st) && absl::EndsWith(st.message(), ": Deadline Exceeded")) {
     return absl::DeadlineExceededError(absl::StrCat(st.message(), tries,

@@ -1,5 +1,6 @@
 // The client's parallel RPCs: one call per server on its own thread, each
-// retried on UNAVAILABLE and DEADLINE_EXCEEDED with exponential backoff, and
+// retried on UNAVAILABLE, DEADLINE_EXCEEDED and a server's CANCELLED
+// (Retriable) with exponential backoff, and
 // the others cancelled as soon as one fails for good. A push parked at a
 // barrier would otherwise hold the caller until the barrier's deadline, and
 // the error the caller needs is the first server's.
@@ -71,7 +72,19 @@ class Detached {
 // was back, past every retry of its own.
 void AwaitChannel(grpc::Channel* channel, std::chrono::milliseconds pause);
 
-// An UNAVAILABLE, or gRPC's own DEADLINE_EXCEEDED, left after `attempts`
+// Whether an attempt's error is worth another: UNAVAILABLE, DEADLINE_EXCEEDED
+// and CANCELLED. Every RPC of the protocol is safe to retry. This client
+// cancels a call only through its fan-out, whose next attempt then does not
+// start (Register), so a CANCELLED that reaches a retry is the server's: a
+// stopping server's gRPC answers the calls it has received but not begun
+// with CANCELLED "CANCELLED" (gRPC 1.51; grpc/grpc#41785), and a server ends
+// a stream whose caller read nothing for its idle timeout so.
+inline bool Retriable(const grpc::Status& st) {
+  return st.error_code() == grpc::StatusCode::UNAVAILABLE || st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+         st.error_code() == grpc::StatusCode::CANCELLED;
+}
+
+// An UNAVAILABLE or CANCELLED, or gRPC's own DEADLINE_EXCEEDED, left after `attempts`
 // tries, with what it may mean (the server is down, unreachable, stopping,
 // hung or overloaded, or the TLS handshake failed) and that retrying the RPC
 // is safe: every RPC of the protocol is.
@@ -109,9 +122,7 @@ absl::Status Call(grpc::Channel* channel, const std::string& address, const std:
     st = attempt(&ctx);
     ++attempts;
     if (current != nullptr) current->Unregister(&ctx);
-    if (st.error_code() != grpc::StatusCode::UNAVAILABLE && st.error_code() != grpc::StatusCode::DEADLINE_EXCEEDED) {
-      break;
-    }
+    if (!Retriable(st)) break;
   }
   return WithRetryAdvice(FromGrpcStatus(st, address), attempts);
 }

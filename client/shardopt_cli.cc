@@ -145,9 +145,12 @@ int Fail(const absl::Status& st) {
 // effect.
 int Fail(const grpc::Status& st, bool changes = false) {
   absl::Status said = shardopt::FromGrpcStatus(st, absl::GetFlag(FLAGS_server));
-  // gRPC says only "failed to connect", which a TLS mismatch reads as too:
-  // what it may mean, as the client libraries say it (one attempt here).
-  if (st.error_code() == grpc::StatusCode::UNAVAILABLE) said = shardopt::fanout::WithRetryAdvice(said, 1);
+  // gRPC says only "failed to connect", which a TLS mismatch reads as too,
+  // and "CANCELLED" for a call a stopping server had not begun: what each
+  // may mean, as the client libraries say it (one attempt here).
+  if (st.error_code() == grpc::StatusCode::UNAVAILABLE || st.error_code() == grpc::StatusCode::CANCELLED) {
+    said = shardopt::fanout::WithRetryAdvice(said, 1);
+  }
   if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
     said = absl::DeadlineExceededError(absl::StrCat(
         said.message(), " (no answer within --timeout_s=", absl::GetFlag(FLAGS_timeout_s),

@@ -89,8 +89,8 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             gradients between backward and step; use max_grad_norm instead
             of clipping them yourself; not with DDP).
         rpc_timeout, max_attempts: each server call's deadline in seconds (at
-            least 0.001, finite), and attempts for UNAVAILABLE and
-            DEADLINE_EXCEEDED.
+            least 0.001, finite), and attempts for UNAVAILABLE,
+            DEADLINE_EXCEEDED and a server's CANCELLED.
         barrier_timeout: seconds (at least 0.001, finite) the servers wait
             for every rank's gradients, and a new job's ranks wait for each
             other's initial values. Part of the job's settings: attaching

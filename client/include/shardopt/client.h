@@ -2,8 +2,9 @@
 // streams gradients to all of them in parallel, decides clipping and skipping
 // from their partial norms, commits, and writes the updated params back into
 // the caller's buffers (bf16, or the fp32 master for a tensor of fp32
-// params). It retries UNAVAILABLE and DEADLINE_EXCEEDED, which the step
-// protocol makes safe.
+// params). It retries UNAVAILABLE, DEADLINE_EXCEEDED and a server's
+// CANCELLED (a stopping server's gRPC answers so the calls it had not
+// begun), which the step protocol makes safe.
 //
 // Thread safety: a Client is not thread-safe; call it from one thread at a
 // time (a trainer rank has one), and destroy it only when no call of it runs
@@ -94,7 +95,7 @@ struct ClientOptions {
   // in place of a dead one attaches after its pushes, and goes on). 0: a
   // random one. Clients that stand for one trainer may share one.
   uint64_t trainer = 0;
-  // Attempts per RPC for UNAVAILABLE and DEADLINE_EXCEEDED, with backoff;
+  // Attempts per RPC for UNAVAILABLE, DEADLINE_EXCEEDED and CANCELLED, with backoff;
   // at least 1 (no retry).
   int max_attempts = 5;
   // Deadline of an RPC, on top of the barrier's wait for a push; at least 1.
