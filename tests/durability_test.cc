@@ -783,6 +783,51 @@ TEST(DurabilityTest, AStepWhosePushAgainDecidesOtherwiseIsRefusedAndCommitsNothi
   EXPECT_EQ(ranks.client(0).step(), 1u);  // nothing more committed by rank 0
 }
 
+// Rank 0's Step of step 2, with server 0 stopped by `signal` and started
+// again `restarts` times while the Step's push waits at its barrier (the
+// round's Describe names rank 1 as the one it waits for; a job the server
+// restored and nobody pushed to has no round). Step 1 is checkpointed first:
+// what server 0 restores, each time. After the restarts, `then` runs (rank
+// 1's step, to let rank 0's through), and this returns rank 0's Step's
+// outcome, with its params in `got0`, once it has ended.
+absl::Status StepWhileServer0Restarts(FixedPortServers& fixed, TwoRanks& ranks, int signal, int restarts,
+                                      const std::function<void()>& then, std::vector<uint16_t>* got0,
+                                      std::vector<uint16_t>* got1) {
+  if (!ranks.StepBoth(got0, got1)) return absl::InternalError("step 1 failed");
+  if (absl::Status st = ranks.client(0).Checkpoint(); !st.ok()) return st;
+  const std::string server0 = fixed.servers[0]->address();  // the same after restarts
+  std::atomic<bool> ended{false};
+  const auto push_waits = [&] {
+    for (int i = 0; i < 400 && !ended.load(); ++i) {
+      v1::DescribeResponse d;
+      if (testing::DescribeOn(server0, ranks.job().name, &d).ok() &&
+          absl::StrContains(d.waiting_for(), "ranks {1}")) {
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    return false;
+  };
+  absl::Status rank0;
+  std::thread stepping([&] {
+    rank0 = ranks.Step(0, got0);
+    ended = true;
+  });
+  for (int restart = 0; restart < restarts; ++restart) {
+    if (!push_waits()) {
+      ADD_FAILURE() << "rank 0's push was not at server 0's barrier within 10 s, before restart " << restart + 1;
+      break;
+    }
+    const int status = fixed.servers[0]->Stop(signal);
+    EXPECT_TRUE(signal == SIGKILL || status >> 8 == 0) << "the drain's exit status: " << status;
+    fixed.Restart(0);
+    if (fixed.servers[0] == nullptr) break;  // reported; the step then fails
+  }
+  if (then) then();
+  stepping.join();
+  return rank0;
+}
+
 // A server restarted twice while a Step's push waits at its barrier: each
 // time the push finds no job there, gives the server the job again, which
 // restores it, and pushes again. The Step did that once, and failed with
@@ -804,36 +849,35 @@ TEST(DurabilityTest, AStepGoesOnThroughItsServerRestartingTwiceWhileItsPushWaits
   ClientOptions options = fixed.Options();
   options.max_attempts = 10;
   TwoRanks ranks(options, 0, false, /*barrier_timeout_ms=*/60000);
-  if (!ranks.StepBoth(&got0, &got1)) return;
-  ASSERT_TRUE(ranks.client(0).Checkpoint().ok());  // step 1: what server 0 restores, each time
-  // Rank 0's push of step 2 is in server 0's open round, waiting for rank
-  // 1's: the round's Describe names rank 1 as the one it waits for (a job
-  // the server restored and nobody pushed to has no round).
-  const std::string server0 = fixed.servers[0]->address();  // the same after restarts
-  const auto push_waits = [&] {
-    for (int i = 0; i < 400; ++i) {
-      v1::DescribeResponse d;
-      if (testing::DescribeOn(server0, ranks.job().name, &d).ok() &&
-          absl::StrContains(d.waiting_for(), "ranks {1}")) {
-        return true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(25));
-    }
-    return false;
-  };
-  absl::Status rank0;
-  std::thread stepping([&] { rank0 = ranks.Step(0, &got0); });
-  EXPECT_TRUE(push_waits()) << "rank 0's push did not reach server 0 in 10 s";
-  for (int restart = 1; restart <= 2; ++restart) {
-    EXPECT_EQ(fixed.servers[0]->Stop(SIGTERM) >> 8, 0);
-    fixed.Restart(0);
-    if (fixed.servers[0] == nullptr) break;  // reported; the steps then fail
-    EXPECT_TRUE(push_waits()) << "rank 0's push did not reach server 0 in 10 s after restart " << restart;
-  }
-  std::thread last([&] { EXPECT_TRUE(ranks.Step(1, &got1).ok()); });
-  stepping.join();
-  last.join();
+  const absl::Status rank0 = StepWhileServer0Restarts(
+      fixed, ranks, SIGTERM, 2, [&] { EXPECT_TRUE(ranks.Step(1, &got1).ok()); }, &got0, &got1);
   ASSERT_TRUE(rank0.ok()) << rank0;
+  EXPECT_EQ(got0, want.params0);
+  EXPECT_EQ(got1, want.params1);
+  EXPECT_EQ(Fingerprint(ranks.client(0), ranks.job()).value(), want.fingerprint);
+}
+
+// A server that restarts more than max_attempts times within one Step's
+// push: the Step gives it the job again max_attempts times, then fails with
+// UNAVAILABLE saying so, and calling it again once the server stays up
+// completes the step, bitwise the uninterrupted run.
+TEST(DurabilityTest, AStepWhoseServerRestartsPastItsAttemptsFailsUnavailableAndGoesThroughWhenCalledAgain) {
+  std::vector<uint16_t> got0, got1;
+  const TwoRankRun want = UninterruptedTwoRanks();
+  if (HasFailure()) return;
+
+  TempDir dir;
+  FixedPortServers fixed(2, dir.path(), /*metrics=*/true);
+  if (HasFailure()) return;
+  // Killed, not drained, for a second a restart; attempts whose backoffs (3.1
+  // s in all) outlast a restart on a loaded machine.
+  ClientOptions options = fixed.Options();
+  options.max_attempts = 6;
+  TwoRanks ranks(options, 0, false, /*barrier_timeout_ms=*/60000);
+  const absl::Status rank0 = StepWhileServer0Restarts(fixed, ranks, SIGKILL, 7, nullptr, &got0, &got1);
+  EXPECT_EQ(rank0.code(), absl::StatusCode::kUnavailable) << rank0;
+  EXPECT_THAT(std::string(rank0.message()), HasSubstr("given the job 6 times in this call")) << rank0;
+  EXPECT_TRUE(ranks.StepBoth(&got0, &got1));
   EXPECT_EQ(got0, want.params0);
   EXPECT_EQ(got1, want.params1);
   EXPECT_EQ(Fingerprint(ranks.client(0), ranks.job()).value(), want.fingerprint);
