@@ -65,6 +65,9 @@ ABSL_FLAG(uint32_t, max_name_bytes, shardopt::kMaxNameBytes,
 ABSL_FLAG(int, idle_stream_timeout_ms, 120000,
           "a Push or Init stream the server waits on this long for its next message is cancelled (DEADLINE_EXCEEDED), "
           "and a Commit or Read whose caller reads nothing this long (CANCELLED)");
+ABSL_FLAG(uint32_t, keepalive_seconds, 60,
+          "ping each client connection this often, an idle one too, and close it when a ping goes unanswered for 10 s "
+          "(a trainer whose machine died leaves no connection open); 0: no pings");
 ABSL_FLAG(std::string, tokens_file, "",
           "bearer tokens, one per line: NAME trainer|admin TOKEN [JOB_PREFIX ...] [max_memory=BYTES]; every call "
           "then needs one (docs/design.md, security). Reloaded on SIGHUP and when the file changes");
@@ -213,6 +216,7 @@ int main(int argc, char** argv) {
   }
   if (absl::GetFlag(FLAGS_barrier_timeout_ms) <= 0) shardopt::UsageError("--barrier_timeout_ms must be positive");
   if (absl::GetFlag(FLAGS_idle_stream_timeout_ms) <= 0) shardopt::UsageError("--idle_stream_timeout_ms must be positive");
+  if (absl::GetFlag(FLAGS_keepalive_seconds) > 86400) shardopt::UsageError("--keepalive_seconds must be 0 to 86400");
   if (absl::GetFlag(FLAGS_max_name_bytes) < 1 || absl::GetFlag(FLAGS_max_name_bytes) > shardopt::kMaxNameBytes) {
     shardopt::UsageError(absl::StrCat("--max_name_bytes must be in [1, ", shardopt::kMaxNameBytes, "]"));
   }
@@ -312,6 +316,7 @@ int main(int argc, char** argv) {
   }
   options.reflection = absl::GetFlag(FLAGS_reflection);
   options.health_port = absl::GetFlag(FLAGS_health_port);
+  options.keepalive_seconds = absl::GetFlag(FLAGS_keepalive_seconds);
   options.service.idle_stream_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_idle_stream_timeout_ms));
   options.service.auth = auth.get();
   options.service.max_streams = absl::GetFlag(FLAGS_max_streams);

@@ -96,6 +96,9 @@ struct ServerOptions {
   // A second, plaintext port that serves only grpc.health.v1, for probes
   // that cannot speak TLS (Kubernetes' native gRPC probes); 0: none.
   int health_port = 0;
+  // Pings each connection this often, an idle one too, and closes one whose
+  // ping goes unanswered for 10 s; 0: none.
+  unsigned keepalive_seconds = 0;
   ServiceOptions service;
 };
 

@@ -26,6 +26,7 @@
 #include "kernels/gpu.h"
 #include "shardopt/client.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
+#include "tests/testing/blackhole_proxy.h"
 #include "tests/testing/client_helpers.h"
 #include "tests/testing/raw_commit.h"
 #include "tests/testing/reference.h"
@@ -286,6 +287,47 @@ TEST(LimitsTest, ACompressedMessageIsRefusedUninflated) {
   plain.set_job("nobody");
   v1::DescribeResponse response;
   EXPECT_EQ(stub->Describe(&ctx, plain, &response).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// A client whose machine died, or whose path went away without a reset,
+// left its connection open on the server for good: with nothing to send,
+// the server's TCP never learns. The server pings every connection each
+// --keepalive_seconds, an idle one too, and closes one whose ping goes 10 s
+// unanswered, but not one whose client answers (an idle gRPC client answers
+// at its backup poll, every 5 s); with 0 it pings none, and a dead
+// connection stays open.
+TEST(LimitsTest, AServerClosesAConnectionThatStoppedAnsweringItsPings) {
+  struct Server {
+    std::unique_ptr<ServerProcess> process;
+    std::unique_ptr<testing::BlackholeProxy> proxy;
+    std::unique_ptr<v1::Optimizer::Stub> stub;
+    grpc::Status List() const {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      v1::ListJobsResponse listed;
+      return stub->ListJobs(&ctx, v1::ListJobsRequest(), &listed);
+    }
+  };
+  Server pinging, silent;  // --keepalive_seconds=1 and 0
+  for (Server* server : {&pinging, &silent}) {
+    server->process = ServerProcess::Start({server == &pinging ? "--keepalive_seconds=1" : "--keepalive_seconds=0"});
+    ASSERT_NE(server->process, nullptr);
+    server->proxy = std::make_unique<testing::BlackholeProxy>(server->process->port());
+    server->stub = v1::Optimizer::NewStub(grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->proxy->port()),
+                                                              grpc::InsecureChannelCredentials()));
+    ASSERT_TRUE(server->List().ok());  // open, and idle from here on
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(7));  // pinged each second, answered at backup polls
+  EXPECT_EQ(pinging.proxy->UpstreamsClosed(), 0);
+  EXPECT_TRUE(pinging.List().ok());
+  EXPECT_EQ(pinging.proxy->Connections(), 1);
+  for (Server* server : {&pinging, &silent}) server->proxy->BlackholeOpenConnections();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (pinging.proxy->UpstreamsClosed() == 0 && std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(pinging.proxy->UpstreamsClosed(), 1) << "the dead connection was not closed within 20 s";
+  EXPECT_EQ(silent.proxy->UpstreamsClosed(), 0);
 }
 
 // An Init stream that sends nothing is cut at the idle timeout, saying how
@@ -632,7 +674,8 @@ TEST(LimitsTest, ACheckpointDirThatCannotBeWrittenStopsTheServer) {
 TEST(LimitsTest, FlagsOutOfRangeAreUsageErrors) {
   for (const std::string flag : {"--metrics_port=70000", "--metrics_port=-1", "--health_port=65536",
                                  "--threads=100000000", "--threads=-1", "--device=tpu", "--device=cuda:x",
-                                 "--device=cuda:-1", "--device=cuda:", "--device=cuda:+1", "--device=cuda: 1"}) {
+                                 "--device=cuda:-1", "--device=cuda:", "--device=cuda:+1", "--device=cuda: 1",
+                                 "--keepalive_seconds=86401"}) {
     std::string log;
     EXPECT_EQ(testing::ServerExitCode({flag}, &log), 2) << flag;
     EXPECT_THAT(log, HasSubstr(flag.substr(0, flag.find('=')))) << flag;

@@ -53,6 +53,21 @@ void BlackholeProxy::BlackholeOpenConnections() {
   for (auto& c : connections_) c->dead = true;
 }
 
+int BlackholeProxy::Connections() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int>(connections_.size());
+}
+
+int BlackholeProxy::UpstreamsClosed() {
+  std::lock_guard<std::mutex> lock(mu_);
+  int closed = 0;
+  for (auto& c : connections_) {
+    pollfd p{c->upstream, POLLRDHUP, 0};  // the server's FIN, whatever it sent before that lies unread
+    if (poll(&p, 1, 0) == 1 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0) ++closed;
+  }
+  return closed;
+}
+
 void BlackholeProxy::Accept() {
   while (!stop_) {
     pollfd p{listen_fd_, POLLIN, 0};

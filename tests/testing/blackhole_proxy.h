@@ -24,6 +24,10 @@ class BlackholeProxy {
   int port() const { return port_; }
   // Every connection open now forwards nothing more, and is kept open.
   void BlackholeOpenConnections();
+  // How many connections the proxy has made, and how many of them the
+  // upstream server has closed.
+  int Connections();
+  int UpstreamsClosed();
 
  private:
   struct Connection {
