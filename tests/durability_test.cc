@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -783,50 +784,72 @@ TEST(DurabilityTest, AStepWhosePushAgainDecidesOtherwiseIsRefusedAndCommitsNothi
   EXPECT_EQ(ranks.client(0).step(), 1u);  // nothing more committed by rank 0
 }
 
-// Rank 0's Step of step 2, with server 0 stopped by `signal` and started
-// again `restarts` times while the Step's push waits at its barrier (the
-// round's Describe names rank 1 as the one it waits for; a job the server
-// restored and nobody pushed to has no round). Step 1 is checkpointed first:
-// what server 0 restores, each time. After the restarts, `then` runs (rank
-// 1's step, to let rank 0's through), and this returns rank 0's Step's
-// outcome, with its params in `got0`, once it has ended.
-absl::Status StepWhileServer0Restarts(FixedPortServers& fixed, TwoRanks& ranks, int signal, int restarts,
-                                      const std::function<void()>& then, std::vector<uint16_t>* got0,
-                                      std::vector<uint16_t>* got1) {
-  if (!ranks.StepBoth(got0, got1)) return absl::InternalError("step 1 failed");
-  if (absl::Status st = ranks.client(0).Checkpoint(); !st.ok()) return st;
-  const std::string server0 = fixed.servers[0]->address();  // the same after restarts
-  std::atomic<bool> ended{false};
-  const auto push_waits = [&] {
-    for (int i = 0; i < 400 && !ended.load(); ++i) {
-      v1::DescribeResponse d;
-      if (testing::DescribeOn(server0, ranks.job().name, &d).ok() &&
-          absl::StrContains(d.waiting_for(), "ranks {1}")) {
-        return true;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(25));
-    }
-    return false;
-  };
-  absl::Status rank0;
-  std::thread stepping([&] {
-    rank0 = ranks.Step(0, got0);
-    ended = true;
-  });
-  for (int restart = 0; restart < restarts; ++restart) {
-    if (!push_waits()) {
-      ADD_FAILURE() << "rank 0's push was not at server 0's barrier within 10 s, before restart " << restart + 1;
-      break;
-    }
-    const int status = fixed.servers[0]->Stop(signal);
-    EXPECT_TRUE(signal == SIGKILL || status >> 8 == 0) << "the drain's exit status: " << status;
-    fixed.Restart(0);
-    if (fixed.servers[0] == nullptr) break;  // reported; the step then fails
+// TwoRanks on two servers of fixed ports, whose clients make `max_attempts`
+// attempts and wait up to 60 s at the barrier, and the uninterrupted run's
+// outcome to compare with.
+struct RestartsUnderAPush {
+  explicit RestartsUnderAPush(int max_attempts) {
+    if (::testing::Test::HasFailure()) return;
+    ClientOptions options = fixed.Options();
+    options.max_attempts = max_attempts;
+    ranks.emplace(options, 0, false, /*barrier_timeout_ms=*/60000);
   }
-  if (then) then();
-  stepping.join();
-  return rank0;
-}
+
+  // Rank 0's Step of step 2, with server 0 stopped by `signal` and started
+  // again `restarts` times while the Step's push waits at its barrier (the
+  // round's Describe names rank 1 as the one it waits for; a job the server
+  // restored and nobody pushed to has no round). Step 1 is checkpointed
+  // first: what server 0 restores, each time. After the restarts, `then`
+  // runs (rank 1's step, to let rank 0's through), and this returns rank 0's
+  // Step's outcome once it has ended.
+  absl::Status StepWhileServer0Restarts(int signal, int restarts, const std::function<void()>& then) {
+    if (!ranks->StepBoth(&got0, &got1)) return absl::InternalError("step 1 failed");
+    if (absl::Status st = ranks->client(0).Checkpoint(); !st.ok()) return st;
+    const std::string server0 = fixed.servers[0]->address();  // the same after restarts
+    std::atomic<bool> ended{false};
+    const auto push_waits = [&] {
+      for (int i = 0; i < 400 && !ended.load(); ++i) {
+        v1::DescribeResponse d;
+        if (testing::DescribeOn(server0, ranks->job().name, &d).ok() &&
+            absl::StrContains(d.waiting_for(), "ranks {1}")) {
+          return true;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(25));
+      }
+      return false;
+    };
+    absl::Status rank0;
+    std::thread stepping([&] {
+      rank0 = ranks->Step(0, &got0);
+      ended = true;
+    });
+    for (int restart = 0; restart < restarts; ++restart) {
+      if (!push_waits()) {
+        ADD_FAILURE() << "rank 0's push was not at server 0's barrier within 10 s, before restart " << restart + 1;
+        break;
+      }
+      const int status = fixed.servers[0]->Stop(signal);
+      EXPECT_TRUE(signal == SIGKILL || status >> 8 == 0) << "the drain's exit status: " << status;
+      fixed.Restart(0);
+      if (fixed.servers[0] == nullptr) break;  // reported; the step then fails
+    }
+    if (then) then();
+    stepping.join();
+    return rank0;
+  }
+
+  void ExpectTheUninterruptedRun() {
+    EXPECT_EQ(got0, want.params0);
+    EXPECT_EQ(got1, want.params1);
+    EXPECT_EQ(Fingerprint(ranks->client(0), ranks->job()).value(), want.fingerprint);
+  }
+
+  const TwoRankRun want = UninterruptedTwoRanks();
+  TempDir dir;
+  FixedPortServers fixed{2, dir.path(), /*metrics=*/true};
+  std::optional<TwoRanks> ranks;
+  std::vector<uint16_t> got0, got1;  // each rank's params of its last step
+};
 
 // A server restarted twice while a Step's push waits at its barrier: each
 // time the push finds no job there, gives the server the job again, which
@@ -835,26 +858,16 @@ absl::Status StepWhileServer0Restarts(FixedPortServers& fixed, TwoRanks& ranks, 
 // every few seconds); now up to max_attempts times, and the run is bitwise
 // the uninterrupted one.
 TEST(DurabilityTest, AStepGoesOnThroughItsServerRestartingTwiceWhileItsPushWaits) {
-  std::vector<uint16_t> got0, got1;
-  const TwoRankRun want = UninterruptedTwoRanks();
-  if (HasFailure()) return;
-
-  TempDir dir;
-  FixedPortServers fixed(2, dir.path(), /*metrics=*/true);
-  if (HasFailure()) return;
   // Each drain holds the waiting push for its 5 s before it cuts it, so the
   // push waits longer than the tests' usual 10 s barrier; and more attempts
   // than the default give a loaded machine's restart time (the default's
   // backoffs add up to 1.5 s).
-  ClientOptions options = fixed.Options();
-  options.max_attempts = 10;
-  TwoRanks ranks(options, 0, false, /*barrier_timeout_ms=*/60000);
-  const absl::Status rank0 = StepWhileServer0Restarts(
-      fixed, ranks, SIGTERM, 2, [&] { EXPECT_TRUE(ranks.Step(1, &got1).ok()); }, &got0, &got1);
+  RestartsUnderAPush run(/*max_attempts=*/10);
+  if (HasFailure()) return;
+  const absl::Status rank0 =
+      run.StepWhileServer0Restarts(SIGTERM, 2, [&] { EXPECT_TRUE(run.ranks->Step(1, &run.got1).ok()); });
   ASSERT_TRUE(rank0.ok()) << rank0;
-  EXPECT_EQ(got0, want.params0);
-  EXPECT_EQ(got1, want.params1);
-  EXPECT_EQ(Fingerprint(ranks.client(0), ranks.job()).value(), want.fingerprint);
+  run.ExpectTheUninterruptedRun();
 }
 
 // A server that restarts more than max_attempts times within one Step's
@@ -862,25 +875,15 @@ TEST(DurabilityTest, AStepGoesOnThroughItsServerRestartingTwiceWhileItsPushWaits
 // UNAVAILABLE saying so, and calling it again once the server stays up
 // completes the step, bitwise the uninterrupted run.
 TEST(DurabilityTest, AStepWhoseServerRestartsPastItsAttemptsFailsUnavailableAndGoesThroughWhenCalledAgain) {
-  std::vector<uint16_t> got0, got1;
-  const TwoRankRun want = UninterruptedTwoRanks();
+  // Killed, not drained, for a second a restart; attempts whose backoffs
+  // (3.1 s in all) outlast a restart on a loaded machine.
+  RestartsUnderAPush run(/*max_attempts=*/6);
   if (HasFailure()) return;
-
-  TempDir dir;
-  FixedPortServers fixed(2, dir.path(), /*metrics=*/true);
-  if (HasFailure()) return;
-  // Killed, not drained, for a second a restart; attempts whose backoffs (3.1
-  // s in all) outlast a restart on a loaded machine.
-  ClientOptions options = fixed.Options();
-  options.max_attempts = 6;
-  TwoRanks ranks(options, 0, false, /*barrier_timeout_ms=*/60000);
-  const absl::Status rank0 = StepWhileServer0Restarts(fixed, ranks, SIGKILL, 7, nullptr, &got0, &got1);
+  const absl::Status rank0 = run.StepWhileServer0Restarts(SIGKILL, 7, nullptr);
   EXPECT_EQ(rank0.code(), absl::StatusCode::kUnavailable) << rank0;
   EXPECT_THAT(std::string(rank0.message()), HasSubstr("given the job 6 times in this call")) << rank0;
-  EXPECT_TRUE(ranks.StepBoth(&got0, &got1));
-  EXPECT_EQ(got0, want.params0);
-  EXPECT_EQ(got1, want.params1);
-  EXPECT_EQ(Fingerprint(ranks.client(0), ranks.job()).value(), want.fingerprint);
+  EXPECT_TRUE(run.ranks->StepBoth(&run.got0, &run.got1));
+  run.ExpectTheUninterruptedRun();
 }
 
 // Two live trainers of one rank, both attached before their server
