@@ -2,13 +2,13 @@
 // (Read), every server's description (Describe), each tensor's Adam step,
 // and the check that the state is held in the precision the job asked for.
 #include <algorithm>
-#include <cstring>
 #include <mutex>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "client/client_impl.h"
 #include "client/proto_convert.h"
+#include "client/wire.h"
 #include "shardopt/client.h"
 
 namespace shardopt {
@@ -22,6 +22,7 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
     return absl::OutOfRangeError(absl::StrCat("range past the ", (t)->numel, " elements of tensor '", tensor, "'"));
   }
   const uint64_t esize = what == StateToRead::kParamBf16 ? 2 : 4;
+  const uint64_t dtype = what == StateToRead::kParamBf16 ? v1::BF16 : v1::FP32;
   // Every chunk, from every server, must be of one step, or the caller would
   // get a mix of two steps' state.
   std::mutex step_mu;
@@ -38,26 +39,43 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
       req.set_offset(begin);
       req.set_length(end - begin);
       req.set_kind(ToProto(what));
+      // Through the generic stub, each chunk's data copied from gRPC's
+      // slices straight into `out`: parsed into a StateChunk first, a read
+      // made two copies of every byte on the caller's thread.
       return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
         req.set_incarnation(im.incarnation[s]);  // at each attempt: a Reattach may have renewed it
-        auto reader = im.stubs[s]->Read(ctx, req);
-        v1::StateChunk chunk;
+        bool request_sent = false;
         uint64_t received = 0;
-        while (reader->Read(&chunk)) {
-          const uint64_t n = chunk.data().size() / esize;
-          if (chunk.data().size() % esize != 0 || chunk.offset() < begin || chunk.offset() > end ||
-              n > end - chunk.offset()) {
-            ctx->TryCancel();
-            reader->Finish();
-            return grpc::Status(grpc::StatusCode::INTERNAL, "server sent state outside the range asked for");
-          }
-          std::memcpy(static_cast<char*>(out) + (chunk.offset() - offset) * esize, chunk.data().data(), n * esize);
-          received += n;
-          std::lock_guard<std::mutex> lock(step_mu);
-          mixed = mixed || (read_step && *read_step != chunk.step());
-          read_step = chunk.step();
-        }
-        grpc::Status finished = reader->Finish();
+        const grpc::Status finished = wire::StreamCall::Run(
+            im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Read",
+            [&](grpc::ByteBuffer* message) {
+              if (request_sent) return wire::StreamCall::Ready::kEnd;
+              request_sent = true;
+              *message = wire::HeadAndBorrowedBytes(req.SerializeAsString(), nullptr, 0);
+              return wire::StreamCall::Ready::kMessage;
+            },
+            [] {},
+            [&](grpc::ByteBuffer* message) {
+              wire::ChunkHead head;
+              const auto place = [&](const wire::ChunkHead& h) -> char* {
+                const uint64_t n = h.data_bytes / esize;
+                if (h.tensor != tensor || (h.dtype != dtype && h.dtype != v1::DTYPE_UNSPECIFIED) ||
+                    h.data_bytes % esize != 0 || h.offset < begin ||
+                    h.offset > end || n > end - h.offset) {
+                  return nullptr;
+                }
+                received += n;
+                return static_cast<char*>(out) + (h.offset - offset) * esize;
+              };
+              if (!wire::ReadChunk(message, wire::kStateChunk, place, &head)) {
+                return grpc::Status(grpc::StatusCode::INTERNAL,
+                                    "server sent a malformed chunk, or state outside the range asked for");
+              }
+              std::lock_guard<std::mutex> lock(step_mu);
+              mixed = mixed || (read_step && *read_step != head.step);
+              read_step = head.step;
+              return grpc::Status::OK;
+            });
         // A stream that ends OK short of the range would leave the rest of
         // the caller's buffer as it was, passed off as state.
         if (finished.ok() && received != end - begin) {

@@ -18,11 +18,11 @@ CommitParams::CommitParams(const JobOptions& job, const absl::flat_hash_map<std:
 }
 
 grpc::Status CommitParams::Take(grpc::ByteBuffer* message) {
-  wire::ParamChunkHead head;
+  wire::ChunkHead head;
   bool fp32 = false;
-  const bool good = wire::ReadParamChunk(
-      message,
-      [&](const wire::ParamChunkHead& h) -> char* {
+  const bool good = wire::ReadChunk(
+      message, wire::kParamChunk,
+      [&](const wire::ChunkHead& h) -> char* {
         auto it = tensor_index_.find(h.tensor);
         if (it == tensor_index_.end() || shard_of_[it->second] < 0) return nullptr;
         fp32 = job_.tensors[it->second].param_type == ParamType::kFp32;

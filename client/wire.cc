@@ -142,29 +142,36 @@ std::string GradChunkHead(absl::string_view tensor, uint64_t offset, int dtype, 
   return head;
 }
 
-bool ReadParamChunk(grpc::ByteBuffer* message, absl::FunctionRef<char*(const ParamChunkHead&)> place,
-                    ParamChunkHead* head) {
+const ChunkFields kParamChunk{v1::ParamChunk::kTensorFieldNumber, v1::ParamChunk::kOffsetFieldNumber,
+                               v1::ParamChunk::kDataFieldNumber, v1::ParamChunk::kStepFieldNumber,
+                               v1::ParamChunk::kDtypeFieldNumber};
+const ChunkFields kStateChunk{v1::StateChunk::kTensorFieldNumber, v1::StateChunk::kOffsetFieldNumber,
+                               v1::StateChunk::kDataFieldNumber, v1::StateChunk::kStepFieldNumber,
+                               v1::StateChunk::kDtypeFieldNumber};
+
+bool ReadChunk(grpc::ByteBuffer* message, const ChunkFields& fields, absl::FunctionRef<char*(const ChunkHead&)> place,
+               ChunkHead* head) {
   std::vector<grpc::Slice> slices;
   if (!message->Dump(&slices).ok()) return false;
   std::vector<absl::string_view> views;
   for (const grpc::Slice& s : slices) views.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
   const Pieces bytes(std::move(views), nullptr);  // `slices` outlives it
-  std::vector<Field> fields;
-  if (!ScanFields(bytes, &fields)) return false;
-  *head = ParamChunkHead{};
+  std::vector<Field> scanned;
+  if (!ScanFields(bytes, &scanned)) return false;
+  *head = ChunkHead{};
   const Field* data = nullptr;
-  for (const Field& f : fields) {
+  for (const Field& f : scanned) {
     const Pieces value = bytes.Sub(f.value, f.end - f.value);
     if (f.wire_type == 0) {
       uint64_t v;
       if (!ReadVarint(value, &v)) return false;
-      if (f.number == v1::ParamChunk::kOffsetFieldNumber) head->offset = v;
-      if (f.number == v1::ParamChunk::kStepFieldNumber) head->step = v;
-      if (f.number == v1::ParamChunk::kDtypeFieldNumber) head->dtype = v;
-    } else if (f.wire_type == kLengthDelimited && f.number == v1::ParamChunk::kTensorFieldNumber) {
+      if (f.number == fields.offset) head->offset = v;
+      if (f.number == fields.step) head->step = v;
+      if (f.number == fields.dtype) head->dtype = v;
+    } else if (f.wire_type == kLengthDelimited && f.number == fields.tensor) {
       head->tensor.resize(value.size());
       value.CopyTo(head->tensor.data());
-    } else if (f.wire_type == kLengthDelimited && f.number == v1::ParamChunk::kDataFieldNumber) {
+    } else if (f.wire_type == kLengthDelimited && f.number == fields.data) {
       data = &f;  // the last one wins, as in protobuf
     }
   }

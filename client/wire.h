@@ -106,20 +106,29 @@ class Stream {
   bool finished_ = false;
 };
 
-// The fields of a params chunk (shardopt.v1.ParamChunk) but its data.
-struct ParamChunkHead {
+// The fields of a chunk of a tensor's elements (shardopt.v1.ParamChunk, a
+// commit's params, or StateChunk, a read's state) but its data.
+struct ChunkHead {
   std::string tensor;
   uint64_t offset = 0;
   uint64_t step = 0;
-  uint64_t dtype = 0;  // a v1::DType; unspecified means BF16
+  uint64_t dtype = 0;  // a v1::DType; unspecified means BF16 in a ParamChunk
   uint64_t data_bytes = 0;
 };
 
-// Reads a params chunk straight out of the received slices into the place
-// `place(head)` returns for its data (nullptr refuses the chunk); `place`
-// sees the tensor, offset and data size, and `head` has the step once this
-// returns. False for a malformed message or a refused chunk.
-bool ReadParamChunk(grpc::ByteBuffer* message, absl::FunctionRef<char*(const ParamChunkHead&)> place,
-                    ParamChunkHead* head);
+// Which field number each of those has: the two messages number them apart.
+struct ChunkFields {
+  uint32_t tensor, offset, data, step, dtype;
+};
+extern const ChunkFields kParamChunk;
+extern const ChunkFields kStateChunk;
+
+// Reads a chunk (`fields` say which message) straight out of the received
+// slices into the place `place(head)` returns for its data (nullptr refuses
+// the chunk); `place` sees the tensor, offset, dtype and data size, and
+// `head` has the step once this returns. False for a malformed message or a
+// refused chunk.
+bool ReadChunk(grpc::ByteBuffer* message, const ChunkFields& fields, absl::FunctionRef<char*(const ChunkHead&)> place,
+               ChunkHead* head);
 
 }  // namespace shardopt::wire

@@ -20,6 +20,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -180,11 +181,14 @@ class JobStore {
       kEnd,    // the range is done
       kLater,  // a step is being applied: `wake` runs at the job's next change, to ask again
     };
-    // The next chunk into `chunk`. Every chunk is of a whole step; while one
-    // is half applied (its committer may take any time to read the params)
-    // a null `wake` waits, and a gRPC reactor gives one instead, so that it
-    // holds no thread meanwhile.
-    absl::StatusOr<Pulled> Next(v1::StateChunk* chunk, const std::function<void()>& wake = nullptr);
+    // The next chunk's fields into `chunk`, its data into the bytes
+    // `data(size)` returns (a reactor's own slice, so that the bytes are
+    // copied once, out of the state). Every chunk is of a whole step; while
+    // one is half applied (its committer may take any time to read the
+    // params) a null `wake` waits, and a gRPC reactor gives one instead, so
+    // that it holds no thread meanwhile.
+    absl::StatusOr<Pulled> Next(v1::StateChunk* chunk, absl::FunctionRef<char*(size_t)> data,
+                                const std::function<void()>& wake = nullptr);
 
    private:
     friend class JobStore;

@@ -63,6 +63,7 @@ absl::StatusOr<std::unique_ptr<JobStore::StateStream>> JobStore::OpenRead(const 
 }
 
 absl::StatusOr<JobStore::StateStream::Pulled> JobStore::StateStream::Next(v1::StateChunk* chunk,
+                                                                           absl::FunctionRef<char*(size_t)> data,
                                                                            const std::function<void()>& wake) {
   if (next_ >= end_) return Pulled::kEnd;
   const uint64_t n = std::min(per_chunk_, end_ - next_);
@@ -79,8 +80,7 @@ absl::StatusOr<JobStore::StateStream::Pulled> JobStore::StateStream::Next(v1::St
   chunk->set_tensor(tensor_);
   chunk->set_dtype(ToProto(dtype_));
   chunk->set_offset(next_);
-  chunk->mutable_data()->resize(n * DTypeSize(dtype_));
-  SHARDOPT_RETURN_IF_ERROR(job.state->ReadState(shard_, kind_, next_ - base_, n, dtype_, chunk->mutable_data()->data()));
+  SHARDOPT_RETURN_IF_ERROR(job.state->ReadState(shard_, kind_, next_ - base_, n, dtype_, data(n * DTypeSize(dtype_))));
   chunk->set_step(job.step);
   next_ += n;
   return Pulled::kChunk;
@@ -90,7 +90,10 @@ absl::Status JobStore::Read(const v1::ReadRequest& req, const std::function<bool
   SHARDOPT_ASSIGN_OR_RETURN(auto stream, OpenRead(req));
   v1::StateChunk chunk;
   for (;;) {
-    SHARDOPT_ASSIGN_OR_RETURN(StateStream::Pulled pulled, stream->Next(&chunk));
+    SHARDOPT_ASSIGN_OR_RETURN(StateStream::Pulled pulled, stream->Next(&chunk, [&](size_t bytes) {
+                                chunk.mutable_data()->resize(bytes);
+                                return chunk.mutable_data()->data();
+                              }));
     if (pulled == StateStream::Pulled::kEnd) return absl::OkStatus();
     if (!emit(chunk)) return absl::CancelledError("the caller stopped reading");
   }

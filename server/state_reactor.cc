@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "rpc/grpc_edge.h"
+#include "rpc/wire_format.h"
 #include "server/grpc_hop.h"
 #include "server/metrics.h"
 #include "server/write_watch.h"
@@ -62,7 +63,14 @@ class StateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   // applying a step, the read waits without a thread: the job's next change
   // calls this again, on one of gRPC's threads (grpc_hop.h).
   void WriteNext() {
-    auto pulled = stream_->Next(&chunk_, [this] { hops_.Soon([this] { WriteNext(); }); });
+    grpc::Slice data;
+    auto pulled = stream_->Next(
+        &chunk_,
+        [&data](size_t bytes) {
+          data = grpc::Slice(bytes);  // uninitialized, and this reactor's alone until written
+          return reinterpret_cast<char*>(const_cast<uint8_t*>(data.begin()));
+        },
+        [this] { hops_.Soon([this] { WriteNext(); }); });
     if (pulled.ok() && *pulled == JobStore::StateStream::Pulled::kLater) return;
     if (!pulled.ok() || *pulled == JobStore::StateStream::Pulled::kEnd) {
       End(pulled.ok() ? grpc::Status::OK : ToGrpcStatus(pulled.status()));
@@ -70,7 +78,12 @@ class StateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     }
     static metrics::Counter* const sent =
         metrics::Registry::Default().Series("shardopt_sent_bytes_total", {{"method", "read"}});
-    message_ = SerializeMessage(chunk_);
+    // The fields but data, then data's tag and length, then its slice:
+    // protobuf takes a message's fields in any order.
+    std::string head = chunk_.SerializeAsString();
+    wire::AppendBytesHeader(&head, v1::StateChunk::kDataFieldNumber, data.size());
+    grpc::Slice slices[] = {grpc::Slice(head), std::move(data)};
+    message_ = grpc::ByteBuffer(slices, 2);
     sent->Add(static_cast<double>(message_.Length()));
     watch_.Started();
     StartWrite(&message_);
@@ -80,7 +93,7 @@ class StateReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   WriteWatch watch_;
   GrpcHops hops_;
   std::unique_ptr<JobStore::StateStream> stream_;
-  v1::StateChunk chunk_;
+  v1::StateChunk chunk_;     // the fields of the chunk being written but its data
   grpc::ByteBuffer message_;  // chunk_ as sent, alive until its write is done
 };
 

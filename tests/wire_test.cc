@@ -52,30 +52,43 @@ TEST(Wire, HandBuiltGradChunkParsesAsProtobufsOwn) {
   }
 }
 
-TEST(Wire, ParamChunkIsReadAcrossAnySliceBoundaries) {
-  v1::ParamChunk chunk;
-  chunk.set_tensor("gain");
-  chunk.set_offset(4096 * 3);
-  chunk.set_step(77);
+// A commit's params (ParamChunk) and a read's state (StateChunk), whose
+// fields are numbered apart: each read whole, wherever gRPC cut its slices.
+TEST(Wire, ChunksAreReadAcrossAnySliceBoundaries) {
   std::string data(5000, '\0');
   std::mt19937_64 rng(5);
   for (char& c : data) c = static_cast<char>(rng());
-  chunk.set_data(data);
-  const std::string bytes = chunk.SerializeAsString();
-  for (std::vector<size_t> cuts : std::vector<std::vector<size_t>>{{}, {1}, {3, 4, 5, 6, 7}, {9, 2500, 4999}, {bytes.size() - 1}}) {
-    grpc::ByteBuffer message = Sliced(bytes, cuts);
-    std::string out(data.size(), 'x');
-    ParamChunkHead head;
-    ASSERT_TRUE(ReadParamChunk(
-        &message,
-        [&](const ParamChunkHead& h) -> char* {
-          EXPECT_EQ(h.tensor, "gain");
-          EXPECT_EQ(h.offset, 4096u * 3);
-          return h.data_bytes == out.size() ? out.data() : nullptr;
-        },
-        &head));
-    EXPECT_EQ(out, data);
-    EXPECT_EQ(head.step, 77u);
+  v1::ParamChunk params;
+  params.set_tensor("gain");
+  params.set_offset(4096 * 3);
+  params.set_step(77);
+  params.set_dtype(v1::FP32);
+  params.set_data(data);
+  v1::StateChunk state;
+  state.set_tensor("gain");
+  state.set_offset(4096 * 3);
+  state.set_step(77);
+  state.set_dtype(v1::FP32);
+  state.set_data(data);
+  for (const auto& [bytes, fields] : {std::pair(params.SerializeAsString(), &kParamChunk),
+                                      std::pair(state.SerializeAsString(), &kStateChunk)}) {
+    for (std::vector<size_t> cuts :
+         std::vector<std::vector<size_t>>{{}, {1}, {3, 4, 5, 6, 7}, {9, 2500, 4999}, {bytes.size() - 1}}) {
+      grpc::ByteBuffer message = Sliced(bytes, cuts);
+      std::string out(data.size(), 'x');
+      ChunkHead head;
+      ASSERT_TRUE(ReadChunk(
+          &message, *fields,
+          [&](const ChunkHead& h) -> char* {
+            EXPECT_EQ(h.tensor, "gain");
+            EXPECT_EQ(h.offset, 4096u * 3);
+            EXPECT_EQ(h.dtype, uint64_t{v1::FP32});
+            return h.data_bytes == out.size() ? out.data() : nullptr;
+          },
+          &head));
+      EXPECT_EQ(out, data);
+      EXPECT_EQ(head.step, 77u);
+    }
   }
 }
 
@@ -85,16 +98,16 @@ TEST(Wire, MalformedOrRefusedParamChunksAreReported) {
   chunk.set_data(std::string(64, 'a'));
   const std::string bytes = chunk.SerializeAsString();
   char sink[64];
-  auto accept = [&](const ParamChunkHead&) -> char* { return sink; };
-  ParamChunkHead head;
+  auto accept = [&](const ChunkHead&) -> char* { return sink; };
+  ChunkHead head;
   grpc::ByteBuffer truncated = Sliced(bytes.substr(0, bytes.size() - 1), {});
-  EXPECT_FALSE(ReadParamChunk(&truncated, accept, &head));
+  EXPECT_FALSE(ReadChunk(&truncated, kParamChunk, accept, &head));
   grpc::ByteBuffer refused = Sliced(bytes, {});
-  EXPECT_FALSE(ReadParamChunk(&refused, [](const ParamChunkHead&) -> char* { return nullptr; }, &head));
+  EXPECT_FALSE(ReadChunk(&refused, kParamChunk, [](const ChunkHead&) -> char* { return nullptr; }, &head));
   grpc::ByteBuffer bad_type = Sliced(std::string("\x0d\x00\x00\x00\x00", 5), {});  // fixed32: not in ParamChunk
-  EXPECT_FALSE(ReadParamChunk(&bad_type, accept, &head));
+  EXPECT_FALSE(ReadChunk(&bad_type, kParamChunk, accept, &head));
   grpc::ByteBuffer no_data = Sliced(std::string("\x20\x05", 2), {});  // step only
-  EXPECT_FALSE(ReadParamChunk(&no_data, accept, &head));
+  EXPECT_FALSE(ReadChunk(&no_data, kParamChunk, accept, &head));
 }
 
 // One server's push stream, message by message: the head, then for each
