@@ -7,6 +7,8 @@
 #include "client/commit_params.h"
 #include "client/option_checks.h"
 #include "client/wire.h"
+#include "rpc/grpc_edge.h"
+#include "rpc/wire_format.h"
 #include "rpc/initial_values.h"
 
 namespace shardopt {
@@ -272,24 +274,36 @@ absl::Status Client::Impl::InitTensor(const std::string& tensor, const void* val
       if (placed.tensor != tensor) continue;
       const ShardPlacement p = ShareOf(placed, share);
       if (p.length == 0) return absl::OkStatus();
+      // Each chunk borrows its data from `values` (as a push borrows the
+      // gradients), where protobuf would copy it into the message, and
+      // again when gRPC serialized it.
       return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-        v1::InitResponse resp;
-        auto writer = stubs[s]->Init(ctx, &resp);
-        v1::InitChunk chunk;
-        chunk.set_job(job.name);
-        chunk.set_tensor(tensor);
-        chunk.set_dtype(dtype);
-        chunk.set_kind(kind);
-        chunk.set_adam_step(adam_step);
-        chunk.set_incarnation(incarnation[s]);
-        for (uint64_t off = p.offset; off < p.offset + p.length; off += per_chunk) {
+        v1::InitChunk fields;  // each chunk's but its offset and data
+        fields.set_job(job.name);
+        fields.set_tensor(tensor);
+        fields.set_dtype(dtype);
+        fields.set_kind(kind);
+        fields.set_adam_step(adam_step);
+        fields.set_incarnation(incarnation[s]);
+        const std::string common = fields.SerializeAsString();
+        uint64_t off = p.offset;
+        auto next = [&](grpc::ByteBuffer* message) {
+          if (off >= p.offset + p.length) return wire::StreamCall::Ready::kEnd;
           const uint64_t n = std::min(per_chunk, p.offset + p.length - off);
-          chunk.set_offset(off);
-          chunk.set_data(static_cast<const char*>(values) + off * esize, n * esize);
-          if (!writer->Write(chunk)) break;
-        }
-        writer->WritesDone();
-        return writer->Finish();
+          std::string head = common;
+          wire::AppendVarintField(&head, v1::InitChunk::kOffsetFieldNumber, off);
+          wire::AppendBytesHeader(&head, v1::InitChunk::kDataFieldNumber, n * esize);
+          *message = wire::HeadAndBorrowedBytes(head, static_cast<const char*>(values) + off * esize, n * esize);
+          off += n;
+          return wire::StreamCall::Ready::kMessage;
+        };
+        v1::InitResponse answer;
+        return wire::StreamCall::Run(generic[s].get(), ctx, "/shardopt.v1.Optimizer/Init", next, [] {},
+                                     [&](grpc::ByteBuffer* message) {
+                                       return ParseMessage(message, &answer, "InitResponse").ok()
+                                                  ? grpc::Status::OK
+                                                  : grpc::Status(grpc::StatusCode::INTERNAL, "malformed init response");
+                                     });
       });
     }
     return absl::OkStatus();
