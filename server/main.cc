@@ -453,7 +453,19 @@ int main(int argc, char** argv) {
   // each job's part at its step. With several servers the checkpoint becomes
   // complete only if every server of the job writes the same step (all of
   // them stopped between two steps); a job on one server is always complete.
-  if (!store_options.checkpoint_dir.empty()) {
+  if (store_options.checkpoint_dir.empty()) {
+    // Nothing to write them to: say so, rather than let the jobs go unseen.
+    shardopt::v1::ListJobsRequest first;
+    first.set_max_jobs(16);
+    const shardopt::v1::ListJobsResponse held = store.ListJobs(first, [](const std::string&) { return true; });
+    if (held.jobs_size() > 0) {
+      std::vector<std::string> names;
+      for (const shardopt::v1::JobSummary& job : held.jobs()) names.push_back(job.job());
+      log::Warning("jobs_discarded", {{"jobs", absl::StrJoin(names, ",")},
+                                      {"more", held.more() ? "true" : "false"},  // past the first 16
+                                      {"why", "no --checkpoint_dir: their state ends with the process"}});
+    }
+  } else {
     int failed = 0;
     for (const auto& [job, result] : store.DrainAndCheckpoint()) {
       if (!result.ok()) ++failed;  // each logged by the store, as is each one written

@@ -252,6 +252,21 @@ TEST_F(LogsTest, ACheckpointThatFailsAtTheDrainIsScrapedBeforeTheServerExits) {
   EXPECT_EQ(Events(lines, "drain_failed_wait")[0].value("scraped", ""), "true");
 }
 
+// A server with nowhere to write its jobs says, when it stops, which ones
+// it lets go: they ended with the process in silence (an operator's probe).
+TEST_F(LogsTest, AStopWithoutACheckpointDirNamesTheJobsItDiscards) {
+  auto server = ServerProcess::StartLogged({"--log_format=json"});
+  ASSERT_NE(server, nullptr);
+  ASSERT_TRUE(Connect(server->address(), "")->CreateOrAttach(OneTensor4k("kept-nowhere")).ok());
+  const int status = server->Stop(SIGTERM);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  const std::vector<nlohmann::json> discarded = Events(JsonLines(server->log()), "jobs_discarded");
+  ASSERT_EQ(discarded.size(), 1u) << server->log();
+  EXPECT_EQ(discarded[0].value("jobs", ""), "kept-nowhere");
+  EXPECT_EQ(discarded[0].value("more", ""), "false");
+  EXPECT_EQ(discarded[0].value("level", ""), "warning");
+}
+
 // Connections that send nothing (a port scan, a stuck client) hold up no
 // scrape: each was given two seconds in turn, so five delayed one by ten.
 TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherConnectionsSendNothing) {
