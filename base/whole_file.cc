@@ -30,7 +30,10 @@ int WriteAll(int fd, absl::Span<const std::string_view> pieces) {
   return 0;
 }
 
-absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::string_view> pieces) {
+namespace {
+
+// WriteFileWhole's and WriteFileNew's steps; `replace` says which of the two.
+absl::Status WriteFile(const std::string& path, absl::Span<const std::string_view> pieces, bool replace) {
   const std::string tmp = TemporaryName(path);
   // Named by `path`, the file the caller asked for: the temporary name is
   // what failed, but not what the caller knows.
@@ -47,9 +50,18 @@ absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::strin
     doing = "fsyncing";
   }
   if (close(fd) != 0 && error == 0) error = errno;
-  if (error == 0 && rename(tmp.c_str(), path.c_str()) != 0) {
+  if (error == 0 && replace && rename(tmp.c_str(), path.c_str()) != 0) {
     error = errno;
     doing = "renaming";
+  }
+  if (error == 0 && !replace) {
+    // A hard link fails if the name is taken, where a rename replaces it.
+    if (link(tmp.c_str(), path.c_str()) != 0) {
+      error = errno;
+      doing = "linking";
+    }
+    unlink(tmp.c_str());
+    if (error == EEXIST) return absl::AlreadyExistsError(absl::StrCat(path, " is there already"));
   }
   if (error != 0) {
     unlink(tmp.c_str());
@@ -61,6 +73,16 @@ absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::strin
                                             ": a crash may still bring back the file it replaced"));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::string_view> pieces) {
+  return WriteFile(path, pieces, /*replace=*/true);
+}
+
+absl::Status WriteFileNew(const std::string& path, absl::Span<const std::string_view> pieces) {
+  return WriteFile(path, pieces, /*replace=*/false);
 }
 
 std::string DirectoryOf(const std::string& path) {

@@ -29,6 +29,11 @@ int WriteAll(int fd, absl::Span<const std::string_view> pieces);
 // is removed if the rename did not happen, and a failed fsync of the
 // directory says that the new file is in place.
 absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::string_view> pieces);
+// The same, but never over a file already at `path`: the temporary is
+// linked to `path` instead of renamed, and ALREADY_EXISTS, with nothing
+// changed, if another writer's file is there, even one linked a moment
+// before. Of two writers at once, exactly one makes the file.
+absl::Status WriteFileNew(const std::string& path, absl::Span<const std::string_view> pieces);
 
 // The directory `path` names a file in ("." for a bare name).
 std::string DirectoryOf(const std::string& path);

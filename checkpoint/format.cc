@@ -246,6 +246,8 @@ absl::StatusOr<WriteResult> PartWriter::CompleteIfTiled() {
   }
   SHARDOPT_ASSIGN_OR_RETURN(auto tiles, Tiles(parts));
   if (!tiles) return result_;
+  // In name order, so that every writer that sees these parts makes the same marker.
+  std::sort(parts.begin(), parts.end(), [](const PartHead& a, const PartHead& b) { return a.path < b.path; });
   v1::CommitMarker marker;
   marker.set_job(spec.job());
   marker.set_step(manifest_.step());
@@ -255,8 +257,24 @@ absl::StatusOr<WriteResult> PartWriter::CompleteIfTiled() {
     ref->set_bytes(p.file_bytes);
     ref->set_data_crc32c(p.data_crc);
   }
-  SHARDOPT_RETURN_IF_ERROR(WriteFileAtomic(result_.directory, kCommitName, {Frame(marker)}));
+  // Made once: two servers on one directory that tiled the step at the same
+  // moment both made it, and both pruned the same old steps after it.
+  const std::string frame = Frame(marker);
+  const std::string commit = absl::StrCat(result_.directory, "/", kCommitName);
+  absl::Status made = WriteFileNew(commit, {frame});
+  if (absl::IsAlreadyExists(made)) {
+    auto there = FileSize(commit);
+    if (there.ok() && *there == frame.size()) {
+      if (auto bytes = ReadRange(commit, 0, *there); bytes.ok() && *bytes == frame) {
+        result_.complete = true;  // a peer's, of these parts
+        return result_;
+      }
+    }
+    made = WriteFileAtomic(result_.directory, kCommitName, {frame});  // of other parts: this one's, as before
+  }
+  SHARDOPT_RETURN_IF_ERROR(made);
   result_.complete = true;
+  result_.committed_here = true;
   return result_;
 }
 

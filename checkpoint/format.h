@@ -99,6 +99,9 @@ struct WriteResult {
   std::string directory;
   uint64_t part_bytes = 0;
   bool complete = false;
+  // This writer made the step's COMMIT. Servers sharing the directory that
+  // tile a step at the same moment both find it complete; one makes COMMIT.
+  bool committed_here = false;
   // Files of the step named as parts that could not be read (a stray or
   // damaged file), each with why: not counted towards COMMIT, which lists
   // only parts that were read, and left where they are.

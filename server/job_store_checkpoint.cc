@@ -110,7 +110,7 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
                                {"bytes", absl::StrCat(written.part_bytes)},
                                {"seconds", absl::StrCat(seconds)},
                                {"complete", written.complete ? "true" : "false"}});
-  if (written.complete && options_.checkpoint_keep > 0) {
+  if (written.committed_here && options_.checkpoint_keep > 0) {
     for (const std::string& dir : checkpoint::Prune(options_.checkpoint_dir, job.name(), options_.checkpoint_keep)) {
       options_.checkpoint_log(absl::StrCat("pruned checkpoint ", dir, " (--checkpoint_keep=", options_.checkpoint_keep, ")"));
     }
