@@ -25,7 +25,7 @@ absl::Status Client::Impl::CheckAttached() const {
 absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
   // Nothing begun yet: a failed fan-out need not wait for a restore.
   if (fanout::current != nullptr && fanout::current->failed()) {
-    return absl::CancelledError(absl::StrCat(address(s), ": another server's call failed"));
+    return fanout::FanoutCancelled(address(s));
   }
   // From here not cancelled by another server's failure: a CreateJob cut
   // off may have made the job afresh, and the drop that undoes it must be

@@ -2,12 +2,27 @@
 
 #include <string>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "rpc/barrier_timeout.h"
 
 namespace shardopt::fanout {
 
 thread_local Fanout* current = nullptr;
+
+namespace {
+constexpr char kFanoutCancelledPayload[] = "type.shardopt.dev/fanout-cancelled";
+}  // namespace
+
+absl::Status FanoutCancelled(const std::string& address) {
+  absl::Status st = absl::CancelledError(absl::StrCat(address, ": another server's call failed"));
+  st.SetPayload(kFanoutCancelledPayload, absl::Cord());
+  return st;
+}
+
+bool IsFanoutCancelled(const absl::Status& st) {
+  return absl::IsCancelled(st) && st.GetPayload(kFanoutCancelledPayload).has_value();
+}
 
 bool Fanout::Register(grpc::ClientContext* ctx) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -72,13 +72,20 @@ class Detached {
 // was back, past every retry of its own.
 void AwaitChannel(grpc::Channel* channel, std::chrono::milliseconds pause);
 
+// The error of a call of `address` that this client's fan-out cancelled
+// (another server's call failed), marked so: the caller is given that
+// server's error instead (ForEach), and it is not retried. A server's own
+// CANCELLED is not marked.
+absl::Status FanoutCancelled(const std::string& address);
+bool IsFanoutCancelled(const absl::Status& st);
+
 // Whether an attempt's error is worth another: UNAVAILABLE, DEADLINE_EXCEEDED
 // and CANCELLED. Every RPC of the protocol is safe to retry. This client
-// cancels a call only through its fan-out, whose next attempt then does not
-// start (Register), so a CANCELLED that reaches a retry is the server's: a
-// stopping server's gRPC answers the calls it has received but not begun
-// with CANCELLED "CANCELLED" (gRPC 1.51; grpc/grpc#41785), and a server ends
-// a stream whose caller read nothing for its idle timeout so.
+// cancels a call only through its fan-out, which Call tells apart, so a
+// CANCELLED that reaches a retry is the server's: a stopping server's gRPC
+// answers the calls it has received but not begun with CANCELLED
+// "CANCELLED" (gRPC 1.51; grpc/grpc#41785), and a server ends a stream whose
+// caller read nothing for its idle timeout so.
 inline bool Retriable(const grpc::Status& st) {
   return st.error_code() == grpc::StatusCode::UNAVAILABLE || st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
          st.error_code() == grpc::StatusCode::CANCELLED;
@@ -116,12 +123,13 @@ absl::Status Call(grpc::Channel* channel, const std::string& address, const std:
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
     if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
-    if (current != nullptr && !current->Register(&ctx)) {
-      return absl::CancelledError(absl::StrCat(address, ": another server's call failed"));
-    }
+    if (current != nullptr && !current->Register(&ctx)) return FanoutCancelled(address);
     st = attempt(&ctx);
     ++attempts;
     if (current != nullptr) current->Unregister(&ctx);
+    if (st.error_code() == grpc::StatusCode::CANCELLED && current != nullptr && current->failed()) {
+      return FanoutCancelled(address);
+    }
     if (!Retriable(st)) break;
   }
   return WithRetryAdvice(FromGrpcStatus(st, address), attempts);
@@ -135,7 +143,8 @@ inline absl::Status FailFanout(absl::Status st) {
 }
 
 // Runs fn(target) for every target at once, one thread each, and returns the
-// first error in target order that is not a cancellation by the fan-out.
+// first error in target order that is not a cancellation by the fan-out
+// (IsFanoutCancelled).
 template <typename Fn>
 absl::Status ForEach(const std::vector<uint32_t>& targets, const Fn& fn) {
   std::vector<absl::Status> results(targets.size());
@@ -150,7 +159,7 @@ absl::Status ForEach(const std::vector<uint32_t>& targets, const Fn& fn) {
   for (auto& t : threads) t.join();
   absl::Status first;
   for (const absl::Status& st : results) {
-    if (!st.ok() && (first.ok() || absl::IsCancelled(first))) first = st;
+    if (!st.ok() && (first.ok() || IsFanoutCancelled(first))) first = st;
   }
   return first;
 }
