@@ -56,17 +56,13 @@ absl::Status WriteFile(const std::string& path, absl::Span<const std::string_vie
   }
   if (error == 0 && !replace) {
     // A hard link fails if the name is taken, where a rename replaces it.
-    // A filesystem without hard links (some FUSE and SMB mounts) gets the
-    // rename: a checkpoint must not fail for it, and it is no worse than
-    // before (untested here: every filesystem of this machine has links).
-    if (link(tmp.c_str(), path.c_str()) != 0) {
-      error = errno;
-      doing = "linking";
-    }
-    if (error == EPERM || error == ENOTSUP || error == ENOSYS) {  // ENOTSUP is EOPNOTSUPP on Linux
-      error = rename(tmp.c_str(), path.c_str()) == 0 ? 0 : errno;
-      doing = "renaming";
-    }
+    // A filesystem without hard links (some FUSE and SMB mounts, which fail
+    // it with EPERM, ENOTSUP, EACCES or EIO) gets the rename: a checkpoint
+    // must not fail for it, and it is no worse than before (untested here:
+    // every filesystem of this machine has links).
+    if (link(tmp.c_str(), path.c_str()) != 0) error = errno;
+    if (error != 0 && error != EEXIST) error = rename(tmp.c_str(), path.c_str()) == 0 ? 0 : errno;
+    doing = "renaming";
     unlink(tmp.c_str());
     if (error == EEXIST) return absl::AlreadyExistsError(absl::StrCat(path, " is there already"));
   }

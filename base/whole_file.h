@@ -32,8 +32,9 @@ absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::strin
 // The same, but never over a file already at `path`: the temporary is
 // linked to `path` instead of renamed, and ALREADY_EXISTS, with nothing
 // changed, if another writer's file is there, even one linked a moment
-// before. Of two writers at once, exactly one makes the file. On a
-// filesystem without hard links it renames, as WriteFileWhole does.
+// before. Of two writers at once, exactly one makes the file, where the
+// filesystem has hard links; where it has none, the link's error makes this
+// rename, as WriteFileWhole does, and both writers make it.
 absl::Status WriteFileNew(const std::string& path, absl::Span<const std::string_view> pieces);
 
 // The directory `path` names a file in ("." for a bare name).

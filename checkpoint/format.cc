@@ -266,7 +266,9 @@ absl::StatusOr<WriteResult> PartWriter::CompleteIfTiled() {
     auto there = FileSize(commit);
     if (there.ok() && *there == frame.size()) {
       if (auto bytes = ReadRange(commit, 0, *there); bytes.ok() && *bytes == frame) {
-        result_.complete = true;  // a peer's, of these parts
+        // A peer's, of these parts, which it may not have fsynced yet.
+        SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(result_.directory));
+        result_.complete = true;
         return result_;
       }
     }
