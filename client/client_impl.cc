@@ -91,17 +91,11 @@ absl::Status Client::Impl::CommitOn(uint32_t s, const v1::CommitRequest& req, ab
   return UnlessServerBehind(
       s, req.step(), Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
         CommitParams received(job, tensor_index, shards_of[s], out, req.step());  // afresh for each attempt
-        bool request_sent = false;
-        auto next = [&](grpc::ByteBuffer* message) {
-          if (request_sent) return wire::StreamCall::Ready::kEnd;
-          request_sent = true;
-          v1::CommitRequest here = req;
-          here.set_incarnation(incarnation[s]);  // read at each attempt: a Reattach may have renewed it
-          *message = wire::HeadAndBorrowedBytes(here.SerializeAsString(), nullptr, 0);
-          return wire::StreamCall::Ready::kMessage;
-        };
+        v1::CommitRequest here = req;
+        here.set_incarnation(incarnation[s]);  // read at each attempt: a Reattach may have renewed it
+        wire::SendOnce request(here.SerializeAsString());
         const grpc::Status gs = wire::StreamCall::Run(
-            generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit", next, [] {},
+            generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit", request, [] {},
             [&](grpc::ByteBuffer* message) { return received.Take(message); });
         return gs.ok() ? received.Whole() : gs;
       }));
@@ -298,12 +292,15 @@ absl::Status Client::Impl::InitTensor(const std::string& tensor, const void* val
           return wire::StreamCall::Ready::kMessage;
         };
         v1::InitResponse answer;
-        return wire::StreamCall::Run(generic[s].get(), ctx, "/shardopt.v1.Optimizer/Init", next, [] {},
-                                     [&](grpc::ByteBuffer* message) {
-                                       return ParseMessage(message, &answer, "InitResponse").ok()
-                                                  ? grpc::Status::OK
-                                                  : grpc::Status(grpc::StatusCode::INTERNAL, "malformed init response");
-                                     });
+        bool answered = false;
+        const grpc::Status gs = wire::StreamCall::Run(
+            generic[s].get(), ctx, "/shardopt.v1.Optimizer/Init", next, [] {}, [&](grpc::ByteBuffer* message) {
+              answered = ParseMessage(message, &answer, "InitResponse").ok();
+              return answered ? grpc::Status::OK : grpc::Status(grpc::StatusCode::INTERNAL, "malformed init response");
+            });
+        // As the typed writer's Finish did: OK without an answer is no answer.
+        if (gs.ok() && !answered) return grpc::Status(grpc::StatusCode::INTERNAL, "the server ended the init without an answer");
+        return gs;
       });
     }
     return absl::OkStatus();

@@ -44,17 +44,10 @@ absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t 
       // made two copies of every byte on the caller's thread.
       return im.Call(s, im.options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
         req.set_incarnation(im.incarnation[s]);  // at each attempt: a Reattach may have renewed it
-        bool request_sent = false;
         uint64_t received = 0;
+        wire::SendOnce request(req.SerializeAsString());
         const grpc::Status finished = wire::StreamCall::Run(
-            im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Read",
-            [&](grpc::ByteBuffer* message) {
-              if (request_sent) return wire::StreamCall::Ready::kEnd;
-              request_sent = true;
-              *message = wire::HeadAndBorrowedBytes(req.SerializeAsString(), nullptr, 0);
-              return wire::StreamCall::Ready::kMessage;
-            },
-            [] {},
+            im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Read", request, [] {},
             [&](grpc::ByteBuffer* message) {
               wire::ChunkHead head;
               const auto place = [&](const wire::ChunkHead& h) -> char* {

@@ -15,6 +15,13 @@ grpc::ByteBuffer HeadAndBorrowedBytes(const std::string& head, const void* bytes
   return grpc::ByteBuffer(slices, length > 0 ? 2 : 1);
 }
 
+StreamCall::Ready SendOnce::operator()(grpc::ByteBuffer* out) const {
+  if (sent_) return StreamCall::Ready::kEnd;
+  sent_ = true;
+  *out = HeadAndBorrowedBytes(request_, nullptr, 0);
+  return StreamCall::Ready::kMessage;
+}
+
 grpc::Status StreamCall::Run(grpc::GenericStub* stub, grpc::ClientContext* context, const std::string& method,
                              Next next, Wait wait, Received received) {
   StreamCall call(context, next, wait, received);

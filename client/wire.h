@@ -81,6 +81,18 @@ class StreamCall final : public grpc::ClientBidiReactor<grpc::ByteBuffer, grpc::
   grpc::Status status_;
 };
 
+// StreamCall's Next for a call of one request, then the half-close: a
+// server-streaming method (Commit, Read) through the generic stub.
+class SendOnce {
+ public:
+  explicit SendOnce(std::string request) : request_(std::move(request)) {}
+  StreamCall::Ready operator()(grpc::ByteBuffer* out) const;
+
+ private:
+  const std::string request_;
+  mutable bool sent_ = false;  // absl::FunctionRef calls it as const
+};
+
 // One streaming call through the generic stub, driven to completion op by op
 // on a private queue, so it reads like a synchronous stream: for tests and
 // tools that send messages one at a time, where a hop per message costs

@@ -87,8 +87,8 @@ class CommitStream {
           return absl::FailedPreconditionError(absl::StrCat(
               "the ranks of job '", job_.name(), "' pushed step ", t_, " to be applied differently (", differ,
               "); nothing was applied: every rank must step with the same lr, group "
-              "lrs, max_grad_norm and loss_scale (the C++ client's StepOptions; RemoteAdamW's is always 1) (a "
-              "rank that pushes the step again says its settings anew)"));
+              "lrs, max_grad_norm and loss_scale (RemoteAdamW's is always 1); a rank that pushes the step again "
+              "says its settings anew"));
         }
         // Decide skips such a step; a client that applies it anyway would
         // make this server's masters NaN for good.
