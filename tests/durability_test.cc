@@ -800,8 +800,9 @@ struct RestartsUnderAPush {
   // round's Describe names rank 1 as the one it waits for; a job the server
   // restored and nobody pushed to has no round). Step 1 is checkpointed
   // first: what server 0 restores, each time. After the restarts, `then`
-  // runs (rank 1's step, to let rank 0's through), and this returns rank 0's
-  // Step's outcome once it has ended.
+  // runs (rank 1's step, to let rank 0's through; none: rank 0's is to end
+  // by itself within 30 s), and this returns rank 0's Step's outcome once it
+  // has ended.
   absl::Status StepWhileServer0Restarts(int signal, int restarts, const std::function<void()>& then) {
     if (!ranks->StepBoth(&got0, &got1)) return absl::InternalError("step 1 failed");
     if (absl::Status st = ranks->client(0).Checkpoint(); !st.ok()) return st;
@@ -833,7 +834,18 @@ struct RestartsUnderAPush {
       fixed.Restart(0);
       if (fixed.servers[0] == nullptr) break;  // reported; the step then fails
     }
-    if (then) then();
+    if (then) {
+      then();
+    } else {
+      // Rank 0's step is to end by itself; if it waits at the barrier
+      // instead, rank 1's step lets it through rather than the barrier's
+      // minute per attempt.
+      for (int i = 0; i < 300 && !ended.load(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      if (!ended.load()) {
+        ADD_FAILURE() << "rank 0's step did not end within 30 s of the last restart";
+        ranks->Step(1, &got1).IgnoreError();
+      }
+    }
     stepping.join();
     return rank0;
   }
