@@ -109,6 +109,10 @@ class JobStore {
   // DEADLINE_EXCEEDED, not checkpointed: the others do not wait for it.
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> DrainAndCheckpoint(
       absl::Duration wait_for_steps = absl::Seconds(20)) ABSL_LOCKS_EXCLUDED(mu_);
+  // For a stop without a checkpoint directory: logs the jobs held, whose
+  // state ends with the process (job_discarded, one line per job for the
+  // first 16 by name, then one with how many more).
+  void LogDiscardedAtStop() const ABSL_LOCKS_EXCLUDED(mu_);
   // `incarnation` as Find's: a caller of another life of the job drops nothing.
   // A job a CreateJob is building is waited for, then dropped, and its life
   // marked dropped in the checkpoint directory.

@@ -1,7 +1,10 @@
 // JobStore's checkpoints: one asked for by a client, and every job's at a
 // drain. The part's bytes are checkpoint/'s; the snapshot is job_snapshot's.
+#include <algorithm>
 #include <chrono>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -169,6 +172,21 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
     results.emplace_back(name, WriteCheckpoint(request, /*charged=*/false, absl::InfiniteFuture()));
   }
   return results;
+}
+
+void JobStore::LogDiscardedAtStop() const {
+  std::vector<std::string> names;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, job] : jobs_) names.push_back(name);
+  }
+  std::sort(names.begin(), names.end());
+  constexpr size_t kNamed = 16;
+  const char* const why = "no --checkpoint_dir: its state ends with the process";
+  for (size_t i = 0; i < std::min(kNamed, names.size()); ++i) {
+    log::Warning("job_discarded", {{"job", names[i]}, {"why", why}});
+  }
+  if (names.size() > kNamed) log::Warning("job_discarded", {{"more", absl::StrCat(names.size() - kNamed)}, {"why", why}});
 }
 
 }  // namespace shardopt

@@ -454,17 +454,7 @@ int main(int argc, char** argv) {
   // complete only if every server of the job writes the same step (all of
   // them stopped between two steps); a job on one server is always complete.
   if (store_options.checkpoint_dir.empty()) {
-    // Nothing to write them to: say so, rather than let the jobs go unseen.
-    shardopt::v1::ListJobsRequest first;
-    first.set_max_jobs(16);
-    const shardopt::v1::ListJobsResponse held = store.ListJobs(first, [](const std::string&) { return true; });
-    if (held.jobs_size() > 0) {
-      std::vector<std::string> names;
-      for (const shardopt::v1::JobSummary& job : held.jobs()) names.push_back(job.job());
-      log::Warning("jobs_discarded", {{"jobs", absl::StrJoin(names, ",")},
-                                      {"more", held.more() ? "true" : "false"},  // past the first 16
-                                      {"why", "no --checkpoint_dir: their state ends with the process"}});
-    }
+    store.LogDiscardedAtStop();  // nothing to write them to: said, rather than let the jobs go unseen
   } else {
     int failed = 0;
     for (const auto& [job, result] : store.DrainAndCheckpoint()) {
