@@ -1,6 +1,8 @@
 // Client::Read against a server that ends a Read stream OK before it has
 // sent the whole range: DATA_LOSS, saying how much came, rather than OK
-// with the rest of the caller's buffer left as it was.
+// with the rest of the caller's buffer left as it was; and against one that
+// sends another tensor's chunk, or one of another dtype: INTERNAL, rather
+// than those bytes in the caller's buffer.
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,7 +18,9 @@
 namespace shardopt {
 namespace {
 
-// Takes any job; answers a Read with the first half of the range only.
+// Takes any job. Answers a Read of job "short" with the first half of the
+// range only; of "other-tensor" with the whole range named as tensor "x";
+// of "other-dtype" with the whole range as BF16, for a read of the master.
 class ShortReadService final : public v1::Optimizer::Service {
  public:
   grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest*, v1::CreateJobResponse* r) override {
@@ -27,9 +31,10 @@ class ShortReadService final : public v1::Optimizer::Service {
   grpc::Status Read(grpc::ServerContext*, const v1::ReadRequest* request,
                     grpc::ServerWriter<v1::StateChunk>* writer) override {
     v1::StateChunk chunk;
-    chunk.set_tensor(request->tensor());
+    chunk.set_tensor(request->job() == "other-tensor" ? "x" : request->tensor());
     chunk.set_offset(request->offset());
-    chunk.set_data(std::string(request->length() / 2 * 4, '\x01'));
+    if (request->job() == "other-dtype") chunk.set_dtype(v1::BF16);
+    chunk.set_data(std::string((request->job() == "short" ? request->length() / 2 : request->length()) * 4, '\x01'));
     writer->Write(chunk);
     return grpc::Status::OK;
   }
@@ -61,6 +66,33 @@ TEST(ClientReadTest, AServerThatSendsPartOfTheRangeIsDataLoss) {
   // OK up to the tensor's end, as client.h says, and OUT_OF_RANGE past it.
   EXPECT_TRUE((*client)->Read("w", StateToRead::kMaster, 100, 0, nullptr).ok());
   EXPECT_EQ((*client)->Read("w", StateToRead::kMaster, 101, 0, nullptr).code(), absl::StatusCode::kOutOfRange);
+  server->Shutdown();
+}
+
+TEST(ClientReadTest, AChunkOfAnotherTensorOrDtypeIsRefused) {
+  ShortReadService service;
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(server, nullptr);
+  for (const std::string name : {"other-tensor", "other-dtype"}) {
+    ClientOptions options;
+    options.servers = {absl::StrCat("127.0.0.1:", port)};
+    auto client = Client::Connect(options);
+    ASSERT_TRUE(client.ok()) << client.status();
+    JobOptions job;
+    job.name = name;
+    job.world_size = 1;
+    job.groups = {{"g", 0.9, 0.95, 1e-8f, 0.0}};
+    job.tensors = {{"w", 100, 0}};
+    ASSERT_TRUE((*client)->CreateOrAttach(job).ok());
+    std::vector<float> out(100, 0.0f);
+    const absl::Status read = (*client)->Read("w", StateToRead::kMaster, 0, 100, out.data());
+    EXPECT_EQ(read.code(), absl::StatusCode::kInternal) << name << ": " << read;
+    EXPECT_EQ(out, std::vector<float>(100, 0.0f)) << name << ": the chunk's bytes went into the buffer";
+  }
   server->Shutdown();
 }
 
