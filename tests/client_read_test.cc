@@ -40,60 +40,60 @@ class ShortReadService final : public v1::Optimizer::Service {
   }
 };
 
-TEST(ClientReadTest, AServerThatSendsPartOfTheRangeIsDataLoss) {
-  ShortReadService service;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
-  ClientOptions options;
-  options.servers = {absl::StrCat("127.0.0.1:", port)};
-  auto client = Client::Connect(options);
-  ASSERT_TRUE(client.ok()) << client.status();
-  JobOptions job;
-  job.name = "short";
-  job.world_size = 1;
-  job.groups = {{"g", 0.9, 0.95, 1e-8f, 0.0}};
-  job.tensors = {{"w", 100, 0}};
-  ASSERT_TRUE((*client)->CreateOrAttach(job).ok());
-  std::vector<float> out(100, 0.0f);
-  const absl::Status read = (*client)->Read("w", StateToRead::kMaster, 0, 100, out.data());
-  EXPECT_EQ(read.code(), absl::StatusCode::kDataLoss) << read;
-  EXPECT_NE(read.message().find("50 of the 100 elements"), std::string::npos) << read;
-  // A count of 0 asks no server (this one would answer 0 of 0 elements):
-  // OK up to the tensor's end, as client.h says, and OUT_OF_RANGE past it.
-  EXPECT_TRUE((*client)->Read("w", StateToRead::kMaster, 100, 0, nullptr).ok());
-  EXPECT_EQ((*client)->Read("w", StateToRead::kMaster, 101, 0, nullptr).code(), absl::StatusCode::kOutOfRange);
-  server->Shutdown();
-}
+class ClientReadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    builder.RegisterService(&service_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+  }
+  void TearDown() override { server_->Shutdown(); }
 
-TEST(ClientReadTest, AChunkOfAnotherTensorOrDtypeIsRefused) {
-  ShortReadService service;
-  grpc::ServerBuilder builder;
-  int port = 0;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  ASSERT_NE(server, nullptr);
-  for (const std::string name : {"other-tensor", "other-dtype"}) {
+  // A client attached to job `name` (tensor w, 100 elements) on the server.
+  std::unique_ptr<Client> Attached(const std::string& name) {
     ClientOptions options;
-    options.servers = {absl::StrCat("127.0.0.1:", port)};
+    options.servers = {absl::StrCat("127.0.0.1:", port_)};
     auto client = Client::Connect(options);
-    ASSERT_TRUE(client.ok()) << client.status();
+    EXPECT_TRUE(client.ok()) << client.status();
+    if (!client.ok()) return nullptr;
     JobOptions job;
     job.name = name;
     job.world_size = 1;
     job.groups = {{"g", 0.9, 0.95, 1e-8f, 0.0}};
     job.tensors = {{"w", 100, 0}};
-    ASSERT_TRUE((*client)->CreateOrAttach(job).ok());
+    EXPECT_TRUE((*client)->CreateOrAttach(job).ok());
+    return *std::move(client);
+  }
+
+  ShortReadService service_;
+  int port_ = 0;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+TEST_F(ClientReadTest, AServerThatSendsPartOfTheRangeIsDataLoss) {
+  auto client = Attached("short");
+  ASSERT_NE(client, nullptr);
+  std::vector<float> out(100, 0.0f);
+  const absl::Status read = client->Read("w", StateToRead::kMaster, 0, 100, out.data());
+  EXPECT_EQ(read.code(), absl::StatusCode::kDataLoss) << read;
+  EXPECT_NE(read.message().find("50 of the 100 elements"), std::string::npos) << read;
+  // A count of 0 asks no server (this one would answer 0 of 0 elements):
+  // OK up to the tensor's end, as client.h says, and OUT_OF_RANGE past it.
+  EXPECT_TRUE(client->Read("w", StateToRead::kMaster, 100, 0, nullptr).ok());
+  EXPECT_EQ(client->Read("w", StateToRead::kMaster, 101, 0, nullptr).code(), absl::StatusCode::kOutOfRange);
+}
+
+TEST_F(ClientReadTest, AChunkOfAnotherTensorOrDtypeIsRefused) {
+  for (const std::string name : {"other-tensor", "other-dtype"}) {
+    auto client = Attached(name);
+    ASSERT_NE(client, nullptr);
     std::vector<float> out(100, 0.0f);
-    const absl::Status read = (*client)->Read("w", StateToRead::kMaster, 0, 100, out.data());
+    const absl::Status read = client->Read("w", StateToRead::kMaster, 0, 100, out.data());
     EXPECT_EQ(read.code(), absl::StatusCode::kInternal) << name << ": " << read;
     EXPECT_EQ(out, std::vector<float>(100, 0.0f)) << name << ": the chunk's bytes went into the buffer";
   }
-  server->Shutdown();
 }
 
 }  // namespace

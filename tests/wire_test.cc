@@ -58,20 +58,16 @@ TEST(Wire, ChunksAreReadAcrossAnySliceBoundaries) {
   std::string data(5000, '\0');
   std::mt19937_64 rng(5);
   for (char& c : data) c = static_cast<char>(rng());
-  v1::ParamChunk params;
-  params.set_tensor("gain");
-  params.set_offset(4096 * 3);
-  params.set_step(77);
-  params.set_dtype(v1::FP32);
-  params.set_data(data);
-  v1::StateChunk state;
-  state.set_tensor("gain");
-  state.set_offset(4096 * 3);
-  state.set_step(77);
-  state.set_dtype(v1::FP32);
-  state.set_data(data);
-  for (const auto& [bytes, fields] : {std::pair(params.SerializeAsString(), &kParamChunk),
-                                      std::pair(state.SerializeAsString(), &kStateChunk)}) {
+  const auto chunk = [&](auto message) {  // the same fields in either message
+    message.set_tensor("gain");
+    message.set_offset(4096 * 3);
+    message.set_step(77);
+    message.set_dtype(v1::FP32);
+    message.set_data(data);
+    return message.SerializeAsString();
+  };
+  for (const auto& [bytes, fields] : {std::pair(chunk(v1::ParamChunk()), &kParamChunk),
+                                      std::pair(chunk(v1::StateChunk()), &kStateChunk)}) {
     for (std::vector<size_t> cuts :
          std::vector<std::vector<size_t>>{{}, {1}, {3, 4, 5, 6, 7}, {9, 2500, 4999}, {bytes.size() - 1}}) {
       grpc::ByteBuffer message = Sliced(bytes, cuts);
