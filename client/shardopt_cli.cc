@@ -145,17 +145,16 @@ int Fail(const absl::Status& st) {
 // effect.
 int Fail(const grpc::Status& st, bool changes = false) {
   absl::Status said = shardopt::FromGrpcStatus(st, absl::GetFlag(FLAGS_server));
-  // gRPC says only "failed to connect", which a TLS mismatch reads as too,
-  // and "CANCELLED" for a call a stopping server had not begun: what each
-  // may mean, as the client libraries say it (one attempt here).
-  if (st.error_code() == grpc::StatusCode::UNAVAILABLE || st.error_code() == grpc::StatusCode::CANCELLED) {
-    said = shardopt::fanout::WithRetryAdvice(said, 1);
-  }
   if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
     said = absl::DeadlineExceededError(absl::StrCat(
         said.message(), " (no answer within --timeout_s=", absl::GetFlag(FLAGS_timeout_s),
         ", which bounds the whole call, a read's stream included: the server may be hung, stopped or overloaded",
         changes ? "; whether the call took effect is unknown: describe the job to see)" : ")"));
+  } else {
+    // What it may mean, as the client libraries say it (one attempt here):
+    // gRPC says only "failed to connect", which a TLS mismatch reads as too,
+    // and "CANCELLED" for a call a stopping server had not begun.
+    said = shardopt::fanout::WithRetryAdvice(said, 1);
   }
   return Fail(said);
 }
