@@ -61,8 +61,10 @@ absl::Status WriteFile(const std::string& path, absl::Span<const std::string_vie
     // must not fail for it, and it is no worse than before (untested here:
     // every filesystem of this machine has links).
     if (link(tmp.c_str(), path.c_str()) != 0) error = errno;
-    if (error != 0 && error != EEXIST) error = rename(tmp.c_str(), path.c_str()) == 0 ? 0 : errno;
-    doing = "renaming";
+    if (error != 0 && error != EEXIST) {
+      error = rename(tmp.c_str(), path.c_str()) == 0 ? 0 : errno;
+      doing = "renaming";
+    }
     unlink(tmp.c_str());
     if (error == EEXIST) return absl::AlreadyExistsError(absl::StrCat(path, " is there already"));
   }

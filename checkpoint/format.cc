@@ -263,14 +263,12 @@ absl::StatusOr<WriteResult> PartWriter::CompleteIfTiled() {
   const std::string commit = absl::StrCat(result_.directory, "/", kCommitName);
   absl::Status made = WriteFileNew(commit, {frame});
   if (absl::IsAlreadyExists(made)) {
-    auto there = FileSize(commit);
-    if (there.ok() && *there == frame.size()) {
-      if (auto bytes = ReadRange(commit, 0, *there); bytes.ok() && *bytes == frame) {
-        // A peer's, of these parts, which it may not have fsynced yet.
-        SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(result_.directory));
-        result_.complete = true;
-        return result_;
-      }
+    v1::CommitMarker there;
+    if (ReadFrame(commit, &there).ok() && there.SerializeAsString() == marker.SerializeAsString()) {
+      // A peer's, of these parts, which it may not have fsynced yet.
+      SHARDOPT_RETURN_IF_ERROR(FsyncDirectory(result_.directory));
+      result_.complete = true;
+      return result_;
     }
     made = WriteFileAtomic(result_.directory, kCommitName, {frame});  // of other parts: this one's, as before
   }

@@ -299,7 +299,9 @@ absl::Status Client::Impl::InitTensor(const std::string& tensor, const void* val
               return answered ? grpc::Status::OK : grpc::Status(grpc::StatusCode::INTERNAL, "malformed init response");
             });
         // As the typed writer's Finish did: OK without an answer is no answer.
-        if (gs.ok() && !answered) return grpc::Status(grpc::StatusCode::INTERNAL, "the server ended the init without an answer");
+        if (gs.ok() && !answered) {
+          return grpc::Status(grpc::StatusCode::INTERNAL, "the server ended the init without an answer");
+        }
         return gs;
       });
     }

@@ -186,7 +186,9 @@ void JobStore::LogDiscardedAtStop() const {
   for (size_t i = 0; i < std::min(kNamed, names.size()); ++i) {
     log::Warning("job_discarded", {{"job", names[i]}, {"why", why}});
   }
-  if (names.size() > kNamed) log::Warning("job_discarded", {{"more", absl::StrCat(names.size() - kNamed)}, {"why", why}});
+  if (names.size() > kNamed) {
+    log::Warning("job_discarded", {{"more", absl::StrCat(names.size() - kNamed)}, {"why", why}});
+  }
 }
 
 }  // namespace shardopt

@@ -259,7 +259,9 @@ TEST_F(LogsTest, AStopWithoutACheckpointDirNamesTheJobsItDiscards) {
   auto server = ServerProcess::StartLogged({"--log_format=json"});
   ASSERT_NE(server, nullptr);
   auto client = Connect(server->address(), "");
-  for (int i = 0; i < 18; ++i) ASSERT_TRUE(client->CreateOrAttach(OneTensor4k(absl::StrCat("kept,nowhere-", 10 + i))).ok());
+  for (int i = 0; i < 18; ++i) {
+    ASSERT_TRUE(client->CreateOrAttach(OneTensor4k(absl::StrCat("kept,nowhere-", 10 + i))).ok());
+  }
   const int status = server->Stop(SIGTERM);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   const std::vector<nlohmann::json> discarded = Events(JsonLines(server->log()), "job_discarded");
