@@ -800,9 +800,9 @@ struct RestartsUnderAPush {
   // round's Describe names rank 1 as the one it waits for; a job the server
   // restored and nobody pushed to has no round). Step 1 is checkpointed
   // first: what server 0 restores, each time. After the restarts, `then`
-  // runs (rank 1's step, to let rank 0's through; none: rank 0's is to end
-  // by itself within 30 s), and this returns rank 0's Step's outcome once it
-  // has ended.
+  // runs once rank 0's push is back at the barrier (rank 1's step, to let
+  // rank 0's through; none: rank 0's is to end by itself within 30 s), and
+  // this returns rank 0's Step's outcome once it has ended.
   absl::Status StepWhileServer0Restarts(int signal, int restarts, const std::function<void()>& then) {
     if (!ranks->StepBoth(&got0, &got1)) return absl::InternalError("step 1 failed");
     if (absl::Status st = ranks->client(0).Checkpoint(); !st.ok()) return st;
@@ -835,6 +835,8 @@ struct RestartsUnderAPush {
       if (fixed.servers[0] == nullptr) break;  // reported; the step then fails
     }
     if (then) {
+      // Back at the barrier of the last restarted server, given the job again.
+      EXPECT_TRUE(push_waits()) << "rank 0's push was not at server 0's barrier within 10 s of restart " << restarts;
       then();
     } else {
       // Rank 0's step is to end by itself; if it waits at the barrier
