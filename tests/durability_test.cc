@@ -554,11 +554,12 @@ TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop
 
 // A stopping server's gRPC answers each call it has received but not begun
 // with CANCELLED "CANCELLED" (grpc/grpc#41785), not UNAVAILABLE: a trainer's
-// step failed so once in 15 SIGTERMs of a chaos test, and eight clients
-// calling without pause meet 2-3 such answers in each stop. The client
-// retries them as it retries UNAVAILABLE, so every call of eight clients
-// through three restarts of their server succeeds.
-TEST(DurabilityTest, CallsMeetingTheirServersStopAreRetriedThroughItsRestart) {
+// step failed so once in 15 SIGTERMs of a chaos test. The client retries
+// them as it retries UNAVAILABLE. Whether a call meets one rides on gRPC's
+// shutdown race, which this cannot see: against the client before, one to
+// five of the eight failed so in each of three runs. FanoutTest checks the
+// retry against a server that answers so to its first call.
+TEST(DurabilityTest, EveryCallOfEightClientsThroughThreeStopsOfTheirServerSucceeds) {
   const JobOptions job = DurableJob("busy", {{"w", 500}});
   TempDir dir;
   FixedPortServers fixed(1, dir.path());
