@@ -318,27 +318,11 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
       first.set_trainer(im.trainer);
       first.set_attached_at(im.attached_at[s]);
       PushMessages messages(std::move(first), sends, im.chunk_bytes, grad);
-      int answers = 0;
-      auto received = [&](grpc::ByteBuffer* answer) -> grpc::Status {
-        if (++answers > 1) return grpc::Status(grpc::StatusCode::INTERNAL, "the server answered a push twice");
-        std::vector<grpc::Slice> slices;
-        std::string bytes;
-        if (answer->Dump(&slices).ok()) {
-          for (const grpc::Slice& sl : slices) bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
-        }
-        if (!responses[s].ParseFromString(bytes)) {
-          return grpc::Status(grpc::StatusCode::INTERNAL, "malformed push response");
-        }
-        return grpc::Status::OK;
-      };
-      grpc::Status gs = wire::StreamCall::Run(
-          im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Push",
-          [&](grpc::ByteBuffer* out) { return messages.Next(out); }, [&] { messages.Wait(); }, received);
       // Without its answer the server's partial norm would be taken as 0.
-      if (gs.ok() && answers == 0) {
-        return grpc::Status(grpc::StatusCode::INTERNAL, "the server ended the push without an answer");
-      }
-      return gs;
+      const wire::OneAnswer received(&responses[s], "push");
+      return received.Ended(wire::StreamCall::Run(
+          im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Push",
+          [&](grpc::ByteBuffer* out) { return messages.Next(out); }, [&] { messages.Wait(); }, received));
     }));
   }, /*pushing=*/true);
   if (!st.ok()) return st;

@@ -7,9 +7,8 @@
 #include "client/commit_params.h"
 #include "client/option_checks.h"
 #include "client/wire.h"
-#include "rpc/grpc_edge.h"
-#include "rpc/wire_format.h"
 #include "rpc/initial_values.h"
+#include "rpc/wire_format.h"
 
 namespace shardopt {
 
@@ -292,17 +291,9 @@ absl::Status Client::Impl::InitTensor(const std::string& tensor, const void* val
           return wire::StreamCall::Ready::kMessage;
         };
         v1::InitResponse answer;
-        bool answered = false;
-        const grpc::Status gs = wire::StreamCall::Run(
-            generic[s].get(), ctx, "/shardopt.v1.Optimizer/Init", next, [] {}, [&](grpc::ByteBuffer* message) {
-              answered = ParseMessage(message, &answer, "InitResponse").ok();
-              return answered ? grpc::Status::OK : grpc::Status(grpc::StatusCode::INTERNAL, "malformed init response");
-            });
-        // As the typed writer's Finish did: OK without an answer is no answer.
-        if (gs.ok() && !answered) {
-          return grpc::Status(grpc::StatusCode::INTERNAL, "the server ended the init without an answer");
-        }
-        return gs;
+        const wire::OneAnswer received(&answer, "init");
+        return received.Ended(
+            wire::StreamCall::Run(generic[s].get(), ctx, "/shardopt.v1.Optimizer/Init", next, [] {}, received));
       });
     }
     return absl::OkStatus();

@@ -3,6 +3,8 @@
 #include <cstring>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "rpc/grpc_edge.h"
 #include "shardopt/v1/optimizer.pb.h"
 
 namespace shardopt::wire {
@@ -20,6 +22,22 @@ StreamCall::Ready SendOnce::operator()(grpc::ByteBuffer* out) const {
   sent_ = true;
   *out = HeadAndBorrowedBytes(request_, nullptr, 0);
   return StreamCall::Ready::kMessage;
+}
+
+grpc::Status OneAnswer::operator()(grpc::ByteBuffer* message) const {
+  if (++answers_ > 1) {
+    return grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat("the server answered a ", what_, " twice"));
+  }
+  return ParseMessage(message, answer_, what_).ok()
+             ? grpc::Status::OK
+             : grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat("malformed ", what_, " response"));
+}
+
+grpc::Status OneAnswer::Ended(const grpc::Status& call) const {
+  if (call.ok() && answers_ == 0) {
+    return grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat("the server ended the ", what_, " without an answer"));
+  }
+  return call;
 }
 
 grpc::Status StreamCall::Run(grpc::GenericStub* stub, grpc::ClientContext* context, const std::string& method,

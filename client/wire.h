@@ -1,4 +1,4 @@
-// The bulk paths of Push and Commit without protobuf's copies of `bytes`
+// The bulk paths of Push, Commit, Read and Init without protobuf's copies of `bytes`
 // fields (docs/design.md, section 10.2: 6 user-space copies per round trip
 // against 1). The wire format is the same shardopt.v1 messages; only the
 // client builds and reads them by hand, so a gradient chunk goes out as a
@@ -18,8 +18,11 @@
 #include "grpcpp/grpcpp.h"
 #include "rpc/wire_format.h"  // AppendVarintField and the rest
 
-namespace shardopt::wire {
+namespace google::protobuf {
+class Message;
+}  // namespace google::protobuf
 
+namespace shardopt::wire {
 
 // `head` copied, then `bytes` referenced in place: it must outlive the call.
 grpc::ByteBuffer HeadAndBorrowedBytes(const std::string& head, const void* bytes, size_t length);
@@ -91,6 +94,23 @@ class SendOnce {
  private:
   const std::string request_;
   mutable bool sent_ = false;  // absl::FunctionRef calls it as const
+};
+
+// StreamCall's Received for the one answer of a client-streaming call
+// (Push, Init), parsed into `answer`: a second answer, or one that does not
+// parse, is INTERNAL. `what` names the call in those errors.
+class OneAnswer {
+ public:
+  OneAnswer(google::protobuf::Message* answer, std::string what) : answer_(answer), what_(std::move(what)) {}
+  grpc::Status operator()(grpc::ByteBuffer* message) const;
+  // The call's status; an OK one without the answer is INTERNAL, as the
+  // typed writer's Finish made it.
+  grpc::Status Ended(const grpc::Status& call) const;
+
+ private:
+  google::protobuf::Message* const answer_;
+  const std::string what_;
+  mutable int answers_ = 0;  // absl::FunctionRef calls it as const
 };
 
 // One streaming call through the generic stub, driven to completion op by op

@@ -88,6 +88,29 @@ TEST(Wire, ChunksAreReadAcrossAnySliceBoundaries) {
   }
 }
 
+// A client-streaming call's one answer (Push, Init): parsed; a second one,
+// one that does not parse, or an OK call without one is INTERNAL.
+TEST(Wire, OneAnswerIsParsedAndAnythingElseIsInternal) {
+  v1::PushResponse sent;
+  sent.set_sum_squares(2.5);
+  v1::PushResponse got;
+  const OneAnswer answer(&got, "push");
+  EXPECT_EQ(answer.Ended(grpc::Status::OK).error_code(), grpc::StatusCode::INTERNAL);  // none yet
+  grpc::ByteBuffer message = Sliced(sent.SerializeAsString(), {});
+  ASSERT_TRUE(answer(&message).ok());
+  EXPECT_EQ(got.sum_squares(), 2.5);
+  EXPECT_TRUE(answer.Ended(grpc::Status::OK).ok());
+  EXPECT_EQ(answer.Ended(grpc::Status(grpc::StatusCode::UNAVAILABLE, "gone")).error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  const grpc::Status twice = answer(&message);
+  EXPECT_EQ(twice.error_code(), grpc::StatusCode::INTERNAL);
+  EXPECT_NE(twice.error_message().find("answered a push twice"), std::string::npos) << twice.error_message();
+  v1::InitResponse init;
+  const OneAnswer malformed(&init, "init");
+  grpc::ByteBuffer garbage = Sliced(std::string("\x0a\x05" "ab", 4), {});  // a length past the end
+  EXPECT_EQ(malformed(&garbage).error_code(), grpc::StatusCode::INTERNAL);
+}
+
 TEST(Wire, MalformedOrRefusedParamChunksAreReported) {
   v1::ParamChunk chunk;
   chunk.set_tensor("w");
