@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "base/errno_status.h"
 
 namespace shardopt {
 
@@ -38,8 +39,7 @@ absl::Status WriteFile(const std::string& path, absl::Span<const std::string_vie
   // Named by `path`, the file the caller asked for: the temporary name is
   // what failed, but not what the caller knows.
   const auto failed = [&](const char* doing, int error) {
-    return absl::InternalError(
-        absl::StrCat("cannot write ", path, ": ", doing, " its temporary ", tmp, ": ", std::strerror(error)));
+    return ErrnoStatus(error, absl::StrCat("cannot write ", path, ": ", doing, " its temporary ", tmp));
   };
   const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   if (fd < 0) return failed("creating", errno);
@@ -74,8 +74,8 @@ absl::Status WriteFile(const std::string& path, absl::Span<const std::string_vie
   }
   // The new file is in place already: a failure here says so.
   if (absl::Status synced = FsyncDirectory(DirectoryOf(path)); !synced.ok()) {
-    return absl::InternalError(absl::StrCat(path, " is written in place, but ", synced.message(),
-                                            ": a crash may still bring back the file it replaced"));
+    return absl::Status(synced.code(), absl::StrCat(path, " is written in place, but ", synced.message(),
+                                                    ": a crash may still bring back the file it replaced"));
   }
   return absl::OkStatus();
 }
@@ -100,7 +100,7 @@ absl::Status FsyncDirectory(const std::string& dir) {
   const bool synced = fd >= 0 && fsync(fd) == 0;
   const int error = errno;
   if (fd >= 0) close(fd);
-  if (!synced) return absl::InternalError(absl::StrCat("cannot fsync directory ", dir, ": ", std::strerror(error)));
+  if (!synced) return ErrnoStatus(error, absl::StrCat("cannot fsync directory ", dir));
   return absl::OkStatus();
 }
 

@@ -24,10 +24,11 @@ int WriteAll(int fd, absl::Span<const std::string_view> pieces);
 
 // Temporary name, write, fsync, rename over `path` (mode 0666 less the
 // umask), then fsync of the directory, so that the rename outlives a crash.
-// INTERNAL naming `path`, then what failed of its temporary (creating,
-// writing, fsyncing or renaming it), and the system's reason; the temporary
-// is removed if the rename did not happen, and a failed fsync of the
-// directory says that the new file is in place.
+// An error (its code by ErrnoCode: a full disk is RESOURCE_EXHAUSTED) names
+// `path`, then what failed of its temporary (creating, writing, fsyncing or
+// renaming it), and the system's reason; the temporary is removed if the
+// rename did not happen, and a failed fsync of the directory says that the
+// new file is in place.
 absl::Status WriteFileWhole(const std::string& path, absl::Span<const std::string_view> pieces);
 // The same, but never over a file already at `path`: the temporary is
 // linked to `path` instead of renamed, and ALREADY_EXISTS, with nothing

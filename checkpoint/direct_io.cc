@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/errno_status.h"
 #include "checkpoint/files.h"
 
 namespace shardopt::checkpoint {
@@ -123,7 +124,7 @@ void AlignedFree::operator()(char* p) const {
 absl::StatusOr<std::unique_ptr<SequentialWriter>> SequentialWriter::Create(const std::string& path,
                                                                            WriteAt write_at) {
   const int fd = OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_EXCL);
-  if (fd < 0) return absl::InternalError(ErrnoText("cannot create", path));
+  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("cannot create ", path));
   return std::unique_ptr<SequentialWriter>(
       new SequentialWriter(fd, path, write_at ? std::move(write_at) : WriteAt(&::pwrite)));
 }
@@ -204,7 +205,8 @@ void SequentialWriter::Run() {
       // A file system that took the flag but wants larger blocks (or other
       // alignment) refuses the write: the rest goes through the page cache.
       if (n < 0 && errno == EINVAL && StopDirect(fd_)) continue;
-      if (n <= 0) status = absl::InternalError(ErrnoText("cannot write", path_));
+      // No progress without an error: as write(2) says of a full device.
+      if (n <= 0) status = ErrnoStatus(n < 0 ? errno : ENOSPC, absl::StrCat("cannot write ", path_));
       done += n > 0 ? static_cast<size_t>(n) : 0;
     }
     mu_.Lock();
@@ -232,8 +234,8 @@ absl::Status SequentialWriter::Close() {
     status = error_;
   }
   if (!status.ok()) return status;
-  if (ftruncate(fd_, static_cast<off_t>(bytes_)) != 0) return absl::InternalError(ErrnoText("cannot truncate", path_));
-  if (fsync(fd_) != 0) return absl::InternalError(ErrnoText("cannot fsync", path_));
+  if (ftruncate(fd_, static_cast<off_t>(bytes_)) != 0) return ErrnoStatus(errno, absl::StrCat("cannot truncate ", path_));
+  if (fsync(fd_) != 0) return ErrnoStatus(errno, absl::StrCat("cannot fsync ", path_));
   return absl::OkStatus();
 }
 

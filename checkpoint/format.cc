@@ -12,6 +12,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/errno_status.h"
 #include "base/status_macros.h"
 #include "checkpoint/catalog.h"
 #include "checkpoint/crc32c.h"
@@ -97,7 +98,7 @@ absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& 
   w->result_.directory = StepDirectory(root, spec.job(), manifest.step());
   std::error_code ec;
   fs::create_directories(w->result_.directory, ec);
-  if (ec) return absl::InternalError(absl::StrCat("cannot create ", w->result_.directory, ": ", ec.message()));
+  if (ec) return ErrnoStatus(ec.value(), absl::StrCat("cannot create ", w->result_.directory));
   // A step's state is unique (the step protocol applies each step once), so
   // a complete checkpoint of it needs nothing more, from any placement; but
   // only of this life of the job. This placement's part written by another
@@ -208,7 +209,7 @@ absl::StatusOr<WriteResult> PartWriter::Finish() {
   file_.reset();
   const std::string path = absl::StrCat(result_.directory, "/", name_);
   if (rename(tmp_.c_str(), path.c_str()) != 0) {
-    const absl::Status st = absl::InternalError(ErrnoText("cannot rename into", path));
+    const absl::Status st = ErrnoStatus(errno, absl::StrCat("cannot rename into ", path));
     unlink(tmp_.c_str());
     return st;
   }

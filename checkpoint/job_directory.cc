@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "base/errno_status.h"
 #include "base/status_macros.h"
 #include "checkpoint/catalog.h"
 #include "checkpoint/files.h"
@@ -76,9 +77,8 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
     if (rename(dir.c_str(), aside.c_str()) == 0) {
       done.push_back(absl::StrCat("set aside checkpoint ", dir, " as ", aside));
     } else if (errno != ENOENT) {
-      return absl::InternalError(ErrnoText(absl::StrCat("cannot set aside ", dir, " (restore_step ", step,
-                                                        " starts a new run; move it away) as"),
-                                           aside));
+      return ErrnoStatus(errno, absl::StrCat("cannot set aside ", dir, " (restore_step ", step,
+                                             " starts a new run; move it away) as ", aside));
     }
   }
   // Whoever moved them, they must stay moved before the job is served.
@@ -104,9 +104,8 @@ absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobR
       moved = true;
       log(absl::StrCat("set aside part ", part, " of another run as ", aside));
     } else if (errno != ENOENT) {
-      status = absl::InternalError(ErrnoText(absl::StrCat("cannot set aside ", part, " (this server runs job '",
-                                                          spec.job(), "' on from step ", step, "; move it away) as"),
-                                             aside));
+      status = ErrnoStatus(errno, absl::StrCat("cannot set aside ", part, " (this server runs job '", spec.job(),
+                                               "' on from step ", step, "; move it away) as ", aside));
       break;
     }
   }

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/errno_status.h"
 #include "base/whole_file.h"
 #include "nlohmann/json.hpp"
 
@@ -88,7 +89,7 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   const auto kind = std::filesystem::status(path, ec).type();  // through the links
   if (link && kind == std::filesystem::file_type::regular) {
     target = std::filesystem::canonical(path, ec).string();
-    if (ec) return absl::InternalError(absl::StrCat("cannot write ", path, ": ", ec.message()));
+    if (ec) return ErrnoStatus(ec.value(), absl::StrCat("cannot write ", path));
   }
   const bool replace = kind == std::filesystem::file_type::regular || (!link && kind == std::filesystem::file_type::not_found);
   const uint64_t n = json.size();
@@ -100,7 +101,7 @@ absl::Status WriteSafetensors(const std::string& path, const std::vector<Safeten
   const int fd = open(target.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   int error = fd < 0 ? errno : WriteAll(fd, pieces);
   if (fd >= 0 && close(fd) != 0 && error == 0) error = errno;
-  if (error != 0) return absl::InternalError(absl::StrCat("cannot write ", path, ": ", std::strerror(error)));
+  if (error != 0) return ErrnoStatus(error, absl::StrCat("cannot write ", path));
   return absl::OkStatus();
 }
 

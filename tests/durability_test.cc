@@ -353,7 +353,7 @@ TEST(DurabilityTest, AStepWhoseCheckpointFailsSaysTheStepWasApplied) {
   std::filesystem::remove_all(dir.path() + "/no-dir");
   std::ofstream(dir.path() + "/no-dir") << "not a directory";
   const auto stepped = trainer.Step(*client);
-  EXPECT_EQ(stepped.status().code(), absl::StatusCode::kInternal) << stepped.status();  // the disk's
+  EXPECT_EQ(stepped.status().code(), absl::StatusCode::kFailedPrecondition) << stepped.status();  // the directory
   EXPECT_THAT(std::string(stepped.status().message()), HasSubstr("step 1 was applied"));
   EXPECT_EQ(client->step(), 1u);
 }
@@ -1156,20 +1156,37 @@ TEST(DurabilityTest, AnExportOfALiveJobIsNotFailedByPruning) {
 }
 
 // A checkpoint past the server process's file size limit (a container's
-// RLIMIT_FSIZE) fails with the disk's error, and the server goes on:
-// before, SIGXFSZ's default action killed it mid-write.
-TEST(DurabilityTest, ACheckpointPastTheFileSizeLimitFailsAndTheServerGoesOn) {
+// RLIMIT_FSIZE, which fails writes as a full disk does) fails with
+// RESOURCE_EXHAUSTED and the disk's reason, not INTERNAL, which reads as the
+// server's bug; it leaves no part, and the server goes on (before,
+// SIGXFSZ's default action killed it mid-write). Once there is room again,
+// the same step's checkpoint is written, and a restart restores it bitwise.
+TEST(DurabilityTest, ACheckpointPastTheFileSizeLimitFailsResourceExhaustedAndSucceedsOnceThereIsRoom) {
   const JobOptions job = DurableJob("fsize", {{"w", 60000}});
   TempDir dir;
   auto servers = StartServers(1, dir.path());
   auto client = Connect(servers);
   ScriptedTrainer trainer = Train(*client, job, 2);
-  const struct rlimit small = {64 << 10, 64 << 10};  // the part is about 720 KB
+  struct rlimit unlimited;
+  ASSERT_EQ(prlimit(servers[0]->pid(), RLIMIT_FSIZE, nullptr, &unlimited), 0) << strerror(errno);
+  const struct rlimit small = {64 << 10, unlimited.rlim_max};  // the part is about 720 KB
   ASSERT_EQ(prlimit(servers[0]->pid(), RLIMIT_FSIZE, &small, nullptr), 0) << strerror(errno);
+  const std::vector<uint32_t> at_2 = Fingerprint(*client, job).value();
   const absl::Status written = client->Checkpoint();
-  EXPECT_EQ(written.code(), absl::StatusCode::kInternal) << written;
-  EXPECT_THAT(std::string(written.message()), HasSubstr("cannot write"));
-  EXPECT_TRUE(trainer.Step(*client).ok());  // still serving, the job unchanged
+  EXPECT_EQ(written.code(), absl::StatusCode::kResourceExhausted) << written;
+  EXPECT_THAT(std::string(written.message()), AllOf(HasSubstr("cannot write"), HasSubstr("File too large")));
+  const std::string step_dir = dir.path() + "/fsize/step-00000000000000000002";
+  EXPECT_TRUE(!fs::exists(step_dir) || fs::is_empty(step_dir)) << "a failed part is removed";
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_2);  // the job unchanged
+  ASSERT_EQ(prlimit(servers[0]->pid(), RLIMIT_FSIZE, &unlimited, nullptr), 0) << strerror(errno);
+  ASSERT_TRUE(client->Checkpoint().ok());
+  EXPECT_TRUE(fs::exists(step_dir + "/COMMIT"));
+  EXPECT_TRUE(trainer.Step(*client).ok());  // still serving
+  servers[0]->Stop(SIGKILL);
+  servers = StartServers(1, dir.path());
+  auto restored = Connect(servers);
+  ASSERT_EQ(restored->CreateOrAttach(job).value(), 2u);
+  EXPECT_EQ(Fingerprint(*restored, job).value(), at_2);
 }
 
 // The way out of "servers disagree" that the client's error gives (drop the
