@@ -1,5 +1,7 @@
 #include "client/client_impl.h"
 
+#include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -107,8 +109,13 @@ std::vector<bool> Client::Impl::holds_part() const {
 }
 
 absl::Status Client::Impl::CheckCheckpointsCanBeTaken() const {
-  if (options.checkpoint_every == 0 || options.rank != 0) return absl::OkStatus();
-  return ForEachServer([&](uint32_t s) -> absl::Status {
+  if (options.rank != 0) return absl::OkStatus();
+  const std::vector<bool> holds = holds_part();
+  if (options.checkpoint_every == 0 && std::count(holds.begin(), holds.end(), true) < 2) {
+    return absl::OkStatus();  // no directories to compare
+  }
+  std::vector<std::string> ids(servers());
+  SHARDOPT_RETURN_IF_ERROR(ForEachServer([&](uint32_t s) -> absl::Status {
     v1::DescribeResponse described;
     SHARDOPT_RETURN_IF_ERROR(Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
       v1::DescribeRequest req;
@@ -117,14 +124,31 @@ absl::Status Client::Impl::CheckCheckpointsCanBeTaken() const {
       req.set_max_tensors(1);  // the server's settings, not the tensors
       return stubs[s]->Describe(ctx, req, &described);
     }));
-    if (described.has_checkpoint_dir() && !described.checkpoint_dir()) {
+    if (options.checkpoint_every > 0 && described.has_checkpoint_dir() && !described.checkpoint_dir()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "ClientOptions::checkpoint_every is ", options.checkpoint_every, ", but server ", address(s),
           " has no --checkpoint_dir: each of its checkpoints would fail after its step was applied; start the "
           "servers with --checkpoint_dir, or give checkpoint_every 0"));
     }
+    ids[s] = described.checkpoint_dir_id();
     return absl::OkStatus();
-  });
+  }));
+  // Servers too old to say, and those without a directory, say nothing.
+  std::optional<uint32_t> first;
+  for (uint32_t s = 0; s < servers(); ++s) {
+    if (ids[s].empty()) continue;
+    if (!first) {
+      first = s;
+    } else if (ids[s] != ids[*first]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "servers ", address(*first), " and ", address(s), " of job '", job.name,
+          "' have different checkpoint directories (their --checkpoint_dir holds directory id ", ids[*first],
+          " and ", ids[s], "): no server would see every part of a checkpoint, so none would complete, and a "
+          "restart of the servers would lose the job; mount one shared directory at every server's "
+          "--checkpoint_dir (the same path on separate volumes is not one)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Client::Impl::AskCreateJob(const JobOptions& job, std::vector<v1::CreateJobResponse>* answers) const {

@@ -133,9 +133,14 @@ struct Client::Impl {
   // Which servers hold part of the job.
   std::vector<bool> holds_part() const;
 
-  // FAILED_PRECONDITION if this client would take checkpoints
-  // (options.checkpoint_every, rank 0) and a server of the job has no
-  // --checkpoint_dir: each would fail after its step was applied.
+  // At rank 0's attach, FAILED_PRECONDITION if the job's checkpoints could
+  // never be taken: this client would take them (options.checkpoint_every)
+  // and a server of the job has no --checkpoint_dir, so each would fail
+  // after its step was applied; or two servers of the job report different
+  // checkpoint directories (DescribeResponse.checkpoint_dir_id), so no
+  // server would see every part, no checkpoint would complete, and a
+  // restart of the servers (their drain writes only parts) would lose the
+  // job.
   absl::Status CheckCheckpointsCanBeTaken() const;
 
   // Every server's answer to CreateJob for `job` (the tensors' placement

@@ -140,16 +140,21 @@ int Fail(const absl::Status& st) {
   return 1;
 }
 
-// A server's error, named by --server; no answer in time also says, for a
-// call that changes the job (`changes`), that it may or may not have taken
-// effect.
-int Fail(const grpc::Status& st, bool changes = false) {
+// What no answer in time means for a call's effect, said after the timeout.
+constexpr char kEffectUnknown[] = "; whether the call took effect is unknown: describe the job to see";
+constexpr char kNoCheckpointAsked[] =
+    "; no checkpoint was asked for: without STEP, checkpoint first asks the server for the job's step";
+
+// A server's error, named by --server; no answer in time also says, where
+// `effect` is given, what that means for the call's effect (a drop or a
+// checkpoint may or may not have taken effect).
+int Fail(const grpc::Status& st, const char* effect = "") {
   absl::Status said = shardopt::FromGrpcStatus(st, absl::GetFlag(FLAGS_server));
   if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
     said = absl::DeadlineExceededError(absl::StrCat(
         said.message(), " (no answer within --timeout_s=", absl::GetFlag(FLAGS_timeout_s),
         ", which bounds the whole call, a read's stream included: the server may be hung, stopped or overloaded",
-        changes ? "; whether the call took effect is unknown: describe the job to see)" : ")"));
+        effect, ")"));
   } else {
     // What it may mean, as the client libraries say it (one attempt here):
     // gRPC says only "failed to connect", which a TLS mismatch reads as too,
@@ -443,11 +448,11 @@ int main(int argc, char** argv) {
       ask.set_job(args[1]);
       ask.set_max_tensors(1);  // the step, not the tensors
       v1::DescribeResponse held;
-      if (auto st = stub->Describe(context(), ask, &held); !st.ok()) return Fail(st);
+      if (auto st = stub->Describe(context(), ask, &held); !st.ok()) return Fail(st, kNoCheckpointAsked);
       req.set_step(held.step());
     }
     v1::CheckpointResponse resp;
-    if (auto st = stub->Checkpoint(context(), req, &resp); !st.ok()) return Fail(st, /*changes=*/true);
+    if (auto st = stub->Checkpoint(context(), req, &resp); !st.ok()) return Fail(st, kEffectUnknown);
     PrintJson(resp);
     return 0;
   }
@@ -455,7 +460,7 @@ int main(int argc, char** argv) {
     v1::DropJobRequest req;
     req.set_job(args[1]);
     v1::DropJobResponse resp;
-    if (auto st = stub->DropJob(context(), req, &resp); !st.ok()) return Fail(st, /*changes=*/true);
+    if (auto st = stub->DropJob(context(), req, &resp); !st.ok()) return Fail(st, kEffectUnknown);
     std::cout << "dropped " << args[1] << "\n";
     return 0;
   }

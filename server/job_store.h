@@ -61,6 +61,8 @@ struct JobStoreOptions {
   uint32_t max_name_bytes = kMaxNameBytes;
   // Where checkpoints go and come from (checkpoint/format.h); empty: none.
   std::string checkpoint_dir;
+  // Its identity (checkpoint::DirectoryId), for Describe; empty: not known.
+  std::string checkpoint_dir_id;
   // A seam for tests: checkpoint parts with their arrays back to back, as
   // format version 1 wrote them (PartWriter::Open's array_alignment 0), so
   // that the restore's path for such parts stays tested.

@@ -179,6 +179,7 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   r.set_memory_used_bytes(budget_.used());
   r.set_uninitialized_tensors(summary.uninitialized_tensors());
   r.set_checkpoint_dir(!options_.checkpoint_dir.empty());
+  r.set_checkpoint_dir_id(options_.checkpoint_dir_id);
   r.set_waiting_for(summary.waiting_for());
   r.set_barrier_seconds_left(summary.barrier_seconds_left());
   r.set_owner(summary.owner());

@@ -23,6 +23,7 @@
 #include "google/protobuf/descriptor.h"
 #include "grpcpp/grpcpp.h"
 #include "base/whole_file.h"
+#include "checkpoint/directory_id.h"
 #include "kernels/gpu.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "rpc/tls_files.h"
@@ -274,6 +275,9 @@ int main(int argc, char** argv) {
     if (const absl::Status writable = CheckWritable(store_options.checkpoint_dir); !writable.ok()) {
       return StartFailed(std::string(writable.message()));
     }
+    auto id = shardopt::checkpoint::DirectoryId(store_options.checkpoint_dir);
+    if (!id.ok()) return StartFailed(std::string(id.status().message()));
+    store_options.checkpoint_dir_id = *std::move(id);
   }
   shardopt::JobStore store(backend->get(), store_options);
   std::unique_ptr<shardopt::Authenticator> auth;
@@ -390,6 +394,7 @@ int main(int argc, char** argv) {
                         {"metrics_port", metrics_server ? absl::StrCat(metrics_server->port()) : "off"},
                         {"health_port", (*running)->health_port > 0 ? absl::StrCat((*running)->health_port) : "off"},
                         {"checkpoint_dir", store_options.checkpoint_dir},
+                        {"checkpoint_dir_id", store_options.checkpoint_dir_id},
                         {"flags", FlagsSet()}});
   // Flags given that do nothing here: told, as an operator expects them
   // to act.

@@ -358,6 +358,40 @@ TEST(DurabilityTest, AStepWhoseCheckpointFailsSaysTheStepWasApplied) {
   EXPECT_EQ(client->step(), 1u);
 }
 
+// Servers of one job on separate checkpoint directories (each pod its own
+// volume, mounted at the same path): no server sees every part, so no
+// checkpoint completes and a restart loses the job. Rank 0's attach is
+// refused, naming both servers, and the job it made is undone; once the
+// servers share one directory, the job attaches and its checkpoint
+// completes. Before, nothing was said until the first Checkpoint failed,
+// and a SIGTERM drain wrote parts that no restart could load.
+TEST(DurabilityTest, ServersOfOneJobOnSeparateCheckpointDirectoriesAreRefusedAtAttach) {
+  const JobOptions job = DurableJob("apart", {{"w", 6000}, {"b", 3000}});
+  TempDir one, other;
+  std::vector<std::unique_ptr<testing::ServerProcess>> servers;
+  servers.push_back(std::move(StartServers(1, one.path())[0]));
+  servers.push_back(std::move(StartServers(1, other.path())[0]));
+  const auto refused = Connect(servers)->CreateOrAttach(job);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              AllOf(HasSubstr("different checkpoint directories"), HasSubstr(servers[0]->address()),
+                    HasSubstr(servers[1]->address()), HasSubstr("mount one shared directory")));
+  for (const auto& server : servers) {
+    EXPECT_EQ(DescribeOn(server->address(), job.name).error_code(), grpc::StatusCode::NOT_FOUND) << "undone";
+  }
+  servers[1]->Stop(SIGKILL);
+  servers[1] = std::move(StartServers(1, one.path())[0]);
+  auto client = Connect(servers);
+  ScriptedTrainer trainer = Train(*client, job, 2);
+  const absl::Status written = client->Checkpoint();
+  EXPECT_TRUE(written.ok()) << written;
+  EXPECT_TRUE(fs::exists(one.path() + "/apart/step-00000000000000000002/COMMIT"));
+  v1::DescribeResponse described[2];
+  for (int s : {0, 1}) ASSERT_TRUE(DescribeOn(servers[s]->address(), job.name, &described[s]).ok());
+  EXPECT_THAT(described[0].checkpoint_dir_id(), ::testing::MatchesRegex("[0-9a-f]{32}"));
+  EXPECT_EQ(described[1].checkpoint_dir_id(), described[0].checkpoint_dir_id());
+}
+
 // One server's SIGTERM completes its job's checkpoint; of two servers, the
 // second one's does, since both stop at the same step.
 TEST(DurabilityTest, SigtermCheckpointsEveryJobAndExitsZero) {
@@ -1654,8 +1688,11 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
 
 // A CLI call no server answers in time names the server, and says that a
 // drop or checkpoint may or may not have taken effect: it printed only
-// "DEADLINE_EXCEEDED: Deadline Exceeded". (A socket that listens and never
-// speaks: the connection is made, the call never answered.)
+// "DEADLINE_EXCEEDED: Deadline Exceeded". A checkpoint without STEP, which
+// first asks the job's step, says when that question went unanswered that
+// no checkpoint was asked for (it said nothing of the checkpoint). (A
+// socket that listens and never speaks: the connection is made, the call
+// never answered.)
 TEST(DurabilityTest, TheCliNamesAServerThatDoesNotAnswerAndATlsFileItCannotUse) {
   const int listener = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
@@ -1667,13 +1704,20 @@ TEST(DurabilityTest, TheCliNamesAServerThatDoesNotAnswerAndATlsFileItCannotUse) 
   ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
   TempDir dir;
   const std::string server = absl::StrCat("127.0.0.1:", ntohs(addr.sin_port));
-  const int status = std::system(absl::StrCat(SHARDOPT_CLI_BINARY, " --server=", server, " --timeout_s=1 drop j 2>",
-                                              dir.path(), "/said").c_str());
+  const auto unanswered = [&](const std::string& call) {
+    const int status = std::system(absl::StrCat(SHARDOPT_CLI_BINARY, " --server=", server, " --timeout_s=1 ", call,
+                                                " 2>", dir.path(), "/said").c_str());
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << call << ": " << status;
+    const std::string said = testing::ReadText(dir.path() + "/said");
+    EXPECT_THAT(said, HasSubstr("DEADLINE_EXCEEDED: " + server + ": ")) << call;
+    return said;
+  };
+  EXPECT_THAT(unanswered("drop j"), HasSubstr("whether the call took effect is unknown"));
+  EXPECT_THAT(unanswered("checkpoint j 5"), HasSubstr("whether the call took effect is unknown"));
+  const std::string step_asked = unanswered("checkpoint j");
+  EXPECT_THAT(step_asked, HasSubstr("no checkpoint was asked for"));
+  EXPECT_THAT(step_asked, Not(HasSubstr("took effect is unknown")));
   close(listener);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
-  const std::string said = testing::ReadText(dir.path() + "/said");
-  EXPECT_THAT(said, HasSubstr("DEADLINE_EXCEEDED: " + server + ": "));
-  EXPECT_THAT(said, HasSubstr("whether the call took effect is unknown"));
   // A TLS file the CLI cannot use is named by its path too, not only its
   // role ("the CA file is not PEM text").
   std::ofstream(dir.path() + "/ca.der") << "not pem";

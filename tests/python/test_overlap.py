@@ -195,7 +195,7 @@ def test_checkpoint_every_checkpoints_with_overlap(server_binary, job, tmp_path)
         opt = RemoteAdamW(param_groups(model), servers=[p.address for p in procs], job=job, lr=1e-3, overlap=True,
                           checkpoint_every=2)
         train(model, opt, 5)
-        (job_dir,) = directory.iterdir()
+        (job_dir,) = (d for d in directory.iterdir() if d.is_dir())  # beside it: the directory's id file
         complete = sorted(int(d.name[len("step-"):]) for d in job_dir.iterdir() if (d / "COMMIT").exists())
         assert complete == [2, 4]
 

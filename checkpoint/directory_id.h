@@ -1,0 +1,29 @@
+// The identity of a --checkpoint_dir: a random id written once in its root,
+// which every server on that directory reports (DescribeResponse
+// .checkpoint_dir_id), so that a client can tell servers that share one
+// directory from servers that each have their own. A job's checkpoint
+// completes only where one server sees every part, so servers of one job on
+// separate directories would write parts that never complete, and lose the
+// job at their next restart; the same path proves nothing (every pod mounts
+// its own volume at the same one).
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace shardopt::checkpoint {
+
+// The file in the directory's root: a '+' is never in a job's directory
+// name (JobDirectoryName writes it %2B), so no job's directory is this.
+inline constexpr char kDirectoryIdName[] = "shardopt+directory-id";
+
+// The directory's id, made now (32 hex digits from the system's random
+// source) if the directory has none. Of servers starting at once on an
+// empty shared directory, one makes it (WriteFileNew) and the others read
+// that one. An id file that is empty, too long or not one line of printable
+// text is FAILED_PRECONDITION: it is not what this made, and a made-up id in
+// its place would tell the servers apart from those that read it before.
+absl::StatusOr<std::string> DirectoryId(const std::string& root);
+
+}  // namespace shardopt::checkpoint

@@ -1,0 +1,67 @@
+// checkpoint::DirectoryId: one id per directory, made once however many
+// servers start on it at once, kept across restarts, and a file that is not
+// an id refused rather than replaced.
+#include "checkpoint/directory_id.h"
+
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace shardopt::checkpoint {
+namespace {
+
+class DirectoryIdTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    char tmpl[] = "/tmp/shardopt-dir-id-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string dir_;
+};
+
+TEST_F(DirectoryIdTest, EightServersStartingAtOnceGetOneIdWhichStaysAndAnotherDirectoryHasAnother) {
+  std::vector<absl::StatusOr<std::string>> ids(8, absl::UnknownError("not run"));
+  std::vector<std::thread> threads;
+  for (auto& id : ids) threads.emplace_back([&] { id = DirectoryId(dir_); });
+  for (auto& t : threads) t.join();
+  std::set<std::string> distinct;
+  for (const auto& id : ids) {
+    ASSERT_TRUE(id.ok()) << id.status();
+    distinct.insert(*id);
+  }
+  ASSERT_EQ(distinct.size(), 1u);
+  EXPECT_THAT(*ids[0], ::testing::MatchesRegex("[0-9a-f]{32}"));
+  EXPECT_EQ(DirectoryId(dir_).value(), *ids[0]);  // a restart reads it
+  // Nothing else is left beside it (each writer's temporary is gone).
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir_), {}), 1);
+  char other[] = "/tmp/shardopt-dir-id-XXXXXX";
+  const std::string second = mkdtemp(other);
+  EXPECT_NE(DirectoryId(second).value(), *ids[0]);
+  std::filesystem::remove_all(second);
+}
+
+TEST_F(DirectoryIdTest, AFileThatIsNoIdIsRefusedAndLeftAsItIs) {
+  const std::string path = dir_ + "/" + kDirectoryIdName;
+  for (const std::string& text : {std::string(""), std::string("two\nlines\n"), std::string(100, 'a'),
+                                  std::string("with space\n")}) {
+    std::ofstream(path, std::ios::trunc) << text;
+    const auto id = DirectoryId(dir_);
+    EXPECT_EQ(id.status().code(), absl::StatusCode::kFailedPrecondition) << text << " " << id.status();
+    std::ifstream in(path);
+    EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), text);
+  }
+  std::ofstream(path, std::ios::trunc) << "an-id-written-by-hand\n";
+  EXPECT_EQ(DirectoryId(dir_).value(), "an-id-written-by-hand");
+}
+
+}  // namespace
+}  // namespace shardopt::checkpoint
