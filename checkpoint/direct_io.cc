@@ -124,7 +124,10 @@ void AlignedFree::operator()(char* p) const {
 absl::StatusOr<std::unique_ptr<SequentialWriter>> SequentialWriter::Create(const std::string& path,
                                                                            WriteAt write_at) {
   const int fd = OpenMaybeDirect(path, O_WRONLY | O_CREAT | O_EXCL);
-  if (fd < 0) return ErrnoStatus(errno, absl::StrCat("cannot create ", path));
+  if (fd < 0) {
+    const int error = errno;  // before the message's allocation
+    return ErrnoStatus(error, absl::StrCat("cannot create ", path));
+  }
   return std::unique_ptr<SequentialWriter>(
       new SequentialWriter(fd, path, write_at ? std::move(write_at) : WriteAt(&::pwrite)));
 }
@@ -201,12 +204,14 @@ void SequentialWriter::Run() {
     absl::Status status;
     for (size_t done = 0; done < length && status.ok() && !failed;) {
       const ssize_t n = write_at_(fd_, buffer.get() + done, length - done, static_cast<off_t>(at + done));
-      if (n < 0 && errno == EINTR) continue;
+      // Taken before StopDirect's calls can change errno. No progress
+      // without an error is what write(2) says of a full device.
+      const int error = n < 0 ? errno : ENOSPC;
+      if (n < 0 && error == EINTR) continue;
       // A file system that took the flag but wants larger blocks (or other
       // alignment) refuses the write: the rest goes through the page cache.
-      if (n < 0 && errno == EINVAL && StopDirect(fd_)) continue;
-      // No progress without an error: as write(2) says of a full device.
-      if (n <= 0) status = ErrnoStatus(n < 0 ? errno : ENOSPC, absl::StrCat("cannot write ", path_));
+      if (n < 0 && error == EINVAL && StopDirect(fd_)) continue;
+      if (n <= 0) status = ErrnoStatus(error, absl::StrCat("cannot write ", path_));
       done += n > 0 ? static_cast<size_t>(n) : 0;
     }
     mu_.Lock();
@@ -234,8 +239,13 @@ absl::Status SequentialWriter::Close() {
     status = error_;
   }
   if (!status.ok()) return status;
-  if (ftruncate(fd_, static_cast<off_t>(bytes_)) != 0) return ErrnoStatus(errno, absl::StrCat("cannot truncate ", path_));
-  if (fsync(fd_) != 0) return ErrnoStatus(errno, absl::StrCat("cannot fsync ", path_));
+  const char* failed = ftruncate(fd_, static_cast<off_t>(bytes_)) != 0 ? "truncate"
+                       : fsync(fd_) != 0                                ? "fsync"
+                                                                        : nullptr;
+  if (failed != nullptr) {
+    const int error = errno;  // before the message's allocation
+    return ErrnoStatus(error, absl::StrCat("cannot ", failed, " ", path_));
+  }
   return absl::OkStatus();
 }
 

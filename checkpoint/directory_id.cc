@@ -1,5 +1,7 @@
 #include "checkpoint/directory_id.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <random>
 
 #include "absl/strings/ascii.h"
@@ -12,25 +14,23 @@
 namespace shardopt::checkpoint {
 namespace {
 
+// An id goes into every Describe and log line: one made here is 32 bytes,
+// one written by hand is held to twice that.
 constexpr size_t kMaxIdBytes = 64;
 
 absl::StatusOr<std::string> ReadId(const std::string& path) {
-  auto size = FileSize(path);
-  if (!size.ok()) return size.status();
-  if (*size == 0 || *size > kMaxIdBytes + 1) {
-    return absl::FailedPreconditionError(absl::StrCat(path, " holds ", *size, " bytes, not a directory id (1 to ",
-                                                      kMaxIdBytes, "): remove it only if no server uses this "
-                                                      "directory, and every server then started makes a new one"));
+  SHARDOPT_ASSIGN_OR_RETURN(const uint64_t size, FileSize(path));
+  std::string id;
+  if (size <= kMaxIdBytes + 1) {  // a line's end besides
+    SHARDOPT_ASSIGN_OR_RETURN(id, ReadRange(path, 0, size));
+    if (!id.empty() && id.back() == '\n') id.pop_back();
   }
-  SHARDOPT_ASSIGN_OR_RETURN(std::string id, ReadRange(path, 0, *size));
-  if (!id.empty() && id.back() == '\n') id.pop_back();
-  for (char c : id) {
-    if (!absl::ascii_isgraph(static_cast<unsigned char>(c))) {
-      return absl::FailedPreconditionError(absl::StrCat(path, " is not one line of printable text, as a directory id "
-                                                        "is: remove it only if no server uses this directory"));
-    }
+  const bool printable = std::all_of(id.begin(), id.end(), [](char c) { return absl::ascii_isgraph(static_cast<unsigned char>(c)); });
+  if (id.empty() || id.size() > kMaxIdBytes || !printable) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        path, " is not a directory id (one line of 1 to ", kMaxIdBytes, " printable bytes; it holds ", size,
+        " bytes): remove it only if no server uses this directory, and the servers started then make a new one"));
   }
-  if (id.empty()) return absl::FailedPreconditionError(absl::StrCat(path, " holds an empty directory id"));
   return id;
 }
 
@@ -47,11 +47,12 @@ absl::StatusOr<std::string> DirectoryId(const std::string& root) {
   const std::string path = absl::StrCat(root, "/", kDirectoryIdName);
   auto id = ReadId(path);
   if (id.status().code() != absl::StatusCode::kNotFound) return id;
-  const std::string made = NewId();
-  const absl::Status written = WriteFileNew(path, {absl::StrCat(made, "\n")});
-  if (written.ok()) return made;
-  // Another server made it a moment before.
-  if (written.code() == absl::StatusCode::kAlreadyExists) return ReadId(path);
+  const absl::Status written = WriteFileNew(path, {absl::StrCat(NewId(), "\n")});
+  // Read back, also after this one made it: on a filesystem without hard
+  // links WriteFileNew renames, and of servers starting at once the last
+  // rename's id is the directory's (one read before it can still differ:
+  // the attach then refuses, and a restart of that server clears it).
+  if (written.ok() || written.code() == absl::StatusCode::kAlreadyExists) return ReadId(path);
   return written;
 }
 

@@ -21,9 +21,12 @@ inline constexpr char kDirectoryIdName[] = "shardopt+directory-id";
 // The directory's id, made now (32 hex digits from the system's random
 // source) if the directory has none. Of servers starting at once on an
 // empty shared directory, one makes it (WriteFileNew) and the others read
-// that one. An id file that is empty, too long or not one line of printable
-// text is FAILED_PRECONDITION: it is not what this made, and a made-up id in
-// its place would tell the servers apart from those that read it before.
+// that one (where the filesystem has hard links; without them, a server
+// that read its own id before another's rename replaced it keeps it until
+// it restarts). An id file that is empty, longer than 64 bytes or not one
+// line of printable text is FAILED_PRECONDITION: it is not what this made,
+// and a made-up id in its place would tell this server apart from those
+// that read the old one.
 absl::StatusOr<std::string> DirectoryId(const std::string& root);
 
 }  // namespace shardopt::checkpoint

@@ -209,7 +209,8 @@ absl::StatusOr<WriteResult> PartWriter::Finish() {
   file_.reset();
   const std::string path = absl::StrCat(result_.directory, "/", name_);
   if (rename(tmp_.c_str(), path.c_str()) != 0) {
-    const absl::Status st = ErrnoStatus(errno, absl::StrCat("cannot rename into ", path));
+    const int error = errno;  // before the message's allocation
+    const absl::Status st = ErrnoStatus(error, absl::StrCat("cannot rename into ", path));
     unlink(tmp_.c_str());
     return st;
   }

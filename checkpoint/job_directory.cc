@@ -76,8 +76,8 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
     // it first (ENOENT).
     if (rename(dir.c_str(), aside.c_str()) == 0) {
       done.push_back(absl::StrCat("set aside checkpoint ", dir, " as ", aside));
-    } else if (errno != ENOENT) {
-      return ErrnoStatus(errno, absl::StrCat("cannot set aside ", dir, " (restore_step ", step,
+    } else if (const int error = errno; error != ENOENT) {
+      return ErrnoStatus(error, absl::StrCat("cannot set aside ", dir, " (restore_step ", step,
                                              " starts a new run; move it away) as ", aside));
     }
   }
@@ -103,8 +103,8 @@ absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobR
     if (rename(part.c_str(), aside.c_str()) == 0) {
       moved = true;
       log(absl::StrCat("set aside part ", part, " of another run as ", aside));
-    } else if (errno != ENOENT) {
-      status = ErrnoStatus(errno, absl::StrCat("cannot set aside ", part, " (this server runs job '", spec.job(),
+    } else if (const int error = errno; error != ENOENT) {
+      status = ErrnoStatus(error, absl::StrCat("cannot set aside ", part, " (this server runs job '", spec.job(),
                                                "' on from step ", step, "; move it away) as ", aside));
       break;
     }

@@ -117,13 +117,22 @@ absl::Status Client::Impl::CheckCheckpointsCanBeTaken() const {
   std::vector<std::string> ids(servers());
   SHARDOPT_RETURN_IF_ERROR(ForEachServer([&](uint32_t s) -> absl::Status {
     v1::DescribeResponse described;
-    SHARDOPT_RETURN_IF_ERROR(Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-      v1::DescribeRequest req;
-      req.set_job(job.name);
-      req.set_incarnation(incarnation[s]);
-      req.set_max_tensors(1);  // the server's settings, not the tensors
-      return stubs[s]->Describe(ctx, req, &described);
-    }));
+    // Not Call: the job was attached a moment ago (no reattach), and a
+    // failure here must not cancel the other servers' answers unless it
+    // fails the attach.
+    const absl::Status asked = fanout::Call(
+        channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
+        [&](grpc::ClientContext* ctx) {
+          v1::DescribeRequest req;
+          req.set_job(job.name);
+          req.set_incarnation(incarnation[s]);
+          req.set_max_tensors(1);  // the server's settings, not the tensors
+          return stubs[s]->Describe(ctx, req, &described);
+        });
+    // Without checkpoint_every the directories are compared as a safeguard
+    // only: a server that does not answer is not compared, as one too old
+    // to report its directory is not, and the attach stays as it was.
+    if (!asked.ok()) return options.checkpoint_every == 0 ? absl::OkStatus() : fanout::FailFanout(asked);
     if (options.checkpoint_every > 0 && described.has_checkpoint_dir() && !described.checkpoint_dir()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "ClientOptions::checkpoint_every is ", options.checkpoint_every, ", but server ", address(s),
@@ -145,7 +154,9 @@ absl::Status Client::Impl::CheckCheckpointsCanBeTaken() const {
           "' have different checkpoint directories (their --checkpoint_dir holds directory id ", ids[*first],
           " and ", ids[s], "): no server would see every part of a checkpoint, so none would complete, and a "
           "restart of the servers would lose the job; mount one shared directory at every server's "
-          "--checkpoint_dir (the same path on separate volumes is not one)"));
+          "--checkpoint_dir (the same path on separate volumes, or copies of one directory, are not one; if "
+          "they do share one, its id file, shardopt+directory-id, was replaced since one of them started: "
+          "restart that one)"));
     }
   }
   return absl::OkStatus();

@@ -32,9 +32,8 @@ namespace shardopt {
 namespace {
 
 // Takes any job but "refused"; answers a Commit with the bf16 chunks it was
-// given, each (tensor, offset, elements) filled with its byte, and a
-// Describe (rank 0's attach asks every server for its checkpoint directory)
-// with nothing. Push goes to SilentMethods.
+// given, each (tensor, offset, elements) filled with its byte. Push goes to
+// SilentMethods.
 class ScriptedCommitService final : public v1::Optimizer::WithGenericMethod_Push<v1::Optimizer::Service> {
  public:
   struct Chunk {
@@ -50,9 +49,6 @@ class ScriptedCommitService final : public v1::Optimizer::WithGenericMethod_Push
     if (request->job() == "refused") return grpc::Status(grpc::StatusCode::ALREADY_EXISTS, "refused");
     r->set_created(true);
     r->set_max_message_bytes(64 << 20);
-    return grpc::Status::OK;
-  }
-  grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse*) override {
     return grpc::Status::OK;
   }
   grpc::Status Commit(grpc::ServerContext*, const v1::CommitRequest* request,

@@ -51,8 +51,8 @@ TEST_F(DirectoryIdTest, EightServersStartingAtOnceGetOneIdWhichStaysAndAnotherDi
 
 TEST_F(DirectoryIdTest, AFileThatIsNoIdIsRefusedAndLeftAsItIs) {
   const std::string path = dir_ + "/" + kDirectoryIdName;
-  for (const std::string& text : {std::string(""), std::string("two\nlines\n"), std::string(100, 'a'),
-                                  std::string("with space\n")}) {
+  for (const std::string& text : {std::string(""), std::string("two\nlines\n"), std::string(65, 'a'),
+                                  std::string(65, 'a') + "\n", std::string("with space\n"), std::string("\n")}) {
     std::ofstream(path, std::ios::trunc) << text;
     const auto id = DirectoryId(dir_);
     EXPECT_EQ(id.status().code(), absl::StatusCode::kFailedPrecondition) << text << " " << id.status();
@@ -61,6 +61,8 @@ TEST_F(DirectoryIdTest, AFileThatIsNoIdIsRefusedAndLeftAsItIs) {
   }
   std::ofstream(path, std::ios::trunc) << "an-id-written-by-hand\n";
   EXPECT_EQ(DirectoryId(dir_).value(), "an-id-written-by-hand");
+  std::ofstream(path, std::ios::trunc) << std::string(64, 'b');  // the longest, without a line's end
+  EXPECT_EQ(DirectoryId(dir_).value(), std::string(64, 'b'));
 }
 
 }  // namespace

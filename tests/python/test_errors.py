@@ -1,6 +1,8 @@
 """Errors a Python user understands: each is a shardopt.Error subclass with
 the status code and the message naming the server."""
+import os
 import socket
+import subprocess
 import string
 import time
 
@@ -10,7 +12,7 @@ import torch
 import shardopt
 from shardopt.torch import RemoteAdamW
 from models import batch, make_model, param_groups, train
-from servers import checkpointing_servers
+from servers import ServerProcess, checkpointing_servers
 
 torch.set_num_threads(1)
 
@@ -507,6 +509,29 @@ def test_checkpoint_every_on_servers_without_a_checkpoint_dir_is_refused_at_cons
     assert all(not s.checkpoint_dir for s in opt.describe())
     assert "checkpoint_dir=False" in repr(opt.describe()[0])
     opt.drop()
+
+
+def test_servers_on_separate_checkpoint_directories_are_refused_at_construction(server_binary, tmp_path, job):
+    """Each server with a --checkpoint_dir of its own (every pod its own
+    volume): no checkpoint of the job could complete, and a restart of the
+    servers would lose it. Rank 0's constructor raises FailedPrecondition
+    naming both servers, and leaves no job behind."""
+    procs = []
+    try:
+        for i in range(2):
+            (tmp_path / f"s{i}").mkdir()
+            procs.append(ServerProcess(server_binary, tmp_path / f"s{i}", f"--checkpoint_dir={tmp_path / f's{i}' / 'ck'}"))
+        addresses = [p.address for p in procs]
+        with pytest.raises(shardopt.FailedPrecondition) as err:
+            RemoteAdamW(make_model().parameters(), servers=addresses, job=job)
+        assert "different checkpoint directories" in err.value.message
+        assert all(a in err.value.message for a in addresses)
+        for p in procs:
+            assert job not in subprocess.run([os.environ["SHARDOPT_CLI"], f"--server={p.address}", "list"],
+                                             capture_output=True, text=True, check=True).stdout
+    finally:
+        for p in procs:
+            p.stop()
 
 
 @pytest.mark.parametrize("overlap", [False, True])
