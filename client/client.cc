@@ -126,6 +126,9 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   }
   absl::StatusOr<uint64_t> agreed = AgreedStep(answers, holds_part, im.options.servers, job.name);
   if (!agreed.ok()) {
+    // Servers on separate directories (one restarted on another) say so:
+    // dropping the job, the way out below, would lose the others' step.
+    SHARDOPT_RETURN_IF_ERROR(im.CheckCheckpointsCanBeTaken());
     // Servers that all answered, at different steps, keep what they
     // restored: the error says to drop the job on each, which must then
     // find it there.
@@ -163,7 +166,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     const uint64_t said = *std::max_element(barrier.begin(), barrier.end());
     im.barrier_ms = said > 0 ? static_cast<uint32_t>(said) : 60000;
   }
-  SHARDOPT_RETURN_IF_ERROR(im.CheckCheckpointsCanBeTaken());
+  if (im.options.rank == 0) SHARDOPT_RETURN_IF_ERROR(im.CheckCheckpointsCanBeTaken());
   std::move(undo).Cancel();
   im.attached = true;
   return step;

@@ -1,7 +1,6 @@
 #include "client/client_impl.h"
 
 #include <algorithm>
-#include <optional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -109,12 +108,14 @@ std::vector<bool> Client::Impl::holds_part() const {
 }
 
 absl::Status Client::Impl::CheckCheckpointsCanBeTaken() const {
-  if (options.rank != 0) return absl::OkStatus();
+  // Only rank 0 takes the checkpoints of checkpoint_every.
+  const bool every = options.checkpoint_every > 0 && options.rank == 0;
   const std::vector<bool> holds = holds_part();
-  if (options.checkpoint_every == 0 && std::count(holds.begin(), holds.end(), true) < 2) {
-    return absl::OkStatus();  // no directories to compare
-  }
+  if (!every && std::count(holds.begin(), holds.end(), true) < 2) return absl::OkStatus();  // nothing to compare
+  // Per server: its directory's id, or that it has none; neither from a
+  // server too old to say, or one that did not answer.
   std::vector<std::string> ids(servers());
+  std::vector<bool> without(servers(), false);
   SHARDOPT_RETURN_IF_ERROR(ForEachServer([&](uint32_t s) -> absl::Status {
     v1::DescribeResponse described;
     // Not Call: the job was attached a moment ago (no reattach), and a
@@ -132,8 +133,9 @@ absl::Status Client::Impl::CheckCheckpointsCanBeTaken() const {
     // Without checkpoint_every the directories are compared as a safeguard
     // only: a server that does not answer is not compared, as one too old
     // to report its directory is not, and the attach stays as it was.
-    if (!asked.ok()) return options.checkpoint_every == 0 ? absl::OkStatus() : fanout::FailFanout(asked);
-    if (options.checkpoint_every > 0 && described.has_checkpoint_dir() && !described.checkpoint_dir()) {
+    if (!asked.ok()) return every ? fanout::FailFanout(asked) : absl::OkStatus();
+    without[s] = described.has_checkpoint_dir() && !described.checkpoint_dir();
+    if (every && without[s]) {
       return absl::FailedPreconditionError(absl::StrCat(
           "ClientOptions::checkpoint_every is ", options.checkpoint_every, ", but server ", address(s),
           " has no --checkpoint_dir: each of its checkpoints would fail after its step was applied; start the "
@@ -142,21 +144,24 @@ absl::Status Client::Impl::CheckCheckpointsCanBeTaken() const {
     ids[s] = described.checkpoint_dir_id();
     return absl::OkStatus();
   }));
-  // Servers too old to say, and those without a directory, say nothing.
-  std::optional<uint32_t> first;
+  const auto first = std::find_if(ids.begin(), ids.end(), [](const std::string& id) { return !id.empty(); });
+  if (first == ids.end()) return absl::OkStatus();  // no directories, or none said
+  const uint32_t f = static_cast<uint32_t>(first - ids.begin());
   for (uint32_t s = 0; s < servers(); ++s) {
-    if (ids[s].empty()) continue;
-    if (!first) {
-      first = s;
-    } else if (ids[s] != ids[*first]) {
+    if (without[s]) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "servers ", address(*first), " and ", address(s), " of job '", job.name,
-          "' have different checkpoint directories (their --checkpoint_dir holds directory id ", ids[*first],
-          " and ", ids[s], "): no server would see every part of a checkpoint, so none would complete, and a "
-          "restart of the servers would lose the job; mount one shared directory at every server's "
-          "--checkpoint_dir (the same path on separate volumes, or copies of one directory, are not one; if "
-          "they do share one, its id file, shardopt+directory-id, was replaced since one of them started: "
-          "restart that one)"));
+          "server ", address(f), " of job '", job.name, "' has a --checkpoint_dir and server ", address(s),
+          " has none: no checkpoint of the job would complete, and a restart of ", address(s),
+          " would lose its part; give every server of the job the same --checkpoint_dir, or none"));
+    }
+    if (!ids[s].empty() && ids[s] != ids[f]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "servers ", address(f), " and ", address(s), " of job '", job.name,
+          "' have different checkpoint directories (their --checkpoint_dir holds directory id ", ids[f], " and ",
+          ids[s], "): no server would see every part of a checkpoint, so none would complete, and a restart of "
+          "the servers would lose the job; mount one shared directory at every server's --checkpoint_dir (the "
+          "same path on separate volumes, or copies of one directory, are not one; if they do share one, its id "
+          "file, shardopt+directory-id, was replaced since one of them started: restart that one)"));
     }
   }
   return absl::OkStatus();

@@ -133,14 +133,17 @@ struct Client::Impl {
   // Which servers hold part of the job.
   std::vector<bool> holds_part() const;
 
-  // At rank 0's attach, FAILED_PRECONDITION if the job's checkpoints could
-  // never be taken: this client would take them (options.checkpoint_every)
-  // and a server of the job has no --checkpoint_dir, so each would fail
-  // after its step was applied; or two servers of the job report different
-  // checkpoint directories (DescribeResponse.checkpoint_dir_id), so no
-  // server would see every part, no checkpoint would complete, and a
-  // restart of the servers (their drain writes only parts) would lose the
-  // job.
+  // FAILED_PRECONDITION if the job's checkpoints could never be taken:
+  // this client would take them (options.checkpoint_every, rank 0) and a
+  // server of the job has no --checkpoint_dir, so each would fail after its
+  // step was applied; or two servers of the job report different checkpoint
+  // directories (DescribeResponse.checkpoint_dir_id), or one a directory and
+  // another none, so no server would see every part, no checkpoint would
+  // complete, and a restart of the servers (their drain writes only parts)
+  // would lose the job. Rank 0's attach asks it; any rank's, where the
+  // servers disagree on the step (a server restarted on another directory
+  // is one way there, and dropping the job, the way out that error gives,
+  // would lose the step the others hold).
   absl::Status CheckCheckpointsCanBeTaken() const;
 
   // Every server's answer to CreateJob for `job` (the tensors' placement

@@ -1,9 +1,9 @@
 // Rank 0's attach compares the checkpoint directories its servers report
 // (DescribeResponse.checkpoint_dir_id), against servers that report chosen
-// ids: different ids are refused naming both servers; an empty id (no
-// --checkpoint_dir, or a server older than the field), a server that holds
-// no part of the job, and, without checkpoint_every, one that does not
-// answer Describe are not compared.
+// ids: different ids are refused naming both servers, and so is a server
+// without a directory beside one with; a server older than the field, one
+// that holds no part of the job, and, without checkpoint_every, one that
+// does not answer Describe are not compared.
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,6 +24,11 @@ namespace {
 using ::testing::AllOf;
 using ::testing::HasSubstr;
 
+// What a server's Describe says of its directory: kOld, nothing (a server
+// older than the fields); kNone, that it has none; else its id.
+constexpr char kOld[] = "";
+constexpr char kNone[] = "(none)";
+
 // Takes any job; answers Describe with `id`, or UNIMPLEMENTED without one.
 class DirectoryService final : public v1::Optimizer::Service {
  public:
@@ -35,8 +40,12 @@ class DirectoryService final : public v1::Optimizer::Service {
   }
   grpc::Status Describe(grpc::ServerContext*, const v1::DescribeRequest*, v1::DescribeResponse* r) override {
     if (!id_) return grpc::Status(grpc::StatusCode::UNIMPLEMENTED, "no Describe here");
-    r->set_checkpoint_dir(!id_->empty());
-    r->set_checkpoint_dir_id(*id_);
+    if (*id_ == kNone) {
+      r->set_checkpoint_dir(false);
+    } else if (*id_ != kOld) {
+      r->set_checkpoint_dir(true);
+      r->set_checkpoint_dir_id(*id_);
+    }
     return grpc::Status::OK;
   }
 
@@ -88,8 +97,8 @@ class Servers {
 
 constexpr uint64_t kOnEveryServer = 3 * 4096 + 100;
 
-TEST(CheckpointDirCheckTest, DifferentIdsAreRefusedNamingBothServersAndAnEmptyOneIsNotCompared) {
-  Servers servers({"aaaa", "", "bbbb"});
+TEST(CheckpointDirCheckTest, DifferentIdsAreRefusedNamingBothServersAndAServerTooOldToSayIsNotCompared) {
+  Servers servers({"aaaa", kOld, "bbbb"});
   const absl::Status refused = servers.Attach(kOnEveryServer);
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
   EXPECT_THAT(std::string(refused.message()),
@@ -100,8 +109,19 @@ TEST(CheckpointDirCheckTest, DifferentIdsAreRefusedNamingBothServersAndAnEmptyOn
   EXPECT_TRUE(servers.Attach(kOnEveryServer, 0, /*rank=*/1).ok());
 }
 
+TEST(CheckpointDirCheckTest, AServerWithoutADirectoryBesideOneWithIsRefusedAndNoneAtAllIsTaken) {
+  Servers servers({"aaaa", kNone});
+  const absl::Status refused = servers.Attach(kOnEveryServer);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(std::string(refused.message()),
+              AllOf(HasSubstr(servers.address(0) + " of job 'dirs' has a --checkpoint_dir and server " +
+                              servers.address(1) + " has none"),
+                    HasSubstr("the same --checkpoint_dir, or none")));
+  EXPECT_TRUE(Servers({kNone, kNone}).Attach(kOnEveryServer).ok());
+}
+
 TEST(CheckpointDirCheckTest, TheSameIdAndAServerHoldingNoPartAreTaken) {
-  EXPECT_TRUE(Servers({"aaaa", "", "aaaa"}).Attach(kOnEveryServer).ok());
+  EXPECT_TRUE(Servers({"aaaa", kOld, "aaaa"}).Attach(kOnEveryServer).ok());
   // 100 elements: all on the first server; the second's directory is not the job's.
   Servers two({"aaaa", "bbbb"});
   EXPECT_TRUE(two.Attach(100).ok());

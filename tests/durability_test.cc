@@ -392,6 +392,36 @@ TEST(DurabilityTest, ServersOfOneJobOnSeparateCheckpointDirectoriesAreRefusedAtA
   EXPECT_EQ(described[1].checkpoint_dir_id(), described[0].checkpoint_dir_id());
 }
 
+// One server of two restarted on another --checkpoint_dir makes the job
+// afresh at step 0 while the other holds step 2. The attach used to say
+// that the servers disagree on the step and to drop the job on each, which
+// would have thrown the step away; it says the directories differ, and
+// once the server is restarted on the job's directory the job attaches at
+// step 2, bitwise.
+TEST(DurabilityTest, AServerRestartedOnAnotherCheckpointDirectoryIsNamedNotADisagreementToDropTheJobOver) {
+  const JobOptions job = DurableJob("moved", {{"w", 6000}, {"b", 3000}});
+  TempDir shared, elsewhere;
+  auto servers = StartServers(2, shared.path());
+  std::vector<uint32_t> at_2;
+  {
+    auto client = Connect(servers);
+    Train(*client, job, 2);
+    ASSERT_TRUE(client->Checkpoint().ok());
+    at_2 = Fingerprint(*client, job).value();
+  }
+  servers[1]->Stop(SIGKILL);
+  servers[1] = std::move(StartServers(1, elsewhere.path())[0]);
+  const auto refused = Connect(servers)->CreateOrAttach(job);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("different checkpoint directories"));
+  EXPECT_THAT(std::string(refused.status().message()), Not(HasSubstr("drop the job")));
+  servers[1]->Stop(SIGKILL);
+  servers[1] = std::move(StartServers(1, shared.path())[0]);
+  auto client = Connect(servers);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), 2u);
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_2);
+}
+
 // One server's SIGTERM completes its job's checkpoint; of two servers, the
 // second one's does, since both stop at the same step.
 TEST(DurabilityTest, SigtermCheckpointsEveryJobAndExitsZero) {
