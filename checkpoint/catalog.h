@@ -13,7 +13,7 @@
 namespace shardopt::checkpoint {
 
 // OK when `b` is the job `a` is (placement, barrier deadline, restore step
-// and group names aside), else FAILED_PRECONDITION naming `where` and the
+// and group names aside, and a tensor's shape where one gives none), else FAILED_PRECONDITION naming `where` and the
 // differences, `sides` saying whose value each shows first ("a's -> b's").
 absl::Status SameJob(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b, const std::string& where,
                      absl::string_view sides);

@@ -10,6 +10,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "client/after_step.h"
 #include "client/attach_answers.h"
 #include "client/client_impl.h"
@@ -256,6 +257,14 @@ absl::Status Client::InitFromSafetensors(const std::string& path) {
     if (f.data.size() != t.numel * (f.dtype == "F32" ? 4 : 2)) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", t.name, "' has ", f.data.size(),
                                                      " bytes of ", f.dtype, "; the job's has ", t.numel, " elements"));
+    }
+    // A file in another shape of the same size (a transposed weight) would
+    // be taken in the wrong order; 1-D, as export wrote every tensor before
+    // jobs had shapes, is taken as it is.
+    if (!t.shape.empty() && f.shape != t.shape && f.shape != std::vector<uint64_t>{t.numel}) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", t.name, "' has shape (",
+                                                     absl::StrJoin(f.shape, ", "), "); the job's is (",
+                                                     absl::StrJoin(t.shape, ", "), ")"));
     }
   }
   for (const TensorOptions& t : im.job.tensors) {

@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/str_split.h"
 #include "base/status_macros.h"
@@ -18,6 +19,7 @@
 #include "rpc/bearer_token.h"
 #include "rpc/job_limits.h"
 #include "rpc/learning_rates.h"
+#include "rpc/tensor_shapes.h"
 #include "rpc/tls_files.h"
 
 namespace shardopt {
@@ -167,6 +169,11 @@ absl::Status CheckJobOptions(const JobOptions& job, uint32_t rank) {
     if (t.numel == 0 || t.numel > kMaxNumel) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has numel ", t.numel,
                                                      "; it must be in [1, 2^40]"));
+    }
+    if (!ShapeFits(t.shape, t.numel)) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has shape (", absl::StrJoin(t.shape, ", "),
+                                                     "), not one of its numel ", t.numel, " elements in at most ",
+                                                     kMaxShapeDims, " dimensions of at least 1 (or give none)"));
     }
   }
   return absl::OkStatus();

@@ -21,6 +21,7 @@ v1::CreateJobRequest ToCreateJobRequest(const JobOptions& job, absl::Span<const 
     pt->set_name(t.name);
     pt->set_numel(t.numel);
     pt->set_group(t.group);
+    for (uint64_t d : t.shape) pt->add_shape(d);
     // BF16 stays unset: what clients sent before param_dtype existed.
     if (t.param_type == ParamType::kFp32) pt->set_param_dtype(v1::FP32);
   }

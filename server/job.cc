@@ -60,7 +60,7 @@ uint64_t BookkeepingBytes(const v1::CreateJobRequest& spec) {
   // server by 1.6 KiB a tensor with 7-byte names and 2.6 KiB with 190-byte
   // ones (the name is kept in the spec, its shard and the index, each a
   // heap block of its own), of which state and staging were 0.6 KiB.
-  for (const v1::TensorSpec& t : spec.tensors()) bytes += 1024 + 6 * t.name().size();
+  for (const v1::TensorSpec& t : spec.tensors()) bytes += 1024 + 6 * t.name().size() + 8 * uint64_t(t.shape_size());
   for (const v1::Group& g : spec.groups()) bytes += 256 + 2 * g.name().size();
   return bytes;
 }

@@ -12,6 +12,7 @@
 #include "checkpoint/format.h"
 #include "base/report_lines.h"
 #include "google/protobuf/util/message_differencer.h"
+#include "rpc/tensor_shapes.h"
 #include "server/messages.h"
 
 namespace shardopt {
@@ -88,6 +89,11 @@ absl::StatusOr<v1::CreateJobRequest> NormalizeJobSpec(const v1::CreateJobRequest
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "' has numel ", t.numel(),
                                                      "; it must be in [1, 2^40]"));
     }
+    if (!ShapeFits(t.shape(), t.numel())) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "' has shape (", absl::StrJoin(t.shape(), ", "),
+                                                     "), not one of its numel ", t.numel(), " elements in at most ",
+                                                     kMaxShapeDims, " dimensions of at least 1"));
+    }
     if (t.group() >= static_cast<uint32_t>(r.groups_size())) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name(), "' names group ", t.group(), " of ", r.groups_size()));
     }
@@ -148,7 +154,9 @@ void CompareAsAnAttach(google::protobuf::util::MessageDifferencer* differ) {
 
 }  // namespace
 
-absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
+absl::Status SameJobSpec(const v1::CreateJobRequest& held, const v1::CreateJobRequest& asked) {
+  v1::CreateJobRequest existing = held, requested = asked;
+  KeepShapesBothGive(&existing, &requested);
   google::protobuf::util::MessageDifferencer differ;
   CompareAsAnAttach(&differ);
   // Every attach compares; only a job that differs is reported, from copies

@@ -781,6 +781,37 @@ TEST_F(StoreTest, ADifferentConfigurationIsNamedOnOneLineWithoutTheIgnoredGroupN
   EXPECT_THAT(sized, Not(HasSubstr("same servers"))) << sized;
 }
 
+// A tensor's shape is part of the job where both the job and the caller
+// give one: a transposed weight of the same numel (a relaunch of a changed
+// model) is refused, naming the shape; a caller without shapes (a client
+// before the field) attaches to a job with them, and the other way round.
+// A shape that is not the numel's, or of more than 8 dimensions, is
+// INVALID_ARGUMENT.
+TEST_F(StoreTest, AShapeIsPartOfTheJobWhereBothSidesGiveOne) {
+  const auto shaped = [this](std::initializer_list<uint64_t> shape) {
+    v1::CreateJobRequest r = JobRequest("shaped", 1, {{"w", 8192}});
+    for (uint64_t d : shape) r.mutable_tensors(0)->add_shape(d);
+    return r;
+  };
+  ASSERT_TRUE(store_.CreateJob(shaped({64, 128})).ok());
+  EXPECT_TRUE(store_.CreateJob(shaped({64, 128})).ok());
+  EXPECT_TRUE(store_.CreateJob(shaped({})).ok());
+  const auto transposed = store_.CreateJob(shaped({128, 64}));
+  EXPECT_EQ(transposed.status().code(), absl::StatusCode::kAlreadyExists) << transposed.status();
+  EXPECT_THAT(std::string(transposed.status().message()), HasSubstr("shape")) << transposed.status();
+  ASSERT_TRUE(store_.DropJob("shaped").ok());
+  ASSERT_TRUE(store_.CreateJob(shaped({})).ok());
+  EXPECT_TRUE(store_.CreateJob(shaped({128, 64})).ok());
+  ASSERT_TRUE(store_.DropJob("shaped").ok());
+  for (const auto& shape : {std::initializer_list<uint64_t>{64, 64}, {8192, 0}, {2, 2, 2, 2, 2, 2, 2, 2, 32},
+                            {uint64_t{1} << 32, uint64_t{1} << 32, 2}}) {
+    const auto refused = store_.CreateJob(shaped(shape));
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("not one of its numel 8192 elements"));
+  }
+  EXPECT_TRUE(store_.CreateJob(shaped({2, 2, 2, 2, 2, 2, 2, 64})).ok());  // 8 dimensions
+}
+
 // A long name is quoted cut short, between UTF-8 characters: cut inside
 // one, the message itself was not valid UTF-8.
 TEST(QuoteTest, CutsALongNameBetweenCharacters) {
@@ -1602,6 +1633,29 @@ TEST_F(CheckpointAllTest, ARestoreStepThatIsTheNewestLeavesANewerTornStep) {
   ASSERT_TRUE(restored.ok()) << restored.status();
   EXPECT_EQ(restored->step(), 2u);
   EXPECT_TRUE(std::filesystem::exists(torn + "/part-0-500.bin"));
+}
+
+// A checkpoint written without shapes (by a client before TensorSpec.shape)
+// restores into a job asked for with them, and one written with them
+// refuses another shape: the restore compares shapes where both give one.
+TEST_F(CheckpointAllTest, ACheckpointWithoutShapesRestoresForACallerWithThemAndOneWithThemRefusesAnother) {
+  const v1::CreateJobRequest r = JobRequest("k", 1, {{"w", 1000}});
+  std::mt19937_64 rng(17);
+  CheckpointedThenTorn(r, 1, rng);
+  v1::CreateJobRequest shaped = r;
+  shaped.mutable_tensors(0)->add_shape(10);
+  shaped.mutable_tensors(0)->add_shape(100);
+  auto restored = RestoreAt(shaped, 1);
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_TRUE(restored->restored());
+  StepAndCheckpoint("k", 2, 1000, rng);  // written by the job with shapes
+  ASSERT_TRUE(store_.DropJob("k").ok());
+  v1::CreateJobRequest other = r;
+  other.mutable_tensors(0)->add_shape(100);
+  other.mutable_tensors(0)->add_shape(10);
+  const auto refused = RestoreAt(other, 2);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("shape")) << refused.status();
 }
 
 // A write that fails mid-checkpoint (here past RLIMIT_FSIZE, EFBIG) stops

@@ -207,7 +207,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         self._state_precision, self._precisions = state_precision, precisions
         job_groups = [(f"group.{gi}", b1, b2, eps_, wd, 1.0, precisions[gi] == "fp32")
                       for gi, (b1, b2, eps_, wd) in enumerate(self._hyper)]
-        job_tensors = [(t.name, t.numel, t.group, t.fp32) for t in self._remote]
+        job_tensors = [(t.name, t.numel, t.group, t.fp32, list(t.shape)) for t in self._remote]
         # What attaching takes, but restore_step: an overlap optimizer
         # attaches again where its skip lost to the others' apply (_overlap.py).
         self._attach_args = (job, world_size, job_groups, job_tensors, False, int(barrier_timeout * 1000))

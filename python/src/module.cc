@@ -20,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/after_step.h"
 #include "rpc/initial_values.h"
+#include "rpc/job_limits.h"
 #include "rpc/learning_rates.h"
 #include "rpc/push_incomplete.h"
 #include "rpc/skip_of_applied_step.h"
@@ -182,10 +183,10 @@ class PyClient {
   }
 
   // groups: (name, beta1, beta2, eps, weight_decay, lr_multiplier, fp32_state)
-  // tensors: (name, numel, group, fp32_params)
+  // tensors: (name, numel, group, fp32_params, shape)
   uint64_t CreateOrAttach(const std::string& name, uint32_t world_size,
                           const std::vector<std::tuple<std::string, double, double, float, double, double, bool>>& groups,
-                          const std::vector<std::tuple<std::string, uint64_t, uint32_t, bool>>& tensors,
+                          const std::vector<std::tuple<std::string, uint64_t, uint32_t, bool, std::vector<uint64_t>>>& tensors,
                           bool fp32_grads, uint32_t barrier_timeout_ms, uint64_t restore_step) {
     shardopt::JobOptions job;
     job.name = name;
@@ -194,8 +195,11 @@ class PyClient {
       job.groups.push_back({gname, b1, b2, eps, wd, mult,
                             fp32 ? shardopt::StatePrecision::kFp32 : shardopt::StatePrecision::kBf16});
     }
-    for (const auto& [tname, numel, group, fp32] : tensors) {
-      job.tensors.push_back({tname, numel, group, fp32 ? shardopt::ParamType::kFp32 : shardopt::ParamType::kBf16});
+    for (const auto& [tname, numel, group, fp32, shape] : tensors) {
+      // A param of more dimensions than a job's spec holds goes without its
+      // shape, as a caller that gives none.
+      job.tensors.push_back({tname, numel, group, fp32 ? shardopt::ParamType::kFp32 : shardopt::ParamType::kBf16,
+                             shape.size() <= shardopt::kMaxShapeDims ? shape : std::vector<uint64_t>{}});
     }
     job.grad_type = fp32_grads ? shardopt::GradType::kFp32 : shardopt::GradType::kBf16;
     job.barrier_timeout_ms = barrier_timeout_ms;

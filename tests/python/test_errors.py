@@ -511,6 +511,17 @@ def test_checkpoint_every_on_servers_without_a_checkpoint_dir_is_refused_at_cons
     opt.drop()
 
 
+def test_a_relaunch_whose_param_was_transposed_is_refused(servers, job):
+    """A relaunch of a changed model under the job's name: a param of the
+    same numel in another shape would take the job's state in the wrong
+    order (it attached, silently). The shape is part of the job."""
+    opt = RemoteAdamW([("w", torch.nn.Parameter(torch.randn(64, 128)))], servers=servers, job=job)
+    with pytest.raises(shardopt.AlreadyExists, match=r"shape\[0\]: 64 -> 128"):
+        RemoteAdamW([("w", torch.nn.Parameter(torch.randn(128, 64)))], servers=servers, job=job)
+    RemoteAdamW([("w", torch.nn.Parameter(torch.randn(64, 128)))], servers=servers, job=job)  # the same: attaches
+    opt.drop()
+
+
 def test_servers_on_separate_checkpoint_directories_are_refused_at_construction(server_binary, tmp_path, job):
     """Each server with a --checkpoint_dir of its own (every pod its own
     volume): no checkpoint of the job could complete, and a restart of the

@@ -101,7 +101,9 @@ def test_a_header_longer_than_the_file_is_refused(tmp_path):
 
 def test_an_export_of_a_checkpoint_loads_into_the_model_as_the_readme_says(server_binary, tmp_path, job):
     """An fp32 model, whose params are the servers' masters bit for bit:
-    3 steps, a checkpoint, `shardopt export`, then the README's reshape."""
+    3 steps, a checkpoint, `shardopt export`: each tensor in its param's
+    shape (RemoteAdamW gives the job its params' shapes), loaded into a
+    fresh model as it is (it used to be 1-D, reshaped by hand)."""
     cli = os.environ.get("SHARDOPT_CLI")
     if not cli or not os.access(cli, os.X_OK):
         pytest.fail("set SHARDOPT_CLI to the shardopt command line (ctest does)")
@@ -115,9 +117,9 @@ def test_an_export_of_a_checkpoint_loads_into_the_model_as_the_readme_says(serve
                        capture_output=True, timeout=60)
         loaded, metadata = load_safetensors(out)
         assert metadata["step"] == "3"
-        state = {k: v.view_as(model.state_dict()[k]) for k, v in loaded.items()}
+        assert {k: v.shape for k, v in loaded.items()} == {k: p.shape for k, p in model.named_parameters()}
         fresh = make_model(seed=4)
-        fresh.load_state_dict(state)
+        fresh.load_state_dict(loaded)
         for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
             assert same_bits(p.detach(), q.detach()), name
         opt.drop()
