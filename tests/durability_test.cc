@@ -1714,6 +1714,25 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
   EXPECT_EQ(nan.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(nan.message()), HasSubstr(with_nan + ": initial master of tensor 'w' element 7 is not finite"));
   EXPECT_EQ(client->Describe().value()[0].uninitialized_tensors, job.tensors.size());
+  // A job with shapes refuses a file in another shape of the same size (a
+  // transposed weight), and takes a 1-D one, as every export was before
+  // jobs had shapes.
+  JobOptions shaped = job;
+  shaped.name = "imported-shaped";
+  for (TensorOptions& t : shaped.tensors) {
+    if (t.name == "w") t.shape = {60, 50};
+  }
+  ASSERT_EQ(client->CreateOrAttach(shaped).value(), 0u);
+  std::vector<SafetensorsTensor> transposed = ReadSafetensors(dir.path() + "/export-fp32.safetensors").value();
+  for (SafetensorsTensor& t : transposed) {
+    if (t.name == "w") t.shape = {50, 60};
+  }
+  ASSERT_TRUE(WriteSafetensors(dir.path() + "/transposed.safetensors", transposed, {}).ok());
+  const absl::Status other_shape = client->InitFromSafetensors(dir.path() + "/transposed.safetensors");
+  EXPECT_EQ(other_shape.code(), absl::StatusCode::kInvalidArgument) << other_shape;
+  EXPECT_THAT(std::string(other_shape.message()), HasSubstr("tensor 'w' has shape (50, 60); the job's is (60, 50)"));
+  EXPECT_EQ(client->Describe().value()[0].uninitialized_tensors, job.tensors.size());
+  EXPECT_TRUE(client->InitFromSafetensors(dir.path() + "/export-fp32.safetensors").ok());
 }
 
 // A CLI call no server answers in time names the server, and says that a
