@@ -404,11 +404,21 @@ absl::Status StreamPlan(const Committed& committed, const Plan& plan, const Data
 // Whose value a restore's configuration differences show first.
 constexpr absl::string_view kAskedAndSaved = "this call's -> the checkpoint's";
 
+// The asked job against every part, not the first alone: parts may differ
+// in whether they give shapes (servers whose jobs were made by clients that
+// did and did not), and each compares shapes only where both give them.
+absl::Status SameJobAsEveryPart(const v1::CreateJobRequest& spec, const Committed& committed) {
+  for (const PartHead& part : committed.parts) {
+    SHARDOPT_RETURN_IF_ERROR(SameJob(spec, part.manifest.spec(), committed.dir, kAskedAndSaved));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log) {
   SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
-  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir, kAskedAndSaved));
+  SHARDOPT_RETURN_IF_ERROR(SameJobAsEveryPart(spec, committed));
   Part out;
   if (const PartHead* same = SamePlacement(committed, spec)) {
     out.manifest = LoadedManifest(committed, spec, same);
@@ -430,7 +440,7 @@ absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::Cre
                                           const std::function<absl::Status(const v1::PartManifest&)>& begin,
                                           const DataSink& sink, const DirectDestination& direct) {
   SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
-  SHARDOPT_RETURN_IF_ERROR(SameJob(spec, committed.parts.front().manifest.spec(), committed.dir, kAskedAndSaved));
+  SHARDOPT_RETURN_IF_ERROR(SameJobAsEveryPart(spec, committed));
   // The same placement, as on a plain restart: the part's data is the answer
   // as it lies on disk, streamed.
   if (const PartHead* same = SamePlacement(committed, spec)) {
@@ -451,6 +461,13 @@ absl::StatusOr<JobAt> WholeJob(const std::string& root, const std::string& job, 
   out.step = committed.marker.step();
   out.spec = committed.parts.front().manifest.spec();
   out.spec.clear_shards();
+  // Each tensor's shape from any part that gives one (see SameJobAsEveryPart).
+  for (const PartHead& part : committed.parts) {
+    const v1::CreateJobRequest& theirs = part.manifest.spec();
+    for (int i = 0; i < out.spec.tensors_size() && i < theirs.tensors_size(); ++i) {
+      if (out.spec.tensors(i).shape_size() == 0) *out.spec.mutable_tensors(i)->mutable_shape() = theirs.tensors(i).shape();
+    }
+  }
   for (const v1::TensorSpec& t : out.spec.tensors()) {
     v1::ShardRange* s = out.spec.add_shards();
     s->set_tensor(t.name());

@@ -129,7 +129,10 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   if (!agreed.ok()) {
     // Servers on separate directories (one restarted on another) say so:
     // dropping the job, the way out below, would lose the others' step.
-    SHARDOPT_RETURN_IF_ERROR(im.CheckCheckpointsCanBeTaken());
+    // Then the undo drops what this call made or restored and nothing
+    // touched since (the job a server made afresh on the wrong directory);
+    // a live job stays, and a restored one is on disk still.
+    SHARDOPT_RETURN_IF_ERROR(im.CheckCheckpointsCanBeTaken(/*directories_only=*/true));
     // Servers that all answered, at different steps, keep what they
     // restored: the error says to drop the job on each, which must then
     // find it there.

@@ -107,9 +107,9 @@ std::vector<bool> Client::Impl::holds_part() const {
   return holds;
 }
 
-absl::Status Client::Impl::CheckCheckpointsCanBeTaken() const {
+absl::Status Client::Impl::CheckCheckpointsCanBeTaken(bool directories_only) const {
   // Only rank 0 takes the checkpoints of checkpoint_every.
-  const bool every = options.checkpoint_every > 0 && options.rank == 0;
+  const bool every = !directories_only && options.checkpoint_every > 0 && options.rank == 0;
   const std::vector<bool> holds = holds_part();
   if (!every && std::count(holds.begin(), holds.end(), true) < 2) return absl::OkStatus();  // nothing to compare
   // Per server: its directory's id, or that it has none; neither from a

@@ -143,8 +143,9 @@ struct Client::Impl {
   // would lose the job. Rank 0's attach asks it; any rank's, where the
   // servers disagree on the step (a server restarted on another directory
   // is one way there, and dropping the job, the way out that error gives,
-  // would lose the step the others hold).
-  absl::Status CheckCheckpointsCanBeTaken() const;
+  // would lose the step the others hold), with `directories_only`: the
+  // directories compared, as far as the servers answer, and nothing else.
+  absl::Status CheckCheckpointsCanBeTaken(bool directories_only = false) const;
 
   // Every server's answer to CreateJob for `job` (the tensors' placement
   // known: shards_of). Each call runs to its end, whatever the others

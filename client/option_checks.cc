@@ -10,8 +10,6 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
-#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/strings/str_split.h"
 #include "base/status_macros.h"
@@ -170,11 +168,7 @@ absl::Status CheckJobOptions(const JobOptions& job, uint32_t rank) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has numel ", t.numel,
                                                      "; it must be in [1, 2^40]"));
     }
-    if (!ShapeFits(t.shape, t.numel)) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.name, "' has shape (", absl::StrJoin(t.shape, ", "),
-                                                     "), not one of its numel ", t.numel, " elements in at most ",
-                                                     kMaxShapeDims, " dimensions of at least 1 (or give none)"));
-    }
+    if (!ShapeFits(t.shape, t.numel)) return absl::InvalidArgumentError(ShapeRefusal(t.name, t.shape, t.numel));
   }
   return absl::OkStatus();
 }

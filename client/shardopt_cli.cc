@@ -237,10 +237,9 @@ int Export(const std::string& dir, uint64_t step, bool bf16, const std::string& 
     checkpoint::DecodeArray(part->data.data() + checkpoint::ArrayOffset(sections, part->manifest, s, checkpoint::Array::kMaster),
                             n, part->manifest.shards(s).dtype(), master.data());
     shardopt::SafetensorsTensor t{at->spec.shards(s).tensor(), bf16 ? "BF16" : "F32", {n}, {}};
-    // In the model's shape where the job was given one (TensorSpec.shape).
-    for (const auto& spec : at->spec.tensors()) {
-      if (spec.name() == t.name && spec.shape_size() > 0) t.shape.assign(spec.shape().begin(), spec.shape().end());
-    }
+    // In the model's shape where the job was given one (TensorSpec.shape):
+    // WholeJob's shards are its tensors, in order.
+    if (const auto& dims = at->spec.tensors(s).shape(); !dims.empty()) t.shape.assign(dims.begin(), dims.end());
     t.data.resize(n * (bf16 ? 2 : 4));
     if (!bf16) {
       std::memcpy(t.data.data(), master.data(), n * 4);

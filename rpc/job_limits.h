@@ -14,8 +14,8 @@ inline constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
 // Names become file and directory names (checkpoint/format.h) and appear in
 // error messages.
 inline constexpr size_t kMaxNameBytes = 200;
-// TensorSpec.shape: a model's params have a few; the bound keeps a
-// CreateJob of many tensors within a message.
+// TensorSpec.shape: a model's params have a few dimensions, and each one
+// is kept per tensor and sent with every CreateJob.
 inline constexpr size_t kMaxShapeDims = 8;
 
 }  // namespace shardopt

@@ -3,8 +3,12 @@
 // no shapes (or before the field) is the same job as one that gives them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <string>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "rpc/job_limits.h"
 #include "shardopt/v1/optimizer.pb.h"
 
@@ -24,15 +28,37 @@ bool ShapeFits(const Dims& shape, uint64_t numel) {
   return elements == numel;
 }
 
-// Clears the shapes of each tensor that one of `a` and `b` gives none for;
-// copies, ready for a comparison of the rest.
+// What ShapeFits refuses, for the tensor `name`.
+template <typename Dims>
+std::string ShapeRefusal(const std::string& name, const Dims& shape, uint64_t numel) {
+  return absl::StrCat("tensor '", name, "' has shape (", absl::StrJoin(shape, ", "), "), not one of its numel ", numel,
+                      " elements in at most ", kMaxShapeDims, " dimensions of at least 1");
+}
+
+// Whether a tensor at the same index gives a shape on one side only, which
+// KeepShapesBothGive must clear before the rest is compared; most attaches
+// (every client gives shapes, or none does) need no copies.
+inline bool ShapesOnOneSide(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b) {
+  const int n = std::min(a.tensors_size(), b.tensors_size());
+  for (int i = 0; i < n; ++i) {
+    if ((a.tensors(i).shape_size() == 0) != (b.tensors(i).shape_size() == 0)) return true;
+  }
+  return false;
+}
+
+// Clears the shapes of each tensor, by index, that one of `a` and `b` gives
+// none for (as far as both have tensors: where a tensor was added, the
+// difference then names that, not shapes); copies, ready for a comparison.
 inline void KeepShapesBothGive(v1::CreateJobRequest* a, v1::CreateJobRequest* b) {
-  if (a->tensors_size() != b->tensors_size()) return;  // they differ anyway
-  for (int i = 0; i < a->tensors_size(); ++i) {
+  const int n = std::min(a->tensors_size(), b->tensors_size());
+  for (int i = 0; i < n; ++i) {
     if (a->tensors(i).shape_size() == 0 || b->tensors(i).shape_size() == 0) {
       a->mutable_tensors(i)->clear_shape();
       b->mutable_tensors(i)->clear_shape();
     }
+  }
+  for (v1::CreateJobRequest* longer : {a, b}) {
+    for (int i = n; i < longer->tensors_size(); ++i) longer->mutable_tensors(i)->clear_shape();
   }
 }
 

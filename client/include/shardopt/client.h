@@ -294,7 +294,8 @@ class Client {
   // Initial values of every tensor of the job from a safetensors file (F32
   // kept exactly, or BF16), matched by name; entries the job lacks are
   // ignored. Checks the whole file against the job (names, sizes, dtypes
-  // and values) before sending anything.
+  // and values, and shapes where TensorOptions::shape gives one: the file's
+  // must be it, or 1-D) before sending anything.
   absl::Status InitFromSafetensors(const std::string& path);
 
   // One whole step: push, decide, commit. If it fails, call it again with the
