@@ -29,4 +29,13 @@ inline constexpr char kDirectoryIdName[] = "shardopt+directory-id";
 // that read the old one.
 absl::StatusOr<std::string> DirectoryId(const std::string& root);
 
+// Before each checkpoint, that `root` is still the directory whose id this
+// server read at its start (`id`): FAILED_PRECONDITION if `root` is gone
+// (deleted, or its volume unmounted: a checkpoint made again under that
+// path would go to the disk below, and a server started later would give
+// it another id) or holds another id (replaced). An id file deleted with
+// the old checkpoints is written again with `id`, which every server on
+// the directory read at its start.
+absl::Status KeepDirectoryId(const std::string& root, const std::string& id);
+
 }  // namespace shardopt::checkpoint

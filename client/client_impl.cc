@@ -57,15 +57,26 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
     return absl::OkStatus();
   }
   // Made afresh, with no checkpoint to restore: that server's part of the
-  // state is gone. The fresh job, holding nothing, is dropped again.
+  // state is gone, unless it restarted on another directory than the
+  // others, whose checkpoint it would restore once back on theirs (then
+  // dropping the job, the way out otherwise, would lose the step). The
+  // fresh job, holding nothing, is dropped again.
   const bool made_afresh = resp.created() && !resp.restored();
-  if (made_afresh) DropLife(s, resp.incarnation(), /*undo=*/false);  // a fresh job, with nothing in it
+  std::string moved;
+  if (made_afresh) {
+    moved = OtherDirectory(s, resp.incarnation());
+    DropLife(s, resp.incarnation(), /*undo=*/false);  // a fresh job, with nothing in it
+  }
   const absl::Status failed = absl::FailedPreconditionError(absl::StrCat(
       why.message(), "; asked to create job '", job.name, "' again, it ", ReattachOutcome(resp),
       ", and this client is at step ", step,
-      made_afresh ? ": its part of the job's state is lost; drop the job on every server (shardopt --server=HOST:PORT "
-                    "drop JOB) and start it again, from a checkpoint elsewhere if there is one (restore_step)"
-                  : ": restore every server from one checkpoint (CreateOrAttach)"));
+      !moved.empty() ? absl::StrCat(": it restarted on another checkpoint directory than ", moved,
+                                    ": restart it on the job's --checkpoint_dir and call again, and it restores its "
+                                    "part (do not drop the job: the other servers hold its step)")
+      : made_afresh  ? ": its part of the job's state is lost; drop the job on every server (shardopt "
+                       "--server=HOST:PORT drop JOB) and start it again, from a checkpoint elsewhere if there is one "
+                       "(restore_step)"
+                     : ": restore every server from one checkpoint (CreateOrAttach)"));
   std::lock_guard<std::mutex> lock(lost_mu);
   lost[s] = std::string(failed.message());
   return failed;
@@ -105,6 +116,32 @@ std::vector<bool> Client::Impl::holds_part() const {
   std::vector<bool> holds(servers());
   for (uint32_t s = 0; s < servers(); ++s) holds[s] = !shards_of[s].empty();
   return holds;
+}
+
+std::string Client::Impl::DirectoryIdOf(uint32_t s, uint64_t life) const {
+  v1::DescribeResponse described;
+  const absl::Status asked = fanout::Call(channels[s].get(), address(s), options.token, 1, options.rpc_timeout_ms,
+                                          [&](grpc::ClientContext* ctx) {
+                                            v1::DescribeRequest req;
+                                            req.set_job(job.name);
+                                            req.set_incarnation(life);
+                                            req.set_max_tensors(1);  // the server's settings
+                                            return stubs[s]->Describe(ctx, req, &described);
+                                          });
+  return asked.ok() ? described.checkpoint_dir_id() : "";
+}
+
+std::string Client::Impl::OtherDirectory(uint32_t s, uint64_t life) const {
+  const std::string here = DirectoryIdOf(s, life);
+  if (here.empty()) return "";
+  for (uint32_t o = 0; o < servers(); ++o) {
+    if (o == s || shards_of[o].empty()) continue;
+    // Life 0, not checked: another server's life is its own thread's to read.
+    if (const std::string there = DirectoryIdOf(o, 0); !there.empty() && there != here) {
+      return absl::StrCat("server ", address(o), "'s (directory ids ", here, " and ", there, ")");
+    }
+  }
+  return "";
 }
 
 absl::Status Client::Impl::CheckCheckpointsCanBeTaken(bool directories_only) const {

@@ -147,6 +147,14 @@ struct Client::Impl {
   // directories compared, as far as the servers answer, and nothing else.
   absl::Status CheckCheckpointsCanBeTaken(bool directories_only = false) const;
 
+  // The checkpoint directory id server `s` reports for the job's life
+  // `life` (0: any), or "" if it says none or does not answer.
+  std::string DirectoryIdOf(uint32_t s, uint64_t life) const;
+  // Where server `s` (the job's life `life` there) reports another
+  // checkpoint directory than a server that holds part of the job, "server
+  // ADDRESS's (directory ids ...)"; else "".
+  std::string OtherDirectory(uint32_t s, uint64_t life) const;
+
   // Every server's answer to CreateJob for `job` (the tensors' placement
   // known: shards_of). Each call runs to its end, whatever the others
   // answer: a job one made must be known, to be undone if another refused.

@@ -16,6 +16,6 @@ inline constexpr uint64_t kMaxNumel = uint64_t{1} << 40;
 inline constexpr size_t kMaxNameBytes = 200;
 // TensorSpec.shape: a model's params have a few dimensions, and each one
 // is kept per tensor and sent with every CreateJob.
-inline constexpr size_t kMaxShapeDims = 8;
+inline constexpr size_t kMaxShapeDims = 32;
 
 }  // namespace shardopt

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
 #include "checkpoint/direct_io.h"
+#include "checkpoint/directory_id.h"
 #include "checkpoint/format.h"
 #include "checkpoint/job_directory.h"
 #include "server/job_snapshot.h"
@@ -80,7 +81,9 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
         }
         log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
         t0 = std::chrono::steady_clock::now();
-        return absl::OkStatus();
+        // Not for a store made without an id (a test's, or a seam's).
+        if (options_.checkpoint_dir_id.empty()) return absl::OkStatus();
+        return checkpoint::KeepDirectoryId(options_.checkpoint_dir, options_.checkpoint_dir_id);
       },
       options_.after_snapshot_slice);
   if (!writer.ok() && !t0 && !no_room) return writer.status();

@@ -65,5 +65,32 @@ TEST_F(DirectoryIdTest, AFileThatIsNoIdIsRefusedAndLeftAsItIs) {
   EXPECT_EQ(DirectoryId(dir_).value(), std::string(64, 'b'));
 }
 
+// Before each checkpoint: a directory deleted (or unmounted) is refused,
+// not made again under the bare path; an id file deleted with old
+// checkpoints is written again with the server's id; another id (the
+// directory replaced) is refused.
+TEST_F(DirectoryIdTest, ACheckpointKeepsTheIdItStartedWith) {
+  const std::string id = DirectoryId(dir_).value();
+  EXPECT_TRUE(KeepDirectoryId(dir_, id).ok());
+  std::filesystem::remove(dir_ + "/" + kDirectoryIdName);
+  EXPECT_TRUE(KeepDirectoryId(dir_, id).ok());
+  EXPECT_EQ(DirectoryId(dir_).value(), id);
+  const absl::Status replaced = KeepDirectoryId(dir_, "another");
+  EXPECT_EQ(replaced.code(), absl::StatusCode::kFailedPrecondition) << replaced;
+  EXPECT_THAT(std::string(replaced.message()), ::testing::HasSubstr("the directory was replaced"));
+  std::filesystem::remove_all(dir_);
+  const absl::Status gone = KeepDirectoryId(dir_, id);
+  EXPECT_EQ(gone.code(), absl::StatusCode::kFailedPrecondition) << gone;
+  EXPECT_THAT(std::string(gone.message()), ::testing::HasSubstr("is gone since this server started"));
+  EXPECT_FALSE(std::filesystem::exists(dir_));
+}
+
+TEST_F(DirectoryIdTest, AnIdFileThatIsADirectoryIsSaidToBeNoFile) {
+  std::filesystem::create_directory(dir_ + "/" + kDirectoryIdName);
+  const auto id = DirectoryId(dir_);
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kFailedPrecondition) << id.status();
+  EXPECT_THAT(std::string(id.status().message()), ::testing::HasSubstr("it is no file"));
+}
+
 }  // namespace
 }  // namespace shardopt::checkpoint

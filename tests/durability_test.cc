@@ -393,33 +393,56 @@ TEST(DurabilityTest, ServersOfOneJobOnSeparateCheckpointDirectoriesAreRefusedAtA
 }
 
 // One server of two restarted on another --checkpoint_dir makes the job
-// afresh at step 0 while the other holds step 2. The attach used to say
-// that the servers disagree on the step and to drop the job on each, which
-// would have thrown the step away; it says the directories differ, and
-// once the server is restarted on the job's directory the job attaches at
-// step 2, bitwise.
+// afresh at step 0 while the other holds step 2. The running trainer was
+// told that its part was lost and to drop the job on every server, and a
+// new attach that the servers disagree on the step and to drop the job on
+// each: either would have thrown the step away. Both now say the server is
+// on another directory, and once it is restarted on the job's directory an
+// attach is at step 2, bitwise.
 TEST(DurabilityTest, AServerRestartedOnAnotherCheckpointDirectoryIsNamedNotADisagreementToDropTheJobOver) {
   const JobOptions job = DurableJob("moved", {{"w", 6000}, {"b", 3000}});
   TempDir shared, elsewhere;
-  auto servers = StartServers(2, shared.path());
-  std::vector<uint32_t> at_2;
-  {
-    auto client = Connect(servers);
-    Train(*client, job, 2);
-    ASSERT_TRUE(client->Checkpoint().ok());
-    at_2 = Fingerprint(*client, job).value();
-  }
-  servers[1]->Stop(SIGKILL);
-  servers[1] = std::move(StartServers(1, elsewhere.path())[0]);
-  const auto refused = Connect(servers)->CreateOrAttach(job);
+  FixedPortServers fixed(2, shared.path());  // the running trainer finds server 1 at its address again
+  auto running = Client::Connect(fixed.Options()).value();
+  ScriptedTrainer trainer = Train(*running, job, 2);
+  ASSERT_TRUE(running->Checkpoint().ok());
+  const std::vector<uint32_t> at_2 = Fingerprint(*running, job).value();
+  fixed.servers[1]->Stop(SIGKILL);
+  fixed.args[1].back() = "--checkpoint_dir=" + elsewhere.path();
+  fixed.Restart(1);
+  const auto told = trainer.Step(*running);
+  EXPECT_EQ(told.status().code(), absl::StatusCode::kFailedPrecondition) << told.status();
+  EXPECT_THAT(std::string(told.status().message()), HasSubstr("restarted on another checkpoint directory"));
+  EXPECT_THAT(std::string(told.status().message()), Not(HasSubstr("drop the job on every server")));
+  const auto refused = Client::Connect(fixed.Options()).value()->CreateOrAttach(job);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("different checkpoint directories"));
   EXPECT_THAT(std::string(refused.status().message()), Not(HasSubstr("drop the job")));
-  servers[1]->Stop(SIGKILL);
-  servers[1] = std::move(StartServers(1, shared.path())[0]);
-  auto client = Connect(servers);
+  fixed.servers[1]->Stop(SIGKILL);
+  fixed.args[1].back() = "--checkpoint_dir=" + shared.path();
+  fixed.Restart(1);
+  auto client = Client::Connect(fixed.Options()).value();
   ASSERT_EQ(client->CreateOrAttach(job).value(), 2u);
   EXPECT_EQ(Fingerprint(*client, job).value(), at_2);
+}
+
+// A --checkpoint_dir deleted under a running server (or its volume
+// unmounted) is refused at the next checkpoint, FAILED_PRECONDITION, and
+// not made again under the bare path, where it used to be recreated
+// without its id (a server started later then made another one).
+TEST(DurabilityTest, ACheckpointDirectoryDeletedUnderARunningServerIsRefusedNotMadeAgain) {
+  const JobOptions job = DurableJob("gone", {{"w", 3000}});
+  TempDir dir;
+  const std::string root = dir.path() + "/root";
+  std::vector<std::unique_ptr<testing::ServerProcess>> servers;
+  servers.push_back(std::move(StartServers(1, root)[0]));
+  auto client = Connect(servers);
+  Train(*client, job, 1);
+  fs::remove_all(root);
+  const absl::Status refused = client->Checkpoint();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("is gone since this server started"));
+  EXPECT_FALSE(fs::exists(root));
 }
 
 // One server's SIGTERM completes its job's checkpoint; of two servers, the

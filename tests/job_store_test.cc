@@ -785,7 +785,7 @@ TEST_F(StoreTest, ADifferentConfigurationIsNamedOnOneLineWithoutTheIgnoredGroupN
 // give one: a transposed weight of the same numel (a relaunch of a changed
 // model) is refused, naming the shape; a caller without shapes (a client
 // before the field) attaches to a job with them, and the other way round.
-// A shape that is not the numel's, or of more than 8 dimensions, is
+// A shape that is not the numel's, or of more than 32 dimensions, is
 // INVALID_ARGUMENT.
 TEST_F(StoreTest, AShapeIsPartOfTheJobWhereBothSidesGiveOne) {
   const auto shaped = [this](std::initializer_list<uint64_t> shape) {
@@ -803,13 +803,14 @@ TEST_F(StoreTest, AShapeIsPartOfTheJobWhereBothSidesGiveOne) {
   ASSERT_TRUE(store_.CreateJob(shaped({})).ok());
   EXPECT_TRUE(store_.CreateJob(shaped({128, 64})).ok());
   ASSERT_TRUE(store_.DropJob("shaped").ok());
-  for (const auto& shape : {std::initializer_list<uint64_t>{64, 64}, {8192, 0}, {2, 2, 2, 2, 2, 2, 2, 2, 32},
+  for (const auto& shape : {std::initializer_list<uint64_t>{64, 64}, {8192, 0}, {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
                             {uint64_t{1} << 32, uint64_t{1} << 32, 2}}) {
     const auto refused = store_.CreateJob(shaped(shape));
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
     EXPECT_THAT(std::string(refused.status().message()), HasSubstr("not one of its numel 8192 elements"));
   }
-  EXPECT_TRUE(store_.CreateJob(shaped({2, 2, 2, 2, 2, 2, 2, 64})).ok());  // 8 dimensions
+  EXPECT_TRUE(store_.CreateJob(shaped({2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1,
+                                      1, 1, 1, 1})).ok());  // 32 dimensions
 }
 
 // A long name is quoted cut short, between UTF-8 characters: cut inside

@@ -58,7 +58,7 @@ struct TensorOptions {
   uint64_t numel = 0;
   uint32_t group = 0;  // index into JobOptions::groups
   ParamType param_type = ParamType::kBf16;
-  // Its shape as the trainer holds it (product numel, at most 8 dimensions),
+  // Its shape as the trainer holds it (product numel, at most 32 dimensions),
   // or empty. Part of the job's identity where the job has one too (a
   // transposed param of the same numel is then ALREADY_EXISTS), and the
   // shape `shardopt export` writes.
