@@ -140,14 +140,10 @@ int Fail(const absl::Status& st) {
   return 1;
 }
 
-// What no answer in time means for a call's effect, said after the timeout.
-constexpr char kEffectUnknown[] = "; whether the call took effect is unknown: describe the job to see";
-constexpr char kNoCheckpointAsked[] =
-    "; no checkpoint was asked for: without STEP, checkpoint first asks the server for the job's step";
-
 // A server's error, named by --server; no answer in time also says, where
-// `effect` is given, what that means for the call's effect (a drop or a
-// checkpoint may or may not have taken effect).
+// `effect` is given, what that means for the call's effect: one of these.
+constexpr char kEffectUnknown[] = "; whether the call took effect is unknown: describe the job to see";
+constexpr char kNoCheckpointAsked[] = "; no checkpoint was asked for: without STEP, checkpoint first asks the job's step";
 int Fail(const grpc::Status& st, const char* effect = "") {
   absl::Status said = shardopt::FromGrpcStatus(st, absl::GetFlag(FLAGS_server));
   if (st.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
@@ -237,8 +233,7 @@ int Export(const std::string& dir, uint64_t step, bool bf16, const std::string& 
     checkpoint::DecodeArray(part->data.data() + checkpoint::ArrayOffset(sections, part->manifest, s, checkpoint::Array::kMaster),
                             n, part->manifest.shards(s).dtype(), master.data());
     shardopt::SafetensorsTensor t{at->spec.shards(s).tensor(), bf16 ? "BF16" : "F32", {n}, {}};
-    // In the model's shape where the job was given one (TensorSpec.shape):
-    // WholeJob's shards are its tensors, in order.
+    // The model's shape where the job has one (WholeJob's shards: its tensors).
     if (const auto& dims = at->spec.tensors(s).shape(); !dims.empty()) t.shape.assign(dims.begin(), dims.end());
     t.data.resize(n * (bf16 ? 2 : 4));
     if (!bf16) {
