@@ -144,6 +144,18 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
                                      "was committing meanwhile)"));
   }
   const uint64_t step = *agreed;
+  if (job.resume == Resume::kNew && step != 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", job.name, "' is at step ", step, " on its servers (held, or restored from a checkpoint), and this "
+        "launch asked for a new job (resume: new): another run holds this name; give this run another job name, or "
+        "drop the job first (a checkpoint of it stays on disk), or resume it"));
+  }
+  if (job.resume == Resume::kOnly && step == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", job.name, "' is at step 0: no server held it at a later step and no checkpoint of it was found "
+        "(servers restarted on empty or other --checkpoint_dir directories?), and this launch asked to resume it "
+        "(resume: only); a job this call made is dropped again"));
+  }
   im.step = step;
   im.pushed_ahead = PushedAhead(answers, step, holds_part, im.pushes_to);
   im.applied_group_lr = AppliedGroupLr(answers, step, holds_part, job.groups.size());

@@ -141,6 +141,9 @@ absl::Status CheckNameIsUtf8(absl::string_view what, absl::string_view name) {
 }
 
 absl::Status CheckJobOptions(const JobOptions& job, uint32_t rank) {
+  if (job.resume != Resume::kEither && job.resume != Resume::kNew && job.resume != Resume::kOnly) {
+    return absl::InvalidArgumentError(absl::StrCat("JobOptions::resume has no such value (", static_cast<int>(job.resume), ")"));
+  }
   if (job.name.empty()) return absl::InvalidArgumentError("a job needs a name");
   SHARDOPT_RETURN_IF_ERROR(CheckNameIsUtf8("job name", job.name));
   for (const GroupOptions& g : job.groups) SHARDOPT_RETURN_IF_ERROR(CheckNameIsUtf8("group name", g.name));

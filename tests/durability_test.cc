@@ -445,6 +445,43 @@ TEST(DurabilityTest, ACheckpointDirectoryDeletedUnderARunningServerIsRefusedNotM
   EXPECT_FALSE(fs::exists(root));
 }
 
+// JobOptions::resume, for a launch that knows which it is. kNew refuses a
+// job another run left at a later step, held or in a checkpoint (the one
+// this call restored is let go again, and restores later as before); kOnly
+// refuses a job at step 0 (nothing found: servers on empty directories),
+// and drops the job it made. Either way FAILED_PRECONDITION naming the step.
+TEST(DurabilityTest, ResumeNewRefusesAJobAtALaterStepAndResumeOnlyAFreshOne) {
+  JobOptions job = DurableJob("expect", {{"w", 6000}});
+  TempDir dir;
+  auto servers = StartServers(1, dir.path());
+  job.resume = Resume::kOnly;
+  const auto nothing = Connect(servers)->CreateOrAttach(job);
+  EXPECT_EQ(nothing.status().code(), absl::StatusCode::kFailedPrecondition) << nothing.status();
+  EXPECT_THAT(std::string(nothing.status().message()), HasSubstr("is at step 0"));
+  EXPECT_EQ(DescribeOn(servers[0]->address(), job.name).error_code(), grpc::StatusCode::NOT_FOUND);
+  job.resume = Resume::kEither;
+  std::vector<uint32_t> at_2;
+  {
+    auto client = Connect(servers);
+    Train(*client, job, 2);
+    ASSERT_TRUE(client->Checkpoint().ok());
+    at_2 = Fingerprint(*client, job).value();
+  }
+  job.resume = Resume::kNew;
+  const auto held = Connect(servers)->CreateOrAttach(job);
+  EXPECT_EQ(held.status().code(), absl::StatusCode::kFailedPrecondition) << held.status();
+  EXPECT_THAT(std::string(held.status().message()), HasSubstr("is at step 2"));
+  servers[0]->Stop(SIGKILL);
+  servers = StartServers(1, dir.path());
+  const auto restored = Connect(servers)->CreateOrAttach(job);
+  EXPECT_EQ(restored.status().code(), absl::StatusCode::kFailedPrecondition) << restored.status();
+  EXPECT_EQ(DescribeOn(servers[0]->address(), job.name).error_code(), grpc::StatusCode::NOT_FOUND) << "let go";
+  job.resume = Resume::kOnly;
+  auto client = Connect(servers);
+  ASSERT_EQ(client->CreateOrAttach(job).value(), 2u);
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_2);
+}
+
 // One server's SIGTERM completes its job's checkpoint; of two servers, the
 // second one's does, since both stop at the same step.
 TEST(DurabilityTest, SigtermCheckpointsEveryJobAndExitsZero) {

@@ -5,7 +5,7 @@ import numbers
 import torch
 
 from . import _C
-from ._errors import InvalidArgument, UnsupportedDtype
+from ._errors import AlreadyExists, InvalidArgument, UnsupportedDtype
 
 
 def _host_fp32(x, what):
@@ -22,6 +22,17 @@ def _some_names(names, shown=3):
     names = list(names)
     more = f", ... ({len(names)} in all)" if len(names) > shown else ""
     return ", ".join(map(repr, names[:shown])) + more
+
+
+def _raise_naming_frozen(error, frozen):
+    """Raises `error`, an AlreadyExists from attaching, naming the params
+    left out of the job for requires_grad=False (`frozen`): a job made with
+    them trainable (by another rank, or before 2026-12-05) differs so."""
+    if not frozen:
+        raise error
+    raise AlreadyExists(f"{error.message}; params with requires_grad=False here ({_some_names(frozen)}) are not in "
+                        "this job, so a job made with them trainable (by another rank, or before 2026-12-05) "
+                        "differs: make the optimizer while they are trainable, then freeze them") from error
 
 
 def _check_ints(**named):

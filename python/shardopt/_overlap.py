@@ -204,7 +204,7 @@ class _OverlapPush:
         step, pause = self._push_step, 0.1
         for _ in range(5):
             try:
-                self._client.create_or_attach(*self._attach_args, 0)
+                self._client.create_or_attach(*self._attach_args, 0, None)
             except Error as e:
                 raise Aborted(f"RemoteAdamW(overlap=True): step {step} was applied by the other ranks where this "
                               f"rank committed it as a skip ({refused.message}), and attaching again to take it "

@@ -25,7 +25,7 @@ import torch
 
 from . import _C, _attempts
 from ._errors import AlreadyExists, Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
-from ._checks import _check_disjoint, _check_gradient, _check_hyper, _check_ints, _check_seconds
+from ._checks import _check_disjoint, _check_gradient, _check_hyper, _check_ints, _check_seconds, _raise_naming_frozen
 from ._log import _log_step, _resume_lrs
 from ._connect import _read_pem, _servers
 from ._overlap import _OverlapPush
@@ -105,6 +105,10 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             job: 0 resumes from the newest checkpoint, t from step t's (an
             older t starts a new run: newer checkpoints are moved aside).
             Give t only to the launch that goes back; relaunch with 0.
+        resume: None attaches to the job or creates it; False requires a
+            new job (at step 0: never another run's, or a checkpoint's),
+            True a job to resume (at a later step: never a fresh start where
+            nothing was found). Else FailedPrecondition, and nothing kept.
         chunk_bytes: bytes of gradient per streamed message; 0 (default)
             lets the client choose from world_size (4 MiB for one or two
             ranks down to 256 KiB from 32 on: each costs every server about
@@ -126,7 +130,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
     def __init__(self, params, servers, job, rank=0, world_size=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0.01, max_grad_norm=0.0, state_precision="fp32", overlap=False, num_servers=None,
                  rpc_timeout=60.0, max_attempts=5, barrier_timeout=60.0, checkpoint_every=0, restore_step=0,
-                 chunk_bytes=0, tls_ca=None, tls_cert=None, tls_key=None, token=None, amsgrad=False,
+                 chunk_bytes=0, tls_ca=None, tls_cert=None, tls_key=None, token=None, resume=None, amsgrad=False,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None):
         if capturable or differentiable:
             raise ValueError("RemoteAdamW updates on the servers: capturable and differentiable are not supported")
@@ -141,6 +145,8 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             raise ValueError(f"state_precision must be one of {_STATE_PRECISIONS}, not {state_precision!r}")
         if not isinstance(job, str) or not job:
             raise TypeError(f"job must be the job's name, a non-empty str, not {type(job).__name__} {job!r}")
+        if resume is not None and not isinstance(resume, bool):
+            raise TypeError(f"resume must be None, True or False, not {type(resume).__name__} {resume!r}")
         _check_ints(rank=rank, world_size=world_size, checkpoint_every=checkpoint_every, restore_step=restore_step,
                     chunk_bytes=chunk_bytes, max_attempts=max_attempts)
         if not isinstance(overlap, bool):
@@ -214,15 +220,9 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         #: The job's step when this optimizer attached: 0 for a new job, else
         #: the step resumed from (the params were pulled from the servers).
         try:
-            self.resumed_step = self._client.create_or_attach(*self._attach_args, restore_step)
+            self.resumed_step = self._client.create_or_attach(*self._attach_args, restore_step, resume)
         except AlreadyExists as e:
-            left_out = [repr(t.name) for t in self._tensors if t.frozen]
-            if not left_out:
-                raise
-            raise AlreadyExists(f"{e.message}; params with requires_grad=False here ({', '.join(left_out[:3])}"
-                                f"{', ...' if len(left_out) > 3 else ''}) are not in this job, so a job made with "
-                                "them trainable (by another rank, or before 2026-12-05) differs: make the optimizer "
-                                "while they are trainable, then freeze them") from e
+            _raise_naming_frozen(e, [t.name for t in self._tensors if t.frozen])
         if self._checkpoint_every and rank == 0:
             # Each of its checkpoints would fail, after its step was applied.
             missing = [s.address for s in self._client.describe() if not s.checkpoint_dir]

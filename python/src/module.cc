@@ -187,7 +187,8 @@ class PyClient {
   uint64_t CreateOrAttach(const std::string& name, uint32_t world_size,
                           const std::vector<std::tuple<std::string, double, double, float, double, double, bool>>& groups,
                           const std::vector<std::tuple<std::string, uint64_t, uint32_t, bool, std::vector<uint64_t>>>& tensors,
-                          bool fp32_grads, uint32_t barrier_timeout_ms, uint64_t restore_step) {
+                          bool fp32_grads, uint32_t barrier_timeout_ms, uint64_t restore_step,
+                          std::optional<bool> resume) {
     shardopt::JobOptions job;
     job.name = name;
     job.world_size = world_size;
@@ -204,6 +205,8 @@ class PyClient {
     job.grad_type = fp32_grads ? shardopt::GradType::kFp32 : shardopt::GradType::kBf16;
     job.barrier_timeout_ms = barrier_timeout_ms;
     job.restore_step = restore_step;
+    // None: attach or create; False: a new job (step 0); True: resume a later step.
+    job.resume = !resume ? shardopt::Resume::kEither : *resume ? shardopt::Resume::kOnly : shardopt::Resume::kNew;
     world_size_ = world_size;
     return Exclusive([&] { return Value(client_->CreateOrAttach(job)); });
   }
@@ -451,7 +454,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("chunk_bytes"), py::arg("checkpoint_every"), py::arg("tls_root_certs") = "",
            py::arg("tls_cert_chain") = "", py::arg("tls_private_key") = "", py::arg("token") = "")
       .def("create_or_attach", &PyClient::CreateOrAttach, py::arg("name"), py::arg("world_size"), py::arg("groups"),
-           py::arg("tensors"), py::arg("fp32_grads"), py::arg("barrier_timeout_ms"), py::arg("restore_step"))
+           py::arg("tensors"), py::arg("fp32_grads"), py::arg("barrier_timeout_ms"), py::arg("restore_step"), py::arg("resume"))
       .def("init_fp32", &PyClient::InitFp32, py::arg("tensor"), py::arg("values"), py::arg("share_index") = 0,
            py::arg("share_count") = 1)
       .def("init_bf16", &PyClient::InitBf16, py::arg("tensor"), py::arg("values"), py::arg("share_index") = 0,

@@ -511,6 +511,24 @@ def test_checkpoint_every_on_servers_without_a_checkpoint_dir_is_refused_at_cons
     opt.drop()
 
 
+def test_resume_false_refuses_another_runs_job_and_resume_true_a_fresh_one(servers, job):
+    """resume=False: a new run never takes over a job another run left at a
+    later step (it attached, and its params were replaced by that run's).
+    resume=True: a resume never starts from step 0, and leaves no job."""
+    with pytest.raises(TypeError, match="resume must be None, True or False"):
+        RemoteAdamW(make_model().parameters(), servers=servers, job=job, resume="yes")
+    with pytest.raises(shardopt.FailedPrecondition, match="is at step 0"):
+        RemoteAdamW(make_model().parameters(), servers=servers, job=job, resume=True)
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, resume=False)
+    train(model, opt, 2)
+    with pytest.raises(shardopt.FailedPrecondition, match="is at step 2"):
+        RemoteAdamW(param_groups(make_model()), servers=servers, job=job, resume=False)
+    again = RemoteAdamW(param_groups(make_model()), servers=servers, job=job, resume=True)
+    assert again.resumed_step == 2
+    opt.drop()
+
+
 def test_a_relaunch_whose_param_was_transposed_is_refused(servers, job):
     """A relaunch of a changed model under the job's name: a param of the
     same numel in another shape would take the job's state in the wrong

@@ -36,6 +36,16 @@ namespace shardopt {
 
 enum class StatePrecision { kFp32, kBf16 };
 enum class GradType { kBf16, kFp32 };
+// What CreateOrAttach must find, for a launch that knows which it is
+// (JobOptions::resume). kEither: attach to the job or create it. kNew: the
+// job must be at step 0 (made now, or by this run's other ranks), so that a
+// new run never takes over a job that another run, or a checkpoint, left at
+// a later step under its name. kOnly: it must be at a later step (held, or
+// restored from a checkpoint), so that a resume never starts again from
+// step 0 where nothing was found (servers redeployed on empty directories).
+// Either refusal is FAILED_PRECONDITION, naming the step, and the job this
+// call made or restored is let go again.
+enum class Resume { kEither, kNew, kOnly };
 // The dtype a trainer holds a tensor's params in. kBf16 tensors push
 // gradients in JobOptions::grad_type and get the bf16 rounding of the master
 // back; kFp32 tensors (an fp32 model) push fp32 gradients and get the fp32
@@ -78,6 +88,7 @@ struct JobOptions {
   // An older t starts a new run (newer checkpoints are moved aside): give it
   // only to the launch that goes back, and 0 to later ones (README, "Restore").
   uint64_t restore_step = 0;
+  Resume resume = Resume::kEither;
 };
 
 struct ClientOptions {
