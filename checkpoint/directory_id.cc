@@ -1,6 +1,9 @@
 #include "checkpoint/directory_id.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <filesystem>
 #include <random>
@@ -8,6 +11,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/errno_status.h"
 #include "base/status_macros.h"
 #include "base/whole_file.h"
 #include "checkpoint/files.h"
@@ -47,27 +51,28 @@ std::string NewId() {
 
 }  // namespace
 
-absl::Status KeepDirectoryId(const std::string& root, const std::string& id) {
+absl::StatusOr<uint64_t> DirectoryDevice(const std::string& root) {
+  struct stat st;
+  if (stat(root.c_str(), &st) != 0) {
+    const int error = errno;  // before the message's allocation
+    return ErrnoStatus(error, absl::StrCat("cannot stat --checkpoint_dir=", root));
+  }
+  return static_cast<uint64_t>(st.st_dev);
+}
+
+absl::Status KeepDirectoryId(const std::string& root, const std::string& id, uint64_t device) {
   std::error_code ec;
-  if (!std::filesystem::is_directory(root, ec)) {
+  std::filesystem::create_directories(root, ec);  // deleted inside its volume: made again
+  SHARDOPT_ASSIGN_OR_RETURN(const uint64_t now, DirectoryDevice(root));
+  if (now != device) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "--checkpoint_dir=", root, " is gone since this server started (deleted, or its volume unmounted): put it "
-        "back, or restart the server on the job's directory; nothing was written"));
+        "--checkpoint_dir=", root, " is on another device than when this server started (its volume unmounted, or "
+        "another mounted there): nothing was written; mount the job's volume there again, or restart the server"));
   }
   const std::string path = absl::StrCat(root, "/", kDirectoryIdName);
-  auto held = ReadId(path);
-  if (held.status().code() == absl::StatusCode::kNotFound) {
-    const absl::Status written = WriteFileNew(path, {absl::StrCat(id, "\n")});
-    if (!written.ok() && written.code() != absl::StatusCode::kAlreadyExists) return written;
-    held = ReadId(path);  // a peer's, written a moment before, or this one's
-  }
-  if (!held.ok()) return held.status();
-  if (*held != id) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        path, " says directory id ", *held, ", not ", id, ", which this server read at its start: the directory was "
-        "replaced since; restart the server (and its peers) on the job's directory; nothing was written"));
-  }
-  return absl::OkStatus();
+  if (std::filesystem::exists(path, ec)) return absl::OkStatus();
+  const absl::Status written = WriteFileNew(path, {absl::StrCat(id, "\n")});
+  return written.code() == absl::StatusCode::kAlreadyExists ? absl::OkStatus() : written;  // a peer's, just now
 }
 
 absl::StatusOr<std::string> DirectoryId(const std::string& root) {

@@ -29,13 +29,17 @@ inline constexpr char kDirectoryIdName[] = "shardopt+directory-id";
 // that read the old one.
 absl::StatusOr<std::string> DirectoryId(const std::string& root);
 
-// Before each checkpoint, that `root` is still the directory whose id this
-// server read at its start (`id`): FAILED_PRECONDITION if `root` is gone
-// (deleted, or its volume unmounted: a checkpoint made again under that
-// path would go to the disk below, and a server started later would give
-// it another id) or holds another id (replaced). An id file deleted with
-// the old checkpoints is written again with `id`, which every server on
-// the directory read at its start.
-absl::Status KeepDirectoryId(const std::string& root, const std::string& id);
+// The device `root` is on (stat's st_dev), for KeepDirectoryId.
+absl::StatusOr<uint64_t> DirectoryDevice(const std::string& root);
+
+// Before each checkpoint, that `root` is still on `device`, where this
+// server found it at its start: FAILED_PRECONDITION if not, nothing written
+// (its volume unmounted, or another mounted there: a checkpoint would go to
+// the disk below, lost with the pod, or to another volume than its peers').
+// A `root` deleted since (a directory inside the volume) is made again, and
+// an id file deleted with old checkpoints is written again, both with `id`,
+// which every server on the directory read at its start, so that servers
+// started later read the same.
+absl::Status KeepDirectoryId(const std::string& root, const std::string& id, uint64_t device);
 
 }  // namespace shardopt::checkpoint

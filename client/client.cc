@@ -152,7 +152,7 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   }
   if (job.resume == Resume::kOnly && step == 0) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "job '", job.name, "' is at step 0: no server held it at a later step and no checkpoint of it was found "
+        "job '", job.name, "' is at step 0: no server held it at a later step, nor a checkpoint of a later step "
         "(servers restarted on empty or other --checkpoint_dir directories?), and this launch asked to resume it "
         "(resume: only); a job this call made is dropped again"));
   }

@@ -120,7 +120,10 @@ std::vector<bool> Client::Impl::holds_part() const {
 
 std::string Client::Impl::DirectoryIdOf(uint32_t s, uint64_t life) const {
   v1::DescribeResponse described;
-  const absl::Status asked = fanout::Call(channels[s].get(), address(s), options.token, 1, options.rpc_timeout_ms,
+  // One attempt, of at most 5 s: a hint for an error, asked server by
+  // server while a step's other calls wait.
+  const absl::Status asked = fanout::Call(channels[s].get(), address(s), options.token, 1,
+                                          std::min<uint32_t>(options.rpc_timeout_ms, 5000),
                                           [&](grpc::ClientContext* ctx) {
                                             v1::DescribeRequest req;
                                             req.set_job(job.name);
@@ -128,7 +131,8 @@ std::string Client::Impl::DirectoryIdOf(uint32_t s, uint64_t life) const {
                                             req.set_max_tensors(1);  // the server's settings
                                             return stubs[s]->Describe(ctx, req, &described);
                                           });
-  return asked.ok() ? described.checkpoint_dir_id() : "";
+  if (!asked.ok()) return "";
+  return described.has_checkpoint_dir() && !described.checkpoint_dir() ? "(none)" : described.checkpoint_dir_id();
 }
 
 std::string Client::Impl::OtherDirectory(uint32_t s, uint64_t life) const {

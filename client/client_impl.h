@@ -148,7 +148,8 @@ struct Client::Impl {
   absl::Status CheckCheckpointsCanBeTaken(bool directories_only = false) const;
 
   // The checkpoint directory id server `s` reports for the job's life
-  // `life` (0: any), or "" if it says none or does not answer.
+  // `life` (0: any), "(none)" where it has no --checkpoint_dir, or "" if it
+  // does not say (too old, or no answer within 5 s).
   std::string DirectoryIdOf(uint32_t s, uint64_t life) const;
   // Where server `s` (the job's life `life` there) reports another
   // checkpoint directory than a server that holds part of the job, "server

@@ -144,6 +144,12 @@ absl::Status CheckJobOptions(const JobOptions& job, uint32_t rank) {
   if (job.resume != Resume::kEither && job.resume != Resume::kNew && job.resume != Resume::kOnly) {
     return absl::InvalidArgumentError(absl::StrCat("JobOptions::resume has no such value (", static_cast<int>(job.resume), ")"));
   }
+  // A restore at a step is a resume: refused only after it had moved the
+  // newer checkpoints aside.
+  if (job.resume == Resume::kNew && job.restore_step != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("restore_step ", job.restore_step, " resumes the job, and resume is "
+                                                   "new (kNew, Python resume=False): give one or the other"));
+  }
   if (job.name.empty()) return absl::InvalidArgumentError("a job needs a name");
   SHARDOPT_RETURN_IF_ERROR(CheckNameIsUtf8("job name", job.name));
   for (const GroupOptions& g : job.groups) SHARDOPT_RETURN_IF_ERROR(CheckNameIsUtf8("group name", g.name));

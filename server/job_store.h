@@ -61,8 +61,11 @@ struct JobStoreOptions {
   uint32_t max_name_bytes = kMaxNameBytes;
   // Where checkpoints go and come from (checkpoint/format.h); empty: none.
   std::string checkpoint_dir;
-  // Its identity (checkpoint::DirectoryId), for Describe; empty: not known.
+  // Its identity (checkpoint::DirectoryId), for Describe, and the device it
+  // was on at start, which each checkpoint checks (KeepDirectoryId); empty
+  // and 0: not known, not checked (a store a test or the bench makes).
   std::string checkpoint_dir_id;
+  uint64_t checkpoint_dir_device = 0;
   // A seam for tests: checkpoint parts with their arrays back to back, as
   // format version 1 wrote them (PartWriter::Open's array_alignment 0), so
   // that the restore's path for such parts stays tested.

@@ -81,9 +81,9 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
         }
         log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
         t0 = std::chrono::steady_clock::now();
-        // Not for a store made without an id (a test's, or a seam's).
-        if (options_.checkpoint_dir_id.empty()) return absl::OkStatus();
-        return checkpoint::KeepDirectoryId(options_.checkpoint_dir, options_.checkpoint_dir_id);
+        if (options_.checkpoint_dir_id.empty()) return absl::OkStatus();  // nothing to keep (JobStoreOptions)
+        return checkpoint::KeepDirectoryId(options_.checkpoint_dir, options_.checkpoint_dir_id,
+                                           options_.checkpoint_dir_device);
       },
       options_.after_snapshot_slice);
   if (!writer.ok() && !t0 && !no_room) return writer.status();

@@ -278,6 +278,9 @@ int main(int argc, char** argv) {
     auto id = shardopt::checkpoint::DirectoryId(store_options.checkpoint_dir);
     if (!id.ok()) return StartFailed(std::string(id.status().message()));
     store_options.checkpoint_dir_id = *std::move(id);
+    auto device = shardopt::checkpoint::DirectoryDevice(store_options.checkpoint_dir);
+    if (!device.ok()) return StartFailed(std::string(device.status().message()));
+    store_options.checkpoint_dir_device = *device;
   }
   shardopt::JobStore store(backend->get(), store_options);
   std::unique_ptr<shardopt::Authenticator> auth;

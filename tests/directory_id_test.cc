@@ -65,24 +65,26 @@ TEST_F(DirectoryIdTest, AFileThatIsNoIdIsRefusedAndLeftAsItIs) {
   EXPECT_EQ(DirectoryId(dir_).value(), std::string(64, 'b'));
 }
 
-// Before each checkpoint: a directory deleted (or unmounted) is refused,
-// not made again under the bare path; an id file deleted with old
-// checkpoints is written again with the server's id; another id (the
-// directory replaced) is refused.
-TEST_F(DirectoryIdTest, ACheckpointKeepsTheIdItStartedWith) {
+// Before each checkpoint: an id file deleted with old checkpoints, or the
+// directory deleted inside its volume, is written again with the id the
+// server started with; a directory on another device than at start (its
+// volume unmounted, or another mounted there; here a device number that is
+// not the directory's) is refused, and nothing is written.
+TEST_F(DirectoryIdTest, ACheckpointKeepsTheIdItStartedWithOnTheDeviceItStartedOn) {
   const std::string id = DirectoryId(dir_).value();
-  EXPECT_TRUE(KeepDirectoryId(dir_, id).ok());
+  const uint64_t device = DirectoryDevice(dir_).value();
+  EXPECT_TRUE(KeepDirectoryId(dir_, id, device).ok());
   std::filesystem::remove(dir_ + "/" + kDirectoryIdName);
-  EXPECT_TRUE(KeepDirectoryId(dir_, id).ok());
+  EXPECT_TRUE(KeepDirectoryId(dir_, id, device).ok());
   EXPECT_EQ(DirectoryId(dir_).value(), id);
-  const absl::Status replaced = KeepDirectoryId(dir_, "another");
-  EXPECT_EQ(replaced.code(), absl::StatusCode::kFailedPrecondition) << replaced;
-  EXPECT_THAT(std::string(replaced.message()), ::testing::HasSubstr("the directory was replaced"));
   std::filesystem::remove_all(dir_);
-  const absl::Status gone = KeepDirectoryId(dir_, id);
-  EXPECT_EQ(gone.code(), absl::StatusCode::kFailedPrecondition) << gone;
-  EXPECT_THAT(std::string(gone.message()), ::testing::HasSubstr("is gone since this server started"));
-  EXPECT_FALSE(std::filesystem::exists(dir_));
+  EXPECT_TRUE(KeepDirectoryId(dir_, id, device).ok());
+  EXPECT_EQ(DirectoryId(dir_).value(), id);
+  std::filesystem::remove(dir_ + "/" + kDirectoryIdName);
+  const absl::Status elsewhere = KeepDirectoryId(dir_, id, device + 1);
+  EXPECT_EQ(elsewhere.code(), absl::StatusCode::kFailedPrecondition) << elsewhere;
+  EXPECT_THAT(std::string(elsewhere.message()), ::testing::HasSubstr("is on another device than when this server started"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/" + kDirectoryIdName)) << "nothing written";
 }
 
 TEST_F(DirectoryIdTest, AnIdFileThatIsADirectoryIsSaidToBeNoFile) {

@@ -517,6 +517,8 @@ def test_resume_false_refuses_another_runs_job_and_resume_true_a_fresh_one(serve
     resume=True: a resume never starts from step 0, and leaves no job."""
     with pytest.raises(TypeError, match="resume must be None, True or False"):
         RemoteAdamW(make_model().parameters(), servers=servers, job=job, resume="yes")
+    with pytest.raises(shardopt.InvalidArgument, match="give one or the other"):  # a restore is a resume
+        RemoteAdamW(make_model().parameters(), servers=servers, job=job, resume=False, restore_step=2)
     with pytest.raises(shardopt.FailedPrecondition, match="is at step 0"):
         RemoteAdamW(make_model().parameters(), servers=servers, job=job, resume=True)
     model = make_model()
