@@ -62,8 +62,13 @@ absl::StatusOr<uint64_t> DirectoryDevice(const std::string& root) {
 
 absl::Status KeepDirectoryId(const std::string& root, const std::string& id, uint64_t device) {
   std::error_code ec;
-  std::filesystem::create_directories(root, ec);  // deleted inside its volume: made again
-  SHARDOPT_ASSIGN_OR_RETURN(const uint64_t now, DirectoryDevice(root));
+  // Deleted inside its volume: made again, where its parent is on that
+  // volume still (not the disk below an unmounted one).
+  const std::string parent = std::filesystem::path(root).parent_path().string();
+  if (!std::filesystem::exists(root, ec) && DirectoryDevice(parent.empty() ? "." : parent).value_or(device + 1) == device) {
+    std::filesystem::create_directories(root, ec);
+  }
+  const uint64_t now = DirectoryDevice(root).value_or(device + 1);  // gone: not the device
   if (now != device) {
     return absl::FailedPreconditionError(absl::StrCat(
         "--checkpoint_dir=", root, " is on another device than when this server started (its volume unmounted, or "
