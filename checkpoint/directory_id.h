@@ -34,8 +34,10 @@ absl::StatusOr<uint64_t> DirectoryDevice(const std::string& root);
 
 // Before each checkpoint, that `root` is still on `device`, where this
 // server found it at its start: FAILED_PRECONDITION if not, nothing written
-// (its volume unmounted, or another mounted there: a checkpoint would go to
-// the disk below, lost with the pod, or to another volume than its peers').
+// (its volume unmounted, or another one mounted there: a checkpoint would go
+// to the disk below, lost with the pod, or to another volume than its
+// peers'). A new empty volume that got the old one's device number reads as
+// the directory emptied, below.
 // A `root` deleted since (a directory inside the volume) is made again, and
 // an id file deleted with old checkpoints is written again, both with `id`,
 // which every server on the directory read at its start, so that servers
