@@ -69,9 +69,9 @@ absl::Status SameJob(const v1::CreateJobRequest& a, const v1::CreateJobRequest& 
   // A field at proto3's default is absent: compared and shown as 0, not
   // as "added" with one side's value alone.
   differ.set_message_field_comparison(google::protobuf::util::MessageDifferencer::EQUIVALENT);
-  v1::CreateJobRequest ours = Identity(a), theirs = Identity(b);
-  KeepShapesBothGive(&ours, &theirs);
-  if (!differ.Compare(ours, theirs)) {
+  CompareShapesOnlyWhereBothGiveThem(&differ);
+  differ.set_report_ignores(false);
+  if (!differ.Compare(Identity(a), Identity(b))) {
     return absl::FailedPreconditionError(absl::StrCat(where, " holds job '", b.job(), "' with another configuration (",
                                                       sides, ": ", OneLineReport(diff),
                                                       "); move the checkpoint away or use another job name"));

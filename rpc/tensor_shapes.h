@@ -3,7 +3,6 @@
 // no shapes (or before the field) is the same job as one that gives them.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -11,6 +10,10 @@
 #include "absl/strings/str_join.h"
 #include "rpc/job_limits.h"
 #include "shardopt/v1/optimizer.pb.h"
+
+namespace google::protobuf::util {
+class MessageDifferencer;
+}  // namespace google::protobuf::util
 
 namespace shardopt {
 
@@ -35,31 +38,9 @@ std::string ShapeRefusal(const std::string& name, const Dims& shape, uint64_t nu
                       " elements in at most ", kMaxShapeDims, " dimensions of at least 1");
 }
 
-// Whether a tensor at the same index gives a shape on one side only, which
-// KeepShapesBothGive must clear before the rest is compared; most attaches
-// (every client gives shapes, or none does) need no copies.
-inline bool ShapesOnOneSide(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b) {
-  const int n = std::min(a.tensors_size(), b.tensors_size());
-  for (int i = 0; i < n; ++i) {
-    if ((a.tensors(i).shape_size() == 0) != (b.tensors(i).shape_size() == 0)) return true;
-  }
-  return false;
-}
-
-// Clears the shapes of each tensor, by index, that one of `a` and `b` gives
-// none for (as far as both have tensors: where a tensor was added, the
-// difference then names that, not shapes); copies, ready for a comparison.
-inline void KeepShapesBothGive(v1::CreateJobRequest* a, v1::CreateJobRequest* b) {
-  const int n = std::min(a->tensors_size(), b->tensors_size());
-  for (int i = 0; i < n; ++i) {
-    if (a->tensors(i).shape_size() == 0 || b->tensors(i).shape_size() == 0) {
-      a->mutable_tensors(i)->clear_shape();
-      b->mutable_tensors(i)->clear_shape();
-    }
-  }
-  for (v1::CreateJobRequest* longer : {a, b}) {
-    for (int i = n; i < longer->tensors_size(); ++i) longer->mutable_tensors(i)->clear_shape();
-  }
-}
+// Makes `differ` compare a tensor's shape only where both specs give one:
+// a job made, or a checkpoint written, without shapes is the same job as
+// one asked for with them, and the rest of the spec is compared as ever.
+void CompareShapesOnlyWhereBothGiveThem(google::protobuf::util::MessageDifferencer* differ);
 
 }  // namespace shardopt

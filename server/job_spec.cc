@@ -146,25 +146,19 @@ v1::CreateJobRequest AsReported(v1::CreateJobRequest r) {
 void CompareAsAnAttach(google::protobuf::util::MessageDifferencer* differ) {
   differ->set_message_field_comparison(google::protobuf::util::MessageDifferencer::EQUIVALENT);
   differ->IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
+  CompareShapesOnlyWhereBothGiveThem(differ);
 }
 
 }  // namespace
 
-absl::Status SameJobSpec(const v1::CreateJobRequest& held, const v1::CreateJobRequest& asked) {
-  if (ShapesOnOneSide(held, asked)) {  // rare: copies, to compare without those shapes
-    v1::CreateJobRequest existing = held, requested = asked;
-    KeepShapesBothGive(&existing, &requested);
-    return SameJobSpec(existing, requested);
-  }
-  const v1::CreateJobRequest& existing = held;
-  const v1::CreateJobRequest& requested = asked;
+absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
   google::protobuf::util::MessageDifferencer differ;
   CompareAsAnAttach(&differ);
   // Every attach compares; only a job that differs is reported, from copies
   // that name its dtypes as callers do.
   if (differ.Compare(existing, requested)) return absl::OkStatus();
   std::string diff;
-  differ.set_report_ignores(false);  // a group's name is not why: it is for messages only
+  differ.set_report_ignores(false);  // a group's name, or a shape one side lacks, is not why
   differ.ReportDifferencesToString(&diff);
   differ.Compare(AsReported(existing), AsReported(requested));
   // The shards are the client's placement. Where the rest is the same, they

@@ -20,10 +20,10 @@ namespace shardopt {
 absl::StatusOr<v1::CreateJobRequest> NormalizeJobSpec(const v1::CreateJobRequest& request,
                                                       absl::Duration default_barrier_timeout);
 
-// OK when `asked` is the job `held` is, else ALREADY_EXISTS naming the
-// difference. Both are normalized; group names are for messages only, and
-// a tensor's shape counts only where both give one (rpc/tensor_shapes.h).
-absl::Status SameJobSpec(const v1::CreateJobRequest& held, const v1::CreateJobRequest& asked);
+// OK when `requested` is the job `existing` is, else ALREADY_EXISTS naming
+// the difference. Both are normalized; group names are for messages only,
+// and a tensor's shape counts only where both give one (rpc/tensor_shapes.h).
+absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested);
 
 absl::StatusOr<DType> FromProto(v1::DType d);
 v1::DType ToProto(DType d);

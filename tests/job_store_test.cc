@@ -799,8 +799,16 @@ TEST_F(StoreTest, AShapeIsPartOfTheJobWhereBothSidesGiveOne) {
   const auto transposed = store_.CreateJob(shaped({128, 64}));
   EXPECT_EQ(transposed.status().code(), absl::StatusCode::kAlreadyExists) << transposed.status();
   EXPECT_THAT(std::string(transposed.status().message()), HasSubstr("shape")) << transposed.status();
+  // A tensor added to a job without shapes by a caller with them: the
+  // difference named is the tensor, not the shapes one side lacks.
+  v1::CreateJobRequest wider = shaped({64, 128});
+  *wider.add_tensors() = wider.tensors(0);
+  wider.mutable_tensors(1)->set_name("v");
   ASSERT_TRUE(store_.DropJob("shaped").ok());
   ASSERT_TRUE(store_.CreateJob(shaped({})).ok());
+  const std::string added(store_.CreateJob(wider).status().message());
+  EXPECT_THAT(added, HasSubstr("added: tensors[1]")) << added;
+  EXPECT_THAT(added, Not(HasSubstr("tensors[0].shape"))) << added;
   EXPECT_TRUE(store_.CreateJob(shaped({128, 64})).ok());
   ASSERT_TRUE(store_.DropJob("shaped").ok());
   for (const auto& shape : {std::initializer_list<uint64_t>{64, 64}, {8192, 0}, {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1},
