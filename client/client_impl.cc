@@ -118,30 +118,45 @@ std::vector<bool> Client::Impl::holds_part() const {
   return holds;
 }
 
-std::string Client::Impl::DirectoryIdOf(uint32_t s, uint64_t life) const {
-  v1::DescribeResponse described;
-  // One attempt, of at most 5 s: a hint for an error, asked server by
-  // server while a step's other calls wait.
-  const absl::Status asked = fanout::Call(channels[s].get(), address(s), options.token, 1,
-                                          std::min<uint32_t>(options.rpc_timeout_ms, 5000),
-                                          [&](grpc::ClientContext* ctx) {
-                                            v1::DescribeRequest req;
-                                            req.set_job(job.name);
-                                            req.set_incarnation(life);
-                                            req.set_max_tensors(1);  // the server's settings
-                                            return stubs[s]->Describe(ctx, req, &described);
-                                          });
-  if (!asked.ok()) return "";
-  return described.has_checkpoint_dir() && !described.checkpoint_dir() ? "(none)" : described.checkpoint_dir_id();
+namespace {
+
+// What a server's Describe says of its checkpoint directory: its id,
+// kNoDirectory, or "" (a server too old to say).
+constexpr char kNoDirectory[] = "(none)";
+std::string DirectoryOf(const v1::DescribeResponse& described) {
+  return described.has_checkpoint_dir() && !described.checkpoint_dir() ? kNoDirectory : described.checkpoint_dir_id();
+}
+
+}  // namespace
+
+absl::Status Client::Impl::DescribeSettings(uint32_t s, uint64_t life, int attempts, uint32_t timeout_ms,
+                                            v1::DescribeResponse* out) const {
+  // Not Call: no reattach (the job was just attached, or is being), and a
+  // failure does not cancel the others' calls unless the caller makes it.
+  return fanout::Call(channels[s].get(), address(s), options.token, attempts, timeout_ms,
+                      [&](grpc::ClientContext* ctx) {
+                        v1::DescribeRequest req;
+                        req.set_job(job.name);
+                        req.set_incarnation(life);
+                        req.set_max_tensors(1);  // the server's settings, not the tensors
+                        return stubs[s]->Describe(ctx, req, out);
+                      });
 }
 
 std::string Client::Impl::OtherDirectory(uint32_t s, uint64_t life) const {
-  const std::string here = DirectoryIdOf(s, life);
+  // One attempt, of at most 5 s, for each server in turn: a hint for an
+  // error, while a step's other calls wait.
+  const uint32_t timeout_ms = std::min<uint32_t>(options.rpc_timeout_ms, 5000);
+  const auto directory_of = [&](uint32_t server, uint64_t its_life) {
+    v1::DescribeResponse described;
+    return DescribeSettings(server, its_life, 1, timeout_ms, &described).ok() ? DirectoryOf(described) : "";
+  };
+  const std::string here = directory_of(s, life);
   if (here.empty()) return "";
   for (uint32_t o = 0; o < servers(); ++o) {
     if (o == s || shards_of[o].empty()) continue;
     // Life 0, not checked: another server's life is its own thread's to read.
-    if (const std::string there = DirectoryIdOf(o, 0); !there.empty() && there != here) {
+    if (const std::string there = directory_of(o, 0); !there.empty() && there != here) {
       return absl::StrCat("server ", address(o), "'s (directory ids ", here, " and ", there, ")");
     }
   }
@@ -149,57 +164,45 @@ std::string Client::Impl::OtherDirectory(uint32_t s, uint64_t life) const {
 }
 
 absl::Status Client::Impl::CheckCheckpointsCanBeTaken(bool directories_only) const {
-  // Only rank 0 takes the checkpoints of checkpoint_every.
-  const bool every = !directories_only && options.checkpoint_every > 0 && options.rank == 0;
+  // Asked by rank 0 alone but with directories_only (client.cc): only rank
+  // 0 takes the checkpoints of checkpoint_every.
+  const bool every = !directories_only && options.checkpoint_every > 0;
   const std::vector<bool> holds = holds_part();
   if (!every && std::count(holds.begin(), holds.end(), true) < 2) return absl::OkStatus();  // nothing to compare
-  // Per server: its directory's id, or that it has none; neither from a
-  // server too old to say, or one that did not answer.
-  std::vector<std::string> ids(servers());
-  std::vector<bool> without(servers(), false);
+  std::vector<std::string> dirs(servers());  // DirectoryOf each; "" where it did not answer
   SHARDOPT_RETURN_IF_ERROR(ForEachServer([&](uint32_t s) -> absl::Status {
     v1::DescribeResponse described;
-    // Not Call: the job was attached a moment ago (no reattach), and a
-    // failure here must not cancel the other servers' answers unless it
-    // fails the attach.
-    const absl::Status asked = fanout::Call(
-        channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
-        [&](grpc::ClientContext* ctx) {
-          v1::DescribeRequest req;
-          req.set_job(job.name);
-          req.set_incarnation(incarnation[s]);
-          req.set_max_tensors(1);  // the server's settings, not the tensors
-          return stubs[s]->Describe(ctx, req, &described);
-        });
+    const absl::Status asked =
+        DescribeSettings(s, incarnation[s], options.max_attempts, options.rpc_timeout_ms, &described);
     // Without checkpoint_every the directories are compared as a safeguard
     // only: a server that does not answer is not compared, as one too old
     // to report its directory is not, and the attach stays as it was.
     if (!asked.ok()) return every ? fanout::FailFanout(asked) : absl::OkStatus();
-    without[s] = described.has_checkpoint_dir() && !described.checkpoint_dir();
-    if (every && without[s]) {
+    dirs[s] = DirectoryOf(described);
+    if (every && dirs[s] == kNoDirectory) {
       return absl::FailedPreconditionError(absl::StrCat(
           "ClientOptions::checkpoint_every is ", options.checkpoint_every, ", but server ", address(s),
           " has no --checkpoint_dir: each of its checkpoints would fail after its step was applied; start the "
           "servers with --checkpoint_dir, or give checkpoint_every 0"));
     }
-    ids[s] = described.checkpoint_dir_id();
     return absl::OkStatus();
   }));
-  const auto first = std::find_if(ids.begin(), ids.end(), [](const std::string& id) { return !id.empty(); });
-  if (first == ids.end()) return absl::OkStatus();  // no directories, or none said
-  const uint32_t f = static_cast<uint32_t>(first - ids.begin());
+  const auto first =
+      std::find_if(dirs.begin(), dirs.end(), [](const std::string& d) { return !d.empty() && d != kNoDirectory; });
+  if (first == dirs.end()) return absl::OkStatus();  // no directories, or none said
+  const uint32_t f = static_cast<uint32_t>(first - dirs.begin());
   for (uint32_t s = 0; s < servers(); ++s) {
-    if (without[s]) {
+    if (dirs[s] == kNoDirectory) {
       return absl::FailedPreconditionError(absl::StrCat(
           "server ", address(f), " of job '", job.name, "' has a --checkpoint_dir and server ", address(s),
           " has none: no checkpoint of the job would complete, and a restart of ", address(s),
           " would lose its part; give every server of the job the same --checkpoint_dir, or none"));
     }
-    if (!ids[s].empty() && ids[s] != ids[f]) {
+    if (!dirs[s].empty() && dirs[s] != dirs[f]) {
       return absl::FailedPreconditionError(absl::StrCat(
           "servers ", address(f), " and ", address(s), " of job '", job.name,
-          "' have different checkpoint directories (their --checkpoint_dir holds directory id ", ids[f], " and ",
-          ids[s], "): no server would see every part of a checkpoint, so none would complete, and a restart of "
+          "' have different checkpoint directories (their --checkpoint_dir holds directory id ", dirs[f], " and ",
+          dirs[s], "): no server would see every part of a checkpoint, so none would complete, and a restart of "
           "the servers would lose the job; mount one shared directory at every server's --checkpoint_dir (the "
           "same path on separate volumes, or copies of one directory, are not one; if they do share one, its id "
           "file, shardopt+directory-id, was replaced since one of them started: restart that one)"));

@@ -147,10 +147,10 @@ struct Client::Impl {
   // directories compared, as far as the servers answer, and nothing else.
   absl::Status CheckCheckpointsCanBeTaken(bool directories_only = false) const;
 
-  // The checkpoint directory id server `s` reports for the job's life
-  // `life` (0: any), "(none)" where it has no --checkpoint_dir, or "" if it
-  // does not say (too old, or no answer within 5 s).
-  std::string DirectoryIdOf(uint32_t s, uint64_t life) const;
+  // Describe of the job's life `life` (0: any) on server `s`, for the
+  // server's settings only (one tensor at most), in `attempts` tries.
+  absl::Status DescribeSettings(uint32_t s, uint64_t life, int attempts, uint32_t timeout_ms,
+                                v1::DescribeResponse* out) const;
   // Where server `s` (the job's life `life` there) reports another
   // checkpoint directory than a server that holds part of the job, "server
   // ADDRESS's (directory ids ...)"; else "".
