@@ -4,7 +4,6 @@
 // it; one that finds a COMMIT of other parts replaces it, as before. Two
 // servers sharing a directory that tiled a step at the same moment used to
 // both make it, and both prune the same old steps.
-#include <stdlib.h>
 
 #include <filesystem>
 #include <fstream>
@@ -15,6 +14,7 @@
 #include "checkpoint/catalog.h"
 #include "checkpoint/format.h"
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 
 namespace shardopt::checkpoint {
 namespace {
@@ -27,11 +27,6 @@ std::string Contents(const std::string& path) {
 
 class CommitTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/shardopt-commit-XXXXXX";
-    root_ = mkdtemp(tmpl);
-  }
-  void TearDown() override { std::filesystem::remove_all(root_); }
 
   // The one part of job "j" (tensor a, 10 fp32 elements) at step 1, under
   // root_/`under`; `commit` (if given) is put in place as the step's COMMIT
@@ -61,7 +56,8 @@ class CommitTest : public ::testing::Test {
     return (*writer)->Finish();
   }
 
-  std::string root_;
+  testing::TempDir temp_;
+  const std::string& root_ = temp_.path();
   std::string commit_path_;  // the last WritePart's
 };
 

@@ -4,7 +4,6 @@
 // every load and every listing of a step's parts goes through). A part
 // whose sizes wrapped could otherwise tile its tensors, be committed, and
 // send a restore into another placement reading far outside the file.
-#include <stdlib.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -18,17 +17,13 @@
 #include "checkpoint/catalog.h"
 #include "checkpoint/format.h"
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 
 namespace shardopt::checkpoint {
 namespace {
 
 class ManifestTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/shardopt-manifest-XXXXXX";
-    root_ = mkdtemp(tmpl);
-  }
-  void TearDown() override { std::filesystem::remove_all(root_); }
 
   // Writes a part of job `name` (tensors a and b of 10 elements) whose
   // sections are `sections`, appending as many data bytes as its manifest
@@ -69,7 +64,8 @@ class ManifestTest : public ::testing::Test {
     return ReadPartHead(part).status();
   }
 
-  std::string root_;
+  testing::TempDir temp_;
+  const std::string& root_ = temp_.path();
 };
 
 TEST_F(ManifestTest, AWholePartReadsBack) {

@@ -3,8 +3,6 @@
 // an id refused rather than replaced.
 #include "checkpoint/directory_id.h"
 
-#include <stdlib.h>
-
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -14,18 +12,15 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
 
 namespace shardopt::checkpoint {
 namespace {
 
 class DirectoryIdTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    char tmpl[] = "/tmp/shardopt-dir-id-XXXXXX";
-    dir_ = mkdtemp(tmpl);
-  }
-  void TearDown() override { std::filesystem::remove_all(dir_); }
-  std::string dir_;
+  testing::TempDir temp_;
+  const std::string& dir_ = temp_.path();
 };
 
 TEST_F(DirectoryIdTest, EightServersStartingAtOnceGetOneIdWhichStaysAndAnotherDirectoryHasAnother) {
@@ -43,10 +38,8 @@ TEST_F(DirectoryIdTest, EightServersStartingAtOnceGetOneIdWhichStaysAndAnotherDi
   EXPECT_EQ(DirectoryId(dir_).value(), *ids[0]);  // a restart reads it
   // Nothing else is left beside it (each writer's temporary is gone).
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir_), {}), 1);
-  char other[] = "/tmp/shardopt-dir-id-XXXXXX";
-  const std::string second = mkdtemp(other);
-  EXPECT_NE(DirectoryId(second).value(), *ids[0]);
-  std::filesystem::remove_all(second);
+  testing::TempDir second;
+  EXPECT_NE(DirectoryId(second.path()).value(), *ids[0]);
 }
 
 TEST_F(DirectoryIdTest, AFileThatIsNoIdIsRefusedAndLeftAsItIs) {

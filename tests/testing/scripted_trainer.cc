@@ -91,16 +91,6 @@ absl::StatusOr<std::vector<uint32_t>> Fingerprint(Client& client, const JobOptio
   return out;
 }
 
-TempDir::TempDir() {
-  char tmpl[] = "/tmp/shardopt-ckpt-XXXXXX";
-  path_ = mkdtemp(tmpl);
-}
-
-TempDir::~TempDir() {
-  std::error_code ec;
-  std::filesystem::remove_all(path_, ec);
-}
-
 std::vector<std::unique_ptr<ServerProcess>> StartServers(int n, const std::string& checkpoint_dir) {
   std::vector<std::unique_ptr<ServerProcess>> out;
   for (int i = 0; i < n; ++i) {

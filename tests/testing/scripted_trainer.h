@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "shardopt/client.h"
+#include "tests/testing/temp_dir.h"
 #include "tests/testing/server_process.h"
 
 namespace shardopt::testing {
@@ -47,16 +48,6 @@ class ScriptedTrainer {
 // Every bit of the job's state as the servers hold it: master, m and v of
 // each tensor as fp32 bits, then the params as bf16 bits.
 absl::StatusOr<std::vector<uint32_t>> Fingerprint(Client& client, const JobOptions& job);
-
-class TempDir {
- public:
-  TempDir();
-  ~TempDir();
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 std::vector<std::unique_ptr<ServerProcess>> StartServers(int n, const std::string& checkpoint_dir);
 std::unique_ptr<Client> Connect(const std::vector<std::unique_ptr<ServerProcess>>& servers,
