@@ -2,7 +2,9 @@
 // sent the whole range: DATA_LOSS, saying how much came, rather than OK
 // with the rest of the caller's buffer left as it was; and against one that
 // sends another tensor's chunk, or one of another dtype: INTERNAL, rather
-// than those bytes in the caller's buffer.
+// than those bytes in the caller's buffer; and ReadMany against one whose
+// tensors' chunks are of two steps: ABORTED, not a state dict torn between
+// steps.
 #include <memory>
 #include <string>
 #include <vector>
@@ -20,7 +22,8 @@ namespace {
 
 // Takes any job. Answers a Read of job "short" with the first half of the
 // range only; of "other-tensor" with the whole range named as tensor "x";
-// of "other-dtype" with the whole range as BF16, for a read of the master.
+// of "other-dtype" with the whole range as BF16, for a read of the master;
+// of "two-steps" with tensor x's chunks at step 2 and w's at step 1.
 class ShortReadService final : public v1::Optimizer::Service {
  public:
   grpc::Status CreateJob(grpc::ServerContext*, const v1::CreateJobRequest*, v1::CreateJobResponse* r) override {
@@ -34,6 +37,7 @@ class ShortReadService final : public v1::Optimizer::Service {
     chunk.set_tensor(request->job() == "other-tensor" ? "x" : request->tensor());
     chunk.set_offset(request->offset());
     if (request->job() == "other-dtype") chunk.set_dtype(v1::BF16);
+    chunk.set_step(request->job() == "two-steps" && request->tensor() == "x" ? 2 : 1);
     chunk.set_data(std::string((request->job() == "short" ? request->length() / 2 : request->length()) * 4, '\x01'));
     writer->Write(chunk);
     return grpc::Status::OK;
@@ -51,7 +55,8 @@ class ClientReadTest : public ::testing::Test {
   }
   void TearDown() override { server_->Shutdown(); }
 
-  // A client attached to job `name` (tensor w, 100 elements) on the server.
+  // A client attached to job `name` (tensors w and x, 100 elements each) on
+  // the server.
   std::unique_ptr<Client> Attached(const std::string& name) {
     ClientOptions options;
     options.servers = {absl::StrCat("127.0.0.1:", port_)};
@@ -62,7 +67,7 @@ class ClientReadTest : public ::testing::Test {
     job.name = name;
     job.world_size = 1;
     job.groups = {{"g", 0.9, 0.95, 1e-8f, 0.0}};
-    job.tensors = {{"w", 100, 0}};
+    job.tensors = {{"w", 100, 0}, {"x", 100, 0}};
     EXPECT_TRUE((*client)->CreateOrAttach(job).ok());
     return *std::move(client);
   }
@@ -94,6 +99,22 @@ TEST_F(ClientReadTest, AChunkOfAnotherTensorOrDtypeIsRefused) {
     EXPECT_EQ(read.code(), absl::StatusCode::kInternal) << name << ": " << read;
     EXPECT_EQ(out, std::vector<float>(100, 0.0f)) << name << ": the chunk's bytes went into the buffer";
   }
+}
+
+TEST_F(ClientReadTest, ReadsOfTensorsThatSeeTwoStepsAreAborted) {
+  auto client = Attached("two-steps");
+  ASSERT_NE(client, nullptr);
+  std::vector<float> w(100), x(100);
+  // Each tensor alone is of one step.
+  EXPECT_TRUE(client->Read("w", StateToRead::kMaster, 0, 100, w.data()).ok());
+  EXPECT_TRUE(client->Read("x", StateToRead::kMaster, 0, 100, x.data()).ok());
+  EXPECT_TRUE(client->ReadMany({{"w", StateToRead::kMaster, 0, 100, w.data()},
+                                {"w", StateToRead::kExpAvg, 0, 100, x.data()}})
+                  .ok());
+  const absl::Status read =
+      client->ReadMany({{"w", StateToRead::kMaster, 0, 100, w.data()}, {"x", StateToRead::kMaster, 0, 100, x.data()}});
+  EXPECT_EQ(read.code(), absl::StatusCode::kAborted) << read;
+  EXPECT_NE(read.message().find("stepped during the read"), std::string::npos) << read;
 }
 
 }  // namespace

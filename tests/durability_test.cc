@@ -677,6 +677,28 @@ TEST(DurabilityTest, ATrainerStepsOnThroughARestartOfItsServerButNotThroughADrop
   EXPECT_EQ(*describe, 2 * kN);
 }
 
+// A ReadMany's lanes do not re-attach (client_state.cc): a server restarted
+// since the attach has the whole read again, one piece at a time, which
+// re-attaches and reads the state it restored. Without that second pass, the
+// read was NOT_FOUND "no job".
+TEST(DurabilityTest, AReadOfManyTensorsAfterARestartOfTheirServerReadsTheRestoredState) {
+  const JobOptions job = DurableJob("read-restart", {{"w", 5000}, {"b", 300}, {"c", 9000}});
+  constexpr uint64_t kN = 3;
+  const auto at = Uninterrupted(job, {kN});
+  TempDir dir;
+  FixedPortServers fixed(2, dir.path());
+  if (HasFailure()) return;
+  auto client = Client::Connect(fixed.Options()).value();
+  const ScriptedTrainer trainer = Train(*client, job, kN);
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(fixed.servers[i]->Stop(SIGTERM) >> 8, 0);  // its drain checkpoints step N
+    ASSERT_NO_FATAL_FAILURE(fixed.Restart(i));
+  }
+  const auto read = Fingerprint(*client, job);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, at[0]);
+}
+
 // A stopping server's gRPC answers each call it has received but not begun
 // with CANCELLED "CANCELLED" (grpc/grpc#41785), not UNAVAILABLE: a trainer's
 // step failed so once in 15 SIGTERMs of a chaos test. The client retries

@@ -75,15 +75,19 @@ class _StateDictIO:
         return {"state": state, "param_groups": groups}
 
     def _read_state(self, steps):
-        state = {}
+        state, reads = {}, []
         for k, t in enumerate(self._tensors):
             if steps.get(t.name, 0) == 0 and t.name not in self._zero_step_moments:
                 continue
             entry = {"step": torch.tensor(float(steps[t.name])), "master_step": steps[t.name]}
             for key, what in (("exp_avg", _C.StateToRead.EXP_AVG), ("exp_avg_sq", _C.StateToRead.EXP_AVG_SQ),
                               ("master", _C.StateToRead.MASTER)):
-                entry[key] = self._read_fp32(t, what)
+                entry[key] = torch.empty(t.shape, dtype=torch.float32)
+                reads.append((t.name, what, 0, t.numel, entry[key].data_ptr()))
             state[k] = entry
+        # In one call, not one per tensor: a read each cost about 0.4 ms of
+        # round trips and thread switches, 1.2 s for a state dict of 1000.
+        self._client.read_many(reads)
         return state
 
     def load_state_dict(self, state_dict, shared=False):

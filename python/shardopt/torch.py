@@ -492,9 +492,8 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
     def _pull_params(self):
         """Sets every param to the servers' values: the fp32 master itself, or
         its bf16 rounding."""
+        self._client.read_many([(t.name, _C.StateToRead.MASTER if t.fp32 else _C.StateToRead.PARAM_BF16, 0, t.numel,
+                                 target) for t, target in ((t, self._param_target(t)) for t in self._remote)])
         for t in self._remote:
-            target = self._param_target(t)
-            what = _C.StateToRead.MASTER if t.fp32 else _C.StateToRead.PARAM_BF16
-            self._client.read(t.name, what, 0, t.numel, target)
             if not t.in_place():
                 t.param.data.copy_(t.host_param)

@@ -297,6 +297,17 @@ class PyClient {
     Exclusive([&] { Check(client_->Read(tensor, what, offset, count, reinterpret_cast<void*>(out))); });
   }
 
+  // reads: (tensor, what, offset, count, address) each.
+  using StateRead = std::tuple<std::string, shardopt::StateToRead, uint64_t, uint64_t, uintptr_t>;
+  void ReadMany(const std::vector<StateRead>& reads) {
+    std::vector<shardopt::StateRead> r;
+    r.reserve(reads.size());
+    for (const auto& [tensor, what, offset, count, out] : reads) {
+      r.push_back({tensor, what, offset, count, reinterpret_cast<void*>(out)});
+    }
+    Exclusive([&] { Check(client_->ReadMany(r)); });
+  }
+
   std::vector<shardopt::ServerState> Describe() {
     return Exclusive([&] { return Value(client_->Describe()); });
   }
@@ -472,6 +483,7 @@ PYBIND11_MODULE(_C, m) {
       .def("commit", &PyClient::Commit, py::arg("step"), py::arg("lr"), py::arg("gscale"), py::arg("skip"),
            py::arg("params"), py::arg("group_lr"))
       .def("read", &PyClient::Read)
+      .def("read_many", &PyClient::ReadMany)
       .def("describe", &PyClient::Describe)
       .def("adam_steps", &PyClient::AdamSteps)
       .def("verify_state", &PyClient::VerifyState)

@@ -77,16 +77,25 @@ absl::StatusOr<StepResult> ScriptedTrainer::Step(Client& client, const std::func
 }
 
 absl::StatusOr<std::vector<uint32_t>> Fingerprint(Client& client, const JobOptions& job) {
-  std::vector<uint32_t> out;
+  // One ReadMany of everything, so that every fingerprint is of one step.
+  std::vector<std::vector<uint32_t>> fp32;
+  std::vector<std::vector<uint16_t>> params;
+  std::vector<StateRead> reads;
+  fp32.reserve(3 * job.tensors.size());
+  params.reserve(job.tensors.size());
   for (const TensorOptions& t : job.tensors) {
-    std::vector<uint32_t> bits(t.numel);
     for (StateToRead k : {StateToRead::kMaster, StateToRead::kExpAvg, StateToRead::kExpAvgSq}) {
-      if (auto st = client.Read(t.name, k, 0, t.numel, bits.data()); !st.ok()) return st;
-      out.insert(out.end(), bits.begin(), bits.end());
+      fp32.emplace_back(t.numel);
+      reads.push_back({t.name, k, 0, t.numel, fp32.back().data()});
     }
-    std::vector<uint16_t> params(t.numel);
-    if (auto st = client.Read(t.name, StateToRead::kParamBf16, 0, t.numel, params.data()); !st.ok()) return st;
-    out.insert(out.end(), params.begin(), params.end());
+    params.emplace_back(t.numel);
+    reads.push_back({t.name, StateToRead::kParamBf16, 0, t.numel, params.back().data()});
+  }
+  if (auto st = client.ReadMany(reads); !st.ok()) return st;
+  std::vector<uint32_t> out;
+  for (size_t t = 0; t < job.tensors.size(); ++t) {
+    for (size_t k = 0; k < 3; ++k) out.insert(out.end(), fp32[3 * t + k].begin(), fp32[3 * t + k].end());
+    out.insert(out.end(), params[t].begin(), params[t].end());
   }
   return out;
 }

@@ -46,7 +46,8 @@ class ScriptedTrainer {
 };
 
 // Every bit of the job's state as the servers hold it: master, m and v of
-// each tensor as fp32 bits, then the params as bf16 bits.
+// each tensor as fp32 bits, then the params as bf16 bits; of one step, read
+// in one Client::ReadMany.
 absl::StatusOr<std::vector<uint32_t>> Fingerprint(Client& client, const JobOptions& job);
 
 std::vector<std::unique_ptr<ServerProcess>> StartServers(int n, const std::string& checkpoint_dir);

@@ -166,6 +166,17 @@ struct ParamView {
   void* data = nullptr;
 };
 
+// One range of a tensor's state for Client::ReadMany: [offset,
+// offset+count) of `what`, into `out` (float for master, m and v; bf16 bits
+// for params).
+struct StateRead {
+  std::string tensor;
+  StateToRead what = StateToRead::kMaster;
+  uint64_t offset = 0;
+  uint64_t count = 0;
+  void* out = nullptr;
+};
+
 struct StepOptions {
   double lr = 1e-3;
   // Empty, or one base lr per group that replaces `lr` for that group (a
@@ -360,6 +371,13 @@ class Client {
   // Reads [offset, offset+count) of a tensor's state: float for master, m
   // and v; bf16 bits for params. A count of 0 at an offset up to numel reads nothing (OK).
   absl::Status Read(const std::string& tensor, StateToRead what, uint64_t offset, uint64_t count, void* out);
+  // Reads every range as Read does, all of one step of the job (else
+  // ABORTED: it stepped during the read), each server's ranges on up to 4
+  // streams at once (fewer where the job has more than 16 servers): for a
+  // model's many small tensors (a state dict) several times cheaper than a
+  // Read of each. Every range is checked before anything is read; on an
+  // error, the ranges may hold some of the state read.
+  absl::Status ReadMany(absl::Span<const StateRead> reads);
   absl::StatusOr<std::vector<ServerState>> Describe();
   // Each tensor's own Adam step count, in JobOptions::tensors order.
   absl::StatusOr<std::vector<uint64_t>> AdamSteps();
