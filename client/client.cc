@@ -190,11 +190,11 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
 
 absl::Status Client::InitFp32(const std::string& tensor, const float* values, InitShare share) {
   SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, values, v1::FP32, v1::MASTER, share));
-  return impl_->InitTensor(tensor, values, v1::FP32, v1::MASTER, 0, share);
+  return impl_->SendInit({{tensor, values, v1::FP32}}, share);
 }
 absl::Status Client::InitBf16(const std::string& tensor, const uint16_t* values, InitShare share) {
   SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, values, v1::BF16, v1::MASTER, share));
-  return impl_->InitTensor(tensor, values, v1::BF16, v1::MASTER, 0, share);
+  return impl_->SendInit({{tensor, values, v1::BF16}}, share);
 }
 
 absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
@@ -249,11 +249,39 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
 
 absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
                                    uint64_t adam_step, InitShare share) {
-  SHARDOPT_RETURN_IF_ERROR(CheckAdamStep(adam_step, absl::StrCat("'", tensor, "'")));
-  SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, exp_avg, v1::FP32, v1::EXP_AVG, share));
-  SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, exp_avg_sq, v1::FP32, v1::EXP_AVG_SQ, share));
-  SHARDOPT_RETURN_IF_ERROR(impl_->InitTensor(tensor, exp_avg, v1::FP32, v1::EXP_AVG, adam_step, share));
-  return impl_->InitTensor(tensor, exp_avg_sq, v1::FP32, v1::EXP_AVG_SQ, adam_step, share);
+  return InitMany({{.tensor = tensor, .exp_avg = exp_avg, .exp_avg_sq = exp_avg_sq, .adam_step = adam_step}}, share);
+}
+
+absl::Status Client::InitMany(absl::Span<const TensorValues> tensors, InitShare share) {
+  Impl& im = *impl_;
+  SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
+  std::vector<Impl::InitWrite> writes;
+  for (const TensorValues& t : tensors) {
+    SHARDOPT_RETURN_IF_ERROR(im.FindTensor(t.tensor).status());
+    if (t.fp32 == nullptr && t.bf16 == nullptr && t.exp_avg == nullptr && t.exp_avg_sq == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("no values given for tensor '", t.tensor, "'"));
+    }
+    if (t.fp32 != nullptr && t.bf16 != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.tensor, "' is given both fp32 and bf16 values"));
+    }
+    if ((t.exp_avg == nullptr) != (t.exp_avg_sq == nullptr)) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.tensor, "' is given one of Adam's moments "
+                                                     "without the other: give exp_avg and exp_avg_sq together"));
+    }
+    if (t.fp32 != nullptr || t.bf16 != nullptr) {
+      writes.push_back({t.tensor, t.fp32 != nullptr ? static_cast<const void*>(t.fp32) : t.bf16,
+                        t.fp32 != nullptr ? v1::FP32 : v1::BF16});
+    }
+    if (t.exp_avg != nullptr) {
+      SHARDOPT_RETURN_IF_ERROR(CheckAdamStep(t.adam_step, absl::StrCat("'", t.tensor, "'")));
+      writes.push_back({t.tensor, t.exp_avg, v1::FP32, v1::EXP_AVG, t.adam_step});
+      writes.push_back({t.tensor, t.exp_avg_sq, v1::FP32, v1::EXP_AVG_SQ, t.adam_step});
+    }
+  }
+  for (const Impl::InitWrite& w : writes) {
+    SHARDOPT_RETURN_IF_ERROR(im.CheckInit(w.tensor, w.values, w.dtype, w.kind, share));
+  }
+  return im.SendInit(writes, share);
 }
 
 absl::Status Client::InitFromSafetensors(const std::string& path) {
@@ -287,11 +315,12 @@ absl::Status Client::InitFromSafetensors(const std::string& path) {
     const absl::Status values = im.CheckInit(t.name, f.data.data(), f.dtype == "F32" ? v1::FP32 : v1::BF16, v1::MASTER, {});
     if (!values.ok()) return absl::Status(values.code(), absl::StrCat(path, ": ", values.message()));
   }
+  std::vector<Impl::InitWrite> writes;
   for (const TensorOptions& t : im.job.tensors) {
     const SafetensorsTensor& f = *by_name[t.name];
-    SHARDOPT_RETURN_IF_ERROR(im.InitTensor(t.name, f.data.data(), f.dtype == "F32" ? v1::FP32 : v1::BF16));
+    writes.push_back({t.name, f.data.data(), f.dtype == "F32" ? v1::FP32 : v1::BF16});
   }
-  return absl::OkStatus();
+  return im.SendInit(writes);
 }
 
 absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView> grads, const StepOptions* intent) {

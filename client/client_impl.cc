@@ -342,45 +342,64 @@ absl::Status Client::Impl::CheckInit(const std::string& tensor, const void* valu
   return absl::OkStatus();
 }
 
-absl::Status Client::Impl::InitTensor(const std::string& tensor, const void* values, v1::DType dtype,
-                                      v1::StateKind kind, uint64_t adam_step, InitShare share) {
-  const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
-  const uint64_t per_chunk = std::max<uint64_t>(1, chunk_bytes / esize);
-  return ForEachServer([&](uint32_t s) -> absl::Status {
-    for (const ShardPlacement& placed : shards_of[s]) {
-      if (placed.tensor != tensor) continue;
-      const ShardPlacement p = ShareOf(placed, share);
-      if (p.length == 0) return absl::OkStatus();
-      // Each chunk borrows its data from `values` (as a push borrows the
-      // gradients), where protobuf would copy it into the message, and
-      // again when gRPC serialized it.
-      return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-        v1::InitChunk fields;  // each chunk's but its offset and data
-        fields.set_job(job.name);
-        fields.set_tensor(tensor);
-        fields.set_dtype(dtype);
-        fields.set_kind(kind);
-        fields.set_adam_step(adam_step);
-        fields.set_incarnation(incarnation[s]);
-        const std::string common = fields.SerializeAsString();
-        uint64_t off = p.offset;
-        auto next = [&](grpc::ByteBuffer* message) {
-          if (off >= p.offset + p.length) return wire::StreamCall::Ready::kEnd;
-          const uint64_t n = std::min(per_chunk, p.offset + p.length - off);
-          std::string head = common;
-          wire::AppendVarintField(&head, v1::InitChunk::kOffsetFieldNumber, off);
-          wire::AppendBytesHeader(&head, v1::InitChunk::kDataFieldNumber, n * esize);
-          *message = wire::HeadAndBorrowedBytes(head, static_cast<const char*>(values) + off * esize, n * esize);
-          off += n;
-          return wire::StreamCall::Ready::kMessage;
-        };
-        v1::InitResponse answer;
-        const wire::OneAnswer received(&answer, "init");
-        return received.Ended(
-            wire::StreamCall::Run(generic[s].get(), ctx, "/shardopt.v1.Optimizer/Init", next, [] {}, received));
-      });
+absl::Status Client::Impl::SendInit(absl::Span<const InitWrite> writes, InitShare share) {
+  // Each server's parts of the writes, in the writes' order.
+  absl::flat_hash_map<absl::string_view, std::vector<std::pair<uint32_t, const ShardPlacement*>>> placed;
+  for (uint32_t s = 0; s < servers(); ++s) {
+    for (const ShardPlacement& p : shards_of[s]) placed[p.tensor].emplace_back(s, &p);
+  }
+  struct Part {
+    const InitWrite* write;
+    ShardPlacement p;
+  };
+  std::vector<std::vector<Part>> parts(servers());
+  for (const InitWrite& w : writes) {
+    for (const auto& [s, p] : placed[w.tensor]) {
+      if (ShardPlacement mine = ShareOf(*p, share); mine.length > 0) parts[s].push_back({&w, std::move(mine)});
     }
-    return absl::OkStatus();
+  }
+  return ForEachServer([&](uint32_t s) -> absl::Status {
+    const std::vector<Part>& mine = parts[s];
+    if (mine.empty()) return absl::OkStatus();
+    // Each chunk borrows its data from the write's values (as a push borrows
+    // the gradients), where protobuf would copy it into the message, and
+    // again when gRPC serialized it.
+    return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
+      size_t k = 0;  // the part being sent, from `off`, with its chunks' other fields in `common`
+      uint64_t off = 0;
+      std::string common;
+      const auto begin_part = [&] {
+        const InitWrite& w = *mine[k].write;
+        v1::InitChunk fields;
+        fields.set_job(job.name);
+        fields.set_tensor(w.tensor);
+        fields.set_dtype(w.dtype);
+        fields.set_kind(w.kind);
+        fields.set_adam_step(w.adam_step);
+        fields.set_incarnation(incarnation[s]);
+        common = fields.SerializeAsString();
+        off = mine[k].p.offset;
+      };
+      begin_part();
+      auto next = [&](grpc::ByteBuffer* message) {
+        if (k == mine.size()) return wire::StreamCall::Ready::kEnd;
+        const ShardPlacement& p = mine[k].p;
+        const uint64_t esize = mine[k].write->dtype == v1::FP32 ? 4 : 2;
+        const uint64_t n = std::min(std::max<uint64_t>(1, chunk_bytes / esize), p.offset + p.length - off);
+        std::string head = common;
+        wire::AppendVarintField(&head, v1::InitChunk::kOffsetFieldNumber, off);
+        wire::AppendBytesHeader(&head, v1::InitChunk::kDataFieldNumber, n * esize);
+        *message = wire::HeadAndBorrowedBytes(head, static_cast<const char*>(mine[k].write->values) + off * esize,
+                                              n * esize);
+        off += n;
+        if (off == p.offset + p.length && ++k < mine.size()) begin_part();
+        return wire::StreamCall::Ready::kMessage;
+      };
+      v1::InitResponse answer;
+      const wire::OneAnswer received(&answer, "init");
+      return received.Ended(
+          wire::StreamCall::Run(generic[s].get(), ctx, "/shardopt.v1.Optimizer/Init", next, [] {}, received));
+    });
   });
 }
 

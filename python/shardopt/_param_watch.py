@@ -36,8 +36,7 @@ class _ParamWatch:
         # master copied back after a ParamsChanged) are not a change.
         differ = [t for t in changed if not self._matches_master(t)]
         if differ and first and self.world_size == 1:
-            for t in differ:
-                self._init_master(t, t.param)
+            self._init_values([(t, t.param, None) for t in differ])
             differ = []
         if differ:
             names = _some_names(t.name for t in differ)

@@ -258,8 +258,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
                 # rank's params replace them (weights loaded since count),
                 # but a rank that attached before now may have taken those.
                 earlier = world_size > 1 and all(s.uninitialized_tensors == 0 for s in self._client.describe())
-                for t in self._remote:
-                    self._init_master(t, t.param)
+                self._init_values([(t, t.param, None) for t in self._remote])
                 if earlier:
                     warnings.warn(f"job '{job}' held initial values from an earlier launch, and rank 0 has now sent "
                                   "its own: a rank that attached before it took the earlier ones, and its first "
@@ -472,17 +471,6 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
     def _sync_staging(self):
         for device in {t.device for t in self._tensors if t.device.type == "cuda"}:
             torch.cuda.current_stream(device).synchronize()
-
-    def _init_master(self, t, values, share=(0, 1)):
-        """The servers' master of t from `values` (fp32 exactly, or bf16):
-        all of it, or this rank's share (index, count) of it."""
-        host = values.detach().to("cpu").contiguous()
-        if host.dtype == torch.float32:
-            self._client.init_fp32(t.name, host.data_ptr(), *share)
-        elif host.dtype == torch.bfloat16:
-            self._client.init_bf16(t.name, host.data_ptr(), *share)
-        else:
-            raise UnsupportedDtype(f"initial values of {t.name!r} are {host.dtype}; fp32 or bf16 needed")
 
     def _read_fp32(self, t, what):
         out = torch.empty(t.shape, dtype=torch.float32)

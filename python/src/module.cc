@@ -211,23 +211,29 @@ class PyClient {
     return Exclusive([&] { return Value(client_->CreateOrAttach(job)); });
   }
 
-  void InitFp32(const std::string& tensor, uintptr_t values, uint32_t share_index, uint32_t share_count) {
-    Exclusive([&] { Check(client_->InitFp32(tensor, reinterpret_cast<const float*>(values), {share_index, share_count})); });
-  }
-  void InitBf16(const std::string& tensor, uintptr_t values, uint32_t share_index, uint32_t share_count) {
-    Exclusive([&] { Check(client_->InitBf16(tensor, reinterpret_cast<const uint16_t*>(values), {share_index, share_count})); });
+  // values: (tensor, master's address (0: none), whether it is fp32 (else
+  // bf16), exp_avg's and exp_avg_sq's addresses (0: none), Adam step) each.
+  using TensorValues = std::tuple<std::string, uintptr_t, bool, uintptr_t, uintptr_t, uint64_t>;
+  void InitMany(const std::vector<TensorValues>& values, uint32_t share_index, uint32_t share_count) {
+    std::vector<shardopt::TensorValues> v;
+    v.reserve(values.size());
+    for (const auto& [tensor, master, fp32, exp_avg, exp_avg_sq, adam_step] : values) {
+      shardopt::TensorValues& t = v.emplace_back();
+      t.tensor = tensor;
+      if (fp32) {
+        t.fp32 = reinterpret_cast<const float*>(master);
+      } else {
+        t.bf16 = reinterpret_cast<const uint16_t*>(master);
+      }
+      t.exp_avg = reinterpret_cast<const float*>(exp_avg);
+      t.exp_avg_sq = reinterpret_cast<const float*>(exp_avg_sq);
+      t.adam_step = adam_step;
+    }
+    Exclusive([&] { Check(client_->InitMany(v, {share_index, share_count})); });
   }
   void WaitForInitialValues(int64_t timeout_ms) {
     Exclusive([&] { Check(client_->WaitForInitialValues(timeout_ms)); });
   }
-  void InitAdamState(const std::string& tensor, uintptr_t exp_avg, uintptr_t exp_avg_sq, uint64_t adam_step,
-                     uint32_t share_index, uint32_t share_count) {
-    Exclusive([&] {
-      Check(client_->InitAdamState(tensor, reinterpret_cast<const float*>(exp_avg),
-                                   reinterpret_cast<const float*>(exp_avg_sq), adam_step, {share_index, share_count}));
-    });
-  }
-
   shardopt::StepResult Step(const Views& grads, const Views& params, double lr, std::vector<double> group_lr,
                             double max_grad_norm, double loss_scale) {
     const auto g = GradViews(grads);
@@ -466,13 +472,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("tls_cert_chain") = "", py::arg("tls_private_key") = "", py::arg("token") = "")
       .def("create_or_attach", &PyClient::CreateOrAttach, py::arg("name"), py::arg("world_size"), py::arg("groups"),
            py::arg("tensors"), py::arg("fp32_grads"), py::arg("barrier_timeout_ms"), py::arg("restore_step"), py::arg("resume"))
-      .def("init_fp32", &PyClient::InitFp32, py::arg("tensor"), py::arg("values"), py::arg("share_index") = 0,
-           py::arg("share_count") = 1)
-      .def("init_bf16", &PyClient::InitBf16, py::arg("tensor"), py::arg("values"), py::arg("share_index") = 0,
-           py::arg("share_count") = 1)
+      .def("init_many", &PyClient::InitMany, py::arg("values"), py::arg("share_index") = 0, py::arg("share_count") = 1)
       .def("wait_for_initial_values", &PyClient::WaitForInitialValues)
-      .def("init_adam_state", &PyClient::InitAdamState, py::arg("tensor"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
-           py::arg("adam_step"), py::arg("share_index") = 0, py::arg("share_count") = 1)
       .def("step", &PyClient::Step, py::arg("grads"), py::arg("params"), py::arg("lr"), py::arg("group_lr"),
            py::arg("max_grad_norm"), py::arg("loss_scale"))
       .def("timed_steps", &PyClient::TimedSteps)

@@ -75,7 +75,7 @@ def resume_dp(args):
     if args.rank == args.fail_rank:
         def fail(*_, **__):
             raise RuntimeError("injected: this rank's share cannot be sent")
-        opt._init_master = fail
+        opt._init_values = fail
     try:
         opt.load_state_dict(saved["optimizer"], shared=True)
     except Exception as e:  # noqa: BLE001 (the test reads what each rank raised)
