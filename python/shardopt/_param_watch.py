@@ -10,6 +10,9 @@ from . import _C
 from ._checks import _check_betas, _some_names
 from ._errors import InvalidArgument, ParamsChanged
 
+# The masters read at once to compare with changed params.
+_MASTER_READ_BYTES = 256 << 20
+
 
 class _ParamWatch:
     def _note_versions(self):
@@ -34,7 +37,7 @@ class _ParamWatch:
         first = self._client.step_count == 0
         # Values written back as they were (an EMA swapped in and out, the
         # master copied back after a ParamsChanged) are not a change.
-        differ = [t for t in changed if not self._matches_master(t)]
+        differ = self._differing_from_master(changed)
         if differ and first and self.world_size == 1:
             self._init_values([(t, t.param, None) for t in differ])
             differ = []
@@ -59,14 +62,29 @@ class _ParamWatch:
                     "later, make the optimizer while it is trainable and freeze it after (requires_grad_(False); "
                     "zero_grad() then leaves it no gradient, and it does not step); or set its grad to None")
 
-    def _matches_master(self, t):
-        """Whether the param holds the servers' master (bf16 params: its
-        rounding), bit for bit."""
-        master = self._read_fp32(t, _C.StateToRead.MASTER)
-        ours = t.param.detach().to("cpu").contiguous()
-        if t.dtype == torch.float32:
-            return torch.equal(master.view(torch.int32), ours.view(torch.int32))
-        return torch.equal(master.to(torch.bfloat16).view(torch.int16), ours.view(torch.int16))
+    def _differing_from_master(self, tensors):
+        """Those of `tensors` whose param does not hold the servers' master
+        (bf16 params: its rounding), bit for bit. The masters are read in
+        calls of many tensors, not one each (an EMA swapped in changes every
+        param), and of about _MASTER_READ_BYTES each, not the model's 4 B/param
+        at once."""
+        differ, batch, size = [], [], 0
+        for k, t in enumerate(tensors):
+            batch.append((t, torch.empty(t.shape, dtype=torch.float32)))
+            size += 4 * t.numel
+            if size < _MASTER_READ_BYTES and k + 1 < len(tensors):
+                continue
+            self._client.read_many([(t.name, _C.StateToRead.MASTER, 0, t.numel, m.data_ptr()) for t, m in batch])
+            for t, master in batch:
+                ours = t.param.detach().to("cpu").contiguous()
+                if t.dtype == torch.float32:
+                    same = torch.equal(master.view(torch.int32), ours.view(torch.int32))
+                else:
+                    same = torch.equal(master.to(torch.bfloat16).view(torch.int16), ours.view(torch.int16))
+                if not same:
+                    differ.append(t)
+            batch, size = [], 0
+        return differ
 
     def _check_params(self):
         k = 0

@@ -482,6 +482,31 @@ def test_values_swapped_in_through_data_are_noticed(servers, job):
     opt.drop()
 
 
+def test_of_params_swapped_out_and_back_only_those_changed_are_named(servers, job, monkeypatch):
+    """An EMA swapped in and out gives every param new storage: each is
+    compared with its master, read many at once (here at most about 40 KB
+    at a time, which leaves the last few params a call of their own), and
+    only the params whose values differ are refused."""
+    monkeypatch.setattr(shardopt._param_watch, "_MASTER_READ_BYTES", 40000)
+    model = make_model()
+    opt = RemoteAdamW(model.named_parameters(), servers=servers, job=job)
+    train(model, opt, 1)
+    named = list(model.named_parameters())
+    kept = {name: p.detach().clone() for name, p in named}
+    for name, p in named:
+        p.data = kept[name].clone()
+    changed = [named[len(named) // 2][0], named[-1][0]]
+    for name in changed:
+        dict(named)[name].data += 1
+    with pytest.raises(shardopt.ParamsChanged) as err:
+        train(model, opt, 1, first=2)
+    assert sorted(n for n, _ in named if f"'{n}'" in str(err.value)) == sorted(changed), str(err.value)
+    for name in changed:
+        dict(named)[name].data = kept[name].clone()
+    train(model, opt, 1, first=2)  # swapped back: the same values, taken
+    opt.drop()
+
+
 def job_directory(checkpoints, job):
     """The job's directory under --checkpoint_dir: its name %-escaped but
     for letters, digits, '-', '_' and '.' (README, "Durability")."""
