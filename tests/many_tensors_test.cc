@@ -55,17 +55,21 @@ class ManyTensorsTest : public ::testing::Test {
       ASSERT_TRUE(client_->InitFp32(name, init.data()).ok());
       refs_.emplace_back(testing::kDefaultHyper, init, false);
     }
-    for (int step = 0; step < 3; ++step) {
-      std::vector<std::vector<uint16_t>> grads;
-      std::vector<GradView> views;
-      for (const auto& [name, numel] : kTensors) grads.push_back(RandomBf16(rng, numel, 1.0f));
-      for (size_t t = 0; t < kTensors.size(); ++t) views.push_back({kTensors[t].first, grads[t].data()});
-      StepOptions so;
-      so.lr = 1e-2;
-      auto r = client_->Step(views, so, {});
-      ASSERT_TRUE(r.ok()) << r.status();
-      for (size_t t = 0; t < kTensors.size(); ++t) refs_[t].Step({grads[t].data()}, so.lr, r->decision.gscale);
-    }
+    for (int step = 0; step < 3; ++step) ASSERT_NO_FATAL_FAILURE(Step(rng, refs_));
+  }
+
+  // One step of random gradients, taken by the job and by `refs` (in
+  // kTensors order).
+  void Step(std::mt19937_64& rng, std::vector<ReferenceTensor>& refs) {
+    std::vector<std::vector<uint16_t>> grads;
+    std::vector<GradView> views;
+    for (const auto& [name, numel] : kTensors) grads.push_back(RandomBf16(rng, numel, 1.0f));
+    for (size_t t = 0; t < kTensors.size(); ++t) views.push_back({kTensors[t].first, grads[t].data()});
+    StepOptions so;
+    so.lr = 1e-2;
+    auto r = client_->Step(views, so, {});
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (size_t t = 0; t < kTensors.size(); ++t) refs[t].Step({grads[t].data()}, so.lr, r->decision.gscale);
   }
 
   std::vector<std::unique_ptr<ServerProcess>> servers_;
@@ -197,15 +201,7 @@ TEST_F(ManyTensorsTest, InitManyWritesEveryTensorsValuesAndTheyStepAsTheReferenc
                                        {testing::kDefaultHyper, values.c, false}};
   refs[0].m = values.a_m, refs[0].v = values.a_v, refs[0].adam_step = 5;
   refs[2].m = values.c_m, refs[2].v = values.c_v, refs[2].adam_step = 7;
-  std::vector<std::vector<uint16_t>> grads;
-  std::vector<GradView> views;
-  for (const auto& [name, numel] : kTensors) grads.push_back(RandomBf16(rng, numel, 1.0f));
-  for (size_t t = 0; t < kTensors.size(); ++t) views.push_back({kTensors[t].first, grads[t].data()});
-  StepOptions so;
-  so.lr = 1e-2;
-  auto r = client_->Step(views, so, {});
-  ASSERT_TRUE(r.ok()) << r.status();
-  for (size_t t = 0; t < kTensors.size(); ++t) refs[t].Step({grads[t].data()}, so.lr, r->decision.gscale);
+  ASSERT_NO_FATAL_FAILURE(Step(rng, refs));
 
   for (size_t t = 0; t < kTensors.size(); ++t) {
     const uint64_t n = kTensors[t].second;
