@@ -70,6 +70,10 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     im.lost.assign(im.servers(), "");
   }
   for (ShardPlacement& p : PlaceTensors(job.tensors, im.servers())) im.shards_of[p.server].push_back(std::move(p));
+  im.parts_of.assign(job.tensors.size(), {});
+  for (const std::vector<ShardPlacement>& parts : im.shards_of) {
+    for (const ShardPlacement& p : parts) im.parts_of[im.tensor_index.at(p.tensor)].push_back(&p);
+  }
 
   const std::vector<bool> holds_part = im.holds_part();
   std::vector<v1::CreateJobResponse> answers;
@@ -249,12 +253,18 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
 
 absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
                                    uint64_t adam_step, InitShare share) {
-  return InitMany({{.tensor = tensor, .exp_avg = exp_avg, .exp_avg_sq = exp_avg_sq, .adam_step = adam_step}}, share);
+  TensorValues values;
+  values.tensor = tensor;
+  values.exp_avg = exp_avg;
+  values.exp_avg_sq = exp_avg_sq;
+  values.adam_step = adam_step;
+  return InitMany({&values, 1}, share);
 }
 
 absl::Status Client::InitMany(absl::Span<const TensorValues> tensors, InitShare share) {
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
+  SHARDOPT_RETURN_IF_ERROR(Impl::CheckShare(share));
   std::vector<Impl::InitWrite> writes;
   for (const TensorValues& t : tensors) {
     SHARDOPT_RETURN_IF_ERROR(im.FindTensor(t.tensor).status());
@@ -267,6 +277,10 @@ absl::Status Client::InitMany(absl::Span<const TensorValues> tensors, InitShare 
     if ((t.exp_avg == nullptr) != (t.exp_avg_sq == nullptr)) {
       return absl::InvalidArgumentError(absl::StrCat("tensor '", t.tensor, "' is given one of Adam's moments "
                                                      "without the other: give exp_avg and exp_avg_sq together"));
+    }
+    if (t.exp_avg == nullptr && t.adam_step != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("tensor '", t.tensor, "' is given adam_step ", t.adam_step,
+                                                     " without moments: the step is that of the moments given"));
     }
     if (t.fp32 != nullptr || t.bf16 != nullptr) {
       writes.push_back({t.tensor, t.fp32 != nullptr ? static_cast<const void*>(t.fp32) : t.bf16,

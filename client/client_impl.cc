@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/attach_answers.h"
 #include "client/commit_params.h"
+#include "client/init_streams.h"
 #include "client/option_checks.h"
 #include "client/wire.h"
 #include "rpc/initial_values.h"
@@ -76,7 +77,11 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
       : made_afresh  ? ": its part of the job's state is lost; drop the job on every server (shardopt "
                        "--server=HOST:PORT drop JOB) and start it again, from a checkpoint elsewhere if there is one "
                        "(restore_step)"
-                     : ": restore every server from one checkpoint (CreateOrAttach)"));
+      // Past this client's step: another client stepped the job since this
+      // one attached (this one only reads, or is a trainer left behind).
+      : resp.step() > step ? ": the job went on past this client's step since it attached (another client steps "
+                             "it): attach again (CreateOrAttach), which takes the job's step"
+                           : ": restore every server from one checkpoint (CreateOrAttach)"));
   std::lock_guard<std::mutex> lock(lost_mu);
   lost[s] = std::string(failed.message());
   return failed;
@@ -316,60 +321,62 @@ ShardPlacement Client::Impl::ShareOf(const ShardPlacement& placed, InitShare sha
   return p;
 }
 
-absl::Status Client::Impl::CheckInit(const std::string& tensor, const void* values, v1::DType dtype, v1::StateKind kind,
-                                     InitShare share) const {
-  SHARDOPT_RETURN_IF_ERROR(CheckAttached());
-  SHARDOPT_ASSIGN_OR_RETURN(const TensorOptions* t, FindTensor(tensor));
+absl::Status Client::Impl::CheckShare(InitShare share) {
   if (share.count == 0 || share.index >= share.count) {
     return absl::InvalidArgumentError(
         absl::StrCat("init share ", share.index, " of ", share.count, " is out of range: 0 <= index < count"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Client::Impl::CheckInit(const std::string& tensor, const void* values, v1::DType dtype, v1::StateKind kind,
+                                     InitShare share) const {
+  SHARDOPT_RETURN_IF_ERROR(CheckAttached());
+  SHARDOPT_ASSIGN_OR_RETURN(const TensorOptions* t, FindTensor(tensor));
+  SHARDOPT_RETURN_IF_ERROR(CheckShare(share));
   if (values == nullptr) return absl::InvalidArgumentError(absl::StrCat("no values given for tensor '", tensor, "'"));
   const bool bf16_state = job.groups[t->group].precision == StatePrecision::kBf16;
   const InitialKind initial = kind == v1::EXP_AVG      ? InitialKind::kExpAvg
                               : kind == v1::EXP_AVG_SQ ? InitialKind::kExpAvgSq
                                                        : InitialKind::kMaster;
   const uint64_t esize = dtype == v1::FP32 ? 4 : 2;
-  for (uint32_t s = 0; s < servers(); ++s) {
-    for (const ShardPlacement& placed : shards_of[s]) {
-      if (placed.tensor != tensor) continue;
-      const ShardPlacement p = ShareOf(placed, share);
-      SHARDOPT_RETURN_IF_ERROR(CheckInitialValues(static_cast<const char*>(values) + p.offset * esize, p.length,
-                                                  dtype == v1::FP32, bf16_state, initial,
-                                                  absl::StrCat("'", tensor, "'"), p.offset));
-    }
+  for (const ShardPlacement* placed : PartsOf(t)) {
+    const ShardPlacement p = ShareOf(*placed, share);
+    SHARDOPT_RETURN_IF_ERROR(CheckInitialValues(static_cast<const char*>(values) + p.offset * esize, p.length,
+                                                dtype == v1::FP32, bf16_state, initial, absl::StrCat("'", tensor, "'"),
+                                                p.offset));
   }
   return absl::OkStatus();
 }
 
+namespace {
+// The most data one Init stream carries (client/init_streams.h).
+constexpr uint64_t kInitStreamBytes = uint64_t{256} << 20;
+}  // namespace
+
 absl::Status Client::Impl::SendInit(absl::Span<const InitWrite> writes, InitShare share) {
-  // Each server's parts of the writes, in the writes' order.
-  absl::flat_hash_map<absl::string_view, std::vector<std::pair<uint32_t, const ShardPlacement*>>> placed;
-  for (uint32_t s = 0; s < servers(); ++s) {
-    for (const ShardPlacement& p : shards_of[s]) placed[p.tensor].emplace_back(s, &p);
-  }
-  struct Part {
-    const InitWrite* write;
-    ShardPlacement p;
-  };
-  std::vector<std::vector<Part>> parts(servers());
+  // [server]: this caller's share of each write's part there, in the writes'
+  // order, and the write of each.
+  std::vector<std::vector<InitRange>> ranges(servers());
+  std::vector<std::vector<const InitWrite*>> of_write(servers());
   for (const InitWrite& w : writes) {
-    for (const auto& [s, p] : placed[w.tensor]) {
-      if (ShardPlacement mine = ShareOf(*p, share); mine.length > 0) parts[s].push_back({&w, std::move(mine)});
+    SHARDOPT_ASSIGN_OR_RETURN(const TensorOptions* t, FindTensor(w.tensor));
+    for (const ShardPlacement* placed : PartsOf(t)) {
+      const ShardPlacement mine = ShareOf(*placed, share);
+      ranges[placed->server].push_back({mine.offset, mine.length, w.dtype == v1::FP32 ? 4u : 2u});
+      of_write[placed->server].push_back(&w);
     }
   }
-  return ForEachServer([&](uint32_t s) -> absl::Status {
-    const std::vector<Part>& mine = parts[s];
-    if (mine.empty()) return absl::OkStatus();
-    // Each chunk borrows its data from the write's values (as a push borrows
-    // the gradients), where protobuf would copy it into the message, and
-    // again when gRPC serialized it.
+  // One stream to server s. Each chunk borrows its data from the write's
+  // values (as a push borrows the gradients), where protobuf would copy it
+  // into the message, and again when gRPC serialized it.
+  const auto send = [&](uint32_t s, const std::vector<InitPiece>& pieces) {
     return Call(s, options.rpc_timeout_ms, [&](grpc::ClientContext* ctx) {
-      size_t k = 0;  // the part being sent, from `off`, with its chunks' other fields in `common`
+      size_t k = 0;  // the piece being sent, from `off`, with its chunks' other fields in `common`
       uint64_t off = 0;
       std::string common;
-      const auto begin_part = [&] {
-        const InitWrite& w = *mine[k].write;
+      const auto begin_piece = [&] {
+        const InitWrite& w = *of_write[s][pieces[k].range];
         v1::InitChunk fields;
         fields.set_job(job.name);
         fields.set_tensor(w.tensor);
@@ -378,21 +385,21 @@ absl::Status Client::Impl::SendInit(absl::Span<const InitWrite> writes, InitShar
         fields.set_adam_step(w.adam_step);
         fields.set_incarnation(incarnation[s]);
         common = fields.SerializeAsString();
-        off = mine[k].p.offset;
+        off = pieces[k].offset;
       };
-      begin_part();
+      begin_piece();
       auto next = [&](grpc::ByteBuffer* message) {
-        if (k == mine.size()) return wire::StreamCall::Ready::kEnd;
-        const ShardPlacement& p = mine[k].p;
-        const uint64_t esize = mine[k].write->dtype == v1::FP32 ? 4 : 2;
-        const uint64_t n = std::min(std::max<uint64_t>(1, chunk_bytes / esize), p.offset + p.length - off);
+        if (k == pieces.size()) return wire::StreamCall::Ready::kEnd;
+        const InitPiece& piece = pieces[k];
+        const uint64_t esize = ranges[s][piece.range].esize;
+        const uint64_t n = std::min(std::max<uint64_t>(1, chunk_bytes / esize), piece.offset + piece.length - off);
         std::string head = common;
         wire::AppendVarintField(&head, v1::InitChunk::kOffsetFieldNumber, off);
         wire::AppendBytesHeader(&head, v1::InitChunk::kDataFieldNumber, n * esize);
-        *message = wire::HeadAndBorrowedBytes(head, static_cast<const char*>(mine[k].write->values) + off * esize,
-                                              n * esize);
+        const char* values = static_cast<const char*>(of_write[s][piece.range]->values);
+        *message = wire::HeadAndBorrowedBytes(head, values + off * esize, n * esize);
         off += n;
-        if (off == p.offset + p.length && ++k < mine.size()) begin_part();
+        if (off == piece.offset + piece.length && ++k < pieces.size()) begin_piece();
         return wire::StreamCall::Ready::kMessage;
       };
       v1::InitResponse answer;
@@ -400,6 +407,12 @@ absl::Status Client::Impl::SendInit(absl::Span<const InitWrite> writes, InitShar
       return received.Ended(
           wire::StreamCall::Run(generic[s].get(), ctx, "/shardopt.v1.Optimizer/Init", next, [] {}, received));
     });
+  };
+  return ForEachServer([&](uint32_t s) -> absl::Status {
+    for (const std::vector<InitPiece>& stream : CutIntoStreams(ranges[s], kInitStreamBytes)) {
+      SHARDOPT_RETURN_IF_ERROR(send(s, stream));
+    }
+    return absl::OkStatus();
   });
 }
 

@@ -43,7 +43,9 @@ struct Client::Impl {
   // (CreateJobResponse.incarnation), echoed in each Push, Commit and Init so
   // that a job dropped and made again under the name is not stepped as if it
   // were this one. Set by CreateOrAttach, and by Reattach on that server's
-  // own fan-out thread, the only one that reads it while attached.
+  // own fan-out thread, the only one that reads it while attached, but for
+  // ReadMany's lanes, several threads to one server, which never re-attach
+  // (client_state.cc).
   mutable std::vector<uint64_t> incarnation;
   // This client's id as a trainer (GradChunk.trainer: ClientOptions's, or
   // random; nonzero), and [server] the job's push clock there when this
@@ -59,6 +61,9 @@ struct Client::Impl {
   uint32_t barrier_ms = 0;   // the job's barrier deadline as its servers hold it, once attached
   absl::flat_hash_map<std::string, uint32_t> tensor_index;
   std::vector<std::vector<ShardPlacement>> shards_of;  // [server] in tensor order
+  // [tensor index]: its parts in shards_of, in server order (at most one on
+  // each server), so that a call of many tensors finds each one's at once.
+  std::vector<std::vector<const ShardPlacement*>> parts_of;
   std::vector<bool> pushes_to;                         // [server]: in push_servers
   // [server]: why this client cannot go on with the job there (Reattach
   // failed). The fresh job it dropped again is answered "was dropped" from
@@ -186,6 +191,10 @@ struct Client::Impl {
   }
 
   absl::StatusOr<const TensorOptions*> FindTensor(const std::string& name) const;
+  // The parts of a tensor FindTensor found.
+  const std::vector<const ShardPlacement*>& PartsOf(const TensorOptions* t) const {
+    return parts_of[static_cast<size_t>(t - job.tensors.data())];
+  }
 
   // Describe from every server that holds part of the job; empty entries
   // for the others.
@@ -205,6 +214,8 @@ struct Client::Impl {
   // This caller's slice of a server's part of a tensor: every server gets
   // its bytes from every caller at once, and the slices tile the part.
   static ShardPlacement ShareOf(const ShardPlacement& placed, InitShare share);
+  // INVALID_ARGUMENT for a share that is none of its count's.
+  static absl::Status CheckShare(InitShare share);
 
   // What SendInit would send of `values`, checked as the servers check it,
   // before anything is sent: a call the servers refuse partway would leave
@@ -220,9 +231,9 @@ struct Client::Impl {
     v1::StateKind kind = v1::MASTER;
     uint64_t adam_step = 0;  // with a moment: the tensor's Adam step from then on
   };
-  // Sends what CheckInit checked: this caller's share of each write, all of
-  // them in one Init stream per server, in their order (a stream each cost
-  // a round trip and its thread switches: 0.5 ms).
+  // Sends what CheckInit checked: this caller's share of each write, in
+  // their order, in as few Init streams per server as hold 256 MiB each (a
+  // stream each cost a round trip and its thread switches: 0.5 ms).
   absl::Status SendInit(absl::Span<const InitWrite> writes, InitShare share = {});
 };
 

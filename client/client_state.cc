@@ -36,6 +36,10 @@ absl::Status Client::ReadMany(absl::Span<const StateRead> reads) {
   for (const StateRead& r : reads) {
     SHARDOPT_ASSIGN_OR_RETURN(const TensorOptions* t, im.FindTensor(r.tensor));
     if (r.out == nullptr && r.count > 0) return absl::InvalidArgumentError("Read needs a buffer to read into");
+    if (ToProto(r.what) == v1::STATE_KIND_UNSPECIFIED) {
+      return absl::InvalidArgumentError(absl::StrCat("read of tensor '", r.tensor, "': what (", static_cast<int>(r.what),
+                                                     ") is none of StateToRead's values"));
+    }
     if (r.offset > t->numel || r.count > t->numel - r.offset) {
       return absl::OutOfRangeError(absl::StrCat("range past the ", t->numel, " elements of tensor '", r.tensor, "'"));
     }
@@ -141,12 +145,16 @@ absl::Status Client::ReadMany(absl::Span<const StateRead> reads) {
   // Re-attaching is for one thread of a server at a time (it renews what
   // every call to it sends), so the lanes do not: a server that restarted
   // since the attach ("no job") has the whole read again, a piece at a time,
-  // re-attaching as any call does. A few threads in all, however many the
-  // servers.
+  // re-attaching as any call does. So does a read whose lanes a server's
+  // stream caps refused (--max_streams_per_client counts every rank of a
+  // token's, or of an address's, at once). A few threads in all, however
+  // many the servers.
   const auto holding = static_cast<uint32_t>(
       std::count_if(pieces.begin(), pieces.end(), [](const std::vector<Piece>& p) { return !p.empty(); }));
   absl::Status st = read_all(std::clamp<uint32_t>(kReadThreads / std::max(holding, 1u), 1, kReadLanes), false);
-  if (absl::IsNotFound(st) && absl::StrContains(st.message(), "no job ")) st = read_all(1, true);
+  if ((absl::IsNotFound(st) && absl::StrContains(st.message(), "no job ")) || absl::IsResourceExhausted(st)) {
+    st = read_all(1, true);
+  }
   if (!st.ok()) return st;
   if (mixed) {
     return absl::AbortedError(

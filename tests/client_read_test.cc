@@ -90,6 +90,19 @@ TEST_F(ClientReadTest, AServerThatSendsPartOfTheRangeIsDataLoss) {
   EXPECT_EQ(client->Read("w", StateToRead::kMaster, 101, 0, nullptr).code(), absl::StatusCode::kOutOfRange);
 }
 
+// ReadMany's lanes read one server's ranges at once: the first to fail
+// cancels the others, and the caller is given its error, not theirs.
+TEST_F(ClientReadTest, AReadOfManyRangesGivesTheErrorOfTheRangeThatFailedNotACancellation) {
+  auto client = Attached("short");
+  ASSERT_NE(client, nullptr);
+  std::vector<float> out(8 * 50);
+  std::vector<StateRead> reads;
+  for (int i = 0; i < 8; ++i) reads.push_back({i % 2 ? "x" : "w", StateToRead::kMaster, 0, 50, out.data() + 50 * i});
+  const absl::Status read = client->ReadMany(reads);
+  EXPECT_EQ(read.code(), absl::StatusCode::kDataLoss) << read;
+  EXPECT_NE(read.message().find("25 of the 50 elements"), std::string::npos) << read;
+}
+
 TEST_F(ClientReadTest, AChunkOfAnotherTensorOrDtypeIsRefused) {
   for (const std::string name : {"other-tensor", "other-dtype"}) {
     auto client = Attached(name);

@@ -699,6 +699,32 @@ TEST(DurabilityTest, AReadOfManyTensorsAfterARestartOfTheirServerReadsTheRestore
   EXPECT_EQ(*read, at[0]);
 }
 
+// A client that only reads is at the step it attached at. A server that
+// restarted since restores the newest checkpoint, past that step: the read
+// says the job went on and to attach again (it said to restore every
+// server from one checkpoint, which they all were), and after the attach
+// the client reads the restored state.
+TEST(DurabilityTest, AReaderBehindTheJobIsToldToAttachAgainAfterARestart) {
+  const JobOptions job = DurableJob("reader-behind", {{"w", 5000}});
+  TempDir dir;
+  FixedPortServers fixed(1, dir.path());
+  if (HasFailure()) return;
+  auto stepping = Client::Connect(fixed.Options()).value();
+  ScriptedTrainer trainer = Train(*stepping, job, 1);
+  auto reader = Client::Connect(fixed.Options()).value();
+  ASSERT_EQ(reader->CreateOrAttach(job).value(), 1u);
+  for (int t = 0; t < 2; ++t) ASSERT_TRUE(trainer.Step(*stepping).ok());
+  ASSERT_EQ(fixed.servers[0]->Stop(SIGTERM) >> 8, 0);  // its drain checkpoints step 3
+  ASSERT_NO_FATAL_FAILURE(fixed.Restart(0));
+  const auto behind = Fingerprint(*reader, job);
+  EXPECT_EQ(behind.status().code(), absl::StatusCode::kFailedPrecondition) << behind.status();
+  EXPECT_THAT(std::string(behind.status().message()), HasSubstr("attach again"));
+  ASSERT_EQ(reader->CreateOrAttach(job).value(), 3u);
+  const auto read = Fingerprint(*reader, job);
+  ASSERT_TRUE(read.ok()) << read.status();
+  EXPECT_EQ(*read, Fingerprint(*stepping, job).value());
+}
+
 // A stopping server's gRPC answers each call it has received but not begun
 // with CANCELLED "CANCELLED" (grpc/grpc#41785), not UNAVAILABLE: a trainer's
 // step failed so once in 15 SIGTERMs of a chaos test. The client retries

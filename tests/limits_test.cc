@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -242,6 +243,38 @@ TEST(LimitsTest, OneStreamAtATimeFitsACapOfOne) {
     const grpc::Status committed = testing::CommitAndDrain(*stub, request);
     ASSERT_TRUE(committed.ok()) << "commit " << t << ": " << committed.error_message();
   }
+}
+
+// ReadMany reads a server's ranges on up to 4 streams at once, and a
+// server counts them all against its caps (a token's ranks, or an
+// address's, share --max_streams_per_client). Where they exceed it, the
+// read is made again one stream at a time, whole and bitwise; before, the
+// refusal (RESOURCE_EXHAUSTED) failed the read.
+TEST(LimitsTest, AReadOfManyTensorsOverAServersStreamCapIsMadeOneStreamAtATime) {
+  constexpr uint64_t kTensors = 64, kN = 4096;
+  auto server = ServerProcess::Start({"--max_streams_per_client=1"});
+  ASSERT_NE(server, nullptr);
+  auto client = ConnectOnce(server->address());
+  JobOptions job = OneTensorJob("lanes", kN);
+  job.tensors.clear();
+  for (uint64_t t = 0; t < kTensors; ++t) job.tensors.push_back({absl::StrCat("t", t), kN, 0});
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  std::mt19937_64 rng(std::random_device{}());
+  const auto init = RandomFloats(rng, kTensors * kN, -1, 1);
+  std::vector<TensorValues> values(kTensors);
+  for (uint64_t t = 0; t < kTensors; ++t) {
+    values[t].tensor = job.tensors[t].name;
+    values[t].fp32 = init.data() + t * kN;
+  }
+  ASSERT_TRUE(client->InitMany(values).ok());
+  std::vector<float> read(kTensors * kN, NAN);
+  std::vector<StateRead> reads;
+  for (uint64_t t = 0; t < kTensors; ++t) {
+    reads.push_back({job.tensors[t].name, StateToRead::kMaster, 0, kN, read.data() + t * kN});
+  }
+  const absl::Status st = client->ReadMany(reads);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(std::memcmp(read.data(), init.data(), init.size() * 4), 0);
 }
 
 // A compressed message is refused before it is inflated: gRPC 1.51 inflated

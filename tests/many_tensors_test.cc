@@ -149,6 +149,7 @@ TEST_F(ManyTensorsTest, OneBadRangeAnywhereReadsNothing) {
       {{"b", StateToRead::kMaster, 10001, 0, nullptr}, absl::StatusCode::kOutOfRange},
       {{"nope", StateToRead::kMaster, 0, 1, c.data()}, absl::StatusCode::kNotFound},
       {{"b", StateToRead::kMaster, 0, 1, nullptr}, absl::StatusCode::kInvalidArgument},
+      {{"b", static_cast<StateToRead>(9), 0, 1, b.data()}, absl::StatusCode::kInvalidArgument},
   };
   for (const auto& [read, code] : bad) {
     const std::vector<StateRead> reads = {{"a", StateToRead::kMaster, 0, 5000, a.data()},
@@ -159,6 +160,19 @@ TEST_F(ManyTensorsTest, OneBadRangeAnywhereReadsNothing) {
     for (float x : c) ASSERT_TRUE(std::isnan(x)) << "a read went ahead of the check";
     for (float x : b) ASSERT_TRUE(std::isnan(x)) << "a read went ahead of the check";
   }
+}
+
+// A tensor's values for InitMany (C++17: no designated initializers).
+TensorValues Of(const std::string& tensor, const float* fp32, const uint16_t* bf16 = nullptr,
+                const float* exp_avg = nullptr, const float* exp_avg_sq = nullptr, uint64_t adam_step = 0) {
+  TensorValues t;
+  t.tensor = tensor;
+  t.fp32 = fp32;
+  t.bf16 = bf16;
+  t.exp_avg = exp_avg;
+  t.exp_avg_sq = exp_avg_sq;
+  t.adam_step = adam_step;
+  return t;
 }
 
 // "a" a fp32 master and moments at Adam step 5, "b" a bf16 master only,
@@ -173,9 +187,8 @@ struct Values {
         c_m(RandomFloats(rng, 300, -0.1f, 0.1f)), c_v(RandomFloats(rng, 300, 1e-6f, 1e-2f)),
         b(RandomBf16(rng, 10000, 1.0f)) {}
   std::vector<TensorValues> Many() const {
-    return {{.tensor = "a", .fp32 = a.data(), .exp_avg = a_m.data(), .exp_avg_sq = a_v.data(), .adam_step = 5},
-            {.tensor = "b", .bf16 = b.data()},
-            {.tensor = "c", .fp32 = c.data(), .exp_avg = c_m.data(), .exp_avg_sq = c_v.data(), .adam_step = 7}};
+    return {Of("a", a.data(), nullptr, a_m.data(), a_v.data(), 5), Of("b", nullptr, b.data()),
+            Of("c", c.data(), nullptr, c_m.data(), c_v.data(), 7)};
   }
 };
 
@@ -217,6 +230,28 @@ TEST_F(ManyTensorsTest, InitManyWritesEveryTensorsValuesAndTheyStepAsTheReferenc
   EXPECT_EQ(client_->AdamSteps().value(), (std::vector<uint64_t>{6, 1, 8}));
 }
 
+// Shares as ranks send them (InitShare{r, W}): each a slice of every part,
+// the parts lacking values until the last share is in, then bitwise whole.
+TEST_F(ManyTensorsTest, InitManyInSharesTilesEveryTensor) {
+  std::mt19937_64 rng(13);
+  const Values values(rng);
+  ASSERT_TRUE(client_->InitMany(values.Many(), {0, 3}).ok());
+  ASSERT_TRUE(client_->InitMany(values.Many(), {2, 3}).ok());
+  EXPECT_EQ(Uninitialized(), 4u);
+  ASSERT_TRUE(client_->InitMany(values.Many(), {1, 3}).ok());
+  EXPECT_EQ(Uninitialized(), 0u);
+  std::vector<float> a(5000, NAN), a_v(5000, NAN), b(10000, NAN), c_m(300, NAN);
+  ASSERT_TRUE(client_->ReadMany({{"a", StateToRead::kMaster, 0, 5000, a.data()},
+                                 {"a", StateToRead::kExpAvgSq, 0, 5000, a_v.data()},
+                                 {"b", StateToRead::kMaster, 0, 10000, b.data()},
+                                 {"c", StateToRead::kExpAvg, 0, 300, c_m.data()}})
+                  .ok());
+  EXPECT_EQ(std::memcmp(a.data(), values.a.data(), a.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(a_v.data(), values.a_v.data(), a_v.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(b.data(), Widened(values.b).data(), b.size() * 4), 0);
+  EXPECT_EQ(std::memcmp(c_m.data(), values.c_m.data(), c_m.size() * 4), 0);
+}
+
 TEST_F(ManyTensorsTest, InitManyWithOneBadValueAnywhereWritesNothing) {
   std::mt19937_64 rng(11);
   Values values(rng);
@@ -228,13 +263,14 @@ TEST_F(ManyTensorsTest, InitManyWithOneBadValueAnywhereWritesNothing) {
   EXPECT_EQ(client_->InitMany(many).code(), absl::StatusCode::kInvalidArgument);
   values.a_v[17] = 1e-3f;
   const std::vector<std::pair<TensorValues, absl::StatusCode>> bad = {
-      {{.tensor = "b", .fp32 = values.c.data(), .bf16 = values.b.data()}, absl::StatusCode::kInvalidArgument},
-      {{.tensor = "c", .exp_avg = values.c_m.data()}, absl::StatusCode::kInvalidArgument},
-      {{.tensor = "c", .exp_avg_sq = values.c_v.data()}, absl::StatusCode::kInvalidArgument},
-      {{.tensor = "c"}, absl::StatusCode::kInvalidArgument},
-      {{.tensor = "c", .exp_avg = values.c_m.data(), .exp_avg_sq = values.c_v.data(), .adam_step = (1ull << 53) + 1},
+      {Of("b", values.c.data(), values.b.data()), absl::StatusCode::kInvalidArgument},
+      {Of("c", nullptr, nullptr, values.c_m.data()), absl::StatusCode::kInvalidArgument},
+      {Of("c", nullptr, nullptr, nullptr, values.c_v.data()), absl::StatusCode::kInvalidArgument},
+      {Of("c", nullptr), absl::StatusCode::kInvalidArgument},
+      {Of("c", values.c.data(), nullptr, nullptr, nullptr, 3), absl::StatusCode::kInvalidArgument},
+      {Of("c", nullptr, nullptr, values.c_m.data(), values.c_v.data(), (1ull << 53) + 1),
        absl::StatusCode::kInvalidArgument},
-      {{.tensor = "nope", .fp32 = values.c.data()}, absl::StatusCode::kNotFound},
+      {Of("nope", values.c.data()), absl::StatusCode::kNotFound},
   };
   for (const auto& [last, code] : bad) {
     many = values.Many();

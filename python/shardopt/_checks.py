@@ -8,6 +8,26 @@ from . import _C
 from ._errors import AlreadyExists, InvalidArgument, UnsupportedDtype
 
 
+# The bytes of host copies a call of many tensors makes at once: calls of
+# many tensors, not one each (a round trip each), but not a large model's
+# worth of copies.
+_HOST_BATCH_BYTES = 256 << 20
+
+
+def _in_batches(items, nbytes):
+    """`items` in consecutive lists, each closed once its items'
+    `nbytes(item)` reach _HOST_BATCH_BYTES."""
+    batch, size = [], 0
+    for item in items:
+        batch.append(item)
+        size += nbytes(item)
+        if size >= _HOST_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
 def _host_fp32(x, what):
     """x as contiguous fp32 host memory: fp32 kept as it is, bf16 widened
     (exactly). Never narrows."""

@@ -7,11 +7,8 @@ client and groups it uses."""
 import torch
 
 from . import _C
-from ._checks import _check_betas, _some_names
+from ._checks import _check_betas, _in_batches, _some_names
 from ._errors import InvalidArgument, ParamsChanged
-
-# The masters read at once to compare with changed params.
-_MASTER_READ_BYTES = 256 << 20
 
 
 class _ParamWatch:
@@ -64,18 +61,14 @@ class _ParamWatch:
 
     def _differing_from_master(self, tensors):
         """Those of `tensors` whose param does not hold the servers' master
-        (bf16 params: its rounding), bit for bit. The masters are read in
-        calls of many tensors, not one each (an EMA swapped in changes every
-        param), and of about _MASTER_READ_BYTES each, not the model's 4 B/param
-        at once."""
-        differ, batch, size = [], [], 0
-        for k, t in enumerate(tensors):
-            batch.append((t, torch.empty(t.shape, dtype=torch.float32)))
-            size += 4 * t.numel
-            if size < _MASTER_READ_BYTES and k + 1 < len(tensors):
-                continue
-            self._client.read_many([(t.name, _C.StateToRead.MASTER, 0, t.numel, m.data_ptr()) for t, m in batch])
-            for t, master in batch:
+        (bf16 params: its rounding), bit for bit. The masters are read many
+        tensors a call (an EMA swapped in changes every param)."""
+        differ = []
+        for batch in _in_batches(tensors, lambda t: 4 * t.numel):
+            masters = [torch.empty(t.shape, dtype=torch.float32) for t in batch]
+            self._client.read_many([(t.name, _C.StateToRead.MASTER, 0, t.numel, m.data_ptr())
+                                    for t, m in zip(batch, masters)])
+            for t, master in zip(batch, masters):
                 ours = t.param.detach().to("cpu").contiguous()
                 if t.dtype == torch.float32:
                     same = torch.equal(master.view(torch.int32), ours.view(torch.int32))
@@ -83,7 +76,6 @@ class _ParamWatch:
                     same = torch.equal(master.to(torch.bfloat16).view(torch.int16), ours.view(torch.int16))
                 if not same:
                     differ.append(t)
-            batch, size = [], 0
         return differ
 
     def _check_params(self):

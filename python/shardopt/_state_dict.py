@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from . import _C
-from ._checks import _check_hyper, _host_fp32, _some_names
+from ._checks import _check_hyper, _host_fp32, _in_batches, _some_names
 from ._errors import FailedPrecondition, InvalidArgument, UnsupportedDtype
 
 # torch.optim.AdamW's group keys that say how it ran its step, not what its
@@ -58,10 +58,10 @@ class _StateDictIO:
             self._check_params()
             adam_steps = self._client.adam_steps()
             state = self._read_state(dict(zip((t.name for t in self._remote), adam_steps)))
-            # Each tensor's state is read by its own calls: a step applied
-            # between them (another process committing a step this one
-            # pushed with overlap=True) would tear the dict, and every
-            # applied step advances some tensor's Adam step.
+            # The read is of one step (or Aborted), but a step applied after
+            # adam_steps() and before it (another process committing a step
+            # this one pushed with overlap=True) would pair the state with
+            # older Adam steps; every applied step advances some tensor's.
             if self._client.adam_steps() != adam_steps:
                 raise FailedPrecondition("the job stepped while its state was read; call state_dict() between "
                                          "steps")
@@ -78,18 +78,19 @@ class _StateDictIO:
         """Each (t, master, moments) of `values` to the servers: t's master
         from `master` (fp32 exactly, or bf16), and where moments is not None,
         its (exp_avg, exp_avg_sq, Adam step); all of it, or this rank's share
-        (index, count) of it. In one call, not one per tensor: a call each
-        cost about 0.5 ms of round trips and thread switches."""
-        hosts, sent = [], []
-        for t, master, moments in values:
-            host = master.detach().to("cpu").contiguous()
-            if host.dtype not in (torch.float32, torch.bfloat16):
-                raise UnsupportedDtype(f"initial values of {t.name!r} are {host.dtype}; fp32 or bf16 needed")
-            hosts.append(host)  # alive until sent
-            exp_avg, exp_avg_sq, step = (0, 0, 0) if moments is None else \
-                (moments[0].data_ptr(), moments[1].data_ptr(), moments[2])
-            sent.append((t.name, host.data_ptr(), host.dtype == torch.float32, exp_avg, exp_avg_sq, step))
-        self._client.init_many(sent, *share)
+        (index, count) of it. Many tensors a call: a call each cost about
+        0.5 ms of round trips and thread switches."""
+        for batch in _in_batches(values, lambda v: 4 * v[0].numel * (1 if v[2] is None else 3)):
+            hosts, sent = [], []
+            for t, master, moments in batch:
+                host = master.detach().to("cpu").contiguous()
+                if host.dtype not in (torch.float32, torch.bfloat16):
+                    raise UnsupportedDtype(f"initial values of {t.name!r} are {host.dtype}; fp32 or bf16 needed")
+                hosts.append(host)  # alive until sent
+                exp_avg, exp_avg_sq, step = (0, 0, 0) if moments is None else \
+                    (moments[0].data_ptr(), moments[1].data_ptr(), moments[2])
+                sent.append((t.name, host.data_ptr(), host.dtype == torch.float32, exp_avg, exp_avg_sq, step))
+            self._client.init_many(sent, *share)
 
     def _read_state(self, steps):
         state, reads = {}, []
@@ -123,7 +124,9 @@ class _StateDictIO:
         values are the master, as for a torch dict. (A dict without
         ``master_step``, as state_dict() wrote before it had one, has its
         master taken as it is.) Everything is checked before anything is
-        sent.
+        sent. The params are set once all is sent: a load that fails while
+        sending leaves them as they were, and the servers holding some of
+        the state (drop the job and load again).
 
         By default every caller sends all of the state, so it is right
         whichever ranks call it. shared=True is for every rank of world_size

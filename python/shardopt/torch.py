@@ -24,7 +24,7 @@ import warnings
 import torch
 
 from . import _C, _attempts
-from ._errors import AlreadyExists, Error, FailedPrecondition, InvalidArgument, ParamsChanged, UnsupportedDtype
+from ._errors import AlreadyExists, Error, FailedPrecondition, InvalidArgument, ParamsChanged
 from ._checks import _check_disjoint, _check_gradient, _check_hyper, _check_ints, _check_seconds, _raise_naming_frozen
 from ._log import _log_step, _resume_lrs
 from ._connect import _read_pem, _servers

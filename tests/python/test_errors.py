@@ -487,7 +487,7 @@ def test_of_params_swapped_out_and_back_only_those_changed_are_named(servers, jo
     compared with its master, read many at once (here at most about 40 KB
     at a time, which leaves the last few params a call of their own), and
     only the params whose values differ are refused."""
-    monkeypatch.setattr(shardopt._param_watch, "_MASTER_READ_BYTES", 40000)
+    monkeypatch.setattr(shardopt._checks, "_HOST_BATCH_BYTES", 40000)
     model = make_model()
     opt = RemoteAdamW(model.named_parameters(), servers=servers, job=job)
     train(model, opt, 1)

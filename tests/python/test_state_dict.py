@@ -87,6 +87,15 @@ def assert_state_is(state_dict, saved):
             assert same_bits(ours, value) if isinstance(value, torch.Tensor) else ours == value, (k, key)
 
 
+def test_a_load_sent_many_tensors_a_call_in_several_calls_reads_back_bitwise(servers, job, monkeypatch):
+    """Initial values and loaded state go many tensors a call, in calls of
+    about 256 MiB of host copies; here 40 KB, so in several."""
+    monkeypatch.setattr(shardopt._checks, "_HOST_BATCH_BYTES", 40000)
+    opt, saved = loaded_into_a_new_job(servers, job, **MIXED)
+    assert_state_is(opt.state_dict(), saved)
+    opt.drop()
+
+
 def test_load_state_dict_does_not_cast_to_param_dtype(servers, job):
     """Loading writes the fp32 state exactly, for bf16 params too: reading it
     back gives the same bits."""

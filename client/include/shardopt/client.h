@@ -169,7 +169,7 @@ struct ParamView {
 // One tensor's initial values for Client::InitMany, as InitFp32, InitBf16
 // and InitAdamState take them: its master as float or as bf16 bits (or
 // neither: the master is not written), and Adam's moments with the tensor's
-// Adam step (both or neither).
+// Adam step (both or neither; an adam_step without them is refused).
 struct TensorValues {
   std::string tensor;
   const float* fp32 = nullptr;
@@ -327,10 +327,15 @@ class Client {
   absl::Status InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
                              uint64_t adam_step, InitShare share = {});
   // What InitFp32, InitBf16 and InitAdamState do, for many tensors: every
-  // value of every tensor checked before any is sent, then all of them in
-  // one Init stream per server, where a call each costs a round trip (a
-  // model of 1000 small tensors: several times faster). A tensor given both
-  // fp32 and bf16, or one moment without the other, is INVALID_ARGUMENT.
+  // value of every tensor checked before any is sent, then all of them in as
+  // few Init streams per server as carry 256 MiB each, where a call each
+  // costs a round trip (a model of 1000 small tensors: several times
+  // faster). As for InitFp32 with a share, the values checked are those
+  // this caller sends. A tensor given nothing, both fp32 and bf16, one
+  // moment without the other, or an adam_step without moments is
+  // INVALID_ARGUMENT; one given twice takes the later values. A server that
+  // refuses a stream partway keeps what came before, as for the single
+  // calls: then any of the tensors may be written on any of the servers.
   absl::Status InitMany(absl::Span<const TensorValues> tensors, InitShare share = {});
   // Initial values of every tensor of the job from a safetensors file (F32
   // kept exactly, or BF16), matched by name; entries the job lacks are
@@ -392,10 +397,13 @@ class Client {
   absl::Status Read(const std::string& tensor, StateToRead what, uint64_t offset, uint64_t count, void* out);
   // Reads every range as Read does, all of one step of the job (else
   // ABORTED: it stepped during the read), each server's ranges on up to 4
-  // streams at once (fewer where the job has more than 16 servers): for a
-  // model's many small tensors (a state dict) several times cheaper than a
-  // Read of each. Every range is checked before anything is read; on an
-  // error, the ranges may hold some of the state read.
+  // streams at once (fewer where more than 16 servers hold ranges of it,
+  // one each past 64; the streams count against the server's
+  // --max_streams_per_client, and a read they exceed is made again one
+  // stream per server): for a model's many small tensors (a state dict)
+  // several times cheaper than a Read of each. Every range is checked
+  // before anything is read; on an error, the ranges may hold some of the
+  // state read.
   absl::Status ReadMany(absl::Span<const StateRead> reads);
   absl::StatusOr<std::vector<ServerState>> Describe();
   // Each tensor's own Adam step count, in JobOptions::tensors order.
