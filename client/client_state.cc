@@ -6,7 +6,6 @@
 #include <mutex>
 #include <optional>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/client_impl.h"
@@ -32,7 +31,12 @@ constexpr uint32_t kReadThreads = 64;
 absl::Status Client::ReadMany(absl::Span<const StateRead> reads) {
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
-  absl::flat_hash_map<absl::string_view, std::vector<const StateRead*>> by_tensor;
+  // What each server is asked for: the part of each range its shard holds.
+  struct Piece {
+    const StateRead* read;
+    uint64_t begin, end;
+  };
+  std::vector<std::vector<Piece>> pieces(im.servers());
   for (const StateRead& r : reads) {
     SHARDOPT_ASSIGN_OR_RETURN(const TensorOptions* t, im.FindTensor(r.tensor));
     if (r.out == nullptr && r.count > 0) return absl::InvalidArgumentError("Read needs a buffer to read into");
@@ -43,23 +47,10 @@ absl::Status Client::ReadMany(absl::Span<const StateRead> reads) {
     if (r.offset > t->numel || r.count > t->numel - r.offset) {
       return absl::OutOfRangeError(absl::StrCat("range past the ", t->numel, " elements of tensor '", r.tensor, "'"));
     }
-    by_tensor[r.tensor].push_back(&r);
-  }
-  // What each server is asked for: the part of each range its shard holds.
-  struct Piece {
-    const StateRead* read;
-    uint64_t begin, end;
-  };
-  std::vector<std::vector<Piece>> pieces(im.servers());
-  for (uint32_t s = 0; s < im.servers(); ++s) {
-    for (const ShardPlacement& p : im.shards_of[s]) {
-      const auto it = by_tensor.find(p.tensor);
-      if (it == by_tensor.end()) continue;
-      for (const StateRead* r : it->second) {
-        const uint64_t begin = std::max(r->offset, p.offset);
-        const uint64_t end = std::min(r->offset + r->count, p.offset + p.length);
-        if (begin < end) pieces[s].push_back({r, begin, end});
-      }
+    for (const ShardPlacement* p : im.PartsOf(t)) {
+      const uint64_t begin = std::max(r.offset, p->offset);
+      const uint64_t end = std::min(r.offset + r.count, p->offset + p->length);
+      if (begin < end) pieces[p->server].push_back({&r, begin, end});
     }
   }
   // Every chunk, from every server, must be of one step, or the caller would
