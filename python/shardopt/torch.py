@@ -428,15 +428,24 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
 
     def master(self, param):
         """The fp32 master of one param, read from the servers."""
-        for t in self._tensors:
-            if t.param is param:
-                if not t.numel:
-                    return torch.empty(t.shape)
-                if t.remote:
-                    return self._read_fp32(t, _C.StateToRead.MASTER)
+        return self.masters([param])[0]
+
+    def masters(self, params):
+        """The fp32 masters of `params`, a list in their order, read from
+        the servers in one call (a call each costs about 0.4 ms). KeyError
+        for a param of no group, or one frozen when the optimizer was made."""
+        of = {id(t.param): t for t in self._tensors}
+        tensors = [of.get(id(p)) for p in params]
+        for t in tensors:
+            if t is None:
+                raise KeyError("not a param of this optimizer")
+            if t.numel and not t.remote:
                 raise KeyError(f"param {t.name!r} had requires_grad=False when this optimizer was made: the "
                                "servers hold no master of it")
-        raise KeyError("not a param of this optimizer")
+        out = [torch.empty(t.shape, dtype=torch.float32) for t in tensors]
+        self._client.read_many([(t.name, _C.StateToRead.MASTER, 0, t.numel, m.data_ptr())
+                                for t, m in zip(tensors, out) if t.numel])
+        return out
 
     # ---- internals ----
 
@@ -471,11 +480,6 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
     def _sync_staging(self):
         for device in {t.device for t in self._tensors if t.device.type == "cuda"}:
             torch.cuda.current_stream(device).synchronize()
-
-    def _read_fp32(self, t, what):
-        out = torch.empty(t.shape, dtype=torch.float32)
-        self._client.read(t.name, what, 0, t.numel, out.data_ptr())
-        return out
 
     def _pull_params(self):
         """Sets every param to the servers' values: the fp32 master itself, or

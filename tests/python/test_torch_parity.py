@@ -60,6 +60,11 @@ def test_fp32_params_are_the_master_bitwise(fp32_runs):
     for name, p in ours.named_parameters():
         master = opt.master(p)
         assert p.dtype == torch.float32 and same_bits(p, master), name
+    names, params = zip(*ours.named_parameters())
+    masters = opt.masters(params)  # in one call
+    assert len(masters) == len(params)
+    for name, p, master in zip(names, params, masters):
+        assert same_bits(p, master), name
 
 
 @pytest.mark.parametrize("betas", [(0.0, 0.99), (0.0, 0.0), (0.3, 0.99), (0.5, 0.999)])
@@ -385,6 +390,10 @@ def test_params_frozen_at_construction_are_left_out_of_the_job(servers, job, ove
     assert same_bits(now[frozen[0][0]], frozen[0][1]) and same_bits(whole.mask, frozen[1][1])
     with pytest.raises(KeyError, match="requires_grad=False when this optimizer was made"):
         opt.master(whole.ema)
+    with pytest.raises(KeyError, match="requires_grad=False when this optimizer was made"):
+        opt.masters([now[n] for n, p in whole.named_parameters() if p.requires_grad][:2] + [whole.ema])
+    with pytest.raises(KeyError, match="not a param of this optimizer"):
+        opt.masters([torch.nn.Parameter(torch.ones(2))])
 
     embedding = now[frozen[0][0]]
     embedding.requires_grad_(True)
