@@ -77,11 +77,11 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
       : made_afresh  ? ": its part of the job's state is lost; drop the job on every server (shardopt "
                        "--server=HOST:PORT drop JOB) and start it again, from a checkpoint elsewhere if there is one "
                        "(restore_step)"
-      // Past this client's step: another client stepped the job since this
-      // one attached (this one only reads, or is a trainer left behind).
-      : resp.step() > step ? ": the job went on past this client's step since it attached (another client steps "
-                             "it): attach again (CreateOrAttach), which takes the job's step"
-                           : ": restore every server from one checkpoint (CreateOrAttach)"));
+      // Past the step of a client that has not pushed since it attached:
+      // another client stepped the job meanwhile (this one only reads).
+      : resp.step() > step && !pushed ? ": the job went on past this client's step since it attached (another "
+                                        "client steps it): attach again (CreateOrAttach), which takes the job's step"
+                                      : ": restore every server from one checkpoint (CreateOrAttach)"));
   std::lock_guard<std::mutex> lock(lost_mu);
   lost[s] = std::string(failed.message());
   return failed;

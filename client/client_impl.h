@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -55,6 +56,9 @@ struct Client::Impl {
   uint64_t trainer = 0;
   mutable std::vector<uint64_t> attached_at;
   uint64_t step = 0;
+  // Whether this client pushed since it attached: a trainer, not a client
+  // that only reads (which Reattach advises apart).
+  std::atomic<bool> pushed{false};
   uint64_t pushed_ahead = 0;  // Client::pushed_ahead, as the attach found it
   std::vector<double> applied_group_lr;  // Client::applied_group_lr, likewise
   uint64_t chunk_bytes = 0;  // per streamed message, once attached (rpc/chunk_size.h)

@@ -3,8 +3,10 @@
 // and the check that the state is held in the precision the job asked for.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -144,7 +146,15 @@ absl::Status Client::ReadMany(absl::Span<const StateRead> reads) {
       std::count_if(pieces.begin(), pieces.end(), [](const std::vector<Piece>& p) { return !p.empty(); }));
   absl::Status st = read_all(std::clamp<uint32_t>(kReadThreads / std::max(holding, 1u), 1, kReadLanes), false);
   if ((absl::IsNotFound(st) && absl::StrContains(st.message(), "no job ")) || absl::IsResourceExhausted(st)) {
-    st = read_all(1, true);
+    // Others' streams (another rank's, or the lanes just cancelled, which
+    // the server counts until it has ended them) may hold the cap a while:
+    // a refusal is tried again after the backoff of a call's retries.
+    for (int a = 1;; ++a) {
+      st = read_all(1, true);
+      if (!absl::IsResourceExhausted(st) || a >= im.options.max_attempts) break;
+      std::this_thread::sleep_for(
+          std::chrono::milliseconds(std::min(fanout::kBackoffCapMs, fanout::kBackoffBaseMs << std::min(a, 6))));
+    }
   }
   if (!st.ok()) return st;
   if (mixed) {

@@ -29,6 +29,8 @@ struct InitPiece {
 // The ranges in order, cut into streams of at most `limit_bytes` each
 // (at least one element's worth), each stream filled before the next
 // begins; a range is split where a stream fills. Empty ranges are left out.
+// Each range's esize is at least 1, and its offset + length below 2^64 (a
+// tensor's elements, at most 2^40).
 std::vector<std::vector<InitPiece>> CutIntoStreams(absl::Span<const InitRange> ranges, uint64_t limit_bytes);
 
 }  // namespace shardopt

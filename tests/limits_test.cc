@@ -247,14 +247,21 @@ TEST(LimitsTest, OneStreamAtATimeFitsACapOfOne) {
 
 // ReadMany reads a server's ranges on up to 4 streams at once, and a
 // server counts them all against its caps (a token's ranks, or an
-// address's, share --max_streams_per_client). Where they exceed it, the
-// read is made again one stream at a time, whole and bitwise; before, the
+// address's, share --max_streams_per_client). Here another stream of the
+// same address holds the cap full while the read starts: its lanes are
+// refused, and the read is made again one stream at a time, with the
+// call's backoff until a slot is free, whole and bitwise. Before, the
 // refusal (RESOURCE_EXHAUSTED) failed the read.
 TEST(LimitsTest, AReadOfManyTensorsOverAServersStreamCapIsMadeOneStreamAtATime) {
   constexpr uint64_t kTensors = 64, kN = 4096;
-  auto server = ServerProcess::Start({"--max_streams_per_client=1"});
+  const int metrics = testing::FreeLoopbackPort();
+  auto server =
+      ServerProcess::Start({"--max_streams_per_client=1", absl::StrCat("--metrics_port=", metrics)});
   ASSERT_NE(server, nullptr);
-  auto client = ConnectOnce(server->address());
+  ClientOptions options;
+  options.servers = {server->address()};
+  options.max_attempts = 8;  // backoffs of 50 ms to 2 s: past the held stream's 0.5 s
+  auto client = Client::Connect(options).value();
   JobOptions job = OneTensorJob("lanes", kN);
   job.tensors.clear();
   for (uint64_t t = 0; t < kTensors; ++t) job.tensors.push_back({absl::StrCat("t", t), kN, 0});
@@ -267,14 +274,30 @@ TEST(LimitsTest, AReadOfManyTensorsOverAServersStreamCapIsMadeOneStreamAtATime) 
     values[t].fp32 = init.data() + t * kN;
   }
   ASSERT_TRUE(client->InitMany(values).ok());
+
+  // A push stream of the same address holds the cap, for half a second.
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext held;
+  v1::PushResponse answer;
+  auto writer = stub->Push(&held, &answer);
+  ASSERT_TRUE(AwaitOpenStreams(metrics, 1));
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    held.TryCancel();
+  });
   std::vector<float> read(kTensors * kN, NAN);
   std::vector<StateRead> reads;
   for (uint64_t t = 0; t < kTensors; ++t) {
     reads.push_back({job.tensors[t].name, StateToRead::kMaster, 0, kN, read.data() + t * kN});
   }
   const absl::Status st = client->ReadMany(reads);
+  release.join();
+  writer->Finish().ok();  // CANCELLED
   ASSERT_TRUE(st.ok()) << st;
   EXPECT_EQ(std::memcmp(read.data(), init.data(), init.size() * 4), 0);
+  EXPECT_THAT(testing::GetMetrics(metrics),
+              HasSubstr("shardopt_refusals_total{method=\"Read\",code=\"RESOURCE_EXHAUSTED\"}"))
+      << "the held stream refused none of the read's";
 }
 
 // A compressed message is refused before it is inflated: gRPC 1.51 inflated

@@ -183,9 +183,13 @@ class _StateDictIO:
                                  "stepped)")
             if not missing:
                 step = _number(entry["step"])
-                # A count of updates: the servers' bias corrections take whole steps.
-                if not (math.isfinite(step) and step >= 0 and step == int(step)):
-                    raise ValueError(f"the state of {t.name!r} has step {step}; a step is a whole number >= 0")
+                # A count of updates: the servers' bias corrections take whole
+                # steps, up to 2^53 (checked here, as the state goes in
+                # several calls: a refusal in a later one would come after
+                # the first were sent).
+                if not (math.isfinite(step) and 0 <= step <= 2**53 and step == int(step)):
+                    raise ValueError(f"the state of {t.name!r} has step {step}; a step is a whole number from 0 "
+                                     "to 2^53")
                 moments = (self._checked(entry["exp_avg"], t, "exp_avg"),
                            self._checked(entry["exp_avg_sq"], t, "exp_avg_sq"), int(step))
             loads.append((t, master, moments))

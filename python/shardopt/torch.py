@@ -433,7 +433,8 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
     def masters(self, params):
         """The fp32 masters of `params`, a list in their order, read from
         the servers in one call (a call each costs about 0.4 ms). KeyError
-        for a param of no group, or one frozen when the optimizer was made."""
+        for a param of no group, or one frozen when the optimizer was made
+        (but for one of no elements, whose master is an empty tensor)."""
         of = {id(t.param): t for t in self._tensors}
         tensors = [of.get(id(p)) for p in params]
         for t in tensors:
@@ -443,8 +444,9 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
                 raise KeyError(f"param {t.name!r} had requires_grad=False when this optimizer was made: the "
                                "servers hold no master of it")
         out = [torch.empty(t.shape, dtype=torch.float32) for t in tensors]
-        self._client.read_many([(t.name, _C.StateToRead.MASTER, 0, t.numel, m.data_ptr())
-                                for t, m in zip(tensors, out) if t.numel])
+        reads = [(t.name, _C.StateToRead.MASTER, 0, t.numel, m.data_ptr()) for t, m in zip(tensors, out) if t.numel]
+        if reads:  # params with no elements ask nothing, also while a push runs or after drop()
+            self._client.read_many(reads)
         return out
 
     # ---- internals ----

@@ -91,7 +91,29 @@ def test_a_load_sent_many_tensors_a_call_in_several_calls_reads_back_bitwise(ser
     """Initial values and loaded state go many tensors a call, in calls of
     about 256 MiB of host copies; here 40 KB, so in several."""
     monkeypatch.setattr(shardopt._checks, "_HOST_BATCH_BYTES", 40000)
-    opt, saved = loaded_into_a_new_job(servers, job, **MIXED)
+    calls = []
+
+    class Counting:  # the client, its init_many calls counted
+        def __init__(self, client):
+            self._client = client
+
+        def __getattr__(self, name):
+            if name == "init_many":
+                calls.append(name)
+            return getattr(self._client, name)
+
+    model = make_model(**MIXED)
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3)
+    train(model, opt, 3)
+    saved = opt.state_dict()
+    opt.drop()
+    fresh = make_model(**MIXED)
+    fresh.load_state_dict(model.state_dict())
+    opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
+    opt._client = Counting(opt._client)
+    opt.load_state_dict(saved)
+    assert len(calls) > 1, calls
+    opt._client = opt._client._client
     assert_state_is(opt.state_dict(), saved)
     opt.drop()
 
@@ -485,11 +507,11 @@ def test_a_state_dict_the_servers_would_refuse_is_refused_before_anything_is_sen
 UNSTEPPABLE = {"exp_avg-transposed": "shape", "exp_avg_sq-flat": "shape", "step-fractional": "whole number",
                "step-negative": "whole number", "step-inf": "whole number", "step-missing": "has no step",
                "exp_avg-missing": "has no exp_avg:", "exp_avg_sq-missing": "has no exp_avg_sq",
-               "exp_avg-fp64": "fp32 or bf16 needed"}
+               "exp_avg-fp64": "fp32 or bf16 needed", "step-past-2^53": "to 2\\^53"}
 
 
 @pytest.mark.parametrize("case", list(UNSTEPPABLE))
-def test_a_state_dict_torch_could_not_step_with_is_refused_before_anything_is_sent(servers, job, case):
+def test_a_state_dict_torch_could_not_step_with_is_refused_before_anything_is_sent(servers, job, case, monkeypatch):
     """Moments of another shape than the param's (a transposed kernel from
     another framework; torch's step would fail on it) were read in flat
     order, a fractional step taken as its integer part, an entry without
@@ -513,7 +535,12 @@ def test_a_state_dict_torch_could_not_step_with_is_refused_before_anything_is_se
     elif case == "exp_avg-fp64":
         entry["exp_avg"] = entry["exp_avg"].double()
     else:
-        entry["step"] = torch.tensor({"step-fractional": 2.5, "step-negative": -1.0, "step-inf": float("inf")}[case])
+        entry["step"] = torch.tensor({"step-fractional": 2.5, "step-negative": -1.0, "step-inf": float("inf"),
+                                      "step-past-2^53": 2.0**54}[case])
+    # The state goes many tensors a call, in calls of about 256 MiB of host
+    # copies: here 40 KB, so that a refusal by the servers in a later call
+    # would come after the first calls were sent.
+    monkeypatch.setattr(shardopt._checks, "_HOST_BATCH_BYTES", 40000)
     fresh = make_model(seed=1)
     opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
     with pytest.raises(shardopt.UnsupportedDtype if case == "exp_avg-fp64" else ValueError, match=UNSTEPPABLE[case]):

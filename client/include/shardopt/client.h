@@ -333,7 +333,8 @@ class Client {
   // faster). As for InitFp32 with a share, the values checked are those
   // this caller sends. A tensor given nothing, both fp32 and bf16, one
   // moment without the other, or an adam_step without moments is
-  // INVALID_ARGUMENT; one given twice takes the later values. A server that
+  // INVALID_ARGUMENT; one given twice is written twice, in order (the later
+  // values stand; an adam_step of 0 leaves the one before). A server that
   // refuses a stream partway keeps what came before, as for the single
   // calls: then any of the tensors may be written on any of the servers.
   absl::Status InitMany(absl::Span<const TensorValues> tensors, InitShare share = {});
@@ -398,9 +399,9 @@ class Client {
   // Reads every range as Read does, all of one step of the job (else
   // ABORTED: it stepped during the read), each server's ranges on up to 4
   // streams at once (fewer where more than 16 servers hold ranges of it,
-  // one each past 64; the streams count against the server's
+  // one each from 33 on; the streams count against the server's
   // --max_streams_per_client, and a read they exceed is made again one
-  // stream per server): for a model's many small tensors (a state dict)
+  // stream per server, a refusal tried again after a call's backoff): for a model's many small tensors (a state dict)
   // several times cheaper than a Read of each. Every range is checked
   // before anything is read; on an error, the ranges may hold some of the
   // state read.
