@@ -64,9 +64,10 @@ def test_round_trip_in_a_new_process_is_bitwise(servers, job, tmp_path):
         assert same_bits(resumed[name], p), name
 
 
-def loaded_into_a_new_job(servers, job, **model_kw):
+def loaded_into_a_new_job(servers, job, before_load=lambda opt: None, **model_kw):
     """Three steps of job-a, its state_dict(), and job-b's optimizer with the
-    model and that state loaded before any step; job-a is dropped."""
+    model and that state loaded before any step (`before_load(opt)` called
+    just before); job-a is dropped."""
     model = make_model(**model_kw)
     opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3)
     train(model, opt, 3)
@@ -75,6 +76,7 @@ def loaded_into_a_new_job(servers, job, **model_kw):
     fresh = make_model(**model_kw)
     fresh.load_state_dict(model.state_dict())
     opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
+    before_load(opt)
     opt.load_state_dict(saved)
     return opt, saved
 
@@ -102,16 +104,10 @@ def test_a_load_sent_many_tensors_a_call_in_several_calls_reads_back_bitwise(ser
                 calls.append(name)
             return getattr(self._client, name)
 
-    model = make_model(**MIXED)
-    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3)
-    train(model, opt, 3)
-    saved = opt.state_dict()
-    opt.drop()
-    fresh = make_model(**MIXED)
-    fresh.load_state_dict(model.state_dict())
-    opt = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
-    opt._client = Counting(opt._client)
-    opt.load_state_dict(saved)
+    def count(opt):
+        opt._client = Counting(opt._client)
+
+    opt, saved = loaded_into_a_new_job(servers, job, before_load=count, **MIXED)
     assert len(calls) > 1, calls
     opt._client = opt._client._client
     assert_state_is(opt.state_dict(), saved)
