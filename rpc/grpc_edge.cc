@@ -121,6 +121,10 @@ std::shared_ptr<grpc::ChannelCredentials> ChannelCredentialsFor(const std::strin
 }
 
 absl::Status ParseMessage(grpc::ByteBuffer* buffer, google::protobuf::Message* message, absl::string_view what) {
+  // No message at all: a Read or Commit whose caller cancelled it before its
+  // request came reaches its handler so. Not bad input (a strike against the
+  // caller), and nothing to parse.
+  if (!buffer->Valid()) return absl::CancelledError(absl::StrCat("the call ended before its ", what, " came"));
   grpc::ProtoBufferReader reader(buffer);  // ParseFromZeroCopyStream clears `message` first
   if (!reader.status().ok() || !message->ParseFromZeroCopyStream(&reader)) {
     return absl::InvalidArgumentError(absl::StrCat("the ", what, " message does not parse; the stream is refused"));

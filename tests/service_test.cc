@@ -17,6 +17,7 @@
 #include <set>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/types/span.h"
 #include "gmock/gmock.h"
@@ -41,6 +42,7 @@ using testing::GenericUnary;
 
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using testing::RandomBf16;
 using testing::RandomFloats;
 using testing::ReferenceTensor;
@@ -1616,6 +1618,51 @@ TEST_F(ServiceTest, AnUnparseableStreamMessageIsInvalidArgumentAndChangesNothing
 
   // The refused push's gradient counts for nothing.
   ExpectTheNextStepIsItsPushAlone(*client, init, rng_);
+}
+
+// A Read or Commit whose caller cancels it before its request has come
+// (ReadMany cancels its other lanes when one fails) reaches the handler with
+// no request at all: that is CANCELLED, not a request that "does not
+// parse", which counted as bad input against the caller (a strike toward
+// its tarpit) and logged a malformed client that was not there.
+TEST(ServiceCancelTest, AStreamCancelledBeforeItsRequestCameIsCancelledNotBadInput) {
+  const int metrics = testing::FreeLoopbackPort();
+  auto server = ServerProcess::Start({absl::StrCat("--metrics_port=", metrics)});
+  ASSERT_NE(server, nullptr);
+  grpc::GenericStub generic(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  for (const std::string method : {"Read", "Commit"}) {
+    for (int i = 0; i < 20; ++i) {
+      grpc::ClientContext ctx;
+      grpc::CompletionQueue cq;
+      auto call = generic.PrepareCall(&ctx, "/shardopt.v1.Optimizer/" + method, &cq);
+      void* tag;
+      bool ok;
+      call->StartCall(reinterpret_cast<void*>(1));  // headers out, no request
+      ASSERT_TRUE(cq.Next(&tag, &ok));
+      ctx.TryCancel();
+      grpc::Status status;
+      call->Finish(&status, reinterpret_cast<void*>(2));
+      ASSERT_TRUE(cq.Next(&tag, &ok));
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::CANCELLED);
+      cq.Shutdown();
+      while (cq.Next(&tag, &ok)) {
+      }
+    }
+  }
+  // The server's handlers end after the client has its answer.
+  const auto counted = [&](const std::string& method, const std::string& code) {
+    const std::string metrics_text = testing::GetMetrics(metrics);
+    const std::string series = absl::StrCat("\nshardopt_refusals_total{method=\"", method, "\",code=\"", code, "\"} ");
+    const size_t at = metrics_text.find(series);
+    return at == std::string::npos ? 0 : std::atoi(metrics_text.c_str() + at + series.size());
+  };
+  for (int i = 0; i < 100 && (counted("Read", "CANCELLED") < 20 || counted("Commit", "CANCELLED") < 20); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  for (const std::string method : {"Read", "Commit"}) {
+    EXPECT_EQ(counted(method, "CANCELLED"), 20) << method;
+    EXPECT_EQ(counted(method, "INVALID_ARGUMENT"), 0) << method << ": taken for a request that does not parse";
+  }
 }
 
 // A unary request gRPC cannot parse (here a job name that is not UTF-8,
