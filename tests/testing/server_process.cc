@@ -60,6 +60,13 @@ std::string GetMetrics(int port, bool ipv6) {
   return text;
 }
 
+double MetricValue(int port, const std::string& series) {
+  const std::string text = GetMetrics(port);
+  const std::string line = "\n" + series + " ";
+  const size_t at = text.find(line);
+  return at == std::string::npos ? -1 : std::atof(text.c_str() + at + line.size());
+}
+
 std::string ReadText(const std::string& path) {
   std::ifstream in(path);
   std::stringstream text;

@@ -20,6 +20,10 @@ int FreeLoopbackPort();
 // The answer to GET /metrics on loopback (127.0.0.1, or ::1 with `ipv6`),
 // headers and all; empty if nothing answers there.
 std::string GetMetrics(int port, bool ipv6 = false);
+// The value of one series in GetMetrics(port), named whole with its labels
+// (`shardopt_open_streams`, `shardopt_refusals_total{method="Read",code="CANCELLED"}`);
+// -1 where the server has no such series.
+double MetricValue(int port, const std::string& series);
 
 // A file's whole text (a process's log, a certificate); empty if unreadable.
 std::string ReadText(const std::string& path);
