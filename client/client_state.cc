@@ -3,7 +3,6 @@
 // and the check that the state is held in the precision the job asked for.
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -152,8 +151,7 @@ absl::Status Client::ReadMany(absl::Span<const StateRead> reads) {
     for (int a = 1;; ++a) {
       st = read_all(1, true);
       if (!absl::IsResourceExhausted(st) || a >= im.options.max_attempts) break;
-      std::this_thread::sleep_for(
-          std::chrono::milliseconds(std::min(fanout::kBackoffCapMs, fanout::kBackoffBaseMs << std::min(a, 6))));
+      std::this_thread::sleep_for(fanout::Backoff(a));
     }
   }
   if (!st.ok()) return st;

@@ -28,6 +28,9 @@ namespace shardopt::fanout {
 // channel's own reconnect backoff as short).
 inline constexpr int kBackoffBaseMs = 50;
 inline constexpr int kBackoffCapMs = 2000;
+inline std::chrono::milliseconds Backoff(int a) {
+  return std::chrono::milliseconds(std::min(kBackoffCapMs, kBackoffBaseMs << std::min(a, 6)));
+}
 
 // The calls in flight of one fan-out.
 class Fanout {
@@ -117,9 +120,9 @@ absl::Status Call(grpc::Channel* channel, const std::string& address, const std:
     // A first attempt on a channel that failed to connect waits a little
     // for it, so that a caller's own loop of single attempts finds the
     // server too.
-    AwaitChannel(channel, std::chrono::milliseconds(a > 0    ? std::min(kBackoffCapMs, kBackoffBaseMs << std::min(a, 6))
-                                                    : failed ? kBackoffBaseMs
-                                                             : 0));
+    AwaitChannel(channel, a > 0    ? Backoff(a)
+                          : failed ? std::chrono::milliseconds(kBackoffBaseMs)
+                                   : std::chrono::milliseconds(0));
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
     if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
