@@ -6,7 +6,6 @@ has a gradient. A mixin of RemoteAdamW (shardopt.torch), whose tensors,
 client and groups it uses."""
 import torch
 
-from . import _C
 from ._checks import _check_betas, _in_batches, _some_names
 from ._errors import InvalidArgument, ParamsChanged
 
@@ -65,10 +64,7 @@ class _ParamWatch:
         tensors a call (an EMA swapped in changes every param)."""
         differ = []
         for batch in _in_batches(tensors, lambda t: 4 * t.numel):
-            masters = [torch.empty(t.shape, dtype=torch.float32) for t in batch]
-            self._client.read_many([(t.name, _C.StateToRead.MASTER, 0, t.numel, m.data_ptr())
-                                    for t, m in zip(batch, masters)])
-            for t, master in zip(batch, masters):
+            for t, master in zip(batch, self._read_masters(batch)):
                 ours = t.param.detach().to("cpu").contiguous()
                 if t.dtype == torch.float32:
                     same = torch.equal(master.view(torch.int32), ours.view(torch.int32))

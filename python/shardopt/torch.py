@@ -443,11 +443,7 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             if t.numel and not t.remote:
                 raise KeyError(f"param {t.name!r} had requires_grad=False when this optimizer was made: the "
                                "servers hold no master of it")
-        out = [torch.empty(t.shape, dtype=torch.float32) for t in tensors]
-        reads = [(t.name, _C.StateToRead.MASTER, 0, t.numel, m.data_ptr()) for t, m in zip(tensors, out) if t.numel]
-        if reads:  # params with no elements ask nothing, also while a push runs or after drop()
-            self._client.read_many(reads)
-        return out
+        return self._read_masters(tensors)
 
     # ---- internals ----
 
@@ -482,6 +478,14 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
     def _sync_staging(self):
         for device in {t.device for t in self._tensors if t.device.type == "cuda"}:
             torch.cuda.current_stream(device).synchronize()
+
+    def _read_masters(self, tensors):
+        """The servers' fp32 masters of `tensors`, in one call."""
+        out = [torch.empty(t.shape, dtype=torch.float32) for t in tensors]
+        reads = [(t.name, _C.StateToRead.MASTER, 0, t.numel, m.data_ptr()) for t, m in zip(tensors, out) if t.numel]
+        if reads:  # params with no elements ask nothing, also while a push runs or after drop()
+            self._client.read_many(reads)
+        return out
 
     def _pull_params(self):
         """Sets every param to the servers' values: the fp32 master itself, or
