@@ -10,6 +10,7 @@
 #include "gtest/gtest.h"
 #include "kernels/adamw_math.h"
 #include "shardopt/client.h"
+#include "tests/testing/client_helpers.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/server_process.h"
 
@@ -52,15 +53,7 @@ class InitShareTest : public ::testing::Test {
     }
   }
 
-  uint32_t Uninitialized() {
-    auto described = clients_[0]->Describe();
-    EXPECT_TRUE(described.ok()) << described.status();
-    uint32_t n = 0;
-    if (described.ok()) {
-      for (const ServerState& s : *described) n += s.uninitialized_tensors;
-    }
-    return n;
-  }
+  uint32_t Uninitialized() { return testing::UninitializedParts(*clients_[0]); }
 
   // Rank r's share of every tensor: a and c as fp32, b as bf16.
   absl::Status WriteShare(uint32_t r, InitShare share) {

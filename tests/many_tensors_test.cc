@@ -10,8 +10,11 @@
 #include <random>
 
 #include "gtest/gtest.h"
+#include "kernels/adamw_math.h"
 #include "shardopt/client.h"
+#include "tests/testing/client_helpers.h"
 #include "tests/testing/reference.h"
+#include "tests/testing/scripted_trainer.h"
 #include "tests/testing/server_process.h"
 
 namespace shardopt {
@@ -30,10 +33,7 @@ const std::vector<std::pair<std::string, uint64_t>> kTensors = {{"a", 5000}, {"b
 class ManyTensorsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    for (int s = 0; s < 2; ++s) {
-      servers_.push_back(ServerProcess::Start({"--threads=1"}));
-      ASSERT_NE(servers_.back(), nullptr);
-    }
+    servers_ = testing::StartServers(2, "");
     ClientOptions o;
     o.servers = {servers_[0]->address(), servers_[1]->address()};
     o.max_attempts = 1;
@@ -76,16 +76,7 @@ class ManyTensorsTest : public ::testing::Test {
   std::unique_ptr<Client> client_;
   std::vector<ReferenceTensor> refs_;  // in kTensors order
 
-  // Every tensor's parts still without initial values, over both servers.
-  uint32_t Uninitialized() {
-    auto described = client_->Describe();
-    EXPECT_TRUE(described.ok()) << described.status();
-    uint32_t n = 0;
-    if (described.ok()) {
-      for (const ServerState& s : *described) n += s.uninitialized_tensors;
-    }
-    return n;
-  }
+  uint32_t Uninitialized() { return testing::UninitializedParts(*client_); }
 };
 
 // The reference's values of one state, as the read returns them: float bits
@@ -194,10 +185,7 @@ struct Values {
 
 std::vector<float> Widened(const std::vector<uint16_t>& bf16) {
   std::vector<float> out(bf16.size());
-  for (size_t i = 0; i < bf16.size(); ++i) {
-    const uint32_t bits = uint32_t{bf16[i]} << 16;
-    std::memcpy(&out[i], &bits, 4);
-  }
+  for (size_t i = 0; i < bf16.size(); ++i) out[i] = math::bf16_to_float(bf16[i]);
   return out;
 }
 

@@ -7,6 +7,7 @@
 #include <memory>
 #include <string>
 
+#include "gtest/gtest.h"
 #include "shardopt/client.h"
 
 namespace shardopt::testing {
@@ -31,6 +32,18 @@ inline std::unique_ptr<Client> ConnectOnce(const std::string& address, const std
   o.max_attempts = 1;
   o.rpc_timeout_ms = 20000;
   return Client::Connect(o).value();
+}
+
+// The parts of the client's job still without initial values, over all its
+// servers (Describe's uninitialized_tensors); a failed Describe fails the test.
+inline uint32_t UninitializedParts(Client& client) {
+  auto described = client.Describe();
+  EXPECT_TRUE(described.ok()) << described.status();
+  uint32_t n = 0;
+  if (described.ok()) {
+    for (const ServerState& s : *described) n += s.uninitialized_tensors;
+  }
+  return n;
 }
 
 }  // namespace shardopt::testing
