@@ -197,11 +197,11 @@ absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t*
   result.decision = Decide(CombinePartials(std::move(combined)), job_.world_size * collective_->size(), options);
 
   absl::Status committed;
-  if (mine.size() > 0) {
+  if (mine.size() > 0) {  // a local rank with no range has nothing to commit or copy
     committed = client_->Commit(t, options.lr, result.decision.gscale, result.decision.skip, param_views,
                                 options.group_lr);
+    if (committed.ok()) committed = collective_->FromHost(params_.data(), flat_params + mine.begin, mine.size() * 2);
   }
-  if (committed.ok()) committed = collective_->FromHost(params_.data(), flat_params + mine.begin, mine.size() * 2);
   SHARDOPT_RETURN_IF_ERROR(Agree(committed, absl::StrCat("the commit of step ", t), kRetry));
   SHARDOPT_RETURN_IF_ERROR(collective_->AllGather(flat_params, ranges_));
   step_ = t;

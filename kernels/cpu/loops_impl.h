@@ -5,6 +5,8 @@
 #error "define SHARDOPT_LOOPS_NAMESPACE before including loops_impl.h"
 #endif
 
+#include <cstring>
+
 #include "kernels/cpu/loops.h"
 
 namespace shardopt::cpu::SHARDOPT_LOOPS_NAMESPACE {
@@ -77,26 +79,34 @@ void Update(const UpdateArgs& a) {
   }
 }
 
-// A gradient's source may sit at any address (a received message's piece):
-// element types of alignment 1 tell the compiler so, and it still vectorizes
-// with unaligned loads.
-typedef float UnalignedFloat __attribute__((aligned(1)));
-typedef uint16_t UnalignedBf16 __attribute__((aligned(1)));
+// A gradient's source may sit at any address (a received message's piece),
+// so its elements are read with memcpy, which is defined at any address and
+// still vectorizes to unaligned loads. (A `float` typedef of alignment 1
+// does not do it: as a template argument it loses its attribute, and the
+// loads were then of `const float*` at odd addresses, undefined behaviour
+// that tests/loops_alignment_test.cc stops at.)
+template <typename SrcT>
+inline SrcT LoadAnyAddress(const unsigned char* at) {
+  SrcT x;
+  std::memcpy(&x, at, sizeof(SrcT));
+  return x;
+}
 
 template <typename SrcT>
-void AccumulateTyped(float* __restrict acc, const SrcT* __restrict src, uint64_t n, bool first) {
+void AccumulateTyped(float* __restrict acc, const unsigned char* __restrict src, uint64_t n, bool first) {
   if (first) {
-    for (uint64_t i = 0; i < n; ++i) acc[i] = Load(src[i]);
+    for (uint64_t i = 0; i < n; ++i) acc[i] = Load(LoadAnyAddress<SrcT>(src + i * sizeof(SrcT)));
   } else {
-    for (uint64_t i = 0; i < n; ++i) acc[i] = math::add(acc[i], Load(src[i]));
+    for (uint64_t i = 0; i < n; ++i) acc[i] = math::add(acc[i], Load(LoadAnyAddress<SrcT>(src + i * sizeof(SrcT))));
   }
 }
 
 void Accumulate(float* acc, const void* src, DType dtype, uint64_t n, bool first) {
+  const auto* bytes = static_cast<const unsigned char*>(src);
   if (dtype == DType::kFp32) {
-    AccumulateTyped(acc, static_cast<const UnalignedFloat*>(src), n, first);
+    AccumulateTyped<float>(acc, bytes, n, first);
   } else {
-    AccumulateTyped(acc, static_cast<const UnalignedBf16*>(src), n, first);
+    AccumulateTyped<uint16_t>(acc, bytes, n, first);
   }
 }
 

@@ -79,11 +79,15 @@ absl::StatusOr<WorkerOutput> ReadOutput(const std::string& path, uint64_t master
   if (bytes.size() < masters * sizeof(float) || bytes.size() % sizeof(float) != 0) {
     return absl::DataLossError(absl::StrCat(path, " holds ", bytes.size(), " bytes, fewer than ", masters, " masters"));
   }
+  const auto floats_at = [&](uint64_t first, uint64_t count) {
+    std::vector<float> floats(count);
+    // memcpy to an empty vector's null is undefined even for no bytes.
+    if (count > 0) std::memcpy(floats.data(), bytes.data() + first * sizeof(float), count * sizeof(float));
+    return floats;
+  };
   WorkerOutput out;
-  out.masters.resize(masters);
-  out.gscales.resize(bytes.size() / sizeof(float) - masters);
-  std::memcpy(out.masters.data(), bytes.data(), masters * sizeof(float));
-  std::memcpy(out.gscales.data(), bytes.data() + masters * sizeof(float), out.gscales.size() * sizeof(float));
+  out.masters = floats_at(0, masters);
+  out.gscales = floats_at(masters, bytes.size() / sizeof(float) - masters);
   return out;
 }
 
