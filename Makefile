@@ -3,7 +3,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps configure build demo test bench clean
+.PHONY: deps configure build demo test bench sanitize clean
 
 deps:
 	./scripts/install-deps.sh
@@ -24,6 +24,10 @@ bench: build
 	$(BUILD)/bench/shardopt-bench kernel
 	$(BUILD)/bench/shardopt-bench e2e
 	PYTHONPATH=$(BUILD)/python /usr/bin/python3 bench/remote_adamw_bench.py --server_binary=$(BUILD)/server/shardopt-server
+
+# The suite again under ASAN and UBSAN, in a build of its own (README).
+sanitize: deps
+	JOBS=$(JOBS) ./scripts/sanitize.sh $(BUILD)-asan
 
 clean:
 	rm -rf $(BUILD)

@@ -8,8 +8,6 @@
 
 namespace shardopt::fanout {
 
-thread_local Fanout* current = nullptr;
-
 namespace {
 constexpr char kFanoutCancelledPayload[] = "type.shardopt.dev/fanout-cancelled";
 }  // namespace
