@@ -14,8 +14,6 @@
 
 namespace shardopt {
 
-namespace v1 = ::shardopt::v1;
-
 // A step that some of the job's servers applied and the others only sealed
 // (its trainer died between its commits): the servers behind, and the
 // commit that completes it there, with the arguments the others applied it

@@ -29,8 +29,6 @@
 
 namespace shardopt {
 
-namespace v1 = ::shardopt::v1;
-
 struct Client::Impl {
   ClientOptions options;
   std::vector<std::unique_ptr<v1::Optimizer::Stub>> stubs;

@@ -8,8 +8,6 @@
 
 namespace shardopt {
 
-namespace v1 = ::shardopt::v1;
-
 CommitParams::CommitParams(const JobOptions& job, const absl::flat_hash_map<std::string, uint32_t>& tensor_index,
                            const std::vector<ShardPlacement>& shards, absl::Span<char* const> out, uint64_t step)
     : job_(job), tensor_index_(tensor_index), shards_(shards), out_(out), step_(step),

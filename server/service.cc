@@ -111,11 +111,10 @@ grpc::Status OptimizerService::CreateJob(grpc::ServerContext* context, const v1:
   // address, a new one per connection, and nobody is charged.
   const JobOwner owner = options_.auth != nullptr ? JobOwner{caller->name, caller->max_memory} : JobOwner{};
   auto r = store_->CreateJob(*req, owner);
-  if (r.ok()) {
-    *resp = *std::move(r);
-    resp->set_max_message_bytes(store_->max_message_bytes());
-  }
-  return ToGrpcStatus(r.status());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  *resp = *std::move(r);
+  resp->set_max_message_bytes(store_->max_message_bytes());
+  return grpc::Status::OK;
 }
 
 grpc::ServerReadReactor<grpc::ByteBuffer>* OptimizerService::Init(grpc::CallbackServerContext* context,
@@ -156,8 +155,9 @@ grpc::Status OptimizerService::Describe(grpc::ServerContext* context, const v1::
     return ToGrpcStatus(caller.status());
   }
   auto r = store_->Describe(*req);
-  if (r.ok()) *resp = *std::move(r);
-  return ToGrpcStatus(r.status());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  *resp = *std::move(r);
+  return grpc::Status::OK;
 }
 
 grpc::Status OptimizerService::DropJob(grpc::ServerContext* context, const v1::DropJobRequest* req,
@@ -206,8 +206,9 @@ grpc::Status OptimizerService::Checkpoint(grpc::ServerContext* context, const v1
   const auto d = context->deadline();
   auto r = store_->Checkpoint(*req, d == std::chrono::system_clock::time_point::max() ? absl::InfiniteFuture()
                                                                                       : absl::FromChrono(d));
-  if (r.ok()) *resp = *std::move(r);
-  return ToGrpcStatus(r.status());
+  if (!r.ok()) return ToGrpcStatus(r.status());
+  *resp = *std::move(r);
+  return grpc::Status::OK;
 }
 
 namespace {

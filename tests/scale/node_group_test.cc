@@ -64,7 +64,8 @@ std::vector<float> NodeReferenceMasters(const JobOptions& job, uint64_t seed, ui
 }
 
 TEST_P(NodeGroupTest, NodesOfLocalRanksMatchTheirReferenceBitwise) {
-  const auto [nodes, g] = GetParam();
+  // Plain variables, not a structured binding, which C++17 lambdas may not capture (clang refuses).
+  const uint32_t nodes = GetParam().first, g = GetParam().second;
   constexpr uint32_t kServers = 3;
   constexpr uint64_t kSteps = 30, kSeed = 7;
   std::vector<std::unique_ptr<ServerProcess>> servers;
