@@ -6,6 +6,7 @@ namespace {
 constexpr int kVarint = 0;
 constexpr int kFixed64 = 1;
 constexpr int kFixed32 = 5;
+constexpr uint64_t kLargestLength = (uint64_t{1} << 31) - 64;
 
 void AppendVarint(std::string* out, uint64_t v) {
   while (v >= 0x80) {
@@ -15,10 +16,12 @@ void AppendVarint(std::string* out, uint64_t v) {
   out->push_back(static_cast<char>(v));
 }
 
-// A varint of at most 10 bytes, as protobuf reads them.
-bool NextVarint(Pieces::Cursor* in, uint64_t* v) {
+// A varint of at most `max_bytes` bytes: 10 for a value, as protobuf reads
+// them, and 5 for a tag or a length, which protobuf reads as 32-bit and
+// refuses longer.
+bool NextVarint(Pieces::Cursor* in, uint64_t* v, int max_bytes = 10) {
   *v = 0;
-  for (int shift = 0; shift < 70; shift += 7) {
+  for (int shift = 0; shift < 7 * max_bytes; shift += 7) {
     uint8_t byte;
     if (!in->Next(&byte)) return false;
     if (shift < 64) *v |= uint64_t{byte & 0x7Fu} << shift;
@@ -36,7 +39,7 @@ bool ScanFields(const Pieces& message, std::vector<Field>* fields) {
     Field f;
     f.begin = in.position();
     uint64_t tag;
-    if (!NextVarint(&in, &tag) || tag > 0xFFFFFFFFu || (tag >> 3) == 0) return false;
+    if (!NextVarint(&in, &tag, 5) || tag > 0xFFFFFFFFu || (tag >> 3) == 0) return false;
     f.number = static_cast<int>(tag >> 3);
     f.wire_type = static_cast<int>(tag & 7);
     uint64_t n = 0;
@@ -50,7 +53,9 @@ bool ScanFields(const Pieces& message, std::vector<Field>* fields) {
         if (!in.Skip(8)) return false;
         break;
       case kLengthDelimited:
-        if (!NextVarint(&in, &n) || n > 0x7FFFFFFFu) return false;
+        // Protobuf refuses lengths from a little under 2^31 on; these are
+        // left to it whole.
+        if (!NextVarint(&in, &n, 5) || n >= kLargestLength) return false;
         f.value = in.position();
         if (!in.Skip(n)) return false;
         break;

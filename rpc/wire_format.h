@@ -32,9 +32,11 @@ struct Field {
 inline constexpr int kLengthDelimited = 2;
 
 // The message's top-level fields in order, without copying any value. False
-// if the bytes are not a well-formed message, or if they hold a group (wire
-// types 3 and 4, which no message of ours uses): leave those to protobuf's
-// parser, which knows its own rules for them.
+// if the bytes are not a well-formed message, if they hold a group (wire
+// types 3 and 4, which no message of ours uses), or a tag or a length in more
+// than 5 bytes or past 2^31 - 64: leave those to protobuf's parser, which
+// knows its own rules for them. True only where protobuf reads the same
+// fields.
 bool ScanFields(const Pieces& message, std::vector<Field>* fields);
 // The varint a view starts with (a varint field's value); false if malformed.
 bool ReadVarint(const Pieces& bytes, uint64_t* v);

@@ -44,9 +44,12 @@ absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::
   }
   uint64_t names = 0;
   int data_fields = 0;
+  // A field of the right number but another wire type is no name and no
+  // data: protobuf keeps it as an unknown field.
   for (const wire::Field& f : fields) {
+    if (f.wire_type != wire::kLengthDelimited) continue;
     if (f.number == v1::GradChunk::kNoGradFieldNumber) ++names;
-    if (f.number == v1::GradChunk::kDataFieldNumber && f.wire_type == wire::kLengthDelimited) ++data_fields;
+    if (f.number == v1::GradChunk::kDataFieldNumber) ++data_fields;
   }
   if (names > max_no_grad) return TooManyNoGrad(names, max_no_grad);
   // Everything but the data goes to protobuf; a data field sent twice (the

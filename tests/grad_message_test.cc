@@ -158,6 +158,47 @@ TEST(GradMessage, TooManyNoGradNamesAreRefusedBeforeTheParse) {
 
 // The pieces' runs of whole elements put back together are the bytes, for
 // every way of cutting them.
+// Varints longer than protobuf reads them: a tag of more than 5 bytes, or a
+// length of more than 5 or past 2^31 (found by a differential fuzzer, which
+// the scan took for a well-formed message of empty data), and the longest
+// that protobuf does read.
+TEST(GradMessage, OverlongVarintsAreRefusedExactlyWhenProtobufRefusesThem) {
+  std::mt19937_64 rng(15);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"data's length 0 in 7 bytes", std::string("\x3a\x80\x80\x80\x80\x80\x80\x00", 8)},
+      {"data's length 1 in 6 bytes", std::string("\x3a\x81\x80\x80\x80\x80\x00x", 8)},
+      {"data's length 1 in 5 bytes", std::string("\x3a\x81\x80\x80\x80\x00x", 7)},
+      {"data's length 2^31 in 5 bytes", std::string("\x3a\x80\x80\x80\x80\x08", 6)},
+      {"job's tag in 6 bytes", std::string("\x8a\x80\x80\x80\x80\x00\x01j", 8)},
+      {"job's tag in 5 bytes", std::string("\x8a\x80\x80\x80\x00\x01j", 7)},
+      {"step's value 1 in 10 bytes", std::string("\x10\x81\x80\x80\x80\x80\x80\x80\x80\x80\x00", 11)},
+      {"step's value 1 in 11 bytes", std::string("\x10\x81\x80\x80\x80\x80\x80\x80\x80\x80\x80\x00", 12)},
+  };
+  for (const auto& [what, bytes] : cases) ExpectAgrees(bytes, rng, what);
+}
+
+// A field 8 that is not length-delimited is no name: protobuf keeps it as an
+// unknown field. The cap counts what protobuf would count, so such a message
+// is neither refused for them nor let past the cap.
+TEST(GradMessage, OnlyNoGradNamesOfTheirWireTypeCountTowardTheirCap) {
+  std::string bytes;
+  for (int i = 0; i < 5; ++i) wire::AppendVarintField(&bytes, v1::GradChunk::kNoGradFieldNumber, i);
+  for (int i = 0; i < 2; ++i) wire::AppendBytesField(&bytes, v1::GradChunk::kNoGradFieldNumber, "t" + std::to_string(i));
+  std::mt19937_64 rng(14);
+  for (uint64_t cap : {0, 1, 2, 3}) {
+    grpc::ByteBuffer message = Sliced(bytes, rng);
+    v1::GradChunk head;
+    Pieces data;
+    const absl::Status st = ReadGradChunk(&message, cap, &head, &data);
+    if (cap < 2) {
+      EXPECT_NE(st.message().find("names 2 no_grad tensors"), std::string::npos) << cap << ": " << st;
+    } else {
+      ASSERT_TRUE(st.ok()) << cap << ": " << st;
+      EXPECT_EQ(head.no_grad_size(), 2);
+    }
+  }
+}
+
 TEST(GradMessage, PiecesGiveRunsOfWholeElementsAcrossAnyCut) {
   std::mt19937_64 rng(14);
   for (int i = 0; i < 500; ++i) {

@@ -1,0 +1,57 @@
+// A differential fuzzer of the server's push-message reader: whatever the
+// bytes, and however they are cut into slices, ReadGradChunk must refuse
+// exactly what protobuf's parser refuses (or what names more no_grad
+// tensors than allowed), and read what it accepts as protobuf does: the same
+// fields, and the same data bytes. tests/fuzz/run_fuzz.cmake builds it with
+// clang's libFuzzer and runs it for a bounded time.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "grpcpp/support/byte_buffer.h"
+#include "grpcpp/support/slice.h"
+#include "server/grad_message.h"
+#include "shardopt/v1/optimizer.pb.h"
+
+namespace {
+
+[[noreturn]] void Disagree(const char* what, const std::string& detail) {
+  std::fprintf(stderr, "ReadGradChunk and protobuf disagree: %s %s\n", what, detail.c_str());
+  std::abort();
+}
+
+}  // namespace
+
+// The first byte picks how many cuts, the second the cap on no_grad names;
+// the rest is the message, cut where its own bytes say.
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < 2) return 0;
+  const unsigned cuts = data[0] % 5;
+  const uint64_t max_no_grad = data[1] % 4;
+  const std::string whole(reinterpret_cast<const char*>(data + 2), size - 2);
+  std::vector<grpc::Slice> slices;
+  size_t at = 0;
+  for (unsigned c = 0; c < cuts && at < whole.size(); ++c) {
+    const size_t n = (static_cast<uint8_t>(whole[at]) & 0x7f) % (whole.size() - at + 1);
+    slices.emplace_back(whole.data() + at, n);
+    at += n;
+  }
+  slices.emplace_back(whole.data() + at, whole.size() - at);
+  grpc::ByteBuffer buffer(slices.data(), slices.size());
+  shardopt::v1::GradChunk head;
+  shardopt::Pieces got;
+  const absl::Status st = shardopt::ReadGradChunk(&buffer, max_no_grad, &head, &got);
+
+  shardopt::v1::GradChunk want;
+  const bool parses = want.ParseFromString(whole);
+  const bool allowed = parses && static_cast<uint64_t>(want.no_grad_size()) <= max_no_grad;
+  if (st.ok() != allowed) Disagree(parses ? "(protobuf parses it)" : "(protobuf refuses it)", st.ToString());
+  if (!st.ok()) return 0;
+  std::string got_data(got.size(), '\0');
+  got.CopyTo(got_data.data());
+  if (got_data != want.data()) Disagree("on the data", "");
+  want.clear_data();
+  if (head.SerializeAsString() != want.SerializeAsString()) Disagree("on the fields", head.ShortDebugString());
+  return 0;
+}
