@@ -19,6 +19,7 @@ packages=(
   prometheus     # tests/ops/prometheus_test.py scrapes a server with the real one
   python3-yaml   # tests/deploy reads the rendered manifests
   clang
+  libclang-rt-14-dev  # clang's libFuzzer and sanitizer runtimes, for tests/fuzz (only recommended by clang)
   openssl  # tests/tls_test.cc makes its certificates with the openssl command
 )
 # The outside-reference test compares against torch.optim.AdamW.
