@@ -27,6 +27,7 @@
 #include "grpcpp/grpcpp.h"
 #include "shardopt/client.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
+#include "tools/spawn.h"
 
 namespace shardopt::bench {
 namespace {
@@ -114,18 +115,10 @@ class Server {
     std::vector<std::string> argv = {binary, "--host=127.0.0.1", "--port=0", "--device=cpu",
                                      "--port_file=" + port_file};
     argv.insert(argv.end(), flags.begin(), flags.end());
-    const std::string procs = cgroup.dir.empty() ? "" : cgroup.dir + "/cgroup.procs";
-    const std::string log = scratch + "/server.log";
-    pid_ = fork();
-    if (pid_ == 0) {
-      if (!procs.empty()) std::ofstream(procs) << getpid();
-      if (freopen(log.c_str(), "w", stderr) == nullptr) _exit(126);
-      std::vector<char*> args;
-      for (auto& a : argv) args.push_back(a.data());
-      args.push_back(nullptr);
-      execv(args[0], args.data());
-      _exit(127);
-    }
+    SpawnOptions spawn;
+    spawn.stderr_path = scratch + "/server.log";
+    if (!cgroup.dir.empty()) spawn.cgroup_procs = cgroup.dir + "/cgroup.procs";
+    pid_ = Spawn(argv, spawn);
     for (int i = 0; i < 200 && port_ == 0 && alive(); ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
       std::ifstream(port_file) >> port_;

@@ -4,7 +4,6 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -17,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tools/spawn.h"
 
 namespace shardopt::testing {
 
@@ -96,17 +96,9 @@ uint64_t RssBytes(pid_t pid) { return StatusBytes(pid, "VmRSS:"); }
 uint64_t PeakRssBytes(pid_t pid) { return StatusBytes(pid, "VmHWM:"); }
 
 pid_t SpawnProcess(std::vector<std::string> argv, const std::string& stderr_path) {
-  const pid_t pid = fork();
-  if (pid == 0) {
-    prctl(PR_SET_PDEATHSIG, SIGKILL);  // a test killed mid-run must not leave its children behind
-    if (!stderr_path.empty() && freopen(stderr_path.c_str(), "w", stderr) == nullptr) _exit(126);
-    std::vector<char*> args;
-    for (auto& a : argv) args.push_back(a.data());
-    args.push_back(nullptr);
-    execv(args[0], args.data());
-    _exit(127);
-  }
-  return pid;
+  SpawnOptions options;
+  options.stderr_path = stderr_path;
+  return Spawn(argv, options);
 }
 
 std::optional<int> WaitProcess(pid_t pid, std::chrono::milliseconds timeout) {

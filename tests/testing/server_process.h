@@ -33,8 +33,9 @@ std::string ReadText(const std::string& path);
 uint64_t RssBytes(pid_t pid);
 uint64_t PeakRssBytes(pid_t pid);
 
-// Forks and execs argv[0]; the child is killed when the calling thread exits.
-// Its stderr goes to `stderr_path` if given, else it is the caller's.
+// Forks and execs argv[0] (tools/spawn.h); the child is killed when the
+// calling thread exits. Its stderr goes to `stderr_path` if given, else it
+// is the caller's.
 pid_t SpawnProcess(std::vector<std::string> argv, const std::string& stderr_path = "");
 // The child's wait status once it has exited, or nullopt after `timeout`.
 std::optional<int> WaitProcess(pid_t pid, std::chrono::milliseconds timeout);
