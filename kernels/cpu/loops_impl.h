@@ -5,8 +5,6 @@
 #error "define SHARDOPT_LOOPS_NAMESPACE before including loops_impl.h"
 #endif
 
-#include <cstring>
-
 #include "kernels/cpu/loops.h"
 
 namespace shardopt::cpu::SHARDOPT_LOOPS_NAMESPACE {
@@ -80,33 +78,25 @@ void Update(const UpdateArgs& a) {
 }
 
 // A gradient's source may sit at any address (a received message's piece),
-// so its elements are read with memcpy, which is defined at any address and
-// still vectorizes to unaligned loads. (A `float` typedef of alignment 1
-// does not do it: as a template argument it loses its attribute, and the
-// loads were then of `const float*` at odd addresses, undefined behaviour
-// that tests/loops_alignment_test.cc stops at.)
-template <typename SrcT>
-inline SrcT LoadAnyAddress(const unsigned char* at) {
-  SrcT x;
-  std::memcpy(&x, at, sizeof(SrcT));
-  return x;
-}
-
-template <typename SrcT>
-void AccumulateTyped(float* __restrict acc, const unsigned char* __restrict src, uint64_t n, bool first) {
+// so its elements are read with LoadAsFloat (kernels/backend.h), a memcpy
+// that is defined at any address and still vectorizes to unaligned loads.
+// (Read through `const float*` they were undefined behaviour, which
+// tests/loops_alignment_test.cc stops at.)
+template <DType kDType>
+void AccumulateTyped(float* __restrict acc, const char* __restrict src, uint64_t n, bool first) {
   if (first) {
-    for (uint64_t i = 0; i < n; ++i) acc[i] = Load(LoadAnyAddress<SrcT>(src + i * sizeof(SrcT)));
+    for (uint64_t i = 0; i < n; ++i) acc[i] = LoadAsFloat(src, i, kDType);
   } else {
-    for (uint64_t i = 0; i < n; ++i) acc[i] = math::add(acc[i], Load(LoadAnyAddress<SrcT>(src + i * sizeof(SrcT))));
+    for (uint64_t i = 0; i < n; ++i) acc[i] = math::add(acc[i], LoadAsFloat(src, i, kDType));
   }
 }
 
 void Accumulate(float* acc, const void* src, DType dtype, uint64_t n, bool first) {
-  const auto* bytes = static_cast<const unsigned char*>(src);
+  const auto* bytes = static_cast<const char*>(src);
   if (dtype == DType::kFp32) {
-    AccumulateTyped<float>(acc, bytes, n, first);
+    AccumulateTyped<DType::kFp32>(acc, bytes, n, first);
   } else {
-    AccumulateTyped<uint16_t>(acc, bytes, n, first);
+    AccumulateTyped<DType::kBf16>(acc, bytes, n, first);
   }
 }
 
