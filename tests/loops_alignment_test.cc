@@ -16,12 +16,6 @@
 namespace shardopt::cpu {
 namespace {
 
-uint32_t Bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  return b;
-}
-
 TEST(LoopsAlignment, AccumulateReadsItsSourceAtEveryAddressInEveryIsa) {
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> value(-4.0f, 4.0f);
@@ -50,11 +44,11 @@ TEST(LoopsAlignment, AccumulateReadsItsSourceAtEveryAddressInEveryIsa) {
           std::memset(acc.data(), 0xff, n * sizeof(float));  // NaNs, which no result is
           Loops(isa).accumulate(acc.data(), at.data() + shift, dtype, n, /*first=*/true);
           for (uint64_t i = 0; i < n; ++i) {
-            ASSERT_EQ(Bits(acc[i]), Bits(widened[i])) << IsaName(isa) << " n=" << n << " shift=" << shift << " i=" << i;
+            ASSERT_EQ(math::float_to_bits(acc[i]), math::float_to_bits(widened[i])) << IsaName(isa) << " n=" << n << " shift=" << shift << " i=" << i;
           }
           Loops(isa).accumulate(acc.data(), at.data() + shift, dtype, n, /*first=*/false);
           for (uint64_t i = 0; i < n; ++i) {
-            ASSERT_EQ(Bits(acc[i]), Bits(math::add(widened[i], widened[i])))
+            ASSERT_EQ(math::float_to_bits(acc[i]), math::float_to_bits(math::add(widened[i], widened[i])))
                 << IsaName(isa) << " n=" << n << " shift=" << shift << " i=" << i;
           }
         }
