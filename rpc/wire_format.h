@@ -34,7 +34,7 @@ inline constexpr int kLengthDelimited = 2;
 // The message's top-level fields in order, without copying any value. False
 // if the bytes are not a well-formed message, if they hold a group (wire
 // types 3 and 4, which no message of ours uses), or a tag or a length in more
-// than 5 bytes or past 2^31 - 64: leave those to protobuf's parser, which
+// than 5 bytes or from 2^31 - 64 on: leave those to protobuf's parser, which
 // knows its own rules for them. True only where protobuf reads the same
 // fields.
 bool ScanFields(const Pieces& message, std::vector<Field>* fields);

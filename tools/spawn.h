@@ -2,8 +2,8 @@
 // for the tests' servers and the abuse bench's. Everything the child needs
 // is made before the fork: until it execs, the child of a threaded process
 // may make only async-signal-safe calls, and a malloc there can wait forever
-// on a lock that another thread held at the fork (under ASAN's allocator a
-// test's restarted server hung so, never starting).
+// on a lock that another thread held at the fork (under ASAN, restarted test
+// servers that logged nothing for 20 s were most likely children stuck so).
 #pragma once
 
 #include <sys/types.h>
@@ -19,8 +19,9 @@ struct SpawnOptions {
 };
 
 // Forks and execs argv[0] with `argv`, and returns the child's pid (-1 if
-// the fork failed). The child dies with its parent (PR_SET_PDEATHSIG). If a
-// file cannot be opened it exits 126, and 127 if the exec fails.
-pid_t Spawn(const std::vector<std::string>& argv, const SpawnOptions& options = {});
+// the fork failed). The child is killed when the calling thread exits
+// (PR_SET_PDEATHSIG follows the thread, not the process). If a file cannot
+// be opened it exits 126, and 127 if the exec fails.
+pid_t Spawn(std::vector<std::string> argv, const SpawnOptions& options = {});
 
 }  // namespace shardopt

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -98,7 +99,7 @@ uint64_t PeakRssBytes(pid_t pid) { return StatusBytes(pid, "VmHWM:"); }
 pid_t SpawnProcess(std::vector<std::string> argv, const std::string& stderr_path) {
   SpawnOptions options;
   options.stderr_path = stderr_path;
-  return Spawn(argv, options);
+  return Spawn(std::move(argv), options);
 }
 
 std::optional<int> WaitProcess(pid_t pid, std::chrono::milliseconds timeout) {
