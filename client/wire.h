@@ -150,7 +150,7 @@ struct ChunkHead {
 
 // Which field number each of those has: the two messages number them apart.
 struct ChunkFields {
-  uint32_t tensor, offset, data, step, dtype;
+  int tensor, offset, data, step, dtype;  // as protobuf numbers them
 };
 extern const ChunkFields kParamChunk;
 extern const ChunkFields kStateChunk;
