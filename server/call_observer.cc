@@ -1,5 +1,6 @@
 #include "server/call_observer.h"
 
+#include <algorithm>
 #include <atomic>
 #include <string>
 
@@ -73,23 +74,28 @@ class CallObserver final : public grpc::experimental::Interceptor {
 
 // The method a call's path names, or null for one the server does not
 // serve: the caller chooses the path, and each name would be a metric series
-// and a log rate limit of its own.
-const google::protobuf::MethodDescriptor* Method(const std::string& path) {
+// and a log rate limit of its own. The descriptor pool holds every service
+// linked into the binary, served or not (reflection's, without
+// --reflection), so the service is checked against those served.
+const google::protobuf::MethodDescriptor* Method(const std::string& path, const std::vector<std::string>& services) {
   const size_t slash = path.rfind('/');
   if (slash == std::string::npos || slash == 0) return nullptr;
+  const std::string service = path.substr(1, slash - 1);
+  if (std::find(services.begin(), services.end(), service) == services.end()) return nullptr;
   return google::protobuf::DescriptorPool::generated_pool()->FindMethodByName(
-      absl::StrCat(path.substr(1, slash - 1), ".", path.substr(slash + 1)));
+      absl::StrCat(service, ".", path.substr(slash + 1)));
 }
 
 class Factory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  explicit Factory(std::shared_ptr<std::atomic<int64_t>> in_progress) : in_progress_(std::move(in_progress)) {}
+  Factory(std::shared_ptr<std::atomic<int64_t>> in_progress, std::vector<std::string> services)
+      : in_progress_(std::move(in_progress)), services_(std::move(services)) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
     const std::string path = info->method() == nullptr ? "" : info->method();
     // Health checks are not refusals: a check of a service not served here
     // is NOT_FOUND, and a Watch ends when its client goes.
     if (absl::StartsWith(path, "/grpc.health.v1.Health/")) return nullptr;
-    const google::protobuf::MethodDescriptor* method = Method(path);
+    const google::protobuf::MethodDescriptor* method = Method(path, services_);
     return new CallObserver(method == nullptr ? "unknown" : method->name(),
                             method != nullptr && !method->client_streaming() && !method->server_streaming(),
                             info->server_context(), in_progress_);
@@ -97,13 +103,14 @@ class Factory final : public grpc::experimental::ServerInterceptorFactoryInterfa
 
  private:
   const std::shared_ptr<std::atomic<int64_t>> in_progress_;
+  const std::vector<std::string> services_;
 };
 
 }  // namespace
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeCallObserverFactory(
-    std::shared_ptr<std::atomic<int64_t>> in_progress) {
-  return std::make_unique<Factory>(std::move(in_progress));
+    std::shared_ptr<std::atomic<int64_t>> in_progress, std::vector<std::string> services) {
+  return std::make_unique<Factory>(std::move(in_progress), std::move(services));
 }
 
 }  // namespace shardopt

@@ -109,8 +109,9 @@ class JobStore {
   // UNAVAILABLE; commits already applying finish first, for up to
   // `wait_for_steps` in all. Then every job is checkpointed at its step, one
   // result each; a job still waiting for its initial values holds nothing a
-  // restart could not rebuild and is skipped. A job whose step is still half
-  // applied then (its committer stopped reading the params) is
+  // restart could not rebuild and is skipped, logged as job_discarded. A
+  // job whose step is still half applied then (its committer stopped
+  // reading the params) is
   // DEADLINE_EXCEEDED, not checkpointed: the others do not wait for it.
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> DrainAndCheckpoint(
       absl::Duration wait_for_steps = absl::Seconds(20)) ABSL_LOCKS_EXCLUDED(mu_);
@@ -232,6 +233,9 @@ class JobStore {
   Wakeups* wakeups() { return &wakeups_; }
 
  private:
+  // job_discarded lines, one per name for the first 16, then one with how
+  // many more, each saying `why`.
+  static void LogDiscarded(const std::vector<std::string>& names, const char* why);
   absl::StatusOr<std::shared_ptr<Job>> Find(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
   // The same, for a caller that attached to life `incarnation` of the job
   // (0: any): another life is NOT_FOUND "was dropped", as the job it

@@ -138,7 +138,8 @@ void JobStore::CountForJob(const Job& job, const char* family) const {
 
 std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobStore::DrainAndCheckpoint(absl::Duration wait_for_steps) {
   draining_ = true;
-  log::Info("drain", {{"detail", "commits that would apply a step are refused; every job is checkpointed"}});
+  log::Info("drain", {{"detail", "commits that would apply a step are refused; every job with all its initial "
+                                  "values is checkpointed"}});
   std::vector<std::pair<std::string, std::shared_ptr<Job>>> jobs;
   {
     absl::MutexLock lock(&mu_);
@@ -149,12 +150,18 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
   // other job its checkpoint (nor hold the exit until SIGKILL).
   const absl::Time deadline = absl::Now() + wait_for_steps;
   std::vector<std::pair<std::string, uint64_t>> at;
+  std::vector<std::string> uninitialized;  // no checkpoint holds part of a job's initial values
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> results;
   for (const auto& [name, job] : jobs) {
     {
       absl::MutexLock job_lock(&job->mu);
       if (job->AwaitWholeStep(deadline)) {
-        if (!job->dropped && job->uninitialized_shards == 0) at.emplace_back(name, job->step);
+        if (job->dropped) continue;
+        if (job->uninitialized_shards == 0) {
+          at.emplace_back(name, job->step);
+        } else {
+          uninitialized.push_back(name);
+        }
         continue;
       }
     }
@@ -166,6 +173,8 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
     CountForJob(*job, "shardopt_checkpoint_failures_total");
     results.emplace_back(name, late);
   }
+  std::sort(uninitialized.begin(), uninitialized.end());
+  LogDiscarded(uninitialized, "not every shard has its initial values yet: nothing of it is checkpointed");
   for (const auto& [name, step] : at) {
     v1::CheckpointRequest request;
     request.set_job(name);
@@ -184,8 +193,11 @@ void JobStore::LogDiscardedAtStop() const {
     for (const auto& [name, job] : jobs_) names.push_back(name);
   }
   std::sort(names.begin(), names.end());
+  LogDiscarded(names, "no --checkpoint_dir: its state ends with the process");
+}
+
+void JobStore::LogDiscarded(const std::vector<std::string>& names, const char* why) {
   constexpr size_t kNamed = 16;
-  const char* const why = "no --checkpoint_dir: its state ends with the process";
   for (size_t i = 0; i < std::min(kNamed, names.size()); ++i) {
     log::Warning("job_discarded", {{"job", names[i]}, {"why", why}});
   }

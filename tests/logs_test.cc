@@ -118,8 +118,10 @@ TEST_F(LogsTest, ProtobufsOwnLinesAreTheServersJsonLinesAndRateLimited) {
 // The method label of shardopt_refusals_total is one of the service's:
 // a caller naming 50 methods that do not exist adds one series, "unknown"
 // (it used to add 50, never removed, and a log line each past the rate
-// limit); and health checks answered NOT_FOUND, or a Watch ended by its
-// client, are not refusals.
+// limit), and so does one of a service linked into the server but not
+// served (reflection's, without --reflection: it was labelled
+// "ServerReflectionInfo"); and health checks answered NOT_FOUND, or a Watch
+// ended by its client, are not refusals.
 TEST_F(LogsTest, RefusalsOfMethodsThatDoNotExistShareOneLabel) {
   const int port = testing::FreeLoopbackPort();
   auto server = ServerProcess::StartLogged({absl::StrCat("--metrics_port=", port), "--log_format=json"});
@@ -128,12 +130,16 @@ TEST_F(LogsTest, RefusalsOfMethodsThatDoNotExistShareOneLabel) {
     EXPECT_EQ(testing::GenericUnary(server->address(), absl::StrCat("/shardopt.v1.Optimizer/M", i), "").first.error_code(),
               grpc::StatusCode::UNIMPLEMENTED);
   }
+  EXPECT_EQ(testing::GenericUnary(server->address(), "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "")
+                .first.error_code(),
+            grpc::StatusCode::UNIMPLEMENTED);
   const std::string nope("\x0a\x04nope", 6);  // HealthCheckRequest{service: "nope"}
   EXPECT_EQ(testing::GenericUnary(server->address(), "/grpc.health.v1.Health/Check", nope).first.error_code(),
             grpc::StatusCode::NOT_FOUND);
   const std::string metrics = testing::GetMetrics(port);
-  EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_refusals_total{method=\"unknown\",code=\"UNIMPLEMENTED\"} 50\n"));
+  EXPECT_THAT(metrics, ::testing::HasSubstr("\nshardopt_refusals_total{method=\"unknown\",code=\"UNIMPLEMENTED\"} 51\n"));
   EXPECT_THAT(metrics, ::testing::Not(::testing::HasSubstr("method=\"M")));
+  EXPECT_THAT(metrics, ::testing::Not(::testing::HasSubstr("method=\"ServerReflectionInfo\"")));
   EXPECT_THAT(metrics, ::testing::Not(::testing::HasSubstr("method=\"Check\"")));
   server->Stop(SIGTERM);
   size_t refused = 0;
@@ -175,6 +181,32 @@ TEST_F(LogsTest, ARefusedLineOfACutStreamNamesItsPeer) {
   for (const nlohmann::json& line : refused) {
     EXPECT_THAT(line.value("peer", ""), ::testing::StartsWith("ipv4:127.0.0.1:")) << line;
   }
+}
+
+// gRPC refuses a compressed message itself (UNIMPLEMENTED, README
+// "Errors"): a unary call refused so never reaches the server's handlers,
+// but a Push stream's handler has begun and sees only that its stream
+// ended, which it counts and logs as CANCELLED, as the README says.
+TEST_F(LogsTest, ACompressedMessageIsCountedOnlyWhereAStreamsHandlerHadBegun) {
+  const int port = testing::FreeLoopbackPort();
+  auto server = ServerProcess::StartLogged({absl::StrCat("--metrics_port=", port), "--log_format=json"});
+  ASSERT_NE(server, nullptr);
+  const std::string job("\x0a\x04nope", 6);  // DescribeRequest.job, GradChunk.job
+  for (const char* method : {"Describe", "Push"}) {
+    const grpc::Status refused = testing::GenericUnary(server->address(), absl::StrCat("/shardopt.v1.Optimizer/", method),
+                                                       job, GRPC_COMPRESS_GZIP)
+                                     .first;
+    EXPECT_EQ(refused.error_code(), grpc::StatusCode::UNIMPLEMENTED) << method << ": " << refused.error_message();
+  }
+  const std::string metrics = testing::GetMetrics(port);
+  EXPECT_EQ(testing::MetricValue(port, "shardopt_refusals_total{method=\"Push\",code=\"CANCELLED\"}"), 1);
+  EXPECT_THAT(metrics, ::testing::Not(::testing::HasSubstr("method=\"Describe\",code=\"UNIMPLEMENTED\"")));
+  EXPECT_THAT(metrics, ::testing::Not(::testing::HasSubstr("method=\"Describe\",code=\"NOT_FOUND\"")));
+  server->Stop(SIGTERM);
+  const std::vector<nlohmann::json> refused = Events(JsonLines(server->log()), "refused");
+  ASSERT_EQ(refused.size(), 1u) << server->log();
+  EXPECT_EQ(refused[0].value("method", ""), "Push");
+  EXPECT_EQ(refused[0].value("code", ""), "CANCELLED");
 }
 
 // The counters the README's alerts watch are there from the start, at 0:
@@ -271,6 +303,32 @@ TEST_F(LogsTest, AStopWithoutACheckpointDirNamesTheJobsItDiscards) {
     EXPECT_EQ(discarded[i].value("level", ""), "warning");
   }
   EXPECT_EQ(discarded[16].value("more", ""), "2");
+}
+
+// The drain checkpoints a job only once every shard has its initial values;
+// one still waiting for them is named as discarded, where it was skipped
+// in silence under a drain line saying that every job is checkpointed (an
+// operator's probe).
+TEST_F(LogsTest, TheDrainNamesAJobItDoesNotCheckpointForWantOfInitialValues) {
+  const std::string checkpoints = dir_ + "/ckpt";
+  auto server = ServerProcess::StartLogged({"--checkpoint_dir=" + checkpoints, "--log_format=json"});
+  ASSERT_NE(server, nullptr);
+  auto client = Connect(server->address(), "");
+  ASSERT_TRUE(client->CreateOrAttach(OneTensor4k("kept")).ok());
+  const std::vector<float> values = testing::RandomFloats(rng_, 4096, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", values.data()).ok());
+  auto waiting = Connect(server->address(), "");
+  ASSERT_TRUE(waiting->CreateOrAttach(OneTensor4k("uninitialized")).ok());
+  const int status = server->Stop(SIGTERM);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  const std::vector<nlohmann::json> lines = JsonLines(server->log());
+  const std::vector<nlohmann::json> discarded = Events(lines, "job_discarded");
+  ASSERT_EQ(discarded.size(), 1u) << server->log();
+  EXPECT_EQ(discarded[0].value("job", ""), "uninitialized");
+  EXPECT_THAT(discarded[0].value("why", ""), ::testing::HasSubstr("initial values"));
+  const std::vector<nlohmann::json> written = Events(lines, "checkpoint_end");
+  ASSERT_EQ(written.size(), 1u) << server->log();
+  EXPECT_EQ(written[0].value("job", ""), "kept");
 }
 
 // Connections that send nothing (a port scan, a stuck client) hold up no
