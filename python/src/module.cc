@@ -5,6 +5,7 @@
 // that talks to a server releases the GIL.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -126,10 +127,21 @@ class PyClient {
   // waits for the GIL.
   template <typename F>
   auto Exclusive(F&& f) {
+    InOwnProcess();
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
     Idle();
     return f();
+  }
+  // gRPC's threads and connections do not survive a fork: in a forked
+  // child (a process the trainer forked after it made this client) every
+  // call is refused, and the client is never torn down (see the destructor).
+  void InOwnProcess() const {
+    if (getpid() != owner_) {
+      throw StatusError{absl::FailedPreconditionError(absl::StrCat(
+          "this optimizer's connections were made in process ", owner_, ", and gRPC's do not survive a fork: make a "
+          "new one in process ", getpid()))};
+    }
   }
   void Idle() const {
     if (push_thread_.joinable()) {
@@ -161,6 +173,16 @@ class PyClient {
   }
 
   ~PyClient() {
+    if (getpid() != owner_) {
+      // A forked child: tearing the client down would wait for gRPC's timer
+      // and event threads, which the child does not have (its exit hung in
+      // PosixEventEngine's TimerManager::Shutdown), and a push thread of the
+      // parent's cannot be joined here. Both are left as they are; the
+      // child's exit frees its memory.
+      (void)client_.release();
+      if (push_thread_.joinable()) (void)new std::thread(std::move(push_thread_));
+      return;
+    }
     // A push left running (backward raised, the optimizer was dropped) must
     // end before the client it uses: its remaining tensors go as "no grad".
     // With one rank, its step is then committed as a skip: left sealed, it
@@ -273,16 +295,19 @@ class PyClient {
   // optimizer and its staging dropped while backward raised) is not freed
   // under the push thread, which reads it by address.
   void Mark(size_t i, uintptr_t data, py::object owner) {
+    InOwnProcess();
     held_.push_back(std::move(owner));
     table_.Mark(i, reinterpret_cast<const void*>(data));
   }
   bool Pushing() {
+    InOwnProcess();
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
     return push_thread_.joinable();
   }
   // Marks what is not marked yet as "no gradient", waits for the push.
   shardopt::PushResult FinishPush() {
+    InOwnProcess();
     {
       py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lock(mu_);
@@ -346,6 +371,7 @@ class PyClient {
   }
 
  private:
+  const pid_t owner_ = getpid();  // the process whose gRPC threads the client uses
   std::mutex mu_;  // one call in the client at a time (Exclusive)
   std::unique_ptr<shardopt::Client> client_;
   ReadyTable table_;

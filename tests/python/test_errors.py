@@ -3,6 +3,7 @@ the status code and the message naming the server."""
 import os
 import socket
 import subprocess
+import sys
 import string
 import time
 
@@ -620,3 +621,49 @@ def test_zero_grad_whose_skip_checkpoint_fails_still_zeroes(server_binary, tmp_p
         assert opt.job_step == 1
         assert all(p.grad is None for p in model.parameters())
         opt.drop()
+
+
+# A process forked after the optimizer stepped: gRPC's threads are the
+# parent's, so the child's calls are refused (a step there aborted the
+# child), and its exit (which tore the optimizer down and waited for those
+# threads) hung for good. Run in a
+# process of its own, so that no fork happens inside pytest's.
+FORKED_AFTER_A_STEP = r"""
+import os, sys, torch, shardopt
+from shardopt.torch import RemoteAdamW
+torch.manual_seed(0)
+p = torch.nn.Parameter(torch.randn(64))
+opt = RemoteAdamW([p], servers=sys.argv[1].split(","), job=sys.argv[2], lr=1e-2)
+p.grad = torch.randn(64)
+opt.step()
+pid = os.fork()
+if pid == 0:
+    import ctypes, signal
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a hung child goes with the killed parent
+    if sys.argv[3] == "steps":
+        try:
+            opt.step()
+            print("child: stepped")
+        except shardopt.FailedPrecondition as e:
+            print("child: refused:", e)
+    sys.exit(0)  # the interpreter's teardown, which drops the optimizer
+_, status = os.waitpid(pid, 0)
+print("parent: child exit status", os.waitstatus_to_exitcode(status))
+opt.step()
+print("parent: stepped")
+opt.drop()
+"""
+
+
+@pytest.mark.parametrize("child", ["steps", "exits"])
+def test_a_process_forked_after_a_step_is_refused_and_exits(servers, job, tmp_path, child):
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED_AFTER_A_STEP)
+    done = subprocess.run([sys.executable, str(script), ",".join(servers), job, child], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    if child == "steps":
+        assert any(line.startswith("child: refused:") and "fork" in line for line in lines), done.stdout
+    assert "parent: child exit status 0" in lines, done.stdout
+    assert any(line.startswith("parent: stepped") for line in lines), done.stdout
