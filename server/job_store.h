@@ -109,7 +109,8 @@ class JobStore {
   // UNAVAILABLE; commits already applying finish first, for up to
   // `wait_for_steps` in all. Then every job is checkpointed at its step, one
   // result each; a job still waiting for its initial values holds nothing a
-  // restart could not rebuild and is skipped, logged as job_discarded. A
+  // restart could not rebuild and is skipped, logged as job_discarded; one
+  // dropped while its part is written has no result either. A
   // job whose step is still half applied then (its committer stopped
   // reading the params) is
   // DEADLINE_EXCEEDED, not checkpointed: the others do not wait for it.

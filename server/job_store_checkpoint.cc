@@ -96,6 +96,19 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0.value_or(std::chrono::steady_clock::now()))
           .count();
   if (!finished.ok()) {
+    bool dropped;
+    {
+      absl::MutexLock lock(&job.mu);
+      dropped = job.dropped;
+    }
+    if (dropped) {
+      // Dropped on purpose while its part was written: nothing meant to be
+      // kept is lost, so no failure for the alert (nor the drain's exit 1).
+      log::Info("checkpoint_abandoned", {{"job", job.name()},
+                                         {"step", absl::StrCat(request.step())},
+                                         {"why", "the job was dropped while its checkpoint was written"}});
+      return finished.status();
+    }
     log::Error("checkpoint_failed", {{"job", job.name()},
                                      {"step", absl::StrCat(request.step())},
                                      {"error", std::string(finished.status().message())}});
@@ -149,7 +162,7 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
   // unless its committer stopped reading: that one must not cost every
   // other job its checkpoint (nor hold the exit until SIGKILL).
   const absl::Time deadline = absl::Now() + wait_for_steps;
-  std::vector<std::pair<std::string, uint64_t>> at;
+  std::vector<std::pair<std::shared_ptr<Job>, uint64_t>> at;
   std::vector<std::string> uninitialized;  // no checkpoint holds part of a job's initial values
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> results;
   for (const auto& [name, job] : jobs) {
@@ -158,7 +171,7 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
       if (job->AwaitWholeStep(deadline)) {
         if (job->dropped) continue;
         if (job->uninitialized_shards == 0) {
-          at.emplace_back(name, job->step);
+          at.emplace_back(job, job->step);
         } else {
           uninitialized.push_back(name);
         }
@@ -175,13 +188,18 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
   }
   std::sort(uninitialized.begin(), uninitialized.end());
   LogDiscarded(uninitialized, "not every shard has its initial values yet: nothing of it is checkpointed");
-  for (const auto& [name, step] : at) {
+  for (const auto& [job, step] : at) {
     v1::CheckpointRequest request;
-    request.set_job(name);
+    request.set_job(job->name());
     request.set_step(step);
     // One at a time, their buffers uncharged: a full budget must not cost
     // the state at SIGTERM, and one checkpoint's buffers fit the headroom.
-    results.emplace_back(name, WriteCheckpoint(request, /*charged=*/false, absl::InfiniteFuture()));
+    absl::StatusOr<v1::CheckpointResponse> written = WriteCheckpoint(request, /*charged=*/false, absl::InfiniteFuture());
+    if (!written.ok()) {
+      absl::MutexLock job_lock(&job->mu);
+      if (job->dropped) continue;  // dropped meanwhile, on purpose (logged as checkpoint_abandoned)
+    }
+    results.emplace_back(job->name(), std::move(written));
   }
   return results;
 }

@@ -198,6 +198,22 @@ TEST_F(StreamHoldsOffWritersTest, TheNextStepsApplyWaitsForTheStream) {
   EXPECT_EQ(store_.Describe("j")->step(), 2u);
 }
 
+// A job dropped while the SIGTERM drain writes its checkpoint was dropped on
+// purpose: the drain has no failure for it. Its failed write was one, and
+// the server exited 1 as for a disk that failed (an outside probe).
+TEST_F(StreamHoldsOffWritersTest, AJobDroppedWhileTheDrainWritesItIsNoFailureOfTheDrain) {
+  Create(request_);
+  std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> results;
+  std::thread drain([&] { results = store_.DrainAndCheckpoint(absl::Seconds(5)); });
+  probe_.paused.WaitForNotification();
+  const absl::Status dropped = store_.DropJob("j", 0, /*only_if_empty=*/false);
+  probe_.resume.Notify();
+  drain.join();
+  ASSERT_TRUE(dropped.ok()) << dropped;
+  for (const auto& [name, result] : results) ADD_FAILURE() << name << ": " << result.status();
+  EXPECT_EQ(store_.Describe("j").status().code(), absl::StatusCode::kNotFound);
+}
+
 // Init at step 0 (as a load_state_dict after the first checkpoint) waits
 // for the stream too.
 TEST_F(StreamHoldsOffWritersTest, InitWaitsForTheStream) {
