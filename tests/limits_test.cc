@@ -477,6 +477,47 @@ TEST(LimitsTest, AReadOrCommitWhoseCallerStopsReadingIsCut) {
   EXPECT_EQ(client->Describe().value()[0].step, 1u);
 }
 
+// A Checkpoint behind a step whose committer stopped reading waits only as
+// long as its caller, and says why it gave up: the answer goes out a little
+// before the caller's deadline (a tenth of the time, at most 1 s), where it
+// went out at the deadline and lost to the caller's own bare "Deadline
+// Exceeded" (an outside probe).
+TEST(LimitsTest, ACheckpointBehindAStalledApplyNamesTheStepBeforeItsCallerGivesUp) {
+  constexpr uint64_t kN = uint64_t{16} << 20;  // 32 MiB of bf16 params: past any window
+  const std::string dir = ::testing::TempDir() + "/stalled-apply-checkpoints";
+  std::filesystem::remove_all(dir);
+  auto server = ServerProcess::Start({"--checkpoint_dir=" + dir});
+  ASSERT_NE(server, nullptr);
+  auto client = ConnectOnce(server->address());
+  ASSERT_TRUE(client->CreateOrAttach(OneTensorJob("stalled", kN)).ok());
+  std::mt19937_64 rng(6);
+  const auto init = RandomFloats(rng, kN, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  const auto grad = RandomBf16(rng, kN, 1.0f);
+  ASSERT_TRUE(client->Push(1, {{"w", grad.data()}}).ok());
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext commit_ctx;
+  v1::CommitRequest commit;
+  commit.set_job("stalled");
+  commit.set_step(1);
+  commit.set_lr(1e-3);
+  commit.set_gscale(1.0f);
+  auto unread = stub->Commit(&commit_ctx, commit);  // nothing read: the apply stops at the window
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(3));
+  v1::CheckpointRequest request;
+  request.set_job("stalled");
+  request.set_step(1);
+  v1::CheckpointResponse response;
+  const grpc::Status late = stub->Checkpoint(&ctx, request, &response);
+  EXPECT_EQ(late.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << late.error_message();
+  EXPECT_THAT(late.error_message(), HasSubstr("still applying step 1")) << "the caller's own deadline came first";
+  commit_ctx.TryCancel();
+  unread->Finish().IgnoreError();
+  std::filesystem::remove_all(dir);
+}
+
 // A push still sending when its round's barrier deadline passes is cut with
 // the round, not left to its idle timeout: the server holds nothing of a
 // round that is over.
