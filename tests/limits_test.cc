@@ -416,18 +416,27 @@ TEST(LimitsTest, AnIdleInitStreamIsCut) {
 // the idle timeout: it held its stream slot (and, with a cap of one, every
 // stream of the client) until the caller's own deadline, if it had one (a
 // probe from the proto: six such commits refused every later stream).
+// 32 MiB of bf16 params, 64 MiB of fp32 master: a commit of them, or a read,
+// is past any window a caller that reads nothing lets through.
+constexpr uint64_t kPastAnyWindow = uint64_t{16} << 20;
+
+// Makes job `name` of one tensor "w" of kPastAnyWindow elements from random
+// initial values, and pushes its step 1.
+void MakeAndPushStepOne(Client* client, const std::string& name, uint64_t seed) {
+  ASSERT_TRUE(client->CreateOrAttach(OneTensorJob(name, kPastAnyWindow)).ok());
+  std::mt19937_64 rng(seed);
+  const auto init = RandomFloats(rng, kPastAnyWindow, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  const auto grad = RandomBf16(rng, kPastAnyWindow, 1.0f);
+  const auto pushed = client->Push(1, {{"w", grad.data()}});
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+}
+
 TEST(LimitsTest, AReadOrCommitWhoseCallerStopsReadingIsCut) {
-  constexpr uint64_t kN = uint64_t{16} << 20;  // 32 MiB of bf16 params, 64 MiB of fp32 master: past any window
   auto server = ServerProcess::Start({"--idle_stream_timeout_ms=2000", "--max_streams_per_client=1"});
   ASSERT_NE(server, nullptr);
   auto client = ConnectOnce(server->address());
-  ASSERT_TRUE(client->CreateOrAttach(OneTensorJob("unread", kN)).ok());
-  std::mt19937_64 rng(5);
-  const auto init = RandomFloats(rng, kN, -1, 1);
-  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
-  const auto grad = RandomBf16(rng, kN, 1.0f);
-  const auto pushed = client->Push(1, {{"w", grad.data()}});
-  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  ASSERT_NO_FATAL_FAILURE(MakeAndPushStepOne(client.get(), "unread", 5));
   auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
   const auto unread = [&](const char* what, auto open) {
     SCOPED_TRACE(what);
@@ -472,7 +481,7 @@ TEST(LimitsTest, AReadOrCommitWhoseCallerStopsReadingIsCut) {
   const auto described = client->Describe();
   ASSERT_TRUE(described.ok()) << described.status();
   EXPECT_EQ((*described)[0].step, 1u);
-  std::vector<uint16_t> params(kN);
+  std::vector<uint16_t> params(kPastAnyWindow);
   ASSERT_TRUE(client->Commit(1, 1e-3, 1.0f, false, {{"w", params.data()}}).ok());
   EXPECT_EQ(client->Describe().value()[0].step, 1u);
 }
@@ -483,18 +492,12 @@ TEST(LimitsTest, AReadOrCommitWhoseCallerStopsReadingIsCut) {
 // went out at the deadline and lost to the caller's own bare "Deadline
 // Exceeded" (an outside probe).
 TEST(LimitsTest, ACheckpointBehindAStalledApplyNamesTheStepBeforeItsCallerGivesUp) {
-  constexpr uint64_t kN = uint64_t{16} << 20;  // 32 MiB of bf16 params: past any window
   const std::string dir = ::testing::TempDir() + "/stalled-apply-checkpoints";
   std::filesystem::remove_all(dir);
   auto server = ServerProcess::Start({"--checkpoint_dir=" + dir});
   ASSERT_NE(server, nullptr);
   auto client = ConnectOnce(server->address());
-  ASSERT_TRUE(client->CreateOrAttach(OneTensorJob("stalled", kN)).ok());
-  std::mt19937_64 rng(6);
-  const auto init = RandomFloats(rng, kN, -1, 1);
-  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
-  const auto grad = RandomBf16(rng, kN, 1.0f);
-  ASSERT_TRUE(client->Push(1, {{"w", grad.data()}}).ok());
+  ASSERT_NO_FATAL_FAILURE(MakeAndPushStepOne(client.get(), "stalled", 6));
   auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
   grpc::ClientContext commit_ctx;
   v1::CommitRequest commit;
