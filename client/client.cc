@@ -1,5 +1,7 @@
 #include "shardopt/client.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <numeric>
@@ -23,7 +25,12 @@
 namespace shardopt {
 
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Client::~Client() = default;
+Client::~Client() {
+  // In a process forked from the one that made it, tearing gRPC's objects
+  // down waits for threads that stayed in the parent (a child's exit hung):
+  // they are left in place, for the process's end to free.
+  if (impl_ != nullptr && getpid() != impl_->made_in) (void)impl_.release();
+}
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   SHARDOPT_RETURN_IF_ERROR(CheckClientOptions(options));
@@ -54,6 +61,8 @@ std::vector<double> Client::applied_group_lr() const { return impl_->applied_gro
 uint64_t Client::chunk_bytes() const { return impl_->chunk_bytes; }
 
 absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   Impl& im = *impl_;
   im.attached = false;  // until this job is: a failed attach leaves no half of it
   im.dropped = false;
@@ -191,6 +200,8 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
 }
 
 absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView> grads, const StepOptions* intent) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   std::vector<std::string> order;
   for (const GradView& g : grads) order.push_back(g.tensor);
   return PushInOrder(step, order, [&](size_t i) { return grads[i].data; }, intent);
@@ -199,6 +210,8 @@ absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView
 absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const std::string> order,
                                                const std::function<const void*(size_t)>& grad,
                                                const StepOptions* intent) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   std::vector<int64_t> position(im.job.tensors.size(), -1);  // [tensor]: its index in `order`
@@ -257,6 +270,8 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
 
 absl::Status Client::Commit(uint64_t step, double lr, float gscale, bool skip, absl::Span<const ParamView> params,
                             absl::Span<const double> group_lr) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   // A skip sends none of its learning rates (CommitTo), so they are not checked.
   SHARDOPT_ASSIGN_OR_RETURN(auto out, skip ? impl_->CommitTargets(0.0, {}, params)
                                            : impl_->CommitTargets(lr, group_lr, params));
@@ -273,6 +288,8 @@ absl::Status Client::CommitSkip(uint64_t t, const std::vector<char*>& out) {
 
 absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const StepOptions& options,
                                         absl::Span<const ParamView> params) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   SHARDOPT_RETURN_IF_ERROR(CheckStepOptions(options, impl_->job.world_size));
   // Before the push: a Step refused after it would leave its gradients on
   // the servers, and the caller's next Step would be taken as its retry.
@@ -308,6 +325,8 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
 }
 
 absl::Status Client::Checkpoint() {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   std::vector<v1::CheckpointResponse> responses(im.servers());
@@ -331,6 +350,8 @@ absl::Status Client::Checkpoint() {
 }
 
 absl::Status Client::Drop() {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   auto st = im.ForEachServer([&](uint32_t s) {

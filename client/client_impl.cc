@@ -14,6 +14,28 @@
 
 namespace shardopt {
 
+Client::Impl::Entered::Entered(Impl& im) : im_(im) {
+  if (getpid() != im.made_in) {
+    status_ = absl::FailedPreconditionError(absl::StrCat(
+        "this client was made in process ", im.made_in, ", and its gRPC threads and connections do not survive a "
+        "fork: make a new Client in process ", getpid()));
+    return;
+  }
+  const std::thread::id me = std::this_thread::get_id();
+  std::thread::id none;
+  if (im.in_call.compare_exchange_strong(none, me)) {
+    outer_ = true;
+  } else if (none != me) {
+    status_ = absl::FailedPreconditionError(
+        "another thread is in a call of this Client, which is not thread-safe: call it from one thread at a time "
+        "(nothing was sent)");
+  }
+}
+
+Client::Impl::Entered::~Entered() {
+  if (outer_) im_.in_call.store(std::thread::id());
+}
+
 absl::Status Client::Impl::CheckAttached() const {
   if (attached) return absl::OkStatus();
   if (dropped) {

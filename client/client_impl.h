@@ -5,6 +5,8 @@
 // Only client/client*.cc include it.
 #pragma once
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -12,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -72,6 +75,32 @@ struct Client::Impl {
   // then on, which would read as if someone had dropped the job.
   mutable std::mutex lost_mu;
   mutable std::vector<std::string> lost;  // guarded by lost_mu
+  // A Client is called from one thread at a time, in the process that made
+  // it (client.h); Entered refuses what breaks that instead of letting it
+  // race or hang. `in_call`: the thread in a public call, if any.
+  const pid_t made_in = getpid();
+  std::atomic<std::thread::id> in_call{};
+  // Begins each public call of a Client that talks to its servers. A call
+  // from a second thread while one runs is refused (FAILED_PRECONDITION): two
+  // threads' Steps had each taken the other's push for a retry, and half the
+  // gradients were lost without an error. So is every call in a process
+  // forked from the one that made the client: gRPC's threads stayed with the
+  // parent, and a child's call hung, writing on the parent's connections. A
+  // call that another public call of the same thread makes (Step's Push) is
+  // let in.
+  class Entered {
+   public:
+    explicit Entered(Impl& im);
+    ~Entered();
+    Entered(const Entered&) = delete;
+    Entered& operator=(const Entered&) = delete;
+    const absl::Status& status() const { return status_; }
+
+   private:
+    Impl& im_;
+    bool outer_ = false;  // this call entered the client; a nested one did not
+    absl::Status status_;
+  };
 
   uint32_t servers() const { return static_cast<uint32_t>(stubs.size()); }
   const std::string& address(uint32_t s) const { return options.servers[s]; }

@@ -16,15 +16,21 @@
 namespace shardopt {
 
 absl::Status Client::InitFp32(const std::string& tensor, const float* values, InitShare share) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, values, v1::FP32, v1::MASTER, share));
   return impl_->SendInit({{tensor, values, v1::FP32}}, share);
 }
 absl::Status Client::InitBf16(const std::string& tensor, const uint16_t* values, InitShare share) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   SHARDOPT_RETURN_IF_ERROR(impl_->CheckInit(tensor, values, v1::BF16, v1::MASTER, share));
   return impl_->SendInit({{tensor, values, v1::BF16}}, share);
 }
 
 absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   if (timeout_ms < 0) {
@@ -76,6 +82,8 @@ absl::Status Client::WaitForInitialValues(int64_t timeout_ms) {
 
 absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
                                    uint64_t adam_step, InitShare share) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   TensorValues values;
   values.tensor = tensor;
   values.exp_avg = exp_avg;
@@ -85,6 +93,8 @@ absl::Status Client::InitAdamState(const std::string& tensor, const float* exp_a
 }
 
 absl::Status Client::InitMany(absl::Span<const TensorValues> tensors, InitShare share) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   SHARDOPT_RETURN_IF_ERROR(Impl::CheckShare(share));
@@ -122,6 +132,8 @@ absl::Status Client::InitMany(absl::Span<const TensorValues> tensors, InitShare 
 }
 
 absl::Status Client::InitFromSafetensors(const std::string& path) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   SHARDOPT_ASSIGN_OR_RETURN(auto file, ReadSafetensors(path));

@@ -18,6 +18,8 @@
 namespace shardopt {
 
 absl::Status Client::Read(const std::string& tensor, StateToRead what, uint64_t offset, uint64_t count, void* out) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   const StateRead read{tensor, what, offset, count, out};
   return ReadMany({&read, 1});
 }
@@ -30,6 +32,8 @@ constexpr uint32_t kReadThreads = 64;
 }  // namespace
 
 absl::Status Client::ReadMany(absl::Span<const StateRead> reads) {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   // What each server is asked for: the part of each range its shard holds.
@@ -164,6 +168,8 @@ absl::Status Client::ReadMany(absl::Span<const StateRead> reads) {
 }
 
 absl::StatusOr<std::vector<ServerState>> Client::Describe() {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   Impl& im = *impl_;
   SHARDOPT_ASSIGN_OR_RETURN(auto responses, im.DescribeAll());
   std::vector<ServerState> out;
@@ -176,6 +182,8 @@ absl::StatusOr<std::vector<ServerState>> Client::Describe() {
 }
 
 absl::StatusOr<std::vector<uint64_t>> Client::AdamSteps() {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   Impl& im = *impl_;
   SHARDOPT_ASSIGN_OR_RETURN(auto responses, im.DescribeAll());
   // Every server holding part of a tensor counts its steps alike.
@@ -189,6 +197,8 @@ absl::StatusOr<std::vector<uint64_t>> Client::AdamSteps() {
 }
 
 absl::Status Client::VerifyState() {
+  const Impl::Entered call(*impl_);
+  SHARDOPT_RETURN_IF_ERROR(call.status());
   Impl& im = *impl_;
   SHARDOPT_ASSIGN_OR_RETURN(auto responses, im.DescribeAll());
   for (uint32_t s = 0; s < im.servers(); ++s) {

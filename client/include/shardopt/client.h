@@ -8,8 +8,12 @@
 //
 // Thread safety: a Client is not thread-safe; call it from one thread at a
 // time (a trainer rank has one), and destroy it only when no call of it runs
-// (a call left running on another thread then uses freed memory). Separate
-// Clients may be used at once. The callback of PushInOrder is the
+// (a call left running on another thread then uses freed memory). A call
+// made while another thread's runs is refused with FAILED_PRECONDITION, and
+// nothing is sent. Separate Clients may be used at once. A process forked
+// from the one that made a Client cannot use it (gRPC's threads stay in the
+// parent): every call there is FAILED_PRECONDITION, and destroying it there
+// leaves its gRPC objects in place, so that the child exits. The callback of PushInOrder is the
 // exception: the Client calls it from its own threads, one per server.
 //
 //   shardopt::ClientOptions opts;
