@@ -174,12 +174,10 @@ class PyClient {
 
   ~PyClient() {
     if (getpid() != owner_) {
-      // A forked child: tearing the client down would wait for gRPC's timer
-      // and event threads, which the child does not have (its exit hung in
-      // PosixEventEngine's TimerManager::Shutdown), and a push thread of the
-      // parent's cannot be joined here. Both are left as they are; the
-      // child's exit frees its memory.
-      (void)client_.release();
+      // A forked child: a push thread of the parent's cannot be joined here
+      // (nor left joinable, which would terminate), so its handle is left
+      // in place; the child's exit frees it. The Client, destroyed in the
+      // child, leaves its gRPC objects alone itself (client.h).
       if (push_thread_.joinable()) (void)new std::thread(std::move(push_thread_));
       return;
     }
