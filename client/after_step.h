@@ -27,13 +27,17 @@ inline absl::Status RepushDecidedOtherwise(uint64_t step, float first_gscale, co
 
 // The checkpoint that checkpoint_every asked for after the step failed: the
 // step itself was applied, so calling it again would apply the next step
-// with the same gradients.
-
-inline absl::Status CheckpointAfterStepFailed(uint64_t step, const absl::Status& failed) {
-  return absl::Status(failed.code(), absl::StrCat("step ", step, " was applied and its params returned (step() is ",
-                                                  step, "; do not repeat it), but its checkpoint (checkpoint_every) "
-                                                  "failed; call Checkpoint() for it: ",
-                                                  failed.message()));
+// with the same gradients. `server_lost`: a server cannot go on with the job
+// (it restarted and lost steps, or its part: the failure says which and
+// what to do), so a Checkpoint() of the step cannot be written either.
+inline absl::Status CheckpointAfterStepFailed(uint64_t step, const absl::Status& failed, bool server_lost = false) {
+  return absl::Status(failed.code(),
+                      absl::StrCat("step ", step, " was applied and its params returned (step() is ", step,
+                                   "; do not repeat it), but its checkpoint (checkpoint_every) failed; ",
+                                   server_lost ? "no Checkpoint() can write it while a server cannot go on with the "
+                                                 "job, as follows"
+                                               : "call Checkpoint() for it",
+                                   ": ", failed.message()));
 }
 
 }  // namespace shardopt

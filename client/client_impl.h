@@ -102,6 +102,12 @@ struct Client::Impl {
     absl::Status status_;
   };
 
+  // Whether Reattach found a server that cannot go on with the job (`lost`).
+  bool AnyServerLost() const {
+    std::lock_guard<std::mutex> lock(lost_mu);
+    return std::any_of(lost.begin(), lost.end(), [](const std::string& why) { return !why.empty(); });
+  }
+
   uint32_t servers() const { return static_cast<uint32_t>(stubs.size()); }
   const std::string& address(uint32_t s) const { return options.servers[s]; }
   // Gradients come in the param's dtype for fp32 params, else in the job's.
