@@ -28,7 +28,7 @@ namespace {
 constexpr absl::string_view kSchemes[] = {"dns", "unix", "unix-abstract", "ipv4", "ipv6", "xds", "google-c2p"};
 
 // Whether `address` is host:port, or [address]:port for IPv6, the port a
-// number up to 65535.
+// number from 1 to 65535 (0 is no port a server listens on).
 bool IsHostPort(absl::string_view address) {
   const size_t last = address.rfind(':');
   if (last == absl::string_view::npos) return false;
@@ -37,7 +37,7 @@ bool IsHostPort(absl::string_view address) {
   const bool host_ok = !host.empty() && (host.find(':') == absl::string_view::npos ||
                                          (host.front() == '[' && host.back() == ']'));
   return host_ok && !port.empty() && port.size() <= 5 && absl::c_all_of(port, absl::ascii_isdigit) &&
-         std::stoi(std::string(port)) <= 65535;
+         std::stoi(std::string(port)) >= 1 && std::stoi(std::string(port)) <= 65535;
 }
 
 }  // namespace
@@ -60,11 +60,11 @@ absl::Status CheckServerAddress(const std::string& address) {
       return absl::OkStatus();  // a path, or a name without a port
     }
     return absl::InvalidArgumentError(absl::StrCat("server '", address, "' names no port, or one that is not a "
-                                                   "number up to 65535, after its scheme"));
+                                                   "number from 1 to 65535, after its scheme"));
   }
   if (!IsHostPort(address)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "server '", address, "' is not host:port ([address]:port for IPv6, the port a number up to 65535), nor a "
+        "server '", address, "' is not host:port ([address]:port for IPv6, the port a number from 1 to 65535), nor a "
         "gRPC target with a scheme in lower case (", absl::StrJoin(kSchemes, ":, "), ":)"));
   }
   return absl::OkStatus();

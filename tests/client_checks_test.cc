@@ -355,6 +355,8 @@ TEST(ClientChecksTest, OptionsNoCallCouldGoThroughWithAreRefusedAtConnect) {
       {{"127.0.0.1"}, {}, 5, 1000, "is not host:port"},
       {{"shardopt-0.shardopt:"}, {}, 5, 1000, "is not host:port"},
       {{"127.0.0.1:65536"}, {}, 5, 1000, "is not host:port"},
+      {{"127.0.0.1:0"}, {}, 5, 1000, "is not host:port"},  // taken before, as ExpandServerPattern refused it
+      {{"ipv4:127.0.0.1:0"}, {}, 5, 1000, "after its scheme"},
       {{"::1:50051"}, {}, 5, 1000, "is not host:port"},
       {{"shardopt-0.shardopt:50o51"}, {}, 5, 1000, "is not host:port"},  // a port mistyped, not a scheme
       {{"host:notaport"}, {}, 5, 1000, "is not host:port"},
