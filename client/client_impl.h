@@ -102,10 +102,13 @@ struct Client::Impl {
     absl::Status status_;
   };
 
-  // Whether Reattach found a server that cannot go on with the job (`lost`).
-  bool AnyServerLost() const {
+  // Whether `failed` is a server's that cannot go on with the job: what
+  // Reattach found there (`lost`) is in its message.
+  bool FailedForALostServer(const absl::Status& failed) const {
     std::lock_guard<std::mutex> lock(lost_mu);
-    return std::any_of(lost.begin(), lost.end(), [](const std::string& why) { return !why.empty(); });
+    return std::any_of(lost.begin(), lost.end(), [&](const std::string& why) {
+      return !why.empty() && absl::StrContains(failed.message(), why);
+    });
   }
 
   uint32_t servers() const { return static_cast<uint32_t>(stubs.size()); }

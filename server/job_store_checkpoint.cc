@@ -61,7 +61,8 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
   // good, so that a wrong step is FAILED_PRECONDITION whatever the budget.
   MemoryBudget::Charge buffers;
   // Timed from the snapshot's start: it streams most of the part. A
-  // checkpoint that began ends in checkpoint_end or checkpoint_failed, and
+  // checkpoint that began ends in checkpoint_end or checkpoint_failed (or
+  // checkpoint_abandoned, its job dropped meanwhile), and
   // so does one the budget has no room for: the job's state is no more
   // durable than if its write had failed, and the alert on failures must
   // see it (a job admitted within the buffers' size of the budget could

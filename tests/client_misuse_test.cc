@@ -10,13 +10,14 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "shardopt/client.h"
@@ -36,61 +37,54 @@ using testing::ServerProcess;
 
 constexpr uint64_t kN = 8192;
 
-float Widen(uint16_t bf16) {
-  const uint32_t bits = uint32_t{bf16} << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Rank 0's Step of a job of two ranks waits at the barrier for rank 1: a
-// call of rank 0's Client from another thread meanwhile is refused, sends
-// nothing (the job stays at step 0), and the Step completes once rank 1
-// pushes, with both ranks' gradients summed.
+// While one thread's push is under way (held in PushInOrder's gradient
+// callback, which the client calls from inside the call), a call of the same
+// Client from another thread is refused and sends nothing: the step then
+// applied is the first push's gradient alone, bitwise as a job that is
+// only pushed it.
 TEST(ClientMisuseTest, ACallFromASecondThreadWhileOneRunsIsRefused) {
   auto server = ServerProcess::Start();
   ASSERT_NE(server, nullptr);
-  auto rank0 = ConnectOnce(server->address(), "", 0);
-  auto rank1 = ConnectOnce(server->address(), "", 1);
-  ASSERT_TRUE(rank0->CreateOrAttach(OneTensorJob("threads", kN, 2)).ok());
-  ASSERT_TRUE(rank1->CreateOrAttach(OneTensorJob("threads", kN, 2)).ok());
+  auto client = ConnectOnce(server->address());
+  ASSERT_TRUE(client->CreateOrAttach(OneTensorJob("threads", kN)).ok());
   std::mt19937_64 rng(7);
   const auto init = RandomFloats(rng, kN, -1, 1);
-  ASSERT_TRUE(rank0->InitFp32("w", init.data()).ok());
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
   const auto g0 = RandomBf16(rng, kN, 1.0f), g1 = RandomBf16(rng, kN, 1.0f);
-  std::vector<uint16_t> p0(kN), p1(kN);
-  absl::StatusOr<StepResult> stepped0 = absl::UnknownError("not run");
-  std::thread waiting([&] { stepped0 = rank0->Step({{"w", g0.data()}}, StepOptions{}, {{"w", p0.data()}}); });
-  // Rank 0's Step is in its push until rank 1 pushes (a barrier of 10 s).
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  const absl::Status refused = rank0->Read("w", StateToRead::kMaster, 0, 1, std::vector<float>(1).data());
+  absl::Notification inside, go_on;
+  absl::StatusOr<PushResult> pushed = absl::UnknownError("not run");
+  std::thread pushing([&] {
+    const std::vector<std::string> order = {"w"};
+    pushed = client->PushInOrder(1, order, [&](size_t) -> const void* {
+      inside.Notify();
+      go_on.WaitForNotificationWithTimeout(absl::Seconds(30));
+      return g0.data();
+    });
+  });
+  ASSERT_TRUE(inside.WaitForNotificationWithTimeout(absl::Seconds(30)));
+  std::vector<float> one(1, NAN);
+  const absl::Status refused = client->Read("w", StateToRead::kMaster, 0, 1, one.data());
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
   EXPECT_THAT(std::string(refused.message()), HasSubstr("another thread is in a call of this Client"));
-  const auto pushed = rank0->Push(1, {{"w", g1.data()}});
-  EXPECT_EQ(pushed.status().code(), absl::StatusCode::kFailedPrecondition) << pushed.status();
-  auto stepped1 = rank1->Step({{"w", g1.data()}}, StepOptions{}, {{"w", p1.data()}});
-  waiting.join();
-  ASSERT_TRUE(stepped0.ok()) << stepped0.status();
-  ASSERT_TRUE(stepped1.ok()) << stepped1.status();
-  EXPECT_EQ(rank0->step(), 1u);
-  EXPECT_EQ(p0, p1);
-  // The refused Push sent nothing: the step's sum is rank 0's and rank 1's
-  // gradients, which a job of one rank fed their sum (and its scale)
-  // reproduces, bitwise.
-  std::vector<float> sum(kN);
-  for (uint64_t i = 0; i < kN; ++i) sum[i] = Widen(g0[i]) + Widen(g1[i]);  // the server's fp32 sum in rank order
-  auto one = ConnectOnce(server->address());
-  JobOptions fp32 = OneTensorJob("summed", kN);
-  fp32.tensors[0].param_type = ParamType::kFp32;
-  ASSERT_TRUE(one->CreateOrAttach(fp32).ok());
-  ASSERT_TRUE(one->InitFp32("w", init.data()).ok());
-  StepOptions halved;  // two ranks' step scales their sum by 1 / world_size
-  halved.loss_scale = 2;
-  std::vector<float> reference(kN, NAN);
-  ASSERT_TRUE(one->Step({{"w", sum.data()}}, halved, {{"w", reference.data()}}).ok());
-  std::vector<float> master(kN, NAN);
-  ASSERT_TRUE(rank1->Read("w", StateToRead::kMaster, 0, kN, master.data()).ok());
-  EXPECT_EQ(master, reference);
+  EXPECT_TRUE(std::isnan(one[0]));
+  const auto again = client->Push(1, {{"w", g1.data()}});
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
+  go_on.Notify();
+  pushing.join();
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  std::vector<uint16_t> params(kN);
+  ASSERT_TRUE(client->Commit(1, 1e-3, 1.0f, false, {{"w", params.data()}}).ok());
+  // The same step of a job pushed g0 alone.
+  auto other = ConnectOnce(server->address());
+  ASSERT_TRUE(other->CreateOrAttach(OneTensorJob("g0-alone", kN)).ok());
+  ASSERT_TRUE(other->InitFp32("w", init.data()).ok());
+  std::vector<uint16_t> reference(kN);
+  ASSERT_TRUE(other->Step({{"w", g0.data()}}, StepOptions{}, {{"w", reference.data()}}).ok());
+  std::vector<float> master(kN, NAN), expected(kN, NAN);
+  ASSERT_TRUE(client->Read("w", StateToRead::kMaster, 0, kN, master.data()).ok());
+  ASSERT_TRUE(other->Read("w", StateToRead::kMaster, 0, kN, expected.data()).ok());
+  EXPECT_EQ(master, expected);
+  EXPECT_EQ(params, reference);
 }
 
 // After a step, a forked child's call of the parent's Client is refused at

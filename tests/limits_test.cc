@@ -506,15 +506,20 @@ TEST(LimitsTest, ACheckpointBehindAStalledApplyNamesTheStepBeforeItsCallerGivesU
   commit.set_lr(1e-3);
   commit.set_gscale(1.0f);
   auto unread = stub->Commit(&commit_ctx, commit);  // nothing read: the apply stops at the window
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
-  grpc::ClientContext ctx;
-  // 10 s: the answer goes out 1 s before, time enough on a loaded machine.
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
   v1::CheckpointRequest request;
   request.set_job("stalled");
   request.set_step(1);
-  v1::CheckpointResponse response;
-  const grpc::Status late = stub->Checkpoint(&ctx, request, &response);
+  grpc::Status late;
+  // Until the commit has begun to apply: before, the job is at step 0.
+  for (int i = 0; i < 50; ++i) {
+    grpc::ClientContext ctx;
+    // 10 s: the answer goes out 1 s before, time enough on a loaded machine.
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::CheckpointResponse response;
+    late = stub->Checkpoint(&ctx, request, &response);
+    if (late.error_code() != grpc::StatusCode::FAILED_PRECONDITION) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
   EXPECT_EQ(late.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << late.error_message();
   EXPECT_THAT(late.error_message(), HasSubstr("still applying step 1")) << "the caller's own deadline came first";
   commit_ctx.TryCancel();

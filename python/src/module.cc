@@ -175,10 +175,12 @@ class PyClient {
   ~PyClient() {
     if (getpid() != owner_) {
       // A forked child: a push thread of the parent's cannot be joined here
-      // (nor left joinable, which would terminate), so its handle is left
-      // in place; the child's exit frees it. The Client, destroyed in the
-      // child, leaves its gRPC objects alone itself (client.h).
+      // (nor left joinable, which would terminate), and the table its
+      // threads waited on cannot be destroyed; both are left in place, for
+      // the child's exit to free. The Client, destroyed in the child, leaves
+      // its gRPC objects alone itself (client.h).
       if (push_thread_.joinable()) (void)new std::thread(std::move(push_thread_));
+      (void)table_.release();
       return;
     }
     // A push left running (backward raised, the optimizer was dropped) must
@@ -192,7 +194,7 @@ class PyClient {
     // other for good, so the job could not go on).
     if (push_thread_.joinable()) {
       py::gil_scoped_release nogil;
-      table_.MarkRest();
+      table_->MarkRest();
       push_thread_.join();
       if (world_size_ == 1 && push_result_ && push_result_->ok()) {
         // (A server that restarted after the push is pushed the step
@@ -279,12 +281,12 @@ class PyClient {
   // gradients as they become ready, FinishPush joins.
   void StartPush(uint64_t step, std::vector<std::string> order) {
     Exclusive([&] {
-      table_.Reset(order.size());
+      table_->Reset(order.size());
       push_order_ = std::move(order);
       push_step_ = step;
       push_result_.reset();
       push_thread_ = std::thread([this, step] {
-        push_result_ = client_->PushInOrder(step, push_order_, [this](size_t i) { return table_.Wait(i); });
+        push_result_ = client_->PushInOrder(step, push_order_, [this](size_t i) { return table_->Wait(i); });
       });
     });
   }
@@ -295,7 +297,7 @@ class PyClient {
   void Mark(size_t i, uintptr_t data, py::object owner) {
     InOwnProcess();
     held_.push_back(std::move(owner));
-    table_.Mark(i, reinterpret_cast<const void*>(data));
+    table_->Mark(i, reinterpret_cast<const void*>(data));
   }
   bool Pushing() {
     InOwnProcess();
@@ -310,7 +312,7 @@ class PyClient {
       py::gil_scoped_release nogil;
       std::lock_guard<std::mutex> lock(mu_);
       if (!push_thread_.joinable()) throw std::logic_error("no push is running");
-      table_.MarkRest();
+      table_->MarkRest();
       push_thread_.join();
     }
     held_.clear();
@@ -353,16 +355,19 @@ class PyClient {
     Exclusive([&] { Check(client_->Checkpoint()); });
   }
   uint64_t step() {
+    InOwnProcess();  // mu_ may have been held by a parent's thread at the fork
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
     return client_->step();
   }
   uint64_t pushed_ahead() {
+    InOwnProcess();  // mu_ may have been held by a parent's thread at the fork
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
     return client_->pushed_ahead();
   }
   std::vector<double> applied_group_lr() {
+    InOwnProcess();  // mu_ may have been held by a parent's thread at the fork
     py::gil_scoped_release nogil;
     std::lock_guard<std::mutex> lock(mu_);
     return client_->applied_group_lr();
@@ -372,7 +377,10 @@ class PyClient {
   const pid_t owner_ = getpid();  // the process whose gRPC threads the client uses
   std::mutex mu_;  // one call in the client at a time (Exclusive)
   std::unique_ptr<shardopt::Client> client_;
-  ReadyTable table_;
+  // On the heap, so that a forked child can leave it: its condition
+  // variable may count waiters (the parent's push threads) that the child
+  // does not have, and destroying it would wait for them.
+  std::unique_ptr<ReadyTable> table_ = std::make_unique<ReadyTable>();
   std::vector<std::string> push_order_;
   uint64_t push_step_ = 0;
   uint32_t world_size_ = 1;  // the job's (~PyClient)

@@ -626,21 +626,27 @@ def test_zero_grad_whose_skip_checkpoint_fails_still_zeroes(server_binary, tmp_p
 # A process forked after the optimizer stepped: gRPC's threads are the
 # parent's, so the child's calls are refused (a step there aborted the
 # child), and its exit (which tore the optimizer down and waited for those
-# threads) hung for good. Run in a
+# threads) hung for good; "overlaps" forks while an overlap=True push runs,
+# whose threads wait on a condition variable the child must not destroy. Run in a
 # process of its own, so that no fork happens inside pytest's.
 FORKED_AFTER_A_STEP = r"""
 import os, sys, torch, shardopt
 from shardopt.torch import RemoteAdamW
 torch.manual_seed(0)
-p = torch.nn.Parameter(torch.randn(64))
-opt = RemoteAdamW([p], servers=sys.argv[1].split(","), job=sys.argv[2], lr=1e-2)
-p.grad = torch.randn(64)
+mode = sys.argv[3]
+p, unused = torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(64))
+opt = RemoteAdamW([p, unused], servers=sys.argv[1].split(","), job=sys.argv[2], lr=1e-2, overlap=mode == "overlaps")
+def backward():
+    opt.zero_grad()
+    (p * torch.randn(64)).sum().backward()
+backward()
 opt.step()
+backward()  # with overlap=True its push now runs, waiting for `unused`'s gradient until step()
 pid = os.fork()
 if pid == 0:
     import ctypes, signal
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a hung child goes with the killed parent
-    if sys.argv[3] == "steps":
+    if mode == "steps":
         try:
             opt.step()
             print("child: stepped")
@@ -655,7 +661,7 @@ opt.drop()
 """
 
 
-@pytest.mark.parametrize("child", ["steps", "exits"])
+@pytest.mark.parametrize("child", ["steps", "exits", "overlaps"])
 def test_a_process_forked_after_a_step_is_refused_and_exits(servers, job, tmp_path, child):
     script = tmp_path / "forked.py"
     script.write_text(FORKED_AFTER_A_STEP)
