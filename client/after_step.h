@@ -36,7 +36,8 @@ inline absl::Status CheckpointAfterStepFailed(uint64_t step, const absl::Status&
                                    "; do not repeat it), but its checkpoint (checkpoint_every) failed; ",
                                    server_lost ? "no Checkpoint() can write it while a server cannot go on with the "
                                                  "job, as follows"
-                                               : "call Checkpoint() for it",
+                                               : "call Checkpoint() for it, unless what follows says a "
+                                                 "server lost steps or its part (then do what it says)",
                                    ": ", failed.message()));
 }
 

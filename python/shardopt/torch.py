@@ -394,7 +394,8 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
                 # again, would here apply the next step with these gradients.
                 raise type(e)(f"step {t} was applied and its params are in the model (job_step is {t}; do not "
                               f"call step() again for it), but its checkpoint (checkpoint_every) failed; call "
-                              f"checkpoint() for it: {e.message}") from e
+                              f"checkpoint() for it, unless what follows says a server lost steps or its part "
+                              f"(then do what it says): {e.message}") from e
 
     def verify_state(self):
         """Raises shardopt.FailedPrecondition if any group's state is not held
