@@ -37,19 +37,30 @@ using testing::ServerProcess;
 
 constexpr uint64_t kN = 8192;
 
+// A server, and a client attached to a job of one tensor of kN elements
+// with random initial values.
+class ClientMisuseTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server = ServerProcess::Start();
+    ASSERT_NE(server, nullptr);
+    client = ConnectOnce(server->address());
+    ASSERT_TRUE(client->CreateOrAttach(OneTensorJob("misused", kN)).ok());
+    ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  }
+
+  std::mt19937_64 rng{7};
+  const std::vector<float> init = RandomFloats(rng, kN, -1, 1);
+  std::unique_ptr<ServerProcess> server;
+  std::unique_ptr<Client> client;
+};
+
 // While one thread's push is under way (held in PushInOrder's gradient
 // callback, which the client calls from inside the call), a call of the same
 // Client from another thread is refused and sends nothing: the step then
 // applied is the first push's gradient alone, bitwise as a job that is
 // only pushed it.
-TEST(ClientMisuseTest, ACallFromASecondThreadWhileOneRunsIsRefused) {
-  auto server = ServerProcess::Start();
-  ASSERT_NE(server, nullptr);
-  auto client = ConnectOnce(server->address());
-  ASSERT_TRUE(client->CreateOrAttach(OneTensorJob("threads", kN)).ok());
-  std::mt19937_64 rng(7);
-  const auto init = RandomFloats(rng, kN, -1, 1);
-  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+TEST_F(ClientMisuseTest, ACallFromASecondThreadWhileOneRunsIsRefused) {
   const auto g0 = RandomBf16(rng, kN, 1.0f), g1 = RandomBf16(rng, kN, 1.0f);
   absl::Notification inside, go_on;
   absl::StatusOr<PushResult> pushed = absl::UnknownError("not run");
@@ -89,14 +100,7 @@ TEST(ClientMisuseTest, ACallFromASecondThreadWhileOneRunsIsRefused) {
 
 // After a step, a forked child's call of the parent's Client is refused at
 // once, its destructor returns, and the child exits; the parent steps on.
-TEST(ClientMisuseTest, AForkedChildsCallIsRefusedAndItExits) {
-  auto server = ServerProcess::Start();
-  ASSERT_NE(server, nullptr);
-  auto client = ConnectOnce(server->address());
-  ASSERT_TRUE(client->CreateOrAttach(OneTensorJob("forked", kN)).ok());
-  std::mt19937_64 rng(8);
-  const auto init = RandomFloats(rng, kN, -1, 1);
-  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+TEST_F(ClientMisuseTest, AForkedChildsCallIsRefusedAndItExits) {
   const auto grad = RandomBf16(rng, kN, 1.0f);
   std::vector<uint16_t> params(kN);
   ASSERT_TRUE(client->Step({{"w", grad.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
