@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -20,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/after_step.h"
+#include "python/src/ready_table.h"
 #include "rpc/initial_values.h"
 #include "rpc/job_limits.h"
 #include "rpc/learning_rates.h"
@@ -73,49 +73,6 @@ shardopt::StepOptions MakeStepOptions(double lr, std::vector<double> group_lr, d
   o.loss_scale = loss_scale;
   return o;
 }
-
-// Gradients that become ready during backward, one slot per tensor of a
-// PushInOrder's order. Python's autograd hooks fill slots (Mark), the
-// client's per-server threads wait on them (Wait) without ever touching the
-// GIL.
-class ReadyTable {
- public:
-  void Reset(size_t n) {
-    std::lock_guard<std::mutex> lock(mu_);
-    data_.assign(n, nullptr);
-    ready_.assign(n, false);
-  }
-  // Slot i's data; a slot is marked once a step (the Python side refuses
-  // a second gradient before it gets here), and a second mark is ignored.
-  void Mark(size_t i, const void* data) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (ready_.at(i)) return;
-      data_[i] = data;
-      ready_[i] = true;
-    }
-    cv_.notify_all();
-  }
-  // Marks every slot not yet marked as "no gradient".
-  void MarkRest() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (size_t i = 0; i < ready_.size(); ++i) ready_[i] = true;
-    }
-    cv_.notify_all();
-  }
-  const void* Wait(size_t i) {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [&] { return ready_[i]; });
-    return data_[i];
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<const void*> data_;
-  std::vector<bool> ready_;
-};
 
 class PyClient {
  public:
@@ -380,7 +337,7 @@ class PyClient {
   // On the heap, so that a forked child can leave it: its condition
   // variable may count waiters (the parent's push threads) that the child
   // does not have, and destroying it would wait for them.
-  std::unique_ptr<ReadyTable> table_ = std::make_unique<ReadyTable>();
+  std::unique_ptr<shardopt::python::ReadyTable> table_ = std::make_unique<shardopt::python::ReadyTable>();
   std::vector<std::string> push_order_;
   uint64_t push_step_ = 0;
   uint32_t world_size_ = 1;  // the job's (~PyClient)
