@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -114,17 +115,13 @@ TEST_F(ClientMisuseTest, AForkedChildsCallIsRefusedAndItExits) {
     client.reset();  // hung in gRPC's shutdown before
     _exit(refused ? 0 : 3);
   }
-  int status = 0;
-  pid_t done = 0;
-  for (int i = 0; i < 300 && done == 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    done = waitpid(child, &status, WNOHANG);
-  }
-  if (done == 0) {
+  const std::optional<int> status = testing::WaitProcess(child, std::chrono::seconds(30));  // its alarm ends it first
+  if (!status) {
     kill(child, SIGKILL);
-    waitpid(child, &status, 0);
+    waitpid(child, nullptr, 0);
   }
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "child status " << status;
+  ASSERT_TRUE(status.has_value()) << "the child outlived its alarm";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "child status " << *status;
   ASSERT_TRUE(client->Step({{"w", grad.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
   EXPECT_EQ(client->step(), 2u);
 }
