@@ -36,8 +36,9 @@ bool IsHostPort(absl::string_view address) {
   // An IPv6 address is bracketed, so that its own colons are not the port's.
   const bool host_ok = !host.empty() && (host.find(':') == absl::string_view::npos ||
                                          (host.front() == '[' && host.back() == ']'));
-  return host_ok && !port.empty() && port.size() <= 5 && absl::c_all_of(port, absl::ascii_isdigit) &&
-         std::stoi(std::string(port)) >= 1 && std::stoi(std::string(port)) <= 65535;
+  if (!host_ok || port.empty() || port.size() > 5 || !absl::c_all_of(port, absl::ascii_isdigit)) return false;
+  const int number = std::stoi(std::string(port));
+  return number >= 1 && number <= 65535;
 }
 
 }  // namespace
