@@ -21,6 +21,17 @@
 
 namespace shardopt {
 
+namespace {
+
+// Whether `job` was dropped by now: a checkpoint of it that failed then was
+// cut short on purpose (checkpoint_abandoned), not a failure to keep state.
+bool DroppedSince(Job& job) {
+  absl::MutexLock lock(&job.mu);
+  return job.dropped;
+}
+
+}  // namespace
+
 // What jobs leave free of the budget holds a Checkpoint call's buffers.
 static_assert(checkpoint::SequentialWriter::kMostBytes <= MemoryBudget::kKeptAtLeast);
 
@@ -97,12 +108,7 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0.value_or(std::chrono::steady_clock::now()))
           .count();
   if (!finished.ok()) {
-    bool dropped;
-    {
-      absl::MutexLock lock(&job.mu);
-      dropped = job.dropped;
-    }
-    if (dropped) {
+    if (DroppedSince(job)) {
       // Dropped on purpose while its part was written: nothing meant to be
       // kept is lost, so no failure for the alert (nor the drain's exit 1).
       log::Info("checkpoint_abandoned", {{"job", job.name()},
@@ -196,10 +202,7 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
     // One at a time, their buffers uncharged: a full budget must not cost
     // the state at SIGTERM, and one checkpoint's buffers fit the headroom.
     absl::StatusOr<v1::CheckpointResponse> written = WriteCheckpoint(request, /*charged=*/false, absl::InfiniteFuture());
-    if (!written.ok()) {
-      absl::MutexLock job_lock(&job->mu);
-      if (job->dropped) continue;  // dropped meanwhile, on purpose (logged as checkpoint_abandoned)
-    }
+    if (!written.ok() && DroppedSince(*job)) continue;  // logged as checkpoint_abandoned
     results.emplace_back(job->name(), std::move(written));
   }
   return results;
