@@ -206,6 +206,9 @@ std::vector<uint64_t> StepsNewestFirst(const std::string& job_dir) {
   for (const auto& entry : fs::directory_iterator(job_dir, ec)) {
     const std::string name = entry.path().filename().string();
     uint64_t step;
+    // A file of a step's name is no step: the restore and the setting aside
+    // of torn steps pass over it alike (the latter failed on it for good).
+    if (!entry.is_directory(ec)) continue;
     if (name.size() == 25 && name.rfind("step-", 0) == 0 && absl::SimpleAtoi(name.substr(5), &step)) {
       steps.push_back(step);
     }

@@ -108,6 +108,9 @@ absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobR
                                                "' on from step ", step, "; move it away) as ", aside));
       break;
     }
+    // A writer of that run that died left its temporary file; only a write
+    // of the same step would remove it, and the new run may never write it.
+    RemoveTemporaries(dir, own);
   }
   // What was moved stays moved, whatever failed after it.
   if (moved) {

@@ -56,6 +56,9 @@ bool Caller::Covers(const std::string& job) const {
 
 absl::Status Caller::Allows(Action action, const std::string& job) const {
   if (role == Role::kAdmin) return absl::OkStatus();
+  // No job is no job outside the prefixes: the caller's mistake, as the
+  // store tells an admin (JobStore::Find), not a refusal of its rights.
+  if (job.empty()) return absl::InvalidArgumentError("the request names no job (its job is empty)");
   if (!Covers(job)) {
     return absl::PermissionDeniedError(absl::StrCat("'", name, "' may not ", ActionName(action), " job ", Quote(job),
                                                     ": it is outside the token's job prefixes"));

@@ -47,7 +47,9 @@ struct Caller {
   std::vector<std::string> prefixes;  // empty with kAdmin: every job
   uint64_t max_memory = 0;            // the jobs it makes, on one server; 0: no cap
 
-  // OK, or PERMISSION_DENIED naming the caller, the action and the job.
+  // OK, or PERMISSION_DENIED naming the caller, the action and the job
+  // (INVALID_ARGUMENT for a trainer's empty `job`, as the store answers an
+  // admin's).
   absl::Status Allows(Action action, const std::string& job) const;
   // Whether `job` is under the caller's prefixes (an admin's: every job),
   // which every action but a drop needs; without building Allows' message.

@@ -24,9 +24,9 @@ class CallObserver final : public grpc::experimental::Interceptor {
   // `parsed_by_grpc`: gRPC's generated code parses the request (a unary RPC;
   // the service's streams parse their own: init_reactor.h).
   CallObserver(std::string method, bool parsed_by_grpc, grpc::ServerContextBase* context,
-               std::shared_ptr<std::atomic<int64_t>> in_progress)
+               std::shared_ptr<std::atomic<int64_t>> in_progress, const Authenticate* authenticate)
       : method_(std::move(method)), parsed_by_grpc_(parsed_by_grpc), context_(context),
-        in_progress_(std::move(in_progress)) {
+        in_progress_(std::move(in_progress)), authenticate_(authenticate) {
     TakePeer();
     in_progress_->fetch_add(1, std::memory_order_relaxed);
   }
@@ -39,10 +39,14 @@ class CallObserver final : public grpc::experimental::Interceptor {
       grpc::Status st = methods->GetSendStatus();
       if (st.error_code() == grpc::StatusCode::INTERNAL && st.error_message().empty() && parsed_by_grpc_) {
         // gRPC's own parse of a synchronous RPC's request failed (the
-        // service's INTERNALs all say what broke): the caller's mistake.
-        st = grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                          absl::StrCat("the ", method_, "Request message does not parse (malformed, or a string "
-                                       "field that is not UTF-8); nothing was done"));
+        // service's INTERNALs all say what broke): the caller's mistake,
+        // once the caller is known. The handler, which authenticates, never
+        // ran, and a caller without a token learns nothing of the request.
+        const absl::Status who = (*authenticate_)(*context_);
+        st = !who.ok() ? ToGrpcStatus(who)
+                       : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                      absl::StrCat("the ", method_, "Request message does not parse (malformed, or "
+                                                   "a string field that is not UTF-8); nothing was done"));
         methods->ModifySendStatus(st);
       }
       if (!st.ok()) {
@@ -69,6 +73,7 @@ class CallObserver final : public grpc::experimental::Interceptor {
   const bool parsed_by_grpc_;
   grpc::ServerContextBase* const context_;
   const std::shared_ptr<std::atomic<int64_t>> in_progress_;
+  const Authenticate* const authenticate_;  // the factory's, which outlives the server's calls
   std::string peer_;
 };
 
@@ -88,8 +93,9 @@ const google::protobuf::MethodDescriptor* Method(const std::string& path, const 
 
 class Factory final : public grpc::experimental::ServerInterceptorFactoryInterface {
  public:
-  Factory(std::shared_ptr<std::atomic<int64_t>> in_progress, std::vector<std::string> services)
-      : in_progress_(std::move(in_progress)), services_(std::move(services)) {}
+  Factory(std::shared_ptr<std::atomic<int64_t>> in_progress, std::vector<std::string> services,
+          Authenticate authenticate)
+      : in_progress_(std::move(in_progress)), services_(std::move(services)), authenticate_(std::move(authenticate)) {}
   grpc::experimental::Interceptor* CreateServerInterceptor(grpc::experimental::ServerRpcInfo* info) override {
     const std::string path = info->method() == nullptr ? "" : info->method();
     // Health checks are not refusals: a check of a service not served here
@@ -98,19 +104,20 @@ class Factory final : public grpc::experimental::ServerInterceptorFactoryInterfa
     const google::protobuf::MethodDescriptor* method = Method(path, services_);
     return new CallObserver(method == nullptr ? "unknown" : method->name(),
                             method != nullptr && !method->client_streaming() && !method->server_streaming(),
-                            info->server_context(), in_progress_);
+                            info->server_context(), in_progress_, &authenticate_);
   }
 
  private:
   const std::shared_ptr<std::atomic<int64_t>> in_progress_;
   const std::vector<std::string> services_;
+  const Authenticate authenticate_;
 };
 
 }  // namespace
 
 std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface> MakeCallObserverFactory(
-    std::shared_ptr<std::atomic<int64_t>> in_progress, std::vector<std::string> services) {
-  return std::make_unique<Factory>(std::move(in_progress), std::move(services));
+    std::shared_ptr<std::atomic<int64_t>> in_progress, std::vector<std::string> services, Authenticate authenticate) {
+  return std::make_unique<Factory>(std::move(in_progress), std::move(services), std::move(authenticate));
 }
 
 }  // namespace shardopt

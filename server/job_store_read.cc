@@ -110,9 +110,14 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
     }
     const auto newest = checkpoint::FindCommitted(options_.checkpoint_dir, request.job(), 0, [](const std::string&) {});
     if (!newest.ok()) return found.status();
+    // Only the COMMIT is read here: a part's checksums are checked as the
+    // restore reads it, so a damaged one is named then, not here (a probe
+    // took this for a promise that the step loads).
     return absl::NotFoundError(absl::StrCat(found.status().message(), "; its checkpoint directory holds a complete ",
                                             "checkpoint of step ", newest->marker.step(), ", which a trainer's ",
-                                            "CreateJob restores (under a new life if the job was dropped)"));
+                                            "CreateJob restores (under a new life if the job was dropped) if its ",
+                                            "parts' checksums match as they are read (DATA_LOSS, naming the part, if ",
+                                            "not)"));
   }
   Job& job = **found;
   absl::MutexLock lock(&job.mu);

@@ -410,7 +410,11 @@ absl::StatusOr<std::unique_ptr<RunningServer>> StartServer(JobStore* store, cons
   // counted); gRPC 1.51's reflection plugin serves the v1alpha service only.
   std::vector<std::string> served = {v1::Optimizer::service_full_name()};
   if (options.reflection) served.push_back("grpc.reflection.v1alpha.ServerReflection");
-  observers.push_back(MakeCallObserverFactory(running->calls_in_progress, std::move(served)));
+  observers.push_back(MakeCallObserverFactory(
+      running->calls_in_progress, std::move(served),
+      [service = running->service.get()](const grpc::ServerContextBase& context) {
+        return service->Identify(context).status();
+      }));
   builder.experimental().SetInterceptorCreators(std::move(observers));
   running->server = builder.BuildAndStart();
   if (!running->server || running->port == 0) {

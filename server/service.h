@@ -59,9 +59,12 @@ class OptimizerService final
   // Streams open now, for tests and metrics.
   uint32_t open_streams() const { return streams_.open(); }
 
- private:
-  // Who is calling: the token's holder, or with no tokens the peer's address.
+  // Who is calling: the token's holder, or with no tokens the peer's
+  // address. Public for the call observer, which answers a request gRPC
+  // could not parse before any handler of this service ran.
   absl::StatusOr<Caller> Identify(const grpc::ServerContextBase& context) const;
+
+ private:
   // The caller, if it may do `action` to `job`.
   absl::StatusOr<Caller> Authorize(const grpc::ServerContextBase& context, Action action, const std::string& job) const;
   // Authorize for a stream's messages, with the tokens as they are at each.

@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "server/auth.h"
 #include "shardopt/v1/optimizer.grpc.pb.h"
+#include "tests/testing/generic_unary.h"
 #include "tests/testing/reference.h"
 #include "tests/testing/server_process.h"
 
@@ -308,6 +309,56 @@ TEST_F(AuthTest, EveryRpcAgainstEveryKindOfCaller) {
   EXPECT_TRUE(admin.CreateJob("anything/at-all").ok());
   EXPECT_TRUE(admin.Drop(job).ok());
   EXPECT_EQ(admin.Describe(job).error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+// The caller is known before anything of its request counts: a unary
+// request that gRPC cannot parse (a job name that is not UTF-8) was
+// INVALID_ARGUMENT whoever sent it, where a stream's was UNAUTHENTICATED
+// (a probe); now it is UNAUTHENTICATED without a token the server knows.
+// And a request that names no job is INVALID_ARGUMENT for a trainer as for
+// an admin, as the docs say, where a trainer's was PERMISSION_DENIED.
+TEST_F(AuthTest, AnUnparseableRequestIsTheCallersOnceKnownAndNoJobIsInvalidForEveryone) {
+  const std::string not_utf8("\x0a\x05\xff\xfe\xfd\xfc\xfb", 7);  // field 1, job, of each request below
+  const struct {
+    const char* name;
+    std::vector<std::string> authorization;
+    grpc::StatusCode code;
+  } callers[] = {
+      {"no token", {}, grpc::StatusCode::UNAUTHENTICATED},
+      {"unknown token", {Bearer("not-a-token-the-server-knows")}, grpc::StatusCode::UNAUTHENTICATED},
+      {"two entries", {Bearer(kAlice), Bearer(kRoot)}, grpc::StatusCode::UNAUTHENTICATED},
+      {"trainer", {Bearer(kAlice)}, grpc::StatusCode::INVALID_ARGUMENT},
+      {"admin", {Bearer(kRoot)}, grpc::StatusCode::INVALID_ARGUMENT},
+  };
+  for (const auto& c : callers) {
+    for (const char* method : {"CreateJob", "Describe", "Checkpoint", "DropJob"}) {
+      const grpc::Status st = testing::GenericUnary(server_->address(), absl::StrCat("/shardopt.v1.Optimizer/", method),
+                                                    not_utf8, GRPC_COMPRESS_NONE, c.authorization)
+                                  .first;
+      EXPECT_EQ(st.error_code(), c.code) << c.name << " " << method << ": " << st.error_message();
+    }
+  }
+  for (const char* token : {kAlice, kRoot}) {
+    SCOPED_TRACE(token);
+    Caller caller = As(Bearer(token));
+    const std::vector<std::pair<const char*, std::function<grpc::Status()>>> calls = {
+        {"CreateJob", [&] { return caller.CreateJob(""); }},
+        {"Init", [&] { return caller.Init("", RandomFloats(rng_, kNumel, -1, 1)); }},
+        {"Push", [&] { return caller.Push("", 1, RandomBf16(rng_, kNumel, 1.0f)); }},
+        {"Commit", [&] { return caller.Commit("", 1); }},
+        {"Describe", [&] { return caller.Describe(""); }},
+        {"Read", [&] { return caller.Read(""); }},
+        {"Checkpoint", [&] { return caller.Checkpoint("", 0); }},
+        {"DropJob", [&] { return caller.Drop("", 1); }},
+    };
+    for (const auto& [rpc, call] : calls) {
+      const grpc::Status st = call();
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << rpc << ": " << st.error_message();
+    }
+  }
+  std::vector<std::string> names;
+  ASSERT_TRUE(As(Bearer(kRoot)).List(&names).ok());
+  EXPECT_THAT(names, ::testing::IsEmpty());
 }
 
 // A list shows each caller the jobs its token may describe, and nothing of

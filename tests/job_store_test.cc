@@ -1353,7 +1353,7 @@ TEST_F(CheckpointKeepTest, ADescribeOfAJobOnlyOnDiskSaysItsCheckpointsWait) {
   EXPECT_EQ(described.status().code(), absl::StatusCode::kNotFound);
   EXPECT_THAT(std::string(described.status().message()),
               HasSubstr("its checkpoint directory holds a complete checkpoint of step 1, which a trainer's CreateJob "
-                        "restores"));
+                        "restores (under a new life if the job was dropped) if its parts' checksums match"));
   EXPECT_THAT(std::string(restarted.Describe("never-made").status().message()), Not(HasSubstr("checkpoint")));
 }
 
@@ -1536,14 +1536,28 @@ TEST_F(CheckpointKeepTest, AnOwnPartOfANewerTornStepGoesAtTheFirstSealNotAtTheRe
   std::filesystem::create_directories(torn);
   std::ofstream(torn + "/part-0-0.bin") << "partial";   // this placement's own, of another run
   std::ofstream(torn + "/part-0-50.bin") << "partial";  // a peer's
+  // What writers of that run left when they died: this placement's is
+  // removed with its part (nothing else would remove it if the new run never
+  // checkpoints step 2), a peer's is the peer's.
+  const std::string own_temporary = torn + "/part-0-0.bin.tmp.4242.17.1";
+  const std::string peers_temporary = torn + "/part-0-50.bin.tmp.4343.18.1";
+  std::ofstream(own_temporary) << "half";
+  std::ofstream(peers_temporary) << "half";
+  // A file named as a step is no step: passed over, not set aside.
+  const std::string not_a_step = checkpoint::StepDirectory(dir_, "k", 9);
+  std::ofstream(not_a_step) << "an operator's";
   auto restored = store_.CreateJob(JobRequest("k", 1, {{"w", 100}}));
   ASSERT_TRUE(restored.ok()) << restored.status();
   ASSERT_TRUE(restored->restored());
   ASSERT_EQ(restored->step(), 1u);
   EXPECT_TRUE(std::filesystem::exists(torn + "/part-0-0.bin"));
-  ASSERT_TRUE(Push("k", 2, 0, {{"w", RandomBf16(rng, 100, 0.3f)}}).ok());
+  const auto sealed = Push("k", 2, 0, {{"w", RandomBf16(rng, 100, 0.3f)}});
+  ASSERT_TRUE(sealed.ok()) << sealed.status();
   EXPECT_FALSE(std::filesystem::exists(torn + "/part-0-0.bin"));
   EXPECT_TRUE(std::filesystem::exists(torn + "/part-0-50.bin"));
+  EXPECT_FALSE(std::filesystem::exists(own_temporary));
+  EXPECT_TRUE(std::filesystem::exists(peers_temporary));
+  EXPECT_TRUE(std::filesystem::is_regular_file(not_a_step));
   EXPECT_THAT(log_, ::testing::Contains(HasSubstr("set aside part " + torn + "/part-0-0.bin of another run")));
 }
 
