@@ -18,6 +18,7 @@ absl::StatusCode ErrnoCode(int error) {
     case EPERM:
     case ENOENT:   // a directory on the path is gone
     case ENOTDIR:  // or is a file
+    case EISDIR:   // the file to write is a directory (an export's OUT, say)
       return absl::StatusCode::kFailedPrecondition;
     default:
       return absl::StatusCode::kInternal;

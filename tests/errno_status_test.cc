@@ -20,7 +20,7 @@ using ::testing::HasSubstr;
 
 TEST(ErrnoStatus, AFullDiskIsResourceExhaustedAMissingOrReadOnlyDirectoryFailedPreconditionTheRestInternal) {
   for (int error : {ENOSPC, EDQUOT, EFBIG}) EXPECT_EQ(ErrnoCode(error), absl::StatusCode::kResourceExhausted) << error;
-  for (int error : {EROFS, EACCES, EPERM, ENOENT, ENOTDIR}) {
+  for (int error : {EROFS, EACCES, EPERM, ENOENT, ENOTDIR, EISDIR}) {
     EXPECT_EQ(ErrnoCode(error), absl::StatusCode::kFailedPrecondition) << error;
   }
   for (int error : {EIO, EEXIST, EINVAL, 0}) EXPECT_EQ(ErrnoCode(error), absl::StatusCode::kInternal) << error;
