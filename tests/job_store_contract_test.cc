@@ -1,7 +1,9 @@
 // The contract's later clauses, without a network: per-tensor param dtypes,
 // per-group learning rates, resuming Adam's state, and the small wrong
 // answers that once got the wrong code or changed state on a refusal.
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <string>
 #include <thread>
@@ -184,10 +186,20 @@ TEST_F(ContractTest, InitOfAdamStateResumesBitwiseAsTheUninterruptedRun) {
   auto init = Create(JobRequest("whole", 1, tensors));
   std::vector<std::map<std::string, std::vector<uint16_t>>> grads;
   for (int t = 0; t < 6; ++t) grads.push_back({{"w", RandomBf16(rng_, 20000, 1)}, {"g", RandomBf16(rng_, 77, 1)}});
+  // Two gradients whose (1 - beta2) g g passes fp32's range: their v is
+  // +Inf from then on, a state the run reaches that the resume must take
+  // back (a probe's state dict of one could not be loaded).
+  const std::vector<uint16_t> huge = testing::ToBf16({1e22f, -3e21f});
+  grads[0]["w"][5] = huge[0];
+  grads[0]["w"][17] = huge[1];
   for (uint64_t t = 1; t <= 3; ++t) {
     ASSERT_TRUE(Push("whole", t, 0, grads[t - 1]).ok());
     ASSERT_TRUE(Commit("whole", t, 1e-3).ok());
   }
+  const std::vector<float> v = ReadFloats("whole", "w", v1::EXP_AVG_SQ);
+  ASSERT_EQ(v[5], std::numeric_limits<float>::infinity());
+  ASSERT_EQ(v[17], std::numeric_limits<float>::infinity());
+  ASSERT_TRUE(std::isfinite(ReadFloats("whole", "w", v1::MASTER)[5]));
   // A new job gets the first one's state at step 3 through Init alone.
   ASSERT_TRUE(store_.CreateJob(JobRequest("resumed", 1, tensors)).ok());
   for (const auto& t : tensors) {
@@ -232,8 +244,14 @@ TEST_F(ContractTest, InitRefusesNegativeSecondMomentsAndParamsAndChangesNothing)
   c.set_kind(v1::EXP_AVG_SQ);
   c.set_data(v.data(), v.size() * 4);
   EXPECT_EQ(store_.Init(c).status().code(), absl::StatusCode::kInvalidArgument);
+  // +Inf is a v a run reaches; NaN and -Inf are not.
+  for (float never : {std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::infinity()}) {
+    v[5] = never;
+    c.set_data(v.data(), v.size() * 4);
+    EXPECT_EQ(store_.Init(c).status().code(), absl::StatusCode::kInvalidArgument) << never;
+  }
   c.set_kind(v1::PARAM_BF16);
-  v[5] = -v[5];
+  v[5] = 0.25f;
   c.set_data(v.data(), v.size() * 4);
   EXPECT_EQ(store_.Init(c).status().code(), absl::StatusCode::kInvalidArgument);
   // A count the next update would wrap to 0 (bias correction 0: NaN state),

@@ -499,6 +499,35 @@ def test_a_state_dict_the_servers_would_refuse_is_refused_before_anything_is_sen
     opt.drop()
 
 
+def test_a_state_whose_second_moment_overflowed_loads_and_steps_on_bitwise(servers, job):
+    """A gradient whose square passes fp32's range leaves v at +Inf, on the
+    servers as in torch. A state dict saved after it was refused on load
+    ("exp_avg_sq ... is not finite", a probe), where torch loads it; now it
+    loads, and the run goes on bitwise as the uninterrupted one."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=f"{job}-a", lr=1e-3)
+    train(model, opt, 1)
+    gen = torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype) * 1e-2
+    first = opt.param_groups[0]["params"][0]  # state index 0
+    first.grad.view(-1)[3] = 1e22
+    opt.step()
+    saved = opt.state_dict()
+    assert saved["state"][0]["exp_avg_sq"].view(-1)[3].item() == float("inf")
+    assert torch.isfinite(saved["state"][0]["master"]).all()
+    fresh = make_model(seed=1)
+    fresh.load_state_dict(model.state_dict())
+    resumed = RemoteAdamW(param_groups(fresh), servers=servers, job=f"{job}-b", lr=1e-3)
+    resumed.load_state_dict(saved)
+    train(model, opt, 2, first=3)
+    train(fresh, resumed, 2, first=3)
+    for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
+        assert same_bits(p, q), name
+    opt.drop()
+    resumed.drop()
+
+
 # Each case's state dict, and what its refusal says.
 UNSTEPPABLE = {"exp_avg-transposed": "shape", "exp_avg_sq-flat": "shape", "step-fractional": "whole number",
                "step-negative": "whole number", "step-inf": "whole number", "step-missing": "has no step",
