@@ -22,10 +22,11 @@ absl::Status CheckInitialValues(const char* data, uint64_t count, bool fp32, boo
       std::memcpy(&h, data + 2 * i, 2);
       x = given = math::bf16_to_float(h);
     }
-    // +Inf is a v that training reaches from finite gradients (one past
-    // about 1.8e19 squares past fp32's range; torch's v does the same), so
-    // a state dict saved after it must load back; the element's update is
-    // then its weight decay alone. A NaN or -Inf v no run reaches.
+    // +Inf is a v that training reaches from finite gradients (one whose
+    // (1 - beta2) g g passes fp32's range, past about 6e20 at beta2 0.999;
+    // torch's v does the same), so a state dict saved after it must load
+    // back; the element's update is then its weight decay alone. A NaN or
+    // -Inf v no run reaches.
     if (kind == InitialKind::kExpAvgSq && x == std::numeric_limits<float>::infinity()) continue;
     if (!std::isfinite(x)) {
       // A finite fp32 value past bf16's largest rounds to infinity in a
