@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
@@ -96,17 +97,25 @@ absl::StatusOr<std::vector<std::string>> ExpandServerPattern(const std::string& 
 Decision Decide(const PushResult& push, uint32_t world_size, const StepOptions& options) {
   Decision d;
   const double average_scale = options.loss_scale * world_size;
-  d.grad_norm = std::sqrt(push.sum_squares) / average_scale;
-  if (push.nonfinite || !std::isfinite(d.grad_norm)) {
+  const auto skip = [&] {
     d.skip = true;
+    d.clip_factor = 1;
     d.gscale = static_cast<float>(1.0 / average_scale);
     return d;
-  }
+  };
+  d.grad_norm = std::sqrt(push.sum_squares) / average_scale;
+  if (push.nonfinite || !std::isfinite(d.grad_norm)) return skip();
   if (options.max_grad_norm > 0) {
     // torch.nn.utils.clip_grad_norm_'s rule.
     d.clip_factor = std::min(1.0, options.max_grad_norm / (d.grad_norm + 1e-6));
   }
   d.gscale = static_cast<float>(d.clip_factor / average_scale);
+  // A gscale above 1 (a loss_scale below 1 per rank) scales the gradients
+  // up, and a finite one could overflow in the kernel's grad * gscale and
+  // make its master NaN for good; torch's GradScaler, which looks for infs
+  // after unscaling, skips such a step. No element exceeds the norm, so a
+  // norm that stays within fp32 once scaled overflows nowhere.
+  if (d.gscale > 1 && std::sqrt(push.sum_squares) * d.gscale > std::numeric_limits<float>::max()) return skip();
   return d;
 }
 

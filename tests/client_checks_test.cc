@@ -422,6 +422,37 @@ TEST(InitialValuesTest, AValueThatRoundsToInfinityInBf16StateIsSaidToDoSo) {
   EXPECT_THAT(std::string(inf.message()), ::testing::HasSubstr("element 2 is not finite"));
 }
 
+// A loss_scale below 1 scales the gradients up (gscale > 1): finite ones
+// then overflowed in the kernel's g = grad * gscale and made the masters
+// NaN for good (a probe: loss_scale 1e-3, a gradient of 1e37), where torch's
+// GradScaler, which looks for infs after unscaling, skips the step. Decide
+// now skips a step whose gradient's norm, so scaled, passes fp32's range (no
+// element exceeds the norm); a gscale of 1 or less cannot overflow a finite
+// gradient, and takes every step it took.
+TEST(DecideTest, AStepWhoseGradientsTheLossScaleWouldCarryPastFp32IsSkipped) {
+  const auto decide = [](double norm, double loss_scale, uint32_t world_size, double max_grad_norm = 0) {
+    PushResult push;
+    push.sum_squares = norm * norm;
+    StepOptions options;
+    options.loss_scale = loss_scale;
+    options.max_grad_norm = max_grad_norm;
+    return Decide(push, world_size, options);
+  };
+  const Decision over = decide(1e37, 1e-3, 1);
+  EXPECT_TRUE(over.skip);
+  EXPECT_EQ(over.gscale, 1000.0f);  // as every skip's: 1 / (loss_scale x ranks)
+  EXPECT_DOUBLE_EQ(over.grad_norm, 1e40);
+  EXPECT_FALSE(decide(1e37, 1, 1).skip);     // gscale 1: the gradient as it is
+  EXPECT_FALSE(decide(3e38, 1, 1).skip);
+  EXPECT_FALSE(decide(1e37, 1e-3, 1000).skip);  // 1 / (loss_scale x ranks) = 1
+  EXPECT_FALSE(decide(1e30, 1e-3, 1).skip);
+  EXPECT_FALSE(decide(1e37, 1e-3, 1, /*max_grad_norm=*/1.0).skip);  // clipped to a norm of 1
+  // At the edge, gscale 2: a norm that stays under fp32's largest once
+  // doubled steps, one that does not skips.
+  EXPECT_FALSE(decide(1.6e38, 0.5, 1).skip);
+  EXPECT_TRUE(decide(1.8e38, 0.5, 1).skip);
+}
+
 // Each lr finite on its own, but the update's constants not as floats: the
 // four a probe written from the proto sent, each of which wrote -inf into
 // the master for good. The client checks them before a push, the server at

@@ -266,9 +266,11 @@ struct InitShare {
   uint32_t count = 1;
 };
 
-// Decide's rule, a pure function so that every rank and the tests agree.
-// world_size is the job's, at least 1 (a job of 0 ranks is refused before
-// any push; here it would divide by zero).
+// Decide's rule, a pure function so that every rank and the tests agree
+// (docs/design.md, section 4.2): a skip where a gradient is not finite, or
+// where a loss_scale below 1 would scale one past fp32's range. world_size
+// is the job's, at least 1 (a job of 0 ranks is refused before any push;
+// here it would divide by zero).
 Decision Decide(const PushResult& push, uint32_t world_size, const StepOptions& options);
 
 // Each server's part of each tensor: the placement of docs/design.md,
