@@ -81,9 +81,9 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             fp32 rounded once per value where torch rounds each
             operation; how far apart grows with lr: after 20 steps on 4096
             elements of randn, 1 in 205 params differed at lr 1e-4, 1 in 33
-            at 1e-3, 1 in 3 at 1e-2; by a bf16 ulp or two where |p| is
-            large, and by up to 18, 24 and 193 bf16 ulps near zero, where an
-            ulp is tiny: 3.3e-4 apart at lr 1e-2, no bound),
+            at 1e-3, 1 in 3 at 1e-2; where |p| > 0.1 by at most 0, 2 and 7
+            bf16 ulps, below it, where an ulp is tiny, by up to 18, 24 and
+            193: measurements, not a bound),
             for groups that do not set their own "state_precision".
         overlap: push each gradient while backward is still running (one
             backward per step, each param's gradient whole: with
