@@ -8,6 +8,7 @@
 // each tensor's master: fp32 exactly (a BF16 group's bf16 master widened,
 // exactly), or rounded to bf16 with --dtype=bf16.
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <csignal>
 #include <chrono>
@@ -345,6 +346,12 @@ int main(int argc, char** argv) {
 
   grpc::ChannelArguments channel_args;
   shardopt::TuneChannelArguments(&channel_args);
+  // gRPC gives one connection attempt 20 s (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS
+  // is that timeout too): a server that accepts and never answers failed a
+  // longer --timeout_s there, UNAVAILABLE, read as down where it is hung.
+  // The CLI makes its calls on one connection: its attempt may take them all.
+  channel_args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
+                      std::max(20, std::min(absl::GetFlag(FLAGS_timeout_s), INT_MAX / 1000)) * 1000);
   if (const std::string name = absl::GetFlag(FLAGS_tls_server_name); !name.empty()) {
     if (absl::GetFlag(FLAGS_tls_ca).empty() && absl::GetFlag(FLAGS_tls_cert).empty() &&
         absl::GetFlag(FLAGS_tls_key).empty()) {

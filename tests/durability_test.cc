@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdio>
@@ -1875,6 +1876,16 @@ TEST(DurabilityTest, TheCliNamesAServerThatDoesNotAnswerAndATlsFileItCannotUse) 
   const std::string step_asked = unanswered("checkpoint j");
   EXPECT_THAT(step_asked, HasSubstr("no checkpoint was asked for"));
   EXPECT_THAT(step_asked, Not(HasSubstr("took effect is unknown")));
+  // Past gRPC's 20 s for one connection attempt: the CLI gave up at 20 s
+  // with UNAVAILABLE ("the server is down"), whatever --timeout_s said (a
+  // probe); the whole --timeout_s is the call's.
+  const auto began = std::chrono::steady_clock::now();
+  const int status = std::system(absl::StrCat(SHARDOPT_CLI_BINARY, " --server=", server,
+                                              " --timeout_s=21 describe j 2>", dir.path(), "/said").c_str());
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 1) << status;
+  EXPECT_THAT(testing::ReadText(dir.path() + "/said"), HasSubstr("DEADLINE_EXCEEDED: " + server + ": "));
+  EXPECT_GE(waited, 20.9);
   close(listener);
   // A TLS file the CLI cannot use is named by its path too, not only its
   // role ("the CA file is not PEM text").
