@@ -51,7 +51,8 @@ ABSL_FLAG(std::string, device, "auto", "auto | cpu | cuda | cuda:N; auto picks C
 ABSL_FLAG(bool, auto_requires_gpu, false,
           "with --device=auto, exit 1 when no GPU is usable instead of running on the CPU (the GPU image sets it)");
 ABSL_FLAG(int, threads, 0, "CPU backend threads; 0: one per core");
-ABSL_FLAG(int, max_message_bytes, shardopt::kDefaultMaxMessageBytes, "largest gRPC message accepted");
+ABSL_FLAG(int, max_message_bytes, shardopt::kDefaultMaxMessageBytes,
+          "largest gRPC message taken or sent, at least 131072");
 ABSL_FLAG(int, barrier_timeout_ms, 60000, "default barrier deadline for jobs that give none");
 ABSL_FLAG(uint64_t, staging_window_bytes, uint64_t{64} << 20,
           "per job, the most bytes of gradient chunks held while they wait for earlier ranks (at most 4 MiB per rank, at "
@@ -68,7 +69,7 @@ ABSL_FLAG(int, idle_stream_timeout_ms, 120000,
           "and a Commit or Read whose caller reads nothing this long (CANCELLED)");
 ABSL_FLAG(uint32_t, keepalive_seconds, 60,
           "ping each client connection this often, an idle one too, and close it when a ping goes unanswered for 10 s "
-          "(a trainer whose machine died leaves no connection open); 0: no pings");
+          "(a trainer whose machine died leaves no connection open); at most 86400, 0: no pings");
 ABSL_FLAG(std::string, tokens_file, "",
           "bearer tokens, one per line: NAME trainer|admin TOKEN [JOB_PREFIX ...] [max_memory=BYTES]; every call "
           "then needs one (docs/design.md, security). Reloaded on SIGHUP and when the file changes");
@@ -96,7 +97,7 @@ ABSL_FLAG(bool, reflection, false, "serve gRPC server reflection (it lists the s
 ABSL_FLAG(int, drain_failure_wait_seconds, 20,
           "after a SIGTERM drain in which a checkpoint failed, keep answering --metrics_port until one scrape, at "
           "most this long, so that Prometheus sees shardopt_checkpoint_failures_total move before the server "
-          "exits; 0: exit at once");
+          "exits; 0 to 3600, 0: exit at once");
 ABSL_FLAG(uint64_t, checkpoint_keep, 0,
           "after a checkpoint completes, keep this many complete checkpoints per job and remove older steps; "
           "0 keeps all. The newest complete one is never removed");
