@@ -17,13 +17,18 @@ CommitParams::CommitParams(const JobOptions& job, const absl::flat_hash_map<std:
 
 grpc::Status CommitParams::Take(grpc::ByteBuffer* message) {
   wire::ChunkHead head;
-  bool fp32 = false;
   const bool good = wire::ReadChunk(
       message, wire::kParamChunk,
       [&](const wire::ChunkHead& h) -> char* {
         auto it = tensor_index_.find(h.tensor);
         if (it == tensor_index_.end() || shard_of_[it->second] < 0) return nullptr;
-        fp32 = job_.tensors[it->second].param_type == ParamType::kFp32;
+        const bool fp32 = job_.tensors[it->second].param_type == ParamType::kFp32;
+        // Servers send bf16 params with the dtype unset, as before
+        // param_dtype existed. Checked before anything is written, as the
+        // range is: a chunk of another step must not land in the caller's
+        // params either.
+        const uint64_t dtype = h.dtype == v1::DTYPE_UNSPECIFIED ? uint64_t{v1::BF16} : h.dtype;
+        if (h.step != step_ || dtype != (fp32 ? v1::FP32 : v1::BF16)) return nullptr;
         const uint64_t esize = fp32 ? 4 : 2;
         const int64_t shard = shard_of_[it->second];
         const ShardPlacement& p = shards_[shard];
@@ -38,9 +43,7 @@ grpc::Status CommitParams::Take(grpc::ByteBuffer* message) {
         return discard_.data();
       },
       &head);
-  // Servers send bf16 params with the dtype unset, as before param_dtype existed.
-  const uint64_t dtype = head.dtype == v1::DTYPE_UNSPECIFIED ? uint64_t{v1::BF16} : head.dtype;
-  if (!good || head.step != step_ || dtype != (fp32 ? v1::FP32 : v1::BF16)) {
+  if (!good) {
     return grpc::Status(grpc::StatusCode::INTERNAL,
                         "server sent params outside its shards of the job's tensors, of another step or in another "
                         "dtype");

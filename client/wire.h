@@ -157,9 +157,9 @@ extern const ChunkFields kStateChunk;
 
 // Reads a chunk (`fields` say which message) straight out of the received
 // slices into the place `place(head)` returns for its data (nullptr refuses
-// the chunk); `place` sees the tensor, offset, dtype and data size, and
-// `head` has the step once this returns. False for a malformed message or a
-// refused chunk.
+// the chunk); `place` sees every field (of the data, its size), so it can
+// refuse a chunk before a byte of it is written, and `head` has them once
+// this returns. False for a malformed message or a refused chunk.
 bool ReadChunk(grpc::ByteBuffer* message, const ChunkFields& fields, absl::FunctionRef<char*(const ChunkHead&)> place,
                ChunkHead* head);
 

@@ -41,6 +41,7 @@ class ScriptedCommitService final : public v1::Optimizer::WithGenericMethod_Push
     uint64_t offset;
     uint64_t elements;
     char fill = '\x01';
+    uint64_t steps_ahead = 0;  // sent as the commit's step plus this
   };
   explicit ScriptedCommitService(std::vector<Chunk> chunks) : chunks_(std::move(chunks)) {}
 
@@ -57,7 +58,7 @@ class ScriptedCommitService final : public v1::Optimizer::WithGenericMethod_Push
       v1::ParamChunk chunk;
       chunk.set_tensor(c.tensor);
       chunk.set_offset(c.offset);
-      chunk.set_step(request->step());
+      chunk.set_step(request->step() + c.steps_ahead);
       chunk.set_data(std::string(c.elements * 2, c.fill));
       writer->Write(chunk);
     }
@@ -149,6 +150,18 @@ TEST(ClientChecksTest, ParamsOutsideTheServersShardAreRefusedUnwritten) {
   EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
   EXPECT_NE(st.message().find("outside its shards"), std::string::npos) << st;
   for (uint64_t i = 4096; i < 4196; ++i) ASSERT_NE(params[i], 0x0202) << "element " << i << " was written";
+}
+
+// A server's params of another step (a server gone wrong) were copied into
+// the caller's params before the step was looked at, and only then refused.
+TEST(ClientChecksTest, ParamsOfAnotherStepAreRefusedUnwritten) {
+  Cluster cluster({{{"w", 0, 100, '\x03', /*steps_ahead=*/1}}}, 100);
+  ASSERT_TRUE(cluster.attached().ok()) << cluster.attached();
+  std::vector<uint16_t> params(100, 0xFFFF);
+  const absl::Status st = cluster.client().Commit(1, 1e-3, 1.0f, false, {{"w", params.data()}});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInternal) << st;
+  EXPECT_NE(st.message().find("of another step"), std::string::npos) << st;
+  for (uint64_t i = 0; i < 100; ++i) ASSERT_EQ(params[i], 0xFFFF) << "element " << i << " was written";
 }
 
 TEST(ClientChecksTest, APushEndedWithoutAnAnswerIsAnError) {
