@@ -232,6 +232,16 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_tls_cert).empty() && !absl::GetFlag(FLAGS_tls_client_ca).empty()) {
     shardopt::UsageError("--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key");
   }
+  // A port in --host ("127.0.0.1:5") was taken for part of an IPv6 address:
+  // refused below for plaintext, the wrong reason, or with --insecure a
+  // start that failed to listen (exit 1).
+  if (const std::string bare = BareHost(absl::GetFlag(FLAGS_host)); bare.find(':') != std::string::npos) {
+    in6_addr v6;
+    if (inet_pton(AF_INET6, bare.c_str(), &v6) != 1) {
+      shardopt::UsageError(absl::StrCat("--host takes an address or a name without a port (the port is --port), got '",
+                                        absl::GetFlag(FLAGS_host), "'"));
+    }
+  }
   if (absl::GetFlag(FLAGS_tls_cert).empty() && !IsLoopback(absl::GetFlag(FLAGS_host)) &&
       !absl::GetFlag(FLAGS_insecure)) {
     shardopt::UsageError(absl::StrCat("plaintext on --host=", absl::GetFlag(FLAGS_host),

@@ -106,6 +106,10 @@ case $case_name in
     run 2 "$server" --port=abc && expect err 'port'
     run 2 "$server" --no_such_flag && expect err 'no_such_flag'
     run 2 "$server" --port=0 stray && expect err 'stray'
+    # A port in --host was taken for part of an IPv6 address: the plaintext
+    # refusal, or with --insecure a start that failed to listen (exit 1).
+    run 2 "$server" --port=0 --host=127.0.0.1:5 --insecure && expect err 'host takes an address or a name without a port'
+    run 2 "$server" --port=0 --host='[::1]:5' && expect err 'host takes an address or a name without a port'
     ;;
   version)
     for binary in "$server" "$cli" "$bench" "$demo"; do
