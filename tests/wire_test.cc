@@ -1,12 +1,16 @@
 // The client's hand-built bulk messages against protobuf's own encoding.
 #include "client/wire.h"
 
+#include "base/pieces.h"
 #include "client/push_messages.h"
 #include "rpc/chunk_size.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <random>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "gtest/gtest.h"
 #include "shardopt/v1/optimizer.pb.h"
 
@@ -123,10 +127,106 @@ TEST(Wire, MalformedOrRefusedParamChunksAreReported) {
   EXPECT_FALSE(ReadChunk(&truncated, kParamChunk, accept, &head));
   grpc::ByteBuffer refused = Sliced(bytes, {});
   EXPECT_FALSE(ReadChunk(&refused, kParamChunk, [](const ChunkHead&) -> char* { return nullptr; }, &head));
-  grpc::ByteBuffer bad_type = Sliced(std::string("\x0d\x00\x00\x00\x00", 5), {});  // fixed32: not in ParamChunk
+  grpc::ByteBuffer bad_type = Sliced(std::string("\x0d\x00\x00\x00\x00", 5), {});  // a fixed32 field, no data
   EXPECT_FALSE(ReadChunk(&bad_type, kParamChunk, accept, &head));
   grpc::ByteBuffer no_data = Sliced(std::string("\x20\x05", 2), {});  // step only
   EXPECT_FALSE(ReadChunk(&no_data, kParamChunk, accept, &head));
+}
+
+// The client reads a server's ParamChunk and StateChunk by hand; protobuf's
+// parser is the reference, over mutated chunks cut into random slices (the
+// server's reader has a fuzzer of its own, tests/fuzz/). What ScanFields
+// leaves to protobuf (groups, a tag past 32 bits, which protobuf cuts to
+// 32), the client refuses, as no server sends it. Of the rest, what protobuf
+// takes the client takes if it has a data field (a chunk without data is no
+// chunk), reading the same fields and data: the last of a repeated field,
+// as protobuf keeps it, and no field of the wrong wire type. Left open: a
+// tensor name that is not UTF-8, which protobuf refuses and the client
+// leaves to its name lookup (no tensor is so named).
+TEST(Wire, ReadChunkAgreesWithProtobufOnMutatedChunks) {
+  std::mt19937_64 rng(17);
+  const auto next = [&](uint64_t n) { return n == 0 ? 0 : rng() % n; };
+  int taken = 0, refused = 0, left_to_protobuf = 0, not_utf8 = 0;
+  for (int round = 0; round < 20000; ++round) {
+    const bool param = round % 2 == 0;
+    const ChunkFields& fields = param ? kParamChunk : kStateChunk;
+    const auto fill = [&](auto message) {
+      message.set_tensor(std::string(1 + next(8), static_cast<char>('a' + next(26))));
+      message.set_offset(next(3) == 0 ? rng() : next(5000));
+      message.set_step(next(300));
+      message.set_dtype(static_cast<v1::DType>(next(3)));
+      std::string data(next(40), '\0');
+      for (char& c : data) c = static_cast<char>(rng());
+      message.set_data(data);
+      return message.SerializeAsString();
+    };
+    std::string bytes = param ? fill(v1::ParamChunk()) : fill(v1::StateChunk());
+    if (next(4) == 0) bytes += bytes;  // every field twice: the last wins
+    for (uint64_t edits = next(4); edits > 0 && !bytes.empty(); --edits) {
+      const size_t at = next(bytes.size());
+      switch (next(4)) {
+        case 0: bytes[at] = static_cast<char>(bytes[at] ^ (1 << next(8))); break;
+        case 1: bytes.erase(at, 1); break;
+        case 2: bytes.insert(at, 1, static_cast<char>(rng())); break;
+        default: bytes.resize(at); break;
+      }
+    }
+    std::vector<size_t> cuts;
+    for (uint64_t c = next(4); c > 0 && !bytes.empty(); --c) cuts.push_back(next(bytes.size() + 1));
+    std::sort(cuts.begin(), cuts.end());
+    grpc::ByteBuffer message = Sliced(bytes, cuts);
+    std::string got_data;
+    ChunkHead head;
+    const bool took = ReadChunk(
+        &message, fields,
+        [&](const ChunkHead& h) -> char* {
+          got_data.assign(h.data_bytes, '\0');
+          return got_data.data();
+        },
+        &head);
+
+    SCOPED_TRACE(absl::CHexEscape(bytes));
+    std::vector<Field> scanned;
+    if (!ScanFields(Pieces::Own(bytes), &scanned)) {
+      EXPECT_FALSE(took);
+      ++left_to_protobuf;
+      continue;
+    }
+    v1::ParamChunk as_param;
+    v1::StateChunk as_state;
+    if (!(param ? as_param.ParseFromString(bytes) : as_state.ParseFromString(bytes))) {
+      ++not_utf8;
+      continue;
+    }
+    const bool has_data = std::any_of(scanned.begin(), scanned.end(), [&](const Field& f) {
+      return f.number == fields.data && f.wire_type == kLengthDelimited;
+    });
+    ASSERT_EQ(took, has_data);
+    if (!took) {
+      ++refused;
+      continue;
+    }
+    ++taken;
+    const auto expect_read = [&](const auto& want) {
+      EXPECT_EQ(got_data, want.data());
+      EXPECT_EQ(head.data_bytes, want.data().size());
+      EXPECT_EQ(head.tensor, want.tensor());
+      EXPECT_EQ(head.offset, want.offset());
+      EXPECT_EQ(head.step, want.step());
+      EXPECT_EQ(static_cast<int32_t>(head.dtype), static_cast<int32_t>(want.dtype()));  // an enum: 32 bits
+    };
+    if (param) {
+      expect_read(as_param);
+    } else {
+      expect_read(as_state);
+    }
+  }
+  // Each outcome many times: a mutation that broke every chunk, or none,
+  // would test one side only.
+  EXPECT_GT(taken, 2000);
+  EXPECT_GT(refused + left_to_protobuf, 2000);
+  EXPECT_LT(not_utf8, 2000);
+  std::printf("taken %d, refused %d, left to protobuf %d, not UTF-8 %d\n", taken, refused, left_to_protobuf, not_utf8);
 }
 
 // One server's push stream, message by message: the head, then for each
