@@ -102,7 +102,11 @@ std::optional<uint64_t> MemoryBudget::ParseBytes(absl::string_view text) {
     }
   }
   uint64_t v;
-  if (!absl::SimpleAtoi(number, &v) || v == 0 || v > UINT64_MAX / unit) return std::nullopt;
+  // Digits only: SimpleAtoi also takes "512 " and "+512".
+  if (number.empty() || number.find_first_not_of("0123456789") != absl::string_view::npos ||
+      !absl::SimpleAtoi(number, &v) || v == 0 || v > UINT64_MAX / unit) {
+    return std::nullopt;
+  }
   return v * unit;
 }
 
@@ -113,6 +117,14 @@ absl::StatusOr<uint64_t> MemoryBudget::ParseLimit(absl::string_view text, std::s
   if (!bytes) {
     return absl::InvalidArgumentError(absl::StrCat("memory limit '", text,
                                                    "' is not 'auto' or a positive byte count such as 20Gi or 512M"));
+  }
+  // Less holds no job, so the server would refuse every CreateJob: a job may
+  // not take the part kept for streams and checkpoints (at least 32 MiB, at
+  // most half), and one rank's staging window is up to 4 MiB.
+  if (*bytes < kLeastLimit) {
+    return absl::InvalidArgumentError(absl::StrCat("memory limit '", text, "' is under 64Mi (", kLeastLimit,
+                                                   " bytes), the least that holds a job beside what the budget "
+                                                   "keeps for the streams and checkpoints"));
   }
   // A budget the process cannot have refuses nothing: the kernel (or the
   // container's OOM killer) would stop the server first.

@@ -40,11 +40,13 @@ class MemoryBudget {
   // where the figure came from.
   static uint64_t DefaultLimit(std::string* found = nullptr);
   // "auto", or bytes with an optional suffix: K M G T (powers of 1000) or
-  // Ki Mi Gi Ti (powers of 1024), as in Kubernetes. `found` says where the
-  // figure came from, as DefaultLimit's does.
+  // Ki Mi Gi Ti (powers of 1024), as in Kubernetes, from kLeastLimit up to
+  // what the process may use. `found` says where the figure came from, as
+  // DefaultLimit's does.
+  static constexpr uint64_t kLeastLimit = uint64_t{64} << 20;
   static absl::StatusOr<uint64_t> ParseLimit(absl::string_view text, std::string* found = nullptr);
-  // A positive byte count with an optional suffix, as ParseLimit's; nullopt
-  // if `text` is not one.
+  // A positive byte count in digits with an optional suffix, as
+  // ParseLimit's; nullopt if `text` is not one.
   static std::optional<uint64_t> ParseBytes(absl::string_view text);
 
   // Bytes held against the budget; returned when destroyed.

@@ -66,9 +66,17 @@ TEST(MemoryBudgetTest, ChargesGrowShrinkAndReturnWhenDestroyed) {
 TEST(MemoryBudgetTest, ParsesKubernetesQuantitiesAndDefaultsBelowTheMachine) {
   EXPECT_EQ(*MemoryBudget::ParseLimit("2Gi"), uint64_t{2} << 30);
   EXPECT_EQ(*MemoryBudget::ParseLimit("512M"), uint64_t{512} * 1000 * 1000);
-  EXPECT_EQ(*MemoryBudget::ParseLimit("4096"), 4096u);
-  for (const char* bad : {"", "0", "-1", "12X", "Gi", "1.5Gi", "99999999999999999999"}) {
+  EXPECT_EQ(*MemoryBudget::ParseLimit("67108864"), uint64_t{64} << 20);
+  // Digits only, as the tokens file's max_memory: SimpleAtoi took "512 M".
+  for (const char* bad : {"", "0", "-1", "12X", "Gi", "1.5Gi", "99999999999999999999", "512 M", " 512M", "+1Gi"}) {
     EXPECT_FALSE(MemoryBudget::ParseLimit(bad).ok()) << bad;
+  }
+  // A budget that holds no job started, and refused every CreateJob (a
+  // probe's --memory_limit=100).
+  for (const char* small : {"100", "1K", "67108863"}) {
+    const auto refused = MemoryBudget::ParseLimit(small);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << small;
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("under 64Mi")) << small;
   }
   std::string found;
   const uint64_t limit = MemoryBudget::DefaultLimit(&found);
