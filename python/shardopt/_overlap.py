@@ -257,8 +257,9 @@ class _OverlapPush:
                     changed.append(self._tensors[k].name)
             if changed:
                 raise InvalidArgument(f"the gradients of {_some_names(changed)} changed after backward "
-                                      "produced them (clipped or unscaled?); overlap=True pushes each as it is "
-                                      "produced: clip with max_grad_norm, or use overlap=False")
+                                      "produced them (clipped, unscaled, or all-reduced by DistributedDataParallel?); "
+                                      "overlap=True pushes each as it is produced: clip with max_grad_norm, leave the "
+                                      "averaging over ranks to the servers (no DDP), or use overlap=False")
             self._refuse_gradients_of_frozen()
             sources = {k: self._grad_source(self._tensors[k]) for k in rest}
             self._sync_staging()
