@@ -110,11 +110,13 @@ Decision Decide(const PushResult& push, uint32_t world_size, const StepOptions& 
     d.clip_factor = std::min(1.0, options.max_grad_norm / (d.grad_norm + 1e-6));
   }
   d.gscale = static_cast<float>(d.clip_factor / average_scale);
-  // A gscale above 1 (a loss_scale below 1 per rank) scales the gradients
-  // up, and a finite one could overflow in the kernel's grad * gscale and
-  // make its master NaN for good; torch's GradScaler, which looks for infs
-  // after unscaling, skips such a step. No element exceeds the norm, so a
-  // norm that stays within fp32 once scaled overflows nowhere.
+  // A gscale above 1 (loss_scale x world_size below the clip factor) scales
+  // the gradients up, and a finite one could overflow in the kernel's
+  // grad * gscale and make its master NaN for good; torch's GradScaler,
+  // which looks for infs after unscaling, skips such a step. No element
+  // exceeds the norm, so a norm that stays within fp32 once scaled overflows
+  // nowhere; past it, a step may be skipped where no element would have
+  // overflowed (the servers report sums of squares, not maxima).
   if (d.gscale > 1 && std::sqrt(push.sum_squares) * d.gscale > std::numeric_limits<float>::max()) return skip();
   return d;
 }

@@ -349,9 +349,9 @@ int main(int argc, char** argv) {
   // gRPC gives one connection attempt 20 s (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS
   // is that timeout too): a server that accepts and never answers failed a
   // longer --timeout_s there, UNAVAILABLE, read as down where it is hung.
-  // The CLI makes its calls on one connection: its attempt may take them
-  // all, and 10 s more, so that the call's deadline always ends it first (at
-  // exactly the deadline, the attempt's end won the race at times).
+  // The attempt may take a call's whole --timeout_s and 10 s more, so that
+  // the call's deadline always ends it first (at exactly the deadline, the
+  // attempt's end won the race at times).
   channel_args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
                       (std::max(10, std::min(absl::GetFlag(FLAGS_timeout_s), INT_MAX / 1000 - 10)) + 10) * 1000);
   if (const std::string name = absl::GetFlag(FLAGS_tls_server_name); !name.empty()) {

@@ -17,7 +17,8 @@ enum class InitialKind { kMaster, kExpAvg, kExpAvgSq };
 // bf16 bits) is a value the state takes as `kind`: finite as its group holds
 // it (`bf16_state`: an fp32 value is rounded to bf16 first, and may overflow
 // to Inf), and an exp_avg_sq not negative (its square root is taken); an
-// exp_avg_sq may be +Inf, as a run's own v becomes past g of about 6e20. Else
+// exp_avg_sq may be +Inf, as a run's own v becomes past g of about 6e20
+// (and one that rounds to +Inf in bf16 state, as a bf16 v does). Else
 // INVALID_ARGUMENT naming the first that is not, as element `first` + i of
 // the tensor `quoted_tensor` (its name as the caller quotes it).
 absl::Status CheckInitialValues(const char* data, uint64_t count, bool fp32, bool bf16_state, InitialKind kind,

@@ -52,7 +52,7 @@ ABSL_FLAG(bool, auto_requires_gpu, false,
           "with --device=auto, exit 1 when no GPU is usable instead of running on the CPU (the GPU image sets it)");
 ABSL_FLAG(int, threads, 0, "CPU backend threads; 0: one per core");
 ABSL_FLAG(int, max_message_bytes, shardopt::kDefaultMaxMessageBytes,
-          "largest gRPC message taken or sent, at least 131072");
+          absl::StrCat("largest gRPC message taken or sent, at least ", shardopt::JobStore::kMinMessageBytes));
 ABSL_FLAG(int, barrier_timeout_ms, 60000, "default barrier deadline for jobs that give none");
 ABSL_FLAG(uint64_t, staging_window_bytes, uint64_t{64} << 20,
           "per job, the most bytes of gradient chunks held while they wait for earlier ranks (at most 4 MiB per rank, at "
@@ -237,7 +237,8 @@ int main(int argc, char** argv) {
   // start that failed to listen (exit 1).
   if (const std::string bare = BareHost(absl::GetFlag(FLAGS_host)); bare.find(':') != std::string::npos) {
     in6_addr v6;
-    if (inet_pton(AF_INET6, bare.c_str(), &v6) != 1) {
+    // A link-local address's zone ("fe80::1%eth0") is gRPC's to read.
+    if (inet_pton(AF_INET6, bare.substr(0, bare.find('%')).c_str(), &v6) != 1) {
       shardopt::UsageError(absl::StrCat("--host takes an address or a name without a port (the port is --port), got '",
                                         absl::GetFlag(FLAGS_host), "'"));
     }

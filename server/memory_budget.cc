@@ -111,30 +111,38 @@ std::optional<uint64_t> MemoryBudget::ParseBytes(absl::string_view text) {
 }
 
 absl::StatusOr<uint64_t> MemoryBudget::ParseLimit(absl::string_view text, std::string* found) {
-  if (text == "auto") return DefaultLimit(found);
-  if (found != nullptr) *found = "--memory_limit";
-  const std::optional<uint64_t> bytes = ParseBytes(text);
-  if (!bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("memory limit '", text,
-                                                   "' is not 'auto' or a positive byte count such as 20Gi or 512M"));
+  std::string from = "--memory_limit";
+  uint64_t bytes;
+  if (text == "auto") {
+    bytes = DefaultLimit(&from);
+  } else {
+    const std::optional<uint64_t> given = ParseBytes(text);
+    if (!given) {
+      return absl::InvalidArgumentError(absl::StrCat("memory limit '", text,
+                                                     "' is not 'auto' or a positive byte count such as 20Gi or 512M"));
+    }
+    // A budget the process cannot have refuses nothing: the kernel (or the
+    // container's OOM killer) would stop the server first.
+    std::string source;
+    if (const uint64_t usable = UsableMemory(&source); *given > usable) {
+      return absl::InvalidArgumentError(absl::StrCat("memory limit '", text, "' is more than this process may use, the ",
+                                                     source, "; give less (it also needs headroom for what the budget "
+                                                     "does not charge) or 'auto'"));
+    }
+    bytes = *given;
   }
-  // Less holds no job, so the server would refuse every CreateJob: a job may
-  // not take the part kept for streams and checkpoints (at least 32 MiB, at
-  // most half), and one rank's staging window is up to 4 MiB.
-  if (*bytes < kLeastLimit) {
-    return absl::InvalidArgumentError(absl::StrCat("memory limit '", text, "' is under 64Mi (", kLeastLimit,
-                                                   " bytes), the least that holds a job beside what the budget "
-                                                   "keeps for the streams and checkpoints"));
+  // Below it, the part kept for streams and checkpoints (at most half the
+  // limit) is less than one checkpoint's buffers (kKeptAtLeast), so a full
+  // budget could not checkpoint its jobs; a budget of a few bytes started
+  // and refused every CreateJob.
+  if (bytes < kLeastLimit) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "memory limit '", text, "' is ", bytes, " bytes (", from, "), under 64Mi (", kLeastLimit,
+        " bytes): half of it, the most the budget keeps from jobs for their streams and checkpoints, would not hold "
+        "one checkpoint's buffers (", kKeptAtLeast, " bytes)", text == "auto" ? "; give the server more memory" : ""));
   }
-  // A budget the process cannot have refuses nothing: the kernel (or the
-  // container's OOM killer) would stop the server first.
-  std::string source;
-  if (const uint64_t usable = UsableMemory(&source); *bytes > usable) {
-    return absl::InvalidArgumentError(absl::StrCat("memory limit '", text, "' is more than this process may use, the ",
-                                                   source, "; give less (it also needs headroom for what the budget "
-                                                   "does not charge) or 'auto'"));
-  }
-  return *bytes;
+  if (found != nullptr) *found = from;
+  return bytes;
 }
 
 absl::Status MemoryBudget::Take(uint64_t bytes, absl::string_view what, uint64_t keep_free) {

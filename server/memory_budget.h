@@ -83,6 +83,8 @@ class MemoryBudget {
   // buffers) and at most 64 MiB, and never over half the limit.
   uint64_t kept_for_streams() const;
   static constexpr uint64_t kKeptAtLeast = uint64_t{32} << 20;
+  // Below it, half the limit would not hold kKeptAtLeast.
+  static_assert(kLeastLimit == 2 * kKeptAtLeast);
   // A charge of nothing yet, to Grow later.
   Charge Empty() { return Charge(this, 0); }
 

@@ -168,6 +168,7 @@ grpc::Status OptimizerService::DropJob(grpc::ServerContext* context, const v1::D
   // life it names), untouched since (DropJobRequest.undo).
   if (req->undo()) {
     if (absl::Status allowed = caller->Allows(Action::kCreate, req->job()); !allowed.ok()) {
+      if (!absl::IsPermissionDenied(allowed)) return ToGrpcStatus(allowed);  // no job named
       return ToGrpcStatus(absl::PermissionDeniedError(
           absl::StrCat(allowed.message(), " (a DropJob with undo needs what a CreateJob of it needs)")));
     }

@@ -336,6 +336,9 @@ TEST_F(AuthTest, AnUnparseableRequestIsTheCallersOnceKnownAndNoJobIsInvalidForEv
                                                     not_utf8, GRPC_COMPRESS_NONE, c.authorization)
                                   .first;
       EXPECT_EQ(st.error_code(), c.code) << c.name << " " << method << ": " << st.error_message();
+      if (c.code == grpc::StatusCode::INVALID_ARGUMENT) {
+        EXPECT_THAT(st.error_message(), HasSubstr("does not parse")) << c.name << " " << method;
+      }
     }
   }
   for (const char* token : {kAlice, kRoot}) {
@@ -350,6 +353,7 @@ TEST_F(AuthTest, AnUnparseableRequestIsTheCallersOnceKnownAndNoJobIsInvalidForEv
         {"Read", [&] { return caller.Read(""); }},
         {"Checkpoint", [&] { return caller.Checkpoint("", 0); }},
         {"DropJob", [&] { return caller.Drop("", 1); }},
+        {"DropJob undo", [&] { return caller.Drop("", 1, /*undo=*/true); }},
     };
     for (const auto& [rpc, call] : calls) {
       const grpc::Status st = call();

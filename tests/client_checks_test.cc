@@ -433,6 +433,16 @@ TEST(InitialValuesTest, AValueThatRoundsToInfinityInBf16StateIsSaidToDoSo) {
   EXPECT_THAT(std::string(big.message()), ::testing::HasSubstr("element 1 (3.4e+38) rounds to infinity in its group's bf16 state"));
   const absl::Status inf = CheckInitialValues(bytes + 8, 1, true, false, InitialKind::kMaster, "'w'", 2);
   EXPECT_THAT(std::string(inf.message()), ::testing::HasSubstr("element 2 is not finite"));
+  // A second moment is the exception: +Inf is a v a run reaches, so one that
+  // rounds to it in a bf16 group, or is it, is taken; -Inf and NaN are not.
+  EXPECT_TRUE(CheckInitialValues(bytes, 3, true, /*bf16_state=*/true, InitialKind::kExpAvgSq, "'w'", 0).ok());
+  const float never[] = {-std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()};
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_FALSE(CheckInitialValues(reinterpret_cast<const char*>(never + i), 1, true, false, InitialKind::kExpAvgSq,
+                                    "'w'", 0)
+                     .ok())
+        << i;
+  }
 }
 
 // A loss_scale below 1 scales the gradients up (gscale > 1): finite ones

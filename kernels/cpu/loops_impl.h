@@ -19,7 +19,9 @@ inline void Store(uint16_t& dst, float x) { dst = math::float_to_bf16(x); }
 // divisions per element), and the out-of-order window then no longer reaches
 // far enough ahead to keep enough misses in flight: on a 2-vCPU AVX2 EPYC
 // the update ran at about 0.8 of the stream loop without this and 0.9-0.95
-// with it. The stream loop, with nothing to stall it, does not gain from it.
+// with it (on a later EPYC VM, 0.82-0.86 with or without it, at any
+// distance from 512 to 2048: docs/measurements.md). The stream loop, with
+// nothing to stall it, does not gain from it.
 // Prefetching changes no result.
 constexpr uint64_t kPrefetchBlock = 64;   // elements per round of prefetches
 constexpr uint64_t kPrefetchAhead = 512;  // elements ahead of the block being updated

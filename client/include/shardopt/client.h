@@ -268,7 +268,8 @@ struct InitShare {
 
 // Decide's rule, a pure function so that every rank and the tests agree
 // (docs/design.md, section 4.2): a skip where a gradient is not finite, or
-// where a loss_scale below 1 would scale one past fp32's range. world_size
+// where gscale > 1 (loss_scale x world_size below the clip factor) could
+// scale one past fp32's range, judged by the norm. world_size
 // is the job's, at least 1 (a job of 0 ranks is refused before any push;
 // here it would divide by zero).
 Decision Decide(const PushResult& push, uint32_t world_size, const StepOptions& options);
