@@ -136,8 +136,20 @@ uint64_t ParseCount(const Verb& verb, const char* what, const std::string& text)
   return value;
 }
 
+// An error's names (a job's, a tensor's, a path) are whatever someone gave:
+// their control bytes go out as \xHH, as the server's log writes them, and
+// not as escape sequences or line breaks to the operator's terminal.
 int Fail(const absl::Status& st) {
-  std::cerr << "shardopt: " << st.ToString() << "\n";
+  std::string line;
+  for (const char c : st.ToString()) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      absl::StrAppend(&line, "\\x", absl::Hex(u, absl::kZeroPad2));
+    } else {
+      line += c;
+    }
+  }
+  std::cerr << "shardopt: " << line << "\n";
   return 1;
 }
 

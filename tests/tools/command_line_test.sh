@@ -101,6 +101,13 @@ case $case_name in
     : > "$dir/empty.pem"
     run 1 "$cli" --server=127.0.0.1:1 --tls_ca="$dir/empty.pem" describe JOB &&
       expect err 'INVALID_ARGUMENT: .*empty.pem holds nothing'
+    # A name in an error comes back with its control bytes as \xHH, as the
+    # server's log writes them, not as escape sequences to the terminal.
+    run 1 "$cli" --server=127.0.0.1:1 --tls_ca="$dir/no"$'\x1b[31m'"such.pem" describe JOB &&
+      expect err 'no\\x1b\[31msuch\.pem cannot be read'
+    if grep -q $'\x1b' "$dir/err"; then
+      echo "FAIL: an escape byte reached the terminal"; failures=$((failures + 1))
+    fi
     ;;
   server_bad_arguments)
     run 2 "$server" --port=abc && expect err 'port'
