@@ -204,6 +204,21 @@ int main(int argc, char** argv) {
       shardopt::UsageError(absl::StrCat("--", flag, "=", port, " is not a port (1 to 65535; 0: none)"));
     }
   }
+  // One port for two of the server's listeners: the second failed "address
+  // already in use" (exit 1), as if another process held it.
+  {
+    const std::pair<const char*, int> ports[] = {{"port", absl::GetFlag(FLAGS_port)},
+                                                 {"health_port", absl::GetFlag(FLAGS_health_port)},
+                                                 {"metrics_port", absl::GetFlag(FLAGS_metrics_port)}};
+    for (size_t i = 0; i < 3; ++i) {
+      for (size_t j = i + 1; j < 3; ++j) {
+        if (ports[i].second != 0 && ports[i].second == ports[j].second) {
+          shardopt::UsageError(absl::StrCat("--", ports[i].first, " and --", ports[j].first, " are both ",
+                                            ports[i].second, ": each listener needs a port of its own"));
+        }
+      }
+    }
+  }
   if (const int wait = absl::GetFlag(FLAGS_drain_failure_wait_seconds); wait < 0 || wait > 3600) {
     shardopt::UsageError(absl::StrCat("--drain_failure_wait_seconds=", wait, " must be 0 to 3600"));
   }

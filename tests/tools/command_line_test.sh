@@ -117,6 +117,11 @@ case $case_name in
     # refusal, or with --insecure a start that failed to listen (exit 1).
     run 2 "$server" --port=0 --host=127.0.0.1:5 --insecure && expect err 'host takes an address or a name without a port'
     run 2 "$server" --port=0 --host='[::1]:5' && expect err 'host takes an address or a name without a port'
+    # One port for two listeners: the second failed "address in use" (exit 1)
+    # without saying the server itself held it.
+    run 2 "$server" --port=0 --health_port=23456 --metrics_port=23456 &&
+      expect err 'health_port and --metrics_port are both 23456'
+    run 2 "$server" --port=23457 --metrics_port=23457 && expect err 'port and --metrics_port are both 23457'
     ;;
   version)
     for binary in "$server" "$cli" "$bench" "$demo"; do
