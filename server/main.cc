@@ -1,5 +1,4 @@
 // shardopt-server: one optimizer server process.
-#include <arpa/inet.h>
 #include <semaphore.h>
 #include <time.h>
 #include <unistd.h>
@@ -35,6 +34,7 @@
 #include "server/metrics_http.h"
 #include "server/job_spec.h"
 #include "server/library_logs.h"
+#include "server/listen_host.h"
 #include "server/service.h"
 #include "server/store_gauges.h"
 #include "server/tls_copies.h"
@@ -113,33 +113,6 @@ void OnStop(int) {
 void OnReload(int) {
   g_reload = 1;
   sem_post(&g_wake);
-}
-
-// --host without the brackets an IPv6 address may come in ("[::1]"), for
-// getaddrinfo and inet_pton.
-std::string BareHost(const std::string& host) {
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') return host.substr(1, host.size() - 2);
-  return host;
-}
-
-// host:port as gRPC parses it: an IPv6 address in brackets, or its last
-// group would be taken for the port ("::1:0").
-std::string HostPort(const std::string& host, int port) {
-  const std::string bare = BareHost(host);
-  return bare.find(':') == std::string::npos ? absl::StrCat(bare, ":", port) : absl::StrCat("[", bare, "]:", port);
-}
-
-// An address, not a name that merely starts like one ("127.example.com"):
-// 127.0.0.0/8, ::1 (also v4-mapped 127/8), or localhost.
-bool IsLoopback(const std::string& host) {
-  const std::string bare = BareHost(host);
-  in_addr v4;
-  if (inet_pton(AF_INET, bare.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
-  in6_addr v6;
-  if (inet_pton(AF_INET6, bare.c_str(), &v6) == 1) {
-    return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
-  }
-  return bare == "localhost";
 }
 
 // A --checkpoint_dir the server cannot write fails the start (exit 1): found
@@ -247,18 +220,10 @@ int main(int argc, char** argv) {
   if (absl::GetFlag(FLAGS_tls_cert).empty() && !absl::GetFlag(FLAGS_tls_client_ca).empty()) {
     shardopt::UsageError("--tls_client_ca (mutual TLS) needs --tls_cert and --tls_key");
   }
-  // A port in --host ("127.0.0.1:5") was taken for part of an IPv6 address:
-  // refused below for plaintext, the wrong reason, or with --insecure a
-  // start that failed to listen (exit 1).
-  if (const std::string bare = BareHost(absl::GetFlag(FLAGS_host)); bare.find(':') != std::string::npos) {
-    in6_addr v6;
-    // A link-local address's zone ("fe80::1%eth0") is gRPC's to read.
-    if (inet_pton(AF_INET6, bare.substr(0, bare.find('%')).c_str(), &v6) != 1) {
-      shardopt::UsageError(absl::StrCat("--host takes an address or a name without a port (the port is --port), got '",
-                                        absl::GetFlag(FLAGS_host), "'"));
-    }
+  if (const absl::Status host = shardopt::CheckHostHasNoPort(absl::GetFlag(FLAGS_host)); !host.ok()) {
+    shardopt::UsageError(std::string(host.message()));
   }
-  if (absl::GetFlag(FLAGS_tls_cert).empty() && !IsLoopback(absl::GetFlag(FLAGS_host)) &&
+  if (absl::GetFlag(FLAGS_tls_cert).empty() && !shardopt::IsLoopback(absl::GetFlag(FLAGS_host)) &&
       !absl::GetFlag(FLAGS_insecure)) {
     shardopt::UsageError(absl::StrCat("plaintext on --host=", absl::GetFlag(FLAGS_host),
                                       " lets anyone who reaches the port read, change or drop every job: give "
@@ -319,7 +284,7 @@ int main(int argc, char** argv) {
     auth = *std::move(loaded);
   }
   shardopt::ServerOptions options;
-  options.address = HostPort(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_port));
+  options.address = shardopt::HostPort(absl::GetFlag(FLAGS_host), absl::GetFlag(FLAGS_port));
   const shardopt::TlsFiles tls_paths{absl::GetFlag(FLAGS_tls_client_ca), absl::GetFlag(FLAGS_tls_cert),
                                      absl::GetFlag(FLAGS_tls_key)};
   std::unique_ptr<shardopt::TlsCopies> tls_copies;  // outlives the server, which reads them
@@ -392,7 +357,7 @@ int main(int argc, char** argv) {
   });
   std::unique_ptr<shardopt::MetricsServer> metrics_server;
   if (const int port = absl::GetFlag(FLAGS_metrics_port); port > 0) {
-    auto started = shardopt::MetricsServer::Start(BareHost(absl::GetFlag(FLAGS_host)), port,
+    auto started = shardopt::MetricsServer::Start(shardopt::BareHost(absl::GetFlag(FLAGS_host)), port,
                                                   &shardopt::metrics::Registry::Default());
     if (!started.ok()) {
       return StartFailed(std::string(started.status().message()));
@@ -413,7 +378,7 @@ int main(int argc, char** argv) {
     return port_file_failed();
   }
   log::Info("started", {{"version", shardopt::Version()},
-                        {"address", HostPort(absl::GetFlag(FLAGS_host), (*running)->port)},
+                        {"address", shardopt::HostPort(absl::GetFlag(FLAGS_host), (*running)->port)},
                         {"transport", options.tls_cert_pem.empty()        ? "plaintext"
                                       : options.tls_client_ca_pem.empty() ? "tls"
                                                                           : "mutual-tls"},
