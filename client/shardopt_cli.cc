@@ -33,9 +33,11 @@
 #include "absl/strings/strip.h"
 #include "google/protobuf/util/json_util.h"
 #include "kernels/adamw_math.h"
+#include "base/control_bytes.h"
 #include "checkpoint/catalog.h"
 #include "checkpoint/files.h"
 #include "checkpoint/format.h"
+#include "client/checkpoint_export.h"
 #include "client/fanout.h"
 #include "client/option_checks.h"
 #include "shardopt/safetensors.h"
@@ -140,16 +142,7 @@ uint64_t ParseCount(const Verb& verb, const char* what, const std::string& text)
 // their control bytes go out as \xHH, as the server's log writes them, and
 // not as escape sequences or line breaks to the operator's terminal.
 int Fail(const absl::Status& st) {
-  std::string line;
-  for (const char c : st.ToString()) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u < 0x20 || u == 0x7f) {
-      absl::StrAppend(&line, "\\x", absl::Hex(u, absl::kZeroPad2));
-    } else {
-      line += c;
-    }
-  }
-  std::cerr << "shardopt: " << line << "\n";
+  std::cerr << "shardopt: " << shardopt::EscapeControlBytes(st.ToString()) << "\n";
   return 1;
 }
 
@@ -188,90 +181,6 @@ void PrintValues(const v1::StateChunk& chunk) {
     }
     std::printf("%.9g\n", x);
   }
-}
-
-// Whether `out` (through any symlinks) names a place in `job`'s checkpoint
-// directory under `dir`: an export there could replace a file of the very
-// checkpoint it reads, and the servers' restore would lose it.
-bool InsideTheJobsCheckpoints(const std::string& dir, const std::string& job, const std::string& out) {
-  // Absolute first: weakly_canonical leaves a relative path whose first
-  // part does not exist relative.
-  std::error_code job_ec, out_ec;
-  const std::string job_dir = std::filesystem::weakly_canonical(
-      std::filesystem::absolute(shardopt::checkpoint::JobDirectory(dir, job), job_ec), job_ec);
-  const std::string target =
-      std::filesystem::weakly_canonical(std::filesystem::absolute(out, out_ec), out_ec);
-  return !job_ec && !out_ec && absl::StartsWith(target, job_dir + "/");
-}
-
-int Export(const std::string& dir, uint64_t step, bool bf16, const std::string& job, const std::string& out) {
-  const auto log = [](const std::string& line) { std::cerr << "shardopt: " << line << "\n"; };
-  if (InsideTheJobsCheckpoints(dir, job, out)) {
-    return Fail(absl::InvalidArgumentError(absl::StrCat(
-        out, " lies in the checkpoint directory of job '", job, "', whose files export reads and the servers restore; "
-        "write it elsewhere")));
-  }
-  namespace checkpoint = shardopt::checkpoint;
-  // The steps whose COMMIT is there: a prune takes it first.
-  const auto complete = [&] {
-    std::vector<uint64_t> steps;
-    std::error_code ec;
-    for (uint64_t t : checkpoint::StepsNewestFirst(checkpoint::JobDirectory(dir, job))) {
-      if (std::filesystem::exists(absl::StrCat(checkpoint::StepDirectory(dir, job, t), "/", checkpoint::kCommitName), ec)) {
-        steps.push_back(t);
-      }
-    }
-    return steps;
-  };
-  absl::StatusOr<checkpoint::JobAt> at;
-  absl::StatusOr<checkpoint::Part> part;
-  for (int attempt = 1;; ++attempt) {
-    const std::vector<uint64_t> before = complete();
-    at = checkpoint::WholeJob(dir, job, step, log);
-    if (at.ok()) part = checkpoint::Load(dir, at->spec, at->step, log);
-    if (at.ok() && part.ok()) break;
-    // The newest step pruned while it was read (a live job's server with
-    // --checkpoint_keep): the complete steps there now differ, and the
-    // newest one now will do. A damaged checkpoint in a quiet directory
-    // fails at once.
-    if (step != 0 || attempt == 5 || complete() == before) return Fail(at.ok() ? part.status() : at.status());
-    log("the job's checkpoints changed while they were read (a server pruned them); reading the newest again");
-  }
-  std::vector<shardopt::SafetensorsTensor> tensors;
-  const std::vector<uint64_t> sections = checkpoint::SectionOffsets(part->manifest);
-  std::vector<float> master;
-  for (int s = 0; s < part->manifest.shards_size(); ++s) {
-    const uint64_t n = at->spec.shards(s).length();
-    master.resize(n);
-    checkpoint::DecodeArray(part->data.data() + checkpoint::ArrayOffset(sections, part->manifest, s, checkpoint::Array::kMaster),
-                            n, part->manifest.shards(s).dtype(), master.data());
-    shardopt::SafetensorsTensor t{at->spec.shards(s).tensor(), bf16 ? "BF16" : "F32", {n}, {}};
-    // The model's shape where the job has one (WholeJob's shards: its tensors).
-    if (const auto& dims = at->spec.tensors(s).shape(); !dims.empty()) t.shape.assign(dims.begin(), dims.end());
-    t.data.resize(n * (bf16 ? 2 : 4));
-    if (!bf16) {
-      std::memcpy(t.data.data(), master.data(), n * 4);
-    } else {
-      uint64_t overflowed = 0;  // finite masters past bf16's largest finite value
-      for (uint64_t i = 0; i < n; ++i) {
-        const uint16_t h = shardopt::math::float_to_bf16(master[i]);
-        overflowed += std::isfinite(master[i]) && (h & 0x7fff) == 0x7f80;
-        std::memcpy(t.data.data() + 2 * i, &h, 2);
-      }
-      if (overflowed > 0) {
-        log(absl::StrCat("warning: ", overflowed, " finite masters of tensor '", t.name,
-                         "' round to infinity in bf16 (past its largest finite value, about 3.39e38), which an "
-                         "import refuses; export them as fp32"));
-      }
-    }
-    tensors.push_back(std::move(t));
-  }
-  const std::map<std::string, std::string> metadata = {
-      {"job", job}, {"step", std::to_string(at->step)}, {"state", "master"}, {"format", "pt"}};
-  if (auto st = shardopt::WriteSafetensors(out, tensors, metadata); !st.ok()) return Fail(st);
-  std::cout << "exported job '" << job << "' step " << at->step << " (" << tensors.size() << " tensors, "
-            << (bf16 ? "bf16" : "fp32") << ") to " << out << "\n";
-  return 0;
 }
 
 }  // namespace
@@ -327,7 +236,9 @@ int main(int argc, char** argv) {
     }
     // Many tools read `-` as stdout; this one would write a file of that name.
     if (args[2] == "-") shardopt::UsageError("export writes OUT.safetensors to a file; '-' (stdout) is not taken");
-    return Export(checkpoint_dir, absl::GetFlag(FLAGS_step), dtype == "bf16", args[1], args[2]);
+    const absl::Status exported =
+        shardopt::ExportCheckpoint(checkpoint_dir, absl::GetFlag(FLAGS_step), dtype == "bf16", args[1], args[2]);
+    return exported.ok() ? 0 : Fail(exported);
   }
 
   // Every argument is checked before the server is contacted.

@@ -1,5 +1,7 @@
 #include "server/log.h"
 
+#include "base/control_bytes.h"
+
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -10,6 +12,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "base/control_bytes.h"
 #include "nlohmann/json.hpp"
 #include "spdlog/sinks/stdout_sinks.h"
 #include "spdlog/spdlog.h"
@@ -52,17 +55,7 @@ std::string TextValue(const std::string& v) {
   bool plain = !v.empty();
   for (char c : v) plain = plain && c > ' ' && c != '"' && c != '=' && c != '\\' && c < 127;
   if (plain) return v;
-  std::string out = "\"";
-  for (char c : v) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u < 0x20 || u == 0x7f) {
-      absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
-    } else {
-      if (c == '"' || c == '\\') out += '\\';
-      out += c;
-    }
-  }
-  return out + "\"";
+  return absl::StrCat("\"", EscapeControlBytes(v, "\"\\"), "\"");
 }
 
 }  // namespace
