@@ -186,8 +186,9 @@ TEST(Wire, ReadChunkAgreesWithProtobufOnMutatedChunks) {
         &head);
 
     SCOPED_TRACE(absl::CHexEscape(bytes));
+    const Pieces whole = Pieces::Own(bytes);
     std::vector<Field> scanned;
-    if (!ScanFields(Pieces::Own(bytes), &scanned)) {
+    if (!ScanFields(whole, &scanned)) {
       EXPECT_FALSE(took);
       ++left_to_protobuf;
       continue;
@@ -196,7 +197,6 @@ TEST(Wire, ReadChunkAgreesWithProtobufOnMutatedChunks) {
     v1::StateChunk as_state;
     if (!(param ? as_param.ParseFromString(bytes) : as_state.ParseFromString(bytes))) {
       // Only a tensor name that is not UTF-8 may part the two here.
-      const Pieces whole = Pieces::Own(bytes);
       const bool named_badly = std::any_of(scanned.begin(), scanned.end(), [&](const Field& f) {
         if (f.number != fields.tensor || f.wire_type != kLengthDelimited) return false;
         std::string name(f.end - f.value, '\0');
