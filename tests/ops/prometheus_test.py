@@ -51,6 +51,31 @@ def wait_for(what, fn, seconds):
     raise AssertionError(f"{what}: not within {seconds} s (last: {last!r})")
 
 
+def start_on_free_ports(what, count, command, ready, log, seconds):
+    """Starts command(ports) on `count` ports picked free, and waits until
+    ready(ports) holds. A port picked free can be taken by another test's
+    server before this process binds it (ctest runs tests side by side); the
+    process then exits, or another server answers, so a try whose process
+    has exited is made again on new ports, three times at most."""
+    for attempt in range(3):
+        ports = [free_port() for _ in range(count)]
+        proc = subprocess.Popen(command(ports), stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+
+        def up():
+            if proc.poll() is not None:
+                return "exited"
+            return ready(ports) and "ready"
+        try:
+            if wait_for(what, up, seconds) == "ready":
+                return proc, ports
+        except AssertionError:
+            proc.kill()
+            proc.wait()
+            raise
+        print(f"{what}: exited on ports {ports} (taken meanwhile?), trying new ones; its log:\n" + open(log).read())
+    raise AssertionError(f"{what}: exited on three sets of free ports")
+
+
 def query(prom, expr):
     body = json.loads(get(f"http://127.0.0.1:{prom}/api/v1/query?" + urllib.parse.urlencode({"query": expr})))
     assert body["status"] == "success", body
@@ -85,23 +110,26 @@ def main():
         print("SKIP: no prometheus binary (Debian package 'prometheus'; scripts/install-deps.sh installs it)")
         return 77
     tmp = tempfile.mkdtemp(prefix="shardopt-prom-")
-    grpc_port, metrics_port, prom_port = free_port(), free_port(), free_port()
     procs = []
     try:
-        server = subprocess.Popen([server_bin, "--host=127.0.0.1", f"--port={grpc_port}", "--device=cpu",
-                                   f"--metrics_port={metrics_port}"], stderr=open(f"{tmp}/server.log", "w"))
+        server, (grpc_port, metrics_port) = start_on_free_ports(
+            "the metrics endpoint", 2,
+            lambda ports: [server_bin, "--host=127.0.0.1", f"--port={ports[0]}", "--device=cpu",
+                           f"--metrics_port={ports[1]}"],
+            lambda ports: "shardopt_build_info" in get(f"http://127.0.0.1:{ports[1]}/metrics"), f"{tmp}/server.log", 20)
         procs.append(server)
-        text = wait_for("the metrics endpoint", lambda: get(f"http://127.0.0.1:{metrics_port}/metrics"), 20)
+        text = get(f"http://127.0.0.1:{metrics_port}/metrics")
         # Names and types by Prometheus's conventions.
         for line in ("# TYPE shardopt_commits_total counter", "# TYPE shardopt_apply_seconds histogram",
                      "# TYPE shardopt_memory_budget_bytes gauge", "shardopt_build_info{version="):
             assert line in text, line
         write_config(tmp, {"metrics": metrics_port, "grpc": grpc_port})
-        prom = subprocess.Popen([prometheus, f"--config.file={tmp}/prometheus.yml", f"--storage.tsdb.path={tmp}/data",
-                                 f"--web.listen-address=127.0.0.1:{prom_port}"],
-                                stdout=subprocess.DEVNULL, stderr=open(f"{tmp}/prometheus.log", "w"))
+        prom, (prom_port,) = start_on_free_ports(
+            "prometheus ready", 1,
+            lambda ports: [prometheus, f"--config.file={tmp}/prometheus.yml", f"--storage.tsdb.path={tmp}/data",
+                           f"--web.listen-address=127.0.0.1:{ports[0]}"],
+            lambda ports: "Ready" in get(f"http://127.0.0.1:{ports[0]}/-/ready"), f"{tmp}/prometheus.log", 60)
         procs.append(prom)
-        wait_for("prometheus ready", lambda: "Ready" in get(f"http://127.0.0.1:{prom_port}/-/ready"), 60)
         # The trainer steps two jobs for a while; it drops them at its end.
         trainer = subprocess.Popen([trainer_bin, f"--server=127.0.0.1:{grpc_port}", "--steps=100000",
                                     "--print_every=1000000", f"--csv={tmp}/curves.csv"],
