@@ -111,5 +111,9 @@ class _ParamWatch:
 
     @staticmethod
     def _group_hyper(g):
+        """The group's numbers as the servers hold them: eps as a float32,
+        so that one written again as its float32 (numpy's, say) is no
+        change."""
         b1, b2 = g["betas"]
-        return (float(b1), float(b2), float(g["eps"]), float(g["weight_decay"]))
+        eps = float(torch.tensor(g["eps"], dtype=torch.float32))
+        return (float(b1), float(b2), eps, float(g["weight_decay"]))

@@ -64,6 +64,25 @@ def test_changed_hyperparameters_are_refused(servers, job):
     opt.drop()
 
 
+def test_an_eps_written_again_as_the_same_float32_is_no_change(servers, job):
+    """The servers hold eps as a float32: 1e-8 read back from a float32
+    tensor (numpy's float32(1e-8) is the same), set into the group between
+    steps, is the eps they hold, though as a double it is not 1e-8; so it
+    steps on, and a state dict saved with it loads into a job of 1e-8."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, eps=1e-8)
+    train(model, opt, 1)
+    for g in opt.param_groups:
+        g["eps"] = torch.tensor(1e-8, dtype=torch.float32).item()
+    assert opt.param_groups[0]["eps"] != 1e-8
+    train(model, opt, 1)
+    saved = opt.state_dict()
+    opt.drop()
+    other = RemoteAdamW(param_groups(make_model()), servers=servers, job=f"{job}-loaded", eps=1e-8)
+    other.load_state_dict(saved)
+    other.drop()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64], ids=["fp16", "fp64"])
 def test_unsupported_dtype(servers, job, dtype):
     model = make_model().to(dtype)
