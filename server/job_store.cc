@@ -175,7 +175,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     const uint64_t bytes = page.ByteSizeLong() + 2 * uint64_t{options_.max_name_bytes} + 64 + kDescribeMarginBytes;
     if (bytes > options_.max_message_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "job ", Quote(request.job()), "'s ", spec.groups_size(), " groups take ", page.ByteSizeLong(),
+          "job ", Quote(request.job()), ": its ", spec.groups_size(), " groups take ", page.ByteSizeLong(),
           " bytes of every Describe answer, which leaves no room for a tensor under this server's ",
           "--max_message_bytes (", options_.max_message_bytes, "): give fewer groups, or shorter names"));
     }
