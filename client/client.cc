@@ -254,6 +254,7 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
       first.set_incarnation(im.incarnation[s]);
       first.set_trainer(im.trainer);
       first.set_attached_at(im.attached_at[s]);
+      first.set_chunk_bytes(im.chunk_bytes);
       PushMessages messages(std::move(first), sends, im.chunk_bytes, grad);
       // Without its answer the server's partial norm would be taken as 0.
       const wire::OneAnswer received(&responses[s], "push");

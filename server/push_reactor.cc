@@ -104,6 +104,11 @@ class PushReactor final : public ReadReactor {
       waiting_ = Waiting::kWindow;
       return;
     }
+    // Summed, or copied into the window: the message's charge goes now,
+    // not at the next read, which may wait for room (it used to stay
+    // charged to the budget beside the copy in the window, which the job's
+    // staging charge holds).
+    ReleaseMessage();
     ReadWhenAllowed();
   }
 

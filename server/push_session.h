@@ -85,7 +85,7 @@ class PushSession {
   absl::StatusOr<v1::PushResponse> Finish();
 
  private:
-  PushSession(std::shared_ptr<Job> job, uint64_t step, uint32_t rank);
+  PushSession(std::shared_ptr<Job> job, uint64_t step, uint32_t rank, uint64_t said_chunk);
   // Joins the round of step_, starting it if needed.
   void Start(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // Under the job's lock: the first part of the seal (the rank's
@@ -139,6 +139,7 @@ class PushSession {
   uint64_t pending_taken_ = 0;
   uint64_t held_ = 0;           // this session's part of job_->held_bytes
   uint64_t last_chunk_ = 0;     // the last chunk's bytes: the next read's expected size
+  const uint64_t said_chunk_;   // GradChunk.chunk_bytes (0: unsaid), at most the window's cap
   bool read_ahead_ = false;     // the next read started before this chunk was taken
   DType pending_dtype_ = DType::kBf16;
   uint32_t pending_shard_ = 0;

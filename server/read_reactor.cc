@@ -84,6 +84,12 @@ void ReadReactor::Read() {
   StartRead(&message_);
 }
 
+void ReadReactor::ReleaseMessage() {
+  if (reading_) return;
+  message_charge_.Release();
+  message_.Clear();
+}
+
 void ReadReactor::Arm(Clock::time_point when) {
   armed_for_ = when;
   wakeups_->At(when, [weak = std::weak_ptr<ReadReactor>(shared_from_this()), when] {

@@ -70,6 +70,10 @@ class ReadReactor : public grpc::ServerReadReactor<grpc::ByteBuffer>, public std
   // The last message's charge, for a subclass that reads the next message
   // before it is done with this one (Read releases what it still holds).
   MemoryBudget::Charge TakeMessageCharge() { return std::move(message_charge_); }
+  // The last message is dealt with before the next read starts (a push
+  // whose chunk went into the window, and which waits for room to read):
+  // its bytes and its charge go now. Nothing while a read is in flight.
+  void ReleaseMessage();
   void End(const grpc::Status& status);
   bool finished() const { return finished_; }
   template <typename T>

@@ -18,6 +18,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -135,6 +136,73 @@ TEST(LimitsTest, TheMemoryBudgetRefusesWhatDoesNotFitAndTheServerStaysUp) {
   EXPECT_TRUE(ConnectOnce(server->address())->CreateOrAttach(OneTensorJob("after-drop", 4 << 20)).ok());
   ASSERT_TRUE(victim.Step().ok());
 }
+
+// A job that leaves the budget only its reserve still steps with many ranks
+// of large chunks, its rank 0 last. A push whose chunk went into the window
+// used to keep its message's charge to the budget until its next read,
+// which waits for the window: 23 ranks of 3.2 MB messages were charged 74 MB
+// beside their copies in the window (which the job's staging charge holds),
+// past the 43 MB left, and the ranks' pushes were refused RESOURCE_EXHAUSTED
+// (an outside probe, 3 runs of 4). The charge now goes once it is copied.
+// At 48 ranks the server also took each stream's first chunk for the 256
+// KiB a client chooses for 48 ranks, and read 48 of 3.2 MB against the
+// window's 64 MiB; the push's first message now says its chunks' size.
+class LargeChunksTest : public ::testing::TestWithParam<uint32_t> {};
+
+TEST_P(LargeChunksTest, ALowestRankLateBehindManyFindsTheBudgetRoomy) {
+  const uint32_t kWorld = GetParam();
+  constexpr uint64_t kNumel = 1600000;  // 3.2 MB of bf16 a tensor: one message each, in 4 MiB chunks
+  auto server = ServerProcess::Start({"--memory_limit=160Mi"});
+  ASSERT_NE(server, nullptr);
+  JobOptions job = OneTensorJob("many", kNumel, kWorld);
+  job.tensors = {{"a", kNumel, 0}, {"b", kNumel, 0}};
+  job.barrier_timeout_ms = 30000;
+  std::vector<std::unique_ptr<Client>> ranks;
+  for (uint32_t r = 0; r < kWorld; ++r) {
+    ClientOptions o;
+    o.servers = {server->address()};
+    o.rank = r;
+    o.max_attempts = 1;
+    o.rpc_timeout_ms = 60000;
+    o.chunk_bytes = 4 << 20;
+    ranks.push_back(Client::Connect(o).value());
+    ASSERT_TRUE(ranks.back()->CreateOrAttach(job).ok());
+  }
+  auto described = ranks[0]->Describe();
+  ASSERT_TRUE(described.ok());
+  // What jobs may not take, 40 MiB of 160, is about all that is left.
+  const uint64_t left = (*described)[0].memory_limit_bytes - (*described)[0].memory_used_bytes;
+  ASSERT_LT(left, uint64_t{48} << 20);
+  std::mt19937_64 rng(11);
+  const std::vector<float> init_a = RandomFloats(rng, kNumel, -1, 1), init_b = RandomFloats(rng, kNumel, -1, 1);
+  ASSERT_TRUE(ranks[0]->InitFp32("a", init_a.data()).ok());
+  ASSERT_TRUE(ranks[0]->InitFp32("b", init_b.data()).ok());
+  std::vector<std::vector<uint16_t>> ga(kWorld), gb(kWorld);
+  for (uint32_t r = 0; r < kWorld; ++r) ga[r] = RandomBf16(rng, kNumel, 1.0f), gb[r] = RandomBf16(rng, kNumel, 1.0f);
+  std::vector<uint16_t> params_a(kNumel), params_b(kNumel);
+  std::vector<absl::StatusOr<StepResult>> results(kWorld, absl::UnknownError("not run"));
+  const auto step = [&](uint32_t r) {
+    std::vector<uint16_t> pa(kNumel), pb(kNumel);
+    results[r] = ranks[r]->Step({{"a", ga[r].data()}, {"b", gb[r].data()}}, StepOptions{},
+                                {{"a", r == 0 ? params_a.data() : pa.data()}, {"b", r == 0 ? params_b.data() : pb.data()}});
+  };
+  std::vector<std::thread> others;
+  for (uint32_t r = 1; r < kWorld; ++r) others.emplace_back(step, r);
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // every other rank's first chunk is in
+  step(0);
+  for (auto& t : others) t.join();
+  for (uint32_t r = 0; r < kWorld; ++r) ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
+  // Bitwise the rank-order sum's step.
+  for (auto [init, grads, params] : {std::tuple{&init_a, &ga, &params_a}, std::tuple{&init_b, &gb, &params_b}}) {
+    testing::ReferenceTensor ref(testing::kDefaultHyper, *init, false);
+    std::vector<const uint16_t*> rank_grads;
+    for (const auto& g : *grads) rank_grads.push_back(g.data());
+    ref.Step(rank_grads, StepOptions{}.lr, results[0]->decision.gscale);
+    EXPECT_EQ(ref.Params(), *params);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, LargeChunksTest, ::testing::Values(24u, 48u));
 
 // Case 4: streams held open took every server thread. Now a client's
 // streams are capped, and so are the server's; another client still steps.
