@@ -47,7 +47,10 @@
 namespace shardopt {
 
 // Every node of the job has the same G and the same server list: the
-// gradient is averaged over nodes x G ranks.
+// gradient is averaged over nodes x G ranks. Neither is checked across
+// nodes: nodes of different G compute different gscales, the first commit
+// to reach a server applies the step with its own, and the others' commits
+// are ABORTED ("applied with other arguments ... gscale").
 struct NodeGroupOptions {
   // Servers and tuning; the group sets rank and push_servers. Its
   // checkpoint_every is the group's: node 0 checkpoints after every step
