@@ -74,13 +74,12 @@ void ReadReactor::OnDone() {
 // The timers: at most one pending per distinct time, and one re-armed from
 // the latest read's start when it fires early.
 void ReadReactor::Read() {
-  message_charge_.Release();  // the last message is dealt with
+  ReleaseMessage();  // the last message is dealt with
   reading_ = true;
   read_started_ = Clock::now();
   Clock::time_point due = read_started_ + idle_timeout_;
   if (const auto cut = CutOffAt(); cut && *cut > read_started_) due = std::min(due, *cut);
   if (due < armed_for_) Arm(due);
-  message_.Clear();
   StartRead(&message_);
 }
 
