@@ -261,12 +261,15 @@ bool PushSession::Hold(uint64_t bytes) {
 }
 
 uint64_t PushSession::ExpectedRead() const {
-  // A stream's chunks are the size its first message said, else the size a
-  // client chooses for the job's ranks, until it has shown otherwise. (A
+  // The most a stream's first message said its chunks carry: a stream's
+  // last chunk does not bound its next (a 2000-byte tensor's chunk before
+  // 4 MiB ones let 24 ranks' reads hold 63 MB against an 8 MiB cap), and a
   // guess of 256 KiB where a client sent 3.2 MB let 48 ranks' reads hold
-  // 154 MB against a 64 MiB cap.)
-  if (last_chunk_ > 0) return last_chunk_;
-  return said_chunk_ > 0 ? said_chunk_ : AutoChunkBytes(job_->world_size());
+  // 154 MB against a 64 MiB one. A stream that says nothing (an older
+  // client's) is taken to send its last chunk's size, else the size a
+  // client chooses for the job's ranks.
+  if (said_chunk_ > 0) return said_chunk_;
+  return last_chunk_ > 0 ? last_chunk_ : AutoChunkBytes(job_->world_size());
 }
 
 bool PushSession::ReadAhead() {

@@ -18,7 +18,6 @@
 #include <memory>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -146,16 +145,25 @@ TEST(LimitsTest, TheMemoryBudgetRefusesWhatDoesNotFitAndTheServerStaysUp) {
 // (an outside probe, 3 runs of 4). The charge now goes once it is copied.
 // At 48 ranks the server also took each stream's first chunk for the 256
 // KiB a client chooses for 48 ranks, and read 48 of 3.2 MB against the
-// window's 64 MiB; the push's first message now says its chunks' size.
-class LargeChunksTest : public ::testing::TestWithParam<uint32_t> {};
+// window's 64 MiB; the push's first message now says its chunks' size, and
+// the server counts every read at it: a stream's last chunk, of a small
+// tensor, says nothing of its next.
+// Each job takes about all that jobs may take of 160 MiB. With tensors of
+// 1000, 300000 and 70000 elements before a large one, 24 ranks' reads were
+// counted at the 140 KB of the last chunk while 4 MiB ones came.
+struct LargeChunks {
+  uint32_t world;
+  std::vector<uint64_t> sizes;  // the job's tensors, in push order
+};
+class LargeChunksTest : public ::testing::TestWithParam<LargeChunks> {};
 
 TEST_P(LargeChunksTest, ALowestRankLateBehindManyFindsTheBudgetRoomy) {
-  const uint32_t kWorld = GetParam();
-  constexpr uint64_t kNumel = 1600000;  // 3.2 MB of bf16 a tensor: one message each, in 4 MiB chunks
+  const uint32_t kWorld = GetParam().world;
   auto server = ServerProcess::Start({"--memory_limit=160Mi"});
   ASSERT_NE(server, nullptr);
-  JobOptions job = OneTensorJob("many", kNumel, kWorld);
-  job.tensors = {{"a", kNumel, 0}, {"b", kNumel, 0}};
+  JobOptions job = OneTensorJob("many", 1, kWorld);
+  job.tensors.clear();
+  for (uint64_t numel : GetParam().sizes) job.tensors.push_back({absl::StrCat("t", job.tensors.size()), numel, 0});
   job.barrier_timeout_ms = 30000;
   std::vector<std::unique_ptr<Client>> ranks;
   for (uint32_t r = 0; r < kWorld; ++r) {
@@ -173,36 +181,52 @@ TEST_P(LargeChunksTest, ALowestRankLateBehindManyFindsTheBudgetRoomy) {
   // What jobs may not take, 40 MiB of 160, is about all that is left.
   const uint64_t left = (*described)[0].memory_limit_bytes - (*described)[0].memory_used_bytes;
   ASSERT_LT(left, uint64_t{48} << 20);
+  // A small tensor first: its 2000-byte chunk comes before 3.2 MB ones.
   std::mt19937_64 rng(11);
-  const std::vector<float> init_a = RandomFloats(rng, kNumel, -1, 1), init_b = RandomFloats(rng, kNumel, -1, 1);
-  ASSERT_TRUE(ranks[0]->InitFp32("a", init_a.data()).ok());
-  ASSERT_TRUE(ranks[0]->InitFp32("b", init_b.data()).ok());
-  std::vector<std::vector<uint16_t>> ga(kWorld), gb(kWorld);
-  for (uint32_t r = 0; r < kWorld; ++r) ga[r] = RandomBf16(rng, kNumel, 1.0f), gb[r] = RandomBf16(rng, kNumel, 1.0f);
-  std::vector<uint16_t> params_a(kNumel), params_b(kNumel);
+  const size_t tensors = job.tensors.size();
+  std::vector<std::vector<float>> init(tensors);
+  std::vector<std::vector<std::vector<uint16_t>>> grads(tensors);  // [tensor][rank]
+  std::vector<std::vector<uint16_t>> params(tensors);              // rank 0's
+  for (size_t t = 0; t < tensors; ++t) {
+    const TensorOptions& tensor = job.tensors[t];
+    init[t] = RandomFloats(rng, tensor.numel, -1, 1);
+    ASSERT_TRUE(ranks[0]->InitFp32(tensor.name, init[t].data()).ok());
+    for (uint32_t r = 0; r < kWorld; ++r) grads[t].push_back(RandomBf16(rng, tensor.numel, 1.0f));
+    params[t].resize(tensor.numel);
+  }
   std::vector<absl::StatusOr<StepResult>> results(kWorld, absl::UnknownError("not run"));
   const auto step = [&](uint32_t r) {
-    std::vector<uint16_t> pa(kNumel), pb(kNumel);
-    results[r] = ranks[r]->Step({{"a", ga[r].data()}, {"b", gb[r].data()}}, StepOptions{},
-                                {{"a", r == 0 ? params_a.data() : pa.data()}, {"b", r == 0 ? params_b.data() : pb.data()}});
+    std::vector<std::vector<uint16_t>> theirs(tensors);
+    std::vector<GradView> g;
+    std::vector<ParamView> p;
+    for (size_t t = 0; t < tensors; ++t) {
+      theirs[t].resize(job.tensors[t].numel);
+      g.push_back({job.tensors[t].name, grads[t][r].data()});
+      p.push_back({job.tensors[t].name, r == 0 ? params[t].data() : theirs[t].data()});
+    }
+    results[r] = ranks[r]->Step(g, StepOptions{}, p);
   };
   std::vector<std::thread> others;
   for (uint32_t r = 1; r < kWorld; ++r) others.emplace_back(step, r);
-  std::this_thread::sleep_for(std::chrono::seconds(2));  // every other rank's first chunk is in
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // every other rank's first chunks are in
   step(0);
   for (auto& t : others) t.join();
   for (uint32_t r = 0; r < kWorld; ++r) ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].status();
   // Bitwise the rank-order sum's step.
-  for (auto [init, grads, params] : {std::tuple{&init_a, &ga, &params_a}, std::tuple{&init_b, &gb, &params_b}}) {
-    testing::ReferenceTensor ref(testing::kDefaultHyper, *init, false);
+  for (size_t t = 0; t < tensors; ++t) {
+    testing::ReferenceTensor ref(testing::kDefaultHyper, init[t], false);
     std::vector<const uint16_t*> rank_grads;
-    for (const auto& g : *grads) rank_grads.push_back(g.data());
+    for (const auto& g : grads[t]) rank_grads.push_back(g.data());
     ref.Step(rank_grads, StepOptions{}.lr, results[0]->decision.gscale);
-    EXPECT_EQ(ref.Params(), *params);
+    EXPECT_EQ(ref.Params(), params[t]) << job.tensors[t].name;
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, LargeChunksTest, ::testing::Values(24u, 48u));
+// 3.2 MB of bf16 in each large tensor of the first two: one message each.
+INSTANTIATE_TEST_SUITE_P(Ranks, LargeChunksTest,
+                         ::testing::Values(LargeChunks{24, {1000, 1600000, 1600000}},
+                                           LargeChunks{48, {1000, 1600000, 1600000}},
+                                           LargeChunks{24, {1000, 300000, 70000, 2889639}}));
 
 // Case 4: streams held open took every server thread. Now a client's
 // streams are capped, and so are the server's; another client still steps.
