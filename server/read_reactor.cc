@@ -84,7 +84,6 @@ void ReadReactor::Read() {
 }
 
 void ReadReactor::ReleaseMessage() {
-  if (reading_) return;
   message_charge_.Release();
   message_.Clear();
 }

@@ -72,7 +72,8 @@ class ReadReactor : public grpc::ServerReadReactor<grpc::ByteBuffer>, public std
   MemoryBudget::Charge TakeMessageCharge() { return std::move(message_charge_); }
   // The last message is dealt with before the next read starts (a push
   // whose chunk went into the window, and which waits for room to read):
-  // its bytes and its charge go now. Nothing while a read is in flight.
+  // its bytes and its charge go now. Only between reads: a read in flight
+  // is reading into the message.
   void ReleaseMessage();
   void End(const grpc::Status& status);
   bool finished() const { return finished_; }
