@@ -179,7 +179,7 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, Pieces data, const W
     if (no_grad_.empty()) no_grad_.resize(job_->spec.tensors_size());
     no_grad_[it->second] = true;
   }
-  if (!data.empty()) last_chunk_ = data.size();
+  largest_chunk_ = std::max<uint64_t>(largest_chunk_, data.size());
   absl::MutexLock lock(&job_->mu);
   absl::StatusOr<bool> taken = TakeLocked(chunk, std::move(data), wake);
   // The read this message was held for is done; what of it waits for the
@@ -261,15 +261,15 @@ bool PushSession::Hold(uint64_t bytes) {
 }
 
 uint64_t PushSession::ExpectedRead() const {
-  // The most a stream's first message said its chunks carry: a stream's
-  // last chunk does not bound its next (a 2000-byte tensor's chunk before
-  // 4 MiB ones let 24 ranks' reads hold 63 MB against an 8 MiB cap), and a
-  // guess of 256 KiB where a client sent 3.2 MB let 48 ranks' reads hold
-  // 154 MB against a 64 MiB one. A stream that says nothing (an older
-  // client's) is taken to send its last chunk's size, else the size a
-  // client chooses for the job's ranks.
-  if (said_chunk_ > 0) return said_chunk_;
-  return last_chunk_ > 0 ? last_chunk_ : AutoChunkBytes(job_->world_size());
+  // The most the stream's first message said its chunks carry, or the
+  // largest it has sent, if larger (a client that says less than it sends
+  // is counted at what it sends). Not its last chunk: a 140 KB tensor's
+  // chunk before 4 MiB ones let 24 ranks' reads hold 63 MB against an 8 MiB
+  // cap. Before any chunk of a stream that says nothing (an older client's),
+  // the size a client chooses for the job's ranks: that guess, 256 KiB where
+  // a client sent 3.2 MB, let 48 ranks' reads hold 154 MB against 64 MiB.
+  const uint64_t most = std::max(said_chunk_, largest_chunk_);
+  return most > 0 ? most : AutoChunkBytes(job_->world_size());
 }
 
 bool PushSession::ReadAhead() {

@@ -138,7 +138,7 @@ class PushSession {
   uint64_t pending_offset_ = 0;  // the chunk's, in the tensor
   uint64_t pending_taken_ = 0;
   uint64_t held_ = 0;           // this session's part of job_->held_bytes
-  uint64_t last_chunk_ = 0;     // the last chunk's bytes: the next read's expected size, if unsaid
+  uint64_t largest_chunk_ = 0;  // the largest chunk's bytes so far (ExpectedRead)
   const uint64_t said_chunk_;   // GradChunk.chunk_bytes (0: unsaid), at most the window's cap
   bool read_ahead_ = false;     // the next read started before this chunk was taken
   DType pending_dtype_ = DType::kBf16;

@@ -145,6 +145,51 @@ TEST_F(RunningSumTest, OnlyTheLowestRankStillPushingReadsPastAFullWindow) {
   EXPECT_EQ(ReadFloats("gate", "w", v1::MASTER), ref.p);
 }
 
+// A read is counted at the most a stream's chunks carry: what its first
+// message said (at most the window), or the largest chunk it has sent, not
+// its last chunk. Counted at its last chunk, a small chunk after a large one
+// let reads of the large size through past the window (an outside probe: 24
+// ranks' reads held 63 MB against an 8 MiB cap).
+TEST_F(RunningSumTest, AReadIsCountedAtTheMostTheStreamSaidOrSentNotAtItsLastChunk) {
+  constexpr uint64_t kN = 4 * RunningSum::kBlock;
+  constexpr uint64_t kHalf = RunningSum::MinWindowBytes() / 4;  // bf16 elements of half the smallest window
+  constexpr uint64_t kSmall = 100;
+  static_assert(kHalf + kSmall <= kN);
+  std::map<std::string, std::vector<float>> init;
+  const auto g0 = RandomBf16(rng_, kN, 1.0f), g1 = RandomBf16(rng_, kN, 1.0f);
+  // Rank 1 pushes ahead of rank 0, so its chunks wait in the window.
+  const auto rank1_ahead = [&](const std::string& job, uint64_t said, std::vector<uint64_t> sizes) {
+    init = Create(JobRequest(job, 2, {{"w", kN}}));
+    auto s0 = StartPush(job, 1, 0), s1 = StartPush(job, 1, 1, said);
+    EXPECT_TRUE(s0.ok() && s1.ok());
+    uint64_t off = 0;
+    for (uint64_t n : sizes) {
+      EXPECT_TRUE((*s1)->Add(Chunk("w", off, g1.data() + off, n)).ok());
+      off += n;
+    }
+    const bool may = *(*s1)->MayRead([] {});
+    EXPECT_TRUE((*s0)->Add(Chunk("w", 0, g0.data(), kN)).ok());
+    EXPECT_TRUE((*s1)->Add(Chunk("w", off, g1.data() + off, kN - off)).ok());
+    std::thread rank0([&] { EXPECT_TRUE((*s0)->Finish().ok()); });
+    EXPECT_TRUE((*s1)->Finish().ok());
+    rank0.join();
+    EXPECT_TRUE(Commit(job, 1, 1e-3, 0.5f).ok());
+    ReferenceTensor ref(kHyper, init["w"], false);
+    ref.Step({g0.data(), g1.data()}, 1e-3, 0.5f);
+    EXPECT_EQ(ReadFloats(job, "w", v1::MASTER), ref.p) << job;
+    return may;
+  };
+  // A small chunk waits: a read of its size fits beside it.
+  EXPECT_TRUE(rank1_ahead("small", 0, {kSmall}));
+  // Half the window waits, then a small chunk: a read of the large size no
+  // longer fits beside them, whether the stream said nothing or said less.
+  EXPECT_FALSE(rank1_ahead("sent", 0, {kHalf, kSmall}));
+  EXPECT_FALSE(rank1_ahead("said-less", 1, {kHalf, kSmall}));
+  // A stream that says its chunks may be as large as anything is counted
+  // at the window (a sum past 2^64 would have let it through).
+  EXPECT_FALSE(rank1_ahead("said-most", UINT64_MAX, {kSmall}));
+}
+
 // The smallest window takes a rank's fp32 block ahead of its turn, entry
 // and all: with only one block's bytes, no fp32 chunk of a rank that is
 // not next ever fitted, and every rank waited for all the lower ones.

@@ -82,17 +82,21 @@ class StoreTest : public ::testing::Test {
   }
 
   // A push stream's first message, opening a session, on `store` (a
-  // restarted server's) or on store_.
+  // restarted server's) or on store_; `chunk_bytes` is what it says of its
+  // chunks' size (0: nothing, as older clients).
   static absl::StatusOr<std::unique_ptr<JobStore::PushSession>> StartPush(JobStore& store, const std::string& job,
-                                                                          uint64_t step, uint32_t rank) {
+                                                                          uint64_t step, uint32_t rank,
+                                                                          uint64_t chunk_bytes = 0) {
     v1::GradChunk head;
     head.set_job(job);
     head.set_step(step);
     head.set_rank(rank);
+    head.set_chunk_bytes(chunk_bytes);
     return store.BeginPush(head);
   }
-  absl::StatusOr<std::unique_ptr<JobStore::PushSession>> StartPush(const std::string& job, uint64_t step, uint32_t rank) {
-    return StartPush(store_, job, step, rank);
+  absl::StatusOr<std::unique_ptr<JobStore::PushSession>> StartPush(const std::string& job, uint64_t step, uint32_t rank,
+                                                                   uint64_t chunk_bytes = 0) {
+    return StartPush(store_, job, step, rank, chunk_bytes);
   }
 
   // `bytes` as gRPC may deliver a message's data: cut at random bytes (odd
