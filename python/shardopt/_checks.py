@@ -94,6 +94,12 @@ def _check_betas(betas, where):
         raise ValueError(f"{where}betas must be a pair (beta1, beta2), not {betas!r}")
 
 
+def _as_float32(x):
+    """A number as the float32 the servers hold it (eps, say), as a Python
+    float: rounded to nearest, inf past float32's range."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
 def _check_hyper(g, where):
     """torch.optim.AdamW's checks of a group's hyperparameters, with its
     messages (NaN fails them too), made before anything reaches a server."""
@@ -111,7 +117,7 @@ def _check_hyper(g, where):
     # or to inf there is refused here too.
     if not 0.0 < eps < float("inf"):
         raise ValueError(f"{where}Invalid epsilon value: {eps} (must be > 0)")
-    if not 0.0 < float(torch.tensor(eps, dtype=torch.float32)) < float("inf"):
+    if not 0.0 < _as_float32(eps) < float("inf"):
         raise ValueError(f"{where}Invalid epsilon value: {eps} (rounds to 0 or inf as the float32 the servers hold)")
     if not 0.0 <= beta1 < 1.0:
         raise ValueError(f"{where}Invalid beta parameter at index 0: {beta1}")

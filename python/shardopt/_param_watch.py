@@ -6,7 +6,7 @@ has a gradient. A mixin of RemoteAdamW (shardopt.torch), whose tensors,
 client and groups it uses."""
 import torch
 
-from ._checks import _check_betas, _in_batches, _some_names
+from ._checks import _as_float32, _check_betas, _in_batches, _some_names
 from ._errors import InvalidArgument, ParamsChanged
 
 
@@ -115,5 +115,4 @@ class _ParamWatch:
         so that one written again as its float32 (numpy's, say) is no
         change."""
         b1, b2 = g["betas"]
-        eps = float(torch.tensor(g["eps"], dtype=torch.float32))
-        return (float(b1), float(b2), eps, float(g["weight_decay"]))
+        return (float(b1), float(b2), _as_float32(g["eps"]), float(g["weight_decay"]))
