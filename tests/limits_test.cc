@@ -136,21 +136,19 @@ TEST(LimitsTest, TheMemoryBudgetRefusesWhatDoesNotFitAndTheServerStaysUp) {
   ASSERT_TRUE(victim.Step().ok());
 }
 
-// A job that leaves the budget only its reserve still steps with many ranks
-// of large chunks, its rank 0 last. A push whose chunk went into the window
-// used to keep its message's charge to the budget until its next read,
-// which waits for the window: 23 ranks of 3.2 MB messages were charged 74 MB
-// beside their copies in the window (which the job's staging charge holds),
-// past the 43 MB left, and the ranks' pushes were refused RESOURCE_EXHAUSTED
-// (an outside probe, 3 runs of 4). The charge now goes once it is copied.
-// At 48 ranks the server also took each stream's first chunk for the 256
-// KiB a client chooses for 48 ranks, and read 48 of 3.2 MB against the
-// window's 64 MiB; the push's first message now says its chunks' size, and
-// the server counts every read at it: a stream's last chunk, of a small
-// tensor, says nothing of its next.
-// Each job takes about all that jobs may take of 160 MiB. With tensors of
-// 1000, 300000 and 70000 elements before a large one, 24 ranks' reads were
-// counted at the 140 KB of the last chunk while 4 MiB ones came.
+// A job that leaves the budget only its reserve (it takes about all that
+// jobs may take of 160 MiB) still steps with many ranks of 4 MiB chunks, its
+// rank 0 last. Three ways an outside probe's pushes were refused
+// RESOURCE_EXHAUSTED there:
+// - a chunk copied into the window stayed charged to the budget until the
+//   stream's next read, which waits for the window: 23 ranks of 3.2 MB were
+//   charged 74 MB beside their copies (3 runs of 4);
+// - a stream's first read was counted at the 256 KiB a client chooses for
+//   48 ranks, and 48 reads of 3.2 MB came against the window's 64 MiB;
+// - after tensors of 1000, 300000 and 70000 elements, reads were counted at
+//   the last chunk's 140 KB while 4 MiB ones came (0 steps in 3).
+// Now the charge goes once the chunk is copied, and reads are counted at
+// the most the push's first message said or its stream sent.
 struct LargeChunks {
   uint32_t world;
   std::vector<uint64_t> sizes;  // the job's tensors, in push order
