@@ -53,8 +53,9 @@ absl::StatusOr<std::unique_ptr<PushSession>> PushSession::Begin(std::shared_ptr<
   }
   job->intents.Note(first.rank(), first.step(), first.has_intent() ? &first.intent() : nullptr);
   job->NotePush(first.rank(), first.trainer());
-  // A size past the window's cap would only hold the stream back as a
-  // larger one would (it reads when it is the lowest rank).
+  // Held to the window's cap: a size past it would hold the stream back no
+  // more (it reads when it is the lowest rank), and MayRead's sum of it
+  // with what is held would wrap past 2^64.
   const uint64_t said_chunk = std::min<uint64_t>(first.chunk_bytes(), job->window_bytes);
   return std::unique_ptr<PushSession>(new PushSession(job, first.step(), first.rank(), said_chunk));
 }
