@@ -26,6 +26,7 @@
 #include "absl/time/time.h"
 #include "kernels/backend.h"
 #include "rpc/chunk_size.h"
+#include "server/checkpoint_buffers.h"
 #include "server/commit_stream.h"
 #include "server/job.h"
 #include "server/job_spec.h"
@@ -263,6 +264,7 @@ class JobStore {
   JobStoreOptions options_;
   // Declared before the jobs, whose charges they outlive.
   MemoryBudget budget_;
+  CheckpointBuffers checkpoint_buffers_{&budget_};
   TenantLedger tenants_;
   // Resumes waiting pushes. Declared before the jobs, so that it is
   // destroyed after them: a job posts to it until its last moment.

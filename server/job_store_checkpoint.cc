@@ -70,7 +70,8 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
   // The writer's buffers are charged while it runs, as every allocation a
   // client's request makes is (memory_budget.h): once the step is known
   // good, so that a wrong step is FAILED_PRECONDITION whatever the budget.
-  MemoryBudget::Charge buffers;
+  // A call may wait there for other jobs' checkpoints (checkpoint_buffers.h).
+  CheckpointBuffers::Held buffers;
   // Timed from the snapshot's start: it streams most of the part. A
   // checkpoint that began ends in checkpoint_end or checkpoint_failed (or
   // checkpoint_abandoned, its job dropped meanwhile), and
@@ -86,8 +87,8 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
       options_.checkpoint_packed_arrays ? 0 : checkpoint::kDirectAlignment,
       [&]() -> absl::Status {
         if (charged) {
-          auto reserved = budget_.Reserve(checkpoint::SequentialWriter::kMostBytes,
-                                          absl::StrCat("a checkpoint of job ", Quote(job.name())));
+          auto reserved = checkpoint_buffers_.Take(checkpoint::SequentialWriter::kMostBytes,
+                                                   absl::StrCat("a checkpoint of job ", Quote(job.name())), deadline);
           no_room = !reserved.ok();
           SHARDOPT_ASSIGN_OR_RETURN(buffers, std::move(reserved));
         }
@@ -158,6 +159,7 @@ void JobStore::CountForJob(const Job& job, const char* family) const {
 
 std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobStore::DrainAndCheckpoint(absl::Duration wait_for_steps) {
   draining_ = true;
+  checkpoint_buffers_.StopWaiting();
   log::Info("drain", {{"detail", "commits that would apply a step are refused; every job with all its initial "
                                   "values is checkpointed"}});
   std::vector<std::pair<std::string, std::shared_ptr<Job>>> jobs;

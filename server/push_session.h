@@ -109,7 +109,8 @@ class PushSession {
   // let go of some: the caller then notifies the job, so that streams that
   // wait to read look again.
   bool Hold(uint64_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
-  // The size the stream's next read is expected to have: its last chunk's.
+  // The size the stream's next read is counted at: the larger of what its
+  // first message said its chunks carry and the largest it has sent.
   uint64_t ExpectedRead() const;
   // What the stream holds for a read in flight: one started ahead (ReadAhead)
   // while the chunk before it is taken.

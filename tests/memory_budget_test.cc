@@ -20,6 +20,7 @@
 #include "gtest/gtest.h"
 #include "checkpoint/direct_io.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "server/checkpoint_buffers.h"
 #include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/tenant_ledger.h"
@@ -61,6 +62,68 @@ TEST(MemoryBudgetTest, ChargesGrowShrinkAndReturnWhenDestroyed) {
   }
   EXPECT_EQ(budget.used(), 0u);
   EXPECT_EQ(budget.Reserve(1001, "x").status().code(), absl::StatusCode::kResourceExhausted);
+}
+
+// A Checkpoint call's buffers when the budget has no room for them: while
+// another checkpoint holds buffers, the call waits for them to come back,
+// until its deadline; with none to wait for it is refused at once.
+TEST(CheckpointBuffersTest, ACallWaitsForAnotherCheckpointsBuffersUntilItsDeadline) {
+  MemoryBudget budget(100);
+  CheckpointBuffers buffers(&budget);
+  auto first = buffers.Take(60, "a checkpoint of job 'a'", absl::InfiniteFuture());
+  ASSERT_TRUE(first.ok()) << first.status();
+  std::atomic<bool> done{false};
+  absl::StatusOr<CheckpointBuffers::Held> second = absl::UnknownError("not yet");
+  std::thread waiter([&] {
+    second = buffers.Take(60, "a checkpoint of job 'b'", absl::Now() + absl::Seconds(30));
+    done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(done);  // waits, holding nothing
+  EXPECT_EQ(budget.used(), 60u);
+  *first = CheckpointBuffers::Held();  // the first checkpoint ends
+  waiter.join();
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(budget.used(), 60u);
+
+  // Until its deadline, then the budget's refusal, saying it waited.
+  const absl::Time asked = absl::Now();
+  auto late = buffers.Take(60, "a checkpoint of job 'c'", asked + absl::Milliseconds(300));
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(late.status().message()), HasSubstr("a checkpoint of job 'c' needs 60 bytes"));
+  EXPECT_THAT(std::string(late.status().message()), HasSubstr("until the call's deadline"));
+  EXPECT_GE(absl::Now() - asked, absl::Milliseconds(300));
+  EXPECT_EQ(budget.used(), 60u);
+
+  // Nothing to wait for when what holds the budget is not a checkpoint.
+  *second = CheckpointBuffers::Held();
+  auto messages = budget.Reserve(50, "stream messages");
+  ASSERT_TRUE(messages.ok());
+  const absl::Time again = absl::Now();
+  auto refused = buffers.Take(60, "a checkpoint of job 'd'", absl::InfiniteFuture());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(refused.status().message()), ::testing::Not(HasSubstr("waited")));
+  EXPECT_LT(absl::Now() - again, absl::Seconds(1));
+  EXPECT_EQ(budget.used(), 50u);
+}
+
+// The drain stops the waits: a call waiting its turn holds its job's
+// checkpoint, which the drain must write.
+TEST(CheckpointBuffersTest, StopWaitingEndsTheWaitsAndAnyLaterOne) {
+  MemoryBudget budget(100);
+  CheckpointBuffers buffers(&budget);
+  auto first = buffers.Take(60, "a checkpoint of job 'a'", absl::InfiniteFuture());
+  ASSERT_TRUE(first.ok());
+  absl::StatusOr<CheckpointBuffers::Held> waiting = absl::UnknownError("not yet");
+  std::thread waiter([&] { waiting = buffers.Take(60, "a checkpoint of job 'b'", absl::InfiniteFuture()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  buffers.StopWaiting();
+  waiter.join();
+  EXPECT_EQ(waiting.status().code(), absl::StatusCode::kResourceExhausted);
+  const absl::Time asked = absl::Now();
+  EXPECT_EQ(buffers.Take(60, "x", absl::InfiniteFuture()).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_LT(absl::Now() - asked, absl::Seconds(1));
+  EXPECT_EQ(budget.used(), 60u);
 }
 
 TEST(MemoryBudgetTest, ParsesKubernetesQuantitiesAndDefaultsBelowTheMachine) {
@@ -438,6 +501,70 @@ TEST_F(CheckpointBudgetTest, ACheckpointsBuffersAreChargedWhileItWrites) {
   ASSERT_TRUE(written.ok()) << written.status();
   EXPECT_TRUE(written->complete());
   EXPECT_EQ(store_.budget()->used(), alone);
+}
+
+// Two jobs that checkpoint at once on a server their state fills: what jobs
+// leave holds one checkpoint's buffers, so the second waits for the first's
+// instead of being refused (a probe's second job at 160Mi was refused, and a
+// trainer's checkpoint_every fails its step on that). The first holds its
+// buffers at the seam after its first slice until the second has asked.
+class TwoCheckpointsTest : public StoreTest {
+ protected:
+  TwoCheckpointsTest() : StoreTest(Options()) {}
+  ~TwoCheckpointsTest() override { std::filesystem::remove_all(dir_); }
+  static JobStoreOptions Options() {
+    char tmpl[] = "/tmp/shardopt-turns-XXXXXX";
+    dir_ = mkdtemp(tmpl);
+    JobStoreOptions o;
+    o.memory_limit = uint64_t{128} << 20;
+    o.window_bytes = 1 << 20;
+    o.checkpoint_dir = dir_;
+    o.after_snapshot_slice = [] {
+      ++slices_;
+      while (hold_) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    };
+    return o;
+  }
+  absl::StatusOr<v1::CheckpointResponse> CheckpointStep0(const std::string& job, absl::Time deadline) {
+    v1::CheckpointRequest r;
+    r.set_job(job);
+    r.set_step(0);
+    return store_.Checkpoint(r, deadline);
+  }
+  static inline std::string dir_;
+  static inline std::atomic<bool> hold_{false};
+  static inline std::atomic<int> slices_{0};
+};
+
+TEST_F(TwoCheckpointsTest, JobsThatCheckpointAtOnceOnAFullServerTakeTurns) {
+  Create(JobRequest("a", 1, {{"w", 2 << 20}}));
+  Create(JobRequest("b", 1, {{"w", 2 << 20}}));
+  const uint64_t jobs = store_.budget()->used();
+  const uint64_t left = store_.budget()->limit() - jobs;
+  ASSERT_GE(left, checkpoint::SequentialWriter::kMostBytes);
+  ASSERT_LT(left, 2 * checkpoint::SequentialWriter::kMostBytes);  // not both at once
+
+  hold_ = true;
+  absl::StatusOr<v1::CheckpointResponse> a = absl::UnknownError("not yet");
+  std::thread first([&] { a = CheckpointStep0("a", absl::InfiniteFuture()); });
+  for (int i = 0; i < 10000 && slices_ == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_GT(slices_, 0) << "the first checkpoint never streamed";
+  std::atomic<bool> b_done{false};
+  absl::StatusOr<v1::CheckpointResponse> b = absl::UnknownError("not yet");
+  std::thread second([&] {
+    b = CheckpointStep0("b", absl::Now() + absl::Seconds(60));
+    b_done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(b_done) << b.status();
+  hold_ = false;
+  first.join();
+  second.join();
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_TRUE(a->complete());
+  EXPECT_TRUE(b->complete());
+  EXPECT_EQ(store_.budget()->used(), jobs);
 }
 
 // SIGTERM's checkpoints are not refused for want of budget: their buffers,
