@@ -291,7 +291,7 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
                                         absl::Span<const ParamView> params) {
   const Impl::Entered call(*impl_);
   SHARDOPT_RETURN_IF_ERROR(call.status());
-  SHARDOPT_RETURN_IF_ERROR(CheckStepOptions(options, impl_->job.world_size));
+  SHARDOPT_RETURN_IF_ERROR(CheckStepOptions(options, Trainers(impl_->job)));
   // Before the push: a Step refused after it would leave its gradients on
   // the servers, and the caller's next Step would be taken as its retry.
   SHARDOPT_ASSIGN_OR_RETURN(auto out, impl_->CommitTargets(options.lr, options.group_lr, params));
@@ -299,7 +299,7 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
   SHARDOPT_ASSIGN_OR_RETURN(auto push, Push(t, grads, &options));
   StepResult result;
   result.step = t;
-  result.decision = Decide(push, impl_->job.world_size, options);
+  result.decision = Decide(push, Trainers(impl_->job), options);
   const auto commit = [&] {
     return result.decision.skip
                ? CommitSkip(t, out)
@@ -311,7 +311,7 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
   // as before: the other servers may have applied it so.
   if (!result.decision.skip && IsPushIncomplete(committed, t)) {
     SHARDOPT_ASSIGN_OR_RETURN(auto again, Push(t, grads, &options));
-    const Decision redecided = Decide(again, impl_->job.world_size, options);
+    const Decision redecided = Decide(again, Trainers(impl_->job), options);
     if (redecided.skip || redecided.gscale != result.decision.gscale) {
       return RepushDecidedOtherwise(t, result.decision.gscale, redecided);
     }

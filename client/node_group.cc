@@ -71,6 +71,14 @@ absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
   if (job.grad_type != GradType::kFp32) {
     step = absl::InvalidArgumentError("a node group pushes its nodes' fp32 sums: set JobOptions::grad_type to kFp32");
   }
+  // The servers refuse another node's attach that says another G.
+  JobOptions as_group = job;
+  as_group.trainers_per_rank = collective_->size();
+  if (step.ok() && job.trainers_per_rank != 0 && job.trainers_per_rank != as_group.trainers_per_rank) {
+    step = absl::InvalidArgumentError(absl::StrCat("JobOptions::trainers_per_rank is ", job.trainers_per_rank,
+                                                   ", but this node group has ", as_group.trainers_per_rank,
+                                                   " local ranks: leave it 0, and the group says its own"));
+  }
   for (const TensorOptions& t : job.tensors) {
     // A commit returns such a tensor's params as fp32, which the bf16 flat
     // buffers have no room for.
@@ -89,11 +97,11 @@ absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
   const std::string what = absl::StrCat("CreateOrAttach of job '", job.name, "'");
   SHARDOPT_RETURN_IF_ERROR(AgreeAlike(step.status(), settings.value(), "node, servers, checkpoint_every or job", what,
                                       kNothingSent));
-  step = client_->CreateOrAttach(job);
+  step = client_->CreateOrAttach(as_group);
   // A local rank refused alone (another job's settings) would leave the
   // others waiting in their first Step's collective.
   SHARDOPT_RETURN_IF_ERROR(Agree(step.status(), what));
-  job_ = job;
+  job_ = as_group;
   offsets_ = FlatOffsets(job.tensors);
   const std::vector<uint64_t> bounds = ServerBounds(job.tensors, servers());
   const uint32_t g = collective_->size();
@@ -117,7 +125,7 @@ absl::Status NodeGroup::CheckStep(const uint16_t* flat_grads, const uint16_t* fl
   // servers without the step that the others' servers applied, and local
   // ranks with different options would each apply theirs on the servers
   // they own.
-  absl::Status checked = CheckStepOptions(options, uint64_t{job_.world_size} * collective_->size());
+  absl::Status checked = CheckStepOptions(options, Trainers(job_));
   if (checked.ok()) checked = CheckJobLearningRates(job_, options.lr, options.group_lr);
   if (checked.ok() && (flat_grads == nullptr || flat_params == nullptr)) {
     checked = absl::InvalidArgumentError("NodeGroup::Step needs flat_grads and flat_params");
@@ -194,7 +202,7 @@ absl::StatusOr<StepResult> NodeGroup::Step(const uint16_t* flat_grads, uint16_t*
   for (uint32_t s = 0; s < servers(); ++s) combined[s] = {partials[2 * s], partials[2 * s + 1] > 0};
   StepResult result;
   result.step = t;
-  result.decision = Decide(CombinePartials(std::move(combined)), job_.world_size * collective_->size(), options);
+  result.decision = Decide(CombinePartials(std::move(combined)), Trainers(job_), options);
 
   absl::Status committed;
   if (mine.size() > 0) {  // a local rank with no range has nothing to commit or copy

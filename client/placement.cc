@@ -94,9 +94,13 @@ absl::StatusOr<std::vector<std::string>> ExpandServerPattern(const std::string& 
   return out;
 }
 
-Decision Decide(const PushResult& push, uint32_t world_size, const StepOptions& options) {
+uint64_t Trainers(const JobOptions& job) {
+  return uint64_t{job.world_size} * std::max(job.trainers_per_rank, uint32_t{1});
+}
+
+Decision Decide(const PushResult& push, uint64_t trainers, const StepOptions& options) {
   Decision d;
-  const double average_scale = options.loss_scale * world_size;
+  const double average_scale = options.loss_scale * static_cast<double>(trainers);
   const auto skip = [&] {
     d.skip = true;
     d.clip_factor = 1;
@@ -110,7 +114,7 @@ Decision Decide(const PushResult& push, uint32_t world_size, const StepOptions& 
     d.clip_factor = std::min(1.0, options.max_grad_norm / (d.grad_norm + 1e-6));
   }
   d.gscale = static_cast<float>(d.clip_factor / average_scale);
-  // A gscale above 1 (loss_scale x world_size below the clip factor) scales
+  // A gscale above 1 (loss_scale x trainers below the clip factor) scales
   // the gradients up, and a finite one could overflow in the kernel's
   // grad * gscale and make its master NaN for good; torch's GradScaler,
   // which looks for infs after unscaling, skips such a step. No element

@@ -35,6 +35,7 @@ v1::CreateJobRequest ToCreateJobRequest(const JobOptions& job, absl::Span<const 
   req.set_barrier_timeout_ms(job.barrier_timeout_ms);
   req.set_restore_step(job.restore_step);
   req.set_rank(rank);
+  req.set_trainers_per_rank(job.trainers_per_rank);
   return req;
 }
 

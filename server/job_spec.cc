@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -151,7 +152,15 @@ void CompareAsAnAttach(google::protobuf::util::MessageDifferencer* differ) {
 
 }  // namespace
 
-absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
+absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& asked) {
+  // A side that says no trainers_per_rank takes the other's.
+  std::optional<v1::CreateJobRequest> saying_nothing;
+  if (existing.trainers_per_rank() != asked.trainers_per_rank() &&
+      (existing.trainers_per_rank() == 0 || asked.trainers_per_rank() == 0)) {
+    saying_nothing = asked;
+    saying_nothing->set_trainers_per_rank(existing.trainers_per_rank());
+  }
+  const v1::CreateJobRequest& requested = saying_nothing ? *saying_nothing : asked;
   google::protobuf::util::MessageDifferencer differ;
   CompareAsAnAttach(&differ);
   // Every attach compares; only a job that differs is reported, from copies
@@ -169,6 +178,7 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   CompareAsAnAttach(&unplaced);
   unplaced.IgnoreField(v1::CreateJobRequest::descriptor()->FindFieldByName("shards"));
   const bool placed_otherwise = unplaced.Compare(existing, requested);
+  const bool other_trainers = existing.trainers_per_rank() != requested.trainers_per_rank();
   return absl::AlreadyExistsError(absl::StrCat(
       "job '", requested.job(), "' exists with a different configuration (this server's -> this call's: ",
       OneLineReport(diff), "); drop it or use another name",
@@ -176,7 +186,10 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
                          "same order, as the job was made with; to move a job onto other servers, checkpoint it "
                          "and restart every server that holds it, then attach with the new list, README, "
                          "\"Scaling\")"
-                       : ""));
+                       : "",
+      other_trainers ? " (every node of a job must have the same number of local ranks: each averages the "
+                       "gradients over world_size times its own)"
+                     : ""));
 }
 
 }  // namespace shardopt

@@ -924,6 +924,39 @@ TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
   EXPECT_EQ(Snapshot("bad"), before);
 }
 
+// trainers_per_rank is part of a job's identity where both sides say it:
+// nodes of different G average over different counts, so their commits
+// would apply different gscales (the first one's applied, a probe saw).
+// A side that says nothing (0: plain ranks, readers, older clients)
+// attaches to a job of any, and is attached to by any.
+TEST_F(StoreTest, AnAttachThatSaysOtherTrainersPerRankIsRefused) {
+  auto with_trainers = [&](const std::string& job, uint32_t trainers) {
+    v1::CreateJobRequest r = JobRequest(job, 2, {{"w", 1000}});
+    r.set_trainers_per_rank(trainers);
+    return r;
+  };
+  Create(with_trainers("g2", 2));
+  const std::string before = Snapshot("g2");
+  const auto other = store_.CreateJob(with_trainers("g2", 4));
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kAlreadyExists) << other.status();
+  EXPECT_THAT(std::string(other.status().message()), HasSubstr("trainers_per_rank"));
+  EXPECT_THAT(std::string(other.status().message()), HasSubstr("same number of local ranks"));
+  EXPECT_EQ(Snapshot("g2"), before);
+  for (uint32_t says : {0u, 2u}) {
+    const auto attached = store_.CreateJob(with_trainers("g2", says));
+    ASSERT_TRUE(attached.ok()) << says << ": " << attached.status();
+    EXPECT_FALSE(attached->created());
+  }
+  Create(with_trainers("unsaid", 0));
+  const auto attached = store_.CreateJob(with_trainers("unsaid", 8));
+  ASSERT_TRUE(attached.ok()) << attached.status();
+  EXPECT_FALSE(attached->created());
+  // Any other difference keeps its own message, without the hint.
+  const auto shapes = store_.CreateJob(JobRequest("g2", 2, {{"w", 1001}}));
+  EXPECT_EQ(shapes.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(std::string(shapes.status().message()), ::testing::Not(HasSubstr("local ranks")));
+}
+
 TEST_F(StoreTest, PushBeforeInitialValuesIsRefused) {
   ASSERT_TRUE(store_.CreateJob(JobRequest("noinit", 1, {{"w", 5000}})).ok());
   v1::InitChunk c;

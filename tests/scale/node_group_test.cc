@@ -440,6 +440,45 @@ TEST(NodeGroup, ACreateOrAttachRefusedOnOneLocalRankIsRefusedOnBothAtOnce) {
   }
 }
 
+// Nodes of different G cannot step one job: each averages over world_size
+// times its own G, and the servers applied the first commit's gscale (a
+// probe's nodes of 2 and 4 local ranks: 1/4 applied where the 6 ranks'
+// average needs 1/6). A node of another G is refused at its attach, before
+// any step; a node of the same G attaches.
+TEST(NodeGroup, ANodeOfAnotherNumberOfLocalRanksIsRefusedAtItsAttach) {
+  TwoLocalRanks node(2);
+  ASSERT_TRUE(node.ok());
+  JobOptions job = Fp32GradJob("nodes");
+  job.world_size = 2;
+  for (const auto& st : node.OnBoth([&](uint32_t j) { return node.groups[j]->CreateOrAttach(job).status(); })) {
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  NodeGroupOptions second;
+  second.node = 1;
+  for (const auto& server : node.processes) second.client.servers.push_back(server->address());
+  const auto one = MakeCpuCollectives(1, std::chrono::seconds(5));
+  auto lone = NodeGroup::Create(second, one[0].get());
+  ASSERT_TRUE(lone.ok()) << lone.status();
+  const auto refused = (*lone)->CreateOrAttach(job);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kAlreadyExists) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("same number of local ranks"));
+  // A count given that is not the group's own is refused before anything is sent.
+  JobOptions says_two = job;
+  says_two.trainers_per_rank = 2;
+  const auto mismatched = (*lone)->CreateOrAttach(says_two);
+  EXPECT_EQ(mismatched.status().code(), absl::StatusCode::kInvalidArgument) << mismatched.status();
+  EXPECT_THAT(std::string(mismatched.status().message()), HasSubstr("this node group has 1 local ranks"));
+
+  const auto two = MakeCpuCollectives(2, std::chrono::seconds(5));
+  std::vector<std::unique_ptr<NodeGroup>> pair;
+  for (uint32_t j = 0; j < 2; ++j) pair.push_back(NodeGroup::Create(second, two[j].get()).value());
+  std::vector<absl::Status> attached(2);
+  std::thread other([&] { attached[1] = pair[1]->CreateOrAttach(job).status(); });
+  attached[0] = pair[0]->CreateOrAttach(job).status();
+  other.join();
+  for (const absl::Status& st : attached) EXPECT_TRUE(st.ok()) << st;
+}
+
 // checkpoint_every is the group's: after steps 1 and 2, two complete
 // checkpoints, written by the local rank that pushes (with one server, local
 // rank 0 pushes nothing, and its client stays at step 0). Before, node

@@ -93,6 +93,12 @@ struct JobOptions {
   // only to the launch that goes back, and 0 to later ones (README, "Restore").
   uint64_t restore_step = 0;
   Resume resume = Resume::kEither;
+  // How many trainers' gradients each rank's push sums; Step averages over
+  // world_size x max(1, this). NodeGroup sets its G local ranks. The servers
+  // refuse an attach, ALREADY_EXISTS, that says another number than the job
+  // was made with: nodes of different G would each apply their own average.
+  // 0 says nothing (a plain rank, a reader) and attaches to a job of any.
+  uint32_t trainers_per_rank = 0;
 };
 
 struct ClientOptions {
@@ -268,11 +274,14 @@ struct InitShare {
 
 // Decide's rule, a pure function so that every rank and the tests agree
 // (docs/design.md, section 4.2): a skip where a gradient is not finite, or
-// where gscale > 1 (loss_scale x world_size below the clip factor) could
-// scale one past fp32's range, judged by the norm. world_size
-// is the job's, at least 1 (a job of 0 ranks is refused before any push;
-// here it would divide by zero).
-Decision Decide(const PushResult& push, uint32_t world_size, const StepOptions& options);
+// where gscale > 1 (loss_scale x trainers below the clip factor) could
+// scale one past fp32's range, judged by the norm. `trainers`, whose
+// gradients the pushes sum, is at least 1 (a job of 0 ranks is refused
+// before any push; here it would divide by zero).
+Decision Decide(const PushResult& push, uint64_t trainers, const StepOptions& options);
+// The trainers a plain client's Step averages over: world_size x
+// max(1, trainers_per_rank).
+uint64_t Trainers(const JobOptions& job);
 
 // Each server's part of each tensor: the placement of docs/design.md,
 // section 5. Tensors are laid end to end in a flat space, each starting at a
