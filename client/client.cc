@@ -319,7 +319,7 @@ absl::StatusOr<StepResult> Client::Step(absl::Span<const GradView> grads, const 
   }
   SHARDOPT_RETURN_IF_ERROR(committed);
   const uint64_t every = impl_->options.checkpoint_every;
-  if (every > 0 && impl_->options.rank == 0 && t % every == 0) {
+  if (every > 0 && impl_->options.checkpoint_in_step && impl_->options.rank == 0 && t % every == 0) {
     if (absl::Status st = Checkpoint(); !st.ok()) return CheckpointAfterStepFailed(t, st, impl_->FailedForALostServer(st));
   }
   return result;

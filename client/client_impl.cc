@@ -208,7 +208,7 @@ absl::Status Client::Impl::CheckCheckpointsCanBeTaken(bool directories_only) con
     dirs[s] = DirectoryOf(described);
     if (every && dirs[s] == kNoDirectory) {
       return absl::FailedPreconditionError(absl::StrCat(
-          "ClientOptions::checkpoint_every is ", options.checkpoint_every, ", but server ", address(s),
+          "checkpoint_every is ", options.checkpoint_every, ", but server ", address(s),
           " has no --checkpoint_dir: each of its checkpoints would fail after its step was applied; start the "
           "servers with --checkpoint_dir, or give checkpoint_every 0"));
     }

@@ -207,10 +207,11 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
         pem = [_read_pem(path, what) for path, what in ((tls_ca, "tls_ca"), (tls_cert, "tls_cert"), (tls_key, "tls_key"))]
         if token is None:
             token = os.environ.get("SHARDOPT_TOKEN", "")
-        # The periodic checkpoint: after step() or a skip commit, on both paths (not Client::Step's).
+        # The periodic checkpoint: after step() or a skip commit, on both paths (not Client::Step's). The
+        # client's attach refuses it where a server has no --checkpoint_dir, and leaves no job behind.
         self._checkpoint_every = int(checkpoint_every)
         self._client = _C.Client(_servers(servers, num_servers), rank, max_attempts, int(rpc_timeout * 1000),
-                                 chunk_bytes, 0, *pem, token=token)
+                                 chunk_bytes, self._checkpoint_every, *pem, token=token)
         self._bf16_state = [precision == "bf16" for precision in precisions]
         self._state_precision, self._precisions = state_precision, precisions
         job_groups = [(f"group.{gi}", b1, b2, eps_, wd, 1.0, precisions[gi] == "fp32")
@@ -225,14 +226,6 @@ class RemoteAdamW(_OverlapPush, _StateDictIO, _ParamWatch, torch.optim.Optimizer
             self.resumed_step = self._client.create_or_attach(*self._attach_args, restore_step, resume)
         except AlreadyExists as e:
             _raise_naming_frozen(e, [t.name for t in self._tensors if t.frozen])
-        if self._checkpoint_every and rank == 0:
-            # Each of its checkpoints would fail, after its step was applied.
-            missing = [s.address for s in self._client.describe() if not s.checkpoint_dir]
-            if missing:
-                raise FailedPrecondition(f"checkpoint_every={self._checkpoint_every}, but server {missing[0]} has "
-                                         "no --checkpoint_dir: each checkpoint would fail after its step was "
-                                         "applied; start the servers with --checkpoint_dir, or give "
-                                         "checkpoint_every=0")
         if restore_step and self.resumed_step != restore_step:
             warnings.warn(f"restore_step={restore_step} was not used: the servers hold job '{job}' at step "
                           f"{self.resumed_step} (a job is restored only on servers that do not hold it; to go "

@@ -116,7 +116,10 @@ class PyClient {
     o.max_attempts = max_attempts;
     o.rpc_timeout_ms = rpc_timeout_ms;
     o.chunk_bytes = chunk_bytes;
+    // For CreateOrAttach's check of the servers alone: RemoteAdamW takes the
+    // checkpoints itself, once the params are in the model.
     o.checkpoint_every = checkpoint_every;
+    o.checkpoint_in_step = false;
     o.tls_root_certs = std::move(tls_root_certs);
     o.tls_cert_chain = std::move(tls_cert_chain);
     o.tls_private_key = std::move(tls_private_key);

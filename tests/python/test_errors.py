@@ -547,10 +547,13 @@ def backward_with_a_failing_checkpoint(servers, checkpoints, job, overlap):
 
 def test_checkpoint_every_on_servers_without_a_checkpoint_dir_is_refused_at_construction(servers, job):
     """Rank 0 takes the checkpoints: each would fail after its step was
-    applied. describe() says which servers have a --checkpoint_dir."""
-    with pytest.raises(shardopt.FailedPrecondition, match="has no --checkpoint_dir"):
+    applied. The refusal leaves no job behind (an outside probe found the
+    job it had made still there, so a constructor with other settings was
+    refused AlreadyExists). describe() says which servers have a
+    --checkpoint_dir."""
+    with pytest.raises(shardopt.FailedPrecondition, match="checkpoint_every is 5, but server .* has no --checkpoint_dir"):
         RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=servers, job=job, checkpoint_every=5)
-    opt = RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=servers, job=job)
+    opt = RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=servers, job=job, weight_decay=0.25)
     assert all(not s.checkpoint_dir for s in opt.describe())
     assert "checkpoint_dir=False" in repr(opt.describe()[0])
     opt.drop()

@@ -146,6 +146,11 @@ struct ClientOptions {
   // returns its error although the step itself is done (step() says so);
   // Checkpoint() may be called again.
   uint64_t checkpoint_every = 0;
+  // Whether Step takes checkpoint_every's checkpoints (true), or the caller
+  // does after its own part of the step (false: RemoteAdamW, which copies
+  // the params into the model first). CreateOrAttach checks the servers
+  // either way.
+  bool checkpoint_in_step = true;
   // TLS, as PEM text: the CA that signed the servers' certificates (empty:
   // the system's roots), and this client's certificate chain and key, both
   // or neither, for servers that ask for one (mutual TLS). Any of them set
