@@ -416,8 +416,10 @@ absl::Status SameJobAsEveryPart(const v1::CreateJobRequest& spec, const Committe
 
 }  // namespace
 
-absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log) {
-  SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, spec.job(), step, log));
+namespace {
+
+// The state of `spec`'s placement from the complete checkpoint `committed`.
+absl::StatusOr<Part> LoadCommitted(const Committed& committed, const v1::CreateJobRequest& spec) {
   SHARDOPT_RETURN_IF_ERROR(SameJobAsEveryPart(spec, committed));
   Part out;
   if (const PartHead* same = SamePlacement(committed, spec)) {
@@ -434,6 +436,8 @@ absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& s
   out.manifest = std::move(plan.manifest);
   return out;
 }
+
+}  // namespace
 
 absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
                                           const Log& log,
@@ -455,9 +459,12 @@ absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::Cre
   return plan.manifest;
 }
 
-absl::StatusOr<JobAt> WholeJob(const std::string& root, const std::string& job, uint64_t step, const Log& log) {
+absl::StatusOr<WholeJob> LoadWholeJob(const std::string& root, const std::string& job, uint64_t step,
+                                      const Log& log) {
+  // Found once: a second look for the newest could find another step (one
+  // completed meanwhile), and would say again why it passed over a torn one.
   SHARDOPT_ASSIGN_OR_RETURN(auto committed, FindCommitted(root, job, step, log));
-  JobAt out;
+  WholeJob out;
   out.step = committed.marker.step();
   out.spec = committed.parts.front().manifest.spec();
   out.spec.clear_shards();
@@ -474,6 +481,7 @@ absl::StatusOr<JobAt> WholeJob(const std::string& root, const std::string& job, 
     s->set_offset(0);
     s->set_length(t.numel());
   }
+  SHARDOPT_ASSIGN_OR_RETURN(out.part, LoadCommitted(committed, out.spec));
   return out;
 }
 

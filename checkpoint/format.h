@@ -171,17 +171,15 @@ using Log = std::function<void(const std::string&)>;
 
 
 // The state of `spec`'s placement (spec.shards) from the job's newest
-// complete checkpoint, or from the one of `step` when step > 0. NOT_FOUND when
-// there is none; DATA_LOSS for a corrupt file (a part or a COMMIT that is
-// there but does not check out: the disk lost data, and no older state is
-// put in its place unasked); FAILED_PRECONDITION for another format version
-// or another configuration. Torn checkpoints (no COMMIT: not every part was
-// written) are skipped when looking for the newest, and `log` is told why.
-absl::StatusOr<Part> Load(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step, const Log& log);
-
-// Load without holding the data in memory: `sink` gets every byte of it
-// once, in pieces, as it is read. A plain restart of the same placement
-// streams its part file: the data in order from offset 0. Another placement
+// complete checkpoint, or from the one of `step` when step > 0, without
+// holding the data in memory: `sink` gets every byte of it once, in pieces,
+// as it is read. NOT_FOUND when there is none; DATA_LOSS for a corrupt file
+// (a part or a COMMIT that is there but does not check out: the disk lost
+// data, and no older state is put in its place unasked);
+// FAILED_PRECONDITION for another format version or another configuration.
+// Torn checkpoints (no COMMIT: not every part was written) are skipped when
+// looking for the newest, and `log` is told why. A plain restart of the
+// same placement streams its part file: the data in order from offset 0. Another placement
 // streams each part it overlaps, whole (for its checksum), and gets the
 // runs of those parts that fall in it, in the parts' order: each run is
 // whole elements of one array, its pieces in order. Returns the manifest.
@@ -199,12 +197,15 @@ absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::Cre
                                           const std::function<absl::Status(const v1::PartManifest&)>& begin,
                                           const DataSink& sink, const DirectDestination& direct = nullptr);
 
-// A complete checkpoint's step and job configuration, with every tensor whole
-// as the placement: what export loads.
-struct JobAt {
+// A complete checkpoint's step, its job configuration with every tensor
+// whole as the placement, and that placement's state, as LoadInto finds and
+// checks it: what export loads.
+struct WholeJob {
   v1::CreateJobRequest spec;
   uint64_t step = 0;
+  Part part;
 };
-absl::StatusOr<JobAt> WholeJob(const std::string& root, const std::string& job, uint64_t step, const Log& log);
+absl::StatusOr<WholeJob> LoadWholeJob(const std::string& root, const std::string& job, uint64_t step,
+                                      const Log& log);
 
 }  // namespace shardopt::checkpoint

@@ -54,28 +54,27 @@ absl::Status ExportCheckpoint(const std::string& dir, uint64_t step, bool bf16, 
     }
     return steps;
   };
-  absl::StatusOr<checkpoint::JobAt> at;
-  absl::StatusOr<checkpoint::Part> part;
+  absl::StatusOr<checkpoint::WholeJob> at;
   for (int attempt = 1;; ++attempt) {
     const std::vector<uint64_t> before = complete();
-    at = checkpoint::WholeJob(dir, job, step, log);
-    if (at.ok()) part = checkpoint::Load(dir, at->spec, at->step, log);
-    if (at.ok() && part.ok()) break;
+    at = checkpoint::LoadWholeJob(dir, job, step, log);
+    if (at.ok()) break;
     // The newest step pruned while it was read (a live job's server with
     // --checkpoint_keep): the complete steps there now differ, and the
     // newest one now will do. A damaged checkpoint in a quiet directory
     // fails at once.
-    if (step != 0 || attempt == 5 || complete() == before) return at.ok() ? part.status() : at.status();
+    if (step != 0 || attempt == 5 || complete() == before) return at.status();
     log("the job's checkpoints changed while they were read (a server pruned them); reading the newest again");
   }
+  const checkpoint::Part& part = at->part;
   std::vector<SafetensorsTensor> tensors;
-  const std::vector<uint64_t> sections = checkpoint::SectionOffsets(part->manifest);
+  const std::vector<uint64_t> sections = checkpoint::SectionOffsets(part.manifest);
   std::vector<float> master;
-  for (int s = 0; s < part->manifest.shards_size(); ++s) {
+  for (int s = 0; s < part.manifest.shards_size(); ++s) {
     const uint64_t n = at->spec.shards(s).length();
     master.resize(n);
-    checkpoint::DecodeArray(part->data.data() + checkpoint::ArrayOffset(sections, part->manifest, s, checkpoint::Array::kMaster),
-                            n, part->manifest.shards(s).dtype(), master.data());
+    checkpoint::DecodeArray(part.data.data() + checkpoint::ArrayOffset(sections, part.manifest, s, checkpoint::Array::kMaster),
+                            n, part.manifest.shards(s).dtype(), master.data());
     SafetensorsTensor t{at->spec.shards(s).tensor(), bf16 ? "BF16" : "F32", {n}, {}};
     // The model's shape where the job has one (WholeJob's shards: its tensors).
     if (const auto& dims = at->spec.tensors(s).shape(); !dims.empty()) t.shape.assign(dims.begin(), dims.end());
@@ -91,7 +90,7 @@ absl::Status ExportCheckpoint(const std::string& dir, uint64_t step, bool bf16, 
       }
       if (overflowed > 0) {
         log(absl::StrCat("warning: ", overflowed, " finite masters of tensor '", t.name,
-                         "' round to infinity in bf16 (past its largest finite value, about 3.39e38), which an "
+                         "' round to infinity in bf16 (from about 3.396e38, past its largest finite value), which an "
                          "import refuses; export them as fp32"));
       }
     }

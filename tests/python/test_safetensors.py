@@ -133,7 +133,9 @@ def test_a_bf16_export_that_rounds_finite_masters_to_infinity_says_so(server_bin
     if not cli or not os.access(cli, os.X_OK):
         pytest.fail("set SHARDOPT_CLI to the shardopt command line (ctest does)")
     with checkpointing_servers(server_binary, tmp_path) as (procs, directory):
-        w = torch.nn.Parameter(torch.tensor([1.0, 3.4e38, -3.4e38, 2.0]))
+        # 3.395e38 is past bf16's largest finite value, 3.3895e38, but below
+        # the midpoint to the next power of two: it rounds down, unsaid.
+        w = torch.nn.Parameter(torch.tensor([1.0, 3.4e38, -3.4e38, 2.0, 3.395e38]))
         opt = RemoteAdamW([("w", w)], servers=[p.address for p in procs], job=job, lr=1e-3)
         opt.checkpoint()
         out = tmp_path / "export.safetensors"
@@ -142,4 +144,34 @@ def test_a_bf16_export_that_rounds_finite_masters_to_infinity_says_so(server_bin
         assert "warning: 2 finite masters of tensor 'w' round to infinity in bf16" in done.stderr, done.stderr
         loaded, _ = load_safetensors(out)
         assert torch.isinf(loaded["w"].float()).sum().item() == 2
+        assert loaded["w"][4].view(torch.int16).item() == 0x7F7F
+        opt.drop()
+
+
+def test_an_export_past_a_torn_newest_step_reads_the_step_it_names_and_says_so_once(server_binary, tmp_path, job):
+    """The newest step torn (its COMMIT gone) and the newest complete one
+    step 0: the export is step 0's, and says once why it passed over step 1
+    (it said so twice, and looked for the newest again to read its data,
+    which a step completed meanwhile would have answered)."""
+    cli = os.environ.get("SHARDOPT_CLI")
+    if not cli or not os.access(cli, os.X_OK):
+        pytest.fail("set SHARDOPT_CLI to the shardopt command line (ctest does)")
+    with checkpointing_servers(server_binary, tmp_path) as (procs, directory):
+        w = torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(5)))
+        initial = w.detach().clone()
+        opt = RemoteAdamW([("w", w)], servers=[p.address for p in procs], job=job, lr=1e-2)
+        opt.checkpoint()
+        w.grad = torch.randn(64, generator=torch.Generator().manual_seed(6))
+        opt.step()
+        opt.checkpoint()
+        commits = sorted(directory.glob("*/*/COMMIT"))
+        assert len(commits) == 2, commits
+        commits[-1].unlink()
+        out = tmp_path / "export.safetensors"
+        done = subprocess.run([cli, "export", f"--checkpoint_dir={directory}", job, str(out)],
+                              check=True, capture_output=True, text=True, timeout=60)
+        assert done.stderr.count("is torn") == 1, done.stderr
+        loaded, metadata = load_safetensors(out)
+        assert metadata["step"] == "0"
+        assert same_bits(loaded["w"], initial)
         opt.drop()
