@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -432,22 +433,26 @@ TEST_F(SlowBuildBudgetTest, RanksCreatingOneJobAtOnceAllGetIt) {
 // FAILED_PRECONDITION); with room it writes, and the charge comes back.
 class CheckpointBudgetTest : public StoreTest {
  protected:
-  CheckpointBudgetTest() : StoreTest(Options()) {}
+  // `after_slice`: the store's seam (JobStoreOptions::after_snapshot_slice).
+  explicit CheckpointBudgetTest(uint64_t limit = uint64_t{64} << 20, std::function<void()> after_slice = nullptr)
+      : StoreTest(Options(limit, std::move(after_slice))) {}
   ~CheckpointBudgetTest() override { std::filesystem::remove_all(dir_); }
-  static JobStoreOptions Options() {
+  static JobStoreOptions Options(uint64_t limit, std::function<void()> after_slice) {
     char tmpl[] = "/tmp/shardopt-budget-XXXXXX";
     dir_ = mkdtemp(tmpl);
     JobStoreOptions o;
-    o.memory_limit = uint64_t{64} << 20;
+    o.memory_limit = limit;
     o.window_bytes = 1 << 20;
     o.checkpoint_dir = dir_;
+    o.after_snapshot_slice = std::move(after_slice);
     return o;
   }
-  absl::StatusOr<v1::CheckpointResponse> CheckpointStep0() {
+  absl::StatusOr<v1::CheckpointResponse> CheckpointStep0(const std::string& job = "j",
+                                                         absl::Time deadline = absl::InfiniteFuture()) {
     v1::CheckpointRequest r;
-    r.set_job("j");
+    r.set_job(job);
     r.set_step(0);
-    return store_.Checkpoint(r);
+    return store_.Checkpoint(r, deadline);
   }
   static inline std::string dir_;
 };
@@ -508,30 +513,13 @@ TEST_F(CheckpointBudgetTest, ACheckpointsBuffersAreChargedWhileItWrites) {
 // instead of being refused (a probe's second job at 160Mi was refused, and a
 // trainer's checkpoint_every fails its step on that). The first holds its
 // buffers at the seam after its first slice until the second has asked.
-class TwoCheckpointsTest : public StoreTest {
+class TwoCheckpointsTest : public CheckpointBudgetTest {
  protected:
-  TwoCheckpointsTest() : StoreTest(Options()) {}
-  ~TwoCheckpointsTest() override { std::filesystem::remove_all(dir_); }
-  static JobStoreOptions Options() {
-    char tmpl[] = "/tmp/shardopt-turns-XXXXXX";
-    dir_ = mkdtemp(tmpl);
-    JobStoreOptions o;
-    o.memory_limit = uint64_t{128} << 20;
-    o.window_bytes = 1 << 20;
-    o.checkpoint_dir = dir_;
-    o.after_snapshot_slice = [] {
-      ++slices_;
-      while (hold_) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    };
-    return o;
-  }
-  absl::StatusOr<v1::CheckpointResponse> CheckpointStep0(const std::string& job, absl::Time deadline) {
-    v1::CheckpointRequest r;
-    r.set_job(job);
-    r.set_step(0);
-    return store_.Checkpoint(r, deadline);
-  }
-  static inline std::string dir_;
+  TwoCheckpointsTest()
+      : CheckpointBudgetTest(uint64_t{128} << 20, [] {
+          ++slices_;
+          while (hold_) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }) {}
   static inline std::atomic<bool> hold_{false};
   static inline std::atomic<int> slices_{0};
 };
