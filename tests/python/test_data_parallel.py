@@ -83,6 +83,20 @@ def free_port():
         return s.getsockname()[1]
 
 
+def server_with_metrics(binary, workdir):
+    """A server and its --metrics_port, picked free. Another test's process
+    may bind that port first (a server listening on port 0 may be given it),
+    and the server then exits, "Address already in use": it is started again
+    on a new port, three times at most, as prometheus_test does."""
+    for attempt in range(3):
+        port = free_port()
+        try:
+            return ServerProcess(binary, workdir, f"--metrics_port={port}"), port
+        except RuntimeError as e:
+            if attempt == 2 or "Address already in use" not in str(e):
+                raise
+
+
 def test_ranks_joined_by_torch_distributed_load_a_state_dict_once_between_them(server_binary, servers, job,
                                                                                 tmp_path):
     """Two ranks under torch.distributed (gloo) resume from a saved state dict
@@ -102,8 +116,7 @@ def test_ranks_joined_by_torch_distributed_load_a_state_dict_once_between_them(s
     torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint)
     opt.drop()
 
-    metrics_port = free_port()
-    server = ServerProcess(server_binary, tmp_path, f"--metrics_port={metrics_port}")
+    server, metrics_port = server_with_metrics(server_binary, tmp_path)
     try:
         before = received_init_bytes(metrics_port)
         outs = [tmp_path / f"rank{r}.pt" for r in range(2)]
