@@ -87,9 +87,9 @@ def _check_gradient(name, g, shape):
 
 def _check_betas(betas, where):
     """torch indexes betas[0] and betas[1], so it takes three, and its step
-    fails on them."""
-    pair = ((isinstance(betas, (tuple, list)) or (isinstance(betas, torch.Tensor) and betas.ndim == 1))
-            and len(betas) == 2)
+    fails on them. A 1-D tensor or numpy array of two is a pair, as torch
+    takes it."""
+    pair = (isinstance(betas, (tuple, list)) or getattr(betas, "ndim", None) == 1) and len(betas) == 2
     if not pair:
         raise ValueError(f"{where}betas must be a pair (beta1, beta2), not {betas!r}")
 
@@ -105,8 +105,8 @@ def _check_hyper(g, where):
     messages (NaN fails them too), made before anything reaches a server."""
     _check_betas(g["betas"], where)
     lr, (beta1, beta2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
-    if isinstance(lr, torch.Tensor):
-        lr = lr.item()
+    # One-element tensors, as torch takes them (betas as a tensor of two).
+    lr, beta1, beta2 = (x.item() if isinstance(x, torch.Tensor) else x for x in (lr, beta1, beta2))
     for what, x in (("lr", lr), ("eps", eps), ("weight_decay", wd), ("betas[0]", beta1), ("betas[1]", beta2)):
         if isinstance(x, bool) or not isinstance(x, numbers.Real):
             raise TypeError(f"{where}{what} must be a number, not {type(x).__name__} {x!r}")

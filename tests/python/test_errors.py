@@ -7,6 +7,7 @@ import sys
 import string
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -233,8 +234,8 @@ def test_an_eps_the_servers_float32_cannot_hold_is_refused_before_any_server_is_
         RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=["127.0.0.1:1"], job=job, eps=eps)
 
 
-@pytest.mark.parametrize("betas", [(0.9, 0.99, 0.1), (0.9,), 0.9, torch.tensor(0.9)],
-                         ids=["three", "one", "number", "0-d tensor"])
+@pytest.mark.parametrize("betas", [(0.9, 0.99, 0.1), (0.9,), 0.9, torch.tensor(0.9), np.array([0.9, 0.99, 0.1])],
+                         ids=["three", "one", "number", "0-d tensor", "numpy three"])
 def test_betas_that_are_not_a_pair_are_refused_naming_them(job, betas):
     """torch takes three betas (it reads two, and its step fails on the
     third); here it is a ValueError naming betas, before any server is
@@ -244,6 +245,24 @@ def test_betas_that_are_not_a_pair_are_refused_naming_them(job, betas):
         RemoteAdamW(params, servers=["127.0.0.1:1"], job=job, betas=betas)
     with pytest.raises(ValueError, match="group 0: betas must be a pair"):
         RemoteAdamW([{"params": params, "betas": betas}], servers=["127.0.0.1:1"], job=job)
+
+
+@pytest.mark.parametrize("betas", [torch.tensor([0.8, 0.99]), np.array([0.8, 0.99])], ids=["tensor", "numpy"])
+def test_betas_as_an_array_of_two_step_as_torchs_do(servers, job, betas):
+    """torch takes a 1-D tensor or numpy array of two as betas; an outside
+    probe's numpy pair was refused "must be a pair"."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64))
+    q = torch.nn.Parameter(p.detach().clone())
+    opt = RemoteAdamW([p], servers=servers, job=job, betas=betas, lr=1e-2)
+    ref = torch.optim.AdamW([q], betas=betas, lr=1e-2, foreach=False)
+    for _ in range(3):
+        g = torch.randn(64)
+        p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    assert (p - q).abs().max().item() < 1e-6
+    opt.drop()
 
 
 def test_betas_made_three_by_the_loop_are_refused_naming_them(servers, job):
