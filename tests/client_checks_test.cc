@@ -476,6 +476,27 @@ TEST(DecideTest, AStepWhoseGradientsTheLossScaleWouldCarryPastFp32IsSkipped) {
   EXPECT_TRUE(decide(1.8e38, 0.5, 1).skip);
 }
 
+// A plain client's Step averages over world_size x trainers_per_rank (0
+// and 1 alike), as a node group does over world_size x G: the norm and the
+// gscale both.
+TEST(DecideTest, AStepAveragesOverEveryTrainerEachRankSums) {
+  JobOptions job;
+  job.world_size = 2;
+  EXPECT_EQ(Trainers(job), 2u);
+  job.trainers_per_rank = 1;
+  EXPECT_EQ(Trainers(job), 2u);
+  job.trainers_per_rank = 3;
+  EXPECT_EQ(Trainers(job), 6u);
+  job.world_size = 65536;
+  job.trainers_per_rank = UINT32_MAX;  // no wrap in 32 bits
+  EXPECT_EQ(Trainers(job), uint64_t{65536} * UINT32_MAX);
+  PushResult push;
+  push.sum_squares = 36;
+  const Decision d = Decide(push, 6, StepOptions{});
+  EXPECT_EQ(d.gscale, static_cast<float>(1.0 / 6));
+  EXPECT_DOUBLE_EQ(d.grad_norm, 1.0);
+}
+
 // Each lr finite on its own, but the update's constants not as floats: the
 // four a probe written from the proto sent, each of which wrote -inf into
 // the master for good. The client checks them before a push, the server at
