@@ -1,5 +1,7 @@
 #include "server/checkpoint_buffers.h"
 
+#include <utility>
+
 #include "absl/strings/str_cat.h"
 
 namespace shardopt {
@@ -25,9 +27,9 @@ void CheckpointBuffers::Returned() {
   ++returned_;
 }
 
-void CheckpointBuffers::StopWaiting() {
+void CheckpointBuffers::StopWaiting(absl::Status why) {
   absl::MutexLock lock(&mu_);
-  stopped_ = true;
+  stopped_ = std::move(why);
 }
 
 absl::StatusOr<CheckpointBuffers::Held> CheckpointBuffers::Take(uint64_t bytes, absl::string_view what,
@@ -40,9 +42,10 @@ absl::StatusOr<CheckpointBuffers::Held> CheckpointBuffers::Take(uint64_t bytes, 
       ++held_;
       return Held(this, *std::move(charge));
     }
-    if (held_ == 0 || stopped_) return charge.status();
+    if (held_ == 0) return charge.status();
+    if (!stopped_.ok()) return stopped_;
     const uint64_t seen = returned_;
-    auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return returned_ != seen || stopped_; };
+    auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return returned_ != seen || !stopped_.ok(); };
     if (!mu_.AwaitWithDeadline(absl::Condition(&changed), deadline)) {
       return absl::ResourceExhaustedError(absl::StrCat(
           charge.status().message(), "; waited ", absl::FormatDuration(absl::Now() - began),

@@ -47,12 +47,14 @@ class CheckpointBuffers {
   // `bytes` for `what`. While the budget has no room and other checkpoints
   // hold buffers, waits for one to give them back, until `deadline`; then
   // RESOURCE_EXHAUSTED saying it waited. Without another checkpoint to wait
-  // for, or once StopWaiting was called, the budget's own refusal at once.
+  // for, the budget's own refusal at once.
   absl::StatusOr<Held> Take(uint64_t bytes, absl::string_view what, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // From now on no Take waits, and those waiting stop: the SIGTERM drain
-  // checkpoints every job, and a call waiting its turn holds its job's.
-  void StopWaiting() ABSL_LOCKS_EXCLUDED(mu_);
+  // From now on no Take waits: those waiting, and those that would, get
+  // `why`. For the SIGTERM drain, which checkpoints every job: a call
+  // waiting its turn holds its job's checkpoint, and its end is no failure
+  // to keep state.
+  void StopWaiting(absl::Status why) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   void Returned() ABSL_LOCKS_EXCLUDED(mu_);
@@ -62,7 +64,7 @@ class CheckpointBuffers {
   uint32_t held_ ABSL_GUARDED_BY(mu_) = 0;
   // Counts buffers given back, so that a waiter sees one happen.
   uint64_t returned_ ABSL_GUARDED_BY(mu_) = 0;
-  bool stopped_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status stopped_ ABSL_GUARDED_BY(mu_);  // StopWaiting's `why`; OK until then
 };
 
 }  // namespace shardopt

@@ -79,7 +79,8 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
   // durable than if its write had failed, and the alert on failures must
   // see it (a job admitted within the buffers' size of the budget could
   // never be checkpointed but at the drain). One refused for the caller's
-  // mistake (a wrong step) is only in the service's refusal line.
+  // mistake (a wrong step), or whose wait for buffers the drain ended (the
+  // drain checkpoints its job), is only in the service's refusal line.
   std::optional<std::chrono::steady_clock::time_point> t0;
   bool no_room = false;
   absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> writer = Snapshot(
@@ -89,7 +90,7 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
         if (charged) {
           auto reserved = checkpoint_buffers_.Take(checkpoint::SequentialWriter::kMostBytes,
                                                    absl::StrCat("a checkpoint of job ", Quote(job.name())), deadline);
-          no_room = !reserved.ok();
+          no_room = absl::IsResourceExhausted(reserved.status());
           SHARDOPT_ASSIGN_OR_RETURN(buffers, std::move(reserved));
         }
         log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
@@ -159,7 +160,7 @@ void JobStore::CountForJob(const Job& job, const char* family) const {
 
 std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobStore::DrainAndCheckpoint(absl::Duration wait_for_steps) {
   draining_ = true;
-  checkpoint_buffers_.StopWaiting();
+  checkpoint_buffers_.StopWaiting(Draining("ask for the checkpoint again"));
   log::Info("drain", {{"detail", "commits that would apply a step are refused; every job with all its initial "
                                   "values is checkpointed"}});
   std::vector<std::pair<std::string, std::shared_ptr<Job>>> jobs;

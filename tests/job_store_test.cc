@@ -1374,6 +1374,41 @@ TEST_F(CheckpointKeepTest, InitialValuesWrittenOverARestoredStepAreNotTakenForIt
   }
 }
 
+// A restore compares trainers_per_rank as an attach does, only where both
+// the checkpoint and the attach say it: a job checkpointed by a plain
+// client (0) restores for a node group's attach, and one checkpointed with
+// G = 2 for a reader's (0); another G is refused, saying what to do, not
+// to move the checkpoint away (an outside probe found both refused).
+TEST_F(CheckpointKeepTest, ARestoreComparesTrainersPerRankOnlyWhereBothSayIt) {
+  const auto with_trainers = [&](const std::string& job, uint32_t trainers) {
+    v1::CreateJobRequest r = JobRequest(job, 2, {{"w", 100}});
+    r.set_trainers_per_rank(trainers);
+    return r;
+  };
+  for (const auto& [made, restores, refused] :
+       std::vector<std::tuple<uint32_t, uint32_t, uint32_t>>{{0, 2, 0}, {2, 0, 4}, {2, 2, 4}}) {
+    const std::string name = absl::StrCat("g", made, "-", restores);
+    Create(with_trainers(name, made));
+    v1::CheckpointRequest at0;
+    at0.set_job(name);
+    at0.set_step(0);
+    ASSERT_TRUE(store_.Checkpoint(at0).ok());
+    auto backend = MakeCpuBackend({});
+    if (refused != 0) {
+      JobStore restarted(backend.get(), Options0(dir_));
+      const auto other = restarted.CreateJob(with_trainers(name, refused));
+      EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition) << name << ": " << other.status();
+      EXPECT_THAT(std::string(other.status().message()), HasSubstr("same number of local ranks")) << name;
+      EXPECT_THAT(std::string(other.status().message()), ::testing::Not(HasSubstr("move the checkpoint away")));
+    }
+    JobStore restarted(backend.get(), Options0(dir_));
+    const auto restored = restarted.CreateJob(with_trainers(name, restores));
+    ASSERT_TRUE(restored.ok()) << name << ": " << restored.status();
+    EXPECT_TRUE(restored->restored()) << name;
+    EXPECT_EQ(ReadFloats(restarted, name, "w", v1::MASTER), ReadFloats(store_, name, "w", v1::MASTER)) << name;
+  }
+}
+
 TEST_F(CheckpointKeepTest, ADescribeOfAJobOnlyOnDiskSaysItsCheckpointsWait) {
   Create(JobRequest("on-disk", 1, {{"w", 100}}));
   std::mt19937_64 rng(5);

@@ -109,7 +109,8 @@ TEST(CheckpointBuffersTest, ACallWaitsForAnotherCheckpointsBuffersUntilItsDeadli
 }
 
 // The drain stops the waits: a call waiting its turn holds its job's
-// checkpoint, which the drain must write.
+// checkpoint, which the drain must write. The waits end with the drain's
+// status, not as a want of room (which counts as a failed checkpoint).
 TEST(CheckpointBuffersTest, StopWaitingEndsTheWaitsAndAnyLaterOne) {
   MemoryBudget budget(100);
   CheckpointBuffers buffers(&budget);
@@ -118,13 +119,16 @@ TEST(CheckpointBuffersTest, StopWaitingEndsTheWaitsAndAnyLaterOne) {
   absl::StatusOr<CheckpointBuffers::Held> waiting = absl::UnknownError("not yet");
   std::thread waiter([&] { waiting = buffers.Take(60, "a checkpoint of job 'b'", absl::InfiniteFuture()); });
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  buffers.StopWaiting();
+  buffers.StopWaiting(absl::UnavailableError("stopping"));
   waiter.join();
-  EXPECT_EQ(waiting.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(waiting.status(), absl::UnavailableError("stopping"));
   const absl::Time asked = absl::Now();
-  EXPECT_EQ(buffers.Take(60, "x", absl::InfiniteFuture()).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(buffers.Take(60, "x", absl::InfiniteFuture()).status(), absl::UnavailableError("stopping"));
   EXPECT_LT(absl::Now() - asked, absl::Seconds(1));
   EXPECT_EQ(budget.used(), 60u);
+  *first = CheckpointBuffers::Held();  // with nothing to wait for, the budget says
+  auto messages = budget.Reserve(50, "stream messages");
+  EXPECT_EQ(buffers.Take(60, "y", absl::InfiniteFuture()).status().code(), absl::StatusCode::kResourceExhausted);
 }
 
 TEST(MemoryBudgetTest, ParsesKubernetesQuantitiesAndDefaultsBelowTheMachine) {
@@ -457,11 +461,11 @@ class CheckpointBudgetTest : public StoreTest {
   static inline std::string dir_;
 };
 
-// The failures of job j's checkpoints so far, as Prometheus reads them (the
+// The failures of `job`'s checkpoints so far, as Prometheus reads them (the
 // registry is the process's: compare before and after).
-double CheckpointFailuresOfJ() {
+double CheckpointFailures(const std::string& job = "j") {
   const std::string text = metrics::Registry::Default().Render();
-  const std::string key = "\nshardopt_checkpoint_failures_total{job=\"j\"} ";
+  const std::string key = absl::StrCat("\nshardopt_checkpoint_failures_total{job=\"", job, "\"} ");
   const size_t at = text.find(key);
   return at == std::string::npos ? -1 : std::stod(text.substr(at + key.size()));
 }
@@ -478,7 +482,7 @@ MemoryBudget::Charge HoldAllButLessThanACheckpoint(MemoryBudget* budget) {
 // failures must see it); one of a wrong step is the caller's mistake.
 TEST_F(CheckpointBudgetTest, ACheckpointsBuffersAreChargedWhileItWrites) {
   Create(JobRequest("j", 1, {{"w", 1 << 20}}));  // 18 MiB of state and staging
-  const double failures = CheckpointFailuresOfJ();
+  const double failures = CheckpointFailures();
   ASSERT_GE(failures, 0);
   // Jobs leave room for one checkpoint: another job that would take it is
   // refused; messages of streams may hold it.
@@ -495,7 +499,7 @@ TEST_F(CheckpointBudgetTest, ACheckpointsBuffersAreChargedWhileItWrites) {
   auto refused = CheckpointStep0();
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_THAT(std::string(refused.status().message()), HasSubstr("a checkpoint of job 'j' needs"));
-  EXPECT_EQ(CheckpointFailuresOfJ(), failures + 1);  // the wrong step is not counted, the want of room is
+  EXPECT_EQ(CheckpointFailures(), failures + 1);  // the wrong step is not counted, the want of room is
   EXPECT_TRUE(std::filesystem::is_empty(dir_));
   EXPECT_EQ(store_.budget()->used(), used);
 
@@ -553,6 +557,46 @@ TEST_F(TwoCheckpointsTest, JobsThatCheckpointAtOnceOnAFullServerTakeTurns) {
   EXPECT_TRUE(a->complete());
   EXPECT_TRUE(b->complete());
   EXPECT_EQ(store_.budget()->used(), jobs);
+}
+
+// The drain ends a wait for buffers at once: the waiting call holds its
+// job's checkpoint, which the drain writes. The call is told the server is
+// stopping, and it counts as no failed checkpoint (an alert would fire).
+TEST_F(TwoCheckpointsTest, TheDrainEndsAWaitForBuffersAndCheckpointsBothJobs) {
+  Create(JobRequest("a", 1, {{"w", 2 << 20}}));
+  Create(JobRequest("b", 1, {{"w", 2 << 20}}));
+  hold_ = true;
+  absl::StatusOr<v1::CheckpointResponse> a = absl::UnknownError("not yet");
+  std::thread first([&] { a = CheckpointStep0("a"); });
+  for (int i = 0; i < 10000 && slices_ == 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  ASSERT_GT(slices_, 0) << "the first checkpoint never streamed";
+  const double failures_of_b = CheckpointFailures("b");
+  ASSERT_GE(failures_of_b, 0);
+  std::atomic<bool> b_done{false};
+  absl::StatusOr<v1::CheckpointResponse> b = absl::UnknownError("not yet");
+  std::thread second([&] {
+    b = CheckpointStep0("b");
+    b_done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ASSERT_FALSE(b_done) << b.status();
+  std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> drained;
+  std::thread drain([&] { drained = store_.DrainAndCheckpoint(); });
+  for (int i = 0; i < 5000 && !b_done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  EXPECT_TRUE(b_done) << "the drain left the wait going";
+  hold_ = false;
+  first.join();
+  second.join();
+  drain.join();
+  EXPECT_EQ(b.status().code(), absl::StatusCode::kUnavailable) << b.status();
+  EXPECT_THAT(std::string(b.status().message()), HasSubstr("shutting down"));
+  EXPECT_EQ(CheckpointFailures("b"), failures_of_b);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(drained.size(), 2u);
+  for (const auto& [job, written] : drained) {
+    ASSERT_TRUE(written.ok()) << job << ": " << written.status();
+    EXPECT_TRUE(written->complete()) << job;
+  }
 }
 
 // SIGTERM's checkpoints are not refused for want of budget: their buffers,

@@ -47,10 +47,11 @@
 namespace shardopt {
 
 // Every node of the job has the same G and the same server list: the
-// gradient is averaged over nodes x G ranks. Neither is checked across
-// nodes: nodes of different G compute different gscales, the first commit
-// to reach a server applies the step with its own, and the others' commits
-// are ABORTED ("applied with other arguments ... gscale").
+// gradient is averaged over nodes x G ranks. The servers hold each node to
+// both at CreateOrAttach: the group's attach says its G
+// (JobOptions::trainers_per_rank) and its part of the placement, and one
+// that differs from the job's is refused, ALREADY_EXISTS (FAILED_PRECONDITION
+// where the attach restores the job from a checkpoint).
 struct NodeGroupOptions {
   // Servers and tuning; the group sets rank and push_servers. Its
   // checkpoint_every is the group's: node 0 checkpoints after every step
