@@ -179,10 +179,11 @@ using Log = std::function<void(const std::string&)>;
 // FAILED_PRECONDITION for another format version or another configuration.
 // Torn checkpoints (no COMMIT: not every part was written) are skipped when
 // looking for the newest, and `log` is told why. A plain restart of the
-// same placement streams its part file: the data in order from offset 0. Another placement
-// streams each part it overlaps, whole (for its checksum), and gets the
-// runs of those parts that fall in it, in the parts' order: each run is
-// whole elements of one array, its pieces in order. Returns the manifest.
+// same placement streams its part file: the data in order from offset 0.
+// Another placement streams each part it overlaps, whole (for its
+// checksum), and gets the runs of those parts that fall in it, in the
+// parts' order: each run is whole elements of one array, its pieces in
+// order. Returns the manifest.
 // A part's checksum is known only at its end: on an error the sink has seen
 // data that must be thrown away.
 // `begin` gets the manifest before any data, so that the sink knows the

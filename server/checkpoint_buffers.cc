@@ -42,8 +42,8 @@ absl::StatusOr<CheckpointBuffers::Held> CheckpointBuffers::Take(uint64_t bytes, 
       ++held_;
       return Held(this, *std::move(charge));
     }
-    if (held_ == 0) return charge.status();
     if (!stopped_.ok()) return stopped_;
+    if (held_ == 0) return charge.status();
     const uint64_t seen = returned_;
     auto changed = [this, seen]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return returned_ != seen || !stopped_.ok(); };
     if (!mu_.AwaitWithDeadline(absl::Condition(&changed), deadline)) {

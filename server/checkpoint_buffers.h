@@ -50,8 +50,8 @@ class CheckpointBuffers {
   // for, the budget's own refusal at once.
   absl::StatusOr<Held> Take(uint64_t bytes, absl::string_view what, absl::Time deadline) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // From now on no Take waits: those waiting, and those that would, get
-  // `why`. For the SIGTERM drain, which checkpoints every job: a call
+  // From now on no Take waits: those waiting, and any that finds no room,
+  // get `why`. For the SIGTERM drain, which checkpoints every job: a call
   // waiting its turn holds its job's checkpoint, and its end is no failure
   // to keep state.
   void StopWaiting(absl::Status why) ABSL_LOCKS_EXCLUDED(mu_);
