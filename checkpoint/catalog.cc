@@ -69,23 +69,14 @@ absl::Status SameJob(const v1::CreateJobRequest& a, const v1::CreateJobRequest& 
   // A field at proto3's default is absent: compared and shown as 0, not
   // as "added" with one side's value alone.
   differ.set_message_field_comparison(google::protobuf::util::MessageDifferencer::EQUIVALENT);
-  CompareShapesOnlyWhereBothGiveThem(&differ);
+  CompareOnlyWhereBothSayIt(&differ);
   differ.set_report_ignores(false);
-  v1::CreateJobRequest ia = Identity(a), ib = Identity(b);
-  // trainers_per_rank counts only where both say it, as an attach compares
-  // it (server/job_spec.h): a job made, or checkpointed, by a client that
-  // said 0 is the same job as one a node group asks for.
-  if (ia.trainers_per_rank() == 0 || ib.trainers_per_rank() == 0) {
-    ia.clear_trainers_per_rank();
-    ib.clear_trainers_per_rank();
-  }
-  if (!differ.Compare(ia, ib)) {
-    const bool other_trainers = ia.trainers_per_rank() != ib.trainers_per_rank();
+  if (!differ.Compare(Identity(a), Identity(b))) {
     return absl::FailedPreconditionError(absl::StrCat(
         where, " holds job '", b.job(), "' with another configuration (", sides, ": ", OneLineReport(diff), "); ",
-        other_trainers ? "every node of a job must have the same number of local ranks: attach with the number it "
-                         "was made with"
-                       : "move the checkpoint away or use another job name"));
+        OtherTrainersPerRank(a, b)
+            ? "every node of a job must have the same number of local ranks: attach with the number it was made with"
+            : "move the checkpoint away or use another job name"));
   }
   return absl::OkStatus();
 }

@@ -1,6 +1,7 @@
 // TensorSpec.shape in a job's identity: compared only where both specs give
 // one, so that a job made, or a checkpoint written, by a client that gave
 // no shapes (or before the field) is the same job as one that gives them.
+// CreateJobRequest.trainers_per_rank likewise, where both say it (not 0).
 #pragma once
 
 #include <cstdint>
@@ -38,9 +39,16 @@ std::string ShapeRefusal(const std::string& name, const Dims& shape, uint64_t nu
                       " elements in at most ", kMaxShapeDims, " dimensions of at least 1");
 }
 
-// Makes `differ` compare a tensor's shape only where both specs give one:
-// a job made, or a checkpoint written, without shapes is the same job as
-// one asked for with them, and the rest of the spec is compared as ever.
-void CompareShapesOnlyWhereBothGiveThem(google::protobuf::util::MessageDifferencer* differ);
+// Makes `differ` compare a tensor's shape only where both specs give one,
+// and trainers_per_rank only where both say it: a job made, or a checkpoint
+// written, without them is the same job as one asked for with them, and the
+// rest of the spec is compared as ever.
+void CompareOnlyWhereBothSayIt(google::protobuf::util::MessageDifferencer* differ);
+
+// Whether both specs say trainers_per_rank, and differ: nodes of another
+// number of local ranks, which the refusal's message says.
+inline bool OtherTrainersPerRank(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b) {
+  return a.trainers_per_rank() != 0 && b.trainers_per_rank() != 0 && a.trainers_per_rank() != b.trainers_per_rank();
+}
 
 }  // namespace shardopt

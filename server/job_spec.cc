@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -147,20 +146,12 @@ v1::CreateJobRequest AsReported(v1::CreateJobRequest r) {
 void CompareAsAnAttach(google::protobuf::util::MessageDifferencer* differ) {
   differ->set_message_field_comparison(google::protobuf::util::MessageDifferencer::EQUIVALENT);
   differ->IgnoreField(v1::Group::descriptor()->FindFieldByName("name"));
-  CompareShapesOnlyWhereBothGiveThem(differ);
+  CompareOnlyWhereBothSayIt(differ);
 }
 
 }  // namespace
 
-absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& asked) {
-  // A side that says no trainers_per_rank takes the other's.
-  std::optional<v1::CreateJobRequest> saying_nothing;
-  if (existing.trainers_per_rank() != asked.trainers_per_rank() &&
-      (existing.trainers_per_rank() == 0 || asked.trainers_per_rank() == 0)) {
-    saying_nothing = asked;
-    saying_nothing->set_trainers_per_rank(existing.trainers_per_rank());
-  }
-  const v1::CreateJobRequest& requested = saying_nothing ? *saying_nothing : asked;
+absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
   google::protobuf::util::MessageDifferencer differ;
   CompareAsAnAttach(&differ);
   // Every attach compares; only a job that differs is reported, from copies
@@ -178,7 +169,6 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   CompareAsAnAttach(&unplaced);
   unplaced.IgnoreField(v1::CreateJobRequest::descriptor()->FindFieldByName("shards"));
   const bool placed_otherwise = unplaced.Compare(existing, requested);
-  const bool other_trainers = existing.trainers_per_rank() != requested.trainers_per_rank();
   return absl::AlreadyExistsError(absl::StrCat(
       "job '", requested.job(), "' exists with a different configuration (this server's -> this call's: ",
       OneLineReport(diff), "); drop it or use another name",
@@ -187,9 +177,9 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
                          "and restart every server that holds it, then attach with the new list, README, "
                          "\"Scaling\")"
                        : "",
-      other_trainers ? " (every node of a job must have the same number of local ranks: each averages the "
-                       "gradients over world_size times its own)"
-                     : ""));
+      OtherTrainersPerRank(existing, requested) ? " (every node of a job must have the same number of local ranks: "
+                                                  "each averages the gradients over world_size times its own)"
+                                                : ""));
 }
 
 }  // namespace shardopt

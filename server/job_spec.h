@@ -22,9 +22,9 @@ absl::StatusOr<v1::CreateJobRequest> NormalizeJobSpec(const v1::CreateJobRequest
 
 // OK when `requested` is the job `existing` is, else ALREADY_EXISTS naming
 // the difference. Both are normalized; group names are for messages only,
-// a tensor's shape counts only where both give one (rpc/tensor_shapes.h),
-// and trainers_per_rank only where both say it.
-absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& asked);
+// and a tensor's shape and trainers_per_rank count only where both give
+// them (rpc/tensor_shapes.h).
+absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested);
 
 absl::StatusOr<DType> FromProto(v1::DType d);
 v1::DType ToProto(DType d);
