@@ -250,19 +250,26 @@ def test_betas_that_are_not_a_pair_are_refused_naming_them(job, betas):
 @pytest.mark.parametrize("betas", [torch.tensor([0.8, 0.99]), np.array([0.8, 0.99])], ids=["tensor", "numpy"])
 def test_betas_as_an_array_of_two_step_as_torchs_do(servers, job, betas):
     """torch takes a 1-D tensor or numpy array of two as betas; an outside
-    probe's numpy pair was refused "must be a pair"."""
+    probe's numpy pair was refused "must be a pair". The steps are bitwise
+    those of its elements given as a tuple of floats (a float32 tensor's
+    0.8 is not 0.8), and torch's within fp32 rounding."""
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(64))
     q = torch.nn.Parameter(p.detach().clone())
+    r = torch.nn.Parameter(p.detach().clone())
     opt = RemoteAdamW([p], servers=servers, job=job, betas=betas, lr=1e-2)
+    as_floats = RemoteAdamW([r], servers=servers, job=f"{job}-floats", betas=tuple(float(b) for b in betas), lr=1e-2)
     ref = torch.optim.AdamW([q], betas=betas, lr=1e-2, foreach=False)
     for _ in range(3):
         g = torch.randn(64)
-        p.grad, q.grad = g.clone(), g.clone()
+        p.grad, q.grad, r.grad = g.clone(), g.clone(), g.clone()
         opt.step()
+        as_floats.step()
         ref.step()
+    assert torch.equal(p.detach().view(torch.int32), r.detach().view(torch.int32))
     assert (p - q).abs().max().item() < 1e-6
     opt.drop()
+    as_floats.drop()
 
 
 def test_betas_made_three_by_the_loop_are_refused_naming_them(servers, job):

@@ -96,8 +96,10 @@ struct JobOptions {
   // How many trainers' gradients each rank's push sums; Step averages over
   // world_size x max(1, this). NodeGroup sets its G local ranks. The servers
   // refuse an attach, ALREADY_EXISTS, that says another number than the job
-  // was made with: nodes of different G would each apply their own average.
-  // 0 says nothing (a plain rank, a reader) and attaches to a job of any.
+  // was made with (FAILED_PRECONDITION where it would restore the job from a
+  // checkpoint that says another): nodes of different G would each apply
+  // their own average. 0 says nothing (a plain rank, a reader) and attaches
+  // to, or restores, a job of any.
   uint32_t trainers_per_rank = 0;
 };
 
