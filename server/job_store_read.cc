@@ -126,6 +126,7 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
   r.set_job(job.name());
   r.set_step(summary.step());
   r.set_world_size(summary.world_size());
+  r.set_trainers_per_rank(summary.trainers_per_rank());
   r.set_grad_dtype(job.spec.grad_dtype());
   for (int g = 0; g < job.spec.groups_size(); ++g) {
     v1::GroupState* gs = r.add_groups();
@@ -196,6 +197,7 @@ v1::JobSummary JobStore::Summarize(const Job& job) {
   s.set_job(job.name());
   s.set_step(job.step);
   s.set_world_size(job.world_size());
+  s.set_trainers_per_rank(job.spec.trainers_per_rank());
   s.set_tensors(static_cast<uint32_t>(job.shards.size()));
   const MemoryUse use = job.memory_use();
   s.set_state_bytes(use.state_bytes);

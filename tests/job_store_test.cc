@@ -942,6 +942,11 @@ TEST_F(StoreTest, AnAttachThatSaysOtherTrainersPerRankIsRefused) {
   EXPECT_THAT(std::string(other.status().message()), HasSubstr("trainers_per_rank"));
   EXPECT_THAT(std::string(other.status().message()), HasSubstr("same number of local ranks"));
   EXPECT_EQ(Snapshot("g2"), before);
+  // An operator finds the G that a refused node must attach with.
+  EXPECT_EQ(store_.Describe("g2")->trainers_per_rank(), 2u);
+  const v1::ListJobsResponse listed = store_.ListJobs({}, [](const std::string& name) { return name == "g2"; });
+  ASSERT_EQ(listed.jobs_size(), 1);
+  EXPECT_EQ(listed.jobs(0).trainers_per_rank(), 2u);
   for (uint32_t says : {0u, 2u}) {
     const auto attached = store_.CreateJob(with_trainers("g2", says));
     ASSERT_TRUE(attached.ok()) << says << ": " << attached.status();
