@@ -13,7 +13,10 @@ wire::StreamCall::Ready PushMessages::Next(grpc::ByteBuffer* out) {
     return Ready::kMessage;
   }
   while (off_ == end_ && next_send_ < sends_.size()) {
-    if (!asked_) return Ready::kLater;
+    if (!asked_) {
+      if (grad_may_block_) return Ready::kLater;
+      Wait();
+    }
     const Send& s = sends_[next_send_++];
     const char* data = *std::exchange(asked_, std::nullopt);
     if (data == nullptr) {

@@ -240,7 +240,13 @@ TEST(Wire, ReadChunkAgreesWithProtobufOnMutatedChunks) {
 // One server's push stream, message by message: the head, then for each
 // tensor in order a wait for its gradient (asked for once) and its chunks as
 // slices over the gradient at their offsets, an absent gradient named last.
-TEST(Wire, PushMessagesAskForEachGradientOnceAndNameTheAbsentLast) {
+// Gradients that may block are asked for through kLater and Wait, on the
+// caller's thread; gradients all given are asked for inside Next, on gRPC's
+// thread, without a hop per tensor. The messages are the same either way.
+class PushMessagesTest : public ::testing::TestWithParam<bool> {};
+
+TEST_P(PushMessagesTest, AskForEachGradientOnceAndNameTheAbsentLast) {
+  const bool grad_may_block = GetParam();
   std::mt19937 rng(5);
   std::vector<uint16_t> a(5000), c(300);
   std::vector<float> b(1000);
@@ -259,7 +265,7 @@ TEST(Wire, PushMessagesAskForEachGradientOnceAndNameTheAbsentLast) {
     asked.push_back(i);
     return i == 2 ? static_cast<const void*>(a.data()) : i == 1 ? static_cast<const void*>(b.data()) : nullptr;
   };
-  PushMessages messages(head, sends, 2048, grad);
+  PushMessages messages(head, sends, 2048, grad, grad_may_block);
   using Ready = StreamCall::Ready;
   std::vector<v1::GradChunk> sent;
   std::vector<size_t> waits_before;  // messages sent before each wait
@@ -278,7 +284,7 @@ TEST(Wire, PushMessagesAskForEachGradientOnceAndNameTheAbsentLast) {
   }
   EXPECT_EQ(asked, (std::vector<size_t>{2, 0, 1}));
   // a: 3000 bf16 in chunks of 1024; c: none; b: 1000 fp32 in chunks of 512.
-  EXPECT_EQ(waits_before, (std::vector<size_t>{1, 4, 4}));
+  EXPECT_EQ(waits_before, (grad_may_block ? std::vector<size_t>{1, 4, 4} : std::vector<size_t>()));
   ASSERT_EQ(sent.size(), 1u + 3 + 2 + 1);
   EXPECT_EQ(sent[0].job(), "j");
   EXPECT_EQ(sent[0].step(), 7u);
@@ -303,6 +309,9 @@ TEST(Wire, PushMessagesAskForEachGradientOnceAndNameTheAbsentLast) {
   EXPECT_EQ(std::vector<std::string>(sent[6].no_grad().begin(), sent[6].no_grad().end()), std::vector<std::string>{"c"});
   EXPECT_TRUE(sent[6].data().empty());
 }
+
+INSTANTIATE_TEST_SUITE_P(Wire, PushMessagesTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "MayBlock" : "AllGiven"; });
 
 // 4 MiB for one or two ranks, 8 MiB shared out over more, 256 KiB from 32
 // ranks on; at most half the smallest message a server takes; at most 256

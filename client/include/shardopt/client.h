@@ -476,6 +476,12 @@ class Client {
   explicit Client(std::unique_ptr<Impl> impl);
   // Commits step t as a skip, params into out; see Commit.
   absl::Status CommitSkip(uint64_t t, const std::vector<char*>& out);
+  // PushInOrder, where `grad_may_block` false says that grad answers at once
+  // (Push's gradients are all given): each stream then asks for it on
+  // gRPC's thread, without a hop to the caller's per tensor.
+  absl::StatusOr<PushResult> PushGradients(uint64_t step, absl::Span<const std::string> order,
+                                           const std::function<const void*(size_t)>& grad, bool grad_may_block,
+                                           const StepOptions* intent);
   std::unique_ptr<Impl> impl_;
 };
 
