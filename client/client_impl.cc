@@ -103,7 +103,10 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
       // another client stepped the job meanwhile (this one only reads).
       : resp.step() > step && !pushed ? ": the job went on past this client's step since it attached (another "
                                         "client steps it): attach again (CreateOrAttach), which takes the job's step"
-                                      : ": restore every server from one checkpoint (CreateOrAttach)"));
+                                      : ": restore every server from one checkpoint: stop the trainers, drop the job "
+                                        "on every server (shardopt --server=HOST:PORT drop JOB) or restart each, and "
+                                        "start the trainers again (RemoteAdamW resume=True; in C++ a new client's "
+                                        "CreateOrAttach), which restores the newest complete checkpoint on each"));
   std::lock_guard<std::mutex> lock(lost_mu);
   lost[s] = std::string(failed.message());
   return failed;

@@ -149,6 +149,22 @@ void CompareAsAnAttach(google::protobuf::util::MessageDifferencer* differ) {
   CompareOnlyWhereBothSayIt(differ);
 }
 
+// Whether `b` names the tensors `a` does, in another order: an attach that
+// got its params' order wrong (a relaunch that built its groups otherwise),
+// whose diff lists every moved tensor and reads like another model.
+bool SameTensorsInAnotherOrder(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b) {
+  if (a.tensors_size() != b.tensors_size()) return false;
+  absl::flat_hash_map<std::string, int> names;
+  for (const v1::TensorSpec& t : b.tensors()) names[t.name()]++;
+  bool moved = false;
+  for (int i = 0; i < a.tensors_size(); ++i) {
+    auto it = names.find(a.tensors(i).name());
+    if (it == names.end() || it->second-- == 0) return false;
+    moved = moved || a.tensors(i).name() != b.tensors(i).name();
+  }
+  return moved;
+}
+
 }  // namespace
 
 absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
@@ -171,7 +187,12 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   const bool placed_otherwise = unplaced.Compare(existing, requested);
   return absl::AlreadyExistsError(absl::StrCat(
       "job '", requested.job(), "' exists with a different configuration (this server's -> this call's: ",
-      OneLineReport(diff), "); drop it or use another name",
+      OneLineReport(diff),
+      SameTensorsInAnotherOrder(existing, requested)
+          ? "); this call names the job's tensors in another order: give them in the order the job was made with "
+            "(the order `shardopt describe JOB` lists them), and do not drop the job for this, which would lose its "
+            "state"
+          : "); drop it or use another name",
       placed_otherwise ? " (only this server's part of it differs: every rank must list the same servers, in the "
                          "same order, as the job was made with; to move a job onto other servers, checkpoint it "
                          "and restart every server that holds it, then attach with the new list, README, "

@@ -1486,7 +1486,8 @@ TEST(DurabilityTest, AServerThatRestoredAnOlderStepThanItsPeersIsCalledBehindByE
   at.fixed.Restart(1);
   const auto refused = trainer.Step(*client);  // server 1 restores step 2
   ASSERT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
-  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("restored step 2"));
+  EXPECT_THAT(std::string(refused.status().message()),
+              AllOf(HasSubstr("restored step 2"), HasSubstr("drop the job on every server (shardopt")));
   for (int call = 0; call < 3; ++call) {
     const auto stepped = trainer.Step(*client);
     EXPECT_EQ(stepped.status().code(), absl::StatusCode::kFailedPrecondition) << stepped.status();

@@ -962,6 +962,25 @@ TEST_F(StoreTest, AnAttachThatSaysOtherTrainersPerRankIsRefused) {
   EXPECT_THAT(std::string(shapes.status().message()), ::testing::Not(HasSubstr("local ranks")));
 }
 
+// A relaunch that lists the same params in another order is told so, and
+// not told to drop the job, whose state is right.
+TEST_F(StoreTest, AnAttachNamingTheTensorsInAnotherOrderIsToldSo) {
+  Create(JobRequest("order", 1, {{"a", 1000}, {"b", 2000}, {"c", 3000}}));
+  const std::string before = Snapshot("order");
+  const auto moved = store_.CreateJob(JobRequest("order", 1, {{"c", 3000}, {"a", 1000}, {"b", 2000}}));
+  EXPECT_EQ(moved.status().code(), absl::StatusCode::kAlreadyExists) << moved.status();
+  EXPECT_THAT(std::string(moved.status().message()), HasSubstr("in another order"));
+  EXPECT_THAT(std::string(moved.status().message()), ::testing::Not(HasSubstr("drop it")));
+  EXPECT_EQ(Snapshot("order"), before);
+  // Other tensors, in any order, are another model: drop it or rename.
+  for (const std::vector<TensorDef>& other : std::vector<std::vector<TensorDef>>{
+           {{"a", 1000}, {"b", 2000}, {"d", 3000}}, {{"b", 2000}, {"a", 1000}}}) {
+    const auto refused = store_.CreateJob(JobRequest("order", 1, other));
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kAlreadyExists) << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()), HasSubstr("drop it or use another name"));
+  }
+}
+
 TEST_F(StoreTest, PushBeforeInitialValuesIsRefused) {
   ASSERT_TRUE(store_.CreateJob(JobRequest("noinit", 1, {{"w", 5000}})).ok());
   v1::InitChunk c;
