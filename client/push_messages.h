@@ -8,7 +8,7 @@
 // caller's callback may block until backward produces it. A callback that
 // never blocks (`grad_may_block` false: the gradients are all given) is
 // asked on gRPC's thread instead: the hop to the caller's thread and back
-// cost about 90 µs a tensor, most of a push of many small ones. Each
+// cost about 60 µs a tensor, most of a push of many small ones. Each
 // gradient is asked for once per stream.
 #pragma once
 
