@@ -324,4 +324,11 @@ absl::StatusOr<Committed> FindCommitted(const std::string& root, const std::stri
   return absl::NotFoundError(absl::StrCat("no complete checkpoint of job '", job, "' in ", root));
 }
 
+uint32_t TrainersPerRank(const Committed& committed) {
+  for (const PartHead& part : committed.parts) {
+    if (const uint32_t g = part.manifest.spec().trainers_per_rank(); g != 0) return g;
+  }
+  return 0;
+}
+
 }  // namespace shardopt::checkpoint

@@ -59,5 +59,8 @@ struct Committed {
 // The complete checkpoint of `step`, or the newest one when step is 0.
 absl::StatusOr<Committed> FindCommitted(const std::string& root, const std::string& job, uint64_t step,
                                         const Log& log);
+// The trainers_per_rank its parts say (a node group's G), 0 where none says
+// one: parts written by servers whose jobs plain clients made say 0.
+uint32_t TrainersPerRank(const Committed& committed);
 
 }  // namespace shardopt::checkpoint

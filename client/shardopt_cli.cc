@@ -79,8 +79,8 @@ constexpr Verb kVerbs[] = {
     {"describe", "[--server=HOST:PORT] describe JOB",
      "Prints the job as the server holds it (step, groups, tensors, memory, device) as JSON.", 1, 1},
     {"list", "[--server=HOST:PORT] list",
-     "Prints the jobs the server holds, those the token may describe, as JSON: each one's step, world_size,\n"
-     "trainers_per_rank (a node group's G, where its maker said one), tensors, memory, owner (the token it\n"
+     "Prints the jobs the server holds, those the token may describe, as JSON: each one's step, worldSize,\n"
+     "trainersPerRank (a node group's G, 0 where its maker said none), tensors, memory, owner (the token it\n"
      "counts against) and what its step waits for. Jobs a restarted server has not restored yet are not held.",
      0, 0},
     {"drop", "[--server=HOST:PORT] drop JOB", "Drops the job and its state from the server.", 1, 1},

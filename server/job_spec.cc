@@ -195,8 +195,8 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
           : "); drop it or use another name",
       placed_otherwise ? " (only this server's part of it differs: every rank must list the same servers, in the "
                          "same order, as the job was made with; to move a job onto other servers, checkpoint it "
-                         "and restart every server that holds it, then attach with the new list, README, "
-                         "\"Scaling\")"
+                         "and restart every server that holds it, then attach with the new list: README, "
+                         "\"Operations\", \"Deploying on Kubernetes\", \"Scaling\")"
                        : "",
       OtherTrainersPerRank(existing, requested) ? " (every node of a job must have the same number of local ranks: "
                                                   "each averages the gradients over world_size times its own)"

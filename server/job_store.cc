@@ -9,6 +9,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
+#include "checkpoint/catalog.h"
 #include "checkpoint/format.h"
 #include "checkpoint/job_directory.h"
 #include "rpc/initial_values.h"
@@ -195,6 +196,13 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                                       " asked for, but this server has no --checkpoint_dir"));
   }
 
+  // An attach that says no G (a reader, a plain client) restores the job
+  // with its checkpoint's: the job's spec is fixed before the restore reads
+  // it, and holding 0 would let nodes of any G in after such an attach.
+  if (spec.trainers_per_rank() == 0 && !options_.checkpoint_dir.empty()) {
+    const auto found = checkpoint::FindCommitted(options_.checkpoint_dir, spec.job(), restore_step, [](auto&) {});
+    if (found.ok()) spec.set_trainers_per_rank(checkpoint::TrainersPerRank(*found));
+  }
   // A few chunks per rank are enough for the ranks to stream as a wavefront.
   const uint64_t window = std::max<uint64_t>(RunningSum::MinWindowBytes(),
                                              std::min(options_.window_bytes, uint64_t{spec.world_size()} << 22));

@@ -1430,6 +1430,13 @@ TEST_F(CheckpointKeepTest, ARestoreComparesTrainersPerRankOnlyWhereBothSayIt) {
     ASSERT_TRUE(restored.ok()) << name << ": " << restored.status();
     EXPECT_TRUE(restored->restored()) << name;
     EXPECT_EQ(ReadFloats(restarted, name, "w", v1::MASTER), ReadFloats(store_, name, "w", v1::MASTER)) << name;
+    // A restore by an attach saying 0 holds the checkpoint's G, and the
+    // restored job goes on refusing nodes of another.
+    EXPECT_EQ(restarted.Describe(name)->trainers_per_rank(), std::max(made, restores)) << name;
+    if (refused != 0) {
+      const auto other = restarted.CreateJob(with_trainers(name, refused));
+      EXPECT_EQ(other.status().code(), absl::StatusCode::kAlreadyExists) << name << ": " << other.status();
+    }
   }
 }
 
