@@ -204,20 +204,22 @@ absl::StatusOr<PushResult> Client::Push(uint64_t step, absl::Span<const GradView
   SHARDOPT_RETURN_IF_ERROR(call.status());
   std::vector<std::string> order;
   for (const GradView& g : grads) order.push_back(g.tensor);
-  return PushGradients(step, order, [&](size_t i) { return grads[i].data; }, /*grad_may_block=*/false, intent);
+  // Every gradient is given: each is asked for on gRPC's thread.
+  return PushGradients(
+      step, order, [&](size_t i) { return grads[i].data; }, [](size_t) { return true; }, intent);
 }
 
 absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const std::string> order,
                                                const std::function<const void*(size_t)>& grad,
-                                               const StepOptions* intent) {
+                                               const StepOptions* intent, const std::function<bool(size_t)>& ready) {
   const Impl::Entered call(*impl_);
   SHARDOPT_RETURN_IF_ERROR(call.status());
-  return PushGradients(step, order, grad, /*grad_may_block=*/true, intent);
+  return PushGradients(step, order, grad, ready, intent);
 }
 
 absl::StatusOr<PushResult> Client::PushGradients(uint64_t step, absl::Span<const std::string> order,
-                                                 const std::function<const void*(size_t)>& grad, bool grad_may_block,
-                                                 const StepOptions* intent) {
+                                                 const std::function<const void*(size_t)>& grad,
+                                                 const std::function<bool(size_t)>& ready, const StepOptions* intent) {
   Impl& im = *impl_;
   SHARDOPT_RETURN_IF_ERROR(im.CheckAttached());
   std::vector<int64_t> position(im.job.tensors.size(), -1);  // [tensor]: its index in `order`
@@ -261,7 +263,7 @@ absl::StatusOr<PushResult> Client::PushGradients(uint64_t step, absl::Span<const
       first.set_trainer(im.trainer);
       first.set_attached_at(im.attached_at[s]);
       first.set_chunk_bytes(im.chunk_bytes);
-      PushMessages messages(std::move(first), sends, im.chunk_bytes, grad, grad_may_block);
+      PushMessages messages(std::move(first), sends, im.chunk_bytes, grad, ready);
       // Without its answer the server's partial norm would be taken as 0.
       const wire::OneAnswer received(&responses[s], "push");
       return received.Ended(wire::StreamCall::Run(

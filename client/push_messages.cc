@@ -14,7 +14,7 @@ wire::StreamCall::Ready PushMessages::Next(grpc::ByteBuffer* out) {
   }
   while (off_ == end_ && next_send_ < sends_.size()) {
     if (!asked_) {
-      if (grad_may_block_) return Ready::kLater;
+      if (!ready_ || !ready_(sends_[next_send_].grad_index)) return Ready::kLater;
       Wait();
     }
     const Send& s = sends_[next_send_++];

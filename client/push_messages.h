@@ -5,11 +5,11 @@
 // It drives a wire::StreamCall: Next makes the messages on gRPC's thread
 // without blocking, and when the next tensor's gradient is not known yet it
 // answers kLater; Wait then asks for it on the caller's thread, where the
-// caller's callback may block until backward produces it. A callback that
-// never blocks (`grad_may_block` false: the gradients are all given) is
-// asked on gRPC's thread instead: the hop to the caller's thread and back
-// cost about 60 µs a tensor, most of a push of many small ones. Each
-// gradient is asked for once per stream.
+// caller's callback may block until backward produces it. A gradient that
+// `ready` says is there (all of them, where the gradients are given) is
+// asked for in Next, on gRPC's thread, instead: the hop to the caller's
+// thread and back cost about 60 µs a tensor, most of a push of many small
+// ones. Each gradient is asked for once per stream.
 #pragma once
 
 #include <cstdint>
@@ -35,13 +35,11 @@ class PushMessages {
   };
   // `grad(i)` gives Send::grad_index i's gradient (the whole tensor's), or
   // null when it has none this step; the gradient must outlive the stream.
+  // `ready(i)`, where not null, says without blocking that grad(i) will not
+  // block.
   PushMessages(v1::GradChunk head, std::vector<Send> sends, uint64_t chunk_bytes,
-               const std::function<const void*(size_t)>& grad, bool grad_may_block)
-      : head_(std::move(head)),
-        sends_(std::move(sends)),
-        chunk_bytes_(chunk_bytes),
-        grad_(grad),
-        grad_may_block_(grad_may_block) {}
+               const std::function<const void*(size_t)>& grad, const std::function<bool(size_t)>& ready)
+      : head_(std::move(head)), sends_(std::move(sends)), chunk_bytes_(chunk_bytes), grad_(grad), ready_(ready) {}
 
   wire::StreamCall::Ready Next(grpc::ByteBuffer* out);
   void Wait();
@@ -51,7 +49,7 @@ class PushMessages {
   const std::vector<Send> sends_;
   const uint64_t chunk_bytes_;
   const std::function<const void*(size_t)>& grad_;
-  const bool grad_may_block_;
+  const std::function<bool(size_t)>& ready_;
   bool head_sent_ = false;
   size_t next_send_ = 0;             // in sends_: the next tensor to start
   std::optional<const char*> asked_;  // sends_[next_send_]'s gradient, once Wait asked for it

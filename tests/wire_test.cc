@@ -6,6 +6,8 @@
 #include "rpc/chunk_size.h"
 
 #include <algorithm>
+#include <functional>
+#include <map>
 #include <random>
 #include <vector>
 
@@ -241,12 +243,16 @@ TEST(Wire, ReadChunkAgreesWithProtobufOnMutatedChunks) {
 // tensor in order a wait for its gradient (asked for once) and its chunks as
 // slices over the gradient at their offsets, an absent gradient named last.
 // Gradients that may block are asked for through kLater and Wait, on the
-// caller's thread; gradients all given are asked for inside Next, on gRPC's
-// thread, without a hop per tensor. The messages are the same either way.
-class PushMessagesTest : public ::testing::TestWithParam<bool> {};
+// caller's thread; those `ready` says are there are asked for inside Next,
+// on gRPC's thread, without a hop per tensor. The messages are the same
+// either way.
+enum class Readiness { kNoneSaid, kAllReady, kSomeReady };
+class PushMessagesTest : public ::testing::TestWithParam<Readiness> {};
 
 TEST_P(PushMessagesTest, AskForEachGradientOnceAndNameTheAbsentLast) {
-  const bool grad_may_block = GetParam();
+  const std::function<bool(size_t)> ready = GetParam() == Readiness::kNoneSaid   ? nullptr
+                                            : GetParam() == Readiness::kAllReady ? [](size_t) { return true; }
+                                                                                 : [](size_t i) { return i == 0; };
   std::mt19937 rng(5);
   std::vector<uint16_t> a(5000), c(300);
   std::vector<float> b(1000);
@@ -265,7 +271,7 @@ TEST_P(PushMessagesTest, AskForEachGradientOnceAndNameTheAbsentLast) {
     asked.push_back(i);
     return i == 2 ? static_cast<const void*>(a.data()) : i == 1 ? static_cast<const void*>(b.data()) : nullptr;
   };
-  PushMessages messages(head, sends, 2048, grad, grad_may_block);
+  PushMessages messages(head, sends, 2048, grad, ready);
   using Ready = StreamCall::Ready;
   std::vector<v1::GradChunk> sent;
   std::vector<size_t> waits_before;  // messages sent before each wait
@@ -284,7 +290,10 @@ TEST_P(PushMessagesTest, AskForEachGradientOnceAndNameTheAbsentLast) {
   }
   EXPECT_EQ(asked, (std::vector<size_t>{2, 0, 1}));
   // a: 3000 bf16 in chunks of 1024; c: none; b: 1000 fp32 in chunks of 512.
-  EXPECT_EQ(waits_before, (grad_may_block ? std::vector<size_t>{1, 4, 4} : std::vector<size_t>()));
+  // a (index 2) after the head, c (0: the one said ready in kSomeReady), b (1) after a's 3 chunks.
+  const std::map<Readiness, std::vector<size_t>> waits = {
+      {Readiness::kNoneSaid, {1, 4, 4}}, {Readiness::kAllReady, {}}, {Readiness::kSomeReady, {1, 4}}};
+  EXPECT_EQ(waits_before, waits.at(GetParam()));
   ASSERT_EQ(sent.size(), 1u + 3 + 2 + 1);
   EXPECT_EQ(sent[0].job(), "j");
   EXPECT_EQ(sent[0].step(), 7u);
@@ -310,8 +319,13 @@ TEST_P(PushMessagesTest, AskForEachGradientOnceAndNameTheAbsentLast) {
   EXPECT_TRUE(sent[6].data().empty());
 }
 
-INSTANTIATE_TEST_SUITE_P(Wire, PushMessagesTest, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& p) { return p.param ? "MayBlock" : "AllGiven"; });
+INSTANTIATE_TEST_SUITE_P(Wire, PushMessagesTest,
+                         ::testing::Values(Readiness::kNoneSaid, Readiness::kAllReady, Readiness::kSomeReady),
+                         [](const ::testing::TestParamInfo<Readiness>& p) {
+                           return p.param == Readiness::kNoneSaid   ? "NoneSaid"
+                                  : p.param == Readiness::kAllReady ? "AllReady"
+                                                                    : "SomeReady";
+                         });
 
 // 4 MiB for one or two ranks, 8 MiB shared out over more, 256 KiB from 32
 // ranks on; at most half the smallest message a server takes; at most 256

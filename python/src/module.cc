@@ -246,7 +246,9 @@ class PyClient {
       push_step_ = step;
       push_result_.reset();
       push_thread_ = std::thread([this, step] {
-        push_result_ = client_->PushInOrder(step, push_order_, [this](size_t i) { return table_->Wait(i); });
+        push_result_ = client_->PushInOrder(
+            step, push_order_, [this](size_t i) { return table_->Wait(i); }, /*intent=*/nullptr,
+            [this](size_t i) { return table_->Ready(i); });
       });
     });
   }

@@ -39,6 +39,12 @@ class ReadyTable {
     }
     cv_.notify_all();
   }
+  // Whether Wait(i) would answer at once: the push then asks for slot i on
+  // gRPC's thread as the last message goes out, not on its own thread.
+  bool Ready(size_t i) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return ready_[i];
+  }
   const void* Wait(size_t i) {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return ready_[i]; });

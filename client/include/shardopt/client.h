@@ -99,7 +99,7 @@ struct JobOptions {
   // was made with (FAILED_PRECONDITION where it would restore the job from a
   // checkpoint that says another): nodes of different G would each apply
   // their own average. 0 says nothing (a plain rank, a reader) and attaches
-  // to, or restores, a job of any.
+  // to, or restores, a job of any (a job it restores holds its checkpoint's).
   uint32_t trainers_per_rank = 0;
 };
 
@@ -398,9 +398,15 @@ class Client {
   // this step (as do tensors left out of `order`). It is called from one
   // thread per server at once, and again for a retried stream. A tensor
   // named twice (in `order`, or in Push's `grads`) is INVALID_ARGUMENT.
+  // `ready(i)`, if given, says without blocking whether grad(i) would now
+  // answer at once: such a gradient is asked for on gRPC's thread as the
+  // last message goes out, where one that may block is asked for on a
+  // thread of the client's, a hop there and back per tensor (about 60 µs).
+  // Once ready(i) is true, grad(i) must not block.
   absl::StatusOr<PushResult> PushInOrder(uint64_t step, absl::Span<const std::string> order,
                                          const std::function<const void*(size_t)>& grad,
-                                         const StepOptions* intent = nullptr);
+                                         const StepOptions* intent = nullptr,
+                                         const std::function<bool(size_t)>& ready = nullptr);
   // group_lr: as StepOptions::group_lr; empty means `lr` for every group.
   // A skip sends none of lr, gscale and group_lr, and checks none: every
   // skip of a step is the same commit. A server that lost the step's push
@@ -476,12 +482,11 @@ class Client {
   explicit Client(std::unique_ptr<Impl> impl);
   // Commits step t as a skip, params into out; see Commit.
   absl::Status CommitSkip(uint64_t t, const std::vector<char*>& out);
-  // PushInOrder, where `grad_may_block` false says that grad answers at once
-  // (Push's gradients are all given): each stream then asks for it on
-  // gRPC's thread, without a hop to the caller's per tensor.
+  // PushInOrder, after the call's checks (Push and PushInOrder each make
+  // them once).
   absl::StatusOr<PushResult> PushGradients(uint64_t step, absl::Span<const std::string> order,
-                                           const std::function<const void*(size_t)>& grad, bool grad_may_block,
-                                           const StepOptions* intent);
+                                           const std::function<const void*(size_t)>& grad,
+                                           const std::function<bool(size_t)>& ready, const StepOptions* intent);
   std::unique_ptr<Impl> impl_;
 };
 
