@@ -188,10 +188,15 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   return absl::AlreadyExistsError(absl::StrCat(
       "job '", requested.job(), "' exists with a different configuration (this server's -> this call's: ",
       OneLineReport(diff),
+      // Where the caller got one thing wrong about a job that is right, the
+      // way out is to fix the call: dropping would lose the job's state.
       SameTensorsInAnotherOrder(existing, requested)
           ? "); this call names the job's tensors in another order: give them in the order the job was made with "
             "(the order `shardopt describe JOB` lists them), and do not drop the job for this, which would lose its "
             "state"
+      : OtherTrainersPerRank(existing, requested)
+          ? "); attach this node with the job's number of local ranks (its trainers_per_rank, which `shardopt "
+            "describe JOB` shows), and do not drop the job for this, which would lose its state"
           : "); drop it or use another name",
       placed_otherwise ? " (only this server's part of it differs: every rank must list the same servers, in the "
                          "same order, as the job was made with; to move a job onto other servers, checkpoint it "
