@@ -149,20 +149,37 @@ void CompareAsAnAttach(google::protobuf::util::MessageDifferencer* differ) {
   CompareOnlyWhereBothSayIt(differ);
 }
 
-// Whether `b` names the tensors `a` does, in another order: an attach that
-// got its params' order wrong (a relaunch that built its groups otherwise),
-// whose diff lists every moved tensor and reads like another model.
-bool SameTensorsInAnotherOrder(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b) {
-  if (a.tensors_size() != b.tensors_size()) return false;
-  absl::flat_hash_map<std::string, int> names;
-  for (const v1::TensorSpec& t : b.tensors()) names[t.name()]++;
+// Whether `requested` differs from `existing` only in the order of its
+// tensors (and so in its placement, which follows that order), or only in
+// its trainers_per_rank: a caller that got one thing wrong about a job that
+// is right, whose way out is to fix the call, where dropping the job would
+// lose its state. A relaunch that built its groups otherwise got a diff
+// listing every moved tensor, which reads like another model.
+bool OnlyTheOrderDiffers(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
+  if (existing.tensors_size() != requested.tensors_size()) return false;
+  absl::flat_hash_map<std::string, const v1::TensorSpec*> theirs;
+  for (const v1::TensorSpec& t : requested.tensors()) theirs.emplace(t.name(), &t);
+  v1::CreateJobRequest reordered = requested;
   bool moved = false;
-  for (int i = 0; i < a.tensors_size(); ++i) {
-    auto it = names.find(a.tensors(i).name());
-    if (it == names.end() || it->second-- == 0) return false;
-    moved = moved || a.tensors(i).name() != b.tensors(i).name();
+  for (int i = 0; i < existing.tensors_size(); ++i) {
+    auto it = theirs.find(existing.tensors(i).name());
+    if (it == theirs.end()) return false;
+    *reordered.mutable_tensors(i) = *it->second;
+    moved = moved || existing.tensors(i).name() != requested.tensors(i).name();
   }
-  return moved;
+  google::protobuf::util::MessageDifferencer differ;
+  CompareAsAnAttach(&differ);
+  differ.IgnoreField(v1::CreateJobRequest::descriptor()->FindFieldByName("shards"));
+  return moved && differ.Compare(existing, reordered);
+}
+
+bool OnlyTrainersPerRankDiffers(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
+  if (!OtherTrainersPerRank(existing, requested)) return false;
+  v1::CreateJobRequest theirs = requested;
+  theirs.set_trainers_per_rank(existing.trainers_per_rank());
+  google::protobuf::util::MessageDifferencer differ;
+  CompareAsAnAttach(&differ);
+  return differ.Compare(existing, theirs);
 }
 
 }  // namespace
@@ -188,13 +205,10 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   return absl::AlreadyExistsError(absl::StrCat(
       "job '", requested.job(), "' exists with a different configuration (this server's -> this call's: ",
       OneLineReport(diff),
-      // Where the caller got one thing wrong about a job that is right, the
-      // way out is to fix the call: dropping would lose the job's state.
-      SameTensorsInAnotherOrder(existing, requested)
-          ? "); this call names the job's tensors in another order: give them in the order the job was made with "
-            "(the order `shardopt describe JOB` lists them), and do not drop the job for this, which would lose its "
-            "state"
-      : OtherTrainersPerRank(existing, requested)
+      OnlyTheOrderDiffers(existing, requested)
+          ? "); this call names the job's tensors in another order: give them in the order the job was made with, "
+            "and do not drop the job for this, which would lose its state"
+      : OnlyTrainersPerRankDiffers(existing, requested)
           ? "); attach this node with the job's number of local ranks (its trainers_per_rank, which `shardopt "
             "describe JOB` shows), and do not drop the job for this, which would lose its state"
           : "); drop it or use another name",

@@ -942,6 +942,10 @@ TEST_F(StoreTest, AnAttachThatSaysOtherTrainersPerRankIsRefused) {
   EXPECT_THAT(std::string(other.status().message()), HasSubstr("trainers_per_rank"));
   EXPECT_THAT(std::string(other.status().message()), HasSubstr("same number of local ranks"));
   EXPECT_THAT(std::string(other.status().message()), ::testing::Not(HasSubstr("drop it")));
+  // Another G and another size: another model, which the advice to fix the G alone would not make right.
+  v1::CreateJobRequest bigger = JobRequest("g2", 2, {{"w", 1001}});
+  bigger.set_trainers_per_rank(4);
+  EXPECT_THAT(std::string(store_.CreateJob(bigger).status().message()), HasSubstr("drop it or use another name"));
   EXPECT_EQ(Snapshot("g2"), before);
   // An operator finds the G that a refused node must attach with.
   EXPECT_EQ(store_.Describe("g2")->trainers_per_rank(), 2u);
@@ -974,9 +978,14 @@ TEST_F(StoreTest, AnAttachNamingTheTensorsInAnotherOrderIsToldSo) {
   EXPECT_THAT(std::string(moved.status().message()), ::testing::Not(HasSubstr("drop it")));
   EXPECT_EQ(Snapshot("order"), before);
   // Other tensors, in any order, are another model: drop it or rename.
-  for (const std::vector<TensorDef>& other : std::vector<std::vector<TensorDef>>{
-           {{"a", 1000}, {"b", 2000}, {"d", 3000}}, {{"b", 2000}, {"a", 1000}}}) {
-    const auto refused = store_.CreateJob(JobRequest("order", 1, other));
+  // So are the same tensors in another order where something else differs too.
+  const std::vector<v1::CreateJobRequest> others = {
+      JobRequest("order", 1, {{"a", 1000}, {"b", 2000}, {"d", 3000}}),
+      JobRequest("order", 1, {{"b", 2000}, {"a", 1000}}),
+      JobRequest("order", 2, {{"c", 3000}, {"a", 1000}, {"b", 2000}}),
+      JobRequest("order", 1, {{"c", 3001}, {"a", 1000}, {"b", 2000}})};
+  for (const v1::CreateJobRequest& other : others) {
+    const auto refused = store_.CreateJob(other);
     EXPECT_EQ(refused.status().code(), absl::StatusCode::kAlreadyExists) << refused.status();
     EXPECT_THAT(std::string(refused.status().message()), HasSubstr("drop it or use another name"));
   }

@@ -40,7 +40,7 @@ class ReadyTable {
     cv_.notify_all();
   }
   // Whether Wait(i) would answer at once: the push then asks for slot i on
-  // gRPC's thread as the last message goes out, not on its own thread.
+  // gRPC's callback thread, not on its own (PushInOrder's `ready`).
   bool Ready(size_t i) {
     std::lock_guard<std::mutex> lock(mu_);
     return ready_[i];

@@ -399,10 +399,13 @@ class Client {
   // thread per server at once, and again for a retried stream. A tensor
   // named twice (in `order`, or in Push's `grads`) is INVALID_ARGUMENT.
   // `ready(i)`, if given, says without blocking whether grad(i) would now
-  // answer at once: such a gradient is asked for on gRPC's thread as the
-  // last message goes out, where one that may block is asked for on a
-  // thread of the client's, a hop there and back per tensor (about 60 µs).
-  // Once ready(i) is true, grad(i) must not block.
+  // answer at once. Such a gradient is asked for on one of gRPC's callback
+  // threads when the write before it completes, which saves a hop to the
+  // client's thread and back per tensor; one that may block is asked for on
+  // the client's thread. So ready, and grad once ready(i) was true, run on
+  // gRPC's threads, for several servers at once and again for a retried
+  // stream: they must be thread-safe, must not throw, must not call this
+  // Client, and grad(i) must not block once ready(i) was true.
   absl::StatusOr<PushResult> PushInOrder(uint64_t step, absl::Span<const std::string> order,
                                          const std::function<const void*(size_t)>& grad,
                                          const StepOptions* intent = nullptr,
