@@ -155,6 +155,15 @@ void CompareAsAnAttach(google::protobuf::util::MessageDifferencer* differ) {
 // is right, whose way out is to fix the call, where dropping the job would
 // lose its state. A relaunch that built its groups otherwise got a diff
 // listing every moved tensor, which reads like another model.
+// Whether an attach takes `b` for `a`; where `placement_aside`, whatever
+// their shards (the client's placement).
+bool SameAsAnAttach(const v1::CreateJobRequest& a, const v1::CreateJobRequest& b, bool placement_aside) {
+  google::protobuf::util::MessageDifferencer differ;
+  CompareAsAnAttach(&differ);
+  if (placement_aside) differ.IgnoreField(v1::CreateJobRequest::descriptor()->FindFieldByName("shards"));
+  return differ.Compare(a, b);
+}
+
 bool OnlyTheOrderDiffers(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
   if (existing.tensors_size() != requested.tensors_size()) return false;
   absl::flat_hash_map<std::string, const v1::TensorSpec*> theirs;
@@ -167,19 +176,14 @@ bool OnlyTheOrderDiffers(const v1::CreateJobRequest& existing, const v1::CreateJ
     *reordered.mutable_tensors(i) = *it->second;
     moved = moved || existing.tensors(i).name() != requested.tensors(i).name();
   }
-  google::protobuf::util::MessageDifferencer differ;
-  CompareAsAnAttach(&differ);
-  differ.IgnoreField(v1::CreateJobRequest::descriptor()->FindFieldByName("shards"));
-  return moved && differ.Compare(existing, reordered);
+  return moved && SameAsAnAttach(existing, reordered, /*placement_aside=*/true);
 }
 
 bool OnlyTrainersPerRankDiffers(const v1::CreateJobRequest& existing, const v1::CreateJobRequest& requested) {
   if (!OtherTrainersPerRank(existing, requested)) return false;
   v1::CreateJobRequest theirs = requested;
   theirs.set_trainers_per_rank(existing.trainers_per_rank());
-  google::protobuf::util::MessageDifferencer differ;
-  CompareAsAnAttach(&differ);
-  return differ.Compare(existing, theirs);
+  return SameAsAnAttach(existing, theirs, /*placement_aside=*/false);
 }
 
 }  // namespace
@@ -198,10 +202,7 @@ absl::Status SameJobSpec(const v1::CreateJobRequest& existing, const v1::CreateJ
   // differ because the ranks list the servers in different orders or
   // numbers, or the job is attached with other servers than it was made
   // with; where the tensors differ, the diff says that already.
-  google::protobuf::util::MessageDifferencer unplaced;
-  CompareAsAnAttach(&unplaced);
-  unplaced.IgnoreField(v1::CreateJobRequest::descriptor()->FindFieldByName("shards"));
-  const bool placed_otherwise = unplaced.Compare(existing, requested);
+  const bool placed_otherwise = SameAsAnAttach(existing, requested, /*placement_aside=*/true);
   return absl::AlreadyExistsError(absl::StrCat(
       "job '", requested.job(), "' exists with a different configuration (this server's -> this call's: ",
       OneLineReport(diff),
