@@ -252,7 +252,7 @@ class PushMessagesTest : public ::testing::TestWithParam<Readiness> {};
 TEST_P(PushMessagesTest, AskForEachGradientOnceAndNameTheAbsentLast) {
   const std::function<bool(size_t)> ready = GetParam() == Readiness::kNoneSaid   ? nullptr
                                             : GetParam() == Readiness::kAllReady ? [](size_t) { return true; }
-                                                                                 : [](size_t i) { return i == 0; };
+                                                                                 : [](size_t i) { return i == 1; };
   std::mt19937 rng(5);
   std::vector<uint16_t> a(5000), c(300);
   std::vector<float> b(1000);
@@ -290,7 +290,8 @@ TEST_P(PushMessagesTest, AskForEachGradientOnceAndNameTheAbsentLast) {
   }
   EXPECT_EQ(asked, (std::vector<size_t>{2, 0, 1}));
   // a: 3000 bf16 in chunks of 1024; c: none; b: 1000 fp32 in chunks of 512.
-  // a (index 2) after the head, c (0: the one said ready in kSomeReady), b (1) after a's 3 chunks.
+  // a (index 2) after the head, c (0) after a's 3 chunks, b (1, with data: the one said ready in kSomeReady)
+  // after them too.
   const std::map<Readiness, std::vector<size_t>> waits = {
       {Readiness::kNoneSaid, {1, 4, 4}}, {Readiness::kAllReady, {}}, {Readiness::kSomeReady, {1, 4}}};
   EXPECT_EQ(waits_before, waits.at(GetParam()));
