@@ -121,9 +121,11 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
   }
   im.incarnation.clear();
   im.attached_at.clear();
+  im.takes_packed_grads.clear();
   for (const v1::CreateJobResponse& answer : answers) {
     im.incarnation.push_back(answer.incarnation());
     im.attached_at.push_back(answer.push_clock());
+    im.takes_packed_grads.push_back(answer.takes_packed_grads());
   }
   // A step its trainer committed on some servers only is committed on the
   // others, as the trainer's own retry would have been, so that a restarted
@@ -263,7 +265,7 @@ absl::StatusOr<PushResult> Client::PushGradients(uint64_t step, absl::Span<const
       first.set_trainer(im.trainer);
       first.set_attached_at(im.attached_at[s]);
       first.set_chunk_bytes(im.chunk_bytes);
-      PushMessages messages(std::move(first), sends, im.chunk_bytes, grad, ready);
+      PushMessages messages(std::move(first), sends, im.chunk_bytes, im.takes_packed_grads[s] != 0, grad, ready);
       // Without its answer the server's partial norm would be taken as 0.
       const wire::OneAnswer received(&responses[s], "push");
       return received.Ended(wire::StreamCall::Run(

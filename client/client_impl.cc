@@ -77,6 +77,7 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
   if (kept && resp.step() == step) {
     incarnation[s] = resp.incarnation();  // its own, or the first this client learns of a server without lives
     attached_at[s] = resp.push_clock();
+    takes_packed_grads[s] = resp.takes_packed_grads();
     return absl::OkStatus();
   }
   // Made afresh, with no checkpoint to restore: that server's part of the
@@ -331,6 +332,7 @@ absl::Status Client::Impl::CommitTo(uint64_t t, double lr, float gscale, bool sk
   // too): ranks that skip a step for different reasons agree.
   req.set_lr(skip ? 0.0 : lr);
   req.set_gscale(skip ? 1.0f : gscale);
+  req.set_pack(true);  // CommitParams reads ParamChunk.more; older servers send no `more`
   if (!skip) {
     for (double g : group_lr) req.add_group_lr(g);
   }

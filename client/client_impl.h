@@ -56,6 +56,11 @@ struct Client::Impl {
   // taken.
   uint64_t trainer = 0;
   mutable std::vector<uint64_t> attached_at;
+  // [server]: it reads chunks packed in a push message
+  // (CreateJobResponse.takes_packed_grads), renewed as incarnation is: a
+  // server replaced by an older one would drop them. Bytes, not bits, as
+  // servers' fan-out threads write their own.
+  mutable std::vector<uint8_t> takes_packed_grads;
   uint64_t step = 0;
   // Whether this client pushed since it attached: a trainer, not a client
   // that only reads (which Reattach advises apart).

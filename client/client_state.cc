@@ -85,7 +85,7 @@ absl::Status Client::ReadMany(absl::Span<const StateRead> reads) {
           const grpc::Status finished = wire::StreamCall::Run(
               im.generic[s].get(), ctx, "/shardopt.v1.Optimizer/Read", request, [] {},
               [&](grpc::ByteBuffer* message) {
-                wire::ChunkHead head;
+                uint64_t chunk_step = 0;
                 const auto place = [&](const wire::ChunkHead& h) -> char* {
                   const uint64_t n = h.data_bytes / esize;
                   if (h.tensor != r.tensor || (h.dtype != dtype && h.dtype != v1::DTYPE_UNSPECIFIED) ||
@@ -94,15 +94,16 @@ absl::Status Client::ReadMany(absl::Span<const StateRead> reads) {
                     return nullptr;
                   }
                   received += n;
+                  chunk_step = h.step;
                   return static_cast<char*>(r.out) + (h.offset - r.offset) * esize;
                 };
-                if (!wire::ReadChunk(message, wire::kStateChunk, place, &head)) {
+                if (!wire::ReadChunks(message, wire::kStateChunk, place)) {
                   return grpc::Status(grpc::StatusCode::INTERNAL,
                                       "server sent a malformed chunk, or state outside the range asked for");
                 }
                 std::lock_guard<std::mutex> lock(step_mu);
-                mixed = mixed || (read_step && *read_step != head.step);
-                read_step = head.step;
+                mixed = mixed || (read_step && *read_step != chunk_step);
+                read_step = chunk_step;
                 return grpc::Status::OK;
               });
           // A stream that ends OK short of the range would leave the rest of

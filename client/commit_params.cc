@@ -16,8 +16,7 @@ CommitParams::CommitParams(const JobOptions& job, const absl::flat_hash_map<std:
 }
 
 grpc::Status CommitParams::Take(grpc::ByteBuffer* message) {
-  wire::ChunkHead head;
-  const bool good = wire::ReadChunk(
+  const bool good = wire::ReadChunks(
       message, wire::kParamChunk,
       [&](const wire::ChunkHead& h) -> char* {
         auto it = tensor_index_.find(h.tensor);
@@ -41,8 +40,7 @@ grpc::Status CommitParams::Take(grpc::ByteBuffer* message) {
         if (char* dst = out_[it->second]) return dst + h.offset * esize;
         discard_.resize(h.data_bytes);
         return discard_.data();
-      },
-      &head);
+      });
   if (!good) {
     return grpc::Status(grpc::StatusCode::INTERNAL,
                         "server sent params outside its shards of the job's tensors, of another step or in another "

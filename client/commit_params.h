@@ -29,8 +29,9 @@ class CommitParams {
   CommitParams(const JobOptions& job, const absl::flat_hash_map<std::string, uint32_t>& tensor_index,
                const std::vector<ShardPlacement>& shards, absl::Span<char* const> out, uint64_t step);
 
-  // One received message: INTERNAL for a malformed one, or params outside
-  // the server's shards, of another step or in another dtype.
+  // One received message, with the chunks packed in it (ParamChunk.more):
+  // INTERNAL for a malformed one, or params outside the server's shards, of
+  // another step or in another dtype.
   grpc::Status Take(grpc::ByteBuffer* message);
   // After the call ended OK: DATA_LOSS unless every shard came whole, once.
   grpc::Status Whole();

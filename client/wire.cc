@@ -169,42 +169,60 @@ std::string GradChunkHead(absl::string_view tensor, uint64_t offset, int dtype, 
 
 const ChunkFields kParamChunk{v1::ParamChunk::kTensorFieldNumber, v1::ParamChunk::kOffsetFieldNumber,
                                v1::ParamChunk::kDataFieldNumber, v1::ParamChunk::kStepFieldNumber,
-                               v1::ParamChunk::kDtypeFieldNumber};
+                               v1::ParamChunk::kDtypeFieldNumber, v1::ParamChunk::kMoreFieldNumber};
 const ChunkFields kStateChunk{v1::StateChunk::kTensorFieldNumber, v1::StateChunk::kOffsetFieldNumber,
                                v1::StateChunk::kDataFieldNumber, v1::StateChunk::kStepFieldNumber,
-                               v1::StateChunk::kDtypeFieldNumber};
+                               v1::StateChunk::kDtypeFieldNumber, 0};
 
-bool ReadChunk(grpc::ByteBuffer* message, const ChunkFields& fields, absl::FunctionRef<char*(const ChunkHead&)> place,
-               ChunkHead* head) {
-  std::vector<grpc::Slice> slices;
-  if (!message->Dump(&slices).ok()) return false;
-  std::vector<absl::string_view> views;
-  for (const grpc::Slice& s : slices) views.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
-  const Pieces bytes(std::move(views), nullptr);  // `slices` outlives it
+namespace {
+
+// One chunk of `bytes`; its packed chunks (fields.more) into `more`.
+bool ReadOneChunk(const Pieces& bytes, const ChunkFields& fields, absl::FunctionRef<char*(const ChunkHead&)> place,
+                  std::vector<Pieces>* more) {
   std::vector<Field> scanned;
   if (!ScanFields(bytes, &scanned)) return false;
-  *head = ChunkHead{};
+  ChunkHead head;
   const Field* data = nullptr;
   for (const Field& f : scanned) {
     const Pieces value = bytes.Sub(f.value, f.end - f.value);
     if (f.wire_type == 0) {
       uint64_t v;
       if (!ReadVarint(value, &v)) return false;
-      if (f.number == fields.offset) head->offset = v;
-      if (f.number == fields.step) head->step = v;
-      if (f.number == fields.dtype) head->dtype = v;
+      if (f.number == fields.offset) head.offset = v;
+      if (f.number == fields.step) head.step = v;
+      if (f.number == fields.dtype) head.dtype = v;
     } else if (f.wire_type == kLengthDelimited && f.number == fields.tensor) {
-      head->tensor.resize(value.size());
-      value.CopyTo(head->tensor.data());
+      head.tensor.resize(value.size());
+      value.CopyTo(head.tensor.data());
     } else if (f.wire_type == kLengthDelimited && f.number == fields.data) {
       data = &f;  // the last one wins, as in protobuf
+    } else if (f.wire_type == kLengthDelimited && fields.more != 0 && f.number == fields.more) {
+      if (more == nullptr) return false;  // packed inside a packed chunk: never sent
+      more->push_back(value);
     }
   }
   if (data == nullptr) return false;
-  head->data_bytes = data->end - data->value;
-  char* dst = place(*head);
+  head.data_bytes = data->end - data->value;
+  char* dst = place(head);
   if (dst == nullptr) return false;
-  bytes.Sub(data->value, head->data_bytes).CopyTo(dst);
+  bytes.Sub(data->value, head.data_bytes).CopyTo(dst);
+  return true;
+}
+
+}  // namespace
+
+bool ReadChunks(grpc::ByteBuffer* message, const ChunkFields& fields,
+                absl::FunctionRef<char*(const ChunkHead&)> place) {
+  std::vector<grpc::Slice> slices;
+  if (!message->Dump(&slices).ok()) return false;
+  std::vector<absl::string_view> views;
+  for (const grpc::Slice& s : slices) views.emplace_back(reinterpret_cast<const char*>(s.begin()), s.size());
+  const Pieces bytes(std::move(views), nullptr);  // `slices` outlives it
+  std::vector<Pieces> more;
+  if (!ReadOneChunk(bytes, fields, place, &more)) return false;
+  for (const Pieces& packed : more) {
+    if (!ReadOneChunk(packed, fields, place, nullptr)) return false;
+  }
   return true;
 }
 

@@ -151,16 +151,19 @@ struct ChunkHead {
 // Which field number each of those has: the two messages number them apart.
 struct ChunkFields {
   int tensor, offset, data, step, dtype;  // as protobuf numbers them
+  int more;  // the chunks packed after this one (ParamChunk.more); 0: none
 };
 extern const ChunkFields kParamChunk;
 extern const ChunkFields kStateChunk;
 
-// Reads a chunk (`fields` say which message) straight out of the received
-// slices into the place `place(head)` returns for its data (nullptr refuses
-// the chunk); `place` sees every field (of the data, its size), so it can
-// refuse a chunk before a byte of it is written, and `head` has them once
-// this returns. False for a malformed message or a refused chunk.
-bool ReadChunk(grpc::ByteBuffer* message, const ChunkFields& fields, absl::FunctionRef<char*(const ChunkHead&)> place,
-               ChunkHead* head);
+// Reads a message's chunks (`fields` say which message: the chunk itself,
+// then those packed in it as `more`, in order) straight out of the received
+// slices into the place `place(head)` returns for each one's data (nullptr
+// refuses the chunk); `place` sees every field (of the data, its size), so
+// it can refuse a chunk before a byte of it is written. False for a
+// malformed message (a packed chunk with `more` of its own included) or a
+// refused chunk; the chunks before it are written.
+bool ReadChunks(grpc::ByteBuffer* message, const ChunkFields& fields,
+                absl::FunctionRef<char*(const ChunkHead&)> place);
 
 }  // namespace shardopt::wire

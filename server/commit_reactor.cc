@@ -73,10 +73,32 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     Pump(lock);
   }
 
+  // One piece as a ParamChunk's fields: `head` (tensor, offset, data's tag
+  // and length), the data where it lies, `tail` (step, dtype), in the order
+  // protobuf writes them.
+  struct Encoded {
+    ParamStream::Piece piece;
+    std::string head, tail;
+    uint64_t bytes() const { return head.size() + piece.data.size() + tail.size(); }
+  };
+  static Encoded Encode(ParamStream::Piece piece) {
+    Encoded e{std::move(piece), {}, {}};
+    wire::AppendBytesField(&e.head, v1::ParamChunk::kTensorFieldNumber, *e.piece.tensor);
+    wire::AppendVarintField(&e.head, v1::ParamChunk::kOffsetFieldNumber, e.piece.offset);
+    wire::AppendBytesHeader(&e.head, v1::ParamChunk::kDataFieldNumber, e.piece.data.size());
+    wire::AppendVarintField(&e.tail, v1::ParamChunk::kStepFieldNumber, e.piece.step);
+    // BF16 is sent as unspecified, as servers sent it before param_dtype existed.
+    if (e.piece.fp32) wire::AppendVarintField(&e.tail, v1::ParamChunk::kDtypeFieldNumber, v1::FP32);
+    return e;
+  }
+  // A piece's bytes inside another's message: as ParamChunk.more, whose tag
+  // and length take at most 1 + 5 bytes more.
+  static constexpr uint64_t kMoreOverhead = 6;
+
   // Called with no write in flight and no piece being applied, the next
-  // piece in ahead_. Writes it, then applies the next while it goes out: the
-  // update of piece k+1 overlaps the sending of piece k. Whichever of the two
-  // ends last goes on.
+  // piece in ahead_. Writes it (with the pieces packed after it), then
+  // applies the next while it goes out: the update of piece k+1 overlaps
+  // the sending of piece k. Whichever of the two ends last goes on.
   void Pump(std::unique_lock<std::recursive_mutex>& lock) {
     std::optional<grpc::Status> done;
     while (!done) {
@@ -94,14 +116,41 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
         done = piece.ok() ? grpc::Status::OK : ToGrpcStatus(piece.status());
         break;
       }
+      std::vector<Encoded> message;
+      message.push_back(Encode(**std::move(piece)));
+      const bool applied_ahead = Pack(lock, &message);
       in_flight_ = true;
-      applying_ = true;  // before the write: its OnWriteDone leaves the going on to this thread
-      Write(**piece);
-      ApplyAhead(lock);
+      // Before the write: its OnWriteDone then leaves the going on to this
+      // thread, which applies the next piece.
+      applying_ = !applied_ahead;
+      Write(message);
+      if (!applied_ahead) ApplyAhead(lock);
       if (in_flight_) return;  // OnWriteDone goes on
     }
     lock.unlock();
     End(*done);  // the last use of this reactor here: OnDone may delete it at once
+  }
+
+  // For a caller that reads packed messages, applies the pieces that follow
+  // `message`'s and adds them to it while they fit. True when it has
+  // applied the next piece that did not fit (or found the end, or an
+  // error): ahead_ holds it.
+  bool Pack(std::unique_lock<std::recursive_mutex>& lock, std::vector<Encoded>* message) {
+    if (!request_.pack()) return false;
+    const uint64_t limit = store_->packed_message_bytes();
+    uint64_t bytes = message->front().bytes();
+    while (bytes < limit) {
+      ApplyAhead(lock);
+      if (!ahead_.ok() || !*ahead_) return true;
+      Encoded next = Encode(**std::move(ahead_));
+      if (bytes + kMoreOverhead + next.bytes() > limit) {
+        ahead_ = std::optional<ParamStream::Piece>(std::move(next.piece));
+        return true;
+      }
+      bytes += kMoreOverhead + next.bytes();
+      message->push_back(std::move(next));
+    }
+    return false;
   }
 
   void ApplyAhead(std::unique_lock<std::recursive_mutex>& lock) {
@@ -114,23 +163,25 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   }
 
   // The params go out as slices over the memory they lie in, each keeping
-  // the piece's hold until gRPC has sent it (ParamStream::Piece::data).
-  void Write(const ParamStream::Piece& p) {
-    // Field order as protobuf writes it: tensor, offset, data, step, dtype.
-    std::string head, tail;
-    wire::AppendBytesField(&head, v1::ParamChunk::kTensorFieldNumber, *p.tensor);
-    wire::AppendVarintField(&head, v1::ParamChunk::kOffsetFieldNumber, p.offset);
-    wire::AppendBytesHeader(&head, v1::ParamChunk::kDataFieldNumber, p.data.size());
-    wire::AppendVarintField(&tail, v1::ParamChunk::kStepFieldNumber, p.step);
-    // BF16 is sent as unspecified, as servers sent it before param_dtype existed.
-    if (p.fp32) wire::AppendVarintField(&tail, v1::ParamChunk::kDtypeFieldNumber, v1::FP32);
+  // the piece's hold until gRPC has sent it (ParamStream::Piece::data). The
+  // pieces after the first are its `more`; the fields between two pieces'
+  // data share a slice.
+  void Write(const std::vector<Encoded>& message) {
     std::vector<grpc::Slice> slices;
-    slices.emplace_back(head);
-    p.data.ForEachPart([&](const char* bytes, uint64_t n) {
-      // Each slice owns a reference to the hold, dropped when gRPC is done with it.
-      slices.emplace_back(const_cast<char*>(bytes), n, &ReleaseHold, new std::shared_ptr<const void>(p.data.owner()));
-    });
-    slices.emplace_back(tail);
+    std::string fields;
+    for (size_t i = 0; i < message.size(); ++i) {
+      const Encoded& e = message[i];
+      if (i > 0) wire::AppendBytesHeader(&fields, v1::ParamChunk::kMoreFieldNumber, e.bytes());
+      fields += e.head;
+      slices.emplace_back(fields);
+      e.piece.data.ForEachPart([&](const char* bytes, uint64_t n) {
+        // Each slice owns a reference to the hold, dropped when gRPC is done with it.
+        slices.emplace_back(const_cast<char*>(bytes), n, &ReleaseHold,
+                            new std::shared_ptr<const void>(e.piece.data.owner()));
+      });
+      fields = e.tail;
+    }
+    slices.emplace_back(fields);
     message_ = grpc::ByteBuffer(slices.data(), slices.size());
     static metrics::Counter* const sent =
         metrics::Registry::Default().Series("shardopt_sent_bytes_total", {{"method", "commit"}});

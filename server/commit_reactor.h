@@ -4,7 +4,11 @@
 // (rpc/wire_format.h), so the params are not copied on their way out. The
 // next piece is applied while gRPC sends the one before, and written once
 // that write is done: one write outstanding, as gRPC's flow control asks of
-// a writer, and at most one piece applied ahead.
+// a writer, and at most one piece applied ahead. For a caller that reads
+// ParamChunk.more (CommitRequest.pack), small pieces are applied one after
+// another into one message, up to JobStore::packed_message_bytes: a message
+// costs about as much CPU as a small piece's update, so a job of many small
+// tensors would otherwise pay a message per tensor.
 #pragma once
 
 #include "absl/time/time.h"

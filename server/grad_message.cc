@@ -6,6 +6,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "rpc/wire_format.h"
 
 namespace shardopt {
@@ -20,9 +22,88 @@ absl::Status DoesNotParse() {
   return absl::InvalidArgumentError("a GradChunk message does not parse; the stream is refused");
 }
 
+// A chunk's fields but data into `head` (by protobuf), its data as pieces
+// of `bytes` where they lie; with `more`, the packed chunks' bytes into it
+// unparsed. False where protobuf refuses the bytes.
+bool Split(const Pieces& bytes, const std::vector<wire::Field>& fields, v1::GradChunk* head, Pieces* data,
+           std::vector<Pieces>* more) {
+  int data_fields = 0;
+  for (const wire::Field& f : fields) {
+    data_fields += f.number == v1::GradChunk::kDataFieldNumber && f.wire_type == wire::kLengthDelimited;
+  }
+  // Everything but the data (and the packed chunks) goes to protobuf; a
+  // data field sent twice (the last one wins) is rare enough to leave to it
+  // whole. A field of the right number but another wire type is neither:
+  // protobuf keeps it as an unknown field.
+  std::string rest;
+  const wire::Field* data_field = nullptr;
+  for (const wire::Field& f : fields) {
+    if (f.wire_type == wire::kLengthDelimited) {
+      if (data_fields == 1 && f.number == v1::GradChunk::kDataFieldNumber) {
+        data_field = &f;
+        continue;
+      }
+      if (more != nullptr && f.number == v1::GradChunk::kMoreFieldNumber) {
+        more->push_back(bytes.Sub(f.value, f.end - f.value));
+        continue;
+      }
+    }
+    const size_t at = rest.size();
+    rest.resize(at + (f.end - f.begin));
+    bytes.Sub(f.begin, f.end - f.begin).CopyTo(rest.data() + at);
+  }
+  if (!head->ParseFromString(rest)) return false;
+  if (data_field != nullptr) {
+    *data = bytes.Sub(data_field->value, data_field->end - data_field->value);
+  } else {
+    *data = Pieces::Own(std::move(*head->mutable_data()));
+    head->clear_data();
+  }
+  return true;
+}
+
+// Malformed, or holding a group: protobuf's parser decides. Rare, so its
+// copies of the data do not matter.
+bool ParseWhole(const Pieces& bytes, v1::GradChunk* head, Pieces* data) {
+  std::string joined(bytes.size(), '\0');
+  bytes.CopyTo(joined.data());
+  if (!head->ParseFromString(joined)) return false;
+  *data = Pieces::Own(std::move(*head->mutable_data()));
+  head->clear_data();
+  return true;
+}
+
+// A packed chunk: tensor, offset, dtype and data, nothing else. The stream's
+// fields come in its first message, and a no_grad name or a packed chunk
+// inside a packed one would be a second way to say what the message says.
+absl::Status CheckPacked(const v1::GradChunk& head) {
+  v1::GradChunk others = head;
+  others.clear_tensor();
+  others.clear_offset();
+  others.clear_dtype();
+  others.GetReflection()->MutableUnknownFields(&others)->Clear();  // what newer clients may add
+  std::vector<const google::protobuf::FieldDescriptor*> set;
+  others.GetReflection()->ListFields(others, &set);
+  if (set.empty()) return absl::OkStatus();
+  std::string names;
+  for (const google::protobuf::FieldDescriptor* f : set) absl::StrAppend(&names, names.empty() ? "" : ", ", f->name());
+  return absl::InvalidArgumentError(absl::StrCat(
+      "a chunk packed in GradChunk.more carries only tensor, offset, dtype and data; this one also has ", names));
+}
+
+absl::Status ReadPacked(const Pieces& bytes, GradPart* part) {
+  std::vector<wire::Field> fields;
+  const bool parsed = wire::ScanFields(bytes, &fields) ? Split(bytes, fields, &part->head, &part->data, nullptr)
+                                                       : ParseWhole(bytes, &part->head, &part->data);
+  if (!parsed) return DoesNotParse();
+  return CheckPacked(part->head);
+}
+
 }  // namespace
 
-absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::GradChunk* head, Pieces* data) {
+absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::GradChunk* head, Pieces* data,
+                           std::vector<GradPart>* more) {
+  more->clear();
   auto slices = std::make_shared<std::vector<grpc::Slice>>();
   if (!message->Dump(slices.get()).ok()) return DoesNotParse();
   message->Clear();
@@ -32,46 +113,28 @@ absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::
 
   std::vector<wire::Field> fields;
   if (!wire::ScanFields(bytes, &fields)) {
-    // Malformed, or holding a group: protobuf's parser decides. Rare, so its
-    // copy of the data does not matter.
-    std::string joined(bytes.size(), '\0');
-    bytes.CopyTo(joined.data());
-    if (!head->ParseFromString(joined)) return DoesNotParse();
+    if (!ParseWhole(bytes, head, data)) return DoesNotParse();
     if (static_cast<uint64_t>(head->no_grad_size()) > max_no_grad) return TooManyNoGrad(head->no_grad_size(), max_no_grad);
-    *data = Pieces::Own(std::move(*head->mutable_data()));
-    head->clear_data();
+    for (v1::GradChunk& packed : *head->mutable_more()) {
+      GradPart part;
+      part.data = Pieces::Own(std::move(*packed.mutable_data()));
+      packed.clear_data();
+      part.head = std::move(packed);
+      SHARDOPT_RETURN_IF_ERROR(CheckPacked(part.head));
+      more->push_back(std::move(part));
+    }
+    head->clear_more();
     return absl::OkStatus();
   }
   uint64_t names = 0;
-  int data_fields = 0;
-  // A field of the right number but another wire type is no name and no
-  // data: protobuf keeps it as an unknown field.
   for (const wire::Field& f : fields) {
-    if (f.wire_type != wire::kLengthDelimited) continue;
-    if (f.number == v1::GradChunk::kNoGradFieldNumber) ++names;
-    if (f.number == v1::GradChunk::kDataFieldNumber) ++data_fields;
+    names += f.wire_type == wire::kLengthDelimited && f.number == v1::GradChunk::kNoGradFieldNumber;
   }
   if (names > max_no_grad) return TooManyNoGrad(names, max_no_grad);
-  // Everything but the data goes to protobuf; a data field sent twice (the
-  // last one wins) is rare enough to leave to it whole.
-  std::string rest;
-  const wire::Field* data_field = nullptr;
-  for (const wire::Field& f : fields) {
-    if (data_fields == 1 && f.number == v1::GradChunk::kDataFieldNumber && f.wire_type == wire::kLengthDelimited) {
-      data_field = &f;
-      continue;
-    }
-    const size_t at = rest.size();
-    rest.resize(at + (f.end - f.begin));
-    bytes.Sub(f.begin, f.end - f.begin).CopyTo(rest.data() + at);
-  }
-  if (!head->ParseFromString(rest)) return DoesNotParse();
-  if (data_field != nullptr) {
-    *data = bytes.Sub(data_field->value, data_field->end - data_field->value);
-  } else {
-    *data = Pieces::Own(std::move(*head->mutable_data()));
-    head->clear_data();
-  }
+  std::vector<Pieces> packed;
+  if (!Split(bytes, fields, head, data, &packed)) return DoesNotParse();
+  more->resize(packed.size());
+  for (size_t i = 0; i < packed.size(); ++i) SHARDOPT_RETURN_IF_ERROR(ReadPacked(packed[i], &(*more)[i]));
   return absl::OkStatus();
 }
 

@@ -226,6 +226,10 @@ class JobStore {
   // (kApplyAlignment fp32 elements) twice over.
   static constexpr uint64_t kMinMessageBytes = 2 * 4 * kApplyAlignment;
   uint64_t max_message_bytes() const { return options_.max_message_bytes; }
+  // The most bytes a commit message of several pieces holds
+  // (CommitRequest.pack): one bf16 piece's, so a piece of that size or
+  // more always goes alone.
+  uint64_t packed_message_bytes() const { return options_.stream_chunk_elements * 2; }
   std::string backend_name() const { return backend_->Describe(); }
   uint32_t max_tensors_per_job() const { return options_.max_tensors_per_job; }
   // What jobs and streams charge their memory to.

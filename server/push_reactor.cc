@@ -3,6 +3,7 @@
 #include <memory>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "rpc/grpc_edge.h"
@@ -30,10 +31,11 @@ class PushReactor final : public ReadReactor {
     // The gradient bytes stay in the message's slices, which `data` now
     // holds, until they are folded into the running sum or copied into the
     // window: a waiting push keeps one copy, not two.
-    v1::GradChunk chunk;  // the message's fields but its data
+    v1::GradChunk chunk;  // the message's fields but its data and its packed chunks
     Pieces data;
+    std::vector<GradPart> more;
     const uint64_t allowed = session_ ? session_->no_grad_names_left() : store_->max_tensors_per_job();
-    if (absl::Status read = ReadGradChunk(message, allowed, &chunk, &data); !read.ok()) {
+    if (absl::Status read = ReadGradChunk(message, allowed, &chunk, &data, &more); !read.ok()) {
       if (session_) session_->Refuse();
       return Stop(ToGrpcStatus(read));
     }
@@ -48,13 +50,15 @@ class PushReactor final : public ReadReactor {
       session_ = *std::move(session);
       job_ = chunk.job();
     }
-    if (!session_->ReadAhead()) return Taken(session_->Offer(std::move(chunk), std::move(data), Wake()));
+    if (!session_->ReadAhead()) {
+      return Taken(session_->Offer(std::move(chunk), std::move(data), std::move(more), Wake()));
+    }
     // The lowest rank's chunks fold at once, so its next message is read
     // while this one folds: gRPC receives it meanwhile instead of after.
     // This message's charge is kept until it is folded.
     const MemoryBudget::Charge charge = TakeMessageCharge();
     Read();
-    absl::StatusOr<bool> taken = session_->Offer(std::move(chunk), std::move(data), Wake());
+    absl::StatusOr<bool> taken = session_->Offer(std::move(chunk), std::move(data), std::move(more), Wake());
     if (!taken.ok()) return Stop(ToGrpcStatus(taken.status()));
     if (!*taken) return Stop(grpc::Status(grpc::StatusCode::INTERNAL, "the lowest rank's chunk waited for the window"));
   }

@@ -94,57 +94,9 @@ PushSession::~PushSession() {
   }
 }
 
-namespace {
-
-// A blocking caller's wait: the wake sets the flag. Shared, because a wake
-// already posted may run after the caller returned.
-struct Latch {
-  absl::Mutex mu;
-  bool woken ABSL_GUARDED_BY(mu) = false;
-  void Wait() {
-    absl::MutexLock lock(&mu);
-    mu.Await(absl::Condition(&woken));
-    woken = false;
-  }
-  static PushSession::Wake WakeOf(const std::shared_ptr<Latch>& latch) {
-    return [latch] {
-      absl::MutexLock lock(&latch->mu);
-      latch->woken = true;
-    };
-  }
-};
-
-}  // namespace
-
-absl::Status PushSession::Add(v1::GradChunk head, Pieces data) {
-  auto latch = std::make_shared<Latch>();
-  const Wake wake = Latch::WakeOf(latch);
-  absl::StatusOr<bool> done = Offer(std::move(head), std::move(data), wake);
-  while (done.ok() && !*done) {
-    latch->Wait();
-    done = Resume(wake);
-  }
-  return done.status();
-}
-
-absl::Status PushSession::Add(const v1::GradChunk& chunk) {
-  v1::GradChunk head = chunk;
-  head.clear_data();
-  return Add(std::move(head), Pieces::Own(chunk.data()));
-}
-
-absl::StatusOr<v1::PushResponse> PushSession::Finish() {
-  auto latch = std::make_shared<Latch>();
-  const Wake wake = Latch::WakeOf(latch);
-  for (;;) {
-    SHARDOPT_ASSIGN_OR_RETURN(auto answer, TrySeal(wake));
-    if (answer) return *std::move(answer);
-    latch->Wait();
-  }
-}
-
-absl::StatusOr<bool> PushSession::Offer(v1::GradChunk head, Pieces data, const Wake& wake) {
-  absl::StatusOr<bool> taken = Take(std::move(head), std::move(data), wake);
+absl::StatusOr<bool> PushSession::Offer(v1::GradChunk head, Pieces data, std::vector<GradPart> more,
+                                        const Wake& wake) {
+  absl::StatusOr<bool> taken = Take(std::move(head), std::move(data), std::move(more), wake);
   refused_ = refused_ || !taken.ok();
   return taken;
 }
@@ -152,13 +104,14 @@ absl::StatusOr<bool> PushSession::Offer(v1::GradChunk head, Pieces data, const W
 absl::StatusOr<bool> PushSession::Resume(const Wake& wake) {
   absl::StatusOr<bool> taken = [&]() -> absl::StatusOr<bool> {
     absl::MutexLock lock(&job_->mu);
-    return Fold(wake);
+    return FoldAll(wake);
   }();
   refused_ = refused_ || !taken.ok();
   return taken;
 }
 
-absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, Pieces data, const Wake& wake) {
+absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, Pieces data, std::vector<GradPart> more,
+                                       const Wake& wake) {
   if ((!chunk.job().empty() && chunk.job() != job_->name()) || (chunk.step() != 0 && chunk.step() != step_) ||
       (chunk.rank() != 0 && chunk.rank() != rank_)) {
     return absl::InvalidArgumentError("job, step and rank must not change within one push stream");
@@ -180,9 +133,14 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, Pieces data, const W
     if (no_grad_.empty()) no_grad_.resize(job_->spec.tensors_size());
     no_grad_[it->second] = true;
   }
-  largest_chunk_ = std::max<uint64_t>(largest_chunk_, data.size());
+  uint64_t bytes = data.size();
+  for (const GradPart& part : more) bytes += part.data.size();
+  largest_chunk_ = std::max(largest_chunk_, bytes);
   absl::MutexLock lock(&job_->mu);
-  absl::StatusOr<bool> taken = TakeLocked(chunk, std::move(data), wake);
+  queued_ = std::move(more);
+  next_queued_ = 0;
+  absl::Status staged = Stage(chunk, std::move(data));
+  absl::StatusOr<bool> taken = staged.ok() ? FoldAll(wake) : absl::StatusOr<bool>(staged);
   // The read this message was held for is done; what of it waits for the
   // window is held instead (Fold), and a read started ahead is held still.
   if (!pending_ && Hold(ReadInFlight())) job_->NotifyProgress();
@@ -190,13 +148,13 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, Pieces data, const W
   return taken;
 }
 
-absl::StatusOr<bool> PushSession::TakeLocked(const v1::GradChunk& chunk, Pieces data, const Wake& wake) {
+absl::Status PushSession::Stage(const v1::GradChunk& chunk, Pieces data) {
   const bool has_data = !chunk.tensor().empty() || !data.empty();
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
   const auto now = std::chrono::steady_clock::now();
   job_->ExpireIfLate(now);
   if (started_ && job_->step < step_ && (job_->round.epoch != epoch_ || !job_->round.active)) return Discarded();
-  if (!has_data) return true;
+  if (!has_data) return absl::OkStatus();
   SHARDOPT_ASSIGN_OR_RETURN(auto dtype, FromProto(chunk.dtype()));
   SHARDOPT_RETURN_IF_ERROR(CheckDataLength(data.size(), dtype, "gradient chunk"));
   const uint64_t count = data.size() / DTypeSize(dtype);
@@ -212,15 +170,29 @@ absl::StatusOr<bool> PushSession::TakeLocked(const v1::GradChunk& chunk, Pieces 
     return absl::InvalidArgumentError(absl::StrCat("rank ", rank_, " both pushed tensor '", chunk.tensor(),
                                                    "' and declared it no_grad"));
   }
-  if (job_->step >= step_) return true;  // a retry of a committed step: already counted
+  if (job_->step >= step_) return absl::OkStatus();  // a retry of a committed step: already counted
   if (!started_) Start(now);
-  if (job_->round.sealed) return true;  // a retry after the barrier: already counted
+  if (job_->round.sealed) return absl::OkStatus();  // a retry after the barrier: already counted
   pending_ = std::move(data);
   pending_offset_ = chunk.offset();
   pending_taken_ = 0;
   pending_dtype_ = dtype;
   pending_shard_ = shard;
-  return Fold(wake);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<bool> PushSession::FoldAll(const Wake& wake) {
+  for (;;) {
+    SHARDOPT_ASSIGN_OR_RETURN(const bool folded, Fold(wake));
+    if (!folded) return false;
+    if (next_queued_ == queued_.size()) {
+      queued_.clear();
+      next_queued_ = 0;
+      return true;
+    }
+    GradPart& part = queued_[next_queued_++];
+    SHARDOPT_RETURN_IF_ERROR(Stage(part.head, std::move(part.data)));
+  }
 }
 
 absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
@@ -243,9 +215,14 @@ absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
   job_->round.phases.reduce += Seconds(std::chrono::steady_clock::now() - t0);
   pending_taken_ += offered.taken;
   if (!offered.window_full) pending_.reset();
-  // Held now: what of the chunk waits for the window. One wake for both
-  // changes.
-  const bool let_go = Hold(ReadInFlight() + (pending_ ? (count - pending_taken_) * esize : 0));
+  // Held now: what of the chunk waits for the window, and the chunks
+  // packed after it. One wake for both changes.
+  uint64_t waiting = 0;
+  if (pending_) {
+    waiting = (count - pending_taken_) * esize;
+    for (size_t i = next_queued_; i < queued_.size(); ++i) waiting += queued_[i].data.size();
+  }
+  const bool let_go = Hold(ReadInFlight() + waiting);
   if (sum.progress() != before || let_go) job_->NotifyProgress();
   if (!pending_) return true;
   // The window is full: this stream is not read until it drains, so gRPC's

@@ -24,6 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "base/pieces.h"
+#include "server/grad_message.h"
 #include "server/job.h"
 
 namespace shardopt {
@@ -40,12 +41,13 @@ class PushSession {
   PushSession& operator=(const PushSession&) = delete;
 
   using Wake = std::function<void()>;
-  // Takes a chunk, its data apart from the other fields (so that it can stay
-  // in the transport's buffers; `head`'s own data is ignored): true once it
-  // is all dealt with; false while part of it waits for room in the window
-  // (then call Resume after `wake`). An error refuses the chunk; the stream
-  // must then end.
-  absl::StatusOr<bool> Offer(v1::GradChunk head, Pieces data, const Wake& wake);
+  // Takes a message's chunk, its data apart from the other fields (so that
+  // it can stay in the transport's buffers; `head`'s own data is ignored),
+  // then the chunks packed after it (GradChunk.more), in order, as if each
+  // came alone: true once all are dealt with; false while part of one waits
+  // for room in the window, the rest after it (then call Resume after
+  // `wake`). An error refuses the chunk; the stream must then end.
+  absl::StatusOr<bool> Offer(v1::GradChunk head, Pieces data, std::vector<GradPart> more, const Wake& wake);
   absl::StatusOr<bool> Resume(const Wake& wake);
   // Ends the rank's push and answers once the round is sealed; nullopt while
   // it waits at the barrier (then call TrySeal again after `wake`).
@@ -100,11 +102,14 @@ class PushSession {
   absl::Status EndedWithout(size_t shard, std::pair<uint64_t, uint64_t> gap) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   absl::StatusOr<std::optional<v1::PushResponse>> AwaitSeal(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
-  absl::StatusOr<bool> Take(v1::GradChunk head, Pieces data, const Wake& wake);
-  absl::StatusOr<bool> TakeLocked(const v1::GradChunk& head, Pieces data, const Wake& wake)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
+  absl::StatusOr<bool> Take(v1::GradChunk head, Pieces data, std::vector<GradPart> more, const Wake& wake);
+  // Checks a chunk and, where it is to be summed, makes it the pending one.
+  absl::Status Stage(const v1::GradChunk& head, Pieces data) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // Folds what it can of the pending chunk; false when the rest must wait.
   absl::StatusOr<bool> Fold(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
+  // Fold, then each queued chunk staged and folded in turn; false when one
+  // must wait.
+  absl::StatusOr<bool> FoldAll(const Wake& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // This session's part of the job's held_bytes becomes `bytes`. True if it
   // let go of some: the caller then notifies the job, so that streams that
   // wait to read look again.
@@ -144,6 +149,10 @@ class PushSession {
   bool read_ahead_ = false;     // the next read started before this chunk was taken
   DType pending_dtype_ = DType::kBf16;
   uint32_t pending_shard_ = 0;
+  // The chunks packed after the pending one in its message, from
+  // next_queued_ on: they follow it once it is folded.
+  std::vector<GradPart> queued_;
+  size_t next_queued_ = 0;
 
 };
 

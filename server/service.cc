@@ -114,6 +114,7 @@ grpc::Status OptimizerService::CreateJob(grpc::ServerContext* context, const v1:
   if (!r.ok()) return ToGrpcStatus(r.status());
   *resp = *std::move(r);
   resp->set_max_message_bytes(store_->max_message_bytes());
+  resp->set_takes_packed_grads(true);  // server/grad_message.h reads GradChunk.more
   return grpc::Status::OK;
 }
 

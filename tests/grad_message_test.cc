@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "grpcpp/support/byte_buffer.h"
 #include "gtest/gtest.h"
 #include "google/protobuf/util/message_differencer.h"
 #include "rpc/wire_format.h"
@@ -60,6 +61,25 @@ std::string RandomMessage(std::mt19937_64& rng) {
     wire::AppendBytesField(&f, v1::GradChunk::kDataFieldNumber, Random(rng, rng() % 5000));
     add(f);
   }
+  // Packed chunks (GradChunk.more), now and then one with a field a packed
+  // chunk may not carry, or with unknown fields, which it may.
+  for (int packed = rng() % 3; packed > 0; --packed) {
+    v1::GradChunk chunk;
+    chunk.set_tensor("packed." + std::to_string(rng() % 10));
+    chunk.set_offset(rng() % 100000);
+    chunk.set_dtype(rng() % 2 == 0 ? v1::BF16 : v1::FP32);
+    chunk.set_data(Random(rng, rng() % 300));
+    std::string bytes = chunk.SerializeAsString();
+    switch (rng() % 8) {
+      case 0: wire::AppendVarintField(&bytes, v1::GradChunk::kStepFieldNumber, 1 + rng() % 10); break;
+      case 1: wire::AppendBytesField(&bytes, v1::GradChunk::kNoGradFieldNumber, "t"); break;
+      case 2: wire::AppendVarintField(&bytes, 100, rng()); break;
+      default: break;
+    }
+    std::string f;
+    wire::AppendBytesField(&f, v1::GradChunk::kMoreFieldNumber, bytes);
+    add(f);
+  }
   std::string unknown;
   wire::AppendVarintField(&unknown, 100, rng());
   wire::AppendBytesField(&unknown, 101, Random(rng, rng() % 20));
@@ -72,17 +92,32 @@ std::string RandomMessage(std::mt19937_64& rng) {
   return message;
 }
 
-// What ReadGradChunk should give: protobuf's parse, the data apart.
+// What ReadGradChunk should give: protobuf's parse, the data and the
+// packed chunks apart (each with its data apart), and refused where a packed
+// chunk has a field beside tensor, offset, dtype, data and unknown ones.
 struct Expected {
   bool ok = false;
   v1::GradChunk head;
   std::string data;
+  std::vector<std::pair<v1::GradChunk, std::string>> more;
 };
 Expected Protobuf(const std::string& bytes) {
   Expected e;
   e.ok = e.head.ParseFromString(bytes);
   e.data = e.head.data();
   e.head.clear_data();
+  for (const v1::GradChunk& packed : e.head.more()) {
+    v1::GradChunk others = packed;
+    others.clear_tensor();
+    others.clear_offset();
+    others.clear_dtype();
+    others.clear_data();
+    others.GetReflection()->MutableUnknownFields(&others)->Clear();
+    e.ok = e.ok && others.ByteSizeLong() == 0;
+    e.more.emplace_back(packed, packed.data());
+    e.more.back().first.clear_data();
+  }
+  e.head.clear_more();
   return e;
 }
 
@@ -92,7 +127,8 @@ void ExpectAgrees(const std::string& bytes, std::mt19937_64& rng, const std::str
   v1::GradChunk head;
   head.set_job("poison");  // must be overwritten
   Pieces data = Pieces::Own("poison");
-  const absl::Status got = ReadGradChunk(&message, 1 << 20, &head, &data);
+  std::vector<GradPart> more(1);  // must be replaced
+  const absl::Status got = ReadGradChunk(&message, 1 << 20, &head, &data, &more);
   ASSERT_EQ(got.ok(), want.ok) << what << ": " << got;
   if (!got.ok()) {
     EXPECT_EQ(got.code(), absl::StatusCode::kInvalidArgument) << what;
@@ -102,11 +138,17 @@ void ExpectAgrees(const std::string& bytes, std::mt19937_64& rng, const std::str
   // differ (the data field is taken out), so they are compared as a set.
   google::protobuf::util::MessageDifferencer diff;
   diff.set_repeated_field_comparison(google::protobuf::util::MessageDifferencer::AS_LIST);
-  EXPECT_TRUE(diff.Compare(want.head, head)) << what << "\nwant " << want.head.ShortDebugString() << "\ngot "
-                                             << head.ShortDebugString();
-  std::string got_data(data.size(), '\0');
-  data.CopyTo(got_data.data());
-  EXPECT_EQ(got_data, want.data) << what;
+  const auto same = [&](const v1::GradChunk& want_head, const std::string& want_data, const v1::GradChunk& got_head,
+                        const Pieces& got_pieces) {
+    EXPECT_TRUE(diff.Compare(want_head, got_head)) << what << "\nwant " << want_head.ShortDebugString() << "\ngot "
+                                                   << got_head.ShortDebugString();
+    std::string got_data(got_pieces.size(), '\0');
+    got_pieces.CopyTo(got_data.data());
+    EXPECT_EQ(got_data, want_data) << what;
+  };
+  same(want.head, want.data, head, data);
+  ASSERT_EQ(more.size(), want.more.size()) << what;
+  for (size_t i = 0; i < more.size(); ++i) same(want.more[i].first, want.more[i].second, more[i].head, more[i].data);
 }
 
 TEST(GradMessage, WellFormedMessagesReadAsProtobufReadsThem) {
@@ -148,11 +190,12 @@ TEST(GradMessage, TooManyNoGradNamesAreRefusedBeforeTheParse) {
   grpc::ByteBuffer message = Sliced(chunk.SerializeAsString(), rng);
   v1::GradChunk head;
   Pieces data;
-  const absl::Status st = ReadGradChunk(&message, 4, &head, &data);
+  std::vector<GradPart> more;
+  const absl::Status st = ReadGradChunk(&message, 4, &head, &data, &more);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("names 5 no_grad tensors"), std::string::npos) << st;
   grpc::ByteBuffer again = Sliced(chunk.SerializeAsString(), rng);
-  EXPECT_TRUE(ReadGradChunk(&again, 5, &head, &data).ok());
+  EXPECT_TRUE(ReadGradChunk(&again, 5, &head, &data, &more).ok());
   EXPECT_EQ(head.no_grad_size(), 5);
 }
 
@@ -196,7 +239,8 @@ TEST(GradMessage, OnlyNoGradNamesOfTheirWireTypeCountTowardTheirCap) {
     grpc::ByteBuffer message = Sliced(bytes, rng);
     v1::GradChunk head;
     Pieces data;
-    const absl::Status st = ReadGradChunk(&message, cap, &head, &data);
+    std::vector<GradPart> more;
+    const absl::Status st = ReadGradChunk(&message, cap, &head, &data, &more);
     if (cap < 2) {
       EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << cap;
       EXPECT_NE(st.message().find("names 2 no_grad tensors"), std::string::npos) << cap << ": " << st;
@@ -204,6 +248,47 @@ TEST(GradMessage, OnlyNoGradNamesOfTheirWireTypeCountTowardTheirCap) {
       ASSERT_TRUE(st.ok()) << cap << ": " << st;
       EXPECT_EQ(head.no_grad_size(), 2);
     }
+  }
+}
+
+// A packed chunk carries tensor, offset, dtype and data: one that also says
+// the stream's fields is refused, naming them; unknown fields (a newer
+// client's) are let through, as everywhere.
+TEST(GradMessage, APackedChunkCarryingMoreThanItsOwnFieldsIsRefusedNamingThem) {
+  v1::GradChunk message;
+  message.set_tensor("a");
+  message.set_data("xx");
+  v1::GradChunk* packed = message.add_more();
+  packed->set_tensor("b");
+  packed->set_offset(4);
+  packed->set_dtype(v1::BF16);
+  packed->set_data("yy");
+  std::string fine = message.SerializeAsString();
+  std::string unknown;
+  wire::AppendVarintField(&unknown, 100, 7);
+  std::string packed_with_unknown = packed->SerializeAsString() + unknown;
+  wire::AppendBytesField(&fine, v1::GradChunk::kMoreFieldNumber, packed_with_unknown);
+  packed->set_step(3);
+  packed->add_no_grad("c");
+  std::mt19937_64 rng(16);
+  v1::GradChunk head;
+  Pieces data;
+  std::vector<GradPart> more;
+  grpc::ByteBuffer refused = Sliced(message.SerializeAsString(), rng);
+  const absl::Status st = ReadGradChunk(&refused, 10, &head, &data, &more);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("carries only tensor, offset, dtype and data; this one also has step, no_grad"),
+            std::string::npos)
+      << st;
+  grpc::ByteBuffer taken = Sliced(fine, rng);
+  ASSERT_TRUE(ReadGradChunk(&taken, 10, &head, &data, &more).ok());
+  ASSERT_EQ(more.size(), 2u);
+  for (const GradPart& part : more) {
+    EXPECT_EQ(part.head.tensor(), "b");
+    EXPECT_EQ(part.head.offset(), 4u);
+    std::string bytes(part.data.size(), '\0');
+    part.data.CopyTo(bytes.data());
+    EXPECT_EQ(bytes, "yy");
   }
 }
 

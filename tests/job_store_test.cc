@@ -1119,6 +1119,81 @@ TEST_F(StoreTest, ListJobsSummarizesEachJobAsDescribeDoesInNameOrder) {
               ::testing::ElementsAre("a-stepped", "c-uninitialized"));
 }
 
+// A store whose jobs' window of early chunks holds 256 KiB.
+class SmallWindowStoreTest : public StoreTest {
+ protected:
+  SmallWindowStoreTest() : StoreTest(Options()) {}
+  static JobStoreOptions Options() {
+    JobStoreOptions o;
+    o.window_bytes = 256 << 10;
+    return o;
+  }
+};
+
+// Chunks packed in one message (GradChunk.more) are taken in order, each as
+// if it came alone: rank 1's message of 64 tensors (512 KiB), ahead of rank
+// 0, fills the window partway and waits there, the rest of it behind; the
+// push of rank 0 lets it through, and the step is the rank-order
+// reference's, bit for bit. Each chunk's data comes in scattered pieces.
+TEST_F(SmallWindowStoreTest, PackedChunksOfARankNotNextWaitForTheWindowInOrder) {
+  std::vector<TensorDef> tensors;
+  for (int i = 0; i < 64; ++i) tensors.push_back({absl::StrCat("t", i), 4096});
+  auto init = Create(JobRequest("packed", 2, tensors));
+  std::vector<std::map<std::string, std::vector<uint16_t>>> grads(2);
+  for (auto& rank : grads) {
+    for (const TensorDef& t : tensors) rank[t.name] = RandomBf16(rng_, t.numel, 1.0f);
+  }
+  auto rank1 = StartPush("packed", 1, 1);
+  ASSERT_TRUE(rank1.ok()) << rank1.status();
+  const auto part = [&](const std::string& tensor) {
+    const std::vector<uint16_t>& g = grads[1][tensor];
+    v1::GradChunk head = Chunk(tensor, 0, g.data(), g.size());
+    const std::string bytes = head.data();
+    head.clear_data();
+    return GradPart{std::move(head), Scatter(bytes, rng_)};
+  };
+  GradPart first = part("t0");
+  std::vector<GradPart> more;
+  for (int i = 1; i < 64; ++i) more.push_back(part(absl::StrCat("t", i)));
+  // Shared with the wake, which may run after the test is done.
+  struct Woken {
+    std::mutex mu;
+    std::condition_variable cv;
+    int count = 0;
+  };
+  auto woken = std::make_shared<Woken>();
+  const PushSession::Wake wake = [woken] {
+    std::lock_guard<std::mutex> lock(woken->mu);
+    ++woken->count;
+    woken->cv.notify_all();
+  };
+  absl::StatusOr<bool> taken = (*rank1)->Offer(std::move(first.head), first.data, std::move(more), wake);
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_FALSE(*taken) << "512 KiB of early chunks fitted a 256 KiB window";
+  std::future<absl::StatusOr<v1::PushResponse>> rank0 =
+      std::async(std::launch::async, [&] { return Push("packed", 1, 0, grads[0], 4096); });
+  int seen = 0;
+  while (taken.ok() && !*taken) {
+    {
+      std::unique_lock<std::mutex> lock(woken->mu);
+      woken->cv.wait(lock, [&] { return woken->count > seen; });
+      seen = woken->count;
+    }
+    taken = (*rank1)->Resume(wake);
+  }
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  ASSERT_TRUE((*rank1)->Finish().ok());
+  ASSERT_TRUE(rank0.get().ok());
+  auto params = Commit("packed", 1, 1e-2);
+  ASSERT_TRUE(params.ok()) << params.status();
+  for (const TensorDef& t : tensors) {
+    ReferenceTensor ref(kHyper, init[t.name], false);
+    ref.Step({grads[0][t.name].data(), grads[1][t.name].data()}, 1e-2, 1.0f);
+    EXPECT_EQ((*params)[t.name], ref.Params()) << t.name;
+    EXPECT_EQ(ReadFloats("packed", t.name, v1::MASTER), ref.p) << t.name;
+  }
+}
+
 class SmallMessageStoreTest : public StoreTest {
  protected:
   SmallMessageStoreTest() : StoreTest(Options()) {}

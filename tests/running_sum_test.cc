@@ -216,7 +216,7 @@ TEST_F(RunningSumTest, TheSmallestWindowTakesFp32BlocksAheadOfTheirTurn) {
   for (uint64_t off = 0; off < kN; off += RunningSum::kBlock) {
     v1::GradChunk head;
     Pieces data = block(1, off, &head);
-    auto taken = s[1]->Offer(head, std::move(data), [] {});
+    auto taken = s[1]->Offer(head, std::move(data), {}, [] {});
     ASSERT_TRUE(taken.ok()) << taken.status();
     EXPECT_TRUE(*taken) << "rank 1's block at " << off << " found no room in the window";
   }

@@ -4,6 +4,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <csignal>
 #include <cmath>
@@ -570,6 +571,97 @@ TEST_F(ServiceTest, ACommitCancelledMidStreamStillAppliesItsWholeStepOnce) {
     ++cut;
   }
   EXPECT_GE(cut, 2u) << log;
+}
+
+// A commit that sets `pack` gets its small pieces several to a message, each
+// message at most one bf16 piece's bytes (1 MiB here) and a piece of that
+// size alone; a commit that does not (older clients, a stub of the proto)
+// gets one piece a message and never `more`. Both streams carry the same
+// pieces in the same order, bit for bit, and the C++ client, which packs,
+// gets the same params.
+TEST_F(ServiceTest, APackedCommitCarriesTheSamePiecesInFewerMessages) {
+  std::vector<std::pair<std::string, uint64_t>> tensors;
+  for (int i = 0; i < 300; ++i) tensors.emplace_back(absl::StrCat("small.", i), 1000 + i);
+  tensors.insert(tensors.begin() + 150, {"large", 1'200'000});  // pieces of 512Ki, 512Ki and the rest
+  JobOptions job = MakeJob("packed", 1, tensors);
+  job.tensors[7].param_type = ParamType::kFp32;
+  auto client = Connect(server_->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  std::vector<std::vector<float>> inits;
+  std::vector<std::vector<float>> grads;  // fp32 for the fp32 param, else bf16 values widened
+  std::vector<std::vector<uint16_t>> bf16_grads;
+  std::vector<GradView> views;
+  for (const TensorOptions& t : job.tensors) {
+    inits.push_back(RandomFloats(rng_, t.numel, -1, 1));
+    ASSERT_TRUE(client->InitFp32(t.name, inits.back().data()).ok());
+    grads.push_back(RandomFloats(rng_, t.numel, -1, 1));
+    bf16_grads.push_back(RandomBf16(rng_, t.numel, 1.0f));
+  }
+  for (size_t i = 0; i < job.tensors.size(); ++i) {
+    const bool fp32 = job.tensors[i].param_type == ParamType::kFp32;
+    views.push_back({job.tensors[i].name, fp32 ? static_cast<const void*>(grads[i].data()) : bf16_grads[i].data()});
+  }
+  ASSERT_TRUE(client->Push(1, views).ok());
+  std::vector<std::string> params;  // poisoned
+  std::vector<ParamView> outs;
+  for (const TensorOptions& t : job.tensors) {
+    params.emplace_back(t.numel * (t.param_type == ParamType::kFp32 ? 4 : 2), '\xff');
+    outs.push_back({t.name, params.back().data()});
+  }
+  ASSERT_TRUE(client->Commit(1, 1e-3, 1.0f, false, outs).ok());
+
+  // The step again, read back over a stub: with pack unset, then set.
+  struct Sent {
+    std::vector<std::string> pieces;  // each piece serialized alone, `more` cleared
+    std::vector<size_t> message_bytes;
+    std::vector<int> per_message;
+  };
+  const auto commit = [&](bool pack) {
+    Sent sent;
+    grpc::ClientContext ctx;
+    v1::CommitRequest r;
+    r.set_job("packed");
+    r.set_step(1);
+    r.set_lr(1e-3);
+    r.set_gscale(1.0f);
+    r.set_pack(pack);
+    auto stub = RawStub(server_->address());
+    auto reader = stub->Commit(&ctx, r);
+    for (v1::ParamChunk pc; reader->Read(&pc);) {
+      sent.message_bytes.push_back(pc.ByteSizeLong());
+      sent.per_message.push_back(1 + pc.more_size());
+      v1::ParamChunk first = pc;
+      first.clear_more();
+      sent.pieces.push_back(first.SerializeAsString());
+      for (const v1::ParamChunk& more : pc.more()) {
+        EXPECT_EQ(more.more_size(), 0);
+        sent.pieces.push_back(more.SerializeAsString());
+      }
+    }
+    EXPECT_TRUE(reader->Finish().ok());
+    return sent;
+  };
+  const Sent single = commit(false), packed = commit(true);
+  ASSERT_EQ(single.pieces.size(), 303u);  // 300 small tensors, 3 pieces of the large one
+  EXPECT_EQ(std::count(single.per_message.begin(), single.per_message.end(), 1), 303);
+  EXPECT_TRUE(packed.pieces == single.pieces) << "the packed stream carries other pieces, or in another order";
+  // The 150 small tensors before the large one (about 350 KB) in one
+  // message; its two pieces of 1 MiB alone; its last (about 300 KB) with the
+  // 150 small ones after it.
+  EXPECT_EQ(packed.per_message, (std::vector<int>{150, 1, 1, 151}));
+  for (size_t i = 0; i < packed.message_bytes.size(); ++i) {
+    if (packed.per_message[i] > 1) EXPECT_LE(packed.message_bytes[i], size_t{1} << 20) << "message " << i;
+  }
+  // What the client wrote is the stream's data, tensor by tensor.
+  std::map<std::string, std::string> streamed;
+  for (const std::string& bytes : single.pieces) {
+    v1::ParamChunk pc;
+    ASSERT_TRUE(pc.ParseFromString(bytes));
+    streamed[pc.tensor()] += pc.data();  // the pieces of a tensor come in order
+  }
+  for (size_t i = 0; i < job.tensors.size(); ++i) {
+    EXPECT_TRUE(params[i] == streamed[job.tensors[i].name]) << job.tensors[i].name;
+  }
 }
 
 // A job of one large tensor whose step 1 is being applied: its committer

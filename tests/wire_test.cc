@@ -78,18 +78,14 @@ TEST(Wire, ChunksAreReadAcrossAnySliceBoundaries) {
          std::vector<std::vector<size_t>>{{}, {1}, {3, 4, 5, 6, 7}, {9, 2500, 4999}, {bytes.size() - 1}}) {
       grpc::ByteBuffer message = Sliced(bytes, cuts);
       std::string out(data.size(), 'x');
-      ChunkHead head;
-      ASSERT_TRUE(ReadChunk(
-          &message, *fields,
-          [&](const ChunkHead& h) -> char* {
-            EXPECT_EQ(h.tensor, "gain");
-            EXPECT_EQ(h.offset, 4096u * 3);
-            EXPECT_EQ(h.dtype, uint64_t{v1::FP32});
-            return h.data_bytes == out.size() ? out.data() : nullptr;
-          },
-          &head));
+      ASSERT_TRUE(ReadChunks(&message, *fields, [&](const ChunkHead& h) -> char* {
+        EXPECT_EQ(h.tensor, "gain");
+        EXPECT_EQ(h.offset, 4096u * 3);
+        EXPECT_EQ(h.dtype, uint64_t{v1::FP32});
+        EXPECT_EQ(h.step, 77u);
+        return h.data_bytes == out.size() ? out.data() : nullptr;
+      }));
       EXPECT_EQ(out, data);
-      EXPECT_EQ(head.step, 77u);
     }
   }
 }
@@ -124,15 +120,84 @@ TEST(Wire, MalformedOrRefusedParamChunksAreReported) {
   const std::string bytes = chunk.SerializeAsString();
   char sink[64];
   auto accept = [&](const ChunkHead&) -> char* { return sink; };
-  ChunkHead head;
   grpc::ByteBuffer truncated = Sliced(bytes.substr(0, bytes.size() - 1), {});
-  EXPECT_FALSE(ReadChunk(&truncated, kParamChunk, accept, &head));
+  EXPECT_FALSE(ReadChunks(&truncated, kParamChunk, accept));
   grpc::ByteBuffer refused = Sliced(bytes, {});
-  EXPECT_FALSE(ReadChunk(&refused, kParamChunk, [](const ChunkHead&) -> char* { return nullptr; }, &head));
+  EXPECT_FALSE(ReadChunks(&refused, kParamChunk, [](const ChunkHead&) -> char* { return nullptr; }));
   grpc::ByteBuffer bad_type = Sliced(std::string("\x0d\x00\x00\x00\x00", 5), {});  // a fixed32 field, no data
-  EXPECT_FALSE(ReadChunk(&bad_type, kParamChunk, accept, &head));
+  EXPECT_FALSE(ReadChunks(&bad_type, kParamChunk, accept));
   grpc::ByteBuffer no_data = Sliced(std::string("\x20\x05", 2), {});  // step only
-  EXPECT_FALSE(ReadChunk(&no_data, kParamChunk, accept, &head));
+  EXPECT_FALSE(ReadChunks(&no_data, kParamChunk, accept));
+}
+
+// A packed commit message (CommitRequest.pack): the chunk, then its `more`
+// in order, each read whole wherever gRPC cut the slices. A packed chunk
+// without data, or with `more` of its own (which no server sends), makes
+// the message malformed; a refused one stops the reading there, the chunks
+// before it written.
+TEST(Wire, PackedParamChunksAreReadInOrder) {
+  std::mt19937_64 rng(11);
+  v1::ParamChunk message;
+  std::vector<std::string> sent;
+  for (int i = 0; i < 4; ++i) {
+    v1::ParamChunk* chunk = i == 0 ? &message : message.add_more();
+    chunk->set_tensor("t" + std::to_string(i));
+    chunk->set_offset(16384 * i);
+    chunk->set_step(9);
+    if (i == 2) chunk->set_dtype(v1::FP32);
+    std::string data(100 + 37 * i, '\0');
+    for (char& c : data) c = static_cast<char>(rng());
+    chunk->set_data(data);
+    sent.push_back(data);
+  }
+  const std::string bytes = message.SerializeAsString();
+  for (std::vector<size_t> cuts : std::vector<std::vector<size_t>>{{}, {1}, {150, 151, 400}, {bytes.size() - 1}}) {
+    grpc::ByteBuffer buffer = Sliced(bytes, cuts);
+    std::vector<std::string> got;
+    ASSERT_TRUE(ReadChunks(&buffer, kParamChunk, [&](const ChunkHead& h) -> char* {
+      const size_t i = got.size();
+      EXPECT_EQ(h.tensor, "t" + std::to_string(i));
+      EXPECT_EQ(h.offset, 16384u * i);
+      EXPECT_EQ(h.step, 9u);
+      EXPECT_EQ(h.dtype, i == 2 ? uint64_t{v1::FP32} : uint64_t{v1::DTYPE_UNSPECIFIED});
+      got.emplace_back(h.data_bytes, '\0');
+      return got.back().data();
+    }));
+    EXPECT_EQ(got, sent);
+  }
+  // A refused third chunk: the first two are written, and the message is refused.
+  {
+    grpc::ByteBuffer buffer = Sliced(bytes, {});
+    std::vector<std::string> got;
+    EXPECT_FALSE(ReadChunks(&buffer, kParamChunk, [&](const ChunkHead& h) -> char* {
+      if (got.size() == 2) return nullptr;
+      got.emplace_back(h.data_bytes, '\0');
+      return got.back().data();
+    }));
+    EXPECT_EQ(got, std::vector<std::string>(sent.begin(), sent.begin() + 2));
+  }
+  char sink[1000];
+  const auto accept = [&](const ChunkHead&) -> char* { return sink; };
+  v1::ParamChunk nested = message;
+  nested.mutable_more(1)->add_more()->set_data("x");
+  grpc::ByteBuffer packed_twice = Sliced(nested.SerializeAsString(), {});
+  EXPECT_FALSE(ReadChunks(&packed_twice, kParamChunk, accept));
+  v1::ParamChunk empty = message;
+  empty.mutable_more(2)->clear_data();
+  grpc::ByteBuffer without_data = Sliced(empty.SerializeAsString(), {});
+  EXPECT_FALSE(ReadChunks(&without_data, kParamChunk, accept));
+  // A read's StateChunk has no `more`: field 6 there is an unknown field, skipped.
+  v1::StateChunk state;
+  state.set_data("abcd");
+  std::string state_bytes = state.SerializeAsString();
+  AppendBytesField(&state_bytes, 6, nested.SerializeAsString());
+  grpc::ByteBuffer state_buffer = Sliced(state_bytes, {});
+  int chunks = 0;
+  EXPECT_TRUE(ReadChunks(&state_buffer, kStateChunk, [&](const ChunkHead&) -> char* {
+    ++chunks;
+    return sink;
+  }));
+  EXPECT_EQ(chunks, 1);
 }
 
 // The client reads a server's ParamChunk and StateChunk by hand; protobuf's
@@ -142,28 +207,39 @@ TEST(Wire, MalformedOrRefusedParamChunksAreReported) {
 // 32), the client refuses, as no server sends it. Of the rest, what protobuf
 // takes the client takes if it has a data field (a chunk without data is no
 // chunk), reading the same fields and data: the last of a repeated field,
-// as protobuf keeps it, and no field of the wrong wire type. Where only a
-// tensor name that is not UTF-8 parts them, protobuf refuses and the client
-// leaves it to its name lookup (no tensor is so named).
-TEST(Wire, ReadChunkAgreesWithProtobufOnMutatedChunks) {
+// as protobuf keeps it, and no field of the wrong wire type. A ParamChunk's
+// packed chunks (`more`) are read after it, in order, under the same rules,
+// and one with `more` of its own is refused. Where only a tensor name that
+// is not UTF-8 parts them, protobuf refuses and the client leaves it to its
+// name lookup (no tensor is so named).
+TEST(Wire, ReadChunksAgreesWithProtobufOnMutatedChunks) {
   std::mt19937_64 rng(17);
   const auto next = [&](uint64_t n) { return n == 0 ? 0 : rng() % n; };
-  int taken = 0, refused = 0, left_to_protobuf = 0, not_utf8 = 0;
+  int taken = 0, taken_packed = 0, refused = 0, left_to_protobuf = 0, not_utf8 = 0;
   for (int round = 0; round < 20000; ++round) {
     const bool param = round % 2 == 0;
     const ChunkFields& fields = param ? kParamChunk : kStateChunk;
-    const auto fill = [&](auto message) {
-      message.set_tensor(std::string(1 + next(8), static_cast<char>('a' + next(26))));
-      message.set_offset(next(3) == 0 ? rng() : next(5000));
-      message.set_step(next(300));
-      message.set_dtype(static_cast<v1::DType>(next(3)));
+    const auto fill = [&](auto* message) {
+      message->set_tensor(std::string(1 + next(8), static_cast<char>('a' + next(26))));
+      message->set_offset(next(3) == 0 ? rng() : next(5000));
+      message->set_step(next(300));
+      message->set_dtype(static_cast<v1::DType>(next(3)));
       std::string data(next(40), '\0');
       for (char& c : data) c = static_cast<char>(rng());
-      message.set_data(data);
-      return message.SerializeAsString();
+      message->set_data(data);
     };
-    std::string bytes = param ? fill(v1::ParamChunk()) : fill(v1::StateChunk());
-    if (next(4) == 0) bytes += bytes;  // every field twice: the last wins
+    std::string bytes;
+    if (param) {
+      v1::ParamChunk chunk;
+      fill(&chunk);
+      for (uint64_t packed = next(3); packed > 0; --packed) fill(chunk.add_more());
+      bytes = chunk.SerializeAsString();
+    } else {
+      v1::StateChunk chunk;
+      fill(&chunk);
+      bytes = chunk.SerializeAsString();
+    }
+    if (next(4) == 0) bytes += bytes;  // every field twice: the last wins, `more` twice over
     for (uint64_t edits = next(4); edits > 0 && !bytes.empty(); --edits) {
       const size_t at = next(bytes.size());
       switch (next(4)) {
@@ -177,20 +253,26 @@ TEST(Wire, ReadChunkAgreesWithProtobufOnMutatedChunks) {
     for (uint64_t c = next(4); c > 0 && !bytes.empty(); --c) cuts.push_back(next(bytes.size() + 1));
     std::sort(cuts.begin(), cuts.end());
     grpc::ByteBuffer message = Sliced(bytes, cuts);
-    std::string got_data;
-    ChunkHead head;
-    const bool took = ReadChunk(
-        &message, fields,
-        [&](const ChunkHead& h) -> char* {
-          got_data.assign(h.data_bytes, '\0');
-          return got_data.data();
-        },
-        &head);
+    std::vector<std::pair<ChunkHead, std::string>> got;
+    const bool took = ReadChunks(&message, fields, [&](const ChunkHead& h) -> char* {
+      got.emplace_back(h, std::string(h.data_bytes, '\0'));
+      return got.back().second.data();
+    });
 
     SCOPED_TRACE(absl::CHexEscape(bytes));
     const Pieces whole = Pieces::Own(bytes);
-    std::vector<Field> scanned;
-    if (!ScanFields(whole, &scanned)) {
+    // The chunk's fields, then those of each of its packed chunks.
+    std::vector<std::vector<Field>> chunks(1);
+    std::vector<Pieces> bytes_of = {whole};
+    bool scans = ScanFields(whole, &chunks[0]);
+    for (size_t i = 0; scans && param && i < chunks[0].size(); ++i) {
+      const Field f = chunks[0][i];
+      if (f.number != fields.more || f.wire_type != kLengthDelimited) continue;
+      bytes_of.push_back(whole.Sub(f.value, f.end - f.value));
+      chunks.emplace_back();
+      scans = ScanFields(bytes_of.back(), &chunks.back());
+    }
+    if (!scans) {
       EXPECT_FALSE(took);
       ++left_to_protobuf;
       continue;
@@ -199,27 +281,40 @@ TEST(Wire, ReadChunkAgreesWithProtobufOnMutatedChunks) {
     v1::StateChunk as_state;
     if (!(param ? as_param.ParseFromString(bytes) : as_state.ParseFromString(bytes))) {
       // Only a tensor name that is not UTF-8 may part the two here.
-      const bool named_badly = std::any_of(scanned.begin(), scanned.end(), [&](const Field& f) {
-        if (f.number != fields.tensor || f.wire_type != kLengthDelimited) return false;
-        std::string name(f.end - f.value, '\0');
-        whole.Sub(f.value, f.end - f.value).CopyTo(name.data());
-        return !google::protobuf::internal::IsStructurallyValidUTF8(name.data(), static_cast<int>(name.size()));
-      });
+      bool named_badly = false;
+      for (size_t c = 0; c < chunks.size(); ++c) {
+        for (const Field& f : chunks[c]) {
+          if (f.number != fields.tensor || f.wire_type != kLengthDelimited) continue;
+          std::string name(f.end - f.value, '\0');
+          bytes_of[c].Sub(f.value, f.end - f.value).CopyTo(name.data());
+          named_badly = named_badly ||
+                        !google::protobuf::internal::IsStructurallyValidUTF8(name.data(), static_cast<int>(name.size()));
+        }
+      }
       EXPECT_TRUE(named_badly) << "ScanFields read a message protobuf refuses";
       ++not_utf8;
       continue;
     }
-    const bool has_data = std::any_of(scanned.begin(), scanned.end(), [&](const Field& f) {
-      return f.number == fields.data && f.wire_type == kLengthDelimited;
-    });
-    ASSERT_EQ(took, has_data);
+    const auto has = [&](const std::vector<Field>& scanned, int number) {
+      return number != 0 && std::any_of(scanned.begin(), scanned.end(), [&](const Field& f) {
+               return f.number == number && f.wire_type == kLengthDelimited;
+             });
+    };
+    bool readable = true;
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      readable = readable && has(chunks[c], fields.data) && (c == 0 || !has(chunks[c], fields.more));
+    }
+    ASSERT_EQ(took, readable);
     if (!took) {
       ++refused;
       continue;
     }
     ++taken;
-    const auto expect_read = [&](const auto& want) {
-      EXPECT_EQ(got_data, want.data());
+    if (chunks.size() > 1) ++taken_packed;
+    ASSERT_EQ(got.size(), chunks.size());
+    const auto expect_read = [&](const auto& want, const std::pair<ChunkHead, std::string>& read) {
+      const ChunkHead& head = read.first;
+      EXPECT_EQ(read.second, want.data());
       EXPECT_EQ(head.data_bytes, want.data().size());
       EXPECT_EQ(head.tensor, want.tensor());
       EXPECT_EQ(head.offset, want.offset());
@@ -227,14 +322,17 @@ TEST(Wire, ReadChunkAgreesWithProtobufOnMutatedChunks) {
       EXPECT_EQ(static_cast<int32_t>(head.dtype), static_cast<int32_t>(want.dtype()));  // an enum: 32 bits
     };
     if (param) {
-      expect_read(as_param);
+      ASSERT_EQ(as_param.more_size() + 1, static_cast<int>(got.size()));
+      expect_read(as_param, got[0]);
+      for (int i = 0; i < as_param.more_size(); ++i) expect_read(as_param.more(i), got[i + 1]);
     } else {
-      expect_read(as_state);
+      expect_read(as_state, got[0]);
     }
   }
   // Each outcome many times: a mutation that broke every chunk, or none,
   // would test one side only.
   EXPECT_GT(taken, 2000);
+  EXPECT_GT(taken_packed, 1000);
   EXPECT_GT(refused + left_to_protobuf, 2000);
   EXPECT_LT(not_utf8, 2000);
 }
@@ -271,7 +369,7 @@ TEST_P(PushMessagesTest, AskForEachGradientOnceAndNameTheAbsentLast) {
     asked.push_back(i);
     return i == 2 ? static_cast<const void*>(a.data()) : i == 1 ? static_cast<const void*>(b.data()) : nullptr;
   };
-  PushMessages messages(head, sends, 2048, grad, ready);
+  PushMessages messages(head, sends, 2048, /*pack=*/false, grad, ready);
   using Ready = StreamCall::Ready;
   std::vector<v1::GradChunk> sent;
   std::vector<size_t> waits_before;  // messages sent before each wait
@@ -327,6 +425,85 @@ INSTANTIATE_TEST_SUITE_P(Wire, PushMessagesTest,
                                   : p.param == Readiness::kAllReady ? "AllReady"
                                                                     : "SomeReady";
                          });
+
+// To a server that takes packed chunks, a message that ends a tensor carries
+// the next tensors whole as `more`, while they fit in chunk_bytes with their
+// fields and their gradients are there (`ready`); a tensor that does not
+// fit, or is not there, starts the next message. Without `pack`, one chunk
+// a message. Either way every element goes once, in order, as protobuf
+// reads the messages.
+TEST(Wire, PushMessagesPackWholeTensorsThatFitAndAreThere) {
+  std::mt19937 rng(6);
+  std::vector<std::vector<uint16_t>> bf16 = {std::vector<uint16_t>(100), {}, {}, std::vector<uint16_t>(300),
+                                             std::vector<uint16_t>(1500), std::vector<uint16_t>(50)};
+  std::vector<float> fp32(200);
+  for (auto& t : bf16) {
+    for (auto& x : t) x = static_cast<uint16_t>(rng());
+  }
+  for (auto& x : fp32) x = static_cast<float>(rng());
+  const std::vector<PushMessages::Send> sends = {{"t0", 0, 100, v1::BF16, 0},  {"t1", 0, 200, v1::FP32, 1},
+                                                 {"t2", 0, 10, v1::BF16, 2},   {"t3", 0, 300, v1::BF16, 3},
+                                                 {"t4", 0, 1500, v1::BF16, 4}, {"t5", 0, 50, v1::BF16, 5}};
+  const std::function<const void*(size_t)> grad = [&](size_t i) -> const void* {
+    if (i == 1) return fp32.data();
+    return i == 2 ? nullptr : static_cast<const void*>(bf16[i].data());
+  };
+  struct Case {
+    bool pack;
+    std::function<bool(size_t)> ready;
+    std::vector<std::vector<std::string>> messages;  // each data message's tensors, in order
+  };
+  const std::vector<Case> cases = {
+      // t0, t1 and t3 (t2 absent) fit 2048 bytes; t4 does not, and its last
+      // chunk takes t5 along.
+      {true, [](size_t) { return true; }, {{"t0", "t1", "t3"}, {"t4"}, {"t4", "t5"}}},
+      // t3 is not there when t1 is sent: it starts the next message.
+      {true, [](size_t i) { return i != 3; }, {{"t0", "t1"}, {"t3"}, {"t4"}, {"t4", "t5"}}},
+      {false, [](size_t) { return true; }, {{"t0"}, {"t1"}, {"t3"}, {"t4"}, {"t4"}, {"t5"}}},
+  };
+  for (const Case& c : cases) {
+    PushMessages messages(v1::GradChunk(), sends, 2048, c.pack, grad, c.ready);
+    std::vector<std::vector<std::string>> got;
+    std::map<std::string, std::string> data;  // each tensor's bytes as sent, in order
+    std::vector<std::string> absent;
+    for (int guard = 0; guard < 100; ++guard) {
+      grpc::ByteBuffer out;
+      const StreamCall::Ready r = messages.Next(&out);
+      if (r == StreamCall::Ready::kEnd) break;
+      if (r == StreamCall::Ready::kLater) {
+        messages.Wait();
+        continue;
+      }
+      const std::string bytes = Flatten(out);
+      v1::GradChunk m;
+      ASSERT_TRUE(m.ParseFromString(bytes));
+      if (guard == 0) continue;  // the head
+      if (m.no_grad_size() > 0) {
+        absent.assign(m.no_grad().begin(), m.no_grad().end());
+        continue;
+      }
+      EXPECT_LE(bytes.size(), 2048u + 32) << "message " << got.size();
+      got.emplace_back();
+      for (int i = -1; i < m.more_size(); ++i) {
+        const v1::GradChunk& chunk = i < 0 ? m : m.more(i);
+        if (i >= 0) EXPECT_EQ(chunk.more_size(), 0);
+        const uint64_t esize = chunk.tensor() == "t1" ? 4 : 2;
+        EXPECT_EQ(chunk.offset() * esize, data[chunk.tensor()].size()) << chunk.tensor();
+        EXPECT_EQ(chunk.dtype(), chunk.tensor() == "t1" ? v1::FP32 : v1::BF16);
+        data[chunk.tensor()] += chunk.data();
+        got.back().push_back(chunk.tensor());
+      }
+    }
+    EXPECT_EQ(got, c.messages) << "pack " << c.pack;
+    EXPECT_EQ(absent, std::vector<std::string>{"t2"});
+    EXPECT_EQ(data["t1"], std::string(reinterpret_cast<const char*>(fp32.data()), fp32.size() * 4));
+    for (size_t t : {0, 3, 4, 5}) {
+      EXPECT_EQ(data["t" + std::to_string(t)],
+                std::string(reinterpret_cast<const char*>(bf16[t].data()), bf16[t].size() * 2))
+          << t;
+    }
+  }
+}
 
 // 4 MiB for one or two ranks, 8 MiB shared out over more, 256 KiB from 32
 // ranks on; at most half the smallest message a server takes; at most 256

@@ -1,9 +1,11 @@
 // A differential fuzzer of the server's push-message reader: whatever the
 // bytes, and however they are cut into slices, ReadGradChunk must refuse
 // exactly what protobuf's parser refuses (or what names more no_grad
-// tensors than allowed), and read what it accepts as protobuf does: the same
-// fields, and the same data bytes. tests/fuzz/run_fuzz.cmake builds it with
-// clang's libFuzzer and runs it for a bounded time.
+// tensors than allowed, or packs a chunk with a field beside tensor, offset,
+// dtype and data), and read what it accepts as protobuf does: the same
+// fields, and the same data bytes, of the message's chunk and of each chunk
+// packed in it. tests/fuzz/run_fuzz.cmake builds it with clang's libFuzzer
+// and runs it for a bounded time.
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -41,17 +43,36 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   grpc::ByteBuffer buffer(slices.data(), slices.size());
   shardopt::v1::GradChunk head;
   shardopt::Pieces got;
-  const absl::Status st = shardopt::ReadGradChunk(&buffer, max_no_grad, &head, &got);
+  std::vector<shardopt::GradPart> more;
+  const absl::Status st = shardopt::ReadGradChunk(&buffer, max_no_grad, &head, &got, &more);
 
   shardopt::v1::GradChunk want;
   const bool parses = want.ParseFromString(whole);
-  const bool allowed = parses && static_cast<uint64_t>(want.no_grad_size()) <= max_no_grad;
+  bool allowed = parses && static_cast<uint64_t>(want.no_grad_size()) <= max_no_grad;
+  for (const shardopt::v1::GradChunk& packed : want.more()) {
+    shardopt::v1::GradChunk others = packed;
+    others.clear_tensor();
+    others.clear_offset();
+    others.clear_dtype();
+    others.clear_data();
+    others.GetReflection()->MutableUnknownFields(&others)->Clear();
+    allowed = allowed && others.ByteSizeLong() == 0;
+  }
   if (st.ok() != allowed) Disagree(parses ? "(protobuf parses it)" : "(protobuf refuses it)", st.ToString());
   if (!st.ok()) return 0;
-  std::string got_data(got.size(), '\0');
-  got.CopyTo(got_data.data());
-  if (got_data != want.data()) Disagree("on the data", "");
-  want.clear_data();
-  if (head.SerializeAsString() != want.SerializeAsString()) Disagree("on the fields", head.ShortDebugString());
+  const auto same = [](shardopt::v1::GradChunk want_head, const shardopt::v1::GradChunk& got_head,
+                       const shardopt::Pieces& got_data) {
+    std::string data(got_data.size(), '\0');
+    got_data.CopyTo(data.data());
+    if (data != want_head.data()) Disagree("on the data", "");
+    want_head.clear_data();
+    if (got_head.SerializeAsString() != want_head.SerializeAsString()) {
+      Disagree("on the fields", got_head.ShortDebugString());
+    }
+  };
+  if (more.size() != static_cast<size_t>(want.more_size())) Disagree("on the packed chunks", "");
+  for (size_t i = 0; i < more.size(); ++i) same(want.more(static_cast<int>(i)), more[i].head, more[i].data);
+  want.clear_more();
+  same(want, head, got);
   return 0;
 }
