@@ -135,6 +135,7 @@ absl::Status Client::Impl::CommitOn(uint32_t s, const v1::CommitRequest& req, ab
         CommitParams received(job, tensor_index, shards_of[s], out, req.step());  // afresh for each attempt
         v1::CommitRequest here = req;
         here.set_incarnation(incarnation[s]);  // read at each attempt: a Reattach may have renewed it
+        here.set_pack(true);  // CommitParams reads ParamChunk.more; older servers send none
         wire::SendOnce request(here.SerializeAsString());
         const grpc::Status gs = wire::StreamCall::Run(
             generic[s].get(), ctx, "/shardopt.v1.Optimizer/Commit", request, [] {},
@@ -332,7 +333,6 @@ absl::Status Client::Impl::CommitTo(uint64_t t, double lr, float gscale, bool sk
   // too): ranks that skip a step for different reasons agree.
   req.set_lr(skip ? 0.0 : lr);
   req.set_gscale(skip ? 1.0f : gscale);
-  req.set_pack(true);  // CommitParams reads ParamChunk.more; older servers send no `more`
   if (!skip) {
     for (double g : group_lr) req.add_group_lr(g);
   }

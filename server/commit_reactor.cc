@@ -69,7 +69,7 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
     if (*stream == nullptr) return;
     stream_ = *std::move(stream);
     std::unique_lock<std::recursive_mutex> lock(mu_);
-    ApplyAhead(lock);  // the first piece
+    Build(lock);  // the first message
     Pump(lock);
   }
 
@@ -95,15 +95,17 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   // and length take at most 1 + 5 bytes more.
   static constexpr uint64_t kMoreOverhead = 6;
 
-  // Called with no write in flight and no piece being applied, the next
-  // piece in ahead_. Writes it (with the pieces packed after it), then
-  // applies the next while it goes out: the update of piece k+1 overlaps
-  // the sending of piece k. Whichever of the two ends last goes on.
+  // Called with no write in flight and nothing being applied, the next
+  // message in next_ (empty: the stream ended, with error_). Writes it,
+  // then builds the next one while it goes out: the update of message k+1's
+  // pieces overlaps the sending of message k. Whichever of the two ends
+  // last goes on.
   void Pump(std::unique_lock<std::recursive_mutex>& lock) {
     std::optional<grpc::Status> done;
     while (!done) {
       if (cancelled_) {
-        ahead_ = std::nullopt;  // lets go of its hold
+        next_.clear();  // lets go of their holds
+        carry_.reset();
         stream_->Abandon().IgnoreError();
         done = grpc::Status(grpc::StatusCode::CANCELLED,
                             watch_.cut() ? "the caller read no params for the idle timeout (--idle_stream_timeout_ms): "
@@ -111,55 +113,54 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
                                          : "the caller stopped reading the params");
         break;
       }
-      auto piece = std::move(ahead_);
-      if (!piece.ok() || !*piece) {
-        done = piece.ok() ? grpc::Status::OK : ToGrpcStatus(piece.status());
+      if (next_.empty()) {
+        done = ToGrpcStatus(error_);
         break;
       }
-      std::vector<Encoded> message;
-      message.push_back(Encode(**std::move(piece)));
-      const bool applied_ahead = Pack(lock, &message);
+      const std::vector<Encoded> message = std::move(next_);
+      next_.clear();
       in_flight_ = true;
-      // Before the write: its OnWriteDone then leaves the going on to this
-      // thread, which applies the next piece.
-      applying_ = !applied_ahead;
+      applying_ = true;  // before the write: its OnWriteDone leaves the going on to this thread
       Write(message);
-      if (!applied_ahead) ApplyAhead(lock);
+      Build(lock);
       if (in_flight_) return;  // OnWriteDone goes on
     }
     lock.unlock();
     End(*done);  // the last use of this reactor here: OnDone may delete it at once
   }
 
-  // For a caller that reads packed messages, applies the pieces that follow
-  // `message`'s and adds them to it while they fit. True when it has
-  // applied the next piece that did not fit (or found the end, or an
-  // error): ahead_ holds it.
-  bool Pack(std::unique_lock<std::recursive_mutex>& lock, std::vector<Encoded>* message) {
-    if (!request_.pack()) return false;
-    const uint64_t limit = store_->packed_message_bytes();
-    uint64_t bytes = message->front().bytes();
-    while (bytes < limit) {
-      ApplyAhead(lock);
-      if (!ahead_.ok() || !*ahead_) return true;
-      Encoded next = Encode(**std::move(ahead_));
-      if (bytes + kMoreOverhead + next.bytes() > limit) {
-        ahead_ = std::optional<ParamStream::Piece>(std::move(next.piece));
-        return true;
-      }
-      bytes += kMoreOverhead + next.bytes();
-      message->push_back(std::move(next));
-    }
-    return false;
-  }
-
-  void ApplyAhead(std::unique_lock<std::recursive_mutex>& lock) {
+  // Applies the pieces of the next message into next_: one piece, or for a
+  // caller that reads packed messages (CommitRequest.pack) the pieces that
+  // follow while they fit in JobStore::packed_message_bytes. A piece that
+  // does not fit is kept, applied, for the message after. The stream's end
+  // or error leaves next_ as far as it got and sets ended_ or error_.
+  void Build(std::unique_lock<std::recursive_mutex>& lock) {
     applying_ = true;
-    lock.unlock();
-    auto next = stream_->Next();
-    lock.lock();
+    const uint64_t limit = request_.pack() ? store_->packed_message_bytes() : 0;
+    uint64_t bytes = 0;
+    while (!ended_ && error_.ok()) {
+      if (!carry_) {
+        lock.unlock();
+        auto piece = stream_->Next();
+        lock.lock();
+        if (!piece.ok()) {
+          error_ = piece.status();
+          break;
+        }
+        if (!*piece) {
+          ended_ = true;
+          break;
+        }
+        carry_ = Encode(**std::move(piece));
+      }
+      const uint64_t adds = next_.empty() ? carry_->bytes() : kMoreOverhead + carry_->bytes();
+      if (!next_.empty() && bytes + adds > limit) break;  // the message after starts with it
+      bytes += adds;
+      next_.push_back(*std::move(carry_));
+      carry_.reset();
+      if (bytes >= limit) break;
+    }
     applying_ = false;
-    ahead_ = std::move(next);
   }
 
   // The params go out as slices over the memory they lie in, each keeping
@@ -202,7 +203,12 @@ class CommitReactor final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
   std::unique_ptr<ParamStream> stream_;
   grpc::ByteBuffer message_;
   std::recursive_mutex mu_;
-  absl::StatusOr<std::optional<ParamStream::Piece>> ahead_;  // the next piece (nullopt: none); these under mu_
+  // These under mu_: the next message's pieces, applied; an applied piece
+  // that did not fit in it; whether the stream ended, and how.
+  std::vector<Encoded> next_;
+  std::optional<Encoded> carry_;
+  bool ended_ = false;
+  absl::Status error_;
   bool in_flight_ = false;
   bool applying_ = false;
   bool cancelled_ = false;

@@ -2,13 +2,14 @@
 // piece goes out as slices over the memory it lies in (ParamStream::Piece),
 // with the ParamChunk's other fields hand-encoded around it
 // (rpc/wire_format.h), so the params are not copied on their way out. The
-// next piece is applied while gRPC sends the one before, and written once
-// that write is done: one write outstanding, as gRPC's flow control asks of
-// a writer, and at most one piece applied ahead. For a caller that reads
-// ParamChunk.more (CommitRequest.pack), small pieces are applied one after
-// another into one message, up to JobStore::packed_message_bytes: a message
-// costs about as much CPU as a small piece's update, so a job of many small
-// tensors would otherwise pay a message per tensor.
+// next message's pieces are applied while gRPC sends the one before, and
+// written once that write is done: one write outstanding, as gRPC's flow
+// control asks of a writer, and at most one message applied ahead (and a
+// piece that did not fit it). A message is one piece; for a caller that
+// reads ParamChunk.more (CommitRequest.pack), the pieces that follow while
+// they fit in JobStore::packed_message_bytes: a message costs about 20 µs
+// of CPU whatever its size, so a job of many small tensors would otherwise
+// pay one per tensor.
 #pragma once
 
 #include "absl/time/time.h"

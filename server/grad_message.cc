@@ -7,7 +7,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/status_macros.h"
-#include "grpcpp/support/byte_buffer.h"
 #include "rpc/wire_format.h"
 
 namespace shardopt {
@@ -16,6 +15,12 @@ namespace {
 absl::Status TooManyNoGrad(uint64_t names, uint64_t allowed) {
   return absl::InvalidArgumentError(absl::StrCat("a push message names ", names,
                                                  " no_grad tensors; this stream may name ", allowed, " more at most"));
+}
+
+absl::Status TooManyPacked(uint64_t chunks, uint64_t allowed) {
+  return absl::InvalidArgumentError(absl::StrCat("a push message packs ", chunks,
+                                                 " chunks; a message of this job packs at most ", allowed,
+                                                 ", its number of tensors"));
 }
 
 absl::Status DoesNotParse() {
@@ -77,6 +82,7 @@ bool ParseWhole(const Pieces& bytes, v1::GradChunk* head, Pieces* data) {
 // fields come in its first message, and a no_grad name or a packed chunk
 // inside a packed one would be a second way to say what the message says.
 absl::Status CheckPacked(const v1::GradChunk& head) {
+  if (head.tensor().empty()) return absl::InvalidArgumentError("a chunk packed in GradChunk.more names no tensor");
   v1::GradChunk others = head;
   others.clear_tensor();
   others.clear_offset();
@@ -101,8 +107,8 @@ absl::Status ReadPacked(const Pieces& bytes, GradPart* part) {
 
 }  // namespace
 
-absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::GradChunk* head, Pieces* data,
-                           std::vector<GradPart>* more) {
+absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, uint64_t max_packed, v1::GradChunk* head,
+                           Pieces* data, std::vector<GradPart>* more) {
   more->clear();
   auto slices = std::make_shared<std::vector<grpc::Slice>>();
   if (!message->Dump(slices.get()).ok()) return DoesNotParse();
@@ -113,8 +119,14 @@ absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::
 
   std::vector<wire::Field> fields;
   if (!wire::ScanFields(bytes, &fields)) {
+    if (bytes.size() > kMaxUnscannedBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a GradChunk message of ", bytes.size(), " bytes holds a group or a varint longer than protobuf's; such a "
+          "message is read up to ", kMaxUnscannedBytes, " bytes (no client sends one); the stream is refused"));
+    }
     if (!ParseWhole(bytes, head, data)) return DoesNotParse();
     if (static_cast<uint64_t>(head->no_grad_size()) > max_no_grad) return TooManyNoGrad(head->no_grad_size(), max_no_grad);
+    if (static_cast<uint64_t>(head->more_size()) > max_packed) return TooManyPacked(head->more_size(), max_packed);
     for (v1::GradChunk& packed : *head->mutable_more()) {
       GradPart part;
       part.data = Pieces::Own(std::move(*packed.mutable_data()));
@@ -126,11 +138,14 @@ absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::
     head->clear_more();
     return absl::OkStatus();
   }
-  uint64_t names = 0;
+  uint64_t names = 0, packed_chunks = 0;
   for (const wire::Field& f : fields) {
-    names += f.wire_type == wire::kLengthDelimited && f.number == v1::GradChunk::kNoGradFieldNumber;
+    if (f.wire_type != wire::kLengthDelimited) continue;
+    names += f.number == v1::GradChunk::kNoGradFieldNumber;
+    packed_chunks += f.number == v1::GradChunk::kMoreFieldNumber;
   }
   if (names > max_no_grad) return TooManyNoGrad(names, max_no_grad);
+  if (packed_chunks > max_packed) return TooManyPacked(packed_chunks, max_packed);
   std::vector<Pieces> packed;
   if (!Split(bytes, fields, head, data, &packed)) return DoesNotParse();
   more->resize(packed.size());

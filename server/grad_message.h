@@ -11,28 +11,29 @@
 
 #include "absl/status/status.h"
 #include "base/pieces.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "server/grad_part.h"
 #include "shardopt/v1/optimizer.pb.h"
-
-namespace grpc {
-class ByteBuffer;
-}
 
 namespace shardopt {
 
-// One chunk of a push message: every field but `data`, and the data.
-struct GradPart {
-  v1::GradChunk head;
-  Pieces data;
-};
-
 // INVALID_ARGUMENT if the message does not parse, if it names more than
-// `max_no_grad` no_grad tensors (found before anything is parsed: for such a
-// message the parse would be most of the cost), or if a chunk packed in it
-// carries another field than tensor, offset, dtype and data. `head` gets
-// every field of the message's own chunk but `data` and `more`; `more` the
-// packed chunks, in order. Takes the message's slices: `message` is left
-// empty.
-absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, v1::GradChunk* head, Pieces* data,
-                           std::vector<GradPart>* more);
+// `max_no_grad` no_grad tensors or packs more than `max_packed` chunks
+// (both found before anything is parsed: for such a message the parse
+// would be most of the cost), or if a chunk packed in it names no tensor or
+// carries a known field beside tensor, offset, dtype and data. A message
+// the fast scan cannot read (a group, a varint longer than protobuf's own)
+// is left to protobuf's parser only up to kMaxUnscannedBytes, and refused
+// past it: that parse would allocate for every field before any could be
+// counted. `head` gets every field of the message's own chunk but `data`
+// and `more`; `more` the packed chunks, in order. Takes the message's
+// slices: `message` is left empty.
+absl::Status ReadGradChunk(grpc::ByteBuffer* message, uint64_t max_no_grad, uint64_t max_packed, v1::GradChunk* head,
+                           Pieces* data, std::vector<GradPart>* more);
+inline constexpr uint64_t kMaxUnscannedBytes = 64 << 10;
+// What a packed chunk costs the server beside its bytes, once read (its
+// GradPart; about 210 B measured from the server's RSS): charged to the
+// memory budget with its message.
+inline constexpr uint64_t kPackedChunkCost = 256;
 
 }  // namespace shardopt

@@ -35,9 +35,15 @@ class PushReactor final : public ReadReactor {
     Pieces data;
     std::vector<GradPart> more;
     const uint64_t allowed = session_ ? session_->no_grad_names_left() : store_->max_tensors_per_job();
-    if (absl::Status read = ReadGradChunk(message, allowed, &chunk, &data, &more); !read.ok()) {
+    const uint64_t packs = session_ ? session_->packed_chunks_allowed() : store_->max_tensors_per_job();
+    if (absl::Status read = ReadGradChunk(message, allowed, packs, &chunk, &data, &more); !read.ok()) {
       if (session_) session_->Refuse();
       return Stop(ToGrpcStatus(read));
+    }
+    // What the packed chunks cost beside the message's bytes, for as long.
+    if (absl::Status charged = ChargeMessage(more.size() * kPackedChunkCost); !charged.ok()) {
+      if (session_) session_->Refuse();
+      return Stop(ToGrpcStatus(charged));
     }
     // Asked at every message, as the tokens are now (auth.h).
     if (absl::Status authorized = allows_(Action::kPush, session_ ? job_ : chunk.job()); !authorized.ok()) {

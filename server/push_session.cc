@@ -139,6 +139,7 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, Pieces data, std::ve
   absl::MutexLock lock(&job_->mu);
   queued_ = std::move(more);
   next_queued_ = 0;
+  message_bytes_ = bytes;
   absl::Status staged = Stage(chunk, std::move(data));
   absl::StatusOr<bool> taken = staged.ok() ? FoldAll(wake) : absl::StatusOr<bool>(staged);
   // The read this message was held for is done; what of it waits for the
@@ -215,14 +216,9 @@ absl::StatusOr<bool> PushSession::Fold(const Wake& wake) {
   job_->round.phases.reduce += Seconds(std::chrono::steady_clock::now() - t0);
   pending_taken_ += offered.taken;
   if (!offered.window_full) pending_.reset();
-  // Held now: what of the chunk waits for the window, and the chunks
-  // packed after it. One wake for both changes.
-  uint64_t waiting = 0;
-  if (pending_) {
-    waiting = (count - pending_taken_) * esize;
-    for (size_t i = next_queued_; i < queued_.size(); ++i) waiting += queued_[i].data.size();
-  }
-  const bool let_go = Hold(ReadInFlight() + waiting);
+  // Held now: while part of the chunk waits for the window, its message
+  // (the chunks packed after it too). One wake for both changes.
+  const bool let_go = Hold(ReadInFlight() + (pending_ ? message_bytes_ : 0));
   if (sum.progress() != before || let_go) job_->NotifyProgress();
   if (!pending_) return true;
   // The window is full: this stream is not read until it drains, so gRPC's
@@ -277,6 +273,8 @@ absl::StatusOr<bool> PushSession::MayRead(const Wake& wake) {
   job_->WatchProgress(rank_, wake);
   return false;
 }
+
+uint64_t PushSession::packed_chunks_allowed() const { return job_->spec.tensors_size(); }  // fixed at creation
 
 uint64_t PushSession::no_grad_names_left() const {
   const uint64_t tensors = job_->spec.tensors_size();  // fixed at creation

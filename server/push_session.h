@@ -24,7 +24,7 @@
 
 #include "absl/status/statusor.h"
 #include "base/pieces.h"
-#include "server/grad_message.h"
+#include "server/grad_part.h"
 #include "server/job.h"
 
 namespace shardopt {
@@ -76,6 +76,8 @@ class PushSession {
 
   // How many no_grad names the stream may still send.
   uint64_t no_grad_names_left() const;
+  // How many chunks a message may pack (GradChunk.more): the job's tensors.
+  uint64_t packed_chunks_allowed() const;
 
   // The stream was refused outside the session (a message that does not
   // parse): its chunks leave the round as a refused push's do.
@@ -150,9 +152,12 @@ class PushSession {
   DType pending_dtype_ = DType::kBf16;
   uint32_t pending_shard_ = 0;
   // The chunks packed after the pending one in its message, from
-  // next_queued_ on: they follow it once it is folded.
+  // next_queued_ on: they follow it once it is folded. While any of the
+  // message waits, the whole message is held (its bytes are alive while
+  // any piece of them is): message_bytes_, its data.
   std::vector<GradPart> queued_;
   size_t next_queued_ = 0;
+  uint64_t message_bytes_ = 0;
 
 };
 

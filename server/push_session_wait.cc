@@ -31,9 +31,16 @@ struct Latch {
 }  // namespace
 
 absl::Status PushSession::Add(v1::GradChunk head, Pieces data) {
+  std::vector<GradPart> more;
+  for (v1::GradChunk& packed : *head.mutable_more()) {
+    Pieces bytes = Pieces::Own(std::move(*packed.mutable_data()));
+    packed.clear_data();
+    more.push_back({std::move(packed), std::move(bytes)});
+  }
+  head.clear_more();
   auto latch = std::make_shared<Latch>();
   const Wake wake = Latch::WakeOf(latch);
-  absl::StatusOr<bool> done = Offer(std::move(head), std::move(data), {}, wake);
+  absl::StatusOr<bool> done = Offer(std::move(head), std::move(data), std::move(more), wake);
   while (done.ok() && !*done) {
     latch->Wait();
     done = Resume(wake);

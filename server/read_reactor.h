@@ -70,6 +70,10 @@ class ReadReactor : public grpc::ServerReadReactor<grpc::ByteBuffer>, public std
   // The last message's charge, for a subclass that reads the next message
   // before it is done with this one (Read releases what it still holds).
   MemoryBudget::Charge TakeMessageCharge() { return std::move(message_charge_); }
+  // Charges the last message `bytes` more, for as long as its own charge
+  // (what reading it made beside its bytes); RESOURCE_EXHAUSTED if they do
+  // not fit.
+  absl::Status ChargeMessage(uint64_t bytes) { return message_charge_.Grow(bytes, charge_what_); }
   // The last message is dealt with before the next read starts (a push
   // whose chunk went into the window, and which waits for room to read):
   // its bytes and its charge go now. Only between reads: a read in flight

@@ -32,6 +32,16 @@ std::string Random(std::mt19937_64& rng, size_t n) {
   return s;
 }
 
+// ReadGradChunk of `bytes`, cut anywhere, with the given caps; the packed
+// chunks into `more`.
+absl::Status ReadBytes(const std::string& bytes, std::mt19937_64& rng, uint64_t max_no_grad, uint64_t max_packed,
+                       std::vector<GradPart>* more) {
+  grpc::ByteBuffer message = Sliced(bytes, rng);
+  v1::GradChunk head;
+  Pieces data;
+  return ReadGradChunk(&message, max_no_grad, max_packed, &head, &data, more);
+}
+
 // A GradChunk's fields in random order, some twice (the last one counts),
 // with unknown fields of every wire type among them.
 std::string RandomMessage(std::mt19937_64& rng) {
@@ -94,7 +104,8 @@ std::string RandomMessage(std::mt19937_64& rng) {
 
 // What ReadGradChunk should give: protobuf's parse, the data and the
 // packed chunks apart (each with its data apart), and refused where a packed
-// chunk has a field beside tensor, offset, dtype, data and unknown ones.
+// chunk names no tensor or has a field beside tensor, offset, dtype, data
+// and unknown ones. (The messages here are far under kMaxUnscannedBytes.)
 struct Expected {
   bool ok = false;
   v1::GradChunk head;
@@ -113,7 +124,7 @@ Expected Protobuf(const std::string& bytes) {
     others.clear_dtype();
     others.clear_data();
     others.GetReflection()->MutableUnknownFields(&others)->Clear();
-    e.ok = e.ok && others.ByteSizeLong() == 0;
+    e.ok = e.ok && others.ByteSizeLong() == 0 && !packed.tensor().empty();
     e.more.emplace_back(packed, packed.data());
     e.more.back().first.clear_data();
   }
@@ -128,7 +139,7 @@ void ExpectAgrees(const std::string& bytes, std::mt19937_64& rng, const std::str
   head.set_job("poison");  // must be overwritten
   Pieces data = Pieces::Own("poison");
   std::vector<GradPart> more(1);  // must be replaced
-  const absl::Status got = ReadGradChunk(&message, 1 << 20, &head, &data, &more);
+  const absl::Status got = ReadGradChunk(&message, 1 << 20, 1 << 20, &head, &data, &more);
   ASSERT_EQ(got.ok(), want.ok) << what << ": " << got;
   if (!got.ok()) {
     EXPECT_EQ(got.code(), absl::StatusCode::kInvalidArgument) << what;
@@ -191,11 +202,11 @@ TEST(GradMessage, TooManyNoGradNamesAreRefusedBeforeTheParse) {
   v1::GradChunk head;
   Pieces data;
   std::vector<GradPart> more;
-  const absl::Status st = ReadGradChunk(&message, 4, &head, &data, &more);
+  const absl::Status st = ReadGradChunk(&message, 4, 1 << 20, &head, &data, &more);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("names 5 no_grad tensors"), std::string::npos) << st;
   grpc::ByteBuffer again = Sliced(chunk.SerializeAsString(), rng);
-  EXPECT_TRUE(ReadGradChunk(&again, 5, &head, &data, &more).ok());
+  EXPECT_TRUE(ReadGradChunk(&again, 5, 1 << 20, &head, &data, &more).ok());
   EXPECT_EQ(head.no_grad_size(), 5);
 }
 
@@ -240,7 +251,7 @@ TEST(GradMessage, OnlyNoGradNamesOfTheirWireTypeCountTowardTheirCap) {
     v1::GradChunk head;
     Pieces data;
     std::vector<GradPart> more;
-    const absl::Status st = ReadGradChunk(&message, cap, &head, &data, &more);
+    const absl::Status st = ReadGradChunk(&message, cap, 1 << 20, &head, &data, &more);
     if (cap < 2) {
       EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << cap;
       EXPECT_NE(st.message().find("names 2 no_grad tensors"), std::string::npos) << cap << ": " << st;
@@ -271,17 +282,13 @@ TEST(GradMessage, APackedChunkCarryingMoreThanItsOwnFieldsIsRefusedNamingThem) {
   packed->set_step(3);
   packed->add_no_grad("c");
   std::mt19937_64 rng(16);
-  v1::GradChunk head;
-  Pieces data;
   std::vector<GradPart> more;
-  grpc::ByteBuffer refused = Sliced(message.SerializeAsString(), rng);
-  const absl::Status st = ReadGradChunk(&refused, 10, &head, &data, &more);
+  const absl::Status st = ReadBytes(message.SerializeAsString(), rng, 10, 10, &more);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(st.message().find("carries only tensor, offset, dtype and data; this one also has step, no_grad"),
             std::string::npos)
       << st;
-  grpc::ByteBuffer taken = Sliced(fine, rng);
-  ASSERT_TRUE(ReadGradChunk(&taken, 10, &head, &data, &more).ok());
+  ASSERT_TRUE(ReadBytes(fine, rng, 10, 10, &more).ok());
   ASSERT_EQ(more.size(), 2u);
   for (const GradPart& part : more) {
     EXPECT_EQ(part.head.tensor(), "b");
@@ -290,6 +297,50 @@ TEST(GradMessage, APackedChunkCarryingMoreThanItsOwnFieldsIsRefusedNamingThem) {
     part.data.CopyTo(bytes.data());
     EXPECT_EQ(bytes, "yy");
   }
+}
+
+// A message that packs more chunks than its job has tensors is refused
+// before a chunk is parsed, as one naming too many no_grad tensors: each
+// packed chunk costs the server about 200 bytes read, and a message of
+// empty ones (2 bytes each) would cost a hundred times its size. So is a
+// packed chunk that names no tensor, and a message the fast scan cannot
+// read past kMaxUnscannedBytes, which protobuf's parser would read whole,
+// every packed chunk allocated, before any could be counted.
+TEST(GradMessage, PackedChunksAreCountedBeforeTheyAreParsed) {
+  v1::GradChunk message;
+  message.set_tensor("a");
+  message.set_data("xx");
+  for (int i = 0; i < 5; ++i) {
+    v1::GradChunk* packed = message.add_more();
+    packed->set_tensor("b");
+    packed->set_data("yy");
+  }
+  std::mt19937_64 rng(17);
+  std::vector<GradPart> more;
+  const absl::Status st = ReadBytes(message.SerializeAsString(), rng, 10, 4, &more);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("packs 5 chunks; a message of this job packs at most 4"), std::string::npos) << st;
+  ASSERT_TRUE(ReadBytes(message.SerializeAsString(), rng, 10, 5, &more).ok());
+  EXPECT_EQ(more.size(), 5u);
+
+  message.mutable_more(3)->clear_tensor();
+  const absl::Status no_name = ReadBytes(message.SerializeAsString(), rng, 10, 10, &more);
+  EXPECT_EQ(no_name.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(no_name.message().find("names no tensor"), std::string::npos) << no_name;
+
+  // A group (which protobuf skips) makes the message one the scan leaves to
+  // protobuf: taken under the cap, refused past it.
+  const std::string group = std::string("\xA3\x06", 2) + std::string("\xA4\x06", 2);  // field 100: start, end
+  v1::GradChunk small;
+  small.set_tensor("a");
+  small.set_data(std::string(1000, 'x'));
+  EXPECT_TRUE(ReadBytes(small.SerializeAsString() + group, rng, 10, 10, &more).ok());
+  small.set_data(std::string(kMaxUnscannedBytes, 'x'));
+  const std::string over = small.SerializeAsString() + group;
+  EXPECT_TRUE(v1::GradChunk().ParseFromString(over));  // protobuf would take it
+  const absl::Status big = ReadBytes(over, rng, 10, 10, &more);
+  EXPECT_EQ(big.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(big.message().find("holds a group or a varint longer than protobuf's"), std::string::npos) << big;
 }
 
 TEST(GradMessage, PiecesGiveRunsOfWholeElementsAcrossAnyCut) {

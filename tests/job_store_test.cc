@@ -1194,6 +1194,46 @@ TEST_F(SmallWindowStoreTest, PackedChunksOfARankNotNextWaitForTheWindowInOrder) 
   }
 }
 
+// A packed chunk refused partway through its message (a tensor the job
+// lacks) refuses the push as a chunk in a message of its own would: the
+// chunks before it, summed already, end the round, and the step pushed
+// again is the reference's, as if the refused push never came.
+TEST_F(StoreTest, APackedChunkRefusedPartwayLeavesTheStepAsARefusedChunkWould) {
+  const std::vector<TensorDef> tensors = {{"a", 3000}, {"b", 5000}, {"c", 700}};
+  auto init = Create(JobRequest("partway", 1, tensors));
+  std::map<std::string, std::vector<uint16_t>> bad, good;
+  for (const TensorDef& t : tensors) {
+    bad[t.name] = RandomBf16(rng_, t.numel, 1.0f);
+    good[t.name] = RandomBf16(rng_, t.numel, 1.0f);
+  }
+  {
+    auto session = StartPush("partway", 1, 0);
+    ASSERT_TRUE(session.ok()) << session.status();
+    const auto part = [&](const std::string& tensor, const std::vector<uint16_t>& g) {
+      v1::GradChunk head = Chunk(tensor, 0, g.data(), g.size());
+      Pieces data = Pieces::Own(head.data());
+      head.clear_data();
+      return GradPart{std::move(head), std::move(data)};
+    };
+    GradPart first = part("a", bad["a"]);
+    std::vector<GradPart> more;
+    more.push_back(part("b", bad["b"]));
+    more.push_back(part("nope", bad["c"]));
+    more.push_back(part("c", bad["c"]));
+    const absl::StatusOr<bool> taken =
+        (*session)->Offer(std::move(first.head), first.data, std::move(more), [] {});
+    EXPECT_EQ(taken.status().code(), absl::StatusCode::kNotFound) << taken.status();
+  }  // the stream ends refused
+  ASSERT_TRUE(Push("partway", 1, 0, good).ok());
+  auto params = Commit("partway", 1, 1e-2);
+  ASSERT_TRUE(params.ok()) << params.status();
+  for (const TensorDef& t : tensors) {
+    ReferenceTensor ref(kHyper, init[t.name], false);
+    ref.Step({good[t.name].data()}, 1e-2, 1.0f);
+    EXPECT_EQ((*params)[t.name], ref.Params()) << t.name;
+  }
+}
+
 class SmallMessageStoreTest : public StoreTest {
  protected:
   SmallMessageStoreTest() : StoreTest(Options()) {}

@@ -9,6 +9,7 @@
 #include <functional>
 #include <map>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/escaping.h"
@@ -344,13 +345,15 @@ TEST(Wire, ReadChunksAgreesWithProtobufOnMutatedChunks) {
 // caller's thread; those `ready` says are there are asked for inside Next,
 // on gRPC's thread, without a hop per tensor. The messages are the same
 // either way.
+// Packing changes nothing here: no tensor after a's last chunk fits it.
 enum class Readiness { kNoneSaid, kAllReady, kSomeReady };
-class PushMessagesTest : public ::testing::TestWithParam<Readiness> {};
+class PushMessagesTest : public ::testing::TestWithParam<std::tuple<Readiness, bool>> {};
 
 TEST_P(PushMessagesTest, AskForEachGradientOnceAndNameTheAbsentLast) {
-  const std::function<bool(size_t)> ready = GetParam() == Readiness::kNoneSaid   ? nullptr
-                                            : GetParam() == Readiness::kAllReady ? [](size_t) { return true; }
-                                                                                 : [](size_t i) { return i == 1; };
+  const auto [readiness, pack] = GetParam();
+  const std::function<bool(size_t)> ready = readiness == Readiness::kNoneSaid   ? nullptr
+                                            : readiness == Readiness::kAllReady ? [](size_t) { return true; }
+                                                                                : [](size_t i) { return i == 1; };
   std::mt19937 rng(5);
   std::vector<uint16_t> a(5000), c(300);
   std::vector<float> b(1000);
@@ -369,7 +372,7 @@ TEST_P(PushMessagesTest, AskForEachGradientOnceAndNameTheAbsentLast) {
     asked.push_back(i);
     return i == 2 ? static_cast<const void*>(a.data()) : i == 1 ? static_cast<const void*>(b.data()) : nullptr;
   };
-  PushMessages messages(head, sends, 2048, /*pack=*/false, grad, ready);
+  PushMessages messages(head, sends, 2048, pack, grad, ready);
   using Ready = StreamCall::Ready;
   std::vector<v1::GradChunk> sent;
   std::vector<size_t> waits_before;  // messages sent before each wait
@@ -392,7 +395,7 @@ TEST_P(PushMessagesTest, AskForEachGradientOnceAndNameTheAbsentLast) {
   // after them too.
   const std::map<Readiness, std::vector<size_t>> waits = {
       {Readiness::kNoneSaid, {1, 4, 4}}, {Readiness::kAllReady, {}}, {Readiness::kSomeReady, {1, 4}}};
-  EXPECT_EQ(waits_before, waits.at(GetParam()));
+  EXPECT_EQ(waits_before, waits.at(readiness));
   ASSERT_EQ(sent.size(), 1u + 3 + 2 + 1);
   EXPECT_EQ(sent[0].job(), "j");
   EXPECT_EQ(sent[0].step(), 7u);
@@ -419,11 +422,15 @@ TEST_P(PushMessagesTest, AskForEachGradientOnceAndNameTheAbsentLast) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Wire, PushMessagesTest,
-                         ::testing::Values(Readiness::kNoneSaid, Readiness::kAllReady, Readiness::kSomeReady),
-                         [](const ::testing::TestParamInfo<Readiness>& p) {
-                           return p.param == Readiness::kNoneSaid   ? "NoneSaid"
-                                  : p.param == Readiness::kAllReady ? "AllReady"
-                                                                    : "SomeReady";
+                         ::testing::Combine(::testing::Values(Readiness::kNoneSaid, Readiness::kAllReady,
+                                                              Readiness::kSomeReady),
+                                            ::testing::Bool()),
+                         [](const ::testing::TestParamInfo<std::tuple<Readiness, bool>>& p) {
+                           const Readiness r = std::get<0>(p.param);
+                           return std::string(r == Readiness::kNoneSaid   ? "NoneSaid"
+                                              : r == Readiness::kAllReady ? "AllReady"
+                                                                          : "SomeReady") +
+                                  (std::get<1>(p.param) ? "Packed" : "");
                          });
 
 // To a server that takes packed chunks, a message that ends a tensor carries
@@ -431,7 +438,9 @@ INSTANTIATE_TEST_SUITE_P(Wire, PushMessagesTest,
 // fields and their gradients are there (`ready`); a tensor that does not
 // fit, or is not there, starts the next message. Without `pack`, one chunk
 // a message. Either way every element goes once, in order, as protobuf
-// reads the messages.
+// reads the messages. Each gradient is asked for once, and one that `ready`
+// does not say is there is asked for in Wait (the caller's thread), never in
+// Next. A message that packs stays within chunk_bytes, its fields included.
 TEST(Wire, PushMessagesPackWholeTensorsThatFitAndAreThere) {
   std::mt19937 rng(6);
   std::vector<std::vector<uint16_t>> bf16 = {std::vector<uint16_t>(100), {}, {}, std::vector<uint16_t>(300),
@@ -444,7 +453,10 @@ TEST(Wire, PushMessagesPackWholeTensorsThatFitAndAreThere) {
   const std::vector<PushMessages::Send> sends = {{"t0", 0, 100, v1::BF16, 0},  {"t1", 0, 200, v1::FP32, 1},
                                                  {"t2", 0, 10, v1::BF16, 2},   {"t3", 0, 300, v1::BF16, 3},
                                                  {"t4", 0, 1500, v1::BF16, 4}, {"t5", 0, 50, v1::BF16, 5}};
+  bool in_wait = false;
+  std::vector<std::pair<size_t, bool>> asked;  // each gradient asked for, and whether in Wait
   const std::function<const void*(size_t)> grad = [&](size_t i) -> const void* {
+    asked.emplace_back(i, in_wait);
     if (i == 1) return fp32.data();
     return i == 2 ? nullptr : static_cast<const void*>(bf16[i].data());
   };
@@ -462,6 +474,7 @@ TEST(Wire, PushMessagesPackWholeTensorsThatFitAndAreThere) {
       {false, [](size_t) { return true; }, {{"t0"}, {"t1"}, {"t3"}, {"t4"}, {"t4"}, {"t5"}}},
   };
   for (const Case& c : cases) {
+    asked.clear();
     PushMessages messages(v1::GradChunk(), sends, 2048, c.pack, grad, c.ready);
     std::vector<std::vector<std::string>> got;
     std::map<std::string, std::string> data;  // each tensor's bytes as sent, in order
@@ -471,7 +484,9 @@ TEST(Wire, PushMessagesPackWholeTensorsThatFitAndAreThere) {
       const StreamCall::Ready r = messages.Next(&out);
       if (r == StreamCall::Ready::kEnd) break;
       if (r == StreamCall::Ready::kLater) {
+        in_wait = true;
         messages.Wait();
+        in_wait = false;
         continue;
       }
       const std::string bytes = Flatten(out);
@@ -482,7 +497,9 @@ TEST(Wire, PushMessagesPackWholeTensorsThatFitAndAreThere) {
         absent.assign(m.no_grad().begin(), m.no_grad().end());
         continue;
       }
-      EXPECT_LE(bytes.size(), 2048u + 32) << "message " << got.size();
+      // One chunk: at most chunk_bytes of data and its fields; packed: at
+      // most chunk_bytes in all.
+      EXPECT_LE(bytes.size(), m.more_size() > 0 ? 2048u : 2048u + 32) << "message " << got.size();
       got.emplace_back();
       for (int i = -1; i < m.more_size(); ++i) {
         const v1::GradChunk& chunk = i < 0 ? m : m.more(i);
@@ -495,6 +512,9 @@ TEST(Wire, PushMessagesPackWholeTensorsThatFitAndAreThere) {
       }
     }
     EXPECT_EQ(got, c.messages) << "pack " << c.pack;
+    std::vector<std::pair<size_t, bool>> want_asked;
+    for (size_t i = 0; i < sends.size(); ++i) want_asked.emplace_back(i, !c.ready(i));
+    EXPECT_EQ(asked, want_asked) << "pack " << c.pack;
     EXPECT_EQ(absent, std::vector<std::string>{"t2"});
     EXPECT_EQ(data["t1"], std::string(reinterpret_cast<const char*>(fp32.data()), fp32.size() * 4));
     for (size_t t : {0, 3, 4, 5}) {

@@ -1,8 +1,9 @@
 // A differential fuzzer of the server's push-message reader: whatever the
 // bytes, and however they are cut into slices, ReadGradChunk must refuse
 // exactly what protobuf's parser refuses (or what names more no_grad
-// tensors than allowed, or packs a chunk with a field beside tensor, offset,
-// dtype and data), and read what it accepts as protobuf does: the same
+// tensors or packs more chunks than allowed, or packs a chunk without a
+// tensor or with a field beside tensor, offset, dtype and data), and read
+// what it accepts as protobuf does: the same
 // fields, and the same data bytes, of the message's chunk and of each chunk
 // packed in it. tests/fuzz/run_fuzz.cmake builds it with clang's libFuzzer
 // and runs it for a bounded time.
@@ -25,12 +26,15 @@ namespace {
 
 }  // namespace
 
-// The first byte picks how many cuts, the second the cap on no_grad names;
-// the rest is the message, cut where its own bytes say.
+// The first byte picks how many cuts, the second the caps on no_grad names
+// and packed chunks; the rest is the message, cut where its own bytes say.
+// (run_fuzz.cmake's inputs are far under kMaxUnscannedBytes, past which a
+// message the scan cannot read is refused whatever protobuf says.)
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 2) return 0;
   const unsigned cuts = data[0] % 5;
   const uint64_t max_no_grad = data[1] % 4;
+  const uint64_t max_packed = data[1] / 4 % 4;
   const std::string whole(reinterpret_cast<const char*>(data + 2), size - 2);
   std::vector<grpc::Slice> slices;
   size_t at = 0;
@@ -44,11 +48,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   shardopt::v1::GradChunk head;
   shardopt::Pieces got;
   std::vector<shardopt::GradPart> more;
-  const absl::Status st = shardopt::ReadGradChunk(&buffer, max_no_grad, &head, &got, &more);
+  const absl::Status st = shardopt::ReadGradChunk(&buffer, max_no_grad, max_packed, &head, &got, &more);
 
   shardopt::v1::GradChunk want;
   const bool parses = want.ParseFromString(whole);
-  bool allowed = parses && static_cast<uint64_t>(want.no_grad_size()) <= max_no_grad;
+  bool allowed = parses && static_cast<uint64_t>(want.no_grad_size()) <= max_no_grad &&
+                 static_cast<uint64_t>(want.more_size()) <= max_packed;
   for (const shardopt::v1::GradChunk& packed : want.more()) {
     shardopt::v1::GradChunk others = packed;
     others.clear_tensor();
@@ -56,7 +61,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     others.clear_dtype();
     others.clear_data();
     others.GetReflection()->MutableUnknownFields(&others)->Clear();
-    allowed = allowed && others.ByteSizeLong() == 0;
+    allowed = allowed && others.ByteSizeLong() == 0 && !packed.tensor().empty();
   }
   if (st.ok() != allowed) Disagree(parses ? "(protobuf parses it)" : "(protobuf refuses it)", st.ToString());
   if (!st.ok()) return 0;
