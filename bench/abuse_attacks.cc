@@ -72,7 +72,8 @@ void InitJob(Attacker& a, const std::string& name, uint64_t numel) {
   w->Finish();
 }
 
-// The six attacks of the review. Each runs until `until`.
+// The attacks: the six of the security review, and a flood of packed
+// chunks (after an outside probe of packing). Each runs until `until`.
 void NoGradFlood(Attacker& a, Answers& answers, Clock::time_point until) {
   // A push stream whose chunks name 60,000 tensors the job lacks, 100
   // characters each (6 MB a message): each is refused at its first name.
@@ -88,6 +89,55 @@ void NoGradFlood(Attacker& a, Answers& answers, Clock::time_point until) {
     auto w = a.stub().Push(ctx.get(), &resp);
     for (int m = 0; m < 20 && w->Write(names); ++m) {
     }
+    w->WritesDone();
+    answers.Add(w->Finish());
+  });
+}
+
+void PackedFlood(Attacker& a, Answers& answers, Clock::time_point until) {
+  // A job of 16384 one-element tensors (--max_tensors_per_job's default),
+  // and push messages that each pack a chunk of every one (GradChunk.more,
+  // about 280 KB): the most a message may pack. Each packed chunk costs the
+  // server about 210 B once read and is charged 256 B, 4 MiB a message.
+  // Before the cap and the charge, 8 MB messages of empty packed chunks took
+  // a server of 128 MiB to 419 MB. Two streams at once, the step pushed
+  // again and again (its retries count once).
+  constexpr int kTensors = 16384;
+  answers.Add(a.Create(CreateRequest("attacker/packed", 1, kTensors, 1)));
+  {
+    auto ctx = a.Context(60);
+    v1::InitResponse resp;
+    auto w = a.stub().Init(ctx.get(), &resp);
+    for (int i = 0; i < kTensors; ++i) {
+      v1::InitChunk c;
+      c.set_job("attacker/packed");
+      c.set_tensor(absl::StrCat("t", i));
+      c.set_dtype(v1::FP32);
+      c.set_kind(v1::MASTER);
+      const float one = 1;
+      c.set_data(&one, 4);
+      if (!w->Write(c)) break;
+    }
+    w->WritesDone();
+    answers.Add(w->Finish());
+  }
+  v1::GradChunk head;
+  head.set_job("attacker/packed");
+  head.set_step(1);
+  v1::GradChunk packed;
+  const uint16_t one = 0x3f80;  // bf16 1.0
+  for (int i = 0; i < kTensors; ++i) {
+    v1::GradChunk* chunk = i == 0 ? &packed : packed.add_more();
+    chunk->set_tensor(absl::StrCat("t", i));
+    chunk->set_dtype(v1::BF16);
+    chunk->set_data(&one, 2);
+  }
+  Loop(2, until, [&](int) {
+    auto ctx = a.Context(30);
+    v1::PushResponse resp;
+    auto w = a.stub().Push(ctx.get(), &resp);
+    bool open = w->Write(head);
+    for (int m = 0; m < 20 && open; ++m) open = w->Write(packed);
     w->WritesDone();
     answers.Add(w->Finish());
   });
@@ -237,8 +287,9 @@ void TruncatedStreams(Attacker& a, Answers& answers, Clock::time_point until) {
 
 const std::vector<Attack>& Attacks() {
   static const auto* attacks = new std::vector<Attack>{
-      {"no_grad_flood", NoGradFlood}, {"barrier_tracking", BarrierTracking}, {"memory_fill", MemoryFill},
-      {"held_streams", HeldStreams},  {"amplification", Amplification},      {"truncated_streams", TruncatedStreams},
+      {"no_grad_flood", NoGradFlood}, {"packed_flood", PackedFlood},         {"barrier_tracking", BarrierTracking},
+      {"memory_fill", MemoryFill},    {"held_streams", HeldStreams},         {"amplification", Amplification},
+      {"truncated_streams", TruncatedStreams},
   };
   return *attacks;
 }

@@ -78,7 +78,8 @@ struct Attack {
   const char* name;
   std::function<void(Attacker&, Answers&, AbuseClock::time_point until)> run;
 };
-// The six, in the order the review lists them (bench/abuse_attacks.cc).
+// The six of the review, in its order, and the packed flood after the
+// no_grad one (bench/abuse_attacks.cc).
 const std::vector<Attack>& Attacks();
 
 }  // namespace shardopt::bench

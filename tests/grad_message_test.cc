@@ -299,6 +299,51 @@ TEST(GradMessage, APackedChunkCarryingMoreThanItsOwnFieldsIsRefusedNamingThem) {
   }
 }
 
+// Every field of GradChunk but tensor, offset, dtype and data, set in a
+// packed chunk, is refused naming it: the check lists them one by one, so a
+// field added to the message must be added to it, and this finds one that
+// is not.
+TEST(GradMessage, APackedChunkCarryingAnyOtherFieldIsRefused) {
+  const google::protobuf::Descriptor* d = v1::GradChunk::descriptor();
+  std::mt19937_64 rng(18);
+  int checked = 0;
+  for (int i = 0; i < d->field_count(); ++i) {
+    const google::protobuf::FieldDescriptor* f = d->field(i);
+    if (f->number() == v1::GradChunk::kTensorFieldNumber || f->number() == v1::GradChunk::kOffsetFieldNumber ||
+        f->number() == v1::GradChunk::kDtypeFieldNumber || f->number() == v1::GradChunk::kDataFieldNumber) {
+      continue;
+    }
+    v1::GradChunk message;
+    message.set_tensor("a");
+    message.set_data("xx");
+    v1::GradChunk* packed = message.add_more();
+    packed->set_tensor("b");
+    packed->set_data("yy");
+    const google::protobuf::Reflection* r = packed->GetReflection();
+    if (f->is_repeated()) {
+      if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_STRING) r->AddString(packed, f, "x");
+      if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE) r->AddMessage(packed, f);
+    } else if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_STRING) {
+      r->SetString(packed, f, "x");
+    } else if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT64) {
+      r->SetUInt64(packed, f, 1);
+    } else if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_UINT32) {
+      r->SetUInt32(packed, f, 1);
+    } else if (f->cpp_type() == google::protobuf::FieldDescriptor::CPPTYPE_MESSAGE) {
+      r->MutableMessage(packed, f);
+    } else {
+      ADD_FAILURE() << "a field of a type this test does not set: " << f->name();
+      continue;
+    }
+    std::vector<GradPart> more;
+    const absl::Status st = ReadBytes(message.SerializeAsString(), rng, 10, 10, &more);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << f->name();
+    EXPECT_NE(st.message().find("this one also has " + f->name()), std::string::npos) << f->name() << ": " << st;
+    ++checked;
+  }
+  EXPECT_EQ(checked, d->field_count() - 4);
+}
+
 // A message that packs more chunks than its job has tensors is refused
 // before a chunk is parsed, as one naming too many no_grad tensors: each
 // packed chunk costs the server about 200 bytes read, and a message of
