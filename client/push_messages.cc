@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "rpc/chunk_size.h"
 #include "rpc/wire_format.h"
 
 namespace shardopt {
@@ -20,9 +21,14 @@ wire::StreamCall::Ready PushMessages::Next(grpc::ByteBuffer* out) {
     uint64_t used = AddChunk(std::max<uint64_t>(1, chunk_bytes_ / ElementBytes()), /*packed=*/false, &slices);
     // Whole tensors after it, while they fit and are there: one that does
     // not fit, or whose gradient is not known yet, starts the next message.
-    while (pack_ && off_ == end_ && used < chunk_bytes_ && Advance() && off_ < end_) {
+    // At most as many as keep the server's charge for them (what reading
+    // them costs it) within chunk_bytes.
+    const uint64_t most_packed = chunk_bytes_ / kPackedChunkCharge;
+    uint64_t packed = 0;
+    while (pack_ && packed < most_packed && off_ == end_ && used < chunk_bytes_ && Advance() && off_ < end_) {
       if ((end_ - off_) * ElementBytes() + sending_->tensor.size() + kMostFieldBytes > chunk_bytes_ - used) break;
       used += AddChunk(end_ - off_, /*packed=*/true, &slices);
+      ++packed;
     }
     *out = grpc::ByteBuffer(slices.data(), slices.size());
     return Ready::kMessage;

@@ -22,6 +22,13 @@ namespace shardopt {
 // chunk has room for the message's other fields.
 inline constexpr int kDefaultMaxMessageBytes = 8 << 20;
 
+// What a server charges its memory budget for each chunk packed in a push
+// message (GradChunk.more), beside the message's bytes: what reading one
+// costs it (about 210 B measured). A client packs at most chunk_bytes /
+// this many chunks into a message, so that a message is charged at most
+// twice its chunk size, as the window's accounting, in bytes, expects.
+inline constexpr uint64_t kPackedChunkCharge = 256;
+
 inline constexpr uint64_t kMinAutoChunkBytes = uint64_t{256} << 10;
 inline constexpr uint64_t kMaxAutoChunkBytes = uint64_t{4} << 20;
 inline constexpr uint64_t kAutoChunkBytesPerJob = uint64_t{8} << 20;

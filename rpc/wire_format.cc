@@ -1,5 +1,7 @@
 #include "rpc/wire_format.h"
 
+#include <cstdint>
+
 namespace shardopt::wire {
 namespace {
 
@@ -33,9 +35,19 @@ bool NextVarint(Pieces::Cursor* in, uint64_t* v, int max_bytes = 10) {
 }  // namespace
 
 bool ScanFields(const Pieces& message, std::vector<Field>* fields) {
+  bool too_many = false;
+  return ScanFields(message, fields, SIZE_MAX, &too_many);
+}
+
+bool ScanFields(const Pieces& message, std::vector<Field>* fields, size_t max_fields, bool* too_many) {
   fields->clear();
+  *too_many = false;
   Pieces::Cursor in(message);
   while (in.position() < message.size()) {
+    if (fields->size() == max_fields) {
+      *too_many = true;
+      return false;
+    }
     Field f;
     f.begin = in.position();
     uint64_t tag;

@@ -38,6 +38,10 @@ inline constexpr int kLengthDelimited = 2;
 // knows its own rules for them. True only where protobuf reads the same
 // fields.
 bool ScanFields(const Pieces& message, std::vector<Field>* fields);
+// The same, stopping at the first field past `max_fields`: false, with
+// `*too_many`, for a message of more (a caller that refuses such messages
+// need not hold 32 bytes for each field of one, 2 bytes on the wire).
+bool ScanFields(const Pieces& message, std::vector<Field>* fields, size_t max_fields, bool* too_many);
 // The varint a view starts with (a varint field's value); false if malformed.
 bool ReadVarint(const Pieces& bytes, uint64_t* v);
 

@@ -41,7 +41,7 @@ class PushReactor final : public ReadReactor {
       return Stop(ToGrpcStatus(read));
     }
     // What the packed chunks cost beside the message's bytes, for as long.
-    if (absl::Status charged = ChargeMessage(more.size() * kPackedChunkCost); !charged.ok()) {
+    if (absl::Status charged = ChargeMessage(more.size() * kPackedChunkCharge); !charged.ok()) {
       if (session_) session_->Refuse();
       return Stop(ToGrpcStatus(charged));
     }

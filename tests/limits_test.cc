@@ -760,7 +760,10 @@ TEST(LimitsTest, APushNamingTooManyNoGradTensorsIsRefusedBeforeItIsParsed) {
     writer->WritesDone();
     const grpc::Status st = writer->Finish();
     EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
-    EXPECT_THAT(st.error_message(), HasSubstr(absl::StrCat("names ", names, " no_grad tensors")));
+    // 60000 names are past the fields a message may have: the scan stops
+    // there, and says the message names more than it counted.
+    EXPECT_THAT(st.error_message(), HasSubstr(names == 101 ? "names 101 no_grad tensors" : "names more than "));
+    EXPECT_THAT(st.error_message(), HasSubstr("no_grad tensors; this stream may name 100 more at most"));
   }
   EXPECT_TRUE(victim.Step().ok());
 }

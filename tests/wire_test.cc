@@ -433,6 +433,29 @@ INSTANTIATE_TEST_SUITE_P(Wire, PushMessagesTest,
                                   (std::get<1>(p.param) ? "Packed" : "");
                          });
 
+// A message packs at most chunk_bytes / 256 chunks after its own, so that
+// what the server charges for them (kPackedChunkCharge each) stays within
+// chunk_bytes, however small the tensors: here 8 after the first.
+TEST(Wire, PushMessagesPackAtMostChunkBytesOverTheServersChargeEach) {
+  std::vector<uint16_t> g(2 * 20, 0x3f80);
+  std::vector<PushMessages::Send> sends;
+  for (size_t i = 0; i < 20; ++i) sends.push_back({"t" + std::to_string(i), 0, 2, v1::BF16, i});
+  const std::function<const void*(size_t)> grad = [&](size_t i) -> const void* { return g.data() + 2 * i; };
+  const std::function<bool(size_t)> ready = [](size_t) { return true; };
+  PushMessages messages(v1::GradChunk(), sends, 2048, /*pack=*/true, grad, ready);
+  std::vector<int> chunks;
+  for (int guard = 0; guard < 100; ++guard) {
+    grpc::ByteBuffer out;
+    const StreamCall::Ready r = messages.Next(&out);
+    if (r == StreamCall::Ready::kEnd) break;
+    ASSERT_EQ(r, StreamCall::Ready::kMessage);
+    v1::GradChunk m;
+    ASSERT_TRUE(m.ParseFromString(Flatten(out)));
+    if (guard > 0) chunks.push_back(1 + m.more_size());
+  }
+  EXPECT_EQ(chunks, (std::vector<int>{9, 9, 2}));
+}
+
 // To a server that takes packed chunks, a message that ends a tensor carries
 // the next tensors whole as `more`, while they fit in chunk_bytes with their
 // fields and their gradients are there (`ready`); a tensor that does not
