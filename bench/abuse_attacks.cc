@@ -72,6 +72,26 @@ void InitJob(Attacker& a, const std::string& name, uint64_t numel) {
   w->Finish();
 }
 
+// Gives job `name`'s one-element tensors "t0".."t{tensors-1}" the initial
+// value 1, in one Init stream.
+grpc::Status InitOnes(Attacker& a, const std::string& name, int tensors) {
+  auto ctx = a.Context(60);
+  v1::InitResponse resp;
+  auto w = a.stub().Init(ctx.get(), &resp);
+  for (int i = 0; i < tensors; ++i) {
+    v1::InitChunk c;
+    c.set_job(name);
+    c.set_tensor(absl::StrCat("t", i));
+    c.set_dtype(v1::FP32);
+    c.set_kind(v1::MASTER);
+    const float one = 1;
+    c.set_data(&one, 4);
+    if (!w->Write(c)) break;
+  }
+  w->WritesDone();
+  return w->Finish();
+}
+
 // The attacks: the six of the security review, and a flood of packed
 // chunks (after an outside probe of packing). Each runs until `until`.
 void NoGradFlood(Attacker& a, Answers& answers, Clock::time_point until) {
@@ -104,23 +124,7 @@ void PackedFlood(Attacker& a, Answers& answers, Clock::time_point until) {
   // again and again (its retries count once).
   constexpr int kTensors = 16384;
   answers.Add(a.Create(CreateRequest("attacker/packed", 1, kTensors, 1)));
-  {
-    auto ctx = a.Context(60);
-    v1::InitResponse resp;
-    auto w = a.stub().Init(ctx.get(), &resp);
-    for (int i = 0; i < kTensors; ++i) {
-      v1::InitChunk c;
-      c.set_job("attacker/packed");
-      c.set_tensor(absl::StrCat("t", i));
-      c.set_dtype(v1::FP32);
-      c.set_kind(v1::MASTER);
-      const float one = 1;
-      c.set_data(&one, 4);
-      if (!w->Write(c)) break;
-    }
-    w->WritesDone();
-    answers.Add(w->Finish());
-  }
+  answers.Add(InitOnes(a, "attacker/packed", kTensors));
   v1::GradChunk head;
   head.set_job("attacker/packed");
   head.set_step(1);
@@ -147,21 +151,7 @@ void BarrierTracking(Attacker& a, Answers& answers, Clock::time_point until) {
   // world_size 65536, 2000 one-element tensors; ranks push one element each
   // and wait at the barrier, listing the rest as no_grad.
   answers.Add(a.Create(CreateRequest("attacker/wide", 65536, 2000, 1)));
-  for (int i = 0; i < 2000; ++i) {
-    auto ctx = a.Context();
-    v1::InitResponse resp;
-    auto w = a.stub().Init(ctx.get(), &resp);
-    v1::InitChunk c;
-    c.set_job("attacker/wide");
-    c.set_tensor(absl::StrCat("t", i));
-    c.set_dtype(v1::FP32);
-    c.set_kind(v1::MASTER);
-    const float one = 1;
-    c.set_data(&one, 4);
-    w->Write(c);
-    w->WritesDone();
-    w->Finish();
-  }
+  InitOnes(a, "attacker/wide", 2000);
   // Each rank finishes its push and then goes away: a finished rank stays in
   // the round until its barrier deadline, with its tracking.
   std::atomic<uint32_t> next_rank{0};
