@@ -1130,12 +1130,13 @@ class SmallWindowStoreTest : public StoreTest {
   }
 };
 
-// Chunks packed in one message (GradChunk.more) are taken in order, each as
-// if it came alone: rank 1's message of 64 tensors (512 KiB), ahead of rank
+// Chunks packed in one message (GradChunk.more) are taken each as if it
+// came alone (the rank-order sum makes their order invisible here; what is
+// held while they wait is PushSessionTest's): rank 1's message of 64 tensors (512 KiB), ahead of rank
 // 0, fills the window partway and waits there, the rest of it behind; the
 // push of rank 0 lets it through, and the step is the rank-order
 // reference's, bit for bit. Each chunk's data comes in scattered pieces.
-TEST_F(SmallWindowStoreTest, PackedChunksOfARankNotNextWaitForTheWindowInOrder) {
+TEST_F(SmallWindowStoreTest, PackedChunksOfARankNotNextWaitForTheWindowAndSumInRankOrder) {
   std::vector<TensorDef> tensors;
   for (int i = 0; i < 64; ++i) tensors.push_back({absl::StrCat("t", i), 4096});
   auto init = Create(JobRequest("packed", 2, tensors));
