@@ -19,18 +19,20 @@
 namespace shardopt {
 namespace {
 
-// Whether `out` (through any symlinks) names a place in `job`'s checkpoint
-// directory under `dir`: an export there could replace a file of the very
-// checkpoint it reads, and the servers' restore would lose it.
-bool InsideTheJobsCheckpoints(const std::string& dir, const std::string& job, const std::string& out) {
+// Whether `out` (through any symlinks) names a place in the checkpoint
+// directory `dir`, which the servers own: an export there could replace a
+// file of the very checkpoint it reads, another job's checkpoint, or the
+// directory's id, without which no server starts on it.
+bool InsideTheCheckpointDirectory(const std::string& dir, const std::string& out) {
   // Absolute first: weakly_canonical leaves a relative path whose first
   // part does not exist relative.
-  std::error_code job_ec, out_ec;
-  const std::string job_dir = std::filesystem::weakly_canonical(
-      std::filesystem::absolute(checkpoint::JobDirectory(dir, job), job_ec), job_ec);
+  std::error_code dir_ec, out_ec;
+  const std::string root =
+      std::filesystem::weakly_canonical(std::filesystem::absolute(dir, dir_ec), dir_ec).string();
   const std::string target =
-      std::filesystem::weakly_canonical(std::filesystem::absolute(out, out_ec), out_ec);
-  return !job_ec && !out_ec && absl::StartsWith(target, job_dir + "/");
+      std::filesystem::weakly_canonical(std::filesystem::absolute(out, out_ec), out_ec).string();
+  if (dir_ec || out_ec) return false;
+  return target == root || absl::StartsWith(target, absl::StrCat(root, root.back() == '/' ? "" : "/"));
 }
 
 }  // namespace
@@ -38,10 +40,10 @@ bool InsideTheJobsCheckpoints(const std::string& dir, const std::string& job, co
 absl::Status ExportCheckpoint(const std::string& dir, uint64_t step, bool bf16, const std::string& job,
                               const std::string& out) {
   const auto log = [](const std::string& line) { std::cerr << "shardopt: " << line << "\n"; };
-  if (InsideTheJobsCheckpoints(dir, job, out)) {
+  if (InsideTheCheckpointDirectory(dir, out)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        out, " lies in the checkpoint directory of job '", job, "', whose files export reads and the servers restore; "
-        "write it elsewhere"));
+        out, " lies in the checkpoint directory ", dir, ", whose files the servers write and restore (every job's "
+        "checkpoints and the directory's id); write it elsewhere"));
   }
   // The steps whose COMMIT is there: a prune takes it first.
   const auto complete = [&] {

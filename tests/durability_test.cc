@@ -32,6 +32,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "base/same_bits.h"
+#include "checkpoint/directory_id.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -1754,7 +1755,7 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
   }
   for (const std::string dtype : {"fp32", "bf16"}) {
     SCOPED_TRACE(dtype);
-    const std::string out = dir.path() + "/export-" + dtype + ".safetensors";
+    const std::string out = expected.path() + "/export-" + dtype + ".safetensors";
     ASSERT_EQ(std::system((std::string(SHARDOPT_CLI_BINARY) + " export --checkpoint_dir=" + dir.path() +
                            " --dtype=" + dtype + " export " + out).c_str()),
               0);
@@ -1762,10 +1763,10 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
                            expected.path() + " " + dtype + " 5").c_str()),
               0);
   }
-  // An OUT in the job's checkpoint directory, here a file of the very
-  // checkpoint export reads, is refused and the file stays as it was: it
-  // used to be replaced (exit 0), and neither export nor a restore could
-  // read that checkpoint again.
+  // An OUT in the checkpoint directory, here a file of the very checkpoint
+  // export reads, is refused and the file stays as it was: it used to be
+  // replaced (exit 0), and neither export nor a restore could read that
+  // checkpoint again.
   std::string part;
   for (const auto& entry : std::filesystem::recursive_directory_iterator(dir.path())) {
     if (entry.is_regular_file() && entry.path().parent_path().filename().string().rfind("step-", 0) == 0) {
@@ -1777,8 +1778,18 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
   const std::string part_bytes = testing::ReadText(part);
   const std::string cli_export = std::string(SHARDOPT_CLI_BINARY) + " export --checkpoint_dir=" + dir.path() + " export ";
   EXPECT_EQ(WEXITSTATUS(std::system((cli_export + part + " 2>" + expected.path() + "/refused").c_str())), 1);
-  EXPECT_THAT(testing::ReadText(expected.path() + "/refused"), HasSubstr("lies in the checkpoint directory of job 'export'"));
+  EXPECT_THAT(testing::ReadText(expected.path() + "/refused"),
+              HasSubstr("lies in the checkpoint directory " + dir.path() + ", whose files the servers"));
   EXPECT_EQ(testing::ReadText(part), part_bytes);
+  // So is one anywhere else in it: the directory's id, which an outside
+  // probe's export replaced (exit 0) so that no server would start on the
+  // directory again, and a new file beside it.
+  const std::string id = dir.path() + "/" + checkpoint::kDirectoryIdName;
+  const std::string id_bytes = testing::ReadText(id);
+  EXPECT_EQ(WEXITSTATUS(std::system((cli_export + id + " 2>/dev/null").c_str())), 1);
+  EXPECT_EQ(testing::ReadText(id), id_bytes);
+  EXPECT_EQ(WEXITSTATUS(std::system((cli_export + dir.path() + "/new.safetensors 2>/dev/null").c_str())), 1);
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/new.safetensors"));
   // So is a relative OUT there, whose first part does not exist yet.
   const std::string job_dir = std::filesystem::path(part).parent_path().parent_path().string();
   EXPECT_EQ(WEXITSTATUS(std::system(("cd " + job_dir + " && " + cli_export + "new.safetensors 2>/dev/null").c_str())), 1);
@@ -1797,7 +1808,7 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
   JobOptions imported = job;
   imported.name = "imported";
   ASSERT_EQ(client->CreateOrAttach(imported).value(), 0u);
-  ASSERT_TRUE(client->InitFromSafetensors(dir.path() + "/export-fp32.safetensors").ok());
+  ASSERT_TRUE(client->InitFromSafetensors(expected.path() + "/export-fp32.safetensors").ok());
   for (const TensorOptions& t : job.tensors) {
     std::vector<uint32_t> bits(t.numel);
     ASSERT_TRUE(client->Read(t.name, StateToRead::kMaster, 0, t.numel, bits.data()).ok());
@@ -1806,12 +1817,12 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
   // A file that does not fit the job changes nothing and says why.
   JobOptions bigger = DurableJob("bigger", {{"w", 3001}, {"b", 17}});
   ASSERT_EQ(client->CreateOrAttach(bigger).value(), 0u);
-  const absl::Status st = client->InitFromSafetensors(dir.path() + "/export-fp32.safetensors");
+  const absl::Status st = client->InitFromSafetensors(expected.path() + "/export-fp32.safetensors");
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(st.message()), HasSubstr("tensor 'w' has 12000 bytes of F32; the job's has 3001 elements"));
   // A value the servers would refuse names the file too (it named only the
   // tensor), and nothing is sent.
-  std::vector<SafetensorsTensor> tensors = ReadSafetensors(dir.path() + "/export-fp32.safetensors").value();
+  std::vector<SafetensorsTensor> tensors = ReadSafetensors(expected.path() + "/export-fp32.safetensors").value();
   for (SafetensorsTensor& t : tensors) {
     const float nan = std::nanf("");
     if (t.name == "w") t.data.replace(4 * 7, 4, reinterpret_cast<const char*>(&nan), 4);
@@ -1834,7 +1845,7 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
     if (t.name == "w") t.shape = {60, 50};
   }
   ASSERT_EQ(client->CreateOrAttach(shaped).value(), 0u);
-  std::vector<SafetensorsTensor> transposed = ReadSafetensors(dir.path() + "/export-fp32.safetensors").value();
+  std::vector<SafetensorsTensor> transposed = ReadSafetensors(expected.path() + "/export-fp32.safetensors").value();
   for (SafetensorsTensor& t : transposed) {
     if (t.name == "w") t.shape = {50, 60};
   }
@@ -1843,7 +1854,7 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
   EXPECT_EQ(other_shape.code(), absl::StatusCode::kInvalidArgument) << other_shape;
   EXPECT_THAT(std::string(other_shape.message()), HasSubstr("tensor 'w' has shape (50, 60); the job's is (60, 50)"));
   EXPECT_EQ(client->Describe().value()[0].uninitialized_tensors, job.tensors.size());
-  EXPECT_TRUE(client->InitFromSafetensors(dir.path() + "/export-fp32.safetensors").ok());
+  EXPECT_TRUE(client->InitFromSafetensors(expected.path() + "/export-fp32.safetensors").ok());
 }
 
 // A CLI call no server answers in time names the server, and says that a
