@@ -838,6 +838,23 @@ TEST(LimitsTest, AFlagfileWithWindowsLineEndsIsNamed) {
   std::remove(path.c_str());
 }
 
+// So is a line with a trailing blank, which the value kept: an outside
+// probe's server made and used a checkpoint directory "ck " beside "ck",
+// and one with "--host=127.0.0.1 " failed its start saying only "cannot
+// listen on 127.0.0.1 :0".
+TEST(LimitsTest, AFlagfileLineWithATrailingBlankIsNamed) {
+  const std::string base = (std::filesystem::temp_directory_path() / ("shardopt-blank-" + std::to_string(getpid()))).string();
+  std::ofstream(base + ".flags") << "--device=cpu\n--checkpoint_dir=" << base << "-ck \n";
+  std::string log;
+  EXPECT_EQ(testing::ServerExitCode({"--flagfile=" + base + ".flags"}, &log), 2);
+  EXPECT_THAT(log, HasSubstr("--checkpoint_dir's value '" + base + "-ck ' ends with a blank"));
+  EXPECT_FALSE(std::filesystem::exists(base + "-ck "));
+  std::ofstream(base + ".flags") << "--host=\t127.0.0.1\n";
+  EXPECT_EQ(testing::ServerExitCode({"--flagfile=" + base + ".flags"}, &log), 2);
+  EXPECT_THAT(log, HasSubstr("begins with a blank"));
+  std::remove((base + ".flags").c_str());
+}
+
 // A --port_file that cannot be written stops the server (exit 1, naming
 // it): a harness waiting for the file would otherwise wait for good. It
 // does so before the log says "started", which it used to say first.

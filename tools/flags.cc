@@ -95,11 +95,19 @@ std::vector<std::string> ParseFlags(int argc, char** argv, absl::string_view usa
     std::exit(0);
   }
   // A --flagfile saved with Windows line ends gives each value a trailing
-  // carriage return, which no message shows ("must be cpu ...; got 'cpu'").
+  // carriage return, which no message shows ("must be cpu ...; got 'cpu'");
+  // a line with a trailing blank gives it that blank, which a path keeps
+  // (a checkpoint directory "ck " made beside "ck") and an address does not
+  // show ("cannot listen on 127.0.0.1 :0"). No flag means either.
   for (const auto& [name, flag] : absl::GetAllFlags()) {
-    if (absl::StrContains(flag->CurrentValue(), '\r')) {
+    const std::string value = flag->CurrentValue();
+    if (absl::StrContains(value, '\r')) {
       UsageError(absl::StrCat("--", name, "'s value holds a carriage return (\\r): a --flagfile with Windows line "
                               "ends (CRLF)? Save it with Unix ones (LF)"));
+    }
+    if (!value.empty() && (absl::ascii_isblank(value.front()) || absl::ascii_isblank(value.back()))) {
+      UsageError(absl::StrCat("--", name, "'s value '", value, "' ", absl::ascii_isblank(value.back()) ? "ends" : "begins",
+                              " with a blank (a --flagfile line with a trailing space?); remove it"));
     }
   }
   std::vector<std::string> positionals;
