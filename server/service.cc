@@ -261,9 +261,11 @@ void StopServer(grpc::Server* server, std::chrono::system_clock::time_point dead
 }  // namespace
 
 void RunningServer::Stop(std::chrono::system_clock::time_point deadline) {
-  StopServer(server.get(), deadline, [this] { return calls_in_progress->load(std::memory_order_relaxed) > 0; });
-  // Health checks only, none of which needs finishing.
+  // Health checks only, none of which needs finishing: closed first, with
+  // the main port, rather than after the main port's calls have had their
+  // grace (a probe got NOT_SERVING for 5 s more from a closed server).
   if (health_server) StopServer(health_server.get(), deadline, [] { return false; });
+  StopServer(server.get(), deadline, [this] { return calls_in_progress->load(std::memory_order_relaxed) > 0; });
 }
 
 RunningServer::~RunningServer() {

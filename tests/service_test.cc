@@ -1927,8 +1927,11 @@ TEST(ServerStopTest, IdleConnectionsDoNotHoldTheShutdown) {
 // A call in progress at SIGTERM is not cut short for being slow: a push
 // waiting at the barrier for another rank holds the exit until the 5 s
 // grace is over, as before the stop stopped waiting for idle connections.
+// The health port closes with the main port meanwhile, not after the grace
+// (an outside probe got NOT_SERVING from it for those 5 s).
 TEST(ServerStopTest, ACallInProgressHasTheWholeGrace) {
-  auto server = ServerProcess::Start();
+  const int health_port = testing::FreeLoopbackPort();
+  auto server = ServerProcess::Start({absl::StrCat("--health_port=", health_port)});
   ASSERT_NE(server, nullptr);
   auto client = AttachOneTensorJob(*server, "waits", 1024, /*world_size=*/2);
   std::vector<uint16_t> w(1024, 0x3f80), g(1024, 0x3c00);
@@ -1937,6 +1940,11 @@ TEST(ServerStopTest, ACallInProgressHasTheWholeGrace) {
   std::thread rank0([&] { stepped = client->Step({{"w", g.data()}}, {}, {{"w", w.data()}}).status(); });
   std::this_thread::sleep_for(std::chrono::milliseconds(500));  // its push waits for rank 1
   const auto sent = std::chrono::steady_clock::now();
+  kill(server->pid(), SIGTERM);
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const auto [health, answer] =
+      GenericUnary(absl::StrCat("127.0.0.1:", health_port), "/grpc.health.v1.Health/Check", "");
+  EXPECT_EQ(health.error_code(), grpc::StatusCode::UNAVAILABLE) << health.error_message();
   EXPECT_EQ(server->Stop(SIGTERM) >> 8, 0);
   const std::chrono::duration<double> took = std::chrono::steady_clock::now() - sent;
   rank0.join();
