@@ -22,8 +22,10 @@ absl::StatusOr<int> ListenTcp(const std::string& host, int port, int backlog) {
   absl::string_view bare = host;
   if (absl::ConsumePrefix(&bare, "[")) absl::ConsumeSuffix(&bare, "]");
   const std::string name(bare);
-  if (getaddrinfo(name.c_str(), absl::StrCat(port).c_str(), &hints, &found) != 0 || found == nullptr) {
-    return absl::InvalidArgumentError(absl::StrCat("cannot resolve ", host));
+  if (const int failed = getaddrinfo(name.c_str(), absl::StrCat(port).c_str(), &hints, &found);
+      failed != 0 || found == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot resolve ", host, failed != 0 ? absl::StrCat(" (", gai_strerror(failed), ")") : ""));
   }
   const int fd = socket(found->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   const int one = 1;
@@ -41,7 +43,9 @@ absl::StatusOr<int> ListenTcp(const std::string& host, int port, int backlog) {
 std::string WhyCannotListen(const std::string& address) {
   const size_t colon = address.rfind(':');
   int port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) || port == 0) return "";
+  // Port 0 too: a host that does not resolve, or is no address of this
+  // machine, fails an ephemeral port's bind as well.
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port)) return "";
   absl::StatusOr<int> fd = ListenTcp(address.substr(0, colon), port, 1);
   if (fd.ok()) {
     close(*fd);

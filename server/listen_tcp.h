@@ -17,8 +17,9 @@ namespace shardopt {
 absl::StatusOr<int> ListenTcp(const std::string& host, int port, int backlog);
 
 // Why gRPC could not listen on `address` (HOST:PORT): the reason a socket of
-// our own meets there, or "" if it meets none (the port came free, or the
-// cause was elsewhere).
+// our own meets there ("Address already in use", "Cannot assign requested
+// address", "cannot resolve HOST (...)"), or "" if it meets none (the port
+// came free, or the cause was elsewhere).
 std::string WhyCannotListen(const std::string& address);
 
 }  // namespace shardopt

@@ -96,6 +96,17 @@ TEST_F(LogsTest, GrpcsOwnLinesAreTheServersJsonLines) {
                                                        ": Address already in use")) << log;
 }
 
+// An ephemeral port on an address that is not this machine's: gRPC's line
+// says why, and the server's own line now does too (it said only "cannot
+// listen on 10.255.255.1:0", an outside probe found).
+TEST_F(LogsTest, AStartOnAnAddressNotThisMachinesSaysWhy) {
+  std::string log;
+  EXPECT_EQ(testing::ServerExitCode({"--log_format=json", "--host=10.255.255.1", "--insecure", "--port=0"}, &log), 1);
+  const std::vector<nlohmann::json> failed = Events(JsonLines(log), "start_failed");
+  ASSERT_EQ(failed.size(), 1u) << log;
+  EXPECT_EQ(failed[0].value("error", ""), "cannot listen on 10.255.255.1:0: Cannot assign requested address") << log;
+}
+
 // Protobuf's own lines (here: a request whose job name is not UTF-8, which
 // any client can send) come through the server's log too, as JSON, and at
 // most a few a second: before, each request wrote a raw line to stderr.
