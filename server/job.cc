@@ -10,7 +10,7 @@
 #include "base/same_bits.h"
 #include "base/shortest_number.h"
 #include "base/status_macros.h"
-#include "rpc/skip_of_applied_step.h"
+#include "rpc/skip_disagreement.h"
 #include "server/job_spec.h"
 #include "server/messages.h"
 
@@ -22,7 +22,7 @@ bool CommitArgs::operator==(const CommitArgs& o) const {
 }
 
 std::string CommitArgs::FirstDifference(const CommitArgs& asked) const {
-  if (skip != asked.skip) return skip ? "skipped -> applied" : kAppliedAskedSkipped;
+  if (skip != asked.skip) return skip ? kSkippedAskedApplied : kAppliedAskedSkipped;
   if (!SameBits(lr, asked.lr)) return absl::StrCat("lr: ", ShortestNumber(lr), " -> ", ShortestNumber(asked.lr));
   if (!SameBits(gscale, asked.gscale)) {
     return absl::StrCat("gscale: ", ShortestNumber(gscale), " -> ", ShortestNumber(asked.gscale));

@@ -149,6 +149,16 @@ class _OverlapPush:
             try:
                 self._commit_pushed(decision.gscale)
                 return decision
+            except Aborted as e:
+                # The other ranks' commits skipped the step (a zero_grad()
+                # after their backward) before this one applied it.
+                if _C.skipped_asked_applied not in e.message:
+                    raise
+                step = self._push_step
+                self._take_servers_step(e, "skipped", "to be applied")
+                raise Aborted(f"RemoteAdamW(overlap=True): this rank committed step {step} to be applied, but the "
+                              f"other ranks' commits had skipped it; this rank took step {step} as the servers did "
+                              f"(a skip: its params are theirs) and goes on: {e.message}") from None
             except FailedPrecondition as e:
                 # A server that restarted after the push was complete was
                 # given the job again and restored the step before, with no
@@ -182,11 +192,11 @@ class _OverlapPush:
             self._client.commit(self._push_step, 0.0, 1.0, True, self._param_targets(), [])
         except Aborted as e:
             # A step applied, or being applied, by another commit
-            # (rpc/skip_of_applied_step.h).
+            # (rpc/skip_disagreement.h).
             if _C.applied_asked_skipped not in e.message:
                 raise
             step = self._push_step
-            self._take_applied_step(e)
+            self._take_servers_step(e, "applied", "as a skip")
             if tell:
                 raise Aborted(f"RemoteAdamW(overlap=True): this rank committed step {step} as a skip, but the other "
                               "ranks' commits had applied it, with what this rank had pushed of it; this rank took "
@@ -195,27 +205,29 @@ class _OverlapPush:
             return
         self._skip_owed = None
 
-    def _take_applied_step(self, refused):
-        """Attaches again, once the servers hold the step applied (another
-        rank's commit may still be applying it: a few tries over about a
-        second and a half), and takes their params, as a trainer that
-        attaches does; the skip is no longer owed. Rank 0 then takes the
-        step's checkpoint_every checkpoint, which its skip would have."""
+    def _take_servers_step(self, refused, done, asked):
+        """Attaches again, once the servers hold the step as the other
+        ranks' commits left it (`done`: "applied" or "skipped"; one may still
+        be applying it: a few tries over about a second and a half), and
+        takes their params, as a trainer that attaches does; no skip is owed
+        any more. Rank 0 then takes the step's checkpoint_every checkpoint,
+        which its own commit would have. `asked`: how this rank committed
+        it, for the errors."""
         step, pause = self._push_step, 0.1
         for _ in range(5):
             try:
                 self._client.create_or_attach(*self._attach_args, 0, None)
             except Error as e:
-                raise Aborted(f"RemoteAdamW(overlap=True): step {step} was applied by the other ranks where this "
-                              f"rank committed it as a skip ({refused.message}), and attaching again to take it "
+                raise Aborted(f"RemoteAdamW(overlap=True): step {step} was {done} by the other ranks where this "
+                              f"rank committed it {asked} ({refused.message}), and attaching again to take it "
                               f"failed: {e.message}; construct the optimizer again to go on") from None
             if self._client.step_count >= step:
                 break
             time.sleep(pause)
             pause *= 2
         else:
-            raise Aborted(f"RemoteAdamW(overlap=True): step {step} was being applied by the other ranks where this "
-                          f"rank committed it as a skip ({refused.message}), and the servers did not finish it "
+            raise Aborted(f"RemoteAdamW(overlap=True): step {step} was being {done} by the other ranks where this "
+                          f"rank committed it {asked} ({refused.message}), and the servers did not finish it "
                           "within 1.5 s; call step() again")
         self._skip_owed = None
         self._pull_params()

@@ -24,7 +24,7 @@
 #include "rpc/job_limits.h"
 #include "rpc/learning_rates.h"
 #include "rpc/push_incomplete.h"
-#include "rpc/skip_of_applied_step.h"
+#include "rpc/skip_disagreement.h"
 #include "shardopt/client.h"
 
 namespace py = pybind11;
@@ -442,9 +442,11 @@ PYBIND11_MODULE(_C, m) {
   // The start of the servers' refusal of a commit whose push they lost
   // (rpc/push_incomplete.h), which the overlap path pushes again for.
   m.def("push_incomplete", &shardopt::PushIncomplete, py::arg("step"));
-  // The servers' words for a skip asked of a step applied by another commit
-  // (rpc/skip_of_applied_step.h), which an overlap rank takes as applied.
+  // The servers' words for a skip asked of a step applied by another commit,
+  // and for an apply asked of one skipped (rpc/skip_disagreement.h), which
+  // an overlap rank takes as the servers hold it.
   m.attr("applied_asked_skipped") = shardopt::kAppliedAskedSkipped;
+  m.attr("skipped_asked_applied") = shardopt::kSkippedAskedApplied;
   // Raises what Client::Step does when that push, pushed again, decided
   // the step otherwise (client/after_step.h).
   m.def(

@@ -558,6 +558,32 @@ def test_a_rank_whose_skip_lost_to_the_others_apply_takes_the_step_and_goes_on(s
     opts[0].drop()
 
 
+def test_a_rank_whose_apply_lost_to_the_others_skip_takes_the_step_and_goes_on(servers, job):
+    """The other way round: the other rank's loop raised after backward and
+    its zero_grad() skipped the step before this rank's step() applied it.
+    The apply is refused (Aborted, "skipped -> applied"), and the rank used
+    to owe it for good: every later step() was refused about that step
+    while the other rank waited out the next barrier, until the process was
+    started again (an outside probe). Now it takes the step as the servers
+    skipped it, raises once saying so, and steps on with the others."""
+    models = [make_model(), make_model(seed=5)]
+    opts = [RemoteAdamW(param_groups(m), servers=servers, job=job, lr=1e-3, overlap=True, rank=r, world_size=2)
+            for r, m in enumerate(models)]
+    initial = [p.detach().clone() for p in models[0].parameters()]
+    for m in models:
+        m(*batch(1)).backward()
+    opts[1].zero_grad()  # rank 1's loop raised after backward: it skips step 1
+    with pytest.raises(shardopt.Aborted, match="took step 1 as the servers did"):
+        opts[0].step()
+    assert [o._client.step_count for o in opts] == [1, 1]
+    for (name, p), q, r in zip(models[0].named_parameters(), models[1].parameters(), initial):
+        assert same_bits(p, q) and same_bits(p, r), name
+    for step in (2, 3):
+        _step_alike(models, opts, step)
+        assert [o._client.step_count for o in opts] == [step, step]
+    opts[0].drop()
+
+
 def test_a_rank_whose_own_error_ends_in_a_lost_skip_keeps_its_error_and_goes_on(servers, job):
     """The same where the skip comes from step() refusing this rank's own
     gradients (clipped after backward): that error is what the caller gets,
