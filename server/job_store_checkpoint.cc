@@ -176,6 +176,7 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
   std::vector<std::string> uninitialized;  // no checkpoint holds part of a job's initial values
   std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> results;
   for (const auto& [name, job] : jobs) {
+    uint64_t step = 0;  // the last whole step: what its checkpoint would have held
     {
       absl::MutexLock job_lock(&job->mu);
       if (job->AwaitWholeStep(deadline)) {
@@ -187,12 +188,13 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
         }
         continue;
       }
+      step = job->step;
     }
     // Counted without the job's lock: the store's is taken before a job's.
     const absl::Status late = absl::DeadlineExceededError(
-        absl::StrCat("job '", name, "' is still applying a step after ",
+        absl::StrCat("job '", name, "' is still applying step ", step + 1, " after ",
                      absl::FormatDuration(wait_for_steps), ": its committer stopped reading the params; not checkpointed"));
-    log::Error("checkpoint_failed", {{"job", name}, {"error", std::string(late.message())}});
+    log::Error("checkpoint_failed", {{"job", name}, {"step", absl::StrCat(step)}, {"error", std::string(late.message())}});
     CountForJob(*job, "shardopt_checkpoint_failures_total");
     results.emplace_back(name, late);
   }

@@ -1329,6 +1329,7 @@ TEST_F(DrainTest, ACommitterThatStoppedReadingCostsOnlyItsOwnJobsCheckpoint) {
   std::map<std::string, absl::StatusOr<v1::CheckpointResponse>> by_job(results.begin(), results.end());
   ASSERT_EQ(by_job.size(), 2u);
   EXPECT_EQ(by_job.at("stalled").status().code(), absl::StatusCode::kDeadlineExceeded) << by_job.at("stalled").status();
+  EXPECT_THAT(std::string(by_job.at("stalled").status().message()), HasSubstr("is still applying step 1 after"));
   ASSERT_TRUE(by_job.at("other").ok()) << by_job.at("other").status();
   EXPECT_TRUE(by_job.at("other")->complete());
   const auto commits = [] {
