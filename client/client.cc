@@ -216,6 +216,8 @@ absl::StatusOr<PushResult> Client::PushInOrder(uint64_t step, absl::Span<const s
                                                const StepOptions* intent, const std::function<bool(size_t)>& ready) {
   const Impl::Entered call(*impl_);
   SHARDOPT_RETURN_IF_ERROR(call.status());
+  // Called on gRPC's threads, where an empty one's throw ended the process.
+  if (!grad) return absl::InvalidArgumentError("PushInOrder needs a grad function (ready may be empty); nothing was sent");
   return PushGradients(step, order, grad, ready, intent);
 }
 

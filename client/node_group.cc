@@ -6,6 +6,7 @@
 #include "base/status_macros.h"
 #include "client/after_step.h"
 #include "client/option_checks.h"
+#include "client/proto_convert.h"
 
 namespace shardopt {
 namespace {
@@ -89,14 +90,18 @@ absl::StatusOr<uint64_t> NodeGroup::CreateOrAttach(const JobOptions& job) {
   }
   // The group's settings, which each local rank took from its own options:
   // local ranks of other nodes, servers or jobs, or another checkpoint_every,
-  // would call the collectives apart (the servers tell none of it).
+  // would call the collectives apart (the servers tell none of it). The job
+  // whole, as its servers are asked for it, and its resume: local ranks
+  // given other restore_steps each restored their own servers' part (an
+  // outside probe's job came out torn, or rewound, from run to run), and
+  // other settings came back as the servers' refusal on some local ranks.
   Fingerprint settings;
-  settings.Add(options_.node).Add(options_.client.checkpoint_every).Add(job.name).Add(job.world_size);
-  settings.Add(FlatOffsets(job.tensors).back());
+  settings.Add(options_.node).Add(options_.client.checkpoint_every).Add(static_cast<double>(job.resume));
+  settings.Add(ToCreateJobRequest(as_group, {}, 0).SerializeAsString());
   for (const std::string& server : options_.client.servers) settings.Add(server);
   const std::string what = absl::StrCat("CreateOrAttach of job '", job.name, "'");
-  SHARDOPT_RETURN_IF_ERROR(AgreeAlike(step.status(), settings.value(), "node, servers, checkpoint_every or job", what,
-                                      kNothingSent));
+  SHARDOPT_RETURN_IF_ERROR(
+      AgreeAlike(step.status(), settings.value(), "node, servers, checkpoint_every or JobOptions", what, kNothingSent));
   step = client_->CreateOrAttach(as_group);
   // A local rank refused alone (another job's settings) would leave the
   // others waiting in their first Step's collective.

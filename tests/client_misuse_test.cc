@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <random>
@@ -97,6 +98,20 @@ TEST_F(ClientMisuseTest, ACallFromASecondThreadWhileOneRunsIsRefused) {
   ASSERT_TRUE(other->Read("w", StateToRead::kMaster, 0, kN, expected.data()).ok());
   EXPECT_EQ(master, expected);
   EXPECT_EQ(params, reference);
+}
+
+// An empty grad function is refused, and nothing is sent: the client calls
+// it on gRPC's threads, where std::function's throw ended the process (an
+// outside probe's trainer, exit 134). The step is then pushed as usual.
+TEST_F(ClientMisuseTest, APushInOrderWithoutAGradFunctionIsRefused) {
+  const std::vector<std::string> order = {"w"};
+  const auto refused = client->PushInOrder(1, order, std::function<const void*(size_t)>());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("needs a grad function"));
+  const auto grad = RandomBf16(rng, kN, 1.0f);
+  std::vector<uint16_t> params(kN);
+  ASSERT_TRUE(client->Step({{"w", grad.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
+  EXPECT_EQ(client->step(), 1u);
 }
 
 // After a step, a forked child's call of the parent's Client is refused at

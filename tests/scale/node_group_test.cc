@@ -393,21 +393,22 @@ TEST(NodeGroup, ACreateOrAttachRefusedOnOneLocalRankIsRefusedOnBothAtOnce) {
   ASSERT_TRUE(node.ok());
   EXPECT_EQ(node.groups[0]->owned().size(), 0u);  // nothing yet, and no read past the ranges
   const JobOptions job = Fp32GradJob("attach");
-  ClientOptions plain;  // made first, so that local rank 1's settings are the ones refused
-  for (const auto& server : node.processes) plain.servers.push_back(server->address());
-  ASSERT_TRUE(Client::Connect(plain).value()->CreateOrAttach(job).ok());
-  const auto began = std::chrono::steady_clock::now();
-  const auto attached = node.OnBoth([&](uint32_t j) {
-    JobOptions mine = job;
-    if (j == 1) mine.barrier_timeout_ms += 1;  // another job's settings under the same name
-    return node.groups[j]->CreateOrAttach(mine).status();
+  // Local rank 1 asks for larger messages than the servers take: its attach
+  // is refused once they have answered (INVALID_ARGUMENT), local rank 0's
+  // is not. (A client option: the local ranks' JobOptions are the same.)
+  TwoLocalRanks refused(2, {}, 0, [](uint32_t j, NodeGroupOptions& o) {
+    if (j == 1) o.client.chunk_bytes = uint64_t{64} << 20;
   });
+  ASSERT_TRUE(refused.ok());
+  const auto began = std::chrono::steady_clock::now();
+  const auto attached = refused.OnBoth([&](uint32_t j) { return refused.groups[j]->CreateOrAttach(job).status(); });
   EXPECT_EQ(attached[0].code(), absl::StatusCode::kAborted) << attached[0];
-  EXPECT_EQ(attached[1].code(), absl::StatusCode::kAlreadyExists) << attached[1];
+  EXPECT_EQ(attached[1].code(), absl::StatusCode::kInvalidArgument) << attached[1];
+  EXPECT_THAT(std::string(attached[1].message()), HasSubstr("ClientOptions::chunk_bytes"));
   const std::vector<uint16_t> grads(FlatOffsets(job.tensors).back(), 0);
   std::vector<uint16_t> params(grads.size());
-  for (const auto& st : node.OnBoth([&](uint32_t j) {
-         return node.groups[j]->Step(grads.data(), params.data(), StepOptions{}).status();
+  for (const auto& st : refused.OnBoth([&](uint32_t j) {
+         return refused.groups[j]->Step(grads.data(), params.data(), StepOptions{}).status();
        })) {
     EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
   }
@@ -430,6 +431,26 @@ TEST(NodeGroup, ACreateOrAttachRefusedOnOneLocalRankIsRefusedOnBothAtOnce) {
       EXPECT_THAT(std::string(st.message()), HasSubstr("were given different node, servers, checkpoint_every"));
     }
     EXPECT_FALSE(JobMade(apart, "apart"));
+  }
+  // So are local ranks given other JobOptions, whatever differs: before,
+  // only the name, world_size and total size were compared, and local ranks
+  // of other restore_steps each restored their own servers' part (an
+  // outside probe's job came out torn, or rewound, from run to run).
+  for (const auto& tweak : std::vector<std::function<void(JobOptions&)>>{
+           [](JobOptions& j) { j.restore_step = 2; },
+           [](JobOptions& j) { j.resume = Resume::kOnly; },
+           [](JobOptions& j) { j.barrier_timeout_ms += 1; },
+           [](JobOptions& j) { j.groups[0].weight_decay += 0.5f; },
+           [](JobOptions& j) { j.tensors[0].shape = {j.tensors[0].numel}; }}) {
+    for (const auto& st : node.OnBoth([&](uint32_t j) {
+           JobOptions mine = Fp32GradJob("unlike");
+           if (j == 1) tweak(mine);
+           return node.groups[j]->CreateOrAttach(mine).status();
+         })) {
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+      EXPECT_THAT(std::string(st.message()), HasSubstr("were given different node, servers, checkpoint_every or JobOptions"));
+    }
+    EXPECT_FALSE(JobMade(node, "unlike"));
   }
 
   JobOptions fp32_params = Fp32GradJob("fp32-params");

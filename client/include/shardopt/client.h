@@ -397,7 +397,8 @@ class Client {
   // that gradient exists; it returns its data, or nullptr for no gradient
   // this step (as do tensors left out of `order`). It is called from one
   // thread per server at once, and again for a retried stream. A tensor
-  // named twice (in `order`, or in Push's `grads`) is INVALID_ARGUMENT.
+  // named twice (in `order`, or in Push's `grads`), or an empty `grad`, is
+  // INVALID_ARGUMENT.
   // `ready(i)`, if given, says without blocking whether grad(i) would now
   // answer at once. Such a gradient is asked for on one of gRPC's callback
   // threads when the write before it completes, which saves a hop to the

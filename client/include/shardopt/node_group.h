@@ -22,7 +22,7 @@
 // many failed). A Step's own arguments are checked on every local rank
 // before anything is sent, and must be the same, bit for bit, on every
 // local rank, as must each one's node, servers, checkpoint_every and job at
-// CreateOrAttach. A Step that failed after its push is called again with the
+// CreateOrAttach (the whole JobOptions, restore_step and resume included). A Step that failed after its push is called again with the
 // same gradients, as Client::Step is (the servers count a step's push
 // once), unless step() advanced: then the step was applied and only its
 // checkpoint_every checkpoint failed. A CpuCollective fails a local rank
