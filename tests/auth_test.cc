@@ -689,6 +689,27 @@ TEST(TokenTableTest, RolesPrefixesAndErrors) {
   EXPECT_TRUE(TokenTable::Parse(absl::StrCat("ops admin ", kAlice, " *\n")).ok());  // what it has anyway
 }
 
+// A '#' begins a comment only where it begins the line or a field: one
+// inside a prefix or a token is part of it. A prefix "ml#a/" was cut to
+// "ml", and its tenant read and stepped the jobs of "ml#b/" (an outside
+// probe); a token cut at its '#' matched a shorter one.
+TEST(TokenTableTest, AHashInsideAFieldIsPartOfIt) {
+  const std::string hashed_token = absl::StrCat(kBob, "#rest");
+  auto table = TokenTable::Parse(absl::StrCat("# tenants\n", "carol trainer ", kAlice, " ml#a/  # carol's\n",
+                                              "dave trainer ", hashed_token, " ml#b/\t#dave's\n"));
+  ASSERT_TRUE(table.ok()) << table.status();
+  auto carol = table->Authenticate(absl::StrCat("Bearer ", kAlice));
+  ASSERT_TRUE(carol.ok()) << carol.status();
+  EXPECT_TRUE(carol->Allows(Action::kPush, "ml#a/x").ok());
+  EXPECT_TRUE(absl::IsPermissionDenied(carol->Allows(Action::kRead, "ml#b/secret")));
+  EXPECT_TRUE(absl::IsPermissionDenied(carol->Allows(Action::kCreate, "mlops/x")));
+  EXPECT_TRUE(absl::IsUnauthenticated(table->Authenticate(absl::StrCat("Bearer ", kBob)).status()));
+  auto dave = table->Authenticate(absl::StrCat("Bearer ", hashed_token));
+  ASSERT_TRUE(dave.ok()) << dave.status();
+  EXPECT_EQ(dave->name, "dave");
+  EXPECT_TRUE(dave->Allows(Action::kRead, "ml#b/secret").ok());
+}
+
 // max_memory=, last on a line, caps a token's jobs, for any role; without it
 // there is no cap. A bad one, one before another field (a second one, or a
 // unit cut off by a space, which would be taken as a prefix), one not in
