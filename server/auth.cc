@@ -72,29 +72,19 @@ absl::Status Caller::Allows(Action action, const std::string& job) const {
   return absl::OkStatus();
 }
 
-namespace {
-
-// The line up to its comment: a '#' that begins the line or a field. One
-// inside a field is the field's: a job prefix "ml#a/" cut at its '#' read
-// as "ml", every job of "ml#b/" included (an outside probe's tenant read
-// and stepped another's job so), and a token cut so matched a shorter one.
-absl::string_view WithoutComment(absl::string_view line) {
-  for (size_t i = 0; i < line.size(); ++i) {
-    if (line[i] == '#' && (i == 0 || line[i - 1] == ' ' || line[i - 1] == '\t')) return line.substr(0, i);
-  }
-  return line;
-}
-
-}  // namespace
-
 absl::StatusOr<TokenTable> TokenTable::Parse(absl::string_view text) {
   TokenTable table;
   absl::flat_hash_map<std::string, int> names;  // each name's line
   int line_number = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     ++line_number;
-    line = WithoutComment(line);
     std::vector<absl::string_view> fields = absl::StrSplit(line, absl::ByAnyChar(" \t\r"), absl::SkipEmpty());
+    // A comment begins with a field that begins with '#'. A '#' inside a
+    // field is the field's: a job prefix "ml#a/" cut at its '#' read as
+    // "ml", every job of "ml#b/" included (an outside probe's tenant read
+    // and stepped another's job so), and a token cut so matched a shorter one.
+    fields.erase(std::find_if(fields.begin(), fields.end(), [](absl::string_view f) { return f.front() == '#'; }),
+                 fields.end());
     if (fields.empty()) continue;
     // Errors name lines, never a field: in a line that lacks a column, any
     // field may be the token.
