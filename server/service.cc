@@ -222,50 +222,68 @@ grpc::Status OptimizerService::Checkpoint(grpc::ServerContext* context, const v1
 
 namespace {
 
-// Stops `server`: no new call, those in progress (while `busy`) may end
-// until `deadline`, then the rest are cancelled. gRPC's Shutdown(deadline)
-// also waits, until the deadline, for every connection to close once told
-// to go away, which a client with no call running reads only at its
-// channel's next backup poll, up to 5 s later: an idle trainer held each
-// SIGTERM that long. Once no call is in progress, that wait is all that is
-// left, and cancelling ends it. The tenth of a second is for a call gRPC
-// took before the shutdown and has not yet handed to the server (whose
-// observer is not made yet).
-void StopServer(grpc::Server* server, std::chrono::system_clock::time_point deadline,
-                const std::function<bool()>& busy) {
-  // gRPC core's own queue, as the C++ Shutdown uses one (unregistered with
-  // the server, which core allows for this call): the C++ queue takes only
-  // its own kinds of tag.
-  grpc_completion_queue* cq = grpc_completion_queue_create_for_next(nullptr);
-  grpc_server_shutdown_and_notify(server->c_server(), cq, nullptr);  // no new calls from here on
-  const auto grace_ends = std::chrono::system_clock::now() + std::chrono::milliseconds(100);
-  for (bool cancelled = false;;) {
-    const auto now = std::chrono::system_clock::now();
-    gpr_timespec wait;
-    grpc::Timepoint2Timespec(cancelled ? now + std::chrono::milliseconds(10)
-                                       : std::min(deadline, now + std::chrono::milliseconds(10)),
-                             &wait);
-    if (grpc_completion_queue_next(cq, wait, nullptr).type == GRPC_OP_COMPLETE) break;
-    if (!cancelled && ((now >= grace_ends && !busy()) || now >= deadline)) {
-      grpc_server_cancel_all_calls(server->c_server());
-      cancelled = true;
+// A server being stopped: no new call from its construction on, and its
+// listening ports closed. Finish lets those in progress (while `busy`) end
+// until `deadline`, then cancels the rest. gRPC's Shutdown(deadline) also
+// waits, until the deadline, for every connection to close once told to go
+// away, which a client with no call running reads only at its channel's
+// next backup poll, up to 5 s later: an idle trainer held each SIGTERM that
+// long. Once no call is in progress, that wait is all that is left, and
+// cancelling ends it. The tenth of a second is for a call gRPC took before
+// the shutdown and has not yet handed to the server (whose observer is not
+// made yet).
+class Stopping {
+ public:
+  explicit Stopping(grpc::Server* server)
+      : server_(server),
+        // gRPC core's own queue, as the C++ Shutdown uses one (unregistered
+        // with the server, which core allows for this call): the C++ queue
+        // takes only its own kinds of tag.
+        cq_(grpc_completion_queue_create_for_next(nullptr)),
+        grace_ends_(std::chrono::system_clock::now() + std::chrono::milliseconds(100)) {
+    grpc_server_shutdown_and_notify(server_->c_server(), cq_, nullptr);
+  }
+  Stopping(const Stopping&) = delete;
+  Stopping& operator=(const Stopping&) = delete;
+
+  void Finish(std::chrono::system_clock::time_point deadline, const std::function<bool()>& busy) {
+    for (bool cancelled = false;;) {
+      const auto now = std::chrono::system_clock::now();
+      gpr_timespec wait;
+      grpc::Timepoint2Timespec(cancelled ? now + std::chrono::milliseconds(10)
+                                         : std::min(deadline, now + std::chrono::milliseconds(10)),
+                               &wait);
+      if (grpc_completion_queue_next(cq_, wait, nullptr).type == GRPC_OP_COMPLETE) break;
+      if (!cancelled && ((now >= grace_ends_ && !busy()) || now >= deadline)) {
+        grpc_server_cancel_all_calls(server_->c_server());
+        cancelled = true;
+      }
     }
+    grpc_completion_queue_shutdown(cq_);
+    while (grpc_completion_queue_next(cq_, gpr_inf_future(GPR_CLOCK_REALTIME), nullptr).type != GRPC_QUEUE_SHUTDOWN) {
+    }
+    grpc_completion_queue_destroy(cq_);
+    server_->Shutdown(deadline);  // stopped already: the rest of the C++ server's own shutdown
   }
-  grpc_completion_queue_shutdown(cq);
-  while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), nullptr).type != GRPC_QUEUE_SHUTDOWN) {
-  }
-  grpc_completion_queue_destroy(cq);
-  server->Shutdown(deadline);  // stopped already: the rest of the C++ server's own shutdown
-}
+
+ private:
+  grpc::Server* const server_;
+  grpc_completion_queue* const cq_;
+  const std::chrono::system_clock::time_point grace_ends_;
+};
 
 }  // namespace
 
 void RunningServer::Stop(std::chrono::system_clock::time_point deadline) {
-  // Health checks only, none of which needs finishing: closed first, with
-  // the main port, rather than after the main port's calls have had their
-  // grace (a probe got NOT_SERVING for 5 s more from a closed server).
-  if (health_server) StopServer(health_server.get(), deadline, [] { return false; });
-  StopServer(server.get(), deadline, [this] { return calls_in_progress->load(std::memory_order_relaxed) > 0; });
+  // Both ports close at once: the health port used to be stopped after the
+  // main port's calls had had their grace, so a probe got NOT_SERVING for
+  // 5 s more from a server whose gRPC port had closed. Its calls (health
+  // checks) need no finishing.
+  std::optional<Stopping> health;
+  if (health_server) health.emplace(health_server.get());
+  Stopping service(server.get());
+  if (health) health->Finish(deadline, [] { return false; });
+  service.Finish(deadline, [this] { return calls_in_progress->load(std::memory_order_relaxed) > 0; });
 }
 
 RunningServer::~RunningServer() {
