@@ -436,21 +436,27 @@ TEST(NodeGroup, ACreateOrAttachRefusedOnOneLocalRankIsRefusedOnBothAtOnce) {
   // only the name, world_size and total size were compared, and local ranks
   // of other restore_steps each restored their own servers' part (an
   // outside probe's job came out torn, or rewound, from run to run).
-  for (const auto& tweak : std::vector<std::function<void(JobOptions&)>>{
-           [](JobOptions& j) { j.restore_step = 2; },
-           [](JobOptions& j) { j.resume = Resume::kOnly; },
-           [](JobOptions& j) { j.barrier_timeout_ms += 1; },
-           [](JobOptions& j) { j.groups[0].weight_decay += 0.5f; },
-           [](JobOptions& j) { j.tensors[0].shape = {j.tensors[0].numel}; }}) {
+  // Each under a name of its own and of world_size 2, so that JobMade's
+  // world_size-1 job of the name is ALREADY_EXISTS if the group made it.
+  const std::vector<std::function<void(JobOptions&)>> tweaks = {
+      [](JobOptions& j) { j.restore_step = 2; },
+      [](JobOptions& j) { j.resume = Resume::kOnly; },
+      [](JobOptions& j) { j.barrier_timeout_ms += 1; },
+      [](JobOptions& j) { j.groups[0].weight_decay += 0.5f; },
+      [](JobOptions& j) { j.tensors[0].shape = {j.tensors[0].numel}; }};
+  for (size_t i = 0; i < tweaks.size(); ++i) {
+    SCOPED_TRACE(i);
+    const std::string name = absl::StrCat("unlike-", i);
     for (const auto& st : node.OnBoth([&](uint32_t j) {
-           JobOptions mine = Fp32GradJob("unlike");
-           if (j == 1) tweak(mine);
+           JobOptions mine = Fp32GradJob(name);
+           mine.world_size = 2;
+           if (j == 1) tweaks[i](mine);
            return node.groups[j]->CreateOrAttach(mine).status();
          })) {
       EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
       EXPECT_THAT(std::string(st.message()), HasSubstr("were given different node, servers, checkpoint_every or JobOptions"));
     }
-    EXPECT_FALSE(JobMade(node, "unlike"));
+    EXPECT_FALSE(JobMade(node, name));
   }
 
   JobOptions fp32_params = Fp32GradJob("fp32-params");
