@@ -851,7 +851,7 @@ TEST(LimitsTest, AFlagfileLineWithATrailingBlankIsNamed) {
   EXPECT_FALSE(std::filesystem::exists(base + "-ck "));
   std::ofstream(base + ".flags") << "--host=\t127.0.0.1\n";
   EXPECT_EQ(testing::ServerExitCode({"--flagfile=" + base + ".flags"}, &log), 2);
-  EXPECT_THAT(log, HasSubstr("begins with a blank"));
+  EXPECT_THAT(log, HasSubstr("--host's value '\t127.0.0.1' begins with a blank"));
   std::remove((base + ".flags").c_str());
 }
 
