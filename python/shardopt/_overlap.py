@@ -29,6 +29,30 @@ def _pusher(param):
     return entry[1]() if entry is not None and entry[0]() is param else None
 
 
+def _held(tensor):
+    """What a push holds of a gradient it reads by address until it ends:
+    the tensor, and a view of its memory of its own, since p.grad.data = t
+    lets the memory go from under the tensor."""
+    return None if tensor is None else (tensor, tensor.detach())
+
+
+class _Pushed:
+    """A gradient as a push took it: the tensor (weakly), its version and
+    the address of its memory (p.grad.data = ... swaps the memory under the
+    same tensor and bumps no version)."""
+
+    def __init__(self, g):
+        self._tensor = None if g is None else weakref.ref(g)
+        self._version = getattr(g, "_version", None)
+        self._address = None if g is None else g.data_ptr()
+
+    def changed(self, now):
+        if self._tensor is None:
+            return now is not None
+        return (now is None or now is not self._tensor() or now._version != self._version
+                or now.data_ptr() != self._address)
+
+
 class _OverlapPush:
     def _check_params_free(self):
         """Refuses, before anything is sent, params that another live
@@ -112,15 +136,16 @@ class _OverlapPush:
             raise FailedPrecondition(f"RemoteAdamW(overlap=True): param {t.name!r} got a second gradient before "
                                      f"step(); step {self._push_step} will be skipped: {_ONE_GRADIENT}")
         source, owner = self._grad_source(t)
-        # What was pushed: a gradient changed after this (clipped, unscaled)
-        # would not be what the servers apply (_finish_push checks). Held
-        # weakly: a gradient let go is freed once the push ends.
+        # What was pushed: a gradient changed after this (clipped, unscaled,
+        # its memory swapped through p.grad.data, or set to None) would not
+        # be what the servers apply (_finish_push checks). Held weakly: a
+        # gradient let go is freed once the push ends.
         g = t.param.grad
-        self._marked[k] = (None if g is None else weakref.ref(g), getattr(g, "_version", None))
+        self._marked[k] = _Pushed(g)
         if t.device.type == "cuda":
             # The push reads the staging buffer as soon as it is marked.
             torch.cuda.current_stream(t.device).synchronize()
-        self._client.mark(self._position[k], source, owner)
+        self._client.mark(self._position[k], source, _held(owner))
         self._seen.append(k)
 
     def _commit_push(self, skip=False):
@@ -162,10 +187,10 @@ class _OverlapPush:
             except FailedPrecondition as e:
                 # A server that restarted after the push was complete was
                 # given the job again and restored the step before, with no
-                # push of this one. If p.grad still holds what was pushed, it
-                # is pushed again from there and committed, once; else the
-                # other servers' rounds hold other gradients, and it raises.
-                if retry or _C.push_incomplete(self._push_step) not in e.message or not self._pushed_unchanged():
+                # push of this one. p.grad still holds what was pushed
+                # (_finish_push refuses it otherwise), so it is pushed again
+                # from there and committed, once.
+                if retry or _C.push_incomplete(self._push_step) not in e.message:
                     raise
 
     def _commit_pushed(self, gscale):
@@ -234,17 +259,14 @@ class _OverlapPush:
         self._note_versions()
         self._checkpoint_if_due()
 
-    def _pushed_unchanged(self):
-        """Whether every param's p.grad is what the finished push took from
-        it: the same tensor, unchanged, or None for one pushed as None."""
-        for k, (pushed, version) in self._marked.items():
-            now = self._tensors[k].param.grad
-            if pushed is None:
-                if now is not None:
-                    return False
-            elif now is None or now is not pushed() or getattr(now, "_version", None) != version:
-                return False
-        return True
+    def _changed_since_pushed(self):
+        """The names of the params whose p.grad is not what the push took
+        from it: another tensor, changed in place, the same tensor over
+        other memory (p.grad.data = ...), or None (the servers hold its
+        gradient already: they cannot leave the param alone, as torch's
+        step would)."""
+        return [self._tensors[k].name for k, pushed in self._marked.items()
+                if pushed.changed(self._tensors[k].param.grad)]
 
     def _finish_push(self, skip=False):
         """Marks the gradients no hook delivered (set by hand, or None) and
@@ -260,18 +282,14 @@ class _OverlapPush:
                 self._client.mark(self._position[k], 0, None)
             return self._client.finish_push()
         try:
-            # (A gradient set to None meanwhile is let go, and what was pushed
-            # stands.)
-            changed = []
-            for k, (pushed, version) in self._marked.items():
-                now = self._tensors[k].param.grad
-                if now is not None and (pushed is None or now is not pushed() or getattr(now, "_version", None) != version):
-                    changed.append(self._tensors[k].name)
+            changed = self._changed_since_pushed()
             if changed:
                 raise InvalidArgument(f"the gradients of {_some_names(changed)} changed after backward "
-                                      "produced them (clipped, unscaled, or all-reduced by DistributedDataParallel?); "
-                                      "overlap=True pushes each as it is produced: clip with max_grad_norm, leave the "
-                                      "averaging over ranks to the servers (no DDP), or use overlap=False")
+                                      "produced them (clipped, unscaled, set to None, or all-reduced by "
+                                      "DistributedDataParallel?); overlap=True pushes each as it is produced: clip "
+                                      "with max_grad_norm, leave the averaging over ranks to the servers (no DDP), "
+                                      "zero gradients with opt.zero_grad() (which skips the step), or use "
+                                      "overlap=False")
             self._refuse_gradients_of_frozen()
             sources = {k: self._grad_source(self._tensors[k]) for k in rest}
             self._sync_staging()
@@ -285,7 +303,8 @@ class _OverlapPush:
             self._commit_skip(tell=False)
             raise
         for k in rest:
-            self._client.mark(self._position[k], *sources[k])
+            source, owner = sources[k]
+            self._client.mark(self._position[k], source, _held(owner))
         push = self._client.finish_push()
         self._set_order(self._seen + rest)
         return push

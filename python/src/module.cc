@@ -252,10 +252,11 @@ class PyClient {
       });
     });
   }
-  // `owner` is the tensor whose memory `data` is. It is held until the push
-  // has ended, so that a gradient let go meanwhile (set to None, or the
-  // optimizer and its staging dropped while backward raised) is not freed
-  // under the push thread, which reads it by address.
+  // `owner` holds the memory `data` is in (_overlap.py's _held: the tensor
+  // and a view of its memory, which p.grad.data = t cannot take). It is
+  // held until the push has ended, so that a gradient let go meanwhile (set
+  // to None, or the optimizer and its staging dropped while backward
+  // raised) is not freed under the push thread, which reads it by address.
   void Mark(size_t i, uintptr_t data, py::object owner) {
     InOwnProcess();
     held_.push_back(std::move(owner));

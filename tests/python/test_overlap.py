@@ -57,19 +57,25 @@ def test_push_starts_during_backward(servers, job):
 
 def test_a_gradient_let_go_during_the_push_is_held_until_it_ends(servers, job):
     """The push reads each marked gradient by address on a thread of its
-    own; a gradient the trainer lets go of meanwhile (here p.grad = None;
-    or the whole optimizer, dropped after backward raised) is held until
-    the push ends, not freed under it."""
+    own; a gradient the trainer lets go of meanwhile (here p.grad = None,
+    which step() then refuses; or the whole optimizer, dropped after
+    backward raised) is held until the push ends, not freed under it; so
+    is the memory that p.grad.data = ... takes from under a gradient (new
+    tensors of its size get other memory)."""
     model = make_model()
     opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3, overlap=True)
     tokens, targets = batch(1)
     model(tokens, targets).backward()
     assert opt._client.pushing()
-    p = next(model.parameters())
+    p, q = list(model.parameters())[:2]
     grad = weakref.ref(p.grad)
     p.grad = None
     assert grad() is not None, "freed while the push may read it"
-    opt.step()
+    swapped = q.grad.data_ptr()
+    q.grad.data = torch.zeros_like(q.grad)
+    assert swapped not in {torch.empty_like(q).data_ptr() for _ in range(8)}, "memory freed while the push may read it"
+    with pytest.raises(shardopt.InvalidArgument, match="changed after backward"):
+        opt.step()
     assert grad() is None, "still held after the push ended"
     opt.drop()
 
@@ -268,6 +274,35 @@ def test_gradients_clipped_after_backward_are_refused_and_the_step_skipped(serve
 
 
 
+@pytest.mark.parametrize("change", ["memory swapped through p.grad.data", "set to None"])
+def test_a_gradient_given_other_memory_or_set_to_none_after_backward_is_refused(servers, job, change):
+    """p.grad.data = ... gives p.grad other memory with no new tensor and no
+    new version: the push, still reading the memory let go, used to have
+    the servers apply what lay there (an outside probe saw -2.3e18 applied
+    where backward gave 3 and the loop -5). p.grad = None cannot leave the
+    param alone as torch's step would: its gradient is on the servers. Both
+    are refused as changed, naming the param, the step is a skip (no param
+    moves) and training goes on."""
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3, overlap=True)
+    tokens, targets = batch(1)
+    model(tokens, targets).backward()
+    name, p = next(iter(model.named_parameters()))
+    before = [q.detach().clone() for q in model.parameters()]
+    if change == "set to None":
+        p.grad = None
+    else:
+        p.grad.data = torch.full_like(p.grad, -5.0)
+    with pytest.raises(shardopt.InvalidArgument, match="changed after backward") as refused:
+        opt.step()
+    assert f"the gradients of '{name}' changed" in str(refused.value)
+    assert opt.job_step == 1
+    assert all(same_bits(q, b) for q, b in zip(model.parameters(), before))
+    train(model, opt, 2, first=2)
+    assert opt.job_step == 3
+    opt.drop()
+
+
 def test_a_second_live_overlap_optimizer_of_the_same_params_is_refused_before_anything_is_sent(servers, job):
     """Two RemoteAdamW(overlap=True) on the same params would both push every
     gradient from the same backward: the second is refused at construction
@@ -433,7 +468,8 @@ def test_a_server_restarted_between_backward_and_step_costs_no_failed_call(serve
     the gradients are still in p.grad, so step() pushes them again and
     commits, on its first call, bitwise as an uninterrupted run. Not if a
     gradient was let go after backward: p.grad is then not what the other
-    servers' rounds hold, and step() raises."""
+    servers' rounds hold, and step() raises and commits the step as a skip
+    (nothing moves)."""
     reference = make_model()
     plain = RemoteAdamW(param_groups(reference), servers=servers, job=f"{job}-ref", lr=1e-3)
     train(reference, plain, 4)
@@ -442,6 +478,7 @@ def test_a_server_restarted_between_backward_and_step_costs_no_failed_call(serve
         model = make_model()
         opt = RemoteAdamW(param_groups(model), servers=[procs[0].address], job=job, lr=1e-3, overlap=True)
         train(model, opt, 3)
+        after_three = [p.detach().clone() for p in model.parameters()]
         opt.zero_grad()
         tokens, targets = batch(4)
         model(tokens, targets).backward()
@@ -450,9 +487,11 @@ def test_a_server_restarted_between_backward_and_step_costs_no_failed_call(serve
         procs[0].start()
         if let_go:
             next(iter(model.parameters())).grad = None
-            with pytest.raises(shardopt.FailedPrecondition, match="its push is incomplete"):
+            with pytest.raises(shardopt.InvalidArgument, match="changed after backward"):
                 opt.step()
-            assert opt.job_step == 3
+            assert opt.job_step == 4  # as a skip, pushed again to the restarted server with no gradient
+            for p, q in zip(model.parameters(), after_three):
+                assert same_bits(p, q)
             return
         opt.step()
         assert opt.job_step == 4
