@@ -283,7 +283,10 @@ uint64_t PushSession::no_grad_names_left() const {
 
 std::optional<std::chrono::steady_clock::time_point> PushSession::RoundDeadline() const {
   absl::MutexLock lock(&job_->mu);
-  if (!started_ || job_->round.epoch != epoch_) return std::nullopt;
+  if (!started_) return std::nullopt;
+  // Ended already (another rank's wait may have seen the deadline first):
+  // passed, so the stream's timer asks CheckRound at once.
+  if (job_->round.epoch != epoch_ || !job_->round.active) return std::chrono::steady_clock::time_point::min();
   return job_->round.deadline;
 }
 

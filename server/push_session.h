@@ -53,7 +53,9 @@ class PushSession {
   // it waits at the barrier (then call TrySeal again after `wake`).
   absl::StatusOr<std::optional<v1::PushResponse>> TrySeal(const Wake& wake);
 
-  // The deadline of the round the session joined, if it joined one yet.
+  // The deadline of the round the session joined, if it joined one yet; a
+  // time long passed once that round is over (sealed and committed, or
+  // ended at its deadline by another push's wait).
   std::optional<std::chrono::steady_clock::time_point> RoundDeadline() const;
   // OK while the session's round may still take its chunks; once the round
   // ended without it (its deadline passed: then it ends here, for every

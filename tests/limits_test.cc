@@ -653,6 +653,54 @@ TEST(LimitsTest, TheBarrierDeadlineCutsTheRoundsOpenStreams) {
   EXPECT_TRUE(Victim(server->address(), "after-deadline").Step().ok());
 }
 
+// So is one whose round another rank's wait ended at the deadline: the
+// stream's cut-off was the deadline of a round that was still its job's,
+// and once the waiter had ended it the stream had none, and was answered
+// at its idle timeout, as if it had been idle (an outside probe: 5 s, with
+// the round gone at 1 s).
+TEST(LimitsTest, TheBarrierDeadlineCutsAnOpenStreamWhenAnotherRanksWaitEndsTheRound) {
+  auto server = ServerProcess::Start({"--idle_stream_timeout_ms=20000"});
+  ASSERT_NE(server, nullptr);
+  JobOptions job = OneTensorJob("ended-by-another", 4096, 2);
+  job.barrier_timeout_ms = 600;
+  auto client = ConnectOnce(server->address());
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  std::mt19937_64 rng(3);
+  const std::vector<float> init = RandomFloats(rng, 4096, -1, 1);
+  ASSERT_TRUE(client->InitFp32("w", init.data()).ok());
+  auto stub = v1::Optimizer::NewStub(grpc::CreateChannel(server->address(), grpc::InsecureChannelCredentials()));
+  const std::vector<uint16_t> g = RandomBf16(rng, 4096, 1.0f);
+  auto chunk = [&](uint32_t rank, uint64_t elements) {
+    v1::GradChunk c;
+    c.set_job("ended-by-another");
+    c.set_step(1);
+    c.set_rank(rank);
+    c.set_tensor("w");
+    c.set_dtype(v1::BF16);
+    c.set_data(g.data(), elements * 2);
+    return c;
+  };
+  grpc::ClientContext partial_ctx, whole_ctx;
+  partial_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  whole_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::PushResponse partial_resp, whole_resp;
+  const auto started = std::chrono::steady_clock::now();
+  auto partial = stub->Push(&partial_ctx, &partial_resp);
+  ASSERT_TRUE(partial->Write(chunk(1, 2048)));  // half of rank 1's push; the stream stays open
+  auto whole = stub->Push(&whole_ctx, &whole_resp);
+  ASSERT_TRUE(whole->Write(chunk(0, 4096)));
+  ASSERT_TRUE(whole->WritesDone());
+  const grpc::Status waited = whole->Finish();  // at the barrier until the deadline ends the round
+  EXPECT_EQ(waited.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << waited.error_message();
+  const grpc::Status cut = partial->Finish();
+  const auto took = std::chrono::steady_clock::now() - started;
+  EXPECT_EQ(cut.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << cut.error_message();
+  EXPECT_THAT(cut.error_message(), Not(HasSubstr("sent nothing")));
+  EXPECT_THAT(cut.error_message(), HasSubstr("ranks {1} of 2"));  // the round's own answer
+  EXPECT_LT(took, std::chrono::seconds(10));
+  EXPECT_TRUE(Victim(server->address(), "after-ended").Step().ok());
+}
+
 // Case 5: Describe of a job of many tensors was one answer that could pass
 // the message limit. It pages: at most 4096 tensors an answer, and the
 // client reads every page.
