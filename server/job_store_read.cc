@@ -109,10 +109,18 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
       return found.status();
     }
     const auto newest = checkpoint::FindCommitted(options_.checkpoint_dir, request.job(), 0, [](const std::string&) {});
-    if (!newest.ok()) return found.status();
-    // Only the COMMIT is read here: a part's checksums are checked as the
-    // restore reads it, so a damaged one is named then, not here (a probe
-    // took this for a promise that the step loads).
+    if (absl::IsNotFound(newest.status())) return found.status();
+    if (!newest.ok()) {
+      // What the restore would meet first (a damaged COMMIT or part header),
+      // rather than nothing, which read as a directory without checkpoints
+      // (an outside probe).
+      return absl::NotFoundError(absl::StrCat(found.status().message(), "; its checkpoint directory holds a ",
+                                              "checkpoint that a trainer's CreateJob cannot restore: ",
+                                              newest.status().ToString()));
+    }
+    // Only the COMMIT and the parts' headers are read here: a part's data
+    // is checked as the restore reads it, so damaged data is named then,
+    // not here (a probe took this for a promise that the step loads).
     return absl::NotFoundError(absl::StrCat(found.status().message(), "; its checkpoint directory holds a complete ",
                                             "checkpoint of step ", newest->marker.step(), ", which a trainer's ",
                                             "CreateJob restores (under a new life if the job was dropped) if its ",

@@ -1583,6 +1583,40 @@ TEST_F(CheckpointKeepTest, ADescribeOfAJobOnlyOnDiskSaysItsCheckpointsWait) {
   EXPECT_THAT(std::string(restarted.Describe("never-made").status().message()), Not(HasSubstr("checkpoint")));
 }
 
+// A newest checkpoint whose COMMIT or part header is damaged is named with
+// what a restore meets, where a describe named nothing (an outside probe took
+// that for a directory without checkpoints, then the attach was DATA_LOSS).
+TEST_F(CheckpointKeepTest, ADescribeOfAJobOnlyOnDiskSaysWhyItsNewestCheckpointCannotBeRestored) {
+  for (const std::string file : {"COMMIT", "part"}) {
+    const std::string name = "damaged-" + file;
+    Create(JobRequest(name, 1, {{"w", 100}}));
+    std::mt19937_64 rng(6);
+    StepAndCheckpoint(name, 1, 100, rng);
+    std::string path;
+    for (const auto& entry : std::filesystem::directory_iterator(checkpoint::StepDirectory(dir_, name, 1))) {
+      if (entry.path().filename().string().rfind(file, 0) == 0) path = entry.path().string();
+    }
+    ASSERT_FALSE(path.empty()) << file;
+    {
+      std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(12);  // in the frame's header: the COMMIT's manifest, or the part's
+      const char byte = static_cast<char>(f.get());
+      f.seekp(12);
+      f.put(static_cast<char>(byte ^ 0x40));
+    }
+    auto backend = MakeCpuBackend({});
+    JobStore restarted(backend.get(), Options0(dir_));
+    const auto described = restarted.Describe(name);
+    EXPECT_EQ(described.status().code(), absl::StatusCode::kNotFound) << file;
+    EXPECT_THAT(std::string(described.status().message()),
+                HasSubstr("its checkpoint directory holds a checkpoint that a trainer's CreateJob cannot restore: "
+                          "DATA_LOSS: "))
+        << file;
+    const auto attached = restarted.CreateJob(JobRequest(name, 1, {{"w", 100}}));
+    EXPECT_EQ(attached.status().code(), absl::StatusCode::kDataLoss) << file << ": " << attached.status();
+  }
+}
+
 // A job's life (CreateJobResponse.incarnation): the same to every attach
 // and through its checkpoint's restore, so that trainers go on after a server
 // restarts; new when the job is dropped and made again, where a push, commit
