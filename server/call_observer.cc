@@ -10,6 +10,7 @@
 #include "grpcpp/server_context.h"
 #include "rpc/grpc_edge.h"
 #include "server/log.h"
+#include "server/messages.h"
 #include "server/metrics.h"
 
 namespace shardopt {
@@ -23,10 +24,12 @@ class CallObserver final : public grpc::experimental::Interceptor {
   // to the call only after its interceptors are made, at a later hook.
   // `parsed_by_grpc`: gRPC's generated code parses the request (a unary RPC;
   // the service's streams parse their own: init_reactor.h).
-  CallObserver(std::string method, bool parsed_by_grpc, grpc::ServerContextBase* context,
+  // `unserved`: the path of a call to a method the server does not serve
+  // (then `method` is "unknown"), empty otherwise.
+  CallObserver(std::string method, std::string unserved, bool parsed_by_grpc, grpc::ServerContextBase* context,
                std::shared_ptr<std::atomic<int64_t>> in_progress, const Authenticate* authenticate)
-      : method_(std::move(method)), parsed_by_grpc_(parsed_by_grpc), context_(context),
-        in_progress_(std::move(in_progress)), authenticate_(authenticate) {
+      : method_(std::move(method)), unserved_(std::move(unserved)), parsed_by_grpc_(parsed_by_grpc),
+        context_(context), in_progress_(std::move(in_progress)), authenticate_(authenticate) {
     TakePeer();
     in_progress_->fetch_add(1, std::memory_order_relaxed);
   }
@@ -47,6 +50,13 @@ class CallObserver final : public grpc::experimental::Interceptor {
                        : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
                                       absl::StrCat("the ", method_, "Request message does not parse (malformed, or "
                                                    "a string field that is not UTF-8); nothing was done"));
+        methods->ModifySendStatus(st);
+      }
+      if (!unserved_.empty() && st.error_code() == grpc::StatusCode::UNIMPLEMENTED && st.error_message().empty()) {
+        // gRPC's answer says nothing; the log line's "unknown" method would
+        // not tell an operator what the caller tried (an outside probe).
+        st = grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                          absl::StrCat("this server serves no method ", Quote(unserved_)));
         methods->ModifySendStatus(st);
       }
       if (!st.ok()) {
@@ -70,6 +80,7 @@ class CallObserver final : public grpc::experimental::Interceptor {
   }
 
   const std::string method_;  // the RPC's name, without the service
+  const std::string unserved_;
   const bool parsed_by_grpc_;
   grpc::ServerContextBase* const context_;
   const std::shared_ptr<std::atomic<int64_t>> in_progress_;
@@ -102,7 +113,7 @@ class Factory final : public grpc::experimental::ServerInterceptorFactoryInterfa
     // is NOT_FOUND, and a Watch ends when its client goes.
     if (absl::StartsWith(path, "/grpc.health.v1.Health/")) return nullptr;
     const google::protobuf::MethodDescriptor* method = Method(path, services_);
-    return new CallObserver(method == nullptr ? "unknown" : method->name(),
+    return new CallObserver(method == nullptr ? "unknown" : method->name(), method == nullptr ? path : "",
                             method != nullptr && !method->client_streaming() && !method->server_streaming(),
                             info->server_context(), in_progress_, &authenticate_);
   }

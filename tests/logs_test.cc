@@ -140,8 +140,11 @@ TEST_F(LogsTest, RefusalsOfMethodsThatDoNotExistShareOneLabel) {
   auto server = ServerProcess::StartLogged({absl::StrCat("--metrics_port=", port), "--log_format=json"});
   ASSERT_NE(server, nullptr);
   for (int i = 0; i < 50; ++i) {
-    EXPECT_EQ(testing::GenericUnary(server->address(), absl::StrCat("/shardopt.v1.Optimizer/M", i), "").first.error_code(),
-              grpc::StatusCode::UNIMPLEMENTED);
+    const grpc::Status st =
+        testing::GenericUnary(server->address(), absl::StrCat("/shardopt.v1.Optimizer/M", i), "").first;
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::UNIMPLEMENTED);
+    // The path tried, to the caller and in the log (gRPC's answer was empty).
+    EXPECT_EQ(st.error_message(), absl::StrCat("this server serves no method '/shardopt.v1.Optimizer/M", i, "'"));
   }
   EXPECT_EQ(testing::GenericUnary(server->address(), "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", "")
                 .first.error_code(),
@@ -159,6 +162,7 @@ TEST_F(LogsTest, RefusalsOfMethodsThatDoNotExistShareOneLabel) {
   for (const nlohmann::json& line : Events(JsonLines(server->log()), "refused")) {
     ++refused;
     EXPECT_EQ(line.value("method", ""), "unknown") << line;
+    EXPECT_THAT(line.value("message", ""), ::testing::StartsWith("this server serves no method '/")) << line;
     EXPECT_THAT(line.value("peer", ""), ::testing::StartsWith("ipv4:127.0.0.1:")) << line;  // who was refused
   }
   EXPECT_LE(refused, 10u) << server->log();  // rate-limited as one method
