@@ -975,6 +975,53 @@ TEST_F(ServiceTest, ASecondLiveTrainerOfARankIsRefusedAndAReplacementTakesTheRan
   EXPECT_EQ(ReadAll(*replacement, job), after_three);
 }
 
+// A push stream open before a replacement attached and pushed is refused
+// at its next message, as the trainer's next stream would be: it was taken
+// on, and answered OK, with the replacement's gradients summed over its own
+// (an outside probe's predecessor paused mid-push, then sent the rest).
+TEST_F(ServiceTest, APushStreamOpenWhenAReplacementTookItsRankOverIsRefusedAtItsNextMessage) {
+  const JobOptions job = MakeJob("taken-over", 1, {{"w", 8192}});
+  auto replacement_maker = Connect(server_->address());
+  ASSERT_TRUE(replacement_maker->CreateOrAttach(job).ok());
+  const auto init = RandomFloats(rng_, 8192, -1, 1);
+  ASSERT_TRUE(replacement_maker->InitFp32("w", init.data()).ok());
+  const auto predecessor_grad = RandomBf16(rng_, 8192, 1.0f);
+  const auto chunk = [&](uint64_t offset) {
+    v1::GradChunk c;
+    c.set_job("taken-over");
+    c.set_step(1);
+    c.set_tensor("w");
+    c.set_dtype(v1::BF16);
+    c.set_offset(offset);
+    c.set_trainer(77);  // attached before anyone pushed: its stream begins
+    c.set_data(predecessor_grad.data() + offset, 4096 * 2);
+    return c;
+  };
+  auto stub = RawStub(server_->address());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::PushResponse answer;
+  auto predecessor = stub->Push(&ctx, &answer);
+  ASSERT_TRUE(predecessor->Write(chunk(0)));  // half, then a pause
+  // The replacement attaches after that stream began, pushes its whole
+  // gradient and commits step 1.
+  auto replacement = Connect(server_->address());
+  ASSERT_TRUE(replacement->CreateOrAttach(job).ok());
+  const auto grad = RandomBf16(rng_, 8192, 1.0f);
+  std::vector<uint16_t> params(8192);
+  StepOptions so;
+  so.lr = 1e-2;
+  ASSERT_TRUE(replacement->Step({{"w", grad.data()}}, so, {{"w", params.data()}}).ok());
+  const std::vector<float> after_one = ReadAll(*replacement, job);
+  predecessor->Write(chunk(4096));  // the rest
+  predecessor->WritesDone();
+  const grpc::Status refused = predecessor->Finish();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << refused.error_message();
+  EXPECT_THAT(refused.error_message(), HasSubstr("has been pushed by another trainer since this one attached"));
+  EXPECT_EQ(ReadAll(*replacement, job), after_one);
+  EXPECT_EQ(replacement->Describe().value()[0].step, 1u);
+}
+
 // A trainer attaching learns whether the server holds its rank's push of
 // the next step (CreateJobResponse.rank_pushed), which the server would use
 // in place of the trainer's own: a whole push of rank 1 waiting at the
