@@ -32,6 +32,8 @@ def main():
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--png", default="demo_torch.png")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     torch.set_num_threads(1)
 
     models = {name: TinyTransformer(seed=0).to(torch.bfloat16) for name in ("remote", "torch")}
@@ -61,7 +63,7 @@ def main():
     elapsed = time.monotonic() - started
 
     total = norm_gains(remote).numel()
-    tail = 20
+    tail = min(20, args.steps)  # a run shorter than 20 steps: the mean of all of them
     print(f"after {args.steps} steps, bf16 model, RMSNorm gains at lr={NORM_LR:g} "
           "(updates below half of bf16's spacing at 1.0):")
     for name, label in (("remote", "RemoteAdamW (fp32 state)"), ("torch", "torch.optim.AdamW (bf16) ")):
