@@ -305,9 +305,20 @@ absl::Status Job::CheckStepToPush(uint64_t t) const {
 
 absl::Status Job::CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t attached_at) const {
   const RankPusher& last = pushers[rank];
-  if (trainer == 0 || last.trainer == 0 || last.trainer == trainer || last.push <= attached_at) {
-    return absl::OkStatus();
+  if (trainer == 0 || last.trainer == 0 || last.trainer == trainer) return absl::OkStatus();
+  if (last.open > 0) {
+    // Its stream is open: that trainer lives (a dead one's connection
+    // closes), or hangs. Taken for a replacement, this trainer's push
+    // would be answered as a retry of that one's, its own gradients
+    // dropped and its step reported done (an outside probe's twin, attached
+    // while the first waited at the barrier).
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " of job '", name(), "' has a push stream open by another trainer: two live trainers with ",
+        "rank ", rank, "? Each trainer needs its own rank (and world_size the number of trainers): stop them, and ",
+        "start each with its own. (A trainer started in place of one that hangs is refused until that one's push ",
+        "ends: at its round's barrier deadline, or when its stream has sent nothing for --idle_stream_timeout_ms.)"));
   }
+  if (last.push <= attached_at) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(
       "rank ", rank, " of job '", name(), "' has been pushed by another trainer since this one attached: two live ",
       "trainers with rank ", rank, "? Each trainer needs its own rank (and world_size the number of trainers): stop ",
@@ -318,7 +329,15 @@ void Job::NotePush(uint32_t rank, uint64_t trainer) {
   // Never behind the wall clock: a server restarted (its jobs restored)
   // starts past what a trainer learnt from the process before.
   push_clock = std::max(push_clock + 1, WallClockNanos());
-  if (trainer != 0) pushers[rank] = {trainer, push_clock};
+  if (trainer == 0) return;
+  RankPusher& last = pushers[rank];
+  last.open = last.trainer == trainer ? last.open + 1 : 1;  // no other's is open (CheckRankTrainer)
+  last.trainer = trainer;
+  last.push = push_clock;
+}
+
+void Job::NotePushEnded(uint32_t rank, uint64_t trainer) {
+  if (RankPusher& last = pushers[rank]; trainer != 0 && last.trainer == trainer && last.open > 0) --last.open;
 }
 
 absl::Status Job::CheckNotDropped() const {

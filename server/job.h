@@ -149,10 +149,13 @@ class Job {
   // ranks, and gRPC's flow control holds the rest back in the senders.
   uint64_t held_bytes ABSL_GUARDED_BY(mu) = 0;
   // The push clock (CreateJobResponse.push_clock), and per rank the trainer
-  // that began its last push stream (GradChunk.trainer) and the clock then.
+  // that began its last push stream (GradChunk.trainer) and the clock then,
+  // and how many of that trainer's push streams of the rank are open (only
+  // one trainer's can be: CheckRankTrainer).
   struct RankPusher {
     uint64_t trainer = 0;
     uint64_t push = 0;
+    uint64_t open = 0;
   };
   uint64_t push_clock ABSL_GUARDED_BY(mu) = 0;
   std::vector<RankPusher> pushers ABSL_GUARDED_BY(mu);  // [rank]
@@ -266,7 +269,8 @@ class Job {
   bool Untouched() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // FAILED_PRECONDITION if a trainer other than `trainer` has begun a push
   // of `rank` since `trainer` attached, when the job had begun
-  // `attached_at`: two live trainers of one rank. `trainer` 0: not checked.
+  // `attached_at`, or has a push stream of it open: two live trainers of
+  // one rank. `trainer` 0: not checked.
   absl::Status CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t attached_at) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // What the job holds, as Describe reports it and its maker is charged:
@@ -276,8 +280,10 @@ class Job {
   // Who made it (JobOwner::name), whose cap it counts against.
   const std::string& owner() const { return owner_charge_.owner(); }
   // Moves the push clock on for a push stream of `rank` begun, by `trainer`
-  // (0: not said, not recorded).
+  // (0: not said, not recorded), and counts the stream open until
+  // NotePushEnded.
   void NotePush(uint32_t rank, uint64_t trainer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void NotePushEnded(uint32_t rank, uint64_t trainer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
  private:
   Job(const v1::CreateJobRequest& spec, uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget);

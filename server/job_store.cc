@@ -35,8 +35,18 @@ JobStore::JobStore(Backend* backend, JobStoreOptions options)
 JobStore::~JobStore() = default;
 
 absl::Status JobStore::NoJob(const std::string& name) const {
-  if (dropped_.contains(name)) return absl::NotFoundError(absl::StrCat("job ", Quote(name), " was dropped on this server"));
-  return absl::NotFoundError(absl::StrCat("no job ", Quote(name), " on this server"));
+  const auto dropped = dropped_.find(name);
+  if (dropped == dropped_.end()) return absl::NotFoundError(absl::StrCat("no job ", Quote(name), " on this server"));
+  if (!dropped->second) return absl::NotFoundError(absl::StrCat("job ", Quote(name), " was dropped on this server"));
+  // Not "dropped" alone, which reads as an admin's drop on purpose (an
+  // outside probe's second rank, after the first rank's re-attach).
+  return absl::NotFoundError(absl::StrCat(
+      "job ", Quote(name), " was dropped on this server by a client that named its life while it held nothing: ",
+      "most likely a trainer's re-attach that found this server without the job or a checkpoint of it (it ",
+      "restarted), so that this server's part of the job's state is lost (that trainer's error says so); then drop ",
+      "the job on every server (shardopt --server=HOST:PORT drop JOB) and start it again, from a checkpoint ",
+      "elsewhere if there is one (restore_step). (Clients older than DropJobRequest.undo also dropped so a job ",
+      "whose attach failed on another server.)"));
 }
 
 absl::StatusOr<std::shared_ptr<Job>> JobStore::Find(const std::string& name) const {
@@ -312,6 +322,10 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation, bo
     while (creating_.contains(name)) created_.Wait(&mu_);
   }
   SHARDOPT_ASSIGN_OR_RETURN(std::shared_ptr<Job> job, Find(name, incarnation));
+  const bool fresh = [&] {
+    absl::MutexLock lock(&job->mu);
+    return incarnation != 0 && job->step == 0 && !job->written && !job->restored_from;
+  }();
   if (only_if_empty) {
     absl::MutexLock lock(&job->mu);
     if (job->step > 0 || job->written) {
@@ -340,7 +354,7 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation, bo
   {
     absl::MutexLock lock(&mu_);
     SHARDOPT_RETURN_IF_ERROR(Unpublish(*job, /*only_if_untouched=*/false).status());
-    if (dropped_.insert(name).second) dropped_order_.push_back(name);
+    if (dropped_.insert_or_assign(name, fresh).second) dropped_order_.push_back(name);
     if (dropped_order_.size() > kDroppedKept) {
       dropped_.erase(dropped_order_.front());
       dropped_order_.pop_front();

@@ -281,8 +281,12 @@ class JobStore {
   // is merely unknown (this server restarted; it restores it), never one
   // that was dropped.
   static constexpr size_t kDroppedKept = 4096;
+  // Each with whether it was dropped fresh: by a call naming its life
+  // while it held nothing (no step, no initial value, nothing restored), as
+  // a client drops the job its re-attach made afresh on a server that had
+  // lost it, for the other trainers' calls to say so.
   std::deque<std::string> dropped_order_ ABSL_GUARDED_BY(mu_);
-  absl::flat_hash_set<std::string> dropped_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, bool> dropped_ ABSL_GUARDED_BY(mu_);
   // NOT_FOUND for a job this server does not hold, saying whether it was dropped.
   absl::Status NoJob(const std::string& name) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes `job` out of the store and marks it dropped: NOT_FOUND if the

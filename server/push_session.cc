@@ -57,15 +57,12 @@ absl::StatusOr<std::unique_ptr<PushSession>> PushSession::Begin(std::shared_ptr<
   // more (it reads when it is the lowest rank), and MayRead's sum of it
   // with what is held would wrap past 2^64.
   const uint64_t said_chunk = std::min<uint64_t>(first.chunk_bytes(), job->window_bytes);
-  const uint64_t begun_at = job->push_clock;
-  return std::unique_ptr<PushSession>(
-      new PushSession(job, first.step(), first.rank(), first.trainer(), begun_at, said_chunk));
+  return std::unique_ptr<PushSession>(new PushSession(job, first.step(), first.rank(), first.trainer(), said_chunk));
 }
 
 PushSession::PushSession(std::shared_ptr<Job> job, uint64_t step, uint32_t rank, uint64_t trainer,
-                         uint64_t begun_at, uint64_t said_chunk)
-    : job_(std::move(job)), step_(step), rank_(rank), trainer_(trainer), begun_at_(begun_at),
-      said_chunk_(said_chunk) {}
+                         uint64_t said_chunk)
+    : job_(std::move(job)), step_(step), rank_(rank), trainer_(trainer), said_chunk_(said_chunk) {}
 
 void PushSession::Start(std::chrono::steady_clock::time_point now) {
   if (!job_->round.active) job_->StartRound(now);
@@ -82,6 +79,7 @@ void PushSession::Start(std::chrono::steady_clock::time_point now) {
 // the round, whose pushes are then retried from the start.
 PushSession::~PushSession() {
   absl::MutexLock lock(&job_->mu);
+  job_->NotePushEnded(rank_, trainer_);
   if (Hold(0)) job_->NotifyProgress();
   if (!started_ || answered_) return;
   Job::Round& round = job_->round;
@@ -156,7 +154,6 @@ absl::StatusOr<bool> PushSession::Take(v1::GradChunk chunk, Pieces data, std::ve
 absl::Status PushSession::Stage(const v1::GradChunk& chunk, Pieces data) {
   const bool has_data = !chunk.tensor().empty() || !data.empty();
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
-  SHARDOPT_RETURN_IF_ERROR(CheckNotTakenOver());
   const auto now = std::chrono::steady_clock::now();
   job_->ExpireIfLate(now);
   if (started_ && job_->step < step_ && (job_->round.epoch != epoch_ || !job_->round.active)) return Discarded();
@@ -372,16 +369,8 @@ absl::StatusOr<std::vector<bool>> PushSession::Declared() const {
   return no_grad;
 }
 
-absl::Status PushSession::CheckNotTakenOver() const {
-  // As at the stream's start, with the stream's start for the attach: a
-  // stream open before its replacement attached and pushed would otherwise
-  // go on, and be answered OK, with both trainers live (an outside probe).
-  return job_->CheckRankTrainer(rank_, trainer_, begun_at_);
-}
-
 absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wake) {
   SHARDOPT_RETURN_IF_ERROR(job_->CheckNotDropped());
-  SHARDOPT_RETURN_IF_ERROR(CheckNotTakenOver());
   if (pending_) return absl::FailedPreconditionError("the push ended while a chunk was still being taken");
   if (job_->step >= step_) {  // a retry of a committed step: its answer, if still kept
     if (job_->sealed_step == step_) return Answer();

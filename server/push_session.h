@@ -91,8 +91,7 @@ class PushSession {
   absl::StatusOr<v1::PushResponse> Finish();
 
  private:
-  PushSession(std::shared_ptr<Job> job, uint64_t step, uint32_t rank, uint64_t trainer, uint64_t begun_at,
-              uint64_t said_chunk);
+  PushSession(std::shared_ptr<Job> job, uint64_t step, uint32_t rank, uint64_t trainer, uint64_t said_chunk);
   // Joins the round of step_, starting it if needed.
   void Start(std::chrono::steady_clock::time_point now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // Under the job's lock: the first part of the seal (the rank's
@@ -128,10 +127,6 @@ class PushSession {
 
   // The answer to a push whose round ended without it.
   absl::Status Discarded() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
-  // FAILED_PRECONDITION once another trainer has begun a push of the rank
-  // since this stream began (Job::CheckRankTrainer): its replacement took
-  // the rank over, and this stream is refused from then on.
-  absl::Status CheckNotTakenOver() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // CheckRound under the job's lock.
   absl::Status CheckRoundLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(job_->mu);
   // The answer to the push of a sealed step: the job's kept sums.
@@ -140,8 +135,7 @@ class PushSession {
   const std::shared_ptr<Job> job_;
   const uint64_t step_;
   const uint32_t rank_;
-  const uint64_t trainer_;   // GradChunk.trainer (0: not checked)
-  const uint64_t begun_at_;  // the job's push clock when the stream began
+  const uint64_t trainer_;  // GradChunk.trainer (0: not checked)
   uint64_t epoch_ = 0;    // the barrier round this session's chunks belong to
   uint64_t session_ = 0;  // this stream's number among the rank's in the round
   bool started_ = false;

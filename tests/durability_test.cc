@@ -1164,6 +1164,8 @@ TEST(DurabilityTest, AServerThatLostTheJobKeepsSayingWhyNotThatItWasDropped) {
   options.servers = {server->address()};
   auto client = Client::Connect(options).value();
   ScriptedTrainer trainer = Train(*client, job, 2);
+  auto other = Client::Connect(options).value();  // another trainer's client (here one that reads)
+  ASSERT_EQ(other->CreateOrAttach(job).value(), 2u);
   server->Stop(SIGKILL);
   server = testing::ServerProcess::Start(args);
   ASSERT_NE(server, nullptr);
@@ -1174,6 +1176,14 @@ TEST(DurabilityTest, AServerThatLostTheJobKeepsSayingWhyNotThatItWasDropped) {
     // Nothing to restore that server's part from: the advice is to start again.
     EXPECT_THAT(std::string(stepped.status().message()), HasSubstr("its part of the job's state is lost")) << attempt;
   }
+  // The other trainer's calls find the job the first one's re-attach made
+  // and dropped again: they say why, where they said only "was dropped",
+  // as if an admin had dropped it (an outside probe's second rank).
+  const auto described = other->Describe();
+  EXPECT_EQ(described.status().code(), absl::StatusCode::kNotFound) << described.status();
+  EXPECT_THAT(std::string(described.status().message()),
+              HasSubstr("was dropped on this server by a client that named its life while it held nothing"));
+  EXPECT_THAT(std::string(described.status().message()), HasSubstr("this server's part of the job's state is lost"));
 }
 
 // The same on two servers restarted at once (with a checkpoint directory,

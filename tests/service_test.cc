@@ -650,7 +650,9 @@ TEST_F(ServiceTest, APackedCommitCarriesTheSamePiecesInFewerMessages) {
   // 150 small ones after it.
   EXPECT_EQ(packed.per_message, (std::vector<int>{150, 1, 1, 151}));
   for (size_t i = 0; i < packed.message_bytes.size(); ++i) {
-    if (packed.per_message[i] > 1) EXPECT_LE(packed.message_bytes[i], size_t{1} << 20) << "message " << i;
+    if (packed.per_message[i] > 1) {
+      EXPECT_LE(packed.message_bytes[i], size_t{1} << 20) << "message " << i;
+    }
   }
   // What the client wrote is the stream's data, tensor by tensor.
   std::map<std::string, std::string> streamed;
@@ -975,51 +977,60 @@ TEST_F(ServiceTest, ASecondLiveTrainerOfARankIsRefusedAndAReplacementTakesTheRan
   EXPECT_EQ(ReadAll(*replacement, job), after_three);
 }
 
-// A push stream open before a replacement attached and pushed is refused
-// at its next message, as the trainer's next stream would be: it was taken
-// on, and answered OK, with the replacement's gradients summed over its own
-// (an outside probe's predecessor paused mid-push, then sent the rest).
-TEST_F(ServiceTest, APushStreamOpenWhenAReplacementTookItsRankOverIsRefusedAtItsNextMessage) {
-  const JobOptions job = MakeJob("taken-over", 1, {{"w", 8192}});
-  auto replacement_maker = Connect(server_->address());
-  ASSERT_TRUE(replacement_maker->CreateOrAttach(job).ok());
-  const auto init = RandomFloats(rng_, 8192, -1, 1);
-  ASSERT_TRUE(replacement_maker->InitFp32("w", init.data()).ok());
-  const auto predecessor_grad = RandomBf16(rng_, 8192, 1.0f);
-  const auto chunk = [&](uint64_t offset) {
-    v1::GradChunk c;
-    c.set_job("taken-over");
-    c.set_step(1);
-    c.set_tensor("w");
-    c.set_dtype(v1::BF16);
-    c.set_offset(offset);
-    c.set_trainer(77);  // attached before anyone pushed: its stream begins
-    c.set_data(predecessor_grad.data() + offset, 4096 * 2);
-    return c;
-  };
-  auto stub = RawStub(server_->address());
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  v1::PushResponse answer;
-  auto predecessor = stub->Push(&ctx, &answer);
-  ASSERT_TRUE(predecessor->Write(chunk(0)));  // half, then a pause
-  // The replacement attaches after that stream began, pushes its whole
-  // gradient and commits step 1.
-  auto replacement = Connect(server_->address());
-  ASSERT_TRUE(replacement->CreateOrAttach(job).ok());
-  const auto grad = RandomBf16(rng_, 8192, 1.0f);
-  std::vector<uint16_t> params(8192);
+// A second live trainer of a rank that pushes while the first's push is
+// open is refused, and the first's step goes on whole. It was taken for a
+// replacement (it attached after the first's push began): an outside
+// probe's twin, attached while the first waited at the barrier, had its
+// step reported done with its gradients dropped, and the first was the
+// one refused, at its next step.
+TEST_F(ServiceTest, ATrainerWhosePushStreamIsOpenKeepsItsRankFromAnotherTrainer) {
+  const JobOptions job = MakeJob("twin-at-barrier", 2, {{"w", 20000}});
+  auto first = Connect(server_->address(), 0), rank1 = Connect(server_->address(), 1);
+  ASSERT_TRUE(first->CreateOrAttach(job).ok());
+  ASSERT_TRUE(rank1->CreateOrAttach(job).ok());
+  const auto init = RandomFloats(rng_, 20000, -1, 1);
+  ASSERT_TRUE(first->InitFp32("w", init.data()).ok());
+  const std::vector<float> before = ReadAll(*first, job);
+  const auto g0 = RandomBf16(rng_, 20000, 1.0f), g1 = RandomBf16(rng_, 20000, 1.0f);
+  const auto twin_grad = RandomBf16(rng_, 20000, 1.0f);
   StepOptions so;
   so.lr = 1e-2;
-  ASSERT_TRUE(replacement->Step({{"w", grad.data()}}, so, {{"w", params.data()}}).ok());
-  const std::vector<float> after_one = ReadAll(*replacement, job);
-  predecessor->Write(chunk(4096));  // the rest
-  predecessor->WritesDone();
-  const grpc::Status refused = predecessor->Finish();
-  EXPECT_EQ(refused.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << refused.error_message();
-  EXPECT_THAT(refused.error_message(), HasSubstr("has been pushed by another trainer since this one attached"));
-  EXPECT_EQ(ReadAll(*replacement, job), after_one);
-  EXPECT_EQ(replacement->Describe().value()[0].step, 1u);
+  std::vector<uint16_t> p0(20000), p1(20000);
+  absl::StatusOr<StepResult> r0;
+  std::thread waits([&] { r0 = first->Step({{"w", g0.data()}}, so, {{"w", p0.data()}}); });
+  // Once the server holds rank 0's whole push (it waits at the barrier for
+  // rank 1), a twin of rank 0 attaches and pushes.
+  std::unique_ptr<Client> twin;
+  for (int i = 0; i < 200; ++i) {
+    twin = Connect(server_->address(), 0);
+    ASSERT_TRUE(twin->CreateOrAttach(job).ok());
+    if (twin->pushed_ahead() == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(twin->pushed_ahead(), 1u);
+  std::vector<uint16_t> twin_params(20000);
+  const auto refused = twin->Step({{"w", twin_grad.data()}}, so, {{"w", twin_params.data()}});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("has a push stream open by another trainer"));
+  EXPECT_EQ(ReadAll(*rank1, job), before);
+  const auto r1 = rank1->Step({{"w", g1.data()}}, so, {{"w", p1.data()}});
+  waits.join();
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  ASSERT_TRUE(r1.ok()) << r1.status();
+  ReferenceTensor ref(kHyper, init, false);
+  ref.Step({g0.data(), g1.data()}, so.lr, r0->decision.gscale);
+  EXPECT_EQ(p0, ref.Params());
+  EXPECT_EQ(p1, ref.Params());
+  // The first trainer goes on; the twin stays refused.
+  const auto g0b = RandomBf16(rng_, 20000, 1.0f), g1b = RandomBf16(rng_, 20000, 1.0f);
+  std::thread second([&] { r0 = first->Step({{"w", g0b.data()}}, so, {{"w", p0.data()}}); });
+  ASSERT_TRUE(rank1->Step({{"w", g1b.data()}}, so, {{"w", p1.data()}}).ok());
+  second.join();
+  ASSERT_TRUE(r0.ok()) << r0.status();
+  ref.Step({g0b.data(), g1b.data()}, so.lr, r0->decision.gscale);
+  EXPECT_EQ(p0, ref.Params());
+  EXPECT_EQ(twin->Step({{"w", twin_grad.data()}}, so, {{"w", twin_params.data()}}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
 }
 
 // A trainer attaching learns whether the server holds its rank's push of
