@@ -36,7 +36,10 @@ absl::Status CheckInitialValues(const char* data, uint64_t count, bool fp32, boo
           std::isfinite(given) ? absl::StrCat(" (", given, ") rounds to infinity in its group's bf16 state")
                                : std::string(" is not finite")));
     }
-    if (kind == InitialKind::kExpAvgSq && x < 0) {
+    // As given, not as rounded into a bf16 group: -1e-45 rounds to -0,
+    // which would be taken there and refused in an fp32 group. (-0 itself
+    // is taken: it is zero.)
+    if (kind == InitialKind::kExpAvgSq && given < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("initial exp_avg_sq of tensor ", quoted_tensor, " element ", first + i, " is negative"));
     }

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "base/shortest_number.h"
 #include "kernels/step_scalars.h"
 
 namespace shardopt {
@@ -34,7 +35,7 @@ inline bool UsableLearningRate(double lr) { return lr >= 0 && std::isfinite(stat
 inline absl::Status CheckLearningRates(double lr, absl::Span<const double> group_lr, absl::Span<const AdamWHyper> groups,
                                        absl::string_view job) {
   if (!UsableLearningRate(lr)) {
-    return absl::InvalidArgumentError(absl::StrCat("lr must be finite and >= 0, and finite as a float, got ", lr));
+    return absl::InvalidArgumentError(absl::StrCat("lr must be finite and >= 0, and finite as a float, got ", ShortestNumber(lr)));
   }
   if (!group_lr.empty() && group_lr.size() != groups.size()) {
     return absl::InvalidArgumentError(
@@ -42,7 +43,8 @@ inline absl::Status CheckLearningRates(double lr, absl::Span<const double> group
   }
   for (double g : group_lr) {
     if (!UsableLearningRate(g)) {
-      return absl::InvalidArgumentError(absl::StrCat("every group_lr must be finite and >= 0, and finite as a float, got ", g));
+      return absl::InvalidArgumentError(absl::StrCat("every group_lr must be finite and >= 0, and finite as a float, got ",
+                                                     ShortestNumber(g)));
     }
   }
   for (size_t g = 0; g < groups.size(); ++g) {

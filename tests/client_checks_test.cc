@@ -524,6 +524,30 @@ TEST(LearningRatesTest, LrsWhoseUpdateConstantsOverflowAFloatAreRefused) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << r.lr;
     EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr(r.says)) << st;
   }
+  // An lr past float's range is named in the digits that tell it from
+  // float's largest, which is taken (both read "3.40282e+38" before: an
+  // outside probe).
+  const absl::Status past = CheckLearningRates(3.4028236e38, {}, {usual}, "j");
+  EXPECT_THAT(std::string(past.message()), ::testing::HasSubstr("finite as a float, got 3.4028236e+38")) << past;
+  const absl::Status group_past = CheckLearningRates(1e-3, {3.4028236e38}, {usual}, "j");
+  EXPECT_THAT(std::string(group_past.message()), ::testing::HasSubstr("got 3.4028236e+38")) << group_past;
+}
+
+// A negative second moment is refused as given, also where it would round
+// to -0 in a bf16 group (-1e-45 was taken there, and refused in an fp32
+// one: an outside probe); -0 itself is zero, and taken.
+TEST(InitialValuesTest, ANegativeSecondMomentIsRefusedWhateverItRoundsTo) {
+  const float values[] = {-1e-45f, -1e-41f, -0.0f};
+  const char* bytes = reinterpret_cast<const char*>(values);
+  for (const bool bf16_state : {false, true}) {
+    for (int i = 0; i < 2; ++i) {
+      const absl::Status st = CheckInitialValues(bytes + 4 * i, 1, /*fp32=*/true, bf16_state, InitialKind::kExpAvgSq,
+                                                 "'w'", 0);
+      EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bf16_state << " " << values[i];
+      EXPECT_THAT(std::string(st.message()), ::testing::HasSubstr("is negative")) << st;
+    }
+    EXPECT_TRUE(CheckInitialValues(bytes + 8, 1, true, bf16_state, InitialKind::kExpAvgSq, "'w'", 0).ok());
+  }
 }
 
 }  // namespace
