@@ -303,26 +303,34 @@ absl::Status Job::CheckStepToPush(uint64_t t) const {
   return absl::OkStatus();
 }
 
-absl::Status Job::CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t attached_at) const {
-  const RankPusher& last = pushers[rank];
+absl::Status Job::CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t attached_at) {
+  RankPusher& last = pushers[rank];
   if (trainer == 0 || last.trainer == 0 || last.trainer == trainer) return absl::OkStatus();
+  const std::string twins = absl::StrCat("two live trainers with rank ", rank, "? Each trainer needs its own rank ",
+                                         "(and world_size the number of trainers): stop them, and start each with ",
+                                         "its own.");
   if (last.open > 0) {
     // Its stream is open: that trainer lives (a dead one's connection
     // closes), or hangs. Taken for a replacement, this trainer's push
     // would be answered as a retry of that one's, its own gradients
     // dropped and its step reported done (an outside probe's twin, attached
     // while the first waited at the barrier).
+    last.contender = trainer;
     return absl::FailedPreconditionError(absl::StrCat(
-        "rank ", rank, " of job '", name(), "' has a push stream open by another trainer: two live trainers with ",
-        "rank ", rank, "? Each trainer needs its own rank (and world_size the number of trainers): stop them, and ",
-        "start each with its own. (A trainer started in place of one that hangs is refused until that one's push ",
-        "ends: at its round's barrier deadline, or when its stream has sent nothing for --idle_stream_timeout_ms.)"));
+        "rank ", rank, " of job '", name(), "' has a push stream open by another trainer: ", twins,
+        " (A trainer started in place of one that hangs is refused until that one's push ends: at its round's ",
+        "barrier deadline, or when its stream has sent nothing for --idle_stream_timeout_ms.)"));
   }
   if (last.push <= attached_at) return absl::OkStatus();
+  if (trainer == last.contender) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rank ", rank, " of job '", name(), "' had a push stream open by another trainer when this one pushed, and ",
+        "that push was answered since: that trainer lives, or did then. ", twins, " (If it hangs, attach again, ",
+        "CreateOrAttach or a new RemoteAdamW, to take its place: its push stands, and is this trainer's to commit.)"));
+  }
   return absl::FailedPreconditionError(absl::StrCat(
-      "rank ", rank, " of job '", name(), "' has been pushed by another trainer since this one attached: two live ",
-      "trainers with rank ", rank, "? Each trainer needs its own rank (and world_size the number of trainers): stop ",
-      "them, and start each with its own. (A trainer started in place of this one has taken its rank over.)"));
+      "rank ", rank, " of job '", name(), "' has been pushed by another trainer since this one attached: ", twins,
+      " (A trainer started in place of this one has taken its rank over.)"));
 }
 
 void Job::NotePush(uint32_t rank, uint64_t trainer) {
@@ -331,8 +339,22 @@ void Job::NotePush(uint32_t rank, uint64_t trainer) {
   push_clock = std::max(push_clock + 1, WallClockNanos());
   if (trainer == 0) return;
   RankPusher& last = pushers[rank];
+  if (last.trainer != trainer) last.contender = 0;
   last.open = last.trainer == trainer ? last.open + 1 : 1;  // no other's is open (CheckRankTrainer)
   last.trainer = trainer;
+  last.push = push_clock;
+}
+
+void Job::NotePushAnswered(uint32_t rank, uint64_t trainer) {
+  RankPusher& last = pushers[rank];
+  if (trainer == 0 || last.trainer != trainer || last.contender == 0) return;
+  // A trainer that pushed while this push was open, refused then, attached
+  // before this answer: the push clock moves past it, so that it stays
+  // refused (as if this trainer had pushed again) until it attaches again.
+  // Else its next push, once this one had ended, was taken for a
+  // replacement's: answered as a retry of this one, its gradients dropped,
+  // and this trainer refused from then on (an outside probe).
+  push_clock = std::max(push_clock + 1, WallClockNanos());
   last.push = push_clock;
 }
 

@@ -156,6 +156,7 @@ class Job {
     uint64_t trainer = 0;
     uint64_t push = 0;
     uint64_t open = 0;
+    uint64_t contender = 0;  // the last other trainer refused while that one's push was open
   };
   uint64_t push_clock ABSL_GUARDED_BY(mu) = 0;
   std::vector<RankPusher> pushers ABSL_GUARDED_BY(mu);  // [rank]
@@ -269,9 +270,10 @@ class Job {
   bool Untouched() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // FAILED_PRECONDITION if a trainer other than `trainer` has begun a push
   // of `rank` since `trainer` attached, when the job had begun
-  // `attached_at`, or has a push stream of it open: two live trainers of
-  // one rank. `trainer` 0: not checked.
-  absl::Status CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t attached_at) const
+  // `attached_at`, or has a push stream of it open (`trainer` is then noted
+  // as the rank's contender: NotePushAnswered): two live trainers of one
+  // rank. `trainer` 0: not checked.
+  absl::Status CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t attached_at)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // What the job holds, as Describe reports it and its maker is charged:
   // the backend's state, staging and bookkeeping, the window for early
@@ -284,6 +286,10 @@ class Job {
   // NotePushEnded.
   void NotePush(uint32_t rank, uint64_t trainer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void NotePushEnded(uint32_t rank, uint64_t trainer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // A push stream of `rank` by `trainer` was answered OK: where another
+  // trainer was refused while it was open, that one stays refused until it
+  // attaches again.
+  void NotePushAnswered(uint32_t rank, uint64_t trainer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
  private:
   Job(const v1::CreateJobRequest& spec, uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget);

@@ -322,6 +322,7 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::TrySeal(const Wake&
     // Counted under the job's lock, which a drop takes to mark the job
     // before it forgets the job's series: a push answered as its job goes
     // does not make them again.
+    if (sealed.ok() && *sealed) job_->NotePushAnswered(rank_, trainer_);
     if (sealed.ok() && *sealed && !job_->dropped) {
       metrics::Registry::Default().Increment("shardopt_pushes_total", {{"job", job_->name()}});
     }

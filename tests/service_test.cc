@@ -1021,6 +1021,14 @@ TEST_F(ServiceTest, ATrainerWhosePushStreamIsOpenKeepsItsRankFromAnotherTrainer)
   ref.Step({g0.data(), g1.data()}, so.lr, r0->decision.gscale);
   EXPECT_EQ(p0, ref.Params());
   EXPECT_EQ(p1, ref.Params());
+  // The twin calls Step again, the first trainer's push having ended: it is
+  // refused still (it was taken for a replacement then, its step reported
+  // done, and the first trainer refused from then on: an outside probe).
+  const std::vector<float> after_one = ReadAll(*rank1, job);
+  const auto again = twin->Step({{"w", twin_grad.data()}}, so, {{"w", twin_params.data()}});
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
+  EXPECT_THAT(std::string(again.status().message()), HasSubstr("that push was answered since"));
+  EXPECT_EQ(ReadAll(*rank1, job), after_one);
   // The first trainer goes on; the twin stays refused.
   const auto g0b = RandomBf16(rng_, 20000, 1.0f), g1b = RandomBf16(rng_, 20000, 1.0f);
   std::thread second([&] { r0 = first->Step({{"w", g0b.data()}}, so, {{"w", p0.data()}}); });
