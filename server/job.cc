@@ -347,13 +347,14 @@ void Job::NotePush(uint32_t rank, uint64_t trainer) {
 
 void Job::NotePushAnswered(uint32_t rank, uint64_t trainer) {
   RankPusher& last = pushers[rank];
-  if (trainer == 0 || last.trainer != trainer || last.contender == 0) return;
-  // A trainer that pushed while this push was open, refused then, attached
-  // before this answer: the push clock moves past it, so that it stays
-  // refused (as if this trainer had pushed again) until it attaches again.
+  if (trainer == 0 || last.trainer != trainer) return;
+  // The answer shows this trainer lived while its push was open: a trainer
+  // that attached meanwhile (and, refused, pushed: the contender) stays
+  // refused, as if this one had pushed again, until it attaches again.
   // Else its next push, once this one had ended, was taken for a
   // replacement's: answered as a retry of this one, its gradients dropped,
-  // and this trainer refused from then on (an outside probe).
+  // and this trainer refused from then on (outside probes). A trainer that
+  // attaches after the answer is a replacement, as a killed one's must be.
   push_clock = std::max(push_clock + 1, WallClockNanos());
   last.push = push_clock;
 }

@@ -271,8 +271,8 @@ class Job {
   // FAILED_PRECONDITION if a trainer other than `trainer` has begun a push
   // of `rank` since `trainer` attached, when the job had begun
   // `attached_at`, or has a push stream of it open (`trainer` is then noted
-  // as the rank's contender: NotePushAnswered): two live trainers of one
-  // rank. `trainer` 0: not checked.
+  // as the rank's contender, for the message it gets later): two live
+  // trainers of one rank. `trainer` 0: not checked.
   absl::Status CheckRankTrainer(uint32_t rank, uint64_t trainer, uint64_t attached_at)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // What the job holds, as Describe reports it and its maker is charged:
@@ -286,8 +286,8 @@ class Job {
   // NotePushEnded.
   void NotePush(uint32_t rank, uint64_t trainer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   void NotePushEnded(uint32_t rank, uint64_t trainer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  // A push stream of `rank` by `trainer` was answered OK: where another
-  // trainer was refused while it was open, that one stays refused until it
+  // A push stream of `rank` by `trainer` was answered OK: a trainer that
+  // attached while it was open (or was refused then) stays refused until it
   // attaches again.
   void NotePushAnswered(uint32_t rank, uint64_t trainer) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 

@@ -1041,6 +1041,45 @@ TEST_F(ServiceTest, ATrainerWhosePushStreamIsOpenKeepsItsRankFromAnotherTrainer)
             absl::StatusCode::kFailedPrecondition);
 }
 
+// A second live trainer that attaches while the first's push waits at the
+// barrier, and pushes only once that push is answered, before the commit:
+// refused, where it passed as the first's replacement, its push answered as
+// a retry of the first's, its gradients dropped (an outside probe). The
+// answer shows that the first trainer lived after the second attached.
+TEST_F(ServiceTest, ATrainerThatAttachedWhileAnotherTrainersPushWasOpenIsRefusedOnceItIsAnswered) {
+  const JobOptions job = MakeJob("attached-during-push", 2, {{"w", 20000}});
+  auto first = Connect(server_->address(), 0), rank1 = Connect(server_->address(), 1);
+  ASSERT_TRUE(first->CreateOrAttach(job).ok());
+  ASSERT_TRUE(rank1->CreateOrAttach(job).ok());
+  const auto init = RandomFloats(rng_, 20000, -1, 1);
+  ASSERT_TRUE(first->InitFp32("w", init.data()).ok());
+  const auto g0 = RandomBf16(rng_, 20000, 1.0f), g1 = RandomBf16(rng_, 20000, 1.0f);
+  const auto late_grad = RandomBf16(rng_, 20000, 1.0f);
+  absl::StatusOr<PushResult> pushed;
+  std::thread waits([&] { pushed = first->Push(1, {{"w", g0.data()}}); });
+  std::unique_ptr<Client> late;  // attached once the server holds the first's whole push
+  for (int i = 0; i < 200; ++i) {
+    late = Connect(server_->address(), 0);
+    ASSERT_TRUE(late->CreateOrAttach(job).ok());
+    if (late->pushed_ahead() == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(late->pushed_ahead(), 1u);
+  ASSERT_TRUE(rank1->Push(1, {{"w", g1.data()}}).ok());
+  waits.join();
+  ASSERT_TRUE(pushed.ok()) << pushed.status();
+  const auto refused = late->Push(1, {{"w", late_grad.data()}});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()), HasSubstr("has been pushed by another trainer since"));
+  std::vector<uint16_t> p0(20000), p1(20000);
+  ASSERT_TRUE(first->Commit(1, 1e-2, 0.5f, false, {{"w", p0.data()}}).ok());
+  ASSERT_TRUE(rank1->Commit(1, 1e-2, 0.5f, false, {{"w", p1.data()}}).ok());
+  ReferenceTensor ref(kHyper, init, false);
+  ref.Step({g0.data(), g1.data()}, 1e-2, 0.5f);
+  EXPECT_EQ(p0, ref.Params());
+  EXPECT_EQ(p1, ref.Params());
+}
+
 // A trainer attaching learns whether the server holds its rank's push of
 // the next step (CreateJobResponse.rank_pushed), which the server would use
 // in place of the trainer's own: a whole push of rank 1 waiting at the

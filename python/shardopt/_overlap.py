@@ -14,8 +14,10 @@ from ._errors import Aborted, Error, FailedPrecondition, InvalidArgument
 
 _ONE_GRADIENT = ("overlap pushes each gradient as backward produces it, so it takes one backward per step() and each "
                  "param's gradient whole (torch.utils.checkpoint with use_reentrant=True gives a param used in two "
-                 "checkpointed segments, or in and out of one, its gradient in parts: pass use_reentrant=False); "
-                 "use overlap=False to accumulate gradients")
+                 "checkpointed segments, or in and out of one, its gradient in parts: pass use_reentrant=False; "
+                 "another loss's backward that reaches these params, as a GAN's generator loss reaches the "
+                 "discriminator's, pushed them too: call this optimizer's zero_grad() after it, which skips that push, "
+                 "or freeze them for it); use overlap=False to accumulate gradients")
 
 # Each param's live RemoteAdamW(overlap=True): a second one's hooks would
 # fire in the same backward, and both would push that gradient. By id, as
