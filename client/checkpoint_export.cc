@@ -1,5 +1,6 @@
 #include "client/checkpoint_export.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -81,6 +82,14 @@ absl::Status ExportCheckpoint(const std::string& dir, uint64_t step, bool bf16, 
     // The model's shape where the job has one (WholeJob's shards: its tensors).
     if (const auto& dims = at->spec.tensors(s).shape(); !dims.empty()) t.shape.assign(dims.begin(), dims.end());
     t.data.resize(n * (bf16 ? 2 : 4));
+    // A NaN master (only the overflow of design.md §3.6 makes one) is
+    // written as it is, in either dtype; an import refuses the file.
+    const uint64_t not_finite = std::count_if(master.begin(), master.end(), [](float x) { return !std::isfinite(x); });
+    if (not_finite > 0) {
+      log(absl::StrCat("warning: ", not_finite, " masters of tensor '", t.name,
+                       "' are not finite (NaN or infinity): they are exported as they are, and an import refuses "
+                       "the file"));
+    }
     if (!bf16) {
       std::memcpy(t.data.data(), master.data(), n * 4);
     } else {

@@ -193,7 +193,7 @@ absl::Status CheckStepOptions(const StepOptions& options, uint64_t ranks) {
   if (!std::isfinite(static_cast<float>(1.0 / (options.loss_scale * static_cast<double>(ranks))))) {
     return absl::InvalidArgumentError(absl::StrCat("loss_scale ", options.loss_scale, " over ", ranks,
                                                    " rank(s) is too small: 1 / (loss_scale x ranks) must be a finite "
-                                                   "float (loss_scale x ranks >= 2.9e-39)"));
+                                                   "float (loss_scale x ranks of 2.938736e-39 or more: 1 / FLT_MAX, rounded up)"));
   }
   if (!(options.max_grad_norm >= 0) || !std::isfinite(options.max_grad_norm)) {
     return absl::InvalidArgumentError(absl::StrCat("max_grad_norm must be finite and >= 0 (0: no clipping), got ",

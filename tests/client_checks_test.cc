@@ -550,5 +550,21 @@ TEST(InitialValuesTest, ANegativeSecondMomentIsRefusedWhateverItRoundsTo) {
   }
 }
 
+// A loss_scale too small for 1 / (loss_scale x ranks) to be a float is
+// refused with the bound it must reach, and that bound is taken: the
+// message said 2.9e-39, which is itself refused (an outside probe).
+TEST(ClientChecksTest, ALossScaleTooSmallIsRefusedWithABoundThatIsTaken) {
+  StepOptions options;
+  options.lr = 1e-3;
+  options.loss_scale = 2.9387e-39;
+  const absl::Status refused = CheckStepOptions(options, 1);
+  ASSERT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(refused.message(), testing::HasSubstr("loss_scale x ranks of 2.938736e-39 or more"));
+  options.loss_scale = 2.938736e-39;
+  EXPECT_TRUE(CheckStepOptions(options, 1).ok());
+  options.loss_scale = 2.938736e-39 / 4;  // over 4 ranks, the same product
+  EXPECT_TRUE(CheckStepOptions(options, 4).ok());
+}
+
 }  // namespace
 }  // namespace shardopt

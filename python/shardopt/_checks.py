@@ -106,6 +106,10 @@ def _check_hyper(g, where):
     _check_betas(g["betas"], where)
     lr, (beta1, beta2), eps, wd = g["lr"], g["betas"], g["eps"], g["weight_decay"]
     # One-element tensors, as torch takes them (betas as a tensor of two).
+    for what, x in (("lr", lr), ("betas[0]", beta1), ("betas[1]", beta2)):
+        if isinstance(x, torch.Tensor) and x.numel() != 1:
+            raise ValueError(f"{where}{what} must be a number or a one-element tensor, not a tensor of "
+                             f"{x.numel()} elements")
     lr, beta1, beta2 = (x.item() if isinstance(x, torch.Tensor) else x for x in (lr, beta1, beta2))
     for what, x in (("lr", lr), ("eps", eps), ("weight_decay", wd), ("betas[0]", beta1), ("betas[1]", beta2)):
         if isinstance(x, bool) or not isinstance(x, numbers.Real):
@@ -115,10 +119,12 @@ def _check_hyper(g, where):
     # torch takes eps = 0; the servers do not (a zero gradient's update
     # would be 0/0). They hold eps as a float32, so one that rounds to 0
     # or to inf there is refused here too.
-    if not 0.0 < eps < float("inf"):
+    if not 0.0 < eps:
         raise ValueError(f"{where}Invalid epsilon value: {eps} (must be > 0)")
-    if not 0.0 < _as_float32(eps) < float("inf"):
-        raise ValueError(f"{where}Invalid epsilon value: {eps} (rounds to 0 or inf as the float32 the servers hold)")
+    if not _as_float32(eps) < float("inf"):
+        raise ValueError(f"{where}Invalid epsilon value: {eps} (must be finite as the float32 the servers hold)")
+    if not 0.0 < _as_float32(eps):
+        raise ValueError(f"{where}Invalid epsilon value: {eps} (rounds to 0 as the float32 the servers hold)")
     if not 0.0 <= beta1 < 1.0:
         raise ValueError(f"{where}Invalid beta parameter at index 0: {beta1}")
     if not 0.0 <= beta2 < 1.0:

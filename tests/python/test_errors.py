@@ -226,12 +226,28 @@ def test_eps_zero_which_torch_takes_is_refused_before_any_server_is_asked(job):
         RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=["127.0.0.1:1"], job=job, eps=0.0)
 
 
-@pytest.mark.parametrize("eps", [1e-50, 1e39])
-def test_an_eps_the_servers_float32_cannot_hold_is_refused_before_any_server_is_asked(job, eps):
-    """torch takes it; as the float32 the servers hold it is 0 or inf."""
+@pytest.mark.parametrize("eps,why", [(1e-50, "rounds to 0"), (1e39, "must be finite"), (float("inf"), "must be finite")])
+def test_an_eps_the_servers_float32_cannot_hold_is_refused_before_any_server_is_asked(job, eps, why):
+    """torch takes it; as the float32 the servers hold it is 0 or inf. The
+    reason given is the one that holds (an infinite eps was refused as not
+    "> 0")."""
     torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], eps=eps)
-    with pytest.raises(ValueError, match=r"Invalid epsilon value: .* \(rounds to 0 or inf"):
+    with pytest.raises(ValueError, match=rf"Invalid epsilon value: .* \({why} as the float32 the servers hold\)"):
         RemoteAdamW([torch.nn.Parameter(torch.ones(3))], servers=["127.0.0.1:1"], job=job, eps=eps)
+
+
+@pytest.mark.parametrize("where", ["lr", "beta1", "group lr"])
+def test_an_lr_or_beta_tensor_of_more_than_one_element_is_refused_naming_it(job, where):
+    """A one-element tensor is taken as torch takes it; a longer one was
+    refused by torch's own "only one element tensors can be converted",
+    which names neither the argument nor the group."""
+    params = [torch.nn.Parameter(torch.ones(3))]
+    two = torch.tensor([1e-3, 2e-3])
+    kwargs = {"lr": dict(lr=two), "beta1": dict(betas=(two, 0.999)), "group lr": {}}[where]
+    groups = [{"params": params, "lr": two}] if where == "group lr" else params
+    name = "betas\\[0\\]" if where == "beta1" else "lr"
+    with pytest.raises(ValueError, match=rf"{name} must be a number or a one-element tensor, not a tensor of 2"):
+        RemoteAdamW(groups, servers=["127.0.0.1:1"], job=job, **kwargs)
 
 
 @pytest.mark.parametrize("betas", [(0.9, 0.99, 0.1), (0.9,), 0.9, torch.tensor(0.9), np.array([0.9, 0.99, 0.1])],

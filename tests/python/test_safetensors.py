@@ -148,6 +148,33 @@ def test_a_bf16_export_that_rounds_finite_masters_to_infinity_says_so(server_bin
         opt.drop()
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_an_export_of_a_nan_master_says_so(server_binary, tmp_path, job, dtype):
+    """A master made NaN by the update's overflow near fp32's largest value
+    (design.md section 3.6) is exported as it is, in either dtype, which an
+    import refuses: said on stderr (an outside probe's export of one was
+    silent, and its import then failed)."""
+    cli = os.environ.get("SHARDOPT_CLI")
+    if not cli or not os.access(cli, os.X_OK):
+        pytest.fail("set SHARDOPT_CLI to the shardopt command line (ctest does)")
+    with checkpointing_servers(server_binary, tmp_path) as (procs, directory):
+        w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0, 0.5]))
+        opt = RemoteAdamW([("w", w)], servers=[p.address for p in procs], job=job, lr=1e-3)
+        huge = torch.tensor([3.3e38, -3.3e38, 3.3e38, 1.0])
+        for k in range(31):  # m grows toward +-3.3e38, then g - m overflows
+            w.grad = huge if k < 30 else -huge
+            opt.step()
+        assert torch.isnan(w.detach()[:3]).all() and torch.isfinite(w.detach()[3]), w
+        opt.checkpoint()
+        out = tmp_path / "export.safetensors"
+        done = subprocess.run([cli, "export", f"--checkpoint_dir={directory}", f"--dtype={dtype}", job, str(out)],
+                              check=True, capture_output=True, text=True, timeout=60)
+        assert "warning: 3 masters of tensor 'w' are not finite (NaN or infinity)" in done.stderr, done.stderr
+        loaded, _ = load_safetensors(out)
+        assert torch.isnan(loaded["w"].float()).sum().item() == 3
+        opt.drop()
+
+
 def test_an_export_past_a_torn_newest_step_reads_the_step_it_names_and_says_so_once(server_binary, tmp_path, job):
     """The newest step torn (its COMMIT gone) and the newest complete one
     step 0: the export is step 0's, and says once why it passed over step 1
