@@ -12,6 +12,8 @@ absl::StatusCode ErrnoCode(int error) {
     case ENOSPC:  // the filesystem is full
     case EDQUOT:  // the user's quota on it is
     case EFBIG:   // past the file size limit (RLIMIT_FSIZE) or the filesystem's largest file
+    case EMFILE:  // the process's open files at RLIMIT_NOFILE (a server's connections hold them)
+    case ENFILE:  // the system's
       return absl::StatusCode::kResourceExhausted;
     case EROFS:   // mounted read-only
     case EACCES:  // the directory's permissions

@@ -210,6 +210,18 @@ absl::StatusOr<WriteResult> PartWriter::Finish() {
   const std::string path = absl::StrCat(result_.directory, "/", name_);
   if (rename(tmp_.c_str(), path.c_str()) != 0) {
     const int error = errno;  // before the message's allocation
+    std::error_code ec;
+    if (error == ENOENT && fs::exists(result_.directory, ec)) {
+      // Only a writer of the same part removes its temporaries (Open): one
+      // in another server, which shares this directory and holds a job of
+      // this name on this placement. "No such file" alone read as a
+      // missing directory (an outside probe).
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cannot rename into ", path, ": its temporary file ", tmp_, " was removed while it was written, as only "
+          "another writer of the same part does: two servers or runs give job ", manifest_.spec().job(),
+          " the same placement and share this --checkpoint_dir. Give each run its own job name, or each server its "
+          "own directory"));
+    }
     const absl::Status st = ErrnoStatus(error, absl::StrCat("cannot rename into ", path));
     unlink(tmp_.c_str());
     return st;

@@ -33,6 +33,14 @@ Client::~Client() {
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  // gRPC's pollers and threads are the process's that started them. In a
+  // process forked from one that made a Client, a new Client's calls hung,
+  // past their deadlines, or took the answers the parent's Client waited
+  // for, which then waited out its own (an outside probe; so with
+  // GRPC_ENABLE_FORK_SUPPORT=1 too): refused before anything of gRPC's is
+  // touched. The first Connect's process, which a fork's memory keeps.
+  static const pid_t grpc_process = getpid();
+  if (getpid() != grpc_process) return Impl::ForkedFrom(grpc_process);
   SHARDOPT_RETURN_IF_ERROR(CheckClientOptions(options));
   if (options.tune_allocator) TuneAllocatorForStreaming();
   SHARDOPT_ASSIGN_OR_RETURN(std::string token, CleanBearerToken(options.token));

@@ -14,11 +14,16 @@
 
 namespace shardopt {
 
+absl::Status Client::Impl::ForkedFrom(pid_t parent) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "this process (", getpid(), ") is a fork of process ", parent, ", which made a Client: gRPC's threads, "
+      "pollers and connections do not survive a fork, so no Client can be used here, that one or a new one; make "
+      "Clients in a process started afresh (exec'd: posix_spawn, subprocess, multiprocessing's 'spawn')"));
+}
+
 Client::Impl::Entered::Entered(Impl& im) : im_(im) {
   if (getpid() != im.made_in) {
-    status_ = absl::FailedPreconditionError(absl::StrCat(
-        "this client was made in process ", im.made_in, ", and its gRPC threads and connections do not survive a "
-        "fork: make a new Client in process ", getpid()));
+    status_ = ForkedFrom(im.made_in);
     return;
   }
   const std::thread::id me = std::this_thread::get_id();

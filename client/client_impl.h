@@ -85,6 +85,9 @@ struct Client::Impl {
   // race or hang. `in_call`: the thread in a public call, if any.
   const pid_t made_in = getpid();
   std::atomic<std::thread::id> in_call{};
+  // FAILED_PRECONDITION in a process forked from `parent`, which started
+  // gRPC: no Client, old or new, can be used there (see Connect).
+  static absl::Status ForkedFrom(pid_t parent);
   // Begins each public call of a Client that talks to its servers. A call
   // from a second thread while one runs is refused (FAILED_PRECONDITION): two
   // threads' Steps had each taken the other's push for a retry, and half the

@@ -49,7 +49,8 @@
 
 ABSL_FLAG(std::string, server, "localhost:50051", "list, describe, drop, checkpoint, read: the server, HOST:PORT");
 ABSL_FLAG(std::string, tls_ca, "",
-          "list, describe, drop, checkpoint, read: PEM CA of the server's certificate; set it to use TLS");
+          "list, describe, drop, checkpoint, read: PEM CA of the server's certificate (without it, the system's roots); "
+          "any of --tls_ca, --tls_cert and --tls_key set turns TLS on");
 ABSL_FLAG(std::string, tls_cert, "",
           "list, describe, drop, checkpoint, read: PEM certificate of this client, for mutual TLS");
 ABSL_FLAG(std::string, tls_key, "", "list, describe, drop, checkpoint, read: PEM private key of --tls_cert");

@@ -25,12 +25,19 @@ excluded=(
   'deploy_dockerfiles'  # the binaries now need libasan and libubsan, which the images do not install
   'install_consumer'    # builds a program against the installed library without the sanitizer's flags
   'python_'             # run below, with the sanitizer's runtime loaded into Python first
+  'ClientMisuseTest\..*Fork'  # a forked child allocates: see below
 )
 (IFS='|'; cd "$BUILD" && ctest -j "$JOBS" --timeout 1200 -E "${excluded[*]}")
 
 # The Python package's extension is built with the sanitizer, which must be
 # the first library in the process: Python itself is not built with it. The
 # interpreter keeps what it and pybind11 allocated at exit, so no leak check.
+# Left out: the tests whose forked child allocates. This GCC's sanitizer
+# allocator is not locked around fork(), so a child forked while one of the
+# parent's threads (gRPC's) held an allocator lock waits on it for good at
+# its next allocation: seen in 1 of about 8 runs, in torch's teardown at the
+# child's exit, in __sanitizer::SizeClassAllocator64::GetFromAllocator
+# (google/sanitizers#1814). glibc's malloc takes its locks around a fork.
 ASAN_OPTIONS=detect_leaks=0 PYTHONPATH="$BUILD/python" SHARDOPT_SERVER="$BUILD/server/shardopt-server" SHARDOPT_CLI="$BUILD/client/shardopt" \
   LD_PRELOAD="$(gcc -print-file-name=libasan.so):$(gcc -print-file-name=libubsan.so)" \
-  /usr/bin/python3 -m pytest -q -p no:cacheprovider tests/python
+  /usr/bin/python3 -m pytest -q -p no:cacheprovider tests/python -k "not test_a_process_forked_after_a_step"

@@ -191,6 +191,9 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
           "--max_message_bytes (", options_.max_message_bytes, "): give fewer groups, or shorter names"));
     }
   }
+  // What the directory holds decides what the job is (restored, a life
+  // dropped, a new run): read only from the volume this server started on.
+  if (!options_.checkpoint_dir.empty()) SHARDOPT_RETURN_IF_ERROR(CheckpointDirInPlace());
   // The old trainer of a life dropped on purpose, whose server restarted
   // since (and so remembers no drop but the mark on disk): nothing is
   // restored for it. A new run asks with no life and restores the newest

@@ -259,6 +259,11 @@ class JobStore {
   // job: a checkpoint that ends after its job was dropped would otherwise
   // bring back the series the drop removed.
   void CountForJob(const Job& job, const char* family) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether --checkpoint_dir is the directory this server started on
+  // (checkpoint::KeepDirectoryId): checked before anything reads or writes
+  // it, so that an unmounted volume is refused, not taken for an empty one.
+  // OK where it is not known (JobStoreOptions::checkpoint_dir_id).
+  absl::Status CheckpointDirInPlace() const;
   // Checkpoint, charging its buffers or not (the drain's: see DrainAndCheckpoint).
   absl::StatusOr<v1::CheckpointResponse> WriteCheckpoint(const v1::CheckpointRequest& request, bool charged,
                                                          absl::Time deadline)

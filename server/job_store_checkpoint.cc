@@ -39,6 +39,12 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::Checkpoint(const v1::Checkpoint
   return WriteCheckpoint(request, /*charged=*/true, deadline);
 }
 
+absl::Status JobStore::CheckpointDirInPlace() const {
+  if (options_.checkpoint_dir_id.empty()) return absl::OkStatus();  // nothing to keep (JobStoreOptions)
+  return checkpoint::KeepDirectoryId(options_.checkpoint_dir, options_.checkpoint_dir_id,
+                                     options_.checkpoint_dir_device);
+}
+
 absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::CheckpointRequest& request, bool charged,
                                                                  absl::Time deadline) {
   if (options_.checkpoint_dir.empty()) {
@@ -95,9 +101,7 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
         }
         log::Info("checkpoint_begin", {{"job", job.name()}, {"step", absl::StrCat(request.step())}});
         t0 = std::chrono::steady_clock::now();
-        if (options_.checkpoint_dir_id.empty()) return absl::OkStatus();  // nothing to keep (JobStoreOptions)
-        return checkpoint::KeepDirectoryId(options_.checkpoint_dir, options_.checkpoint_dir_id,
-                                           options_.checkpoint_dir_device);
+        return CheckpointDirInPlace();
       },
       options_.after_snapshot_slice);
   if (!writer.ok() && !t0 && !no_room) return writer.status();

@@ -39,8 +39,9 @@ absl::Status JobStore::DropJob(const std::string& name, uint64_t incarnation, bo
   // store's lock: no job of the name can be made (and restore this life)
   // while it is still here, and a drop that cannot be marked does not happen.
   if (!options_.checkpoint_dir.empty()) {
-    if (absl::Status marked = checkpoint::MarkLifeDropped(options_.checkpoint_dir, name, job->incarnation);
-        !marked.ok()) {
+    absl::Status marked = CheckpointDirInPlace();
+    if (marked.ok()) marked = checkpoint::MarkLifeDropped(options_.checkpoint_dir, name, job->incarnation);
+    if (!marked.ok()) {
       if (only_if_empty) {
         absl::MutexLock lock(&job->mu);
         job->dropped = false;

@@ -108,6 +108,10 @@ absl::StatusOr<v1::DescribeResponse> JobStore::Describe(const v1::DescribeReques
     if (options_.checkpoint_dir.empty() || request.incarnation() != 0 || !absl::IsNotFound(found.status())) {
       return found.status();
     }
+    if (const absl::Status here = CheckpointDirInPlace(); !here.ok()) {
+      return absl::NotFoundError(absl::StrCat(found.status().message(), "; its checkpoints were not looked for: ",
+                                              here.message()));
+    }
     const auto newest = checkpoint::FindCommitted(options_.checkpoint_dir, request.job(), 0, [](const std::string&) {});
     if (absl::IsNotFound(newest.status())) return found.status();
     if (!newest.ok()) {

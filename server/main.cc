@@ -32,6 +32,7 @@
 #include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/metrics_http.h"
+#include "server/open_files.h"
 #include "server/job_spec.h"
 #include "server/library_logs.h"
 #include "server/listen_host.h"
@@ -124,13 +125,13 @@ absl::Status CheckWritable(const std::string& dir) {
   // A name of its own: the servers sharing the directory start at once, and
   // in their pods each is pid 1.
   const std::string probe = shardopt::TemporaryName(dir + "/.shardopt-write-probe");
-  std::ofstream out(probe);
-  out << "probe";
-  out.close();
-  const bool written = static_cast<bool>(out) && std::filesystem::exists(probe, ec);
+  const absl::Status written = shardopt::WriteFileNew(probe, {"probe"});
   std::filesystem::remove(probe, ec);
-  return written ? absl::OkStatus()
-                 : absl::FailedPreconditionError(absl::StrCat("--checkpoint_dir=", dir, " is not a writable directory"));
+  // With the system's reason (a full disk, a read-only volume, permissions):
+  // the operator's fix depends on it.
+  return written.ok() ? absl::OkStatus()
+                      : absl::FailedPreconditionError(absl::StrCat("--checkpoint_dir=", dir,
+                                                                   " is not a writable directory: ", written.message()));
 }
 
 // Every flag whose value is not its default, whether the command line or a
@@ -274,6 +275,7 @@ int main(int argc, char** argv) {
     if (!device.ok()) return StartFailed(std::string(device.status().message()));
     store_options.checkpoint_dir_device = *device;
   }
+  const uint64_t max_open_files = shardopt::RaiseOpenFileLimit();  // before any connection (open_files.h)
   shardopt::JobStore store(backend->get(), store_options);
   std::unique_ptr<shardopt::Authenticator> auth;
   if (const std::string path = absl::GetFlag(FLAGS_tokens_file); !path.empty()) {
@@ -390,6 +392,7 @@ int main(int argc, char** argv) {
                         {"health_port", (*running)->health_port > 0 ? absl::StrCat((*running)->health_port) : "off"},
                         {"checkpoint_dir", store_options.checkpoint_dir},
                         {"checkpoint_dir_id", store_options.checkpoint_dir_id},
+                        {"max_open_files", absl::StrCat(max_open_files)},
                         {"flags", FlagsSet()}});
   // Flags given that do nothing here: told, as an operator expects them
   // to act.

@@ -31,6 +31,8 @@ const std::vector<Family>& Families() {
       {"shardopt_build_info", Type::kGauge, "Always 1; the labels say the version and the device.", {}},
       // Prometheus's own name for it, as its client libraries export it.
       {"process_start_time_seconds", Type::kGauge, "When the server started, in seconds since the Unix epoch.", {}},
+      {"process_open_fds", Type::kGauge, "File descriptors open now: each connection holds one.", {}},
+      {"process_max_fds", Type::kGauge, "The open-file limit (RLIMIT_NOFILE's soft one, raised to the hard one at start).", {}},
       {"shardopt_jobs", Type::kGauge, "Jobs held by this server.", {}},
       {"shardopt_open_streams", Type::kGauge, "Push, Init, Commit and Read streams open now.", {}},
       {"shardopt_memory_budget_bytes", Type::kGauge, "The server's memory budget (--memory_limit).", {}},

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/gpu.h"
+#include "server/open_files.h"
 #include "tools/flags.h"
 
 namespace shardopt {
@@ -22,6 +23,8 @@ std::vector<metrics::Gauge> StoreGauges(JobStore& store, const Backend& backend,
   }
   g.push_back({"shardopt_jobs", {}, static_cast<double>(jobs.size())});
   g.push_back({"shardopt_open_streams", {}, static_cast<double>(open_streams)});
+  g.push_back({"process_open_fds", {}, static_cast<double>(OpenFiles())});
+  g.push_back({"process_max_fds", {}, static_cast<double>(OpenFileLimit())});
   g.push_back({"shardopt_memory_budget_bytes", {}, static_cast<double>(store.budget()->limit())});
   g.push_back({"shardopt_memory_used_bytes", {}, static_cast<double>(store.budget()->used())});
   if (auto memory = CudaDeviceMemory(backend); memory.ok()) {

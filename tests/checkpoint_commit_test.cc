@@ -13,6 +13,7 @@
 
 #include "checkpoint/catalog.h"
 #include "checkpoint/format.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 
@@ -32,6 +33,18 @@ class CommitTest : public ::testing::Test {
   // root_/`under`; `commit` (if given) is put in place as the step's COMMIT
   // after the part's data and before Finish, as a peer would.
   absl::StatusOr<WriteResult> WritePart(const std::string& under, const std::optional<std::string>& commit) {
+    const v1::PartManifest m = Manifest();
+    const std::string root = root_ + "/" + under;
+    auto writer = PartWriter::Open(root, m);
+    if (!writer.ok()) return writer.status();
+    const std::string data(DataBytes(m), '\x01');
+    (*writer)->Append(data.data(), data.size());
+    commit_path_ = StepDirectory(root, "j", 1) + "/COMMIT";
+    if (commit) std::ofstream(commit_path_, std::ios::binary) << *commit;
+    return (*writer)->Finish();
+  }
+
+  static v1::PartManifest Manifest() {
     v1::PartManifest m;
     v1::CreateJobRequest* spec = m.mutable_spec();
     spec->set_job("j");
@@ -46,14 +59,7 @@ class CommitTest : public ::testing::Test {
     r->set_length(10);
     m.add_shards()->set_dtype(v1::FP32);
     m.set_step(1);
-    const std::string root = root_ + "/" + under;
-    auto writer = PartWriter::Open(root, m);
-    if (!writer.ok()) return writer.status();
-    const std::string data(DataBytes(m), '\x01');
-    (*writer)->Append(data.data(), data.size());
-    commit_path_ = StepDirectory(root, "j", 1) + "/COMMIT";
-    if (commit) std::ofstream(commit_path_, std::ios::binary) << *commit;
-    return (*writer)->Finish();
+    return m;
   }
 
   testing::TempDir temp_;
@@ -80,6 +86,29 @@ TEST_F(CommitTest, APeersCommitOfTheSamePartsIsTakenAndOneOfOtherPartsIsReplaced
   EXPECT_TRUE(over_other->complete);
   EXPECT_TRUE(over_other->committed_here);
   EXPECT_EQ(Contents(commit_path_), marker);
+}
+
+// Two servers sharing a directory by mistake, each holding a job of one
+// name on one placement: the later writer of the part removes the earlier
+// one's temporary (as one left by a writer that died), and the earlier one
+// is told that, not "cannot rename ...: No such file or directory", which
+// read as a missing directory (an outside probe). The later one completes.
+TEST_F(CommitTest, AWriterWhoseTemporaryAnotherWriterOfThePartRemovedIsToldSo) {
+  const v1::PartManifest m = Manifest();
+  const std::string data(DataBytes(m), '\x01');
+  auto first = PartWriter::Open(root_, m);
+  ASSERT_TRUE(first.ok()) << first.status();
+  (*first)->Append(data.data(), data.size());
+  auto second = PartWriter::Open(root_, m);
+  ASSERT_TRUE(second.ok()) << second.status();
+  const auto refused = (*first)->Finish();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("was removed while it was written, as only another writer of the same part does"));
+  (*second)->Append(data.data(), data.size());
+  const auto written = (*second)->Finish();
+  ASSERT_TRUE(written.ok()) << written.status();
+  EXPECT_TRUE(written->complete);
 }
 
 }  // namespace

@@ -141,5 +141,40 @@ TEST_F(ClientMisuseTest, AForkedChildsCallIsRefusedAndItExits) {
   EXPECT_EQ(client->step(), 2u);
 }
 
+// A new Client in a forked child is refused too, at Connect, before gRPC
+// is touched: one made there, as the README once said to, hung in its
+// calls past their deadlines, or took the answers of the parent's calls,
+// which then waited out their own deadlines (an outside probe). The parent's
+// next call is answered at once.
+TEST_F(ClientMisuseTest, ANewClientInAForkedChildIsRefusedAndLeavesTheParentsAlone) {
+  const auto grad = RandomBf16(rng, kN, 1.0f);
+  std::vector<uint16_t> params(kN);
+  ASSERT_TRUE(client->Step({{"w", grad.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    alarm(20);  // a hang ends the child, which the parent sees
+    ClientOptions options;
+    options.servers = {server->address()};
+    const auto connected = Client::Connect(options);
+    const bool refused = connected.status().code() == absl::StatusCode::kFailedPrecondition &&
+                         std::string(connected.status().message()).find("is a fork of process") != std::string::npos;
+    client.reset();
+    _exit(refused ? 0 : 3);
+  }
+  const std::optional<int> status = testing::WaitProcess(child, std::chrono::seconds(30));
+  if (!status) {
+    kill(child, SIGKILL);
+    waitpid(child, nullptr, 0);
+  }
+  ASSERT_TRUE(status.has_value()) << "the child outlived its alarm";
+  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "child status " << *status;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(client->Describe().ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
+  ASSERT_TRUE(client->Step({{"w", grad.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
+  EXPECT_EQ(client->step(), 2u);
+}
+
 }  // namespace
 }  // namespace shardopt

@@ -19,7 +19,7 @@ namespace {
 using ::testing::HasSubstr;
 
 TEST(ErrnoStatus, AFullDiskIsResourceExhaustedAMissingOrReadOnlyDirectoryFailedPreconditionTheRestInternal) {
-  for (int error : {ENOSPC, EDQUOT, EFBIG}) EXPECT_EQ(ErrnoCode(error), absl::StatusCode::kResourceExhausted) << error;
+  for (int error : {ENOSPC, EDQUOT, EFBIG, EMFILE, ENFILE}) EXPECT_EQ(ErrnoCode(error), absl::StatusCode::kResourceExhausted) << error;
   for (int error : {EROFS, EACCES, EPERM, ENOENT, ENOTDIR, EISDIR}) {
     EXPECT_EQ(ErrnoCode(error), absl::StatusCode::kFailedPrecondition) << error;
   }

@@ -24,6 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
+#include "checkpoint/directory_id.h"
 #include "checkpoint/format.h"
 #include "checkpoint/job_directory.h"
 #include "gtest/gtest.h"
@@ -1615,6 +1616,51 @@ TEST_F(CheckpointKeepTest, ADescribeOfAJobOnlyOnDiskSaysWhyItsNewestCheckpointCa
     const auto attached = restarted.CreateJob(JobRequest(name, 1, {{"w", 100}}));
     EXPECT_EQ(attached.status().code(), absl::StatusCode::kDataLoss) << file << ": " << attached.status();
   }
+}
+
+// A server whose --checkpoint_dir is no longer the directory it started on
+// (its volume unmounted; here a symlink moved to /proc, another device)
+// reads and writes nothing there: a drop, which could not be marked where
+// the job's checkpoints are, is refused and keeps the job; a CreateJob is
+// refused rather than making afresh a job whose checkpoints it cannot see;
+// a Describe says why it did not look. Each went ahead before (an outside
+// probe: the drop's mark was lost, and the dropped run's trainer restored
+// after a restart; a new trainer started over at step 0). With the
+// directory back, all goes on.
+TEST_F(CheckpointKeepTest, AServerWhoseCheckpointDirMovedToAnotherDeviceNeitherDropsNorMakesJobs) {
+  std::mt19937_64 rng(8);
+  Create(JobRequest("on-disk", 1, {{"w", 100}}));
+  StepAndCheckpoint("on-disk", 1, 100, rng);
+  const std::string link = dir_ + "-link";
+  std::filesystem::remove(link);
+  std::filesystem::create_directory_symlink(dir_, link);
+  JobStoreOptions options = Options0(link);
+  options.checkpoint_dir_id = checkpoint::DirectoryId(link).value();
+  options.checkpoint_dir_device = checkpoint::DirectoryDevice(link).value();
+  auto backend = MakeCpuBackend({});
+  JobStore there(backend.get(), options);
+  ASSERT_TRUE(there.CreateJob(JobRequest("held", 1, {{"w", 100}})).ok());
+  const auto point_to = [&](const std::string& target) {
+    std::filesystem::remove(link);
+    std::filesystem::create_directory_symlink(target, link);
+  };
+  point_to("/proc");
+  const absl::Status drop = there.DropJob("held");
+  EXPECT_EQ(drop.code(), absl::StatusCode::kFailedPrecondition) << drop;
+  EXPECT_THAT(std::string(drop.message()), HasSubstr("is on another device than when this server started"));
+  EXPECT_TRUE(there.Describe("held").ok()) << "the job stays";
+  const auto made = there.CreateJob(JobRequest("on-disk", 1, {{"w", 100}}));
+  EXPECT_EQ(made.status().code(), absl::StatusCode::kFailedPrecondition) << made.status();
+  EXPECT_THAT(std::string(made.status().message()), HasSubstr("is on another device than when this server started"));
+  const auto described = there.Describe("on-disk");
+  EXPECT_EQ(described.status().code(), absl::StatusCode::kNotFound) << described.status();
+  EXPECT_THAT(std::string(described.status().message()), HasSubstr("its checkpoints were not looked for"));
+  point_to(dir_);
+  const auto restored = there.CreateJob(JobRequest("on-disk", 1, {{"w", 100}}));
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(restored->step(), 1u);
+  EXPECT_TRUE(there.DropJob("held").ok());
+  std::filesystem::remove(link);
 }
 
 // A job's life (CreateJobResponse.incarnation): the same to every attach

@@ -5,6 +5,7 @@
 // drop); refusals a client repeats are rate-limited; no token ever appears.
 #include <signal.h>
 #include <unistd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <netinet/in.h>
@@ -64,6 +65,21 @@ std::vector<nlohmann::json> Events(const std::vector<nlohmann::json>& lines, con
     if (j.value("event", "") == event) out.push_back(j);
   }
   return out;
+}
+
+// A TCP connection to 127.0.0.1:port that sends nothing yet (-1 if
+// refused).
+int ConnectLoopback(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
 }
 
 class LogsTest : public ::testing::Test {
@@ -363,12 +379,8 @@ TEST_F(LogsTest, AScrapeIsAnsweredWhileOtherConnectionsSendNothing) {
   auto server = ServerProcess::Start({absl::StrCat("--metrics_port=", port)});
   std::vector<int> idle;
   for (int i = 0; i < 5; ++i) {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_port = htons(static_cast<uint16_t>(port));
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    const int fd = ConnectLoopback(port);
+    ASSERT_GE(fd, 0);
     idle.push_back(fd);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(100));  // accepted, each waiting for its request
@@ -631,6 +643,43 @@ TEST_F(LogsTest, RepeatedRefusalsAreRateLimitedAndTextLinesHaveTheirShape) {
   EXPECT_TRUE(suppressed) << log;
   // Every refusal is counted: those still held back at the end are said at exit.
   EXPECT_EQ(counted, 221u) << log;
+}
+
+
+// The server raises its open-file limit to the hard one at start (a
+// process started under systemd's soft 1024, here 256) and says so in its
+// `started` line, and /metrics exports its open descriptors against it,
+// each connection holding one: a server at its limit had every checkpoint
+// refused, "Too many open files", while idle connections held the rest (an
+// outside probe), and nothing showed it coming.
+TEST_F(LogsTest, TheServerRaisesItsOpenFileLimitAndExportsItsOpenFiles) {
+  rlimit limit;
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &limit), 0);
+  ASSERT_GT(limit.rlim_max, rlim_t{512}) << "the hard limit leaves nothing to raise";
+  const rlimit lowered{256, limit.rlim_max};
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  const int port = testing::FreeLoopbackPort();
+  auto server = ServerProcess::StartLogged({"--log_format=json", absl::StrCat("--metrics_port=", port)});
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &limit), 0);  // the server inherited the lowered one
+  ASSERT_NE(server, nullptr);
+  const std::vector<nlohmann::json> started = Events(JsonLines(server->log()), "started");
+  ASSERT_EQ(started.size(), 1u) << server->log();
+  EXPECT_EQ(started[0].value("max_open_files", ""), absl::StrCat(limit.rlim_max));
+  EXPECT_EQ(testing::MetricValue(port, "process_max_fds"), static_cast<double>(limit.rlim_max));
+  const double before = testing::MetricValue(port, "process_open_fds");
+  EXPECT_GT(before, 0);
+  std::vector<int> idle;
+  for (int i = 0; i < 20; ++i) {
+    idle.push_back(ConnectLoopback(server->port()));
+    ASSERT_GE(idle.back(), 0);
+  }
+  double open = before;
+  for (int i = 0; i < 100 && open < before + 20; ++i) {  // accepted in the server's time
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    open = testing::MetricValue(port, "process_open_fds");
+  }
+  EXPECT_GE(open, before + 20);
+  for (const int fd : idle) close(fd);
 }
 
 }  // namespace

@@ -96,8 +96,9 @@ class PyClient {
   void InOwnProcess() const {
     if (getpid() != owner_) {
       throw StatusError{absl::FailedPreconditionError(absl::StrCat(
-          "this optimizer's connections were made in process ", owner_, ", and gRPC's do not survive a fork: make a "
-          "new one in process ", getpid()))};
+          "this optimizer's connections were made in process ", owner_, ", of which this process (", getpid(),
+          ") is a fork, and gRPC's do not survive a fork: no optimizer can be used here, this one or a new one; "
+          "make it in a process started afresh (multiprocessing's 'spawn', torchrun, subprocess)"))};
     }
   }
   void Idle() const {

@@ -710,7 +710,13 @@ pid = os.fork()
 if pid == 0:
     import ctypes, signal
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a hung child goes with the killed parent
-    if mode != "exits":  # with an overlap push running, its finish is refused too
+    if mode == "new":  # gRPC cannot be used here at all, by a new optimizer either
+        try:
+            RemoteAdamW([torch.nn.Parameter(torch.randn(8))], servers=sys.argv[1].split(","), job=sys.argv[2] + "-child")
+            print("child: made one")
+        except shardopt.FailedPrecondition as e:
+            print("child: refused:", e)
+    elif mode != "exits":  # with an overlap push running, its finish is refused too
         try:
             opt.step()
             print("child: stepped")
@@ -725,7 +731,7 @@ opt.drop()
 """
 
 
-@pytest.mark.parametrize("child", ["steps", "exits", "overlaps"])
+@pytest.mark.parametrize("child", ["steps", "exits", "overlaps", "new"])
 def test_a_process_forked_after_a_step_is_refused_and_exits(servers, job, tmp_path, child):
     script = tmp_path / "forked.py"
     script.write_text(FORKED_AFTER_A_STEP)

@@ -345,8 +345,9 @@ class Client {
   // share, only this caller's slices are sent, as for InitFp32. Nothing
   // counts the moments' shares: step 1 waits for every rank's push, so for
   // every rank's Init calls, but a read before then may find some missing.
-  // Both arrays are checked before either is sent (finite; exp_avg_sq not
-  // negative): INVALID_ARGUMENT and nothing written.
+  // Both arrays are checked before either is sent (exp_avg finite;
+  // exp_avg_sq not negative and not NaN, +Inf taken, as design.md section
+  // 3.5 says): INVALID_ARGUMENT and nothing written.
   absl::Status InitAdamState(const std::string& tensor, const float* exp_avg, const float* exp_avg_sq,
                              uint64_t adam_step, InitShare share = {});
   // What InitFp32, InitBf16 and InitAdamState do, for many tensors: every
