@@ -85,7 +85,7 @@ bool StepCommitted(const std::string& root, const std::string& job, uint64_t ste
 
 absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& root, v1::PartManifest manifest,
                                                              bool written, uint32_t array_alignment,
-                                                             uint64_t read_from_life) {
+                                                             std::optional<uint64_t> read_from_life) {
   if (array_alignment != 0 && array_alignment != kDirectAlignment) {
     return absl::InternalError(absl::StrCat("a checkpoint part aligns its arrays to ", kDirectAlignment, " or not"));
   }
@@ -103,22 +103,41 @@ absl::StatusOr<std::unique_ptr<PartWriter>> PartWriter::Open(const std::string& 
   // a complete checkpoint of it needs nothing more, from any placement; but
   // only of this life of the job. This placement's part written by another
   // life (two servers or runs with one job name in one directory) would
-  // otherwise be taken as this one's state. (A restore onto another
-  // placement takes a life from parts of the old one: only this placement's
-  // own part is compared.) A job restored from this step under a new life
-  // holds the state of the parts it was read from: they are its own.
+  // otherwise be taken as this one's state. A job restored from this step
+  // under a new life holds the state of the parts it was read from: they
+  // are its own.
   if (fs::exists(absl::StrCat(w->result_.directory, "/", kCommitName), ec)) {
-    const std::string ours = absl::StrCat(w->result_.directory, "/", PartName(spec));
-    if (auto head = ReadPartHead(ours); head.ok() && SameShards(head->manifest.spec(), spec) &&
-                                        head->manifest.incarnation() != 0 && manifest.incarnation() != 0 &&
-                                        head->manifest.incarnation() != manifest.incarnation() &&
-                                        head->manifest.incarnation() != read_from_life) {
+    // This placement's part of the step, if another life wrote it; where
+    // this placement has none there (the step was written by another
+    // placement), any part, when none of them is this life's and the state
+    // was not read from them (a restore onto another placement reads them
+    // all). A run of the name on another placement was answered "complete"
+    // with the other run's state on disk (an outside probe).
+    std::optional<PartHead> other;
+    const auto another = [&](uint64_t life) {
+      return life != 0 && manifest.incarnation() != 0 && life != manifest.incarnation() && life != read_from_life;
+    };
+    if (auto head = ReadPartHead(absl::StrCat(w->result_.directory, "/", PartName(spec)));
+        head.ok() && SameShards(head->manifest.spec(), spec)) {
+      if (another(head->manifest.incarnation())) other = *std::move(head);
+    } else if (!read_from_life) {
+      bool ours = false;
+      for (const auto& entry : fs::directory_iterator(w->result_.directory, ec)) {
+        if (!IsPartName(entry.path().filename().string())) continue;
+        auto part = ReadPartHead(entry.path().string());
+        if (!part.ok() || part->manifest.incarnation() == 0) continue;
+        if (!another(part->manifest.incarnation())) ours = true;
+        if (!other) other = *std::move(part);
+      }
+      if (ours) other.reset();
+    }
+    if (other) {
       return absl::FailedPreconditionError(absl::StrCat(
           "step ", manifest.step(), " of job ", spec.job(), " is complete in ", w->result_.directory,
-          " already, and its part there is another life of job ", spec.job(), "'s (incarnation ",
-          head->manifest.incarnation(), ", this one ", manifest.incarnation(),
-          "): two servers or runs give one job name and share this --checkpoint_dir; nothing was written. Give "
-          "each run its own job name, or each server its own directory"));
+          " already, and its part there", SameShards(other->manifest.spec(), spec) ? "" : " (of another placement)",
+          " is another life of job ", spec.job(), "'s (incarnation ", other->manifest.incarnation(), ", this one ",
+          manifest.incarnation(), "): two servers or runs give one job name and share this --checkpoint_dir; "
+          "nothing was written. Give each run its own job name, or each server its own directory"));
     }
     w->result_.complete = true;
     w->manifest_ = std::move(manifest);

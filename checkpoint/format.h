@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -125,13 +126,15 @@ class PartWriter {
   // `array_alignment`: the data's start and each array's, padded with zeros
   // (PartManifest.array_alignment); kDirectAlignment, or 0 for none.
   // A step complete already whose part of this placement is of a life other
-  // than the manifest's is refused (another run's), but for `read_from_life`
-  // (0: none), the life of the parts the job's state was read from at this
-  // step.
+  // than the manifest's is refused (another run's), but for `read_from_life`,
+  // the life of the parts the job's state was read from at this step (unset:
+  // not restored from this step, or changed since; 0: parts of no life).
+  // Where this placement has no part of the step, it is refused if no part
+  // is of the manifest's life, unless the state was read from this step.
   static absl::StatusOr<std::unique_ptr<PartWriter>> Open(const std::string& root, v1::PartManifest manifest,
                                                           bool written = false,
                                                           uint32_t array_alignment = kDirectAlignment,
-                                                          uint64_t read_from_life = 0);
+                                                          std::optional<uint64_t> read_from_life = std::nullopt);
   ~PartWriter();  // a part not finished leaves no file
   // False when there is no need to produce the data, which Append then
   // drops: the step's checkpoint is complete already, the part is kept, or

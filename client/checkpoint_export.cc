@@ -1,5 +1,7 @@
 #include "client/checkpoint_export.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -30,10 +32,21 @@ bool InsideTheCheckpointDirectory(const std::string& dir, const std::string& out
   std::error_code dir_ec, out_ec;
   const std::string root =
       std::filesystem::weakly_canonical(std::filesystem::absolute(dir, dir_ec), dir_ec).string();
-  const std::string target =
-      std::filesystem::weakly_canonical(std::filesystem::absolute(out, out_ec), out_ec).string();
+  const std::filesystem::path target =
+      std::filesystem::weakly_canonical(std::filesystem::absolute(out, out_ec), out_ec);
   if (dir_ec || out_ec) return false;
-  return target == root || absl::StartsWith(target, absl::StrCat(root, root.back() == '/' ? "" : "/"));
+  if (target == root || absl::StartsWith(target.string(), absl::StrCat(root, root.back() == '/' ? "" : "/"))) {
+    return true;
+  }
+  // By another path that is no symlink (a bind mount of the directory): an
+  // ancestor of `out` that is the directory itself, by device and inode.
+  struct stat r;
+  if (stat(root.c_str(), &r) != 0) return false;
+  for (std::filesystem::path p = target;; p = p.parent_path()) {
+    struct stat st;
+    if (stat(p.c_str(), &st) == 0 && st.st_dev == r.st_dev && st.st_ino == r.st_ino) return true;
+    if (p == p.parent_path()) return false;
+  }
 }
 
 }  // namespace

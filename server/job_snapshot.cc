@@ -73,7 +73,7 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
   v1::PartManifest m;
   std::vector<v1::DType> dtypes;
   bool written = false;
-  uint64_t read_from_life = 0;
+  std::optional<uint64_t> read_from_life;  // PartWriter::Open
   bool changed_since_restore = false;
   {
     absl::MutexLock lock(&job.mu);

@@ -1,7 +1,9 @@
 #include "server/library_logs.h"
 
+#include <atomic>
 #include <string>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpc/support/log.h"
@@ -14,7 +16,14 @@ namespace {
 // the server's: with --log_format=json every line of stderr is then JSON.
 // At most 5 a second from each line of gRPC's source, as refusals are: any
 // peer can cause a failed handshake per connection, 13711 lines in 3 s.
+std::atomic<bool> accept_failed{false};
+
 void FromGrpc(gpr_log_func_args* args) {
+  const absl::string_view message = args->message;
+  // EMFILE and ENFILE ("... in system") alike.
+  if (absl::StartsWith(message, "Failed accept4") && absl::StrContains(message, "Too many open files")) {
+    accept_failed.store(true);
+  }
   const log::Level level = args->severity == GPR_LOG_SEVERITY_ERROR ? log::Level::kError
                            : args->severity == GPR_LOG_SEVERITY_DEBUG || args->severity == GPR_LOG_SEVERITY_INFO
                                ? log::Level::kInfo
@@ -38,6 +47,8 @@ void FromProtobuf(google::protobuf::LogLevel level, const char* file, int line, 
 }
 
 }  // namespace
+
+bool AcceptFailedForDescriptors() { return accept_failed.load(); }
 
 void RouteLibraryLogs() {
   gpr_set_log_function(FromGrpc);

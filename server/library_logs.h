@@ -11,4 +11,12 @@ namespace shardopt {
 // log::Init.
 void RouteLibraryLogs();
 
+// Whether gRPC has said that accepting a connection failed for want of
+// file descriptors ("Failed accept4: Too many open files"). gRPC 1.51's
+// listener accepts nothing after that, however many descriptors are freed
+// (grpc/grpc#20418; an outside probe's port stayed deaf), while
+// connections already open, the health port and /metrics go on: the server
+// then reports NOT_SERVING so that it is restarted (main.cc).
+bool AcceptFailedForDescriptors();
+
 }  // namespace shardopt

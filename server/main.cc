@@ -448,6 +448,13 @@ int main(int argc, char** argv) {
       (*running)->SetServing(false);
       serving = false;
     }
+    if (serving && shardopt::AcceptFailedForDescriptors()) {
+      log::Error("accept_failed", {{"health", "NOT_SERVING"},
+                                   {"error", "accepting a connection failed: too many open files; gRPC accepts no "
+                                             "new connection after that (grpc/grpc#20418): restart the server"}});
+      (*running)->SetServing(false);
+      serving = false;
+    }
   }
   log::Info("stopping", {{"signal", "SIGTERM or SIGINT"}});
   // Not ready while it drains: probes and load balancers stop sending.

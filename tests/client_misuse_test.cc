@@ -43,6 +43,32 @@ constexpr uint64_t kN = 8192;
 // with random initial values.
 class ClientMisuseTest : public ::testing::Test {
  protected:
+  // A step, then a forked child that runs `refused` (whether its call was
+  // refused as it should be), drops the parent's Client and exits 0 if so;
+  // the child must exit so, and the parent steps on.
+  void ForkAfterAStep(const std::function<bool()>& refused) {
+    const auto grad = RandomBf16(rng, kN, 1.0f);
+    std::vector<uint16_t> params(kN);
+    ASSERT_TRUE(client->Step({{"w", grad.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
+    const uint64_t step = client->step();
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      alarm(20);  // a hang ends the child, which the parent sees
+      const bool ok = refused();
+      client.reset();  // hung in gRPC's shutdown before
+      _exit(ok ? 0 : 3);
+    }
+    const std::optional<int> status = testing::WaitProcess(child, std::chrono::seconds(30));  // its alarm ends it first
+    if (!status) {
+      kill(child, SIGKILL);
+      waitpid(child, nullptr, 0);
+    }
+    ASSERT_TRUE(status.has_value()) << "the child outlived its alarm";
+    EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "child status " << *status;
+    ASSERT_TRUE(client->Step({{"w", grad.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
+    EXPECT_EQ(client->step(), step + 1);
+  }
   void SetUp() override {
     server = ServerProcess::Start();
     ASSERT_NE(server, nullptr);
@@ -117,63 +143,29 @@ TEST_F(ClientMisuseTest, APushInOrderWithoutAGradFunctionIsRefused) {
 // After a step, a forked child's call of the parent's Client is refused at
 // once, its destructor returns, and the child exits; the parent steps on.
 TEST_F(ClientMisuseTest, AForkedChildsCallIsRefusedAndItExits) {
-  const auto grad = RandomBf16(rng, kN, 1.0f);
-  std::vector<uint16_t> params(kN);
-  ASSERT_TRUE(client->Step({{"w", grad.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    alarm(20);  // a hang ends the child, which the parent sees
+  ForkAfterAStep([&] {
     const auto described = client->Describe();
-    const bool refused = described.status().code() == absl::StatusCode::kFailedPrecondition &&
-                         std::string(described.status().message()).find("fork") != std::string::npos;
-    client.reset();  // hung in gRPC's shutdown before
-    _exit(refused ? 0 : 3);
-  }
-  const std::optional<int> status = testing::WaitProcess(child, std::chrono::seconds(30));  // its alarm ends it first
-  if (!status) {
-    kill(child, SIGKILL);
-    waitpid(child, nullptr, 0);
-  }
-  ASSERT_TRUE(status.has_value()) << "the child outlived its alarm";
-  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "child status " << *status;
-  ASSERT_TRUE(client->Step({{"w", grad.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
-  EXPECT_EQ(client->step(), 2u);
+    return described.status().code() == absl::StatusCode::kFailedPrecondition &&
+           std::string(described.status().message()).find("fork") != std::string::npos;
+  });
 }
 
 // A new Client in a forked child is refused too, at Connect, before gRPC
 // is touched: one made there, as the README once said to, hung in its
 // calls past their deadlines, or took the answers of the parent's calls,
 // which then waited out their own deadlines (an outside probe). The parent's
-// next call is answered at once.
+// step after the child and its calls are answered at once.
 TEST_F(ClientMisuseTest, ANewClientInAForkedChildIsRefusedAndLeavesTheParentsAlone) {
-  const auto grad = RandomBf16(rng, kN, 1.0f);
-  std::vector<uint16_t> params(kN);
-  ASSERT_TRUE(client->Step({{"w", grad.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
-  const pid_t child = fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    alarm(20);  // a hang ends the child, which the parent sees
+  const auto t0 = std::chrono::steady_clock::now();
+  ForkAfterAStep([&] {
     ClientOptions options;
     options.servers = {server->address()};
     const auto connected = Client::Connect(options);
-    const bool refused = connected.status().code() == absl::StatusCode::kFailedPrecondition &&
-                         std::string(connected.status().message()).find("is a fork of process") != std::string::npos;
-    client.reset();
-    _exit(refused ? 0 : 3);
-  }
-  const std::optional<int> status = testing::WaitProcess(child, std::chrono::seconds(30));
-  if (!status) {
-    kill(child, SIGKILL);
-    waitpid(child, nullptr, 0);
-  }
-  ASSERT_TRUE(status.has_value()) << "the child outlived its alarm";
-  EXPECT_TRUE(WIFEXITED(*status) && WEXITSTATUS(*status) == 0) << "child status " << *status;
-  const auto t0 = std::chrono::steady_clock::now();
+    return connected.status().code() == absl::StatusCode::kFailedPrecondition &&
+           std::string(connected.status().message()).find("is a fork of process") != std::string::npos;
+  });
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(client->Describe().ok());
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(5));
-  ASSERT_TRUE(client->Step({{"w", grad.data()}}, StepOptions{}, {{"w", params.data()}}).ok());
-  EXPECT_EQ(client->step(), 2u);
 }
 
 }  // namespace

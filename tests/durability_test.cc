@@ -289,6 +289,43 @@ TEST(DurabilityTest, AServerDoesNotTakeAnotherLifesCheckpointOfItsJobsNameAsItsO
   EXPECT_EQ(Fingerprint(*client, job).value(), first);
 }
 
+// The same with the second run on another placement (two servers where the
+// first ran on one): no part of the complete step is its placement's, and
+// it was answered "complete" with the first run's state on disk (an outside
+// probe); now the life of the step's parts is compared.
+TEST(DurabilityTest, ARunOnAnotherPlacementDoesNotTakeAnotherLifesCheckpointAsItsOwn) {
+  const JobOptions job = DurableJob("shared-name-placed", {{"w", 3000}, {"b", 700}});
+  TempDir dir;
+  auto servers = StartServers(3, dir.path());
+  const auto connect = [&](std::vector<size_t> which) {
+    ClientOptions o;
+    for (size_t i : which) o.servers.push_back(servers[i]->address());
+    return Client::Connect(o).value();
+  };
+  auto first = connect({0});
+  auto second = connect({1, 2});
+  ASSERT_EQ(first->CreateOrAttach(job).value(), 0u);
+  ASSERT_EQ(second->CreateOrAttach(job).value(), 0u);  // before any checkpoint, which it would restore
+  Train(*first, job, 3);
+  Train(*second, job, 3);
+  ASSERT_TRUE(first->Checkpoint().ok());
+  const absl::Status refused = second->Checkpoint();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  EXPECT_THAT(std::string(refused.message()), HasSubstr("(of another placement) is another life of job"));
+  // The first run restored onto the second's placement takes the life of
+  // one of the parts it read, and its checkpoint of the restored step is
+  // complete, as before.
+  const std::vector<uint32_t> at3 = Fingerprint(*first, job).value();
+  ASSERT_TRUE(second->Drop().ok());
+  first.reset();
+  second.reset();
+  auto restored = connect({1, 2});
+  ASSERT_EQ(restored->CreateOrAttach(job).value(), 3u);
+  EXPECT_EQ(Fingerprint(*restored, job).value(), at3);
+  const absl::Status again = restored->Checkpoint();
+  EXPECT_TRUE(again.ok()) << again;
+}
+
 // A job restored under a new life (made again after a drop, or from a
 // restore_step) holds exactly the state of the parts it was read from, of
 // the life before: a checkpoint of that step is the one already complete,
@@ -1804,6 +1841,19 @@ TEST(DurabilityTest, ExportWritesMastersTorchReadsBitwiseAndImportStartsAJobFrom
   const std::string job_dir = std::filesystem::path(part).parent_path().parent_path().string();
   EXPECT_EQ(WEXITSTATUS(std::system(("cd " + job_dir + " && " + cli_export + "new.safetensors 2>/dev/null").c_str())), 1);
   EXPECT_FALSE(std::filesystem::exists(job_dir + "/new.safetensors"));
+  // So is one that reaches the directory by another path that is no
+  // symlink: a bind mount of it (in a mount namespace of the test's own, as
+  // unshare's mapped root). An outside probe's export over the id file
+  // through such an alias exited 0, and no server started on the directory.
+  const std::string alias = expected.path() + "/alias";
+  std::filesystem::create_directory(alias);
+  const std::string through_alias = "unshare -rm sh -c 'mount --bind " + dir.path() + " " + alias + " && " +
+                                    std::string(SHARDOPT_CLI_BINARY) + " export --checkpoint_dir=" + dir.path() +
+                                    " export " + alias + "/" + checkpoint::kDirectoryIdName + "' 2>" +
+                                    expected.path() + "/aliased";
+  EXPECT_EQ(WEXITSTATUS(std::system(through_alias.c_str())), 1) << testing::ReadText(expected.path() + "/aliased");
+  EXPECT_THAT(testing::ReadText(expected.path() + "/aliased"), HasSubstr("lies in the checkpoint directory"));
+  EXPECT_EQ(testing::ReadText(id), id_bytes);
   // Under a file-size limit the write fails with EFBIG, said and cleaned
   // up; SIGXFSZ used to kill the CLI with nothing said and its temporary
   // file left behind.

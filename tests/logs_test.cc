@@ -13,6 +13,8 @@
 #include <poll.h>
 #include <arpa/inet.h>
 
+#include <cerrno>
+#include <cstring>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -680,6 +682,48 @@ TEST_F(LogsTest, TheServerRaisesItsOpenFileLimitAndExportsItsOpenFiles) {
   }
   EXPECT_GE(open, before + 20);
   for (const int fd : idle) close(fd);
+}
+
+
+// A burst of connections past the open-file limit leaves gRPC 1.51's
+// listener accepting nothing for good (grpc/grpc#20418), while the health
+// port and /metrics go on: an outside probe's server stayed deaf, its
+// health SERVING, so nothing would restart it. The server now sees gRPC's
+// "Failed accept4: Too many open files", logs accept_failed and answers
+// NOT_SERVING, so that Kubernetes' liveness probe replaces it.
+TEST_F(LogsTest, AListenerThatRanOutOfDescriptorsIsReportedNotServing) {
+  const int health_port = testing::FreeLoopbackPort();
+  auto server = ServerProcess::StartLogged({"--log_format=json", absl::StrCat("--health_port=", health_port)});
+  ASSERT_NE(server, nullptr);
+  const std::string health = absl::StrCat("127.0.0.1:", health_port);
+  const std::string serving("\x08\x01", 2), not_serving("\x08\x02", 2);
+  ASSERT_EQ(testing::GenericUnary(health, "/grpc.health.v1.Health/Check", "").second, serving);
+  // The server's limit cut to a few descriptors more than it holds.
+  const auto open_now = static_cast<rlim_t>(std::distance(
+      std::filesystem::directory_iterator("/proc/" + std::to_string(server->pid()) + "/fd"), {}));
+  const rlimit tight{open_now + 8, open_now + 8};
+  ASSERT_EQ(prlimit(server->pid(), RLIMIT_NOFILE, &tight, nullptr), 0) << std::strerror(errno);
+  std::vector<int> flood;
+  for (int i = 0; i < 40; ++i) {
+    const int fd = ConnectLoopback(server->port());  // the kernel completes it; gRPC's accept fails
+    if (fd >= 0) flood.push_back(fd);
+  }
+  for (int i = 0; i < 100 && !absl::StrContains(server->log(), "Failed accept4"); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_THAT(server->log(), ::testing::HasSubstr("Failed accept4: Too many open files"));
+  // Freed again, as the probe's were: the health port, a listener of its
+  // own, accepts the checks, and the main port stays deaf.
+  for (const int fd : flood) close(fd);
+  std::string answer;
+  for (int i = 0; i < 30 && answer != not_serving; ++i) {  // the main loop looks once a second
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    answer = testing::GenericUnary(health, "/grpc.health.v1.Health/Check", "").second;
+  }
+  EXPECT_EQ(answer, not_serving);
+  const std::vector<nlohmann::json> failed = Events(JsonLines(server->log()), "accept_failed");
+  ASSERT_EQ(failed.size(), 1u) << server->log();
+  EXPECT_EQ(failed[0].value("health", ""), "NOT_SERVING");
 }
 
 }  // namespace
