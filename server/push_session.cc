@@ -308,7 +308,10 @@ absl::Status PushSession::CheckRoundLocked() {
 }
 
 absl::Status PushSession::Discarded() const {
-  return absl::DeadlineExceededError(absl::StrCat("the round of step ", step_, " ended before it was sealed (",
+  // Naming the job: the refused line in the log is all an operator of a
+  // server of many jobs sees of it (an outside probe).
+  return absl::DeadlineExceededError(absl::StrCat("job ", Quote(job_->name()), ": the round of step ", step_,
+                                                  " ended before it was sealed (",
                                                   job_->round_end, "); nothing was applied and rank ", rank_,
                                                   "'s gradients were discarded: push step ", step_, " again"));
 }
@@ -473,7 +476,7 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::AwaitSeal(const Wak
   }
   // Our own deadline: end the round for everyone.
   const std::string missing = job_->EndRoundAtDeadline();
-  return absl::DeadlineExceededError(absl::StrCat(BarrierTimedOut(step_), " after ",
+  return absl::DeadlineExceededError(absl::StrCat("job ", Quote(job_->name()), ": ", BarrierTimedOut(step_), " after ",
                                                   absl::FormatDuration(job_->barrier_timeout), ": ", missing,
                                                   "; nothing was applied: push step ", step_, " again"));
 }

@@ -546,6 +546,9 @@ TEST_F(StoreTest, EveryRankAtAnExpiredBarrierIsToldWhichRanksAreMissing) {
   for (const auto& answer : answers) {
     EXPECT_EQ(answer.status().code(), absl::StatusCode::kDeadlineExceeded);
     EXPECT_THAT(std::string(answer.status().message()), HasSubstr("ranks {2} of 3 have not finished pushing step 1"));
+    // And the job: the refused line in the log is all an operator sees of
+    // it, and it named none (an outside probe).
+    EXPECT_THAT(std::string(answer.status().message()), ::testing::StartsWith("job 'missing': "));
   }
   EXPECT_EQ(Snapshot("missing"), before);
 }
