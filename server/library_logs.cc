@@ -12,15 +12,17 @@
 namespace shardopt {
 namespace {
 
+// Set once gRPC says an accept failed for want of descriptors
+// (AcceptFailedForDescriptors): its own log line is the only sign of it.
+std::atomic<bool> accept_failed{false};
+
 // gRPC's own log lines (a failed TLS handshake, a port it cannot bind) as
 // the server's: with --log_format=json every line of stderr is then JSON.
 // At most 5 a second from each line of gRPC's source, as refusals are: any
 // peer can cause a failed handshake per connection, 13711 lines in 3 s.
-std::atomic<bool> accept_failed{false};
-
 void FromGrpc(gpr_log_func_args* args) {
   const absl::string_view message = args->message;
-  // EMFILE and ENFILE ("... in system") alike.
+  // EMFILE and ENFILE ("... in system") alike; seen before the rate limit.
   if (absl::StartsWith(message, "Failed accept4") && absl::StrContains(message, "Too many open files")) {
     accept_failed.store(true);
   }
