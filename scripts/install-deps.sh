@@ -25,7 +25,8 @@ packages=(
 # The outside-reference test compares against torch.optim.AdamW.
 if [[ "${SHARDOPT_WITH_TORCH:-1}" == 1 ]]; then
   packages+=(python3 python3-dev python3-numpy python3-torch python3-pytest python3-matplotlib
-             python3-pip python3-setuptools python3-wheel pybind11-dev)
+             python3-pip python3-setuptools python3-wheel pybind11-dev
+             python3-grpcio)  # tests/python/proxy.py: byte-level gRPC proxies between client and server
 fi
 
 # tests/deploy: kubectl (for `kubectl kustomize`), and node with npm for the
