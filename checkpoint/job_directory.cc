@@ -86,6 +86,17 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
   return done;
 }
 
+uint64_t NewestOwnTornStep(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step) {
+  const std::string own = PartName(spec);
+  std::error_code ec;
+  for (uint64_t t : StepsNewestFirst(JobDirectory(root, spec.job()))) {
+    if (t <= step) break;
+    const std::string dir = StepDirectory(root, spec.job(), t);
+    if (!fs::exists(absl::StrCat(dir, "/", kCommitName), ec) && fs::exists(absl::StrCat(dir, "/", own), ec)) return t;
+  }
+  return 0;
+}
+
 absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
                                    const Log& log) {
   const std::string job_dir = JobDirectory(root, spec.job());

@@ -57,6 +57,10 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
 // the job's first seal); before that, a peer may still complete the part's
 // step with it. `log` is told of each part as it is moved; INTERNAL if one
 // could not be.
+// The newest step after `step` whose directory holds `spec`'s placement's
+// part and no COMMIT (a torn step that peers may still complete), or 0.
+uint64_t NewestOwnTornStep(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step);
+
 absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
                                    const Log& log);
 

@@ -1,6 +1,8 @@
 #include "client/client_impl.h"
 
 #include <algorithm>
+#include <chrono>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -63,9 +65,27 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
   req.set_restore_step(0);              // this run's newest, whatever the launch asked for
   req.set_incarnation(incarnation[s]);  // not if that life was dropped on purpose
   v1::CreateJobResponse resp;
-  SHARDOPT_RETURN_IF_ERROR(
-      fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
-                   [&](grpc::ClientContext* ctx) { return stubs[s]->CreateJob(ctx, req, &resp); }));
+  const auto create = [&] {
+    return fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
+                        [&](grpc::ClientContext* ctx) { return stubs[s]->CreateJob(ctx, req, &resp); });
+  };
+  SHARDOPT_RETURN_IF_ERROR(create());
+  // Back behind this client's step with its own part of the step on disk:
+  // its drain (SIGTERM, a pod's restart) wrote that part while the others
+  // held the step, which their parts now complete. The job made or restored
+  // here is undone (its life not marked), and the next CreateJob restores
+  // the step. Other ranks may hold a count of the job made here too, which
+  // each of their own Reattaches undoes: a pause after the undo lets them,
+  // and the job is asked for again a few times.
+  if (resp.step() < step && resp.own_part_step() == step && CompleteOnPeers(s)) {
+    for (auto pause = std::chrono::milliseconds(100);; pause *= 2) {
+      const bool alone = resp.created();  // made here by this call: most likely no other rank's count
+      DropLife(s, resp.incarnation(), /*undo=*/true);
+      if (!alone || pause > std::chrono::milliseconds(100)) std::this_thread::sleep_for(pause);
+      SHARDOPT_RETURN_IF_ERROR(create());
+      if (resp.step() >= step || pause >= std::chrono::milliseconds(800)) break;
+    }
+  }
   // The job restored (or attached by another rank) must be this client's
   // life too: a server that holds the job of a new run made since (or
   // restored its checkpoint, whose life is the next one) refuses this
@@ -116,6 +136,29 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
   std::lock_guard<std::mutex> lock(lost_mu);
   lost[s] = std::string(failed.message());
   return failed;
+}
+
+bool Client::Impl::CompleteOnPeers(uint32_t s) const {
+  std::vector<uint32_t> peers;
+  for (uint32_t o = 0; o < servers(); ++o) {
+    if (o != s && !shards_of[o].empty()) peers.push_back(o);
+  }
+  if (peers.empty()) return false;
+  std::vector<v1::CheckpointResponse> answers(servers());
+  const absl::Status written = fanout::ForEach(peers, [&](uint32_t o) {
+    return fanout::FailFanout(fanout::Call(
+        channels[o].get(), address(o), options.token, options.max_attempts, options.rpc_timeout_ms,
+        [&](grpc::ClientContext* ctx) {
+          v1::CheckpointRequest req;
+          req.set_job(job.name);
+          req.set_step(step);  // FAILED_PRECONDITION on a peer that applied another step: nothing written there
+          req.set_incarnation(incarnation[o]);
+          return stubs[o]->Checkpoint(ctx, req, &answers[o]);
+        }));
+  });
+  return written.ok() && std::any_of(answers.begin(), answers.end(), [](const v1::CheckpointResponse& a) {
+           return a.complete();
+         });
 }
 
 absl::Status Client::Impl::UnlessServerBehind(uint32_t s, uint64_t t, absl::Status st) const {

@@ -171,6 +171,10 @@ struct Client::Impl {
   // again (its life marked, so that later calls say why: `lost`). A job dropped on purpose is answered "was dropped" instead, and
   // never comes here.
   absl::Status Reattach(uint32_t s, const absl::Status& why) const;
+  // Reattach's way back for a server whose drain wrote its part of this
+  // client's step: checkpoints that step on every other server of the job.
+  // Whether one of them then completed it.
+  bool CompleteOnPeers(uint32_t s) const;
 
   // A push or commit of this client's next step, t, that server `s` calls
   // "in the future" (OUT_OF_RANGE): the server is behind the step its peers

@@ -88,7 +88,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(Job& job, const v1::Creat
   return response;
 }
 
-void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobResponse* response) {
+void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobResponse* response) const {
   response->set_step(job.step);
   response->set_incarnation(job.incarnation);
   response->set_push_clock(job.push_clock);
@@ -105,6 +105,11 @@ void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobRespons
   const Job::Round& r = job.round;
   response->set_rank_pushed(r.active && !r.sealed && std::chrono::steady_clock::now() < r.deadline &&
                             r.sum != nullptr && (r.sum->finished(rank) || r.sum->folded(rank)));
+  // Until the first seal, which sets such a part aside: a trainer whose
+  // peers still hold that step completes it there, then comes back for it.
+  if (job.before_first_seal) {
+    response->set_own_part_step(checkpoint::NewestOwnTornStep(options_.checkpoint_dir, job.spec, job.step));
+  }
 }
 
 absl::Status JobStore::Draining(absl::string_view what) {
