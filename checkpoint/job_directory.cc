@@ -97,10 +97,34 @@ uint64_t NewestOwnTornStep(const std::string& root, const v1::CreateJobRequest& 
   return 0;
 }
 
+namespace {
+
+// Renames `dir`/`name` into the job's directory as "abandoned-<step
+// directory>-<name>-<nanoseconds>"; `moved` is set if it did. A file that
+// is not there is no error.
+absl::Status SetAside(const std::string& job_dir, const std::string& dir, const std::string& name,
+                      const std::string& why, const Log& log, bool* moved) {
+  const std::string file = absl::StrCat(dir, "/", name);
+  const std::string aside = absl::StrFormat("%s/abandoned-%s-%s-%d", job_dir, fs::path(dir).filename().string(), name,
+                                            absl::ToUnixNanos(absl::Now()));
+  if (rename(file.c_str(), aside.c_str()) == 0) {
+    *moved = true;
+    log(absl::StrCat("set aside ", file, " (", why, ") as ", aside));
+    return absl::OkStatus();
+  }
+  if (const int error = errno; error != ENOENT) {
+    return ErrnoStatus(error, absl::StrCat("cannot set aside ", file, " (", why, "; move it away) as ", aside));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
                                    const Log& log) {
   const std::string job_dir = JobDirectory(root, spec.job());
   const std::string own = PartName(spec);
+  const std::string why = absl::StrCat("a part of another run: this server runs job '", spec.job(), "' on from step ", step);
   bool moved = false;
   absl::Status status;
   std::error_code ec;
@@ -108,17 +132,8 @@ absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobR
     if (t <= step) break;
     const std::string dir = StepDirectory(root, spec.job(), t);
     if (fs::exists(absl::StrCat(dir, "/", kCommitName), ec)) continue;  // SetAsideNewerSteps' (restore_step)
-    const std::string part = absl::StrCat(dir, "/", own);
-    const std::string aside = absl::StrFormat("%s/abandoned-%s-%s-%d", job_dir, fs::path(dir).filename().string(), own,
-                                              absl::ToUnixNanos(absl::Now()));
-    if (rename(part.c_str(), aside.c_str()) == 0) {
-      moved = true;
-      log(absl::StrCat("set aside part ", part, " of another run as ", aside));
-    } else if (const int error = errno; error != ENOENT) {
-      status = ErrnoStatus(error, absl::StrCat("cannot set aside ", part, " (this server runs job '", spec.job(),
-                                               "' on from step ", step, "; move it away) as ", aside));
-      break;
-    }
+    status = SetAside(job_dir, dir, own, why, log, &moved);
+    if (!status.ok()) break;
     // A writer of that run that died left its temporary file; only a write
     // of the same step would remove it, and the new run may never write it.
     RemoveTemporaries(dir, own);
@@ -127,6 +142,26 @@ absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobR
   if (moved) {
     const absl::Status synced = FsyncDirectory(job_dir);
     if (status.ok()) status = synced;
+  }
+  return status;
+}
+
+absl::Status SetAsideStepOfOldValues(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
+                                     const Log& log) {
+  const std::string job_dir = JobDirectory(root, spec.job());
+  const std::string dir = StepDirectory(root, spec.job(), step);
+  const std::string why = absl::StrCat("initial values written since changed job '", spec.job(), "' at step ", step);
+  bool moved = false;
+  // The marker first: with it gone the step is never loaded, and a crash
+  // before the part follows leaves a torn step, not a COMMIT that lists a
+  // part no longer there.
+  absl::Status status = SetAside(job_dir, dir, kCommitName, why, log, &moved);
+  if (status.ok()) status = SetAside(job_dir, dir, PartName(spec), why, log, &moved);
+  if (moved) {
+    const absl::Status synced = FsyncDirectory(job_dir);
+    if (status.ok()) status = synced;
+    const absl::Status step_synced = FsyncDirectory(dir);
+    if (status.ok()) status = step_synced;
   }
   return status;
 }

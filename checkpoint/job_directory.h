@@ -64,4 +64,16 @@ uint64_t NewestOwnTornStep(const std::string& root, const v1::CreateJobRequest& 
 absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
                                    const Log& log);
 
+// Initial values written at `step` (0) into a job whose state that step's
+// checkpoint holds (restored from it, or written by this server) change the
+// state: the checkpoint is no longer the job's, and a restart would restore
+// the values from before the write. Its COMMIT and this server's part
+// (`spec`'s placement's) are renamed as SetAsideOwnNewerParts renames, the
+// COMMIT first, so that the step is torn: never loaded, and completed again
+// only with this server's new part (peers whose state is unchanged keep
+// theirs). Nothing where neither is there. INTERNAL or FAILED_PRECONDITION
+// (ErrnoStatus) if one could not be moved.
+absl::Status SetAsideStepOfOldValues(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
+                                     const Log& log);
+
 }  // namespace shardopt::checkpoint

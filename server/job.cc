@@ -228,14 +228,29 @@ bool Job::AwaitWholeStep(absl::Time deadline) {
   return true;
 }
 
-bool Job::StateWritable(const std::function<void()>& wake) {
+namespace {
+
+// Waits until `busy` is false or the job is dropped (a null `wake`), or
+// answers at once, watching with `wake` on false (Job::StateWritable).
+template <typename Busy>
+bool AwaitIdle(Job& job, const Busy& busy, const std::function<void()>& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu) {
   if (!wake) {
-    while (snapshots > 0 && !dropped) changed.Wait(&mu);
+    while (busy() && !job.dropped) job.changed.Wait(&job.mu);
     return true;
   }
-  if (snapshots == 0 || dropped) return true;
-  Watch(wake);
+  if (!busy() || job.dropped) return true;
+  job.Watch(wake);
   return false;
+}
+
+}  // namespace
+
+bool Job::StateWritable(const std::function<void()>& wake) {
+  return AwaitIdle(*this, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return snapshots > 0; }, wake);
+}
+
+bool Job::InitWritable(const std::function<void()>& wake) {
+  return AwaitIdle(*this, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return snapshots > 0 || checkpointing; }, wake);
 }
 
 std::string Job::MissingSummary() const {

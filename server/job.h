@@ -254,6 +254,10 @@ class Job {
   // the wakeup thread) at the job's next change, to ask again: a gRPC
   // reactor waits so without holding a thread.
   bool StateWritable(const std::function<void()>& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // The same, and also once no checkpoint of the job is being written here
+  // at all: initial values may set a checkpoint's files aside
+  // (JobStore::TryInit), which one still finishing could complete again.
+  bool InitWritable(const std::function<void()>& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 
   // Which ranks are missing from the round, and the first range one lacks.
   std::string MissingSummary() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);

@@ -356,7 +356,7 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
                                               Quote(chunk.tensor()), chunk.offset()));
   SHARDOPT_RETURN_IF_ERROR(CheckAdamStep(chunk.adam_step(), Quote(chunk.tensor())));
   absl::MutexLock lock(&job.mu);
-  if (!job.StateWritable(wake)) return std::nullopt;  // a checkpoint streaming step 0 keeps the values it began with
+  if (!job.InitWritable(wake)) return std::nullopt;  // a checkpoint of step 0 keeps the values it began with
   // Under the job's lock, held from here to the write (StateWritable may
   // have let it go while it waited), which the drain takes after it began,
   // to see whether the job's initial values are in: a value written after
@@ -374,6 +374,17 @@ absl::StatusOr<std::optional<uint64_t>> JobStore::TryInit(const v1::InitChunk& c
   SHARDOPT_ASSIGN_OR_RETURN(auto shard, job.LocateRange(chunk.tensor(), chunk.offset(), count));
   const OwnedShard& s = job.shards[shard];
   const uint64_t local = chunk.offset() - s.offset;
+  // The first write into a state that a checkpoint of step 0 holds (the job
+  // was restored from it, or this server wrote its part of it) makes that
+  // checkpoint another state's: left complete, a restart would restore the
+  // values from before this write under trainers that sent the new ones.
+  // It is set aside first; a failure to leaves the state unwritten.
+  if (job.part_written == job.step ||
+      (job.restored_from && job.restored_from->step == job.step && !job.restored_from->changed)) {
+    SHARDOPT_RETURN_IF_ERROR(
+        checkpoint::SetAsideStepOfOldValues(options_.checkpoint_dir, job.spec, job.step, options_.checkpoint_log));
+    job.part_written.reset();
+  }
   if (job.restored_from) job.restored_from->changed = true;  // even if the write fails partway
   SHARDOPT_RETURN_IF_ERROR(job.state->WriteState(shard, kind, local, dtype, chunk.data().data(), count));
   job.written = true;

@@ -72,6 +72,7 @@ absl::StatusOr<v1::CheckpointResponse> JobStore::WriteCheckpoint(const v1::Check
   absl::Cleanup written_or_not = [&job] {
     absl::MutexLock lock(&job.mu);
     job.checkpointing = false;
+    job.Notify();  // an Init waits for it (Job::InitWritable)
   };
   // The writer's buffers are charged while it runs, as every allocation a
   // client's request makes is (memory_budget.h): once the step is known

@@ -680,6 +680,69 @@ TEST(DurabilityTest, APushWaitingAtItsBarrierFindsItsConnectionDead) {
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
 }
 
+// Initial values sent to a job at step 0 whose step 0 is checkpointed (a
+// launch that died before step 1 and was relaunched with other weights,
+// whose job the drain had checkpointed) are what a restart restores. The
+// first such write sets the step's COMMIT and this server's part aside.
+// Before, the drain after them failed (exit 1, "initial values written
+// since have changed it"), and the restart restored the old values, under a
+// trainer that stepped on from them without a word.
+TEST(DurabilityTest, InitialValuesSentAfterADrainAtStep0AreWhatTheNextDrainKeeps) {
+  const JobOptions job = DurableJob("reinit", {{"w", 5000}});
+  TempDir dir;
+  FixedPortServers fixed(1, dir.path());
+  if (HasFailure()) return;
+  std::mt19937_64 rng(17);
+  const std::vector<float> other = testing::RandomFloats(rng, 5000, -2, 2);
+  std::vector<uint32_t> first, second;
+  {
+    auto client = Client::Connect(fixed.Options()).value();
+    ASSERT_TRUE(client->CreateOrAttach(job).ok());
+    ASSERT_TRUE(ScriptedTrainer(job).Init(*client).ok());
+    first = Fingerprint(*client, job).value();
+  }
+  ASSERT_EQ(fixed.servers[0]->Stop(SIGTERM) >> 8, 0);  // step 0, complete
+  ASSERT_NO_FATAL_FAILURE(fixed.Restart(0));
+  {
+    auto client = Client::Connect(fixed.Options()).value();
+    ASSERT_EQ(client->CreateOrAttach(job).value(), 0u);  // restored
+    ASSERT_EQ(Fingerprint(*client, job).value(), first);
+    ASSERT_TRUE(client->InitFp32("w", other.data()).ok());
+    second = Fingerprint(*client, job).value();
+    ASSERT_NE(second, first);
+  }
+  EXPECT_EQ(fixed.servers[0]->Stop(SIGTERM) >> 8, 0);  // its drain writes step 0 anew
+  ASSERT_NO_FATAL_FAILURE(fixed.Restart(0));
+  auto client = Client::Connect(fixed.Options()).value();
+  ASSERT_EQ(client->CreateOrAttach(job).value(), 0u);
+  EXPECT_EQ(Fingerprint(*client, job).value(), second);
+}
+
+// The same write after a checkpoint the trainer took at step 0, then a
+// kill -9: the old checkpoint is no longer complete, so the restart holds
+// no state of the job, and the trainer's next step says its part is lost
+// instead of stepping from the values before the write.
+TEST(DurabilityTest, InitialValuesSentAfterACheckpointAtStep0AreNeverLostSilentlyByAKill) {
+  const JobOptions job = DurableJob("reinit-kill", {{"w", 5000}});
+  TempDir dir;
+  FixedPortServers fixed(1, dir.path());
+  if (HasFailure()) return;
+  std::mt19937_64 rng(18);
+  const std::vector<float> other = testing::RandomFloats(rng, 5000, -2, 2);
+  auto client = Client::Connect(fixed.Options()).value();
+  ASSERT_TRUE(client->CreateOrAttach(job).ok());
+  ScriptedTrainer trainer(job);
+  ASSERT_TRUE(trainer.Init(*client).ok());
+  ASSERT_TRUE(client->Checkpoint().ok());  // step 0, complete
+  ASSERT_TRUE(client->InitFp32("w", other.data()).ok());
+  EXPECT_FALSE(fs::exists(dir.path() + "/reinit-kill/step-00000000000000000000/COMMIT"));
+  fixed.servers[0]->Stop(SIGKILL);
+  ASSERT_NO_FATAL_FAILURE(fixed.Restart(0));
+  const auto stepped = trainer.Step(*client);
+  ASSERT_EQ(stepped.status().code(), absl::StatusCode::kFailedPrecondition) << stepped.status();
+  EXPECT_THAT(std::string(stepped.status().message()), HasSubstr("has no checkpoint of it"));
+}
+
 // A server replaced under a running job (a rolling upgrade: SIGTERM, whose
 // drain checkpoints the job, then a new process on the same port and
 // directory): the trainer's next step finds the new server without the job,
