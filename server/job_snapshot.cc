@@ -111,7 +111,9 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
       dtypes.push_back(section->dtype());
     }
     written = job.part_written == job.step;
-    if (job.restored_from && job.restored_from->step == job.step) {
+    // A part this server wrote of the step since is the state's (initial
+    // values written after it set it aside: JobStore::TryInit).
+    if (!written && job.restored_from && job.restored_from->step == job.step) {
       if (job.restored_from->changed) {
         changed_since_restore = true;
       } else {
