@@ -292,8 +292,11 @@ absl::StatusOr<uint32_t> Job::LocateRange(const std::string& tensor, uint64_t of
   const uint64_t numel = spec.tensors(it->second).numel();
   if (offset > numel || count > numel - offset) {
     // offset + count may not fit 64 bits: say the count rather than a wrapped end.
-    return absl::OutOfRangeError(absl::StrCat("tensor ", Quote(tensor), " has ", numel, " elements; ", count,
-                                              " from offset ", offset, " go past its end"));
+    return absl::OutOfRangeError(absl::StrCat(
+        "tensor ", Quote(tensor), " has ", numel, " elements; ",
+        // No count (a Read to the shard's end) goes nowhere: the offset is past it.
+        count == 0 ? absl::StrCat("offset ", offset, " is past its end")
+                   : absl::StrCat(count, " from offset ", offset, " go past its end")));
   }
   if (si < 0) {
     return absl::OutOfRangeError(absl::StrCat("tensor '", tensor, "' has no shard on this server"));

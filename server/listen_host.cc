@@ -28,6 +28,8 @@ bool IsLoopback(const std::string& host) {
 }
 
 absl::Status CheckHostHasNoPort(const std::string& host) {
+  // Else read as no host at all: gRPC's "unparseable host:port" at the bind.
+  if (host.empty()) return absl::InvalidArgumentError("--host is empty: give an address or a name (e.g. 127.0.0.1)");
   const std::string bare = BareHost(host);
   if (bare.find(':') == std::string::npos) return absl::OkStatus();
   in6_addr v6;

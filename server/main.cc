@@ -122,6 +122,11 @@ void OnReload(int) {
 absl::Status CheckWritable(const std::string& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
+  // Not made (a read-only volume): that, not the probe's ENOENT, is why.
+  if (ec && !std::filesystem::is_directory(dir)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--checkpoint_dir=", dir, " is not a writable directory: cannot create it: ", ec.message()));
+  }
   // A name of its own: the servers sharing the directory start at once, and
   // in their pods each is pid 1.
   const std::string probe = shardopt::TemporaryName(dir + "/.shardopt-write-probe");

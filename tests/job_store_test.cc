@@ -915,6 +915,17 @@ TEST_F(StoreTest, BadInputGetsASpecificCodeAndChangesNothing) {
          return r;
        }(), [](const v1::StateChunk&) { return true; }), absl::StatusCode::kOutOfRange,
        "18446744073709551566 from offset 100 go past its end"},
+      // With no length (to the shard's end), the offset alone is past it:
+      // "0 from offset 3001 go past its end" read as if zero elements could.
+      {"read from past the end", store_.Read([] {
+         v1::ReadRequest r;
+         r.set_job("bad");
+         r.set_tensor("w");
+         r.set_kind(v1::MASTER);
+         r.set_offset(3001);
+         return r;
+       }(), [](const v1::StateChunk&) { return true; }), absl::StatusCode::kOutOfRange,
+       "has 3000 elements; offset 3001 is past its end"},
   };
   for (const Case& c : cases) {
     EXPECT_EQ(c.status.code(), c.code) << c.what << ": " << c.status;

@@ -908,6 +908,15 @@ TEST(LimitsTest, ACheckpointDirThatCannotBeWrittenStopsTheServer) {
   // With the system's reason, which decides the fix (a full disk was said
   // to be "not a writable directory" alone: an outside probe).
   EXPECT_THAT(log, HasSubstr("No such file or directory"));
+  // One that could not be made says so, with why (it said the probe's
+  // "No such file or directory" for a directory on a read-only volume).
+  char tmpl[] = "/tmp/shardopt-file-XXXXXX";
+  const int fd = mkstemp(tmpl);
+  ASSERT_GE(fd, 0);
+  close(fd);
+  EXPECT_EQ(testing::ServerExitCode({absl::StrCat("--checkpoint_dir=", tmpl, "/checkpoints")}, &log), 1);
+  EXPECT_THAT(log, HasSubstr("is not a writable directory: cannot create it: Not a directory"));
+  std::filesystem::remove(tmpl);
 }
 
 // Flags out of range are usage errors (exit 2, naming the flag), not a port
@@ -917,7 +926,7 @@ TEST(LimitsTest, FlagsOutOfRangeAreUsageErrors) {
   for (const std::string flag : {"--metrics_port=70000", "--metrics_port=-1", "--health_port=65536",
                                  "--threads=100000000", "--threads=-1", "--device=tpu", "--device=cuda:x",
                                  "--device=cuda:-1", "--device=cuda:", "--device=cuda:+1", "--device=cuda: 1",
-                                 "--keepalive_seconds=86401"}) {
+                                 "--keepalive_seconds=86401", "--host="}) {
     std::string log;
     EXPECT_EQ(testing::ServerExitCode({flag}, &log), 2) << flag;
     EXPECT_THAT(log, HasSubstr(flag.substr(0, flag.find('=')))) << flag;
