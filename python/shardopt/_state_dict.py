@@ -273,7 +273,41 @@ class _StateDictIO:
                     f"{held.get(t.name, 0)} on the servers): a restarted trainer resumes from the servers, and "
                     "loads only the state dict of the step they hold (for its param groups' lr); to start "
                     "from this one, drop the job and load it into a new one")
+        self._check_masters_held(state_dict, saved_groups)
         self._take_group_keys(saved_groups)
+
+    def _check_masters_held(self, state_dict, saved_groups, sample=1024):
+        """The same Adam steps are not the same state: another run of the
+        job's name, or a run of another job, saved at the same step would
+        only have set the groups' keys, its weights and moments dropped
+        unsaid. Each fp32 master the dict holds for the step it has (one
+        that went through torch's steps is older and not compared) is
+        compared, its first `sample` elements, bitwise with the servers'
+        (one read of all of them)."""
+        reads, pairs = [], []
+        for t, entry in self._entries(state_dict, saved_groups):
+            master = entry.get("master")
+            step = _number(entry.get("step", 0))
+            if (not isinstance(master, torch.Tensor) or master.dtype != torch.float32 or not t.numel
+                    or master.numel() != t.numel or _number(entry.get("master_step", step)) != step):
+                continue
+            n = min(sample, t.numel)
+            held = torch.empty(n, dtype=torch.float32)
+            reads.append((t.name, _C.StateToRead.MASTER, 0, n, held.data_ptr()))
+            pairs.append((t, master.detach().reshape(-1)[:n].to("cpu"), held))
+        if not reads:
+            return
+        self._client.read_many(reads)
+        for t, saved, held in pairs:
+            differ = (saved.view(torch.int32) != held.view(torch.int32)).nonzero()
+            if len(differ):
+                i = int(differ[0])
+                raise FailedPrecondition(
+                    f"the job is at step {self._client.step_count} and the servers hold its state; this state dict "
+                    f"is of the same Adam steps but not of that state: param {t.name!r}'s master differs from "
+                    f"the servers' (element {i}: {saved[i].item()!r} in the dict, {held[i].item()!r} on the "
+                    "servers), so it is another run's, saved at the same step. A restarted trainer resumes from "
+                    "the servers; to start from this state dict, drop the job and load it into a new one")
 
     def _entries(self, state_dict, saved_groups):
         """Each param the job holds (_Tensor.remote) and its entry in the

@@ -213,6 +213,36 @@ def test_a_restarted_trainer_loading_its_state_dict_resumes_its_schedulers_lr(se
     opt.drop()
 
 
+def test_a_state_dict_of_another_run_at_the_same_step_is_refused_not_dropped_unsaid(servers, job):
+    """A trainer attached to a job that has stepped loads a state dict of
+    the same Adam steps from another run (a stale job of the same name, a
+    checkpoint of another experiment): the servers keep their state, so
+    taking only the dict's lr would train on from the other run's weights
+    with nothing said (an outside probe). It is refused, naming a param and
+    an element where the masters differ, and changes nothing."""
+    other = make_model(seed=3)
+    opt = RemoteAdamW(param_groups(other), servers=servers, job=f"{job}-other", lr=2e-3)
+    train(other, opt, 3)
+    saved = opt.state_dict()
+    opt.drop()
+
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3)
+    train(model, opt, 3)
+    del opt
+    model = make_model()
+    opt = RemoteAdamW(param_groups(model), servers=servers, job=job, lr=1e-3)
+    assert opt.resumed_step == 3
+    before = opt.masters(list(model.parameters()))
+    with pytest.raises(shardopt.FailedPrecondition, match=r"master differs from the servers' \(element 0:.*another "
+                                                          r"run's, saved at the same step"):
+        opt.load_state_dict(saved)
+    assert [g["lr"] for g in opt.param_groups] == [1e-3] * len(opt.param_groups)
+    assert all(same_bits(a, b) for a, b in zip(opt.masters(list(model.parameters())), before))
+    opt.load_state_dict(opt.state_dict())  # its own state: taken
+    opt.drop()
+
+
 def test_a_resume_whose_first_step_keeps_the_constructors_lrs_while_the_job_ran_at_others_warns(servers, job,
                                                                                               caplog):
     """A trainer that resumes from the servers (a checkpoint, or the job
