@@ -95,6 +95,25 @@ absl::StatusOr<uint64_t> AgreedStep(const std::vector<v1::CreateJobResponse>& an
   return step;
 }
 
+std::optional<DrainTorn> FindDrainTornStep(const std::vector<v1::CreateJobResponse>& answers,
+                                           const std::vector<bool>& holds_part) {
+  const auto [lo, hi] = StepSpan(answers, holds_part);
+  if (lo >= hi) return std::nullopt;  // none holds a part, or all agree
+  DrainTorn torn;
+  torn.step = hi;
+  for (size_t s = 0; s < answers.size(); ++s) {
+    if (!holds_part[s]) continue;
+    if (answers[s].step() == hi) {
+      torn.at.push_back(static_cast<uint32_t>(s));
+    } else if (answers[s].own_part_step() == hi) {
+      torn.behind.push_back(static_cast<uint32_t>(s));
+    } else {
+      return std::nullopt;  // behind with nothing of `hi` on disk: lost steps, not a drain
+    }
+  }
+  return torn;
+}
+
 std::string ReattachOutcome(const v1::CreateJobResponse& answer) {
   if (answer.restored()) return absl::StrCat("restored step ", answer.step());
   if (!answer.created()) {

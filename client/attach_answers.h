@@ -39,6 +39,18 @@ absl::StatusOr<uint64_t> AgreedStep(const std::vector<v1::CreateJobResponse>& an
                                     const std::vector<bool>& holds_part, const std::vector<std::string>& addresses,
                                     const std::string& job);
 
+// A step one server's drain tore while its peers held it live: every server
+// holding a part is at `step` (the highest) but those `behind`, each of
+// which answered with its own part of `step` on disk
+// (CreateJobResponse.own_part_step) and is at an older one. The servers
+// `at` it can complete it (a Checkpoint of it). nullopt otherwise.
+struct DrainTorn {
+  uint64_t step = 0;
+  std::vector<uint32_t> behind, at;
+};
+std::optional<DrainTorn> FindDrainTornStep(const std::vector<v1::CreateJobResponse>& answers,
+                                           const std::vector<bool>& holds_part);
+
 // What a server did when a trainer that lost its job there asked to create
 // it again (a re-attach), for the trainer's error: "restored step N", "holds
 // it at step N" (another trainer's attach restored or made it first), or

@@ -123,7 +123,21 @@ absl::StatusOr<uint64_t> Client::CreateOrAttach(const JobOptions& job) {
     SHARDOPT_RETURN_IF_ERROR(asked_all);
     ++asked;
     half = FindHalfCommittedStep(answers, holds_part);
-    if (half || !OneStepApart(answers, holds_part) || pause > std::chrono::milliseconds(800)) break;
+    // Servers behind whose drain wrote their part of the step the others
+    // hold live (a node drain restarted a server and this trainer): that
+    // step is completed on the others, what the restarts made or restored
+    // is undone, and they are asked again, to restore it. Other ranks'
+    // attaches may hold the made jobs a while (each undoes its own).
+    bool completed = false;
+    if (const auto torn = half ? std::nullopt : FindDrainTornStep(answers, holds_part)) {
+      std::vector<uint64_t> lives(im.servers());
+      for (uint32_t s = 0; s < im.servers(); ++s) lives[s] = answers[s].incarnation();
+      completed = im.CompleteStepOn(torn->at, torn->step, lives);
+      if (completed) {
+        for (uint32_t s : torn->behind) im.DropLife(s, lives[s], /*undo=*/true);
+      }
+    }
+    if (half || (!completed && !OneStepApart(answers, holds_part)) || pause > std::chrono::milliseconds(800)) break;
     std::this_thread::sleep_for(pause);
     waited += pause;
   }

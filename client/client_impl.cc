@@ -77,7 +77,11 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
   // the step. Other ranks may hold a count of the job made here too, which
   // each of their own Reattaches undoes: a pause after the undo lets them,
   // and the job is asked for again a few times.
-  if (resp.step() < step && resp.own_part_step() == step && CompleteOnPeers(s)) {
+  std::vector<uint32_t> peers;
+  for (uint32_t o = 0; o < servers(); ++o) {
+    if (o != s && !shards_of[o].empty()) peers.push_back(o);
+  }
+  if (resp.step() < step && resp.own_part_step() == step && CompleteStepOn(peers, step, incarnation)) {
     for (auto pause = std::chrono::milliseconds(100);; pause *= 2) {
       const bool alone = resp.created();  // made here by this call: most likely no other rank's count
       DropLife(s, resp.incarnation(), /*undo=*/true);
@@ -138,21 +142,18 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
   return failed;
 }
 
-bool Client::Impl::CompleteOnPeers(uint32_t s) const {
-  std::vector<uint32_t> peers;
-  for (uint32_t o = 0; o < servers(); ++o) {
-    if (o != s && !shards_of[o].empty()) peers.push_back(o);
-  }
-  if (peers.empty()) return false;
+bool Client::Impl::CompleteStepOn(const std::vector<uint32_t>& on, uint64_t t,
+                                  const std::vector<uint64_t>& lives) const {
+  if (on.empty()) return false;
   std::vector<v1::CheckpointResponse> answers(servers());
-  const absl::Status written = fanout::ForEach(peers, [&](uint32_t o) {
+  const absl::Status written = fanout::ForEach(on, [&](uint32_t o) {
     return fanout::FailFanout(fanout::Call(
         channels[o].get(), address(o), options.token, options.max_attempts, options.rpc_timeout_ms,
         [&](grpc::ClientContext* ctx) {
           v1::CheckpointRequest req;
           req.set_job(job.name);
-          req.set_step(step);  // FAILED_PRECONDITION on a peer that applied another step: nothing written there
-          req.set_incarnation(incarnation[o]);
+          req.set_step(t);  // FAILED_PRECONDITION on a server that applied another step: nothing written there
+          req.set_incarnation(lives[o]);
           return stubs[o]->Checkpoint(ctx, req, &answers[o]);
         }));
   });

@@ -171,10 +171,11 @@ struct Client::Impl {
   // again (its life marked, so that later calls say why: `lost`). A job dropped on purpose is answered "was dropped" instead, and
   // never comes here.
   absl::Status Reattach(uint32_t s, const absl::Status& why) const;
-  // Reattach's way back for a server whose drain wrote its part of this
-  // client's step: checkpoints that step on every other server of the job.
-  // Whether one of them then completed it.
-  bool CompleteOnPeers(uint32_t s) const;
+  // The way back for a server whose drain wrote its part of step `t` while
+  // the servers `on` held it live (Reattach, CreateOrAttach): checkpoints
+  // `t` on each of them, of life lives[server], at once. Whether one of them
+  // then completed it.
+  bool CompleteStepOn(const std::vector<uint32_t>& on, uint64_t t, const std::vector<uint64_t>& lives) const;
 
   // A push or commit of this client's next step, t, that server `s` calls
   // "in the future" (OUT_OF_RANGE): the server is behind the step its peers
