@@ -228,29 +228,21 @@ bool Job::AwaitWholeStep(absl::Time deadline) {
   return true;
 }
 
-namespace {
+bool Job::StateWritable(const std::function<void()>& wake) { return Unwritten(/*checkpoints_too=*/false, wake); }
 
-// Waits until `busy` is false or the job is dropped (a null `wake`), or
-// answers at once, watching with `wake` on false (Job::StateWritable).
-template <typename Busy>
-bool AwaitIdle(Job& job, const Busy& busy, const std::function<void()>& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu) {
+bool Job::InitWritable(const std::function<void()>& wake) { return Unwritten(/*checkpoints_too=*/true, wake); }
+
+bool Job::Unwritten(bool checkpoints_too, const std::function<void()>& wake) {
+  const auto busy = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    return !dropped && (snapshots > 0 || (checkpoints_too && checkpointing));
+  };
   if (!wake) {
-    while (busy() && !job.dropped) job.changed.Wait(&job.mu);
+    while (busy()) changed.Wait(&mu);
     return true;
   }
-  if (!busy() || job.dropped) return true;
-  job.Watch(wake);
+  if (!busy()) return true;
+  Watch(wake);
   return false;
-}
-
-}  // namespace
-
-bool Job::StateWritable(const std::function<void()>& wake) {
-  return AwaitIdle(*this, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return snapshots > 0; }, wake);
-}
-
-bool Job::InitWritable(const std::function<void()>& wake) {
-  return AwaitIdle(*this, [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return snapshots > 0 || checkpointing; }, wake);
 }
 
 std::string Job::MissingSummary() const {

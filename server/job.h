@@ -298,6 +298,8 @@ class Job {
  private:
   Job(const v1::CreateJobRequest& spec, uint64_t window_bytes, Wakeups* wakeups, MemoryBudget* budget);
   void WakeRank(uint32_t rank) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);  // its progress watchers
+  // StateWritable, and with `checkpoints_too` InitWritable.
+  bool Unwritten(bool checkpoints_too, const std::function<void()>& wake) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   Wakeups* const wakeups_;
   MemoryBudget* const budget_;
   const std::string tracking_what_;  // what a refused tracking charge names, made once

@@ -104,9 +104,11 @@ class StreamHoldsOffWritersTest : public CheckpointDirTest<0> {
   // on when the stream does; one that must not wait must end within 30 s,
   // and the stream then goes on either way, so that no test hangs. Then
   // checks that the part holds the state as it was before, bitwise, and
-  // that nothing wrote it midway.
+  // that nothing wrote it midway. With `set_aside` (initial values written
+  // after a checkpoint of step 0), the step must have been set aside, and
+  // it is put back to be checked.
   void CheckpointWhile(uint64_t step, const std::function<void()>& act, bool waits,
-                       absl::Notification* started = nullptr) {
+                       absl::Notification* started = nullptr, bool set_aside = false) {
     const std::string before = Snapshot("j");
     v1::CheckpointRequest request;
     request.set_job("j");
@@ -133,6 +135,7 @@ class StreamHoldsOffWritersTest : public CheckpointDirTest<0> {
     ASSERT_TRUE(written.ok()) << written.status();
     EXPECT_EQ(probe_.slices.load(), probe_.total);
     EXPECT_EQ(probe_.writes_mid_stream.load(), 0);
+    if (set_aside) PutBackSetAside(step);
 
     auto backend = MakeCpuBackend({});
     JobStore fresh(backend.get(), Options0(dir_));
@@ -141,6 +144,28 @@ class StreamHoldsOffWritersTest : public CheckpointDirTest<0> {
     ASSERT_TRUE(restored->restored());
     EXPECT_EQ(restored->step(), step);
     EXPECT_TRUE(Snapshot(fresh, "j") == before);  // not EXPECT_EQ: gtest would diff 30 MB strings
+  }
+
+  // The COMMIT and part of `step` that initial values written after its
+  // checkpoint set aside (checkpoint::SetAsideStepOfOldValues), renamed
+  // back into the step's directory: there must be exactly one of each.
+  void PutBackSetAside(uint64_t step) {
+    const std::string job_dir = dir_ + "/j";
+    const std::string step_dir = checkpoint::StepDirectory(dir_, "j", step);
+    const std::string prefix = "abandoned-" + std::filesystem::path(step_dir).filename().string() + "-";
+    std::map<std::string, std::string> back;  // name in the step's directory -> set-aside path
+    for (const auto& entry : std::filesystem::directory_iterator(job_dir)) {
+      const std::string file = entry.path().filename().string();
+      if (file.rfind(prefix, 0) != 0) continue;
+      const std::string name = file.substr(prefix.size(), file.rfind('-') - prefix.size());
+      EXPECT_TRUE(back.emplace(name, entry.path().string()).second) << name << " set aside twice";
+    }
+    ASSERT_EQ(back.size(), 2u) << "the COMMIT and the part";
+    ASSERT_TRUE(back.count("COMMIT")) << "no COMMIT set aside";
+    for (const auto& [name, from] : back) {
+      EXPECT_FALSE(std::filesystem::exists(step_dir + "/" + name)) << name << " left in place";
+      std::filesystem::rename(from, step_dir + "/" + name);
+    }
   }
 
   // Creates the job, steps it once and pushes step 2, so that a checkpoint
@@ -230,7 +255,7 @@ TEST_F(StreamHoldsOffWritersTest, InitWaitsForTheStream) {
         auto written = store_.Init(c);
         EXPECT_TRUE(written.ok()) << written.status();
       },
-      /*waits=*/true);
+      /*waits=*/true, /*started=*/nullptr, /*set_aside=*/true);
   EXPECT_EQ(ReadFloats("j", "w", v1::MASTER), other);
 }
 
