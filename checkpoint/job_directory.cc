@@ -86,15 +86,25 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
   return done;
 }
 
-uint64_t NewestOwnTornStep(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step) {
+std::optional<uint64_t> NewestOwnTornStep(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
+                                          uint64_t life) {
   const std::string own = PartName(spec);
   std::error_code ec;
   for (uint64_t t : StepsNewestFirst(JobDirectory(root, spec.job()))) {
-    if (t <= step) break;
+    if (t < step || (t == step && life == 0)) break;
     const std::string dir = StepDirectory(root, spec.job(), t);
-    if (!fs::exists(absl::StrCat(dir, "/", kCommitName), ec) && fs::exists(absl::StrCat(dir, "/", own), ec)) return t;
+    if (fs::exists(absl::StrCat(dir, "/", kCommitName), ec)) continue;
+    const std::string part = absl::StrCat(dir, "/", own);
+    if (life == 0) {
+      if (fs::exists(part, ec)) return t;
+      continue;
+    }
+    // Of that life: the step a trainer of it is at, not another run's part
+    // of the same step number (made afresh here since, at step 0, nothing
+    // has set such a part aside yet).
+    if (const auto head = ReadPartHead(part); head.ok() && head->manifest.incarnation() == life) return t;
   }
-  return 0;
+  return std::nullopt;
 }
 
 namespace {

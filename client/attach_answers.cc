@@ -105,7 +105,7 @@ std::optional<DrainTorn> FindDrainTornStep(const std::vector<v1::CreateJobRespon
     if (!holds_part[s]) continue;
     if (answers[s].step() == hi) {
       torn.at.push_back(static_cast<uint32_t>(s));
-    } else if (answers[s].own_part_step() == hi) {
+    } else if (answers[s].has_own_part_step() && answers[s].own_part_step() == hi) {
       torn.behind.push_back(static_cast<uint32_t>(s));
     } else {
       return std::nullopt;  // behind with nothing of `hi` on disk: lost steps, not a drain

@@ -52,49 +52,77 @@ absl::Status Client::Impl::CheckAttached() const {
   return absl::FailedPreconditionError("this client is attached to no job: call CreateOrAttach first");
 }
 
-absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
-  // Nothing begun yet: a failed fan-out need not wait for a restore.
-  if (fanout::current != nullptr && fanout::current->failed()) {
-    return fanout::FanoutCancelled(address(s));
-  }
-  // From here not cancelled by another server's failure: a CreateJob cut
-  // off may have made the job afresh, and the drop that undoes it must be
-  // sent.
+absl::Status Client::Impl::CreateAgain(uint32_t s, v1::CreateJobResponse* answer) const {
+  // A CreateJob cut off may have made the job afresh, and the drop that
+  // undoes it must be sent: not cancelled by another server's failure.
   const fanout::Detached detached;
   v1::CreateJobRequest req = ToCreateJobRequest(job, shards_of[s], options.rank);
   req.set_restore_step(0);              // this run's newest, whatever the launch asked for
   req.set_incarnation(incarnation[s]);  // not if that life was dropped on purpose
-  v1::CreateJobResponse resp;
+  v1::CreateJobResponse& resp = *answer;
   const auto create = [&] {
     return fanout::Call(channels[s].get(), address(s), options.token, options.max_attempts, options.rpc_timeout_ms,
                         [&](grpc::ClientContext* ctx) { return stubs[s]->CreateJob(ctx, req, &resp); });
   };
   SHARDOPT_RETURN_IF_ERROR(create());
-  // Back behind this client's step with its own part of the step on disk:
-  // its drain (SIGTERM, a pod's restart) wrote that part while the others
-  // held the step, which their parts now complete. The job made or restored
-  // here is undone (its life not marked), and the next CreateJob restores
-  // the step. Other ranks may hold a count of the job made here too, which
-  // each of their own Reattaches undoes: a pause after the undo lets them,
-  // and the job is asked for again a few times.
+  // Not holding this client's step in its life, with its own part of that
+  // step, of that life, on disk: its drain (SIGTERM, a pod's restart) wrote
+  // the part while the others held the step, which their parts now
+  // complete. The job made or restored here is undone (its life not
+  // marked), and the next CreateJob restores the step. Other ranks may be
+  // doing the same, each undoing only its own count of the job made here:
+  // a pause after the undo lets them, and the job is asked for again a few
+  // times. So is one that another rank made or restored here and no part
+  // names (that rank may have completed the step already, and be about to
+  // undo it); not one this call made, with nothing of this client's step.
   std::vector<uint32_t> peers;
   for (uint32_t o = 0; o < servers(); ++o) {
     if (o != s && !shards_of[o].empty()) peers.push_back(o);
   }
-  if (resp.step() < step && resp.own_part_step() == step && CompleteStepOn(peers, step, incarnation)) {
-    for (auto pause = std::chrono::milliseconds(100);; pause *= 2) {
-      const bool alone = resp.created();  // made here by this call: most likely no other rank's count
-      DropLife(s, resp.incarnation(), /*undo=*/true);
-      if (!alone || pause > std::chrono::milliseconds(100)) std::this_thread::sleep_for(pause);
-      SHARDOPT_RETURN_IF_ERROR(create());
-      if (resp.step() >= step || pause >= std::chrono::milliseconds(800)) break;
-    }
+  bool completed = false;
+  for (auto pause = std::chrono::milliseconds(100); !HoldsOurs(s, resp); pause *= 2) {
+    const bool own = resp.has_own_part_step() && resp.own_part_step() == step;
+    if (own && !completed) completed = CompleteStepOn(peers, step, incarnation);
+    const bool others = !resp.created();  // another rank's attach made or restored it
+    if (!(own && completed) && !(others && pause <= std::chrono::milliseconds(200))) break;
+    if (pause > std::chrono::milliseconds(800)) break;
+    DropLife(s, resp.incarnation(), /*undo=*/true);
+    if (others || pause > std::chrono::milliseconds(100)) std::this_thread::sleep_for(pause);
+    SHARDOPT_RETURN_IF_ERROR(create());
   }
-  // The job restored (or attached by another rank) must be this client's
-  // life too: a server that holds the job of a new run made since (or
-  // restored its checkpoint, whose life is the next one) refuses this
-  // trainer, left running. One that holds no job and has this life
-  // marked dropped restores nothing and answers "was dropped".
+  return absl::OkStatus();
+}
+
+bool Client::Impl::HoldsOurs(uint32_t s, const v1::CreateJobResponse& resp) const {
+  return (resp.restored() || !resp.created()) && resp.step() == step &&
+         (incarnation[s] == 0 || resp.incarnation() == 0 || resp.incarnation() == incarnation[s]);
+}
+
+void Client::Impl::TakeAttach(uint32_t s, const v1::CreateJobResponse& resp) const {
+  incarnation[s] = resp.incarnation();  // its own, or the first this client learns of a server without lives
+  attached_at[s] = resp.push_clock();
+  takes_packed_grads[s] = resp.takes_packed_grads();
+}
+
+bool Client::Impl::CompleteTornOn(uint32_t s) const {
+  if (fanout::current != nullptr && fanout::current->failed()) return false;
+  v1::CreateJobResponse resp;
+  if (!CreateAgain(s, &resp).ok()) return false;
+  if (HoldsOurs(s, resp)) {
+    TakeAttach(s, resp);
+    return true;
+  }
+  DropLife(s, resp.incarnation(), /*undo=*/true);  // this call's attach, or the job it made
+  return false;
+}
+
+absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
+  // Nothing begun yet: a failed fan-out need not wait for a restore.
+  if (fanout::current != nullptr && fanout::current->failed()) {
+    return fanout::FanoutCancelled(address(s));
+  }
+  v1::CreateJobResponse resp;
+  SHARDOPT_RETURN_IF_ERROR(CreateAgain(s, &resp));
   const bool kept = resp.restored() || !resp.created();
   const bool same_life = incarnation[s] == 0 || resp.incarnation() == 0 || resp.incarnation() == incarnation[s];
   if (kept && !same_life) {
@@ -104,9 +132,7 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
                                             "the server had no checkpoint of this one)"));
   }
   if (kept && resp.step() == step) {
-    incarnation[s] = resp.incarnation();  // its own, or the first this client learns of a server without lives
-    attached_at[s] = resp.push_clock();
-    takes_packed_grads[s] = resp.takes_packed_grads();
+    TakeAttach(s, resp);
     return absl::OkStatus();
   }
   // Made afresh, with no checkpoint to restore: that server's part of the

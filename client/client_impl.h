@@ -143,12 +143,25 @@ struct Client::Impl {
   template <typename Attempt>
   absl::Status Call(uint32_t server, uint32_t timeout_ms, const Attempt& attempt, bool reattach = true) const {
     absl::Status st = fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms, attempt);
+    bool completed_torn = false;
     for (uint32_t reattached = 0;; ++reattached) {
       if (absl::IsNotFound(st) && absl::StrContains(st.message(), "was dropped")) {
         std::lock_guard<std::mutex> lock(lost_mu);
         if (server < lost.size() && !lost[server].empty()) {
           return fanout::FailFanout(absl::FailedPreconditionError(lost[server]));
         }
+      }
+      // Another rank's re-attach may be completing a step this server's
+      // drain tore: its job made meanwhile is another life, or its restore
+      // is behind this client's step, until it undoes them.
+      const bool torn_meanwhile =
+          (absl::IsNotFound(st) && absl::StrContains(st.message(), " is not the life this call names")) ||
+          (absl::IsOutOfRange(st) && absl::StrContains(st.message(), " is in the future"));
+      if (reattach && attached && torn_meanwhile && !completed_torn && CompleteTornOn(server)) {
+        completed_torn = true;  // once a call
+        st = fanout::Call(channels[server].get(), address(server), options.token, options.max_attempts, timeout_ms,
+                          attempt);
+        continue;
       }
       if (!reattach || !attached || !absl::IsNotFound(st) || !absl::StrContains(st.message(), "no job ")) {
         return fanout::FailFanout(st);
@@ -171,6 +184,24 @@ struct Client::Impl {
   // again (its life marked, so that later calls say why: `lost`). A job dropped on purpose is answered "was dropped" instead, and
   // never comes here.
   absl::Status Reattach(uint32_t s, const absl::Status& why) const;
+  // Reattach's CreateJob of server s (restore_step 0, this client's life),
+  // answered into `answer`; where the server does not hold this client's
+  // step and names its own part of that step, of this client's life
+  // (own_part_step), that step is completed on the other servers first
+  // (CompleteStepOn) and the server asked again until it restores it.
+  absl::Status CreateAgain(uint32_t s, v1::CreateJobResponse* answer) const;
+  // Whether `resp` from server s holds this client's step in its life.
+  bool HoldsOurs(uint32_t s, const v1::CreateJobResponse& resp) const;
+  // Server s's life, push clock and packing, from an answer that holds
+  // this client's step.
+  void TakeAttach(uint32_t s, const v1::CreateJobResponse& resp) const;
+  // For a call answered as if the job had moved on without this client
+  // while another rank's re-attach completes a step server s's drain tore
+  // (a job of another life there, just made; or one restored behind this
+  // client's step): CreateAgain, and whether s then holds this client's
+  // step. If not, what it made or attached is undone and the caller keeps
+  // its error.
+  bool CompleteTornOn(uint32_t s) const;
   // The way back for a server whose drain wrote its part of step `t` while
   // the servers `on` held it live (Reattach, CreateOrAttach): checkpoints
   // `t` on each of them, of life lives[server], at once. Whether one of them

@@ -77,18 +77,19 @@ absl::Status JobStore::OtherLife(const std::string& name, uint64_t incarnation) 
 
 
 absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(Job& job, const v1::CreateJobRequest& spec,
-                                                       uint32_t rank) const {
+                                                       uint32_t rank, uint64_t caller_life) const {
   SHARDOPT_RETURN_IF_ERROR(SameJobSpec(job.spec, spec));
   absl::MutexLock job_lock(&job.mu);
   ++job.attaches;
   v1::CreateJobResponse response;
   response.set_created(false);
   response.set_barrier_timeout_ms(job.spec.barrier_timeout_ms());
-  SetStepFields(job, rank, &response);
+  SetStepFields(job, rank, caller_life, &response);
   return response;
 }
 
-void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobResponse* response) const {
+void JobStore::SetStepFields(const Job& job, uint32_t rank, uint64_t caller_life,
+                             v1::CreateJobResponse* response) const {
   response->set_step(job.step);
   response->set_incarnation(job.incarnation);
   response->set_push_clock(job.push_clock);
@@ -108,7 +109,9 @@ void JobStore::SetStepFields(const Job& job, uint32_t rank, v1::CreateJobRespons
   // Until the first seal, which sets such a part aside: a trainer whose
   // peers still hold that step completes it there, then comes back for it.
   if (job.before_first_seal) {
-    response->set_own_part_step(checkpoint::NewestOwnTornStep(options_.checkpoint_dir, job.spec, job.step));
+    if (const auto own = checkpoint::NewestOwnTornStep(options_.checkpoint_dir, job.spec, job.step, caller_life)) {
+      response->set_own_part_step(*own);
+    }
   }
 }
 
@@ -164,7 +167,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
     // would refuse).
     while (creating_.contains(spec.job())) created_.Wait(&mu_);
     if (auto it = jobs_.find(spec.job()); it != jobs_.end()) {
-      auto attached = Attach(*it->second, spec, rank);
+      auto attached = Attach(*it->second, spec, rank, reattaching);
       if (attached.ok()) log::Info("job_attached", {{"job", spec.job()}, {"step", absl::StrCat(attached->step())}});
       return attached;
     }
@@ -317,7 +320,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   response.set_barrier_timeout_ms(spec.barrier_timeout_ms());
   absl::MutexLock job_lock(&job->mu);
   job->attaches = 1;
-  SetStepFields(*job, rank, &response);
+  SetStepFields(*job, rank, reattaching, &response);
   return response;
 }
 

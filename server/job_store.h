@@ -250,11 +250,13 @@ class JobStore {
       ABSL_LOCKS_EXCLUDED(mu_);
   // What Describe and ListJobs both say of a job.
   static v1::JobSummary Summarize(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
-  absl::StatusOr<v1::CreateJobResponse> Attach(Job& job, const v1::CreateJobRequest& spec, uint32_t rank) const;
+  absl::StatusOr<v1::CreateJobResponse> Attach(Job& job, const v1::CreateJobRequest& spec, uint32_t rank,
+                                               uint64_t caller_life) const;
   // A CreateJob answer's step, sealed step, the arguments the step was
   // applied with, whether the round holds some of `rank`'s push, and this
-  // server's own part of a newer torn step.
-  void SetStepFields(const Job& job, uint32_t rank, v1::CreateJobResponse* response) const
+  // server's own part of a torn step (of the life `caller_life`, the
+  // request's incarnation, where that is nonzero).
+  void SetStepFields(const Job& job, uint32_t rank, uint64_t caller_life, v1::CreateJobResponse* response) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // Adds one to the job's series of `family`, if the store still holds this
   // job: a checkpoint that ends after its job was dropped would otherwise

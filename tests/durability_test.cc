@@ -1611,6 +1611,31 @@ TEST(DurabilityTest, AStepTornByADrainIsCompletedOnItsPeerAndTheTrainerStepsOn) 
   }
 }
 
+// The same at step 0: initial values in, one of two servers drained before
+// step 1 (its part of step 0) and restarted, which makes the job afresh.
+// Its answer names its own part of step 0, of this trainer's life; the
+// trainer's step completes step 0 on the other server, has the restarted
+// one restore it, and goes on bitwise. Before, the trainer was told that
+// the server's part was lost, and every retry the same (an outside probe).
+TEST(DurabilityTest, AStep0TornByADrainIsCompletedOnItsPeerAndTheTrainerStepsOn) {
+  const JobOptions job = DurableJob("drain-at-0", {{"w", 6000}, {"b", 3000}});
+  TempDir dir;
+  FixedPortServers fixed(2, dir.path());
+  if (HasFailure()) return;
+  const std::vector<uint32_t> at_2 = Uninterrupted(job, {2})[0];
+  auto client = Client::Connect(fixed.Options()).value();
+  ScriptedTrainer trainer = Train(*client, job, 0);
+  ASSERT_EQ(fixed.servers[1]->Stop(SIGTERM) >> 8, 0);  // its part of step 0
+  ASSERT_FALSE(fs::exists(dir.path() + "/drain-at-0/step-00000000000000000000/COMMIT"));
+  ASSERT_NO_FATAL_FAILURE(fixed.Restart(1));
+  for (uint64_t t = 1; t <= 2; ++t) {
+    const auto stepped = trainer.Step(*client);
+    ASSERT_TRUE(stepped.ok()) << "step " << t << ": " << stepped.status();
+  }
+  EXPECT_TRUE(fs::exists(dir.path() + "/drain-at-0/step-00000000000000000000/COMMIT"));
+  EXPECT_EQ(Fingerprint(*client, job).value(), at_2);
+}
+
 // A node drain that restarts a server and its trainer: the new trainer's
 // CreateOrAttach finds server 1 at step 2 (restored) with its own part of
 // step 3 on disk, and server 0 at step 3 live. It completes step 3 on
