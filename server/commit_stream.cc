@@ -69,7 +69,9 @@ class CommitStream {
                                                         "; Read PARAM_BF16 for the current params"));
     }
     if (t_ == job_.step + 1 && !job_.applying) {
-      if (options_.draining) {
+      // Draining: only a sealed round's commit, until the drain takes the
+      // step (JobStore::DrainAndCheckpoint).
+      if (options_.draining && (job_.drain_taken || !job_.round.active || !job_.round.sealed)) {
         return absl::UnavailableError(absl::StrCat("the server is shutting down (SIGTERM) and checkpointing job '",
                                                    job_.name(), "' at step ", job_.step, "; push and commit step ", t_,
                                                    " again on the restarted server (the checkpoint holds no pushed "

@@ -22,7 +22,7 @@ namespace shardopt {
 
 struct CommitOptions {
   uint64_t piece_elements = 0;  // elements per streamed piece, a multiple of kApplyAlignment
-  bool draining = false;        // SIGTERM: no new step may start applying
+  bool draining = false;        // SIGTERM: no new step may start applying, but a sealed round's (Job::drain_taken)
 };
 
 // One commit's params, pulled piece by piece: each Next applies its piece

@@ -186,6 +186,10 @@ class Job {
   // waits for it (JobStore::WriteCheckpoint), rather than writing the same
   // part beside it.
   bool checkpointing ABSL_GUARDED_BY(mu) = false;
+  // The drain (SIGTERM) has taken the job's step for its checkpoint: from
+  // then on no commit starts a step here. Before, one of a sealed round
+  // does (JobStore::DrainAndCheckpoint waits for it).
+  bool drain_taken ABSL_GUARDED_BY(mu) = false;
   // The step whose part this job put in place on this server, if any (even
   // if its checkpoint then failed): a checkpoint of it again keeps that file
   // (checkpoint::PartWriter::Open), which a peer may have listed.

@@ -166,16 +166,17 @@ void JobStore::CountForJob(const Job& job, const char* family) const {
 std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobStore::DrainAndCheckpoint(absl::Duration wait_for_steps) {
   draining_ = true;
   checkpoint_buffers_.StopWaiting(Draining("ask for the checkpoint again"));
-  log::Info("drain", {{"detail", "commits that would apply a step are refused; every job with all its initial "
-                                  "values is checkpointed"}});
+  log::Info("drain", {{"detail", "commits that would apply a step are refused, but those of a sealed round; every "
+                                  "job with all its initial values is checkpointed"}});
   std::vector<std::pair<std::string, std::shared_ptr<Job>>> jobs;
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [name, job] : jobs_) jobs.emplace_back(name, job);
   }
-  // No commit starts a step any more; one already applying finishes first,
-  // unless its committer stopped reading: that one must not cost every
-  // other job its checkpoint (nor hold the exit until SIGKILL).
+  // No commit starts a step any more, but that of a sealed round; one
+  // already applying finishes first, unless its committer stopped reading:
+  // that one must not cost every other job its checkpoint (nor hold the
+  // exit until SIGKILL).
   const absl::Time deadline = absl::Now() + wait_for_steps;
   std::vector<std::pair<std::shared_ptr<Job>, uint64_t>> at;
   std::vector<std::string> uninitialized;  // no checkpoint holds part of a job's initial values
@@ -184,7 +185,20 @@ std::vector<std::pair<std::string, absl::StatusOr<v1::CheckpointResponse>>> JobS
     uint64_t step = 0;  // the last whole step: what its checkpoint would have held
     {
       absl::MutexLock job_lock(&job->mu);
-      if (job->AwaitWholeStep(deadline)) {
+      // A round sealed here (every rank's gradients in) is being committed
+      // on the job's other servers, which go on to its step: its commit
+      // applies here too before the step is taken, so that this server's
+      // part is of the step they hold. Refused, as every commit was, it
+      // left this server's part a step behind theirs, which no trainer
+      // could complete (an outside probe's drains during commits lost the
+      // job in most runs). Waited for until `deadline`, as applies are.
+      bool whole = job->AwaitWholeStep(deadline);
+      while (whole && job->round.active && job->round.sealed && !job->dropped &&
+             !job->changed.WaitWithDeadline(&job->mu, deadline)) {
+        whole = job->AwaitWholeStep(deadline);
+      }
+      job->drain_taken = true;
+      if (whole) {
         if (job->dropped) continue;
         if (job->uninitialized_shards == 0) {
           at.emplace_back(job, job->step);
