@@ -201,6 +201,13 @@ absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::Cre
                                           const std::function<absl::Status(const v1::PartManifest&)>& begin,
                                           const DataSink& sink, const DirectDestination& direct = nullptr);
 
+// As LoadInto, from one part only, torn step or not: `spec`'s placement's
+// part of `step`, which the life `life` wrote (CreateJobRequest.
+// own_part_step). NOT_FOUND if there is no such part.
+absl::StatusOr<v1::PartManifest> LoadOwnPart(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
+                                             uint64_t life, const std::function<absl::Status(const v1::PartManifest&)>& begin,
+                                             const DataSink& sink, const DirectDestination& direct = nullptr);
+
 // A complete checkpoint's step, its job configuration with every tensor
 // whole as the placement, and that placement's state, as LoadInto finds and
 // checks it: what export loads.

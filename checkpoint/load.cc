@@ -2,6 +2,7 @@
 // same placement's part streamed as it lies on disk, or another placement's
 // state gathered from the parts that cover it.
 #include <cstring>
+#include <filesystem>
 #include <utility>
 #include <vector>
 
@@ -172,6 +173,41 @@ absl::StatusOr<Part> LoadCommitted(const Committed& committed, const v1::CreateJ
 
 }  // namespace
 
+namespace {
+
+absl::StatusOr<v1::PartManifest> StreamSame(const Committed& committed, const v1::CreateJobRequest& spec,
+                                            const PartHead& same,
+                                            const std::function<absl::Status(const v1::PartManifest&)>& begin,
+                                            const DataSink& sink, const DirectDestination& direct) {
+  v1::PartManifest manifest = LoadedManifest(committed, spec, &same);
+  SHARDOPT_RETURN_IF_ERROR(begin(manifest));
+  SHARDOPT_RETURN_IF_ERROR(StreamPartData(same, sink, direct));
+  return manifest;
+}
+
+}  // namespace
+
+absl::StatusOr<v1::PartManifest> LoadOwnPart(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
+                                             uint64_t life, const std::function<absl::Status(const v1::PartManifest&)>& begin,
+                                             const DataSink& sink, const DirectDestination& direct) {
+  Committed own;
+  own.dir = StepDirectory(root, spec.job(), step);
+  const std::string path = absl::StrCat(own.dir, "/", PartName(spec));
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) {
+    return absl::NotFoundError(absl::StrCat("no part of this server's placement of step ", step, " (", path, ")"));
+  }
+  SHARDOPT_ASSIGN_OR_RETURN(auto head, ReadPartHead(path));
+  if (head.manifest.incarnation() != life || head.manifest.step() != step || !SameShards(head.manifest.spec(), spec)) {
+    return absl::NotFoundError(absl::StrCat(path, " is not this placement's part of step ", step, " of life ", life,
+                                            " (another run's, or another placement's)"));
+  }
+  own.marker.set_step(step);
+  own.parts.push_back(std::move(head));
+  SHARDOPT_RETURN_IF_ERROR(SameJobAsEveryPart(spec, own));
+  return StreamSame(own, spec, own.parts.front(), begin, sink, direct);
+}
+
 absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
                                           const Log& log,
                                           const std::function<absl::Status(const v1::PartManifest&)>& begin,
@@ -180,12 +216,7 @@ absl::StatusOr<v1::PartManifest> LoadInto(const std::string& root, const v1::Cre
   SHARDOPT_RETURN_IF_ERROR(SameJobAsEveryPart(spec, committed));
   // The same placement, as on a plain restart: the part's data is the answer
   // as it lies on disk, streamed.
-  if (const PartHead* same = SamePlacement(committed, spec)) {
-    v1::PartManifest manifest = LoadedManifest(committed, spec, same);
-    SHARDOPT_RETURN_IF_ERROR(begin(manifest));
-    SHARDOPT_RETURN_IF_ERROR(StreamPartData(*same, sink, direct));
-    return manifest;
-  }
+  if (const PartHead* same = SamePlacement(committed, spec)) return StreamSame(committed, spec, *same, begin, sink, direct);
   SHARDOPT_ASSIGN_OR_RETURN(Plan plan, PlanPlacement(committed, spec));
   SHARDOPT_RETURN_IF_ERROR(begin(plan.manifest));
   SHARDOPT_RETURN_IF_ERROR(StreamPlan(committed, plan, sink));

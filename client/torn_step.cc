@@ -38,15 +38,28 @@ absl::Status Client::Impl::CreateAgain(uint32_t s, v1::CreateJobResponse* answer
   for (uint32_t o = 0; o < servers(); ++o) {
     if (o != s && !shards_of[o].empty()) peers.push_back(o);
   }
-  bool completed = false;
+  // Where the peers cannot complete the step (one applied the next step
+  // already: its commit reached it and not this server), this server's own
+  // part of it is its state at the step, and it is asked to restore that
+  // part alone (CreateJobRequest.own_part_step); the call then pushes and
+  // commits the next step again, as after any restart between the two.
+  bool tried = false, completed = false;
   for (auto pause = std::chrono::milliseconds(100); !HoldsOurs(s, resp); pause *= 2) {
     const bool own = resp.has_own_part_step() && resp.own_part_step() == step;
-    if (own && !completed) completed = CompleteStepOn(peers, step, incarnation);
+    if (own && !tried) {
+      completed = CompleteStepOn(peers, step, incarnation);
+      tried = true;
+    }
     const bool others = !resp.created();  // another rank's attach made or restored it
-    if (!(own && completed) && !(others && pause <= std::chrono::milliseconds(200))) break;
+    if (!own && !(others && pause <= std::chrono::milliseconds(200))) break;
     if (pause > std::chrono::milliseconds(800)) break;
     DropLife(s, resp.incarnation(), /*undo=*/true);
     if (others || pause > std::chrono::milliseconds(100)) std::this_thread::sleep_for(pause);
+    if (own && !completed) {
+      req.set_own_part_step(step);
+    } else {
+      req.clear_own_part_step();
+    }
     SHARDOPT_RETURN_IF_ERROR(create());
   }
   return absl::OkStatus();

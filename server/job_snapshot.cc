@@ -307,23 +307,24 @@ class DirectArrays {
 
 }  // namespace
 
-absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::Log& log, Job& job) {
+absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::Log& log, Job& job,
+                     uint64_t own_life) {
   v1::PartManifest layout;
   DirectArrays direct;
   std::optional<StateSink> sink;
   std::optional<Prefaulter> prefault;
-  SHARDOPT_ASSIGN_OR_RETURN(
-      auto m, checkpoint::LoadInto(
-                  root, job.spec, step, log,
-                  [&](const v1::PartManifest& manifest) ABSL_NO_THREAD_SAFETY_ANALYSIS {
-                    layout = manifest;
-                    direct = DirectArrays(layout, *job.state);
-                    sink.emplace(layout, job);
-                    prefault.emplace(layout, *job.state);
-                    return absl::OkStatus();
-                  },
-                  [&](uint64_t offset, const char* bytes, size_t n) { return sink->Take(offset, bytes, n); },
-                  [&](uint64_t at) { return direct.At(at); }));
+  const auto begin = [&](const v1::PartManifest& manifest) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    layout = manifest;
+    direct = DirectArrays(layout, *job.state);
+    sink.emplace(layout, job);
+    prefault.emplace(layout, *job.state);
+    return absl::OkStatus();
+  };
+  const auto take = [&](uint64_t offset, const char* bytes, size_t n) { return sink->Take(offset, bytes, n); };
+  const auto at = [&](uint64_t offset) { return direct.At(offset); };
+  SHARDOPT_ASSIGN_OR_RETURN(auto m, own_life != 0
+                                        ? checkpoint::LoadOwnPart(root, job.spec, step, own_life, begin, take, at)
+                                        : checkpoint::LoadInto(root, job.spec, step, log, begin, take, at));
   for (size_t si = 0; si < job.shards.size(); ++si) {
     job.adam_steps[si] = m.shards(static_cast<int>(si)).adam_step();
     job.init_cover[si].Add(0, job.shards[si].length);

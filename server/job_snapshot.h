@@ -35,9 +35,10 @@ absl::StatusOr<std::unique_ptr<checkpoint::PartWriter>> Snapshot(Job& job, const
 
 // The inverse of Snapshot, on a fresh job: the state of checkpoint `step`
 // (0: the newest complete one) streamed from disk into the job's state.
-// NOT_FOUND when there is none. On any error the job's state is partly
-// written and the job must be thrown away.
-absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::Log& log, Job& job)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
+// NOT_FOUND when there is none. With `own_life` nonzero, this server's own
+// part of `step` that life wrote, alone (checkpoint::LoadOwnPart). On any
+// error the job's state is partly written and the job must be thrown away.
+absl::Status Restore(const std::string& root, uint64_t step, const checkpoint::Log& log, Job& job,
+                     uint64_t own_life = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
 
 }  // namespace shardopt

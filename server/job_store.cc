@@ -156,6 +156,13 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   const uint64_t restore_step = spec.restore_step();
   const uint32_t rank = spec.rank();
   const uint64_t reattaching = spec.incarnation();
+  const std::optional<uint64_t> own_part =
+      spec.has_own_part_step() ? std::optional<uint64_t>(spec.own_part_step()) : std::nullopt;
+  spec.clear_own_part_step();
+  if (own_part && (reattaching == 0 || restore_step != 0)) {
+    return absl::InvalidArgumentError("own_part_step is a re-attach's: it needs the trainer's incarnation, and no "
+                                      "restore_step");
+  }
   spec.clear_restore_step();
   spec.clear_rank();
   spec.clear_incarnation();
@@ -212,6 +219,9 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                             " is marked dropped in --checkpoint_dir); not restored for its old "
                                             "trainer: a new run makes it again"));
   }
+  if (own_part && options_.checkpoint_dir.empty()) {
+    return absl::FailedPreconditionError("own_part_step asked for, but this server has no --checkpoint_dir");
+  }
   if (restore_step > 0 && options_.checkpoint_dir.empty()) {
     return absl::FailedPreconditionError(absl::StrCat("restore_step ", restore_step,
                                                       " asked for, but this server has no --checkpoint_dir"));
@@ -237,7 +247,9 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
   if (!options_.checkpoint_dir.empty()) {
     absl::MutexLock job_lock(&job->mu);
     const auto t0 = std::chrono::steady_clock::now();
-    const absl::Status loaded = Restore(options_.checkpoint_dir, restore_step, options_.checkpoint_log, *job);
+    const absl::Status loaded = own_part ? Restore(options_.checkpoint_dir, *own_part, options_.checkpoint_log,
+                                                   *job, reattaching)
+                                         : Restore(options_.checkpoint_dir, restore_step, options_.checkpoint_log, *job);
     if (loaded.ok()) {
       restored = true;
       restored_step = job->step;
@@ -262,7 +274,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
         for (const std::string& line : set_aside) options_.checkpoint_log(line);
         job->set_aside_steps = !set_aside.empty();
       }
-    } else if (loaded.code() != absl::StatusCode::kNotFound || restore_step > 0) {
+    } else if (loaded.code() != absl::StatusCode::kNotFound || restore_step > 0 || own_part) {
       return loaded;  // the job, partly written, is thrown away
     }
     // A part of this server's own in a torn step newer than the job's is

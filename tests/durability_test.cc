@@ -1668,6 +1668,46 @@ TEST(DurabilityTest, ADrainBetweenAStepsPushAndCommitAppliesTheCommitFirst) {
   EXPECT_EQ(Fingerprint(*client, job).value(), at_4);
 }
 
+// The peer a step ahead of the drained part: server 1 drained at step 2
+// and stayed down while the trainer's push and commit of step 3 went
+// through on server 0 only. Restarted, server 1 cannot be brought to step
+// 2 by a checkpoint on server 0 (which is at 3); the trainer's next step
+// asks it to restore its own part of step 2 alone (own_part_step), then
+// pushes and commits step 3 again: server 0 answers from what it kept,
+// server 1 applies it, and the run is bitwise the uninterrupted one.
+// Before, the step was refused, and the job was lost (an outside probe's
+// chaos runs).
+TEST(DurabilityTest, AServerDrainedAStepBehindItsPeerRestoresItsOwnPartAndCatchesUp) {
+  const JobOptions job = DurableJob("peer-ahead", {{"w", 6000}, {"b", 3000}});
+  TempDir dir;
+  FixedPortServers fixed(2, dir.path());
+  if (HasFailure()) return;
+  const auto want = Uninterrupted(job, {3, 4});
+  ClientOptions options = fixed.Options();
+  options.max_attempts = 2;  // the down server's calls fail sooner
+  auto client = Client::Connect(options).value();
+  ScriptedTrainer trainer = Train(*client, job, 2);
+  ASSERT_EQ(fixed.servers[1]->Stop(SIGTERM) >> 8, 0);  // its part of step 2, torn
+  ASSERT_FALSE(trainer.Push(*client, 3).ok());        // server 0 alone seals step 3
+  std::vector<std::vector<uint16_t>> params(job.tensors.size());
+  std::vector<ParamView> views;
+  for (size_t i = 0; i < job.tensors.size(); ++i) {
+    params[i].resize(job.tensors[i].numel);
+    views.push_back({job.tensors[i].name, params[i].data()});
+  }
+  ASSERT_FALSE(client->Commit(3, 1e-2, 1.0f, false, views).ok());  // applied on server 0 only
+  v1::DescribeResponse described;
+  ASSERT_TRUE(DescribeOn(fixed.servers[0]->address(), job.name, &described).ok());
+  ASSERT_EQ(described.step(), 3u);
+  ASSERT_NO_FATAL_FAILURE(fixed.Restart(1));
+  const auto again = trainer.Step(*client);  // step 3, on server 1 for the first time
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(Fingerprint(*client, job).value(), want[0]);
+  const auto next = trainer.Step(*client);
+  ASSERT_TRUE(next.ok()) << next.status();
+  EXPECT_EQ(Fingerprint(*client, job).value(), want[1]);
+}
+
 // A node drain that restarts a server and its trainer: the new trainer's
 // CreateOrAttach finds server 1 at step 2 (restored) with its own part of
 // step 3 on disk, and server 0 at step 3 live. It completes step 3 on

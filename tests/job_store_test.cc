@@ -1844,6 +1844,42 @@ TEST_F(CheckpointKeepTest, AnUndoneCreateTakesOnlyAnUntouchedJobAndLeavesItsLife
   EXPECT_EQ(again.Describe("fresh").value().step(), 1u);
 }
 
+// CreateJobRequest.own_part_step is a re-attach's: without the caller's
+// life, or with a restore_step, INVALID_ARGUMENT; where this placement has
+// no part of that step of that life (none, or another life's), NOT_FOUND
+// and no job made. With one, the job is that part's state, at its step.
+TEST_F(CheckpointKeepTest, AnOwnPartIsRestoredAloneOnlyForItsLifeAndStep) {
+  const v1::CreateJobRequest spec = JobRequest("own", 1, {{"w", 100}});
+  Create(spec);
+  auto attached = store_.CreateJob(spec);
+  ASSERT_TRUE(attached.ok());
+  const uint64_t life = attached->incarnation();
+  std::mt19937_64 rng(21);
+  StepAndCheckpoint("own", 1, 100, rng);  // one server: complete; made torn here
+  std::filesystem::remove(checkpoint::StepDirectory(dir_, "own", 1) + "/COMMIT");
+  const std::vector<float> at_1 = ReadFloats(store_, "own", "w", v1::MASTER);
+  auto backend = MakeCpuBackend({});
+  JobStore restarted(backend.get(), Options0(dir_));
+  const auto ask = [&](uint64_t incarnation, uint64_t step, uint64_t restore_step) {
+    v1::CreateJobRequest r = spec;
+    r.set_incarnation(incarnation);
+    r.set_own_part_step(step);
+    r.set_restore_step(restore_step);
+    return restarted.CreateJob(r);
+  };
+  EXPECT_EQ(ask(0, 1, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ask(life, 1, 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ask(life + 1, 1, 0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ask(life, 2, 0).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(restarted.LastStepPhases("own").status().code(), absl::StatusCode::kNotFound) << "a refused ask made a job";
+  const auto own = ask(life, 1, 0);
+  ASSERT_TRUE(own.ok()) << own.status();
+  EXPECT_TRUE(own->restored());
+  EXPECT_EQ(own->step(), 1u);
+  EXPECT_EQ(own->incarnation(), life);
+  EXPECT_EQ(ReadFloats(restarted, "own", "w", v1::MASTER), at_1);
+}
+
 // This server's own part of a torn step newer than its job's is another
 // run's once the job goes on from its step: set aside at the job's first
 // seal, when every server of the job has taken that step's push, so that
