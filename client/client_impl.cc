@@ -57,7 +57,8 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
     return fanout::FanoutCancelled(address(s));
   }
   v1::CreateJobResponse resp;
-  SHARDOPT_RETURN_IF_ERROR(CreateAgain(s, &resp));
+  bool at_next = false;
+  SHARDOPT_RETURN_IF_ERROR(CreateAgain(s, &resp, &at_next));
   const bool kept = resp.restored() || !resp.created();
   const bool same_life = incarnation[s] == 0 || resp.incarnation() == 0 || resp.incarnation() == incarnation[s];
   if (kept && !same_life) {
@@ -66,7 +67,7 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
                                             "it, made since (by a new run, or by another trainer's attach while "
                                             "the server had no checkpoint of this one)"));
   }
-  if (kept && resp.step() == step) {
+  if (kept && (resp.step() == step || (at_next && resp.step() == step + 1))) {
     TakeAttach(s, resp);
     return absl::OkStatus();
   }

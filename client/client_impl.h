@@ -189,9 +189,12 @@ struct Client::Impl {
   // step and names its own part of that step, of this client's life
   // (own_part_step), that step is completed on the other servers first
   // (CompleteStepOn) and the server asked again until it restores it.
-  absl::Status CreateAgain(uint32_t s, v1::CreateJobResponse* answer) const;
-  // Whether `resp` from server s holds this client's step in its life.
-  bool HoldsOurs(uint32_t s, const v1::CreateJobResponse& resp) const;
+  // `at_next`: the server's part was of the next step, which this client
+  // calls again, and the server may hold that step.
+  absl::Status CreateAgain(uint32_t s, v1::CreateJobResponse* answer, bool* at_next) const;
+  // Whether `resp` from server s holds this client's step in its life (or,
+  // `at_next`, the next one).
+  bool HoldsOurs(uint32_t s, const v1::CreateJobResponse& resp, bool at_next) const;
   // Server s's life, push clock and packing, from an answer that holds
   // this client's step.
   void TakeAttach(uint32_t s, const v1::CreateJobResponse& resp) const;

@@ -11,7 +11,7 @@
 
 namespace shardopt {
 
-absl::Status Client::Impl::CreateAgain(uint32_t s, v1::CreateJobResponse* answer) const {
+absl::Status Client::Impl::CreateAgain(uint32_t s, v1::CreateJobResponse* answer, bool* at_next) const {
   // A CreateJob cut off may have made the job afresh, and the drop that
   // undoes it must be sent: not cancelled by another server's failure.
   const fanout::Detached detached;
@@ -43,11 +43,19 @@ absl::Status Client::Impl::CreateAgain(uint32_t s, v1::CreateJobResponse* answer
   // part of it is its state at the step, and it is asked to restore that
   // part alone (CreateJobRequest.own_part_step); the call then pushes and
   // commits the next step again, as after any restart between the two.
+  // The part may be of the next step too: this server applied it (its
+  // drain let the sealed round's commit apply) and its answer to this
+  // client was cut off by the stop, so that this client, at `step`, calls
+  // the next step again; its peers applied it, or hold its sealed round.
+  // That part is then the server's state, and the call's push and commit
+  // of that step are answered from it as retries are (`at_next`).
   bool tried = false, completed = false;
-  for (auto pause = std::chrono::milliseconds(100); !HoldsOurs(s, resp); pause *= 2) {
-    const bool own = resp.has_own_part_step() && resp.own_part_step() == step;
+  *at_next = false;
+  for (auto pause = std::chrono::milliseconds(100); !HoldsOurs(s, resp, *at_next); pause *= 2) {
+    const bool own = resp.has_own_part_step() && (resp.own_part_step() == step || resp.own_part_step() == step + 1);
     if (own && !tried) {
-      completed = CompleteStepOn(peers, step, incarnation);
+      *at_next = resp.own_part_step() == step + 1;
+      completed = CompleteStepOn(peers, resp.own_part_step(), incarnation);
       tried = true;
     }
     const bool others = !resp.created();  // another rank's attach made or restored it
@@ -56,7 +64,7 @@ absl::Status Client::Impl::CreateAgain(uint32_t s, v1::CreateJobResponse* answer
     DropLife(s, resp.incarnation(), /*undo=*/true);
     if (others || pause > std::chrono::milliseconds(100)) std::this_thread::sleep_for(pause);
     if (own && !completed) {
-      req.set_own_part_step(step);
+      req.set_own_part_step(resp.own_part_step());
     } else {
       req.clear_own_part_step();
     }
@@ -65,8 +73,8 @@ absl::Status Client::Impl::CreateAgain(uint32_t s, v1::CreateJobResponse* answer
   return absl::OkStatus();
 }
 
-bool Client::Impl::HoldsOurs(uint32_t s, const v1::CreateJobResponse& resp) const {
-  return (resp.restored() || !resp.created()) && resp.step() == step &&
+bool Client::Impl::HoldsOurs(uint32_t s, const v1::CreateJobResponse& resp, bool at_next) const {
+  return (resp.restored() || !resp.created()) && (resp.step() == step || (at_next && resp.step() == step + 1)) &&
          (incarnation[s] == 0 || resp.incarnation() == 0 || resp.incarnation() == incarnation[s]);
 }
 
@@ -79,8 +87,9 @@ void Client::Impl::TakeAttach(uint32_t s, const v1::CreateJobResponse& resp) con
 bool Client::Impl::CompleteTornOn(uint32_t s) const {
   if (fanout::current != nullptr && fanout::current->failed()) return false;
   v1::CreateJobResponse resp;
-  if (!CreateAgain(s, &resp).ok()) return false;
-  if (HoldsOurs(s, resp)) {
+  bool at_next = false;
+  if (!CreateAgain(s, &resp, &at_next).ok()) return false;
+  if (HoldsOurs(s, resp, at_next)) {
     TakeAttach(s, resp);
     return true;
   }
