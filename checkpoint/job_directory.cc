@@ -86,25 +86,20 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
   return done;
 }
 
-std::optional<uint64_t> NewestOwnTornStep(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
-                                          uint64_t life) {
+std::vector<std::pair<uint64_t, uint64_t>> OwnTornParts(const std::string& root, const v1::CreateJobRequest& spec,
+                                                        uint64_t step) {
   const std::string own = PartName(spec);
+  std::vector<std::pair<uint64_t, uint64_t>> found;
   std::error_code ec;
   for (uint64_t t : StepsNewestFirst(JobDirectory(root, spec.job()))) {
-    if (t < step || (t == step && life == 0)) break;
+    if (t < step) break;
     const std::string dir = StepDirectory(root, spec.job(), t);
-    if (fs::exists(absl::StrCat(dir, "/", kCommitName), ec)) continue;
     const std::string part = absl::StrCat(dir, "/", own);
-    if (life == 0) {
-      if (fs::exists(part, ec)) return t;
-      continue;
-    }
-    // Of that life: the step a trainer of it is at, not another run's part
-    // of the same step number (made afresh here since, at step 0, nothing
-    // has set such a part aside yet).
-    if (const auto head = ReadPartHead(part); head.ok() && head->manifest.incarnation() == life) return t;
+    if (fs::exists(absl::StrCat(dir, "/", kCommitName), ec) || !fs::exists(part, ec)) continue;
+    const auto head = ReadPartHead(part);
+    found.emplace_back(t, head.ok() ? head->manifest.incarnation() : 0);
   }
-  return std::nullopt;
+  return found;
 }
 
 namespace {

@@ -7,7 +7,7 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
+#include <utility>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -58,12 +58,11 @@ absl::StatusOr<std::vector<std::string>> SetAsideNewerSteps(const std::string& r
 // the job's first seal); before that, a peer may still complete the part's
 // step with it. `log` is told of each part as it is moved; INTERNAL if one
 // could not be.
-// The newest torn step (no COMMIT) whose directory holds `spec`'s
-// placement's part, a step that peers may still complete, if any: one after
-// `step`, or, where `life` is nonzero, one at or after `step` whose part
-// that life wrote (a job made afresh at step 0 over its drained part of 0).
-std::optional<uint64_t> NewestOwnTornStep(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
-                                          uint64_t life);
+// The torn steps (no COMMIT) at or after `step` whose directory holds
+// `spec`'s placement's part, steps that peers may still complete: (step,
+// life that wrote the part, 0 where its head cannot be read), newest first.
+std::vector<std::pair<uint64_t, uint64_t>> OwnTornParts(const std::string& root, const v1::CreateJobRequest& spec,
+                                                        uint64_t step);
 
 absl::Status SetAsideOwnNewerParts(const std::string& root, const v1::CreateJobRequest& spec, uint64_t step,
                                    const Log& log);

@@ -174,6 +174,12 @@ class Job {
   // the push is answered; a failure ends the round, and the next seal runs
   // it again (JobStore::CreateJob says why it waits for the seal).
   std::function<absl::Status(const v1::CreateJobRequest& spec, uint64_t step)> before_first_seal ABSL_GUARDED_BY(mu);
+  // This server's own parts of torn steps at or after the job's step, as
+  // (step, life), newest first (checkpoint::OwnTornParts), read once when
+  // the job is made or restored: what CreateJob's answers name as
+  // own_part_step, without reading the directory at each attach (under the
+  // store's lock). Gone at the first seal, which sets them aside.
+  std::vector<std::pair<uint64_t, uint64_t>> own_torn_parts ABSL_GUARDED_BY(mu);
 
   CommitArgs applied ABSL_GUARDED_BY(mu);        // of step `step`
   bool applying ABSL_GUARDED_BY(mu) = false;     // step + 1 is being applied, piece by piece

@@ -89,7 +89,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::Attach(Job& job, const v1::Creat
 }
 
 void JobStore::SetStepFields(const Job& job, uint32_t rank, uint64_t caller_life,
-                             v1::CreateJobResponse* response) const {
+                             v1::CreateJobResponse* response) {
   response->set_step(job.step);
   response->set_incarnation(job.incarnation);
   response->set_push_clock(job.push_clock);
@@ -108,9 +108,13 @@ void JobStore::SetStepFields(const Job& job, uint32_t rank, uint64_t caller_life
                             r.sum != nullptr && (r.sum->finished(rank) || r.sum->folded(rank)));
   // Until the first seal, which sets such a part aside: a trainer whose
   // peers still hold that step completes it there, then comes back for it.
-  if (job.before_first_seal) {
-    if (const auto own = checkpoint::NewestOwnTornStep(options_.checkpoint_dir, job.spec, job.step, caller_life)) {
-      response->set_own_part_step(*own);
+  // Of the caller's life where it names one (then also of the job's own
+  // step: a job made afresh at step 0 over its drained part of 0), else any
+  // newer than the job's step.
+  for (const auto& [t, life] : job.own_torn_parts) {
+    if (caller_life != 0 ? life == caller_life : t > job.step) {
+      response->set_own_part_step(t);
+      break;
     }
   }
 }
@@ -291,6 +295,7 @@ absl::StatusOr<v1::CreateJobResponse> JobStore::CreateJob(const v1::CreateJobReq
                                    const v1::CreateJobRequest& placed, uint64_t step) {
         return checkpoint::SetAsideOwnNewerParts(dir, placed, step, log);
       };
+      job->own_torn_parts = checkpoint::OwnTornParts(options_.checkpoint_dir, job->spec, job->step);
     }
   }
 

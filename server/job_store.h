@@ -256,7 +256,7 @@ class JobStore {
   // applied with, whether the round holds some of `rank`'s push, and this
   // server's own part of a torn step (of the life `caller_life`, the
   // request's incarnation, where that is nonzero).
-  void SetStepFields(const Job& job, uint32_t rank, uint64_t caller_life, v1::CreateJobResponse* response) const
+  static void SetStepFields(const Job& job, uint32_t rank, uint64_t caller_life, v1::CreateJobResponse* response)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(job.mu);
   // Adds one to the job's series of `family`, if the store still holds this
   // job: a checkpoint that ends after its job was dropped would otherwise

@@ -439,6 +439,7 @@ absl::StatusOr<std::optional<v1::PushResponse>> PushSession::Seal(const Wake& wa
         return ready;
       }
       job_->before_first_seal = nullptr;
+      job_->own_torn_parts.clear();  // set aside
     }
     std::vector<ShardGrads> contributions;
     for (uint32_t s = 0; s < job_->shards.size(); ++s) {
