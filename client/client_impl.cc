@@ -59,15 +59,18 @@ absl::Status Client::Impl::Reattach(uint32_t s, const absl::Status& why) const {
   v1::CreateJobResponse resp;
   bool at_next = false;
   SHARDOPT_RETURN_IF_ERROR(CreateAgain(s, &resp, &at_next));
-  const bool kept = resp.restored() || !resp.created();
-  const bool same_life = incarnation[s] == 0 || resp.incarnation() == 0 || resp.incarnation() == incarnation[s];
-  if (kept && !same_life) {
+  // The job restored (or attached by another rank) must be this client's
+  // life too: a server that holds the job of a new run made since (or
+  // restored its checkpoint, whose life is the next one) refuses this
+  // trainer, left running. One that holds no job and has this life
+  // marked dropped restores nothing and answers "was dropped".
+  if (Kept(resp) && !SameLife(s, resp)) {
     return absl::NotFoundError(absl::StrCat("job '", job.name, "' on ", address(s), " is not the one this "
                                             "trainer attached to: the server restarted and holds another life of "
                                             "it, made since (by a new run, or by another trainer's attach while "
                                             "the server had no checkpoint of this one)"));
   }
-  if (kept && (resp.step() == step || (at_next && resp.step() == step + 1))) {
+  if (HoldsOurs(s, resp, at_next)) {
     TakeAttach(s, resp);
     return absl::OkStatus();
   }

@@ -193,8 +193,14 @@ struct Client::Impl {
   // calls again, and the server may hold that step.
   absl::Status CreateAgain(uint32_t s, v1::CreateJobResponse* answer, bool* at_next) const;
   // Whether `resp` from server s holds this client's step in its life (or,
-  // `at_next`, the next one).
+  // `at_next`, the next one): Kept, at that step, and SameLife.
   bool HoldsOurs(uint32_t s, const v1::CreateJobResponse& resp, bool at_next) const;
+  // Whether a CreateJob answer kept a job (restored it, or attached to one
+  // held) rather than making it afresh.
+  static bool Kept(const v1::CreateJobResponse& resp);
+  // Whether it is of the life this client holds of server s (or either
+  // side names none: a server too old to).
+  bool SameLife(uint32_t s, const v1::CreateJobResponse& resp) const;
   // Server s's life, push clock and packing, from an answer that holds
   // this client's step.
   void TakeAttach(uint32_t s, const v1::CreateJobResponse& resp) const;

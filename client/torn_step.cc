@@ -73,9 +73,14 @@ absl::Status Client::Impl::CreateAgain(uint32_t s, v1::CreateJobResponse* answer
   return absl::OkStatus();
 }
 
+bool Client::Impl::Kept(const v1::CreateJobResponse& resp) { return resp.restored() || !resp.created(); }
+
+bool Client::Impl::SameLife(uint32_t s, const v1::CreateJobResponse& resp) const {
+  return incarnation[s] == 0 || resp.incarnation() == 0 || resp.incarnation() == incarnation[s];
+}
+
 bool Client::Impl::HoldsOurs(uint32_t s, const v1::CreateJobResponse& resp, bool at_next) const {
-  return (resp.restored() || !resp.created()) && (resp.step() == step || (at_next && resp.step() == step + 1)) &&
-         (incarnation[s] == 0 || resp.incarnation() == 0 || resp.incarnation() == incarnation[s]);
+  return Kept(resp) && (resp.step() == step || (at_next && resp.step() == step + 1)) && SameLife(s, resp);
 }
 
 void Client::Impl::TakeAttach(uint32_t s, const v1::CreateJobResponse& resp) const {
