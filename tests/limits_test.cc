@@ -926,10 +926,18 @@ TEST(LimitsTest, FlagsOutOfRangeAreUsageErrors) {
   for (const std::string flag : {"--metrics_port=70000", "--metrics_port=-1", "--health_port=65536",
                                  "--threads=100000000", "--threads=-1", "--device=tpu", "--device=cuda:x",
                                  "--device=cuda:-1", "--device=cuda:", "--device=cuda:+1", "--device=cuda: 1",
-                                 "--keepalive_seconds=86401", "--host="}) {
+                                 "--keepalive_seconds=86401"}) {
     std::string log;
     EXPECT_EQ(testing::ServerExitCode({flag}, &log), 2) << flag;
     EXPECT_THAT(log, HasSubstr(flag.substr(0, flag.find('=')))) << flag;
+  }
+  // An empty --host says so: it was refused as plaintext off loopback
+  // (also exit 2, naming --host), or with --insecure failed at the bind.
+  for (const std::vector<std::string>& args :
+       {std::vector<std::string>{"--host="}, std::vector<std::string>{"--host=", "--insecure"}}) {
+    std::string log;
+    EXPECT_EQ(testing::ServerExitCode(args, &log), 2) << args.size();
+    EXPECT_THAT(log, HasSubstr("--host is empty")) << args.size();
   }
 }
 
